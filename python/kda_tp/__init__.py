@@ -1,0 +1,39 @@
+"""kda_tp: split the weights of KDA (Kimi Delta Attention) layers across tensor-parallel ranks.
+
+The shard plan and the slicers are a Rust core; this package adds checkpoint sources, the
+adapter that presents one rank's shard, a pure-Python oracle (``kda_tp.oracle``), a numpy
+reference forward (``kda_tp.reference``) and the ``kda-tp`` command line.
+"""
+
+from . import errors
+from ._native import __version__
+from .equivalence import check_tp_equivalence
+from .errors import (
+    CheckpointError,
+    DtypeMismatchError,
+    KdaTpError,
+    OutputError,
+    PlanError,
+    ShapeMismatchError,
+)
+from .plan import KdaShard, KdaTensorPlan, KdaTpPlan
+from .source import KdaShardedSource, SafetensorsSource, Tensor, shard_bytes
+
+__all__ = [
+    "__version__",
+    "errors",
+    "KdaTpError",
+    "PlanError",
+    "ShapeMismatchError",
+    "DtypeMismatchError",
+    "CheckpointError",
+    "OutputError",
+    "KdaShard",
+    "KdaTensorPlan",
+    "KdaTpPlan",
+    "Tensor",
+    "SafetensorsSource",
+    "KdaShardedSource",
+    "shard_bytes",
+    "check_tp_equivalence",
+]

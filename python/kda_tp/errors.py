@@ -1,0 +1,70 @@
+"""The exception hierarchy of kda_tp.
+
+Every error the package raises on purpose derives from :class:`KdaTpError`, so a loader can catch
+the whole family with one ``except``. Errors caused by a bad value the caller passed (a geometry,
+a buffer, a tensor) also derive from :class:`ValueError`. Messages name the tensor (or file) and
+give the expected and the actual value.
+
+The Rust core raises these same classes (it imports them from this module), so there is one
+definition of each.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "KdaTpError",
+    "PlanError",
+    "ShapeMismatchError",
+    "DtypeMismatchError",
+    "CheckpointError",
+    "OutputError",
+]
+
+
+class KdaTpError(Exception):
+    """Base class of every error raised by kda_tp."""
+
+
+class PlanError(KdaTpError, ValueError):
+    """A refused tensor-parallel geometry.
+
+    Raised by ``KdaTpPlan`` for ``tp_rank >= tp_size``, a zero size, a head count not divisible
+    by ``tp_size``, a local q|k width ``2 * local_heads * head_dim`` that is not a multiple of
+    ``qk_multiple`` (256 by default: the fused conv + L2-norm kernel handles two heads per
+    256-thread block), an unknown tensor or dtype name, or sizes whose byte counts overflow.
+
+    Example message: ``KDA TP requires heads (6) divisible by tp_size (4)``.
+    """
+
+
+class ShapeMismatchError(KdaTpError, ValueError):
+    """A buffer or tensor whose size or shape disagrees with the plan.
+
+    Example message: ``q_proj: buffer is 2046 bytes, the plan's full shape [256, 4] x 2 bytes
+    implies 2048 bytes``.
+    """
+
+
+class DtypeMismatchError(KdaTpError, ValueError):
+    """A KDA tensor whose dtype is not the one the plan expects.
+
+    Example message: ``model.layers.0.self_attn.A_log: dtype I32, expected F32``.
+    """
+
+
+class CheckpointError(KdaTpError):
+    """A checkpoint or config that is missing, corrupt or inconsistent.
+
+    Covers unreadable or malformed safetensors files (header, offsets, length), a broken
+    ``model.safetensors.index.json``, a missing or invalid ``config.json``, and a KDA layer that
+    lacks one of its tensors. Messages name the file and, where there is one, the tensor.
+    """
+
+
+class OutputError(KdaTpError):
+    """An output location that cannot be written safely.
+
+    Raised for a non-empty output directory without ``force``, an output directory inside the
+    input checkpoint, and OS write failures such as a full disk. Nothing half-written is left
+    under a final file name when this is raised.
+    """

@@ -1,0 +1,413 @@
+"""Tensor sources: a safetensors checkpoint, and the adapter that presents one rank's shard of it.
+
+A *source* is anything with ``names() -> list[str]`` and ``get(name) -> record | None``, where a
+record has ``dtype`` (safetensors dtype name, e.g. ``"BF16"``), ``shape`` (tuple) and ``data``
+(the raw little-endian bytes, any buffer-protocol object). :class:`SafetensorsSource` and
+:class:`KdaShardedSource` are sources and return :class:`Tensor` records.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any, Protocol
+
+import ml_dtypes
+import numpy as np
+
+from . import _native
+from .config import load_config, parse_config
+from .errors import CheckpointError, DtypeMismatchError, KdaTpError
+from .plan import KdaShard, KdaTensorPlan, KdaTpPlan
+
+__all__ = ["Tensor", "TensorSource", "SafetensorsSource", "KdaShardedSource", "shard_bytes"]
+
+BACKEND_ENV = "KDA_TP_BACKEND"
+
+_NUMPY_DTYPES: dict[str, Any] = {
+    "BOOL": np.bool_,
+    "U8": np.uint8,
+    "I8": np.int8,
+    "I16": np.int16,
+    "U16": np.uint16,
+    "F16": np.float16,
+    "BF16": ml_dtypes.bfloat16,
+    "I32": np.int32,
+    "U32": np.uint32,
+    "F32": np.float32,
+    "F64": np.float64,
+    "I64": np.int64,
+    "U64": np.uint64,
+    "C64": np.complex64,
+    "F8_E4M3": ml_dtypes.float8_e4m3fn,
+    "F8_E5M2": ml_dtypes.float8_e5m2,
+}
+
+
+def numpy_dtype(dtype: str) -> np.dtype:
+    """The numpy dtype of a safetensors dtype name (BF16 and FP8 through ``ml_dtypes``).
+
+    Raises:
+        DtypeMismatchError: a dtype with no numpy equivalent (packed 4- and 6-bit floats).
+    """
+    try:
+        return np.dtype(_NUMPY_DTYPES[dtype])
+    except KeyError:
+        raise DtypeMismatchError(f"dtype {dtype} has no numpy equivalent") from None
+
+
+class Tensor:
+    """One tensor: safetensors dtype name, shape, and raw bytes.
+
+    Attributes:
+        name: the checkpoint name, e.g. ``model.layers.0.self_attn.q_proj.weight``.
+        dtype: safetensors dtype name, e.g. ``"BF16"``.
+        shape: shape in elements (a tuple); for a shard, the rank's local shape.
+        data: read-only 1-D ``uint8`` numpy array of the raw little-endian bytes, row-major.
+            Row-sliced and replicated tensors view the mapped file directly (no copy).
+    """
+
+    __slots__ = ("name", "dtype", "shape", "data")
+
+    def __init__(self, name: str, dtype: str, shape: tuple[int, ...], data: np.ndarray):
+        self.name = name
+        self.dtype = dtype
+        self.shape = tuple(shape)
+        self.data = data
+
+    @property
+    def nbytes(self) -> int:
+        """Size of the data in bytes."""
+        return self.data.nbytes
+
+    @property
+    def array(self) -> np.ndarray:
+        """A read-only typed view of ``data`` with ``shape`` (BF16 as ``ml_dtypes.bfloat16``).
+
+        No copy is made. Raises DtypeMismatchError for dtypes numpy cannot represent.
+        """
+        return self.data.view(numpy_dtype(self.dtype)).reshape(self.shape)
+
+    def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
+        array = self.array
+        if dtype is not None:
+            return array.astype(dtype)
+        return array.copy() if copy else array
+
+    def __bytes__(self) -> bytes:
+        return self.data.tobytes()
+
+    def to_torch(self) -> Any:
+        """This tensor as a ``torch.Tensor`` sharing the memory (no copy), BF16 included.
+
+        Needs the optional ``torch`` extra. The tensor is read-only memory: do not write to it
+        (torch warns that it cannot mark it read-only); call ``.clone()`` for a writable copy.
+        """
+        import torch  # noqa: PLC0415 - optional dependency
+
+        torch_dtype = getattr(torch, _TORCH_DTYPES.get(self.dtype, ""), None)
+        if torch_dtype is None:
+            raise DtypeMismatchError(f"{self.name}: dtype {self.dtype} has no torch equivalent")
+        raw = torch.frombuffer(memoryview(self.data), dtype=torch.uint8) if self.nbytes else (
+            torch.empty(0, dtype=torch.uint8)
+        )
+        return raw.view(torch_dtype).reshape(self.shape)
+
+    def __repr__(self) -> str:
+        return f"Tensor({self.name!r}, dtype={self.dtype}, shape={self.shape})"
+
+
+_TORCH_DTYPES = {
+    "BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64", "U8": "uint8",
+    "I8": "int8", "I16": "int16", "I32": "int32", "I64": "int64", "BOOL": "bool",
+}
+
+
+class TensorSource(Protocol):
+    """What :class:`KdaShardedSource` needs from the source it wraps."""
+
+    def names(self) -> list[str]: ...
+
+    def get(self, name: str) -> Any: ...
+
+
+def _readonly_bytes(data: Any) -> np.ndarray:
+    array = np.frombuffer(data, dtype=np.uint8)
+    array.flags.writeable = False
+    return array
+
+
+def shard_bytes(tensor_plan: KdaTensorPlan, buffer: Any) -> np.ndarray:
+    """This rank's bytes of one full tensor.
+
+    Args:
+        tensor_plan: the plan entry (``plan["q_proj"]``).
+        buffer: the full tensor's raw bytes, ``tensor_plan.full_bytes`` long; any C-contiguous
+            buffer-protocol object (bytes, bytearray, memoryview, numpy array).
+
+    Returns:
+        A read-only 1-D ``uint8`` array of ``tensor_plan.local_bytes`` bytes. For replicated and
+        row-sliced tensors (one contiguous byte range) it is a view of ``buffer``; for
+        ``CHANNEL_COLS`` (``o_proj``, a strided gather of every row's column range) it is a new
+        array, filled by several threads with the GIL released when large.
+
+    Raises:
+        ShapeMismatchError: ``len(buffer)`` is not ``tensor_plan.full_bytes``.
+    """
+    out = _native.shard_bytes(tensor_plan, _readonly_bytes(buffer))
+    out.flags.writeable = False
+    return out
+
+
+class SafetensorsSource:
+    """A safetensors checkpoint as a tensor source.
+
+    Args:
+        path: a ``.safetensors`` file, or a directory holding ``model.safetensors.index.json``
+            and the files it names (or exactly one ``.safetensors`` file).
+        backend: ``"mmap"`` (the default: tensors view a read-only mapping of the file, no copy)
+            or ``"pread"`` (each ``get`` copies the tensor with positioned reads and nothing is
+            mapped, for network filesystems). Defaults to ``$KDA_TP_BACKEND``, else ``"mmap"``.
+
+    Every file's header is validated when the source opens, and each file's length is checked
+    against its header. With ``"mmap"``, truncating a file while it is open makes later reads of
+    the lost pages kill the process with SIGBUS; use ``"pread"`` where files may change.
+
+    Raises:
+        CheckpointError: a missing, corrupt or inconsistent file or index.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], backend: str | None = None):
+        backend = backend or os.environ.get(BACKEND_ENV) or "mmap"
+        self.path = Path(path)
+        self.backend = backend
+        self._checkpoint = _native.Checkpoint(self.path, backend)
+        self._config: dict[str, Any] | None = None
+
+    @property
+    def root(self) -> Path:
+        """The checkpoint directory (a single file's directory)."""
+        return Path(self._checkpoint.root)
+
+    @property
+    def config(self) -> dict[str, Any] | None:
+        """The parsed ``config.json`` beside the weights, or None when there is none.
+
+        Raises:
+            CheckpointError: ``config.json`` exists but is not a JSON object.
+        """
+        if self._config is None and (self.root / "config.json").is_file():
+            self._config = load_config(self.root)
+        return self._config
+
+    def names(self) -> list[str]:
+        """Every tensor name, file by file in data order."""
+        return self._checkpoint.names()
+
+    def info(self, name: str) -> tuple[str, tuple[int, ...]] | None:
+        """``(dtype, shape)`` of a tensor from the header alone, or None when absent."""
+        found = self._checkpoint.info(name)
+        return None if found is None else (found[0], tuple(found[1]))
+
+    def file_of(self, name: str) -> Path | None:
+        """The file holding ``name``, or None."""
+        found = self._checkpoint.info(name)
+        return None if found is None else Path(found[2])
+
+    def files(self) -> list[tuple[Path, dict[str, str] | None]]:
+        """``(path, __metadata__ or None)`` for every file of the checkpoint."""
+        return [(Path(p), meta) for p, meta, _ in self._checkpoint.files()]
+
+    def mappings(self) -> list[tuple[int, int]]:
+        """Address ranges ``[start, stop)`` of the file mappings (empty for ``"pread"``)."""
+        return [m for _, _, m in self._checkpoint.files() if m is not None]
+
+    def get(self, name: str) -> Tensor | None:
+        """The tensor ``name``, or None when the checkpoint has no such tensor.
+
+        With ``"mmap"`` the data views the mapping: no bytes are copied, and the array keeps the
+        mapping alive after the source is gone. A tensor whose data offset is not aligned for
+        its dtype is copied into aligned memory instead.
+        """
+        found = self._checkpoint.info(name)
+        if found is None:
+            return None
+        dtype, shape, _ = found
+        data = np.asarray(self._checkpoint.read(name))
+        itemsize = max(1, _itemsize(dtype))
+        if data.ctypes.data % itemsize:
+            data = data.copy()
+            data.flags.writeable = False
+        return Tensor(name, dtype, tuple(shape), data)
+
+    def __contains__(self, name: str) -> bool:
+        return self._checkpoint.info(name) is not None
+
+    def __repr__(self) -> str:
+        return f"SafetensorsSource({str(self.path)!r}, backend={self.backend!r})"
+
+
+def _itemsize(dtype: str) -> int:
+    try:
+        return numpy_dtype(dtype).itemsize
+    except DtypeMismatchError:
+        return 1
+
+
+# `model.layers.12.self_attn.q_proj.weight` -> ("12", "q_proj.weight"); any prefix before
+# `layers.` (e.g. `language_model.model.`) is allowed.
+_LAYER_TENSOR = re.compile(r"^(?:.*\.)?layers\.(\d+)\.self_attn\.(.+)$")
+# A_log and dt_bias are bare parameters; every other KDA tensor is a module's `.weight`.
+_BARE = {"A_log", "dt_bias"}
+
+
+def checkpoint_suffix(plan_name: str) -> str:
+    """The name after ``self_attn.`` of a plan tensor: ``q_proj.weight``, but ``A_log``."""
+    return plan_name if plan_name in _BARE else f"{plan_name}.weight"
+
+
+def kda_layer_indices(source: Any, layers: Iterable[int] | None) -> tuple[int, ...]:
+    """0-based KDA layer indices: ``layers`` if given, else the source config's.
+
+    Raises:
+        CheckpointError: neither ``layers`` nor the config says which layers are KDA.
+    """
+    if layers is not None:
+        return tuple(sorted({int(i) for i in layers}))
+    config = getattr(source, "config", None)
+    if config is not None:
+        kda_layers = parse_config(config, str(getattr(source, "root", "config"))).kda_layers
+        if kda_layers is not None:
+            return kda_layers
+    raise CheckpointError(
+        f"{source!r}: the config does not list the KDA layers (linear_attn_config.kda_layers or "
+        "layer_types); pass layers=[...] (0-based)"
+    )
+
+
+class KdaShardedSource:
+    """One tensor-parallel rank's view of a checkpoint.
+
+    For every KDA layer ``i``, ``...layers.{i}.self_attn.<tensor>.weight`` (``A_log`` and
+    ``dt_bias`` without ``.weight``) is returned as this rank's slice with its local shape, in
+    the on-disk rank (conv ``[C, 1, K]`` -> ``[C/T, 1, K]``, ``A_log`` ``[1, 1, H, 1]`` ->
+    ``[1, 1, H/T, 1]``, ``o_proj`` ``[hidden, C]`` -> ``[hidden, C/T]``). Every other name,
+    including full-attention (MLA) layers' ``self_attn.q_proj``/``o_proj``, passes through
+    untouched. At ``tp_size == 1`` it is the identity.
+
+    Args:
+        source: the full checkpoint (any object with ``names()`` and ``get(name)``).
+        plan: this rank's :class:`KdaTpPlan`.
+        layers: 0-based KDA layer indices; default: from ``source.config`` (Kimi-Linear's
+            ``linear_attn_config.kda_layers`` is 1-based and converted).
+
+    Every KDA tensor is checked when the adapter is built, so bad input fails before any
+    data is read or written.
+
+    Raises:
+        CheckpointError: the KDA layers are unknown, a KDA layer lacks one of its tensors or
+            holds a ``self_attn`` tensor the plan does not know (it could not be sharded
+            correctly), or a non-KDA layer holds KDA-only tensors (``A_log``, ``dt_bias``).
+        DtypeMismatchError: a KDA tensor's dtype is not the plan's.
+        ShapeMismatchError: a KDA tensor's shape does not hold the plan's tensor.
+    """
+
+    def __init__(self, source: TensorSource, plan: KdaTpPlan, layers: Iterable[int] | None = None):
+        self.source = source
+        self.plan = plan
+        self.layers = kda_layer_indices(source, layers)
+        wanted = set(self.layers)
+        by_suffix = {checkpoint_suffix(t.name): t for t in plan.tensors}
+        # checkpoint name -> (plan entry, local shape)
+        self._planned: dict[str, tuple[KdaTensorPlan, tuple[int, ...]]] = {}
+        seen: dict[int, set[str]] = {i: set() for i in self.layers}
+        for name in source.names():
+            match = _LAYER_TENSOR.match(name)
+            if match is None:
+                continue
+            layer, suffix = int(match.group(1)), match.group(2)
+            if layer not in wanted:
+                if suffix in _BARE:
+                    raise CheckpointError(
+                        f"{name}: layer {layer} holds a KDA tensor but is not a KDA layer "
+                        f"(KDA layers: {list(self.layers)})"
+                    )
+                continue
+            entry = by_suffix.get(suffix)
+            if entry is None:
+                raise CheckpointError(
+                    f"{name}: KDA layer {layer} holds a self_attn tensor the plan does not know; "
+                    f"it cannot be sharded safely (known: {sorted(by_suffix)})"
+                )
+            self._planned[name] = (entry, self._check(name, entry, source))
+            seen[layer].add(suffix)
+        for layer in self.layers:
+            missing = sorted(set(by_suffix) - seen[layer])
+            if missing:
+                raise CheckpointError(
+                    f"KDA layer {layer} lacks {', '.join(f'self_attn.{m}' for m in missing)}"
+                )
+
+    @staticmethod
+    def _check(name: str, entry: KdaTensorPlan, source: TensorSource) -> tuple[int, ...]:
+        info = getattr(source, "info", None)
+        if info is not None:
+            dtype, shape = info(name)
+        else:
+            record = source.get(name)
+            dtype, shape = record.dtype, tuple(record.shape)
+        if dtype != entry.dtype:
+            raise DtypeMismatchError(f"{name}: dtype {dtype}, expected {entry.dtype}")
+        try:
+            return entry.local_shape(list(shape))
+        except KdaTpError as e:
+            raise type(e)(f"{name}: {e}") from None
+
+    @property
+    def config(self) -> dict[str, Any] | None:
+        """The wrapped source's config (unchanged: it describes the full model)."""
+        return getattr(self.source, "config", None)
+
+    def names(self) -> list[str]:
+        """The wrapped source's names, unchanged."""
+        return self.source.names()
+
+    def is_sharded(self, name: str) -> bool:
+        """Whether ``name`` is a KDA tensor this adapter slices (or would, at ``tp_size > 1``)."""
+        return name in self._planned
+
+    def info(self, name: str) -> tuple[str, tuple[int, ...]] | None:
+        """``(dtype, local shape)`` without reading data, or None when absent."""
+        planned = self._planned.get(name)
+        if planned is not None:
+            return planned[0].dtype, planned[1]
+        info = getattr(self.source, "info", None)
+        if info is not None:
+            return info(name)
+        record = self.source.get(name)
+        return None if record is None else (record.dtype, tuple(record.shape))
+
+    def get(self, name: str) -> Tensor | None:
+        """This rank's tensor ``name``: a local slice for KDA tensors, else the source's record.
+
+        Row-sliced and replicated tensors are views of the source's bytes (no copy);
+        ``o_proj`` is gathered into a new array.
+        """
+        planned = self._planned.get(name)
+        record = self.source.get(name)
+        if planned is None or record is None:
+            return record
+        entry, local_shape = planned
+        data = shard_bytes(entry, record.data)
+        return Tensor(name, record.dtype, local_shape, data)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.names()
+
+    def __repr__(self) -> str:
+        return (
+            f"KdaShardedSource({self.source!r}, tp_rank={self.plan.tp_rank}, "
+            f"tp_size={self.plan.tp_size}, layers={list(self.layers)})"
+        )

@@ -1,0 +1,21 @@
+//! `kda_tp`: tensor-parallel sharding of KDA (Kimi Delta Attention) weights.
+//!
+//! * [`plan`]: which part of each KDA tensor a rank keeps (pure arithmetic).
+//! * [`slice`]: applying a plan entry to a tensor's bytes (contiguous row ranges, strided
+//!   column gather).
+//! * [`checkpoint`]: validated safetensors files and sharded checkpoint directories.
+//! * [`error`]: the one error type.
+//!
+//! The Python bindings (`kda_tp._native`) live behind the `python` cargo feature, so
+//! `cargo test` builds and tests the core without Python.
+
+pub mod checkpoint;
+pub mod error;
+pub mod plan;
+pub mod slice;
+
+#[cfg(feature = "python")]
+mod py;
+
+pub use error::{Error, Result};
+pub use plan::{KdaShard, KdaTensorPlan, KdaTpPlan, PlanOptions};

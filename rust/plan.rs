@@ -1,0 +1,410 @@
+//! The per-rank shard plan of one KDA (Kimi Delta Attention) block: pure data, no I/O.
+//!
+//! Each rank owns a contiguous head range `[r·H/T, (r+1)·H/T)`. Per tensor:
+//!
+//! * `q/k/v_proj`, `q/k/v_conv1d`, `f_b_proj`, `g_b_proj`, `dt_bias`: column-parallel, sliced by
+//!   output channel (`c = h·head_dim + d`), i.e. rows of the on-disk `[out, in]` tensor.
+//! * `b_proj`, `A_log`: one entry per head, sliced by head.
+//! * `f_a_proj`, `g_a_proj` (low-rank down-projections `[gate_rank, hidden]`) and `o_norm`
+//!   (`[head_dim]`, shared by every head): replicated.
+//! * `o_proj` `[hidden, heads·head_dim]`: row-parallel, sliced on its input (last) dimension; each
+//!   rank's output is a partial sum until the all-reduce after it.
+//!
+//! This is the plan vLLM, SGLang, Megatron-Bridge and TensorRT-LLM use for Kimi-Linear.
+
+use safetensors::Dtype;
+
+use crate::error::{Error, Result};
+
+/// How one KDA tensor maps onto tensor-parallel ranks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum KdaShard {
+    /// Every rank holds the whole tensor.
+    Replicated,
+    /// Leading dimension is `heads`: each rank keeps its head range.
+    HeadRows,
+    /// Leading dimension is `heads · head_dim`: each rank keeps its channel range.
+    ChannelRows,
+    /// Trailing (input) dimension is `heads · head_dim`: a row-parallel GEMM weight; each rank
+    /// keeps every row's channel range and its output is all-reduced.
+    ChannelCols,
+}
+
+/// Plan names of the tensors of one KDA block, in the order of [`KdaTpPlan::tensors`].
+pub const TENSOR_NAMES: [&str; 15] = [
+    "q_proj", "k_proj", "v_proj", "q_conv1d", "k_conv1d", "v_conv1d", "f_a_proj", "f_b_proj",
+    "g_a_proj", "g_b_proj", "b_proj", "A_log", "dt_bias", "o_norm", "o_proj",
+];
+
+/// One tensor's placement, in a flat `[rows, row_elems]` view of the on-disk tensor.
+///
+/// All counts are elements except where a name says bytes. For [`KdaShard::ChannelCols`] the
+/// sharded axis is `row_elems`; for the row kinds it is `rows`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KdaTensorPlan {
+    /// Plan name, e.g. `q_proj` (the checkpoint name without layer prefix and `.weight`).
+    pub name: &'static str,
+    /// How the tensor is sharded.
+    pub kind: KdaShard,
+    /// On-disk dtype.
+    pub dtype: Dtype,
+    /// Bytes per element.
+    pub elem_bytes: usize,
+    /// Rows of the full (on-disk) tensor.
+    pub full_rows: usize,
+    /// Elements per row of the full tensor.
+    pub full_row_elems: usize,
+    /// Rows this rank keeps.
+    pub local_rows: usize,
+    /// Elements per row this rank keeps (differs from full only for `ChannelCols`).
+    pub local_row_elems: usize,
+    /// First row of this rank's slice. 0 for `Replicated` and `ChannelCols`.
+    pub src_row_offset: usize,
+    /// First element of this rank's column slice. 0 except for `ChannelCols`.
+    pub src_col_offset: usize,
+    /// The full tensor's shape as Kimi-Linear stores it: conv weights `[C, 1, K]`, `A_log`
+    /// `[1, 1, H, 1]`, `dt_bias` `[C]`, `o_norm` `[head_dim]`.
+    pub disk_shape: Vec<usize>,
+}
+
+impl KdaTensorPlan {
+    /// Bytes this rank stores for this tensor.
+    pub fn local_bytes(&self) -> usize {
+        self.local_rows * self.local_row_elems * self.elem_bytes
+    }
+
+    /// Bytes the full tensor occupies on disk.
+    pub fn full_bytes(&self) -> usize {
+        self.full_rows * self.full_row_elems * self.elem_bytes
+    }
+
+    /// Bytes of one full row.
+    pub fn row_bytes(&self) -> usize {
+        self.full_row_elems * self.elem_bytes
+    }
+
+    /// The on-disk axis this plan shards in a tensor of shape `disk_shape`, or `None` when the
+    /// tensor is replicated.
+    ///
+    /// The shape may have any rank that flattens to `[full_rows, full_row_elems]`: for the row
+    /// kinds the sharded axis is the first one whose extent is `full_rows` with only unit axes
+    /// before it (`[1, 1, H, 1]` → 2, `[H]` → 0, `[C, 1, K]` → 0); for `ChannelCols` it is the
+    /// last axis.
+    ///
+    /// # Errors
+    /// [`Error::Shape`] when `disk_shape` does not hold exactly this tensor.
+    pub fn sharded_axis(&self, disk_shape: &[usize]) -> Result<Option<usize>> {
+        let mismatch = || Error::Shape {
+            tensor: self.name.to_string(),
+            actual: disk_shape.to_vec(),
+            expected: format!(
+                "{} elements as [{}, {}] (e.g. {:?})",
+                self.full_rows * self.full_row_elems,
+                self.full_rows,
+                self.full_row_elems,
+                self.disk_shape
+            ),
+        };
+        let numel = disk_shape
+            .iter()
+            .try_fold(1usize, |acc, &d| acc.checked_mul(d))
+            .ok_or_else(mismatch)?;
+        if numel != self.full_rows * self.full_row_elems {
+            return Err(mismatch());
+        }
+        match self.kind {
+            KdaShard::Replicated => Ok(None),
+            KdaShard::HeadRows | KdaShard::ChannelRows => {
+                let lead = disk_shape.iter().take_while(|&&d| d == 1).count();
+                let axis = if self.full_rows == 1 { 0 } else { lead };
+                match disk_shape.get(axis) {
+                    Some(&d) if d == self.full_rows => Ok(Some(axis)),
+                    _ => Err(mismatch()),
+                }
+            }
+            KdaShard::ChannelCols => match disk_shape.last() {
+                Some(&d) if d == self.full_row_elems => Ok(Some(disk_shape.len() - 1)),
+                _ => Err(mismatch()),
+            },
+        }
+    }
+
+    /// This rank's shape of a tensor stored as `disk_shape`: the same rank, with the sharded
+    /// axis (see [`Self::sharded_axis`]) reduced to the local extent.
+    ///
+    /// # Errors
+    /// [`Error::Shape`] when `disk_shape` does not hold exactly this tensor.
+    pub fn local_shape(&self, disk_shape: &[usize]) -> Result<Vec<usize>> {
+        let mut shape = disk_shape.to_vec();
+        if let Some(axis) = self.sharded_axis(disk_shape)? {
+            shape[axis] = match self.kind {
+                KdaShard::ChannelCols => self.local_row_elems,
+                _ => self.local_rows,
+            };
+        }
+        Ok(shape)
+    }
+}
+
+/// Settings beyond the geometry, for callers whose kernels or checkpoints differ from the
+/// defaults.
+#[derive(Debug, Clone)]
+pub struct PlanOptions {
+    /// The local q|k width `2 · local_heads · head_dim` must be a multiple of this. 256 by
+    /// default (GLM-5.3's fused `causal_conv1d_update_l2norm` handles 2 heads per 256-thread
+    /// block); 1 switches the rule off.
+    pub qk_multiple: usize,
+    /// Dtype overrides by plan name. The default is BF16, with F32 for `A_log` and `dt_bias`.
+    pub dtypes: Vec<(String, Dtype)>,
+}
+
+impl Default for PlanOptions {
+    fn default() -> Self {
+        Self {
+            qk_multiple: 256,
+            dtypes: Vec::new(),
+        }
+    }
+}
+
+/// The per-rank shard plan for one KDA block.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KdaTpPlan {
+    /// This rank, `0 <= tp_rank < tp_size`.
+    pub tp_rank: usize,
+    /// Tensor-parallel world size.
+    pub tp_size: usize,
+    /// Hidden size of the model.
+    pub hidden: usize,
+    /// Elements per head (key and value heads alike).
+    pub head_dim: usize,
+    /// Head count before sharding (all ranks together).
+    pub full_heads: usize,
+    /// Heads this rank owns, `full_heads / tp_size`.
+    pub local_heads: usize,
+    /// Short-convolution kernel width.
+    pub conv_kernel: usize,
+    /// Low-rank width of the `f`/`g` gate bottleneck (`f_a_proj` rows).
+    pub gate_rank: usize,
+    /// The multiple the local q|k width must meet (see [`PlanOptions::qk_multiple`]).
+    pub qk_multiple: usize,
+    /// Every tensor of the block, in [`TENSOR_NAMES`] order.
+    pub tensors: Vec<KdaTensorPlan>,
+}
+
+impl KdaTpPlan {
+    /// The plan with default options (256-channel rule, BF16 weights, F32 `A_log`/`dt_bias`).
+    ///
+    /// # Errors
+    /// See [`Self::with_options`].
+    pub fn new(
+        tp_rank: usize,
+        tp_size: usize,
+        hidden: usize,
+        head_dim: usize,
+        full_heads: usize,
+        conv_kernel: usize,
+        gate_rank: usize,
+    ) -> Result<Self> {
+        Self::with_options(
+            tp_rank,
+            tp_size,
+            hidden,
+            head_dim,
+            full_heads,
+            conv_kernel,
+            gate_rank,
+            &PlanOptions::default(),
+        )
+    }
+
+    /// The plan for rank `tp_rank` of `tp_size`.
+    ///
+    /// # Errors
+    /// [`Error::RankOutOfRange`] for `tp_rank >= tp_size`; [`Error::ZeroSize`] for any zero
+    /// size; [`Error::HeadsNotDivisible`]; [`Error::QkWidth`] when `2 · local_heads · head_dim`
+    /// is not a multiple of `qk_multiple`; [`Error::UnknownTensor`] / [`Error::UnsupportedDtype`]
+    /// for a bad dtype override; [`Error::Overflow`] when a byte size exceeds `isize::MAX`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn with_options(
+        tp_rank: usize,
+        tp_size: usize,
+        hidden: usize,
+        head_dim: usize,
+        full_heads: usize,
+        conv_kernel: usize,
+        gate_rank: usize,
+        options: &PlanOptions,
+    ) -> Result<Self> {
+        if tp_rank >= tp_size {
+            return Err(Error::RankOutOfRange { tp_rank, tp_size });
+        }
+        for (field, value) in [
+            ("hidden", hidden),
+            ("head_dim", head_dim),
+            ("full_heads", full_heads),
+            ("conv_kernel", conv_kernel),
+            ("gate_rank", gate_rank),
+            ("qk_multiple", options.qk_multiple),
+        ] {
+            if value == 0 {
+                return Err(Error::ZeroSize { field });
+            }
+        }
+        if full_heads % tp_size != 0 {
+            return Err(Error::HeadsNotDivisible {
+                heads: full_heads,
+                tp_size,
+            });
+        }
+        let local_heads = full_heads / tp_size;
+        let overflow = |tensor: &str| Error::Overflow {
+            tensor: tensor.to_string(),
+        };
+        let channels = local_heads
+            .checked_mul(head_dim)
+            .and_then(|c| c.checked_mul(2))
+            .ok_or_else(|| overflow("q|k width"))?;
+        if channels % options.qk_multiple != 0 {
+            return Err(Error::QkWidth {
+                channels,
+                multiple: options.qk_multiple,
+                local_heads,
+                head_dim,
+            });
+        }
+        let dtype_of = dtype_table(&options.dtypes)?;
+
+        // Cannot overflow: `channels` above is twice this.
+        let local_ch = local_heads * head_dim;
+        let full_ch = full_heads
+            .checked_mul(head_dim)
+            .ok_or_else(|| overflow("q_proj"))?;
+        let ch_off = tp_rank * local_ch;
+        let head_off = tp_rank * local_heads;
+
+        use KdaShard::{ChannelCols, ChannelRows, HeadRows, Replicated};
+        let layout: [(&'static str, KdaShard, usize, usize, Vec<usize>); 15] = [
+            ("q_proj", ChannelRows, full_ch, hidden, vec![full_ch, hidden]),
+            ("k_proj", ChannelRows, full_ch, hidden, vec![full_ch, hidden]),
+            ("v_proj", ChannelRows, full_ch, hidden, vec![full_ch, hidden]),
+            ("q_conv1d", ChannelRows, full_ch, conv_kernel, vec![full_ch, 1, conv_kernel]),
+            ("k_conv1d", ChannelRows, full_ch, conv_kernel, vec![full_ch, 1, conv_kernel]),
+            ("v_conv1d", ChannelRows, full_ch, conv_kernel, vec![full_ch, 1, conv_kernel]),
+            ("f_a_proj", Replicated, gate_rank, hidden, vec![gate_rank, hidden]),
+            ("f_b_proj", ChannelRows, full_ch, gate_rank, vec![full_ch, gate_rank]),
+            ("g_a_proj", Replicated, gate_rank, hidden, vec![gate_rank, hidden]),
+            ("g_b_proj", ChannelRows, full_ch, gate_rank, vec![full_ch, gate_rank]),
+            ("b_proj", HeadRows, full_heads, hidden, vec![full_heads, hidden]),
+            ("A_log", HeadRows, full_heads, 1, vec![1, 1, full_heads, 1]),
+            ("dt_bias", ChannelRows, full_ch, 1, vec![full_ch]),
+            ("o_norm", Replicated, head_dim, 1, vec![head_dim]),
+            ("o_proj", ChannelCols, hidden, full_ch, vec![hidden, full_ch]),
+        ];
+
+        let mut tensors = Vec::with_capacity(layout.len());
+        let mut block_bytes: usize = 0;
+        for (name, kind, full_rows, full_row_elems, disk_shape) in layout {
+            let dtype = dtype_of(name);
+            let elem_bytes = dtype.bitsize() / 8;
+            let full_bytes = full_rows
+                .checked_mul(full_row_elems)
+                .and_then(|n| n.checked_mul(elem_bytes))
+                .filter(|&n| isize::try_from(n).is_ok())
+                .ok_or_else(|| overflow(name))?;
+            block_bytes = block_bytes
+                .checked_add(full_bytes)
+                .filter(|&n| isize::try_from(n).is_ok())
+                .ok_or_else(|| overflow("KDA block"))?;
+            let (local_rows, local_row_elems, src_row_offset, src_col_offset) = match kind {
+                Replicated => (full_rows, full_row_elems, 0, 0),
+                HeadRows => (local_heads, full_row_elems, head_off, 0),
+                ChannelRows => (local_ch, full_row_elems, ch_off, 0),
+                ChannelCols => (full_rows, local_ch, 0, ch_off),
+            };
+            tensors.push(KdaTensorPlan {
+                name,
+                kind,
+                dtype,
+                elem_bytes,
+                full_rows,
+                full_row_elems,
+                local_rows,
+                local_row_elems,
+                src_row_offset,
+                src_col_offset,
+                disk_shape,
+            });
+        }
+
+        Ok(Self {
+            tp_rank,
+            tp_size,
+            hidden,
+            head_dim,
+            full_heads,
+            local_heads,
+            conv_kernel,
+            gate_rank,
+            qk_multiple: options.qk_multiple,
+            tensors,
+        })
+    }
+
+    /// The plan entry for a plan name such as `q_proj` or `A_log`.
+    pub fn get(&self, name: &str) -> Option<&KdaTensorPlan> {
+        self.tensors.iter().find(|t| t.name == name)
+    }
+
+    /// Bytes this rank stores for one KDA block.
+    pub fn local_bytes(&self) -> usize {
+        self.tensors.iter().map(KdaTensorPlan::local_bytes).sum()
+    }
+
+    /// Bytes one KDA block occupies on disk.
+    pub fn full_bytes(&self) -> usize {
+        self.tensors.iter().map(KdaTensorPlan::full_bytes).sum()
+    }
+
+    /// Whether the layer must all-reduce (sum) its output after `o_proj`: false at
+    /// `tp_size == 1`, where the row-parallel slice is the whole tensor.
+    pub fn needs_output_all_reduce(&self) -> bool {
+        self.tp_size > 1
+    }
+}
+
+/// Resolves dtype overrides into a lookup by plan name, refusing unknown names and
+/// non-floating dtypes.
+fn dtype_table(overrides: &[(String, Dtype)]) -> Result<impl Fn(&str) -> Dtype + '_> {
+    for (name, dtype) in overrides {
+        if !TENSOR_NAMES.contains(&name.as_str()) {
+            return Err(Error::UnknownTensor {
+                name: name.clone(),
+                known: TENSOR_NAMES.join(", "),
+            });
+        }
+        if !matches!(dtype, Dtype::BF16 | Dtype::F16 | Dtype::F32 | Dtype::F64) {
+            return Err(Error::UnsupportedDtype {
+                tensor: name.clone(),
+                dtype: dtype.to_string(),
+            });
+        }
+    }
+    Ok(move |name: &str| {
+        overrides
+            .iter()
+            .rev()
+            .find(|(n, _)| n == name)
+            .map_or(
+                if matches!(name, "A_log" | "dt_bias") {
+                    Dtype::F32
+                } else {
+                    Dtype::BF16
+                },
+                |(_, d)| *d,
+            )
+    })
+}
+
+#[cfg(test)]
+mod tests;

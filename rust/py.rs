@@ -1,0 +1,418 @@
+//! The PyO3 binding layer (`kda_tp._native`): type and error conversion only; the logic lives in
+//! the core modules. The Python package re-exports these names and documents them.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+
+use numpy::{PyArray1, PyArrayMethods, PyReadonlyArray1};
+use pyo3::exceptions::{PyKeyError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PySlice, PyTuple};
+use safetensors::Dtype;
+
+use crate::checkpoint::{Backend, Checkpoint, TensorData};
+use crate::error::Error;
+use crate::plan::{KdaShard, KdaTensorPlan, KdaTpPlan, PlanOptions};
+use crate::slice;
+
+pyo3::import_exception!(kda_tp.errors, PlanError);
+pyo3::import_exception!(kda_tp.errors, ShapeMismatchError);
+pyo3::import_exception!(kda_tp.errors, DtypeMismatchError);
+pyo3::import_exception!(kda_tp.errors, CheckpointError);
+
+impl From<Error> for PyErr {
+    fn from(err: Error) -> PyErr {
+        let message = err.to_string();
+        match err {
+            Error::RankOutOfRange { .. }
+            | Error::ZeroSize { .. }
+            | Error::HeadsNotDivisible { .. }
+            | Error::QkWidth { .. }
+            | Error::Overflow { .. }
+            | Error::UnknownTensor { .. }
+            | Error::UnsupportedDtype { .. } => PlanError::new_err(message),
+            Error::DtypeMismatch { .. } => DtypeMismatchError::new_err(message),
+            Error::BufferSize { .. } | Error::Shape { .. } => ShapeMismatchError::new_err(message),
+            Error::Io { .. }
+            | Error::Safetensors { .. }
+            | Error::Checkpoint { .. }
+            | Error::TensorNotFound { .. } => CheckpointError::new_err(message),
+        }
+    }
+}
+
+/// How one KDA tensor maps onto tensor-parallel ranks.
+#[pyclass(eq, eq_int, frozen, hash, name = "KdaShard", module = "kda_tp")]
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+enum PyKdaShard {
+    #[pyo3(name = "REPLICATED")]
+    Replicated,
+    #[pyo3(name = "HEAD_ROWS")]
+    HeadRows,
+    #[pyo3(name = "CHANNEL_ROWS")]
+    ChannelRows,
+    #[pyo3(name = "CHANNEL_COLS")]
+    ChannelCols,
+}
+
+#[pymethods]
+impl PyKdaShard {
+    /// The member's name, e.g. ``"CHANNEL_COLS"``.
+    #[getter]
+    fn name(&self) -> &'static str {
+        match self {
+            Self::Replicated => "REPLICATED",
+            Self::HeadRows => "HEAD_ROWS",
+            Self::ChannelRows => "CHANNEL_ROWS",
+            Self::ChannelCols => "CHANNEL_COLS",
+        }
+    }
+}
+
+impl From<KdaShard> for PyKdaShard {
+    fn from(kind: KdaShard) -> Self {
+        match kind {
+            KdaShard::Replicated => Self::Replicated,
+            KdaShard::HeadRows => Self::HeadRows,
+            KdaShard::ChannelRows => Self::ChannelRows,
+            KdaShard::ChannelCols => Self::ChannelCols,
+        }
+    }
+}
+
+/// One tensor's placement (see the Rust `KdaTensorPlan`).
+#[pyclass(frozen, eq, name = "KdaTensorPlan", module = "kda_tp")]
+#[derive(PartialEq)]
+struct PyTensorPlan(KdaTensorPlan);
+
+#[pymethods]
+impl PyTensorPlan {
+    #[getter]
+    fn name(&self) -> &'static str {
+        self.0.name
+    }
+    #[getter]
+    fn kind(&self) -> PyKdaShard {
+        self.0.kind.into()
+    }
+    #[getter]
+    fn dtype(&self) -> String {
+        self.0.dtype.to_string()
+    }
+    #[getter]
+    fn elem_bytes(&self) -> usize {
+        self.0.elem_bytes
+    }
+    #[getter]
+    fn full_rows(&self) -> usize {
+        self.0.full_rows
+    }
+    #[getter]
+    fn full_row_elems(&self) -> usize {
+        self.0.full_row_elems
+    }
+    #[getter]
+    fn local_rows(&self) -> usize {
+        self.0.local_rows
+    }
+    #[getter]
+    fn local_row_elems(&self) -> usize {
+        self.0.local_row_elems
+    }
+    #[getter]
+    fn src_row_offset(&self) -> usize {
+        self.0.src_row_offset
+    }
+    #[getter]
+    fn src_col_offset(&self) -> usize {
+        self.0.src_col_offset
+    }
+    #[getter]
+    fn local_bytes(&self) -> usize {
+        self.0.local_bytes()
+    }
+    #[getter]
+    fn full_bytes(&self) -> usize {
+        self.0.full_bytes()
+    }
+    #[getter]
+    fn disk_shape<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyTuple>> {
+        PyTuple::new(py, &self.0.disk_shape)
+    }
+    #[getter]
+    fn byte_range(&self) -> Option<(usize, usize)> {
+        slice::row_byte_range(&self.0).map(|r| (r.start, r.end))
+    }
+    fn sharded_axis(&self, disk_shape: Vec<usize>) -> PyResult<Option<usize>> {
+        Ok(self.0.sharded_axis(&disk_shape)?)
+    }
+    fn local_shape<'py>(
+        &self,
+        py: Python<'py>,
+        disk_shape: Vec<usize>,
+    ) -> PyResult<Bound<'py, PyTuple>> {
+        PyTuple::new(py, self.0.local_shape(&disk_shape)?)
+    }
+    fn __repr__(&self) -> String {
+        let t = &self.0;
+        format!(
+            "KdaTensorPlan(name={:?}, kind={}, dtype={}, full=[{}, {}], local=[{}, {}], \
+             src_row_offset={}, src_col_offset={})",
+            t.name,
+            PyKdaShard::from(t.kind).name(),
+            t.dtype,
+            t.full_rows,
+            t.full_row_elems,
+            t.local_rows,
+            t.local_row_elems,
+            t.src_row_offset,
+            t.src_col_offset
+        )
+    }
+}
+
+/// A non-negative integer argument; anything else is a `PlanError` naming the field.
+fn size_arg(value: &Bound<'_, PyAny>, field: &str) -> PyResult<usize> {
+    value.extract::<usize>().map_err(|_| {
+        PlanError::new_err(format!(
+            "{field} must be a non-negative integer that fits in 64 bits, got {}",
+            value.repr().map_or_else(|_| "?".into(), |r| r.to_string())
+        ))
+    })
+}
+
+fn parse_dtype(tensor: &str, dtype: &str) -> PyResult<Dtype> {
+    serde_json::from_value(serde_json::Value::String(dtype.to_string())).map_err(|_| {
+        PlanError::new_err(format!(
+            "{tensor}: unknown dtype {dtype:?} (expected a safetensors dtype such as \"BF16\")"
+        ))
+    })
+}
+
+/// The per-rank shard plan for one KDA block (see the Rust `KdaTpPlan`).
+#[pyclass(frozen, subclass, name = "KdaTpPlan", module = "kda_tp")]
+struct PyPlan(KdaTpPlan);
+
+#[pymethods]
+impl PyPlan {
+    #[new]
+    #[pyo3(signature = (tp_rank, tp_size, hidden, head_dim, full_heads, conv_kernel, gate_rank, *, qk_multiple=None, dtypes=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        tp_rank: &Bound<'_, PyAny>,
+        tp_size: &Bound<'_, PyAny>,
+        hidden: &Bound<'_, PyAny>,
+        head_dim: &Bound<'_, PyAny>,
+        full_heads: &Bound<'_, PyAny>,
+        conv_kernel: &Bound<'_, PyAny>,
+        gate_rank: &Bound<'_, PyAny>,
+        qk_multiple: Option<&Bound<'_, PyAny>>,
+        dtypes: Option<HashMap<String, String>>,
+    ) -> PyResult<Self> {
+        let mut options = PlanOptions::default();
+        if let Some(multiple) = qk_multiple {
+            options.qk_multiple = size_arg(multiple, "qk_multiple")?;
+        }
+        for (tensor, dtype) in dtypes.unwrap_or_default() {
+            let parsed = parse_dtype(&tensor, &dtype)?;
+            options.dtypes.push((tensor, parsed));
+        }
+        Ok(Self(KdaTpPlan::with_options(
+            size_arg(tp_rank, "tp_rank")?,
+            size_arg(tp_size, "tp_size")?,
+            size_arg(hidden, "hidden")?,
+            size_arg(head_dim, "head_dim")?,
+            size_arg(full_heads, "full_heads")?,
+            size_arg(conv_kernel, "conv_kernel")?,
+            size_arg(gate_rank, "gate_rank")?,
+            &options,
+        )?))
+    }
+    #[getter]
+    fn tp_rank(&self) -> usize {
+        self.0.tp_rank
+    }
+    #[getter]
+    fn tp_size(&self) -> usize {
+        self.0.tp_size
+    }
+    #[getter]
+    fn hidden(&self) -> usize {
+        self.0.hidden
+    }
+    #[getter]
+    fn head_dim(&self) -> usize {
+        self.0.head_dim
+    }
+    #[getter]
+    fn full_heads(&self) -> usize {
+        self.0.full_heads
+    }
+    #[getter]
+    fn local_heads(&self) -> usize {
+        self.0.local_heads
+    }
+    #[getter]
+    fn conv_kernel(&self) -> usize {
+        self.0.conv_kernel
+    }
+    #[getter]
+    fn gate_rank(&self) -> usize {
+        self.0.gate_rank
+    }
+    #[getter]
+    fn qk_multiple(&self) -> usize {
+        self.0.qk_multiple
+    }
+    #[getter]
+    fn tensors(&self) -> Vec<PyTensorPlan> {
+        self.0.tensors.iter().cloned().map(PyTensorPlan).collect()
+    }
+    #[getter]
+    fn local_bytes(&self) -> usize {
+        self.0.local_bytes()
+    }
+    #[getter]
+    fn full_bytes(&self) -> usize {
+        self.0.full_bytes()
+    }
+    #[getter]
+    fn needs_output_all_reduce(&self) -> bool {
+        self.0.needs_output_all_reduce()
+    }
+    fn get(&self, name: &str) -> Option<PyTensorPlan> {
+        self.0.get(name).cloned().map(PyTensorPlan)
+    }
+    fn __getitem__(&self, name: &str) -> PyResult<PyTensorPlan> {
+        self.get(name)
+            .ok_or_else(|| PyKeyError::new_err(name.to_string()))
+    }
+    fn __contains__(&self, name: &str) -> bool {
+        self.0.get(name).is_some()
+    }
+    fn __eq__(&self, other: &Bound<'_, PyAny>) -> bool {
+        other
+            .cast::<PyPlan>()
+            .is_ok_and(|o| o.get().0 == self.0)
+    }
+    fn __repr__(&self) -> String {
+        let p = &self.0;
+        format!(
+            "KdaTpPlan(tp_rank={}, tp_size={}, hidden={}, head_dim={}, full_heads={}, \
+             conv_kernel={}, gate_rank={}, qk_multiple={})",
+            p.tp_rank, p.tp_size, p.hidden, p.head_dim, p.full_heads, p.conv_kernel,
+            p.gate_rank, p.qk_multiple
+        )
+    }
+}
+
+/// This rank's bytes of one full tensor held in a 1-D uint8 array (see `kda_tp.shard_bytes`).
+#[pyfunction]
+fn shard_bytes<'py>(
+    py: Python<'py>,
+    plan: &PyTensorPlan,
+    full: PyReadonlyArray1<'py, u8>,
+) -> PyResult<Bound<'py, PyAny>> {
+    let src = full
+        .as_slice()
+        .map_err(|_| PyValueError::new_err("the buffer must be C-contiguous"))?;
+    slice::check_full_len(&plan.0, src.len())?;
+    if let Some(range) = slice::row_byte_range(&plan.0) {
+        let view = PySlice::new(py, range.start as isize, range.end as isize, 1);
+        return full.as_any().get_item(view);
+    }
+    let out = PyArray1::<u8>::zeros(py, plan.0.local_bytes(), false);
+    // SAFETY: `out` was just created here and no other reference to its data exists.
+    let dst = unsafe { out.as_slice_mut() }
+        .map_err(|_| PyValueError::new_err("fresh output array is not contiguous"))?;
+    py.detach(|| slice::gather_cols(&plan.0, src, dst))?;
+    Ok(out.into_any())
+}
+
+/// The raw bytes of one tensor, exposed to numpy through ``__array_interface__`` without a copy.
+/// The object keeps the file mapping alive for as long as any array views it.
+#[pyclass(frozen, name = "TensorBytes", module = "kda_tp._native")]
+struct PyTensorBytes(TensorData);
+
+#[pymethods]
+impl PyTensorBytes {
+    #[getter]
+    fn __array_interface__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let bytes = self.0.as_slice();
+        let dict = PyDict::new(py);
+        dict.set_item("shape", (bytes.len(),))?;
+        dict.set_item("typestr", "|u1")?;
+        dict.set_item("data", (bytes.as_ptr() as usize, true))?;
+        dict.set_item("version", 3)?;
+        Ok(dict)
+    }
+    fn __len__(&self) -> usize {
+        self.0.as_slice().len()
+    }
+}
+
+/// A validated safetensors checkpoint (file or directory); see `kda_tp.SafetensorsSource`.
+#[pyclass(frozen, name = "Checkpoint", module = "kda_tp._native")]
+struct PyCheckpoint(Checkpoint);
+
+#[pymethods]
+impl PyCheckpoint {
+    #[new]
+    #[pyo3(signature = (path, backend="mmap"))]
+    fn new(py: Python<'_>, path: PathBuf, backend: &str) -> PyResult<Self> {
+        let backend = match backend {
+            "mmap" => Backend::Mmap,
+            "pread" => Backend::Pread,
+            other => {
+                return Err(PyValueError::new_err(format!(
+                    "backend must be \"mmap\" or \"pread\", got {other:?}"
+                )))
+            }
+        };
+        Ok(Self(py.detach(|| Checkpoint::open(&path, backend))?))
+    }
+    #[getter]
+    fn root(&self) -> PathBuf {
+        self.0.root().to_path_buf()
+    }
+    fn names(&self) -> Vec<String> {
+        self.0.names()
+    }
+    /// ``(dtype, shape, file_path)`` of a tensor, or None.
+    fn info(&self, name: &str) -> Option<(String, Vec<usize>, PathBuf)> {
+        self.0.locate(name).map(|(file, info)| {
+            (info.dtype.to_string(), info.shape.clone(), file.path().to_path_buf())
+        })
+    }
+    fn read(&self, py: Python<'_>, name: &str) -> PyResult<PyTensorBytes> {
+        Ok(PyTensorBytes(py.detach(|| self.0.read(name))?))
+    }
+    /// ``[(file_path, user_metadata or None, mapping (start, stop) or None)]`` per file.
+    #[allow(clippy::type_complexity)]
+    fn files(&self) -> Vec<(PathBuf, Option<HashMap<String, String>>, Option<(usize, usize)>)> {
+        self.0
+            .files()
+            .iter()
+            .map(|f| {
+                (
+                    f.path().to_path_buf(),
+                    f.user_metadata().cloned(),
+                    f.mapping().map(|r| (r.start, r.end)),
+                )
+            })
+            .collect()
+    }
+}
+
+#[pymodule(gil_used = false)]
+#[pyo3(name = "_native")]
+fn native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add_class::<PyKdaShard>()?;
+    m.add_class::<PyTensorPlan>()?;
+    m.add_class::<PyPlan>()?;
+    m.add_class::<PyTensorBytes>()?;
+    m.add_class::<PyCheckpoint>()?;
+    m.add_function(wrap_pyfunction!(shard_bytes, m)?)?;
+    Ok(())
+}
