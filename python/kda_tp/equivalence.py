@@ -1,0 +1,220 @@
+"""Numerical end-to-end check of a tensor-parallel split: do the shards still compute the layer?
+
+:func:`check_tp_equivalence` runs the numpy reference forward (:mod:`kda_tp.reference`) of every
+KDA layer of a checkpoint twice: once on the full weights, and once per rank on the local slices
+that ``kda_tp.KdaShardedSource`` presents for that rank's ``KdaTpPlan``. The per-rank outputs are
+partial sums (``o_proj`` is split by columns), so their sum, the all-reduce, must equal the full
+output. A shape-preserving slicing mistake (wrong offset, wrong dimension, a swapped rank) passes
+every shape check but changes this sum.
+
+Tolerance. Float32 results differ between the full and the split computation only by
+reassociation: each rank's ``o_proj`` block sums over fewer channels and the ranks' partials are
+added afterwards. On the kda_small fixture (outputs up to ~0.85) that difference is ~5e-7; every
+wrong plan tried there moves the output by 0.03 or more (most by 0.2-1.3). The check passes a
+layer when ``max|y_sum - y| <= atol + rtol * max|y|`` with defaults ``atol = 1e-5`` and
+``rtol = 1e-4``: relative to the output's scale (the rounding grows with it), ~200x above the
+observed rounding and ~300x below the smallest observed mistake.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kda_tp.config import parse_config
+from kda_tp.errors import CheckpointError, PlanError
+from kda_tp.reference import WEIGHT_NAMES, kda_layer_forward
+from kda_tp.source import checkpoint_suffix, kda_layer_indices
+
+__all__ = [
+    "DEFAULT_ATOL",
+    "DEFAULT_RTOL",
+    "EquivalenceReport",
+    "LayerEquivalence",
+    "check_tp_equivalence",
+]
+
+#: Absolute part of the pass threshold (output units).
+DEFAULT_ATOL = 1e-5
+#: Part of the pass threshold proportional to ``max|y|`` of the full output.
+DEFAULT_RTOL = 1e-4
+
+
+@dataclass(frozen=True)
+class LayerEquivalence:
+    """The comparison for one KDA layer.
+
+    Attributes:
+        layer: 0-based layer index (``model.layers.{layer}``).
+        max_abs_error: ``max|sum_r y_r - y|`` over batch, time and hidden.
+        max_rel_error: ``max_abs_error / max|y|`` (0 when both are 0, inf when only ``y`` is 0).
+        y_abs_max: ``max|y|`` of the full-weight output.
+        tolerance: the threshold applied, ``atol + rtol * y_abs_max``.
+        passed: ``max_abs_error <= tolerance`` (False if any output is NaN).
+    """
+
+    layer: int
+    max_abs_error: float
+    max_rel_error: float
+    y_abs_max: float
+    tolerance: float
+    passed: bool
+
+    def format(self) -> str:
+        """One line, e.g.
+
+        ``layer 0: max abs err 4.2e-07, rel 5.0e-07 (max|y| 0.843, tol 9.43e-05) ok``.
+        """
+        verdict = "ok" if self.passed else "FAIL"
+        return (
+            f"layer {self.layer}: max abs err {self.max_abs_error:.2e}, "
+            f"rel {self.max_rel_error:.2e} (max|y| {self.y_abs_max:.3g}, "
+            f"tol {self.tolerance:.2e}) {verdict}"
+        )
+
+
+@dataclass(frozen=True)
+class EquivalenceReport:
+    """Result of :func:`check_tp_equivalence`: one :class:`LayerEquivalence` per layer checked."""
+
+    tp_size: int
+    seq_len: int
+    seed: int
+    atol: float
+    rtol: float
+    layers: tuple[LayerEquivalence, ...]
+
+    @property
+    def passed(self) -> bool:
+        """True when every checked layer passed."""
+        return all(entry.passed for entry in self.layers)
+
+    @property
+    def failed_layers(self) -> list[int]:
+        """0-based indices of the layers that failed."""
+        return [entry.layer for entry in self.layers if not entry.passed]
+
+    def format(self) -> str:
+        """One line per layer (see :meth:`LayerEquivalence.format`), joined by newlines."""
+        return "\n".join(entry.format() for entry in self.layers)
+
+
+ShardSourceFactory = Callable[[Any, Any, list[int]], Any]
+
+
+def check_tp_equivalence(
+    checkpoint: str | os.PathLike[str] | Any,
+    tp_size: int,
+    layers: Iterable[int] | None = None,
+    seq_len: int = 16,
+    seed: int = 0,
+    *,
+    atol: float = DEFAULT_ATOL,
+    rtol: float = DEFAULT_RTOL,
+    qk_multiple: int = 256,
+    shard_source_factory: ShardSourceFactory | None = None,
+) -> EquivalenceReport:
+    """Check that the TP shards of each KDA layer sum to the full layer's output.
+
+    For each layer, ``y`` = reference forward on the full weights, ``y_r`` = reference forward on
+    rank ``r``'s local weights (``KdaTpPlan.from_config(config, r, tp_size)``), and the layer
+    passes when ``max|sum_r y_r - y| <= atol + rtol * max|y|`` (module docstring: why).
+
+    Args:
+        checkpoint: a ``kda_tp.SafetensorsSource`` (or any object with ``get(name)`` returning a
+            record with ``.array``, and ``config``), or a path to open as one: a ``.safetensors``
+            file or a checkpoint directory, with ``config.json`` beside it.
+        tp_size: number of tensor-parallel ranks.
+        layers: 0-based layer indices to check; default: every KDA layer of the config
+            (``linear_attn_config.kda_layers``, 1-based, or the ``"linear_attention"`` entries
+            of ``layer_types``).
+        seq_len: tokens in the random input.
+        seed: seed of ``np.random.default_rng``; the input is one draw of standard normals,
+            shape ``(1, seq_len, hidden_size)``, cast to float32 and used for every layer.
+        atol: absolute part of the threshold (output units).
+        rtol: part of the threshold proportional to ``max|y|``.
+        qk_multiple: forwarded to ``KdaTpPlan.from_config`` (the local q|k width rule; lower it
+            to check splits the default 256 refuses).
+        shard_source_factory: test hook, called as ``factory(source, plan, layers)`` once per
+            rank; it must return an object whose ``get(name)`` gives a record with ``.array`` in
+            local shape. Default: ``kda_tp.KdaShardedSource``. Use it to inject a wrong split.
+
+    Returns:
+        An :class:`EquivalenceReport`; ``report.passed`` is the overall verdict.
+
+    Raises:
+        CheckpointError: no config, a config that names no KDA layers (when ``layers`` is not
+            given), no layer to check, or a KDA tensor missing from the checkpoint or from a
+            rank's view.
+        PlanError: ``tp_size`` is not a positive integer, or ``KdaTpPlan.from_config`` refuses
+            the geometry for it.
+        ShapeMismatchError: a tensor (full or local) whose shape does not fit the others; the
+            reference forward names it.
+        ValueError: ``seq_len`` is not a positive integer.
+    """
+    import kda_tp  # deferred: kda_tp's __init__ may import this module
+
+    if isinstance(seq_len, bool) or not isinstance(seq_len, (int, np.integer)) or seq_len < 1:
+        raise ValueError(f"seq_len must be a positive integer, got {seq_len!r}")
+    if isinstance(tp_size, bool) or not isinstance(tp_size, (int, np.integer)) or tp_size < 1:
+        raise PlanError(f"tp_size must be a positive integer, got {tp_size!r}")
+    if isinstance(checkpoint, (str, os.PathLike)):
+        source = kda_tp.SafetensorsSource(checkpoint)
+    else:
+        source = checkpoint
+    if source.config is None:
+        raise CheckpointError(f"{checkpoint}: no config.json beside the checkpoint")
+    layer_list = list(kda_layer_indices(source, layers))
+    if not layer_list:
+        raise CheckpointError(f"{checkpoint}: no KDA layer to check")
+    factory = kda_tp.KdaShardedSource if shard_source_factory is None else shard_source_factory
+    plans = [
+        kda_tp.KdaTpPlan.from_config(source, rank, tp_size, qk_multiple=qk_multiple)
+        for rank in range(tp_size)
+    ]
+    rank_sources = [factory(source, plan, layer_list) for plan in plans]
+    head_dim = plans[0].head_dim
+    eps = parse_config(source.config).rms_norm_eps
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((1, seq_len, plans[0].hidden)).astype(np.float32)
+
+    def forward(weights: Mapping[str, Any]) -> np.ndarray:
+        return kda_layer_forward(weights, x, head_dim=head_dim, rms_norm_eps=eps)
+
+    results = []
+    for layer in layer_list:
+        y = forward(_layer_weights(source, layer))
+        y_sum = sum(forward(_layer_weights(s, layer)) for s in rank_sources)
+        results.append(_compare(layer, y, y_sum, atol, rtol))
+    return EquivalenceReport(tp_size, int(seq_len), seed, atol, rtol, tuple(results))
+
+
+def _layer_weights(source: Any, layer: int) -> dict[str, np.ndarray]:
+    """Plan name -> typed array of ``model.layers.{layer}.self_attn.*``, as ``source`` has it."""
+    prefix = f"model.layers.{layer}.self_attn."
+    weights = {}
+    for name in WEIGHT_NAMES:
+        key = prefix + checkpoint_suffix(name)
+        record = source.get(key)
+        if record is None:
+            raise CheckpointError(f"{key}: missing (KDA layer {layer})")
+        weights[name] = record.array
+    return weights
+
+
+def _compare(
+    layer: int, y: np.ndarray, y_sum: np.ndarray, atol: float, rtol: float
+) -> LayerEquivalence:
+    """Build the layer's verdict from the full output ``y`` and the sum of partials."""
+    abs_err = float(np.max(np.abs(y_sum - y)))
+    y_max = float(np.max(np.abs(y)))
+    if y_max > 0:
+        rel_err = abs_err / y_max
+    else:
+        rel_err = 0.0 if abs_err == 0 else float("inf")
+    tolerance = atol + rtol * y_max
+    return LayerEquivalence(layer, abs_err, rel_err, y_max, tolerance, bool(abs_err <= tolerance))

@@ -1,0 +1,278 @@
+"""A float32 numpy forward of one KDA (Kimi Delta Attention) layer, for checking shard plans.
+
+This is the ground truth the tensor-parallel checks compare against: it runs one
+``KimiDeltaAttention`` layer on full weights, or on one rank's local slices, in which case it
+returns that rank's partial output (what the rank holds before the all-reduce). Summing the
+partials of all ranks gives the full output up to float32 rounding.
+
+The equations are those of ``shared/KDA_MATH.md`` ("Forward"), which transcribes fla 0.6.0:
+``fla/layers/kda.py`` (``KimiDeltaAttention.forward``), ``fla/ops/kda/gate.py``
+(``naive_kda_gate``), ``fla/ops/kda/naive.py`` (``naive_recurrent_kda``),
+``fla/modules/l2norm.py`` and ``fla/modules/norm/fused_norm_gate.py`` (``FusedRMSNormGated``
+with sigmoid activation). Scope: no cache, no padding mask, ``safe_gate=False``,
+``allow_neg_eigval=False``, no grouped value heads (``num_v_heads == num_heads``,
+``expand_v == 1``), no conv bias, no ``g_b_proj`` bias (Kimi-Linear has none).
+
+Everything is computed in float32; BF16/F16 weights are upcast exactly. Only numpy (and
+``ml_dtypes`` for the bfloat16 dtype) is needed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from kda_tp.errors import DtypeMismatchError, ShapeMismatchError
+
+__all__ = ["WEIGHT_NAMES", "L2NORM_EPS", "kda_layer_forward"]
+
+#: The layer's tensors, by plan name (Kimi-Linear ``self_attn`` names without ``.weight``).
+WEIGHT_NAMES = (
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "q_conv1d",
+    "k_conv1d",
+    "v_conv1d",
+    "f_a_proj",
+    "f_b_proj",
+    "g_a_proj",
+    "g_b_proj",
+    "b_proj",
+    "A_log",
+    "dt_bias",
+    "o_norm",
+    "o_proj",
+)
+
+#: Epsilon of the per-head q/k L2 normalisation (fla ``l2norm``; fixed, not a config value).
+L2NORM_EPS = 1e-6
+
+_FLOAT_DTYPES = frozenset(
+    np.dtype(t) for t in (ml_dtypes.bfloat16, np.float16, np.float32, np.float64)
+)
+
+
+def kda_layer_forward(
+    weights: Mapping[str, Any],
+    x: np.ndarray,
+    *,
+    head_dim: int,
+    rms_norm_eps: float = 1e-5,
+) -> np.ndarray:
+    """Run one KDA layer forward in float32 and return its output (or a rank's partial output).
+
+    Args:
+        weights: plan name -> array-like, for every name in :data:`WEIGHT_NAMES`, in on-disk
+            (Kimi-Linear) shapes, with ``H`` heads, ``C = H * head_dim`` channels, hidden size
+            ``d`` (the last dimension of ``x``), conv kernel ``W`` and gate ranks ``r_f``, ``r_g``:
+
+            - ``q_proj``, ``k_proj``, ``v_proj``: ``(C, d)``
+            - ``q_conv1d``, ``k_conv1d``, ``v_conv1d``: ``(C, 1, W)`` or ``(C, W)``
+            - ``f_a_proj`` / ``f_b_proj``: ``(r_f, d)`` / ``(C, r_f)``
+            - ``g_a_proj`` / ``g_b_proj``: ``(r_g, d)`` / ``(C, r_g)``
+            - ``b_proj``: ``(H, d)``
+            - ``A_log``: ``(1, 1, H, 1)`` or ``(H,)``
+            - ``dt_bias``: ``(C,)``
+            - ``o_norm``: ``(head_dim,)``
+            - ``o_proj``: ``(d, C)``
+
+            ``H`` is taken from the size of ``A_log``, ``W`` from ``q_conv1d`` and the gate ranks
+            from ``f_a_proj`` / ``g_a_proj``, so one rank's local slices (``H / tp_size`` heads,
+            ``o_proj`` column block) are accepted as they are. Dtypes: BF16
+            (``ml_dtypes.bfloat16``), F16, F32 or F64; all are converted to float32 (exact for
+            BF16/F16/F32). Extra keys are ignored.
+        x: input activations, shape ``(B, T, d)``; converted to float32.
+        head_dim: per-head key/value width ``K = V``.
+        rms_norm_eps: epsilon of the gated output RMSNorm (``config.rms_norm_eps``; 1e-5 in
+            Kimi-Linear). It matters: 1e-6 instead of 1e-5 moves the fixture output by ~0.4.
+
+    Returns:
+        float32 array ``(B, T, d)``: ``o_proj`` applied to the gated, normalised recurrence
+        output of the ``H`` heads present. On local slices this is the rank's partial sum.
+
+    Raises:
+        KeyError: a name of :data:`WEIGHT_NAMES` is missing from ``weights``.
+        DtypeMismatchError: a weight is not a floating dtype listed above.
+        ShapeMismatchError: ``x`` is not 3-D, ``head_dim`` is not positive, ``A_log`` is empty,
+            or a weight's shape disagrees with the table above; the message names the tensor
+            and gives the expected and actual shapes.
+    """
+    x = np.asarray(x, dtype=np.float32)
+    if x.ndim != 3:
+        raise ShapeMismatchError(f"x: shape {x.shape}, expected (batch, seq_len, hidden)")
+    w = _checked_weights(weights, head_dim, x.shape[2])
+    batch, seq_len, hidden = x.shape
+    heads = w["A_log"].shape[0]
+    channels = heads * head_dim
+    rows = x.reshape(batch * seq_len, hidden)
+
+    def project(name: str, inp: np.ndarray) -> np.ndarray:
+        return inp @ w[name].T
+
+    def per_head(a: np.ndarray) -> np.ndarray:
+        return a.reshape(batch, seq_len, heads, head_dim)
+
+    # Steps 1-3: projections, causal depthwise conv + SiLU, split heads.
+    q, k, v = (
+        per_head(
+            _causal_conv_silu(
+                project(f"{n}_proj", rows).reshape(batch, seq_len, channels), w[f"{n}_conv1d"]
+            )
+        )
+        for n in "qkv"
+    )
+    # Step 4: per-head L2 norm; the head_dim**-0.5 scale goes on q (naive_recurrent_kda).
+    q = _l2norm(q) * np.float32(head_dim**-0.5)
+    k = _l2norm(k)
+    # Step 5: forget gate in log space (naive_kda_gate), g < 0.
+    f = per_head(project("f_b_proj", project("f_a_proj", rows)))
+    dt_bias = w["dt_bias"].reshape(heads, head_dim)
+    g = -np.exp(w["A_log"])[:, None] * _softplus(f + dt_bias)
+    # Step 6: beta.
+    beta = _sigmoid(project("b_proj", rows)).reshape(batch, seq_len, heads)
+    # Step 7: delta-rule recurrence.
+    o = _delta_rule(q, k, v, g, beta)
+    # Step 8: sigmoid-gated RMSNorm over each head's V channels.
+    z = per_head(project("g_b_proj", project("g_a_proj", rows)))
+    inv_rms = 1.0 / np.sqrt(np.mean(o * o, axis=-1, keepdims=True) + np.float32(rms_norm_eps))
+    o = o * inv_rms * w["o_norm"] * _sigmoid(z)
+    # Step 9: output projection (a partial sum when o_proj is a column block).
+    y = project("o_proj", o.reshape(batch * seq_len, channels))
+    return y.reshape(batch, seq_len, hidden).astype(np.float32, copy=False)
+
+
+def _checked_weights(weights: Mapping[str, Any], head_dim: int, hidden: int) -> dict:
+    """Return the weights as float32 arrays (convs as ``(C, W)``, ``A_log`` as ``(H,)``).
+
+    Checks presence, dtype and shape as documented in :func:`kda_layer_forward`.
+    """
+    missing = [n for n in WEIGHT_NAMES if n not in weights]
+    if missing:
+        raise KeyError(f"KDA reference forward: missing weights {missing}")
+    if not isinstance(head_dim, (int, np.integer)) or head_dim <= 0:
+        raise ShapeMismatchError(f"head_dim: {head_dim!r}, expected a positive integer")
+    arrays = {}
+    for name in WEIGHT_NAMES:
+        a = np.asarray(weights[name])
+        if a.dtype not in _FLOAT_DTYPES:
+            raise DtypeMismatchError(
+                f"{name}: dtype {a.dtype}, expected bfloat16, float16, float32 or float64"
+            )
+        arrays[name] = a
+
+    a_log = arrays["A_log"]
+    heads = a_log.size
+    if heads == 0 or not (
+        a_log.ndim == 1 or (a_log.ndim == 4 and a_log.shape[:2] == (1, 1) and a_log.shape[3] == 1)
+    ):
+        raise ShapeMismatchError(
+            f"A_log: shape {a_log.shape}, expected (1, 1, heads, 1) or (heads,) with heads >= 1"
+        )
+    channels = heads * head_dim
+
+    def leading(name: str) -> int:
+        """First dim of a 2-D low-rank factor; its second dim must be the hidden size."""
+        a = arrays[name]
+        if a.ndim != 2 or a.shape[0] == 0:
+            raise ShapeMismatchError(
+                f"{name}: shape {a.shape}, expected (gate_rank, {hidden}) with gate_rank >= 1"
+            )
+        return a.shape[0]
+
+    conv = arrays["q_conv1d"]
+    kernel = conv.shape[-1] if conv.ndim in (2, 3) and conv.shape[-1] > 0 else None
+    if kernel is None:
+        raise ShapeMismatchError(
+            f"q_conv1d: shape {conv.shape}, expected ({channels}, 1, kernel) or "
+            f"({channels}, kernel) with kernel >= 1"
+        )
+    f_rank, g_rank = leading("f_a_proj"), leading("g_a_proj")
+    expected = {
+        "q_proj": [(channels, hidden)],
+        "k_proj": [(channels, hidden)],
+        "v_proj": [(channels, hidden)],
+        "q_conv1d": [(channels, 1, kernel), (channels, kernel)],
+        "k_conv1d": [(channels, 1, kernel), (channels, kernel)],
+        "v_conv1d": [(channels, 1, kernel), (channels, kernel)],
+        "f_a_proj": [(f_rank, hidden)],
+        "f_b_proj": [(channels, f_rank)],
+        "g_a_proj": [(g_rank, hidden)],
+        "g_b_proj": [(channels, g_rank)],
+        "b_proj": [(heads, hidden)],
+        "A_log": [a_log.shape],
+        "dt_bias": [(channels,)],
+        "o_norm": [(head_dim,)],
+        "o_proj": [(hidden, channels)],
+    }
+    out = {}
+    for name, shapes in expected.items():
+        a = arrays[name]
+        if a.shape not in shapes:
+            wanted = " or ".join(str(s) for s in shapes)
+            raise ShapeMismatchError(
+                f"{name}: shape {a.shape}, expected {wanted} "
+                f"(heads {heads} from A_log, head_dim {head_dim}, hidden {hidden})"
+            )
+        out[name] = a.astype(np.float32)
+    for name in ("q_conv1d", "k_conv1d", "v_conv1d"):
+        out[name] = out[name].reshape(channels, kernel)
+    out["A_log"] = out["A_log"].reshape(heads)
+    return out
+
+
+def _sigmoid(a: np.ndarray) -> np.ndarray:
+    """Logistic sigmoid, float32 in and out; exp overflow for very negative ``a`` gives 0."""
+    with np.errstate(over="ignore"):
+        return 1.0 / (1.0 + np.exp(-a))
+
+
+def _softplus(a: np.ndarray) -> np.ndarray:
+    """``log(1 + e^a)`` without overflow (torch's threshold-20 shortcut differs by < 3e-9)."""
+    return np.logaddexp(np.float32(0.0), a)
+
+
+def _causal_conv_silu(u: np.ndarray, weight: np.ndarray) -> np.ndarray:
+    """Causal depthwise conv then SiLU (KDA_MATH.md step 2; fla ``ShortConvolution``).
+
+    ``u``: (B, T, C) float32; ``weight``: (C, W) float32. Output (B, T, C):
+    ``silu(sum_j weight[c, j] * u[t - (W - 1) + j, c])`` with zeros before ``t = 0``, so the last
+    tap multiplies the current token.
+    """
+    batch, seq_len, channels = u.shape
+    kernel = weight.shape[1]
+    padded = np.concatenate([np.zeros((batch, kernel - 1, channels), np.float32), u], axis=1)
+    acc = np.zeros_like(u)
+    for j in range(kernel):
+        acc += weight[:, j] * padded[:, j : j + seq_len]
+    return acc * _sigmoid(acc)
+
+
+def _l2norm(a: np.ndarray) -> np.ndarray:
+    """``a / sqrt(sum(a^2) + 1e-6)`` over the last axis (fla ``l2norm``)."""
+    return a / np.sqrt(np.sum(a * a, axis=-1, keepdims=True) + np.float32(L2NORM_EPS))
+
+
+def _delta_rule(
+    q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray, beta: np.ndarray
+) -> np.ndarray:
+    """Gated delta-rule recurrence, fla ``naive_recurrent_kda`` (KDA_MATH.md step 7).
+
+    ``q, k, v, g``: (B, T, H, D) float32 (q already scaled, g in log space); ``beta``: (B, T, H).
+    State ``S``: (B, H, D_k, D_v), zero at t = 0. Per step: ``S = diag(exp(g_t)) S``;
+    ``S += beta_t k_t (v_t - S^T k_t)^T``; ``o_t = S^T q_t``. Returns o: (B, T, H, D).
+    """
+    batch, seq_len, heads, dim = q.shape
+    decay = np.exp(g)
+    state = np.zeros((batch, heads, dim, v.shape[-1]), np.float32)
+    out = np.empty((batch, seq_len, heads, v.shape[-1]), np.float32)
+    for t in range(seq_len):
+        state *= decay[:, t, :, :, None]
+        k_t = k[:, t]
+        residual = v[:, t] - np.matmul(k_t[:, :, None, :], state)[:, :, 0, :]
+        state += (beta[:, t, :, None] * k_t)[:, :, :, None] * residual[:, :, None, :]
+        out[:, t] = np.matmul(q[:, t, :, None, :], state)[:, :, 0, :]
+    return out
