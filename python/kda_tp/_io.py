@@ -1,0 +1,298 @@
+"""Streaming, crash-safe writers for safetensors files, their index and JSON configs.
+
+The safetensors layout written here::
+
+    [0, 8)                 header length N, unsigned 64-bit little-endian
+    [8, 8 + N)             UTF-8 JSON header, right-padded with spaces so 8 + N is a multiple of 8
+    [8 + N, end)           tensor data, tensors back to back in the order given, no gaps
+
+The JSON header maps each tensor name to ``{"dtype", "shape", "data_offsets": [begin, end]}``
+(byte offsets relative to the start of the data section) and may carry ``"__metadata__"``, a flat
+str -> str object.
+
+Each file is first written to a hidden temporary file in the destination directory
+(``.<name>.<random>.partial``), flushed and fsync'd, then renamed over the final name with
+``os.replace``; the directory is fsync'd after the rename. A reader therefore sees either the
+old file or the complete new one, never a half-written file under the final name.
+
+Only numpy and the standard library are used.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import struct
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import numpy as np
+
+from kda_tp.errors import DtypeMismatchError, OutputError, ShapeMismatchError
+
+__all__ = ["DTYPE_SIZES", "TensorSpec", "write_index", "write_json", "write_safetensors"]
+
+#: Bytes per element of every safetensors dtype this writer accepts.
+DTYPE_SIZES: dict[str, int] = {
+    "BOOL": 1,
+    "U8": 1,
+    "I8": 1,
+    "F8_E5M2": 1,
+    "F8_E4M3": 1,
+    "U16": 2,
+    "I16": 2,
+    "F16": 2,
+    "BF16": 2,
+    "U32": 4,
+    "I32": 4,
+    "F32": 4,
+    "U64": 8,
+    "I64": 8,
+    "F64": 8,
+}
+
+#: One tensor to write: ``(name, dtype, shape, nbytes, get_bytes)``. ``nbytes`` is a byte count
+#: (not an element count) and must equal ``prod(shape) * DTYPE_SIZES[dtype]``. ``get_bytes`` is
+#: called with no arguments, once, when the writer reaches that tensor, and must return a
+#: C-contiguous buffer-protocol object (numpy array of any dtype, bytes, bytearray, memoryview)
+#: holding exactly ``nbytes`` bytes of little-endian tensor data.
+TensorSpec = tuple[str, str, tuple[int, ...], int, Callable[[], Any]]
+
+_METADATA_KEY = "__metadata__"
+
+
+def write_safetensors(
+    path: str | os.PathLike[str],
+    tensors: Iterable[TensorSpec],
+    metadata: Mapping[str, str] | None = None,
+) -> int:
+    """Write a safetensors file, pulling one tensor's bytes at a time.
+
+    Args:
+        path: final file name. Its directory must exist; an existing file is replaced atomically.
+        tensors: ``(name, dtype, shape, nbytes, get_bytes)`` tuples (see :data:`TensorSpec`),
+            laid out in the file in this order. The header is built from the declared sizes
+            before any ``get_bytes`` is called; each buffer is written straight to the file and
+            released before the next ``get_bytes`` call, so at most one tensor's data is alive.
+        metadata: optional str -> str map stored as ``"__metadata__"`` in the header.
+
+    Returns:
+        The size of the data section in bytes (the sum of all ``nbytes``), which is the value
+        ``write_index`` expects as ``total_size`` when summed over a checkpoint's files.
+
+    Raises:
+        DtypeMismatchError: a dtype string that is not a safetensors dtype (:data:`DTYPE_SIZES`).
+        ShapeMismatchError: a negative or non-integer dimension, an ``nbytes`` that disagrees
+            with ``shape`` x dtype size, or a ``get_bytes`` result whose length is not ``nbytes``
+            (the message names the tensor and both byte counts).
+        OutputError: a duplicate or reserved tensor name, non-string metadata, or any OS error
+            while creating, writing, syncing or renaming the file (e.g. ENOSPC, EACCES); the
+            message names the file and the OS error, which is chained as ``__cause__``.
+        TypeError: ``get_bytes`` returned something without the buffer protocol, or a
+            non-contiguous buffer.
+
+    Errors raised by ``get_bytes`` itself (including an ``OSError`` from reading an input) are
+    re-raised unchanged. Whatever the error, the temporary file is removed and no file appears
+    under ``path`` (a file already there is left as it was). The one exception is a failed fsync
+    of the directory after the rename: the file is then complete and in place, and the
+    ``OutputError`` says so.
+    """
+    path = Path(path)
+    specs = list(tensors)
+    header = _build_header(path, specs, metadata)
+    data_size = sum(spec[3] for spec in specs)
+
+    def write_body(f: BinaryIO) -> None:
+        _checked_write(f, path, header)
+        for name, _dtype, _shape, nbytes, get_bytes in specs:
+            view = _byte_view(name, get_bytes(), nbytes)
+            _checked_write(f, path, view)
+            view.release()
+
+    _atomic_write(path, write_body)
+    return data_size
+
+
+def write_index(
+    path: str | os.PathLike[str], weight_map: Mapping[str, str], total_size: int
+) -> None:
+    """Write a Hugging Face ``model.safetensors.index.json`` atomically.
+
+    The file holds ``{"metadata": {"total_size": total_size}, "weight_map": {...}}`` with the
+    weight map sorted by tensor name (see :func:`write_json` for the formatting).
+
+    Args:
+        path: final file name (normally ``<dir>/model.safetensors.index.json``).
+        weight_map: tensor name -> file name of the safetensors file holding it (relative to the
+            index's directory).
+        total_size: sum of the tensors' data sizes in bytes (headers not included).
+
+    Raises:
+        OutputError: ``total_size`` is not a non-negative int, or an OS error while writing.
+    """
+    if isinstance(total_size, bool) or not isinstance(total_size, int) or total_size < 0:
+        raise OutputError(f"{path}: total_size must be a non-negative int, got {total_size!r}")
+    document = {
+        "metadata": {"total_size": total_size},
+        "weight_map": {name: weight_map[name] for name in sorted(weight_map)},
+    }
+    write_json(path, document)
+
+
+def write_json(path: str | os.PathLike[str], document: Any) -> None:
+    """Write ``document`` as UTF-8 JSON (two-space indent, trailing newline) atomically.
+
+    Uses the same temporary-file, fsync and rename sequence as :func:`write_safetensors`.
+
+    Raises:
+        TypeError: ``document`` is not JSON-serialisable (nothing is written).
+        OutputError: an OS error while creating, writing, syncing or renaming the file.
+    """
+    path = Path(path)
+    encoded = (json.dumps(document, indent=2) + "\n").encode("utf-8")
+    _atomic_write(path, lambda f: _checked_write(f, path, encoded))
+
+
+def _build_header(path: Path, specs: list[TensorSpec], metadata: Mapping[str, str] | None) -> bytes:
+    """Validate the declared tensors and return the length-prefixed, padded header bytes."""
+    header: dict[str, Any] = {}
+    if metadata is not None:
+        for key, value in metadata.items():
+            if not isinstance(key, str) or not isinstance(value, str):
+                raise OutputError(
+                    f"{path}: safetensors metadata must map str to str, got {key!r}: {value!r}"
+                )
+        header[_METADATA_KEY] = dict(metadata)
+    offset = 0
+    for name, dtype, shape, nbytes, _get_bytes in specs:
+        if name == _METADATA_KEY:
+            raise OutputError(f"{path}: {_METADATA_KEY!r} is reserved and cannot name a tensor")
+        if name in header:
+            raise OutputError(f"{path}: duplicate tensor name {name!r}")
+        elem_bytes = DTYPE_SIZES.get(dtype)
+        if elem_bytes is None:
+            raise DtypeMismatchError(
+                f"{name}: dtype {dtype!r} is not a safetensors dtype "
+                f"(expected one of {', '.join(DTYPE_SIZES)})"
+            )
+        dims = tuple(shape)
+        if not all(
+            isinstance(d, (int, np.integer)) and not isinstance(d, bool) and d >= 0 for d in dims
+        ):
+            raise ShapeMismatchError(f"{name}: shape {list(dims)} has a negative or non-int size")
+        expected = int(np.prod(dims, dtype=object)) * elem_bytes
+        if nbytes != expected:
+            raise ShapeMismatchError(
+                f"{name}: declared {nbytes} bytes, but shape {list(dims)} of {dtype} "
+                f"({elem_bytes} bytes each) is {expected} bytes"
+            )
+        header[name] = {
+            "dtype": dtype,
+            "shape": [int(d) for d in dims],
+            "data_offsets": [offset, offset + expected],
+        }
+        offset += expected
+    encoded = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    encoded += b" " * (-(8 + len(encoded)) % 8)
+    return struct.pack("<Q", len(encoded)) + encoded
+
+
+def _byte_view(name: str, buffer: Any, nbytes: int) -> memoryview:
+    """Return a flat unsigned-byte view of ``buffer``, refusing a length other than ``nbytes``."""
+    if isinstance(buffer, np.ndarray):
+        if not buffer.flags.c_contiguous:
+            raise TypeError(f"{name}: get_bytes returned a non-contiguous numpy array")
+        view = memoryview(buffer.reshape(-1).view(np.uint8))
+    else:
+        view = memoryview(buffer)
+        if not view.c_contiguous:
+            raise TypeError(f"{name}: get_bytes returned a non-contiguous buffer")
+        if view.format != "B" or view.ndim != 1:
+            # cast() refuses views with a zero-length dimension; an empty view writes nothing.
+            view = view.cast("B") if view.nbytes else memoryview(b"")
+    if view.nbytes != nbytes:
+        actual = view.nbytes
+        view.release()
+        raise ShapeMismatchError(
+            f"{name}: get_bytes returned {actual} bytes, the header declares {nbytes} bytes"
+        )
+    return view
+
+
+def _checked_write(f: BinaryIO, path: Path, data: bytes | memoryview) -> None:
+    """Write all of ``data``, turning an OS error into :class:`OutputError`."""
+    try:
+        f.write(data)
+    except OSError as exc:
+        raise OutputError(f"{path}: write failed: {exc}") from exc
+
+
+def _atomic_write(path: Path, write_body: Callable[[BinaryIO], None]) -> None:
+    """Run ``write_body`` on a temporary file beside ``path``, then rename it to ``path``.
+
+    The temporary file is created with ``O_EXCL`` and mode 0o666 filtered by the umask (the
+    permissions an ordinary ``open`` would give). On success it is flushed, fsync'd, closed and
+    renamed, and the directory is fsync'd. On any exception it is removed and the exception
+    propagates; OS errors of the file operations themselves become :class:`OutputError`, while
+    exceptions raised inside ``write_body`` pass through as they are.
+    """
+    temp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.partial")
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0)
+    try:
+        fd = os.open(temp, flags, 0o666)
+    except OSError as exc:
+        raise OutputError(f"{path}: cannot create temporary file {temp.name}: {exc}") from exc
+    try:
+        # Not a with-block: a close() error must not mask the exception from write_body.
+        f = open(fd, "wb")  # noqa: SIM115
+        try:
+            write_body(f)
+            _flush_and_sync(f, path)
+        except BaseException:
+            _close_quietly(f)
+            raise
+        try:
+            f.close()
+            os.replace(temp, path)
+        except OSError as exc:
+            raise OutputError(f"{path}: cannot close and rename {temp.name}: {exc}") from exc
+    except BaseException:
+        try:
+            os.unlink(temp)
+        except FileNotFoundError:
+            pass
+        raise
+    _fsync_directory(path)
+
+
+def _flush_and_sync(f: BinaryIO, path: Path) -> None:
+    """Push buffered bytes to the kernel and the kernel's to the disk (ENOSPC often shows here)."""
+    try:
+        f.flush()
+        os.fsync(f.fileno())
+    except OSError as exc:
+        raise OutputError(f"{path}: flush/fsync failed: {exc}") from exc
+
+
+def _close_quietly(f: BinaryIO) -> None:
+    """Close ``f`` while another exception is already propagating; a second error is dropped."""
+    try:
+        f.close()
+    except OSError:
+        pass
+
+
+def _fsync_directory(path: Path) -> None:
+    """fsync the directory holding ``path`` so the rename itself is durable (POSIX only)."""
+    if not hasattr(os, "O_DIRECTORY"):
+        return
+    try:
+        dir_fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+    except OSError as exc:
+        raise OutputError(f"{path}: written, but syncing its directory failed: {exc}") from exc

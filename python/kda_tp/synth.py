@@ -1,0 +1,542 @@
+"""Synthetic KDA checkpoints with real tensor names, shapes and dtypes, in Hugging Face layout.
+
+A checkpoint directory holds ``config.json``, two or more ``model-0000N-of-0000M.safetensors``
+files and ``model.safetensors.index.json``. Weights are random but finite and of a realistic
+scale; there is no MLP/MoE (the sharding code never touches it, and leaving it out keeps files
+small). Two config dialects are produced:
+
+``style="kimi"`` (Kimi-Linear)
+    ``linear_attn_config = {head_dim, num_heads, short_conv_kernel_size, kda_layers,
+    full_attn_layers}`` with **1-based** layer numbers; non-KDA layers are MLA layers
+    (``q_proj``, ``kv_a_proj_with_mqa``, ``kv_a_layernorm``, ``kv_b_proj``, ``o_proj``).
+``style="qwen3next"`` (GLM-5.3-Flash, Qwen3-Next-style keys)
+    ``linear_key_head_dim``, ``linear_num_key_heads`` (and the equal ``linear_value_*``),
+    ``linear_conv_kernel_dim`` and ``layer_types`` (``"linear_attention"`` for KDA layers,
+    ``"full_attention"`` otherwise); non-KDA layers are gated GQA layers (``q_proj`` holding query
+    and output gate, ``k_proj``, ``v_proj``, ``q_norm``, ``k_norm``, ``o_proj``).
+
+Both dialects name a KDA layer's tensors the Kimi-Linear way, under
+``model.layers.{i}.self_attn.`` (H heads, D = head_dim, C = H * D, hidden size d, conv kernel K,
+gate rank R; W is the weight dtype, BF16 by default)::
+
+    q_proj.weight, k_proj.weight, v_proj.weight          [C, d]         W
+    q_conv1d.weight, k_conv1d.weight, v_conv1d.weight    [C, 1, K]      W  ([C, K] if flat_conv)
+    f_a_proj.weight, g_a_proj.weight                     [R, d]         W
+    f_b_proj.weight, g_b_proj.weight                     [C, R]         W
+    b_proj.weight                                        [H, d]         W
+    A_log                                                [1, 1, H, 1]   F32  ([H] if flat_a_log)
+    dt_bias                                              [C]            F32
+    o_norm.weight                                        [D]            W
+    o_proj.weight                                        [d, C]         W
+
+Every layer also has ``input_layernorm.weight`` and ``post_attention_layernorm.weight`` ``[d]``;
+the model has ``model.embed_tokens.weight [vocab, d]``, ``model.norm.weight [d]`` and
+``lm_head.weight [vocab, d]``.
+
+Generation is streaming and fast: each tensor is produced only when the writer asks for it, and
+large projection matrices are not drawn element by element. A pool of a few million N(0, 0.02)
+values is drawn once per checkpoint; each row of a large matrix is a window of that pool starting
+at an offset drawn, without repetition inside the tensor, by a generator seeded from
+``(seed, tensor name)``. So rows differ from one another, tensors differ from one another, and a
+slice taken from the wrong rows or columns has different bytes from the right one. Small tensors
+are drawn directly. BF16 values are float32 values rounded to nearest-even on their bit patterns.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import zlib
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
+
+from kda_tp import _io
+from kda_tp.errors import DtypeMismatchError, OutputError, PlanError
+
+__all__ = ["GEOMETRIES", "write_checkpoint", "write_small_checkpoint"]
+
+#: Real KDA geometries. ``hidden`` (d), ``heads`` (H), ``head_dim`` (D), ``conv_kernel`` (K) and
+#: ``gate_rank`` (R) are element counts; ``style`` is the config dialect; ``full_attn_every`` = n
+#: makes layers n, 2n, ... (1-based) full-attention layers; ``None`` makes every layer KDA.
+GEOMETRIES: dict[str, dict[str, object]] = {
+    "kimi-linear": {
+        "hidden": 2304,
+        "heads": 32,
+        "head_dim": 128,
+        "conv_kernel": 4,
+        "gate_rank": 128,
+        "style": "kimi",
+        "full_attn_every": 4,
+    },
+    "glm-5.3-flash": {
+        "hidden": 4096,
+        "heads": 64,
+        "head_dim": 128,
+        "conv_kernel": 4,
+        "gate_rank": 128,
+        "style": "qwen3next",
+        "full_attn_every": None,
+    },
+}
+
+_STYLES = ("kimi", "qwen3next")
+_WEIGHT_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
+_DEFAULT_MAX_FILE_BYTES = 400 * 2**20
+_RMS_NORM_EPS = 1e-5
+_PROJ_STD = 0.02
+# Projection matrices with more elements than this are built from pool windows; others are drawn.
+_DIRECT_LIMIT = 1 << 16
+_MIN_POOL_ELEMS = 1 << 22
+_POOL_STREAM = 0x706F6F6C  # second seed word of the pool's generator
+
+ProgressFn = Callable[[int, int], None]
+
+
+def write_checkpoint(
+    out_dir: str | os.PathLike[str],
+    model: str = "kimi-linear",
+    num_layers: int = 4,
+    seed: int = 0,
+    *,
+    vocab_size: int = 1024,
+    max_file_bytes: int = _DEFAULT_MAX_FILE_BYTES,
+    progress: ProgressFn | None = None,
+) -> Path:
+    """Write a synthetic checkpoint with the geometry of a real KDA model.
+
+    Args:
+        out_dir: directory to write into (created if missing; files of the same names are
+            replaced).
+        model: a key of :data:`GEOMETRIES`: ``"kimi-linear"`` (Kimi-Linear-48B-A3B attention:
+            every 4th layer MLA, Kimi config) or ``"glm-5.3-flash"`` (all layers KDA,
+            Qwen3-Next-style config).
+        num_layers: number of decoder layers (default 4: 0-based layer 3 is MLA for Kimi).
+        seed: non-negative int; the same arguments give byte-identical files.
+        vocab_size: rows of ``embed_tokens`` and ``lm_head``; small by default to keep files small.
+        max_file_bytes: byte budget per safetensors file (tensor data; a file exceeds it by at
+            most one tensor). At least two files are always written.
+        progress: optional ``progress(bytes_done, bytes_total)``, called after each tensor is
+            generated, with byte counts of tensor data.
+
+    Sizes with the defaults: Kimi-Linear 4 layers about 305 MB in 2 files, GLM-5.3-Flash 4 layers
+    about 1.1 GB in 3 files.
+
+    Returns:
+        ``Path(out_dir)``.
+
+    Raises:
+        PlanError: unknown ``model`` or a non-positive size.
+        OutputError: the directory or a file cannot be written.
+    """
+    try:
+        geometry = GEOMETRIES[model]
+    except KeyError:
+        raise PlanError(f"unknown model {model!r}; expected one of {sorted(GEOMETRIES)}") from None
+    _check_positive(num_layers=num_layers)
+    every = geometry["full_attn_every"]
+    kda_layers = [i for i in range(num_layers) if every is None or (i + 1) % every != 0]
+    return write_small_checkpoint(
+        out_dir,
+        hidden=geometry["hidden"],
+        heads=geometry["heads"],
+        head_dim=geometry["head_dim"],
+        conv_kernel=geometry["conv_kernel"],
+        gate_rank=geometry["gate_rank"],
+        num_layers=num_layers,
+        kda_layers=kda_layers,
+        seed=seed,
+        style=geometry["style"],
+        vocab_size=vocab_size,
+        max_file_bytes=max_file_bytes,
+        progress=progress,
+    )
+
+
+def write_small_checkpoint(
+    out_dir: str | os.PathLike[str],
+    hidden: int,
+    heads: int,
+    head_dim: int,
+    conv_kernel: int,
+    gate_rank: int,
+    num_layers: int,
+    kda_layers: Sequence[int],
+    seed: int = 0,
+    style: str = "kimi",
+    *,
+    vocab_size: int = 64,
+    weight_dtype: str = "BF16",
+    flat_a_log: bool = False,
+    flat_conv: bool = False,
+    max_file_bytes: int = _DEFAULT_MAX_FILE_BYTES,
+    progress: ProgressFn | None = None,
+) -> Path:
+    """Write a synthetic KDA checkpoint of any geometry (see the module docstring for tensors).
+
+    Args:
+        out_dir: directory to write into (created if missing; files of the same names are
+            replaced).
+        hidden, heads, head_dim, conv_kernel, gate_rank: d, H, D, K and R, element counts >= 1.
+            The config has no key for R (Kimi-Linear uses R = D), so a reader of a checkpoint
+            with R != D must take R from ``f_a_proj``'s shape or be told it.
+        num_layers: number of decoder layers, >= 1.
+        kda_layers: **0-based** indices of the KDA layers (any subset, unique, in range); the
+            config stores them the way its dialect does (1-based for ``style="kimi"``).
+        seed: non-negative int; the same arguments give byte-identical files.
+        style: ``"kimi"`` or ``"qwen3next"`` config dialect (and MLA vs. gated-GQA full-attention
+            layers).
+        vocab_size: rows of ``embed_tokens`` and ``lm_head``.
+        weight_dtype: ``"BF16"``, ``"F16"`` or ``"F32"`` for every tensor except ``A_log`` and
+            ``dt_bias``, which are always F32.
+        flat_a_log: store ``A_log`` as ``[H]`` instead of ``[1, 1, H, 1]``.
+        flat_conv: store the conv weights as ``[C, K]`` instead of ``[C, 1, K]``.
+        max_file_bytes: byte budget per safetensors file (tensor data; a file exceeds it by at
+            most one tensor). At least two files are always written.
+        progress: optional ``progress(bytes_done, bytes_total)``, called after each tensor is
+            generated, with byte counts of tensor data.
+
+    Returns:
+        ``Path(out_dir)``.
+
+    Raises:
+        PlanError: a non-positive size, a negative seed, an out-of-range or repeated
+            ``kda_layers`` entry, or an unknown ``style``.
+        DtypeMismatchError: an unsupported ``weight_dtype``.
+        OutputError: the directory or a file cannot be written.
+    """
+    _check_positive(
+        hidden=hidden,
+        heads=heads,
+        head_dim=head_dim,
+        conv_kernel=conv_kernel,
+        gate_rank=gate_rank,
+        num_layers=num_layers,
+        vocab_size=vocab_size,
+        max_file_bytes=max_file_bytes,
+    )
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise PlanError(f"seed must be a non-negative int, got {seed!r}")
+    if style not in _STYLES:
+        raise PlanError(f"unknown config style {style!r}; expected one of {_STYLES}")
+    if weight_dtype not in _WEIGHT_DTYPES:
+        raise DtypeMismatchError(
+            f"weight_dtype {weight_dtype!r} is not supported; "
+            f"expected one of {list(_WEIGHT_DTYPES)}"
+        )
+    kda = list(kda_layers)
+    if (
+        len(set(kda)) != len(kda)
+        or any(isinstance(i, bool) or not isinstance(i, int) for i in kda)
+        or any(not 0 <= i < num_layers for i in kda)
+    ):
+        raise PlanError(
+            f"kda_layers must be unique 0-based indices below num_layers={num_layers}, "
+            f"got {list(kda_layers)}"
+        )
+
+    out = Path(out_dir)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise OutputError(f"{out}: cannot create output directory: {exc}") from exc
+
+    geometry = _Geometry(
+        hidden, heads, head_dim, conv_kernel, gate_rank, style, flat_a_log, flat_conv
+    )
+    specs = _model_tensors(geometry, num_layers, set(kda), vocab_size, weight_dtype)
+    _io.write_json(
+        out / "config.json",
+        _config(geometry, num_layers, set(kda), vocab_size, _WEIGHT_DTYPES[weight_dtype]),
+    )
+    _write_tensor_files(out, specs, seed, max_file_bytes, progress)
+    return out
+
+
+class _Geometry:
+    """Sizes of one synthetic model (element counts) plus its layout switches."""
+
+    def __init__(
+        self,
+        hidden: int,
+        heads: int,
+        head_dim: int,
+        conv_kernel: int,
+        gate_rank: int,
+        style: str,
+        flat_a_log: bool,
+        flat_conv: bool,
+    ):
+        self.hidden = hidden
+        self.heads = heads
+        self.head_dim = head_dim
+        self.channels = heads * head_dim
+        self.conv_kernel = conv_kernel
+        self.gate_rank = gate_rank
+        self.style = style
+        self.flat_a_log = flat_a_log
+        self.flat_conv = flat_conv
+        # MLA sizes follow Kimi-Linear's ratios: rope = D/2, kv_lora_rank = 4D, nope = v = D.
+        self.rope_dim = max(1, head_dim // 2)
+        self.kv_lora_rank = 4 * head_dim
+        # Gated GQA: 4 query heads per key/value head when H allows it.
+        self.kv_heads = heads // 4 if heads % 4 == 0 else heads
+
+
+class _Spec:
+    """One tensor to generate: name, safetensors dtype, shape and value distribution.
+
+    ``kind`` is ``"proj"`` (N(0, 0.02)), ``"conv"`` (U(-0.5, 0.5)), ``"norm"`` (1 + N(0, 0.02)),
+    ``"a_log"`` (log U(1, 16)) or ``"dt_bias"`` (inverse softplus of a log-uniform step in
+    [1e-3, 1e-1], as flash-linear-attention initialises it).
+    """
+
+    __slots__ = ("dtype", "kind", "name", "nbytes", "shape")
+
+    def __init__(self, name: str, dtype: str, shape: tuple[int, ...], kind: str):
+        self.name = name
+        self.dtype = dtype
+        self.shape = shape
+        self.kind = kind
+        self.nbytes = math.prod(shape) * _io.DTYPE_SIZES[dtype]
+
+
+def _model_tensors(
+    g: _Geometry, num_layers: int, kda: set[int], vocab: int, wdt: str
+) -> list[_Spec]:
+    """All tensors of the model in file order: embeddings, layers 0.., final norm, lm_head."""
+    specs = [_Spec("model.embed_tokens.weight", wdt, (vocab, g.hidden), "proj")]
+    for i in range(num_layers):
+        layer = f"model.layers.{i}."
+        specs.append(_Spec(layer + "input_layernorm.weight", wdt, (g.hidden,), "norm"))
+        if i in kda:
+            attention = _kda_tensors(g, wdt)
+        elif g.style == "kimi":
+            attention = _mla_tensors(g, wdt)
+        else:
+            attention = _gqa_tensors(g, wdt)
+        specs.extend(_Spec(layer + "self_attn." + n, dt, s, k) for n, dt, s, k in attention)
+        specs.append(_Spec(layer + "post_attention_layernorm.weight", wdt, (g.hidden,), "norm"))
+    specs.append(_Spec("model.norm.weight", wdt, (g.hidden,), "norm"))
+    specs.append(_Spec("lm_head.weight", wdt, (vocab, g.hidden), "proj"))
+    return specs
+
+
+def _kda_tensors(g: _Geometry, wdt: str) -> list[tuple[str, str, tuple[int, ...], str]]:
+    """A KDA layer's ``self_attn`` tensors in the plan's spec order."""
+    c, d, r = g.channels, g.hidden, g.gate_rank
+    conv = (c, g.conv_kernel) if g.flat_conv else (c, 1, g.conv_kernel)
+    a_log = (g.heads,) if g.flat_a_log else (1, 1, g.heads, 1)
+    return [
+        ("q_proj.weight", wdt, (c, d), "proj"),
+        ("k_proj.weight", wdt, (c, d), "proj"),
+        ("v_proj.weight", wdt, (c, d), "proj"),
+        ("q_conv1d.weight", wdt, conv, "conv"),
+        ("k_conv1d.weight", wdt, conv, "conv"),
+        ("v_conv1d.weight", wdt, conv, "conv"),
+        ("f_a_proj.weight", wdt, (r, d), "proj"),
+        ("f_b_proj.weight", wdt, (c, r), "proj"),
+        ("g_a_proj.weight", wdt, (r, d), "proj"),
+        ("g_b_proj.weight", wdt, (c, r), "proj"),
+        ("b_proj.weight", wdt, (g.heads, d), "proj"),
+        ("A_log", "F32", a_log, "a_log"),
+        ("dt_bias", "F32", (c,), "dt_bias"),
+        ("o_norm.weight", wdt, (g.head_dim,), "norm"),
+        ("o_proj.weight", wdt, (d, c), "proj"),
+    ]
+
+
+def _mla_tensors(g: _Geometry, wdt: str) -> list[tuple[str, str, tuple[int, ...], str]]:
+    """A Kimi-Linear MLA layer's ``self_attn`` tensors (q_lora_rank null, nope = v = D)."""
+    d, h, hd, lora, rope = g.hidden, g.heads, g.head_dim, g.kv_lora_rank, g.rope_dim
+    return [
+        ("q_proj.weight", wdt, (h * (hd + rope), d), "proj"),
+        ("kv_a_proj_with_mqa.weight", wdt, (lora + rope, d), "proj"),
+        ("kv_a_layernorm.weight", wdt, (lora,), "norm"),
+        ("kv_b_proj.weight", wdt, (h * 2 * hd, lora), "proj"),
+        ("o_proj.weight", wdt, (d, h * hd), "proj"),
+    ]
+
+
+def _gqa_tensors(g: _Geometry, wdt: str) -> list[tuple[str, str, tuple[int, ...], str]]:
+    """A Qwen3-Next-style gated GQA layer's ``self_attn`` tensors (q_proj = query + gate)."""
+    d, h, hd, kv = g.hidden, g.heads, g.head_dim, g.kv_heads
+    return [
+        ("q_proj.weight", wdt, (2 * h * hd, d), "proj"),
+        ("k_proj.weight", wdt, (kv * hd, d), "proj"),
+        ("v_proj.weight", wdt, (kv * hd, d), "proj"),
+        ("q_norm.weight", wdt, (hd,), "norm"),
+        ("k_norm.weight", wdt, (hd,), "norm"),
+        ("o_proj.weight", wdt, (d, h * hd), "proj"),
+    ]
+
+
+def _config(g: _Geometry, num_layers: int, kda: set[int], vocab: int, torch_dtype: str) -> dict:
+    """config.json contents in the geometry's dialect."""
+    common = {
+        "hidden_size": g.hidden,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": g.heads,
+        "rms_norm_eps": _RMS_NORM_EPS,
+        "vocab_size": vocab,
+        "tie_word_embeddings": False,
+        "torch_dtype": torch_dtype,
+    }
+    if g.style == "kimi":
+        return {
+            "architectures": ["KimiLinearForCausalLM"],
+            "model_type": "kimi_linear",
+            **common,
+            "num_key_value_heads": g.heads,
+            "q_lora_rank": None,
+            "kv_lora_rank": g.kv_lora_rank,
+            "qk_nope_head_dim": g.head_dim,
+            "qk_rope_head_dim": g.rope_dim,
+            "v_head_dim": g.head_dim,
+            "mla_use_nope": True,
+            "linear_attn_config": {
+                "head_dim": g.head_dim,
+                "num_heads": g.heads,
+                "short_conv_kernel_size": g.conv_kernel,
+                "kda_layers": [i + 1 for i in range(num_layers) if i in kda],
+                "full_attn_layers": [i + 1 for i in range(num_layers) if i not in kda],
+            },
+        }
+    return {
+        "architectures": ["Glm5NextForCausalLM"],
+        "model_type": "glm5_next",
+        **common,
+        "num_key_value_heads": g.kv_heads,
+        "head_dim": g.head_dim,
+        "linear_key_head_dim": g.head_dim,
+        "linear_value_head_dim": g.head_dim,
+        "linear_num_key_heads": g.heads,
+        "linear_num_value_heads": g.heads,
+        "linear_conv_kernel_dim": g.conv_kernel,
+        "layer_types": [
+            "linear_attention" if i in kda else "full_attention" for i in range(num_layers)
+        ],
+    }
+
+
+def _write_tensor_files(
+    out: Path, specs: list[_Spec], seed: int, max_file_bytes: int, progress: ProgressFn | None
+) -> None:
+    """Write the safetensors files and the index, generating one tensor at a time."""
+    generator = _Generator(specs, seed)
+    groups = _split_into_files([s.nbytes for s in specs], max_file_bytes)
+    total = sum(s.nbytes for s in specs)
+    done = 0
+
+    def producer(spec: _Spec) -> Callable[[], np.ndarray]:
+        def get_bytes() -> np.ndarray:
+            nonlocal done
+            data = generator.tensor(spec)
+            done += spec.nbytes
+            if progress is not None:
+                progress(done, total)
+            return data
+
+        return get_bytes
+
+    weight_map = {}
+    for number, group in enumerate(groups, start=1):
+        file_name = f"model-{number:05d}-of-{len(groups):05d}.safetensors"
+        members = [specs[j] for j in group]
+        _io.write_safetensors(
+            out / file_name,
+            [(s.name, s.dtype, s.shape, s.nbytes, producer(s)) for s in members],
+            metadata={"format": "pt"},
+        )
+        weight_map.update((s.name, file_name) for s in members)
+    _io.write_index(out / "model.safetensors.index.json", weight_map, total)
+
+
+def _split_into_files(sizes: list[int], max_file_bytes: int) -> list[list[int]]:
+    """Group tensor indices (kept in order) into >= 2 files of roughly equal byte size.
+
+    The number of files is ``max(2, ceil(total / max_file_bytes))``; a tensor goes to the file
+    whose equal share of the total contains the tensor's midpoint. Needs at least two tensors.
+    """
+    total = sum(sizes)
+    files = max(2, -(-total // max_file_bytes))
+    slots = []
+    start = 0
+    for size in sizes:
+        slots.append(min(files - 1, (2 * start + size) * files // (2 * total)))
+        start += size
+    if slots[-1] == slots[0]:
+        slots[-1] = slots[0] + 1
+    groups: dict[int, list[int]] = {}
+    for index, slot in enumerate(slots):
+        groups.setdefault(slot, []).append(index)
+    return [groups[slot] for slot in sorted(groups)]
+
+
+class _Generator:
+    """Deterministic tensor values for one checkpoint (see the module docstring)."""
+
+    def __init__(self, specs: list[_Spec], seed: int):
+        self._seed = seed
+        pooled = [s for s in specs if self._uses_pool(s)]
+        self._pool_elems = max([_MIN_POOL_ELEMS] + [4 * (s.shape[0] + s.shape[1]) for s in pooled])
+        self._pools: dict[str, np.ndarray] = {}
+
+    @staticmethod
+    def _uses_pool(spec: _Spec) -> bool:
+        return (
+            spec.kind == "proj" and len(spec.shape) == 2 and math.prod(spec.shape) > _DIRECT_LIMIT
+        )
+
+    def tensor(self, spec: _Spec) -> np.ndarray:
+        """The tensor's little-endian data as a C-contiguous array of ``spec.nbytes`` bytes."""
+        rng = np.random.default_rng([self._seed, zlib.crc32(spec.name.encode("utf-8"))])
+        if self._uses_pool(spec):
+            rows, cols = spec.shape
+            pool = self._pool(spec.dtype)
+            starts = rng.choice(pool.size - cols + 1, size=rows, replace=False)
+            return sliding_window_view(pool, cols)[starts]
+        count = math.prod(spec.shape)
+        if spec.kind == "proj":
+            values = rng.standard_normal(count, dtype=np.float32) * np.float32(_PROJ_STD)
+        elif spec.kind == "norm":
+            values = 1 + rng.standard_normal(count, dtype=np.float32) * np.float32(_PROJ_STD)
+        elif spec.kind == "conv":
+            values = rng.random(count, dtype=np.float32) - np.float32(0.5)
+        elif spec.kind == "a_log":
+            values = np.log(rng.uniform(1.0, 16.0, count)).astype(np.float32)
+        else:  # dt_bias
+            dt = np.exp(rng.uniform(math.log(1e-3), math.log(1e-1), count))
+            values = (dt + np.log(-np.expm1(-dt))).astype(np.float32)
+        return _encode(values, spec.dtype)
+
+    def _pool(self, dtype: str) -> np.ndarray:
+        """N(0, 0.02) values in ``dtype``, drawn once per dtype per checkpoint."""
+        if dtype not in self._pools:
+            rng = np.random.default_rng([self._seed, _POOL_STREAM])
+            values = rng.standard_normal(self._pool_elems, dtype=np.float32)
+            values *= np.float32(_PROJ_STD)
+            self._pools[dtype] = _encode(values, dtype)
+        return self._pools[dtype]
+
+
+def _encode(values: np.ndarray, dtype: str) -> np.ndarray:
+    """float32 values -> little-endian storage array of ``dtype`` (BF16 as '<u2' bit patterns).
+
+    BF16 keeps the top 16 bits of the float32 pattern after adding 0x7FFF plus the lowest kept
+    bit, i.e. round to nearest, ties to even (valid for the finite values generated here).
+    """
+    if dtype == "BF16":
+        bits = values.astype("<f4", copy=False).view("<u4")
+        lowest_kept = (bits >> np.uint32(16)) & np.uint32(1)
+        return ((bits + np.uint32(0x7FFF) + lowest_kept) >> np.uint32(16)).astype("<u2")
+    return values.astype({"F16": "<f2", "F32": "<f4"}[dtype])
+
+
+def _check_positive(**sizes: int) -> None:
+    """Refuse any size that is not an int >= 1."""
+    for key, value in sizes.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise PlanError(f"{key} must be a positive int, got {value!r}")
