@@ -67,6 +67,8 @@ def write_safetensors(
     path: str | os.PathLike[str],
     tensors: Iterable[TensorSpec],
     metadata: Mapping[str, str] | None = None,
+    *,
+    sync: bool = True,
 ) -> int:
     """Write a safetensors file, pulling one tensor's bytes at a time.
 
@@ -77,6 +79,10 @@ def write_safetensors(
             before any ``get_bytes`` is called; each buffer is written straight to the file and
             released before the next ``get_bytes`` call, so at most one tensor's data is alive.
         metadata: optional str -> str map stored as ``"__metadata__"`` in the header.
+        sync: fsync the file and its directory (survives power loss). Without it the file is
+            still never seen half-written under ``path`` by other processes, and a killed
+            writer leaves only a hidden temporary file; ``kda-tp shard`` writes without it
+            for speed (run ``sync`` afterwards where power-loss durability matters).
 
     Returns:
         The size of the data section in bytes (the sum of all ``nbytes``), which is the value
@@ -111,7 +117,7 @@ def write_safetensors(
             _checked_write(f, path, view)
             view.release()
 
-    _atomic_write(path, write_body)
+    _atomic_write(path, write_body, sync=sync)
     return data_size
 
 
@@ -229,7 +235,9 @@ def _checked_write(f: BinaryIO, path: Path, data: bytes | memoryview) -> None:
         raise OutputError(f"{path}: write failed: {exc}") from exc
 
 
-def _atomic_write(path: Path, write_body: Callable[[BinaryIO], None]) -> None:
+def _atomic_write(
+    path: Path, write_body: Callable[[BinaryIO], None], *, sync: bool = True
+) -> None:
     """Run ``write_body`` on a temporary file beside ``path``, then rename it to ``path``.
 
     The temporary file is created with ``O_EXCL`` and mode 0o666 filtered by the umask (the
@@ -249,7 +257,7 @@ def _atomic_write(path: Path, write_body: Callable[[BinaryIO], None]) -> None:
         f = open(fd, "wb")  # noqa: SIM115
         try:
             write_body(f)
-            _flush_and_sync(f, path)
+            _flush_and_sync(f, path, sync)
         except BaseException:
             _close_quietly(f)
             raise
@@ -264,14 +272,17 @@ def _atomic_write(path: Path, write_body: Callable[[BinaryIO], None]) -> None:
         except FileNotFoundError:
             pass
         raise
-    _fsync_directory(path)
+    if sync:
+        _fsync_directory(path)
 
 
-def _flush_and_sync(f: BinaryIO, path: Path) -> None:
-    """Push buffered bytes to the kernel and the kernel's to the disk (ENOSPC often shows here)."""
+def _flush_and_sync(f: BinaryIO, path: Path, sync: bool) -> None:
+    """Push buffered bytes to the kernel and, with ``sync``, the kernel's to the disk (ENOSPC
+    often shows here)."""
     try:
         f.flush()
-        os.fsync(f.fileno())
+        if sync:
+            os.fsync(f.fileno())
     except OSError as exc:
         raise OutputError(f"{path}: flush/fsync failed: {exc}") from exc
 
