@@ -111,8 +111,8 @@ impl SafetensorsFile {
         // Both fit in usize: bounded by MAX_HEADER_BYTES.
         let mut header = vec![0u8; header_len as usize];
         read_exact_at(&file, &mut header, 8).map_err(io)?;
-        let header = std::str::from_utf8(&header)
-            .map_err(|e| bad(format!("header is not UTF-8: {e}")))?;
+        let header =
+            std::str::from_utf8(&header).map_err(|e| bad(format!("header is not UTF-8: {e}")))?;
         let TopLevelKeys(duplicate) = serde_json::from_str(header)
             .map_err(|e| bad(format!("header is not a JSON object: {e}")))?;
         if let Some(name) = duplicate {
@@ -287,7 +287,10 @@ impl Checkpoint {
                 .as_str()
                 .ok_or_else(|| bad(format!("weight_map[{tensor:?}] is not a file name")))?;
             let relative = Path::new(file);
-            if file.is_empty() || !relative.components().all(|c| matches!(c, Component::Normal(_)))
+            if file.is_empty()
+                || !relative
+                    .components()
+                    .all(|c| matches!(c, Component::Normal(_)))
             {
                 return Err(bad(format!(
                     "weight_map[{tensor:?}] = {file:?} is not a plain relative path inside the \
@@ -438,3 +441,6 @@ fn read_exact_at(file: &File, mut buf: &mut [u8], mut offset: u64) -> std::io::R
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests;

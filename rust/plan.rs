@@ -285,21 +285,93 @@ impl KdaTpPlan {
 
         use KdaShard::{ChannelCols, ChannelRows, HeadRows, Replicated};
         let layout: [(&'static str, KdaShard, usize, usize, Vec<usize>); 15] = [
-            ("q_proj", ChannelRows, full_ch, hidden, vec![full_ch, hidden]),
-            ("k_proj", ChannelRows, full_ch, hidden, vec![full_ch, hidden]),
-            ("v_proj", ChannelRows, full_ch, hidden, vec![full_ch, hidden]),
-            ("q_conv1d", ChannelRows, full_ch, conv_kernel, vec![full_ch, 1, conv_kernel]),
-            ("k_conv1d", ChannelRows, full_ch, conv_kernel, vec![full_ch, 1, conv_kernel]),
-            ("v_conv1d", ChannelRows, full_ch, conv_kernel, vec![full_ch, 1, conv_kernel]),
-            ("f_a_proj", Replicated, gate_rank, hidden, vec![gate_rank, hidden]),
-            ("f_b_proj", ChannelRows, full_ch, gate_rank, vec![full_ch, gate_rank]),
-            ("g_a_proj", Replicated, gate_rank, hidden, vec![gate_rank, hidden]),
-            ("g_b_proj", ChannelRows, full_ch, gate_rank, vec![full_ch, gate_rank]),
-            ("b_proj", HeadRows, full_heads, hidden, vec![full_heads, hidden]),
+            (
+                "q_proj",
+                ChannelRows,
+                full_ch,
+                hidden,
+                vec![full_ch, hidden],
+            ),
+            (
+                "k_proj",
+                ChannelRows,
+                full_ch,
+                hidden,
+                vec![full_ch, hidden],
+            ),
+            (
+                "v_proj",
+                ChannelRows,
+                full_ch,
+                hidden,
+                vec![full_ch, hidden],
+            ),
+            (
+                "q_conv1d",
+                ChannelRows,
+                full_ch,
+                conv_kernel,
+                vec![full_ch, 1, conv_kernel],
+            ),
+            (
+                "k_conv1d",
+                ChannelRows,
+                full_ch,
+                conv_kernel,
+                vec![full_ch, 1, conv_kernel],
+            ),
+            (
+                "v_conv1d",
+                ChannelRows,
+                full_ch,
+                conv_kernel,
+                vec![full_ch, 1, conv_kernel],
+            ),
+            (
+                "f_a_proj",
+                Replicated,
+                gate_rank,
+                hidden,
+                vec![gate_rank, hidden],
+            ),
+            (
+                "f_b_proj",
+                ChannelRows,
+                full_ch,
+                gate_rank,
+                vec![full_ch, gate_rank],
+            ),
+            (
+                "g_a_proj",
+                Replicated,
+                gate_rank,
+                hidden,
+                vec![gate_rank, hidden],
+            ),
+            (
+                "g_b_proj",
+                ChannelRows,
+                full_ch,
+                gate_rank,
+                vec![full_ch, gate_rank],
+            ),
+            (
+                "b_proj",
+                HeadRows,
+                full_heads,
+                hidden,
+                vec![full_heads, hidden],
+            ),
             ("A_log", HeadRows, full_heads, 1, vec![1, 1, full_heads, 1]),
             ("dt_bias", ChannelRows, full_ch, 1, vec![full_ch]),
             ("o_norm", Replicated, head_dim, 1, vec![head_dim]),
-            ("o_proj", ChannelCols, hidden, full_ch, vec![hidden, full_ch]),
+            (
+                "o_proj",
+                ChannelCols,
+                hidden,
+                full_ch,
+                vec![hidden, full_ch],
+            ),
         ];
 
         let mut tensors = Vec::with_capacity(layout.len());
@@ -391,18 +463,14 @@ fn dtype_table(overrides: &[(String, Dtype)]) -> Result<impl Fn(&str) -> Dtype +
         }
     }
     Ok(move |name: &str| {
-        overrides
-            .iter()
-            .rev()
-            .find(|(n, _)| n == name)
-            .map_or(
-                if matches!(name, "A_log" | "dt_bias") {
-                    Dtype::F32
-                } else {
-                    Dtype::BF16
-                },
-                |(_, d)| *d,
-            )
+        overrides.iter().rev().find(|(n, _)| n == name).map_or(
+            if matches!(name, "A_log" | "dt_bias") {
+                Dtype::F32
+            } else {
+                Dtype::BF16
+            },
+            |(_, d)| *d,
+        )
     })
 }
 

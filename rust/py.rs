@@ -291,17 +291,21 @@ impl PyPlan {
         self.0.get(name).is_some()
     }
     fn __eq__(&self, other: &Bound<'_, PyAny>) -> bool {
-        other
-            .cast::<PyPlan>()
-            .is_ok_and(|o| o.get().0 == self.0)
+        other.cast::<PyPlan>().is_ok_and(|o| o.get().0 == self.0)
     }
     fn __repr__(&self) -> String {
         let p = &self.0;
         format!(
             "KdaTpPlan(tp_rank={}, tp_size={}, hidden={}, head_dim={}, full_heads={}, \
              conv_kernel={}, gate_rank={}, qk_multiple={})",
-            p.tp_rank, p.tp_size, p.hidden, p.head_dim, p.full_heads, p.conv_kernel,
-            p.gate_rank, p.qk_multiple
+            p.tp_rank,
+            p.tp_size,
+            p.hidden,
+            p.head_dim,
+            p.full_heads,
+            p.conv_kernel,
+            p.gate_rank,
+            p.qk_multiple
         )
     }
 }
@@ -381,7 +385,11 @@ impl PyCheckpoint {
     /// ``(dtype, shape, file_path)`` of a tensor, or None.
     fn info(&self, name: &str) -> Option<(String, Vec<usize>, PathBuf)> {
         self.0.locate(name).map(|(file, info)| {
-            (info.dtype.to_string(), info.shape.clone(), file.path().to_path_buf())
+            (
+                info.dtype.to_string(),
+                info.shape.clone(),
+                file.path().to_path_buf(),
+            )
         })
     }
     fn read(&self, py: Python<'_>, name: &str) -> PyResult<PyTensorBytes> {
@@ -389,7 +397,13 @@ impl PyCheckpoint {
     }
     /// ``[(file_path, user_metadata or None, mapping (start, stop) or None)]`` per file.
     #[allow(clippy::type_complexity)]
-    fn files(&self) -> Vec<(PathBuf, Option<HashMap<String, String>>, Option<(usize, usize)>)> {
+    fn files(
+        &self,
+    ) -> Vec<(
+        PathBuf,
+        Option<HashMap<String, String>>,
+        Option<(usize, usize)>,
+    )> {
         self.0
             .files()
             .iter()

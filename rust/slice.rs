@@ -51,11 +51,13 @@ pub fn row_byte_range(plan: &KdaTensorPlan) -> Option<Range<usize>> {
     }
 }
 
-/// Gathers this rank's columns of every row of `full` into `out`, in one pass.
+/// Copies this rank's `[local_rows, local_row_elems]` block of `full` into `out`, in one pass:
+/// for `ChannelCols` a strided gather of every row's column range, for the other kinds a copy
+/// of the row range.
 ///
 /// `full` is the whole `[full_rows, full_row_elems]` tensor (row-major, `plan.full_bytes()`
-/// bytes) and `out` receives `[local_rows, local_row_elems]` (`plan.local_bytes()` bytes). Large
-/// outputs are split across the rayon pool in tasks of about 1 MiB of output.
+/// bytes) and `out` receives `plan.local_bytes()` bytes. Large outputs are split across the
+/// rayon pool in tasks of about 1 MiB of output.
 ///
 /// # Errors
 /// [`Error::BufferSize`] when `full` has the wrong length, or when `out` is not
@@ -80,7 +82,7 @@ pub fn gather_cols(plan: &KdaTensorPlan, full: &[u8], out: &mut [u8]) -> Result<
     let lo = plan.src_col_offset * plan.elem_bytes;
     let copy_rows = |first_row: usize, dst: &mut [u8]| {
         for (i, dst_row) in dst.chunks_exact_mut(width).enumerate() {
-            let base = (first_row + i) * row + lo;
+            let base = (plan.src_row_offset + first_row + i) * row + lo;
             dst_row.copy_from_slice(&full[base..base + width]);
         }
     };

@@ -1,0 +1,805 @@
+//! Tests of reading safetensors files and checkpoint directories: round trips on both backends,
+//! and every refusal with its error variant. Files are written by hand (8-byte little-endian
+//! header length, JSON header, data) into a fresh directory under the system temp dir.
+#![allow(clippy::unwrap_used)]
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use safetensors::Dtype;
+use serde_json::json;
+
+use super::*;
+
+/// A fresh directory, removed on drop.
+struct TempDir(PathBuf);
+
+impl TempDir {
+    fn new(tag: &str) -> Self {
+        static COUNTER: AtomicUsize = AtomicUsize::new(0);
+        let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+        let path =
+            std::env::temp_dir().join(format!("kda_tp-ckpt-{}-{tag}-{n}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&path);
+        std::fs::create_dir_all(&path).unwrap();
+        Self(path)
+    }
+
+    fn path(&self) -> &Path {
+        &self.0
+    }
+
+    fn write(&self, name: &str, bytes: &[u8]) -> PathBuf {
+        let path = self.0.join(name);
+        if let Some(parent) = path.parent() {
+            std::fs::create_dir_all(parent).unwrap();
+        }
+        std::fs::write(&path, bytes).unwrap();
+        path
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// A safetensors file: header length (u64 LE), the header bytes, the data.
+fn st_raw(header: &[u8], data: &[u8]) -> Vec<u8> {
+    let mut out = (header.len() as u64).to_le_bytes().to_vec();
+    out.extend_from_slice(header);
+    out.extend_from_slice(data);
+    out
+}
+
+fn st(header: &serde_json::Value, data: &[u8]) -> Vec<u8> {
+    st_raw(header.to_string().as_bytes(), data)
+}
+
+/// A header for consecutive tensors `(name, dtype, shape)`, offsets derived from the sizes.
+fn header_for(tensors: &[(&str, &str, &[usize])]) -> serde_json::Value {
+    let mut map = serde_json::Map::new();
+    let mut offset = 0;
+    for (name, dtype, shape) in tensors {
+        let elem = match *dtype {
+            "F64" | "I64" => 8,
+            "F32" | "I32" => 4,
+            "BF16" | "F16" => 2,
+            _ => 1,
+        };
+        let len = elem * shape.iter().product::<usize>();
+        map.insert(
+            name.to_string(),
+            json!({"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + len]}),
+        );
+        offset += len;
+    }
+    serde_json::Value::Object(map)
+}
+
+/// Bytes 0, 1, 2, ... (mod 251), offset by `seed`.
+fn data(len: usize, seed: u8) -> Vec<u8> {
+    (0..len).map(|i| (i % 251) as u8 ^ seed).collect()
+}
+
+/// One file with tensors `z` F32 [2, 3], `a` BF16 [4], `m` U8 [5] (in that data order) and a
+/// `__metadata__` map.
+fn three_tensor_file(dir: &TempDir, name: &str, seed: u8) -> (PathBuf, Vec<u8>) {
+    let mut h = header_for(&[
+        ("z", "F32", &[2, 3]),
+        ("a", "BF16", &[4]),
+        ("m", "U8", &[5]),
+    ]);
+    h["__metadata__"] = json!({"format": "pt", "origin": "kda_tp test"});
+    let bytes = data(24 + 8 + 5, seed);
+    (dir.write(name, &st(&h, &bytes)), bytes)
+}
+
+const BACKENDS: [Backend; 2] = [Backend::Mmap, Backend::Pread];
+
+// ---------------------------------------------------------------------------------------------
+// One file.
+// ---------------------------------------------------------------------------------------------
+
+#[test]
+fn a_file_round_trips_on_both_backends() {
+    let dir = TempDir::new("roundtrip");
+    let (path, bytes) = three_tensor_file(&dir, "m.safetensors", 0);
+    for backend in BACKENDS {
+        let f = SafetensorsFile::open(&path, backend).unwrap();
+        assert_eq!(f.path(), path);
+        assert_eq!(
+            f.names(),
+            ["z", "a", "m"],
+            "data-offset order, not name order"
+        );
+        let z = f.info("z").unwrap();
+        assert_eq!(
+            (z.dtype, z.shape.as_slice(), z.data_offsets),
+            (Dtype::F32, &[2usize, 3][..], (0, 24))
+        );
+        let a = f.info("a").unwrap();
+        assert_eq!(
+            (a.dtype, a.shape.as_slice(), a.data_offsets),
+            (Dtype::BF16, &[4usize][..], (24, 32))
+        );
+        assert!(f.info("nope").is_none());
+        assert_eq!(f.read("z").unwrap().as_slice(), &bytes[0..24]);
+        assert_eq!(f.read("a").unwrap().as_slice(), &bytes[24..32]);
+        assert_eq!(f.read("m").unwrap().as_slice(), &bytes[32..37]);
+        let meta = f.user_metadata().unwrap();
+        assert_eq!(meta.get("format").map(String::as_str), Some("pt"));
+        assert_eq!(meta.len(), 2);
+    }
+}
+
+#[test]
+fn mmap_borrows_from_the_mapping_and_pread_copies() {
+    let dir = TempDir::new("zerocopy");
+    let (path, _) = three_tensor_file(&dir, "m.safetensors", 5);
+    let mapped = SafetensorsFile::open(&path, Backend::Mmap).unwrap();
+    let copied = SafetensorsFile::open(&path, Backend::Pread).unwrap();
+    let range = mapped.mapping().unwrap();
+    assert_eq!(range.len() as u64, std::fs::metadata(&path).unwrap().len());
+    assert_eq!(copied.mapping(), None);
+    for name in mapped.names() {
+        let m = mapped.read(&name).unwrap();
+        let c = copied.read(&name).unwrap();
+        assert!(matches!(m, TensorData::Mapped { .. }), "{name}");
+        assert!(matches!(c, TensorData::Owned(_)), "{name}");
+        let start = m.as_slice().as_ptr() as usize;
+        assert!(
+            range.contains(&start) && start + m.as_slice().len() <= range.end,
+            "{name}"
+        );
+        assert_eq!(m.as_slice(), c.as_slice(), "{name}: mmap and pread agree");
+    }
+    // A TensorData keeps its mapping alive after the file is dropped.
+    let z = mapped.read("z").unwrap();
+    drop(mapped);
+    assert_eq!(z.as_slice(), copied.read("z").unwrap().as_slice());
+}
+
+#[test]
+fn mmap_and_pread_agree_on_a_larger_file() {
+    let dir = TempDir::new("larger");
+    let tensors: Vec<(String, &str, Vec<usize>)> = (0..20)
+        .map(|i| {
+            (
+                format!("t{i:02}"),
+                ["BF16", "F32", "U8", "F64"][i % 4],
+                vec![i + 1, 1000 + 7 * i],
+            )
+        })
+        .collect();
+    let spec: Vec<(&str, &str, &[usize])> = tensors
+        .iter()
+        .map(|(n, d, s)| (n.as_str(), *d, s.as_slice()))
+        .collect();
+    let h = header_for(&spec);
+    let total = h
+        .as_object()
+        .unwrap()
+        .values()
+        .map(|v| v["data_offsets"][1].as_u64().unwrap())
+        .max()
+        .unwrap();
+    let bytes: Vec<u8> = (0..total as usize)
+        .map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8)
+        .collect();
+    let path = dir.write("big.safetensors", &st(&h, &bytes));
+    let m = SafetensorsFile::open(&path, Backend::Mmap).unwrap();
+    let p = SafetensorsFile::open(&path, Backend::Pread).unwrap();
+    assert_eq!(m.names().len(), 20);
+    for name in m.names() {
+        let (b, e) = m.info(&name).unwrap().data_offsets;
+        assert_eq!(m.read(&name).unwrap().as_slice(), &bytes[b..e], "{name}");
+        assert_eq!(p.read(&name).unwrap().as_slice(), &bytes[b..e], "{name}");
+    }
+}
+
+#[test]
+fn reading_a_missing_tensor() {
+    let dir = TempDir::new("missing-tensor");
+    let (path, _) = three_tensor_file(&dir, "m.safetensors", 0);
+    for backend in BACKENDS {
+        match SafetensorsFile::open(&path, backend)
+            .unwrap()
+            .read("q_proj")
+        {
+            Err(Error::TensorNotFound { path: p, name }) => {
+                assert_eq!((p, name.as_str()), (path.clone(), "q_proj"))
+            }
+            Err(e) => panic!("{e:?}"),
+            Ok(_) => panic!("read a tensor that is not there"),
+        }
+    }
+}
+
+#[test]
+fn an_empty_header_and_a_space_padded_header_are_valid() {
+    let dir = TempDir::new("empty-header");
+    let path = dir.write("empty.safetensors", &st_raw(b"{}", b""));
+    for backend in BACKENDS {
+        let f = SafetensorsFile::open(&path, backend).unwrap();
+        assert!(f.names().is_empty());
+        assert!(f.user_metadata().is_none());
+    }
+    // The safetensors writer pads the header with spaces to a multiple of 8.
+    let h = header_for(&[("x", "F32", &[2])]).to_string();
+    let padded = format!("{h:<width$}", width = h.len().next_multiple_of(8) + 8);
+    let path = dir.write(
+        "padded.safetensors",
+        &st_raw(padded.as_bytes(), &[1, 2, 3, 4, 5, 6, 7, 8]),
+    );
+    for backend in BACKENDS {
+        let f = SafetensorsFile::open(&path, backend).unwrap();
+        assert_eq!(f.read("x").unwrap().as_slice(), &[1, 2, 3, 4, 5, 6, 7, 8]);
+    }
+}
+
+/// A header length that leaves the data section unaligned for F32 still reads the right bytes
+/// (nothing here reinterprets them in place).
+#[test]
+fn a_misaligned_data_offset_reads_the_right_bytes() {
+    let dir = TempDir::new("misaligned");
+    let h = header_for(&[("w", "F32", &[3])]).to_string();
+    // Pad with spaces so that the data section starts 2 bytes past a multiple of 4.
+    let pad = (0..4).find(|p| (8 + h.len() + p) % 4 == 2).unwrap();
+    let header = format!("{h:<width$}", width = h.len() + pad);
+    assert_ne!(
+        (8 + header.len()) % 4,
+        0,
+        "the data section must start unaligned"
+    );
+    let values = [1.5f32, -2.0, 3.25];
+    let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+    let path = dir.write("m.safetensors", &st_raw(header.as_bytes(), &bytes));
+    for backend in BACKENDS {
+        let f = SafetensorsFile::open(&path, backend).unwrap();
+        let got = f.read("w").unwrap();
+        assert_eq!(got.as_slice(), &bytes[..], "{backend:?}");
+        let decoded: Vec<f32> = got
+            .as_slice()
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+            .collect();
+        assert_eq!(decoded, values);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Refusals of one file.
+// ---------------------------------------------------------------------------------------------
+
+/// Writes `bytes`, opens them on both backends (as a file and as a checkpoint), expects
+/// `Error::Safetensors` naming the file, and returns the reason.
+fn refused(bytes: &[u8]) -> String {
+    let dir = TempDir::new("refused");
+    let path = dir.write("bad.safetensors", bytes);
+    let mut reasons = Vec::new();
+    for backend in BACKENDS {
+        for r in [
+            SafetensorsFile::open(&path, backend).map(|_| ()),
+            Checkpoint::open(&path, backend).map(|_| ()),
+            Checkpoint::open(dir.path(), backend).map(|_| ()),
+        ] {
+            match r {
+                Err(Error::Safetensors { path: p, reason }) => {
+                    assert_eq!(p, path);
+                    reasons.push(reason);
+                }
+                other => panic!("expected Error::Safetensors, got {other:?}"),
+            }
+        }
+    }
+    assert!(reasons.windows(2).all(|w| w[0] == w[1]), "{reasons:?}");
+    reasons.swap_remove(0)
+}
+
+fn assert_contains(reason: &str, want: &str) {
+    assert!(reason.contains(want), "{want:?} not in {reason:?}");
+}
+
+#[test]
+fn refuses_an_empty_file() {
+    assert_contains(
+        &refused(b""),
+        "the file is 0 bytes, shorter than the 8-byte header length",
+    );
+}
+
+#[test]
+fn refuses_a_file_shorter_than_8_bytes() {
+    assert_contains(&refused(&[2, 0, 0, 0, 0, 0, 0]), "the file is 7 bytes");
+    assert_contains(&refused(&[0]), "the file is 1 bytes");
+}
+
+#[test]
+fn refuses_a_header_length_past_the_end() {
+    let mut bytes = 100u64.to_le_bytes().to_vec();
+    bytes.extend_from_slice(b"{}");
+    assert_contains(
+        &refused(&bytes),
+        "header length 100 bytes runs past the end of the 10-byte file",
+    );
+    // One byte short.
+    let mut bytes = 3u64.to_le_bytes().to_vec();
+    bytes.extend_from_slice(b"{}");
+    assert_contains(&refused(&bytes), "runs past the end");
+}
+
+#[test]
+fn refuses_a_huge_header_length() {
+    for len in [1u64 << 63, u64::MAX, 100_000_001] {
+        let mut bytes = len.to_le_bytes().to_vec();
+        bytes.extend_from_slice(b"{}");
+        assert_contains(
+            &refused(&bytes),
+            &format!("header length {len} bytes exceeds"),
+        );
+    }
+}
+
+#[test]
+fn refuses_a_non_utf8_header() {
+    assert_contains(
+        &refused(&st_raw(&[b'{', 0xFF, 0xFE, b'}'], b"")),
+        "header is not UTF-8",
+    );
+}
+
+#[test]
+fn refuses_a_header_that_is_not_a_json_object() {
+    for header in [
+        &b"hello"[..],
+        b"[]",
+        b"[{\"a\": 1}]",
+        b"42",
+        b"\"x\"",
+        b"null",
+        b"{\"a\":",
+        b"{} x",
+        b"",
+    ] {
+        assert_contains(
+            &refused(&st_raw(header, b"")),
+            "header is not a JSON object",
+        );
+    }
+}
+
+#[test]
+fn refuses_an_unknown_dtype() {
+    let h = json!({"w": {"dtype": "Q7", "shape": [2], "data_offsets": [0, 2]}});
+    assert_contains(&refused(&st(&h, &[0, 0])), "invalid header");
+}
+
+#[test]
+fn refuses_a_byte_range_that_disagrees_with_the_shape() {
+    // F32 [3] is 12 bytes, the offsets say 8.
+    let h = json!({"w": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}});
+    assert_contains(&refused(&st(&h, &[0; 8])), "invalid header");
+    // Missing fields.
+    let h = json!({"w": {"dtype": "F32", "shape": [2]}});
+    assert_contains(&refused(&st(&h, &[0; 8])), "invalid header");
+    // A shape whose byte size overflows.
+    let h = json!({"w": {"dtype": "F32", "shape": [u64::MAX, 4], "data_offsets": [0, 8]}});
+    assert_contains(&refused(&st(&h, &[0; 8])), "invalid header");
+}
+
+#[test]
+fn refuses_overlapping_tensors() {
+    let h = json!({
+        "a": {"dtype": "U8", "shape": [8], "data_offsets": [0, 8]},
+        "b": {"dtype": "U8", "shape": [8], "data_offsets": [4, 12]},
+    });
+    assert_contains(&refused(&st(&h, &[0; 12])), "invalid header");
+}
+
+#[test]
+fn refuses_a_gap_between_tensors() {
+    let h = json!({
+        "a": {"dtype": "U8", "shape": [4], "data_offsets": [0, 4]},
+        "b": {"dtype": "U8", "shape": [4], "data_offsets": [8, 12]},
+    });
+    assert_contains(&refused(&st(&h, &[0; 12])), "invalid header");
+    // Data that does not start at offset 0.
+    let h = json!({"a": {"dtype": "U8", "shape": [4], "data_offsets": [4, 8]}});
+    assert_contains(&refused(&st(&h, &[0; 8])), "invalid header");
+}
+
+#[test]
+fn refuses_offsets_past_the_end_of_the_file() {
+    let h = header_for(&[("a", "F32", &[2]), ("b", "U8", &[4])]);
+    let header_len = h.to_string().len() as u64;
+    let reason = refused(&st(&h, &[0; 8]));
+    assert_contains(
+        &reason,
+        &format!(
+            "the header describes {} bytes but the file has {}",
+            8 + header_len + 12,
+            8 + header_len + 8
+        ),
+    );
+    assert_contains(&reason, "truncated");
+}
+
+#[test]
+fn refuses_trailing_bytes() {
+    let h = header_for(&[("a", "F32", &[2])]);
+    let header_len = h.to_string().len() as u64;
+    let reason = refused(&st(&h, &[0; 9]));
+    assert_contains(
+        &reason,
+        &format!(
+            "describes {} bytes but the file has {}",
+            8 + header_len + 8,
+            8 + header_len + 9
+        ),
+    );
+    // An empty header followed by data.
+    assert_contains(
+        &refused(&st_raw(b"{}", &[0])),
+        "describes 10 bytes but the file has 11",
+    );
+}
+
+#[test]
+fn refuses_duplicate_tensor_names() {
+    // serde_json keeps the last of two equal keys; the file must be refused instead.
+    let header = br#"{"w":{"dtype":"U8","shape":[4],"data_offsets":[0,4]},"w":{"dtype":"U8","shape":[4],"data_offsets":[0,4]}}"#;
+    assert_contains(
+        &refused(&st_raw(header, &[0; 4])),
+        "tensor \"w\" appears twice in the header",
+    );
+    let header = br#"{"__metadata__":{},"__metadata__":{},"w":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}}"#;
+    assert_contains(
+        &refused(&st_raw(header, &[0])),
+        "\"__metadata__\" appears twice",
+    );
+}
+
+#[test]
+fn refuses_a_non_string_metadata_value() {
+    let h = json!({"__metadata__": {"n": 3}});
+    assert_contains(&refused(&st(&h, b"")), "invalid header");
+}
+
+#[test]
+fn a_missing_file_is_an_io_error() {
+    let dir = TempDir::new("nofile");
+    let path = dir.path().join("absent.safetensors");
+    for backend in BACKENDS {
+        for r in [
+            SafetensorsFile::open(&path, backend).map(|_| ()),
+            Checkpoint::open(&path, backend).map(|_| ()),
+        ] {
+            match r {
+                Err(Error::Io { path: p, source }) => {
+                    assert_eq!(p, path);
+                    assert_eq!(source.kind(), std::io::ErrorKind::NotFound);
+                }
+                other => panic!("{other:?}"),
+            }
+        }
+    }
+}
+
+#[test]
+fn error_display_names_the_file() {
+    let dir = TempDir::new("display");
+    let path = dir.write("bad.safetensors", b"abc");
+    let e = SafetensorsFile::open(&path, Backend::Pread).err().unwrap();
+    assert_eq!(
+        e.to_string(),
+        format!(
+            "{}: invalid safetensors file: the file is 3 bytes, shorter than the 8-byte header length",
+            path.display()
+        )
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
+// Checkpoints: a single file, a directory with one file, a directory with an index.
+// ---------------------------------------------------------------------------------------------
+
+#[test]
+fn a_single_file_checkpoint() {
+    let dir = TempDir::new("single");
+    let (path, bytes) = three_tensor_file(&dir, "model.safetensors", 9);
+    for backend in BACKENDS {
+        for ckpt in [
+            Checkpoint::open(&path, backend).unwrap(),
+            Checkpoint::open(dir.path(), backend).unwrap(),
+        ] {
+            assert_eq!(ckpt.root(), dir.path());
+            assert_eq!(ckpt.files().len(), 1);
+            assert_eq!(ckpt.names(), ["z", "a", "m"]);
+            assert_eq!(ckpt.read("a").unwrap().as_slice(), &bytes[24..32]);
+            let (file, info) = ckpt.locate("m").unwrap();
+            assert_eq!(file.path(), path);
+            assert_eq!(info.data_offsets, (32, 37));
+            assert!(ckpt.locate("q").is_none());
+            match ckpt.read("q") {
+                Err(Error::TensorNotFound { path: p, name }) => {
+                    assert_eq!((p.as_path(), name.as_str()), (dir.path(), "q"));
+                }
+                Err(e) => panic!("{e:?}"),
+                Ok(_) => panic!("read a tensor that is not there"),
+            }
+        }
+    }
+}
+
+#[test]
+fn a_directory_without_index_ignores_hidden_and_other_files() {
+    let dir = TempDir::new("one-of-many");
+    let (path, _) = three_tensor_file(&dir, "weights.safetensors", 1);
+    dir.write("config.json", b"{}");
+    dir.write(".hidden.safetensors", b"not a safetensors file");
+    dir.write("weights.safetensors.bak", b"junk");
+    for backend in BACKENDS {
+        let ckpt = Checkpoint::open(dir.path(), backend).unwrap();
+        assert_eq!(ckpt.files().len(), 1);
+        assert_eq!(ckpt.files()[0].path(), path);
+    }
+}
+
+fn checkpoint_err(path: &Path) -> (PathBuf, String) {
+    let mut seen = Vec::new();
+    for backend in BACKENDS {
+        match Checkpoint::open(path, backend) {
+            Err(Error::Checkpoint { path, reason }) => seen.push((path, reason)),
+            Err(e) => panic!("expected Error::Checkpoint, got {e:?}"),
+            Ok(_) => panic!("expected Error::Checkpoint, got a checkpoint"),
+        }
+    }
+    assert_eq!(seen[0], seen[1]);
+    seen.swap_remove(0)
+}
+
+#[test]
+fn a_directory_without_safetensors_files() {
+    let dir = TempDir::new("none");
+    dir.write("config.json", b"{}");
+    dir.write(".hidden.safetensors", &st_raw(b"{}", b""));
+    let (path, reason) = checkpoint_err(dir.path());
+    assert_eq!(path, dir.path());
+    assert_contains(&reason, "no .safetensors file in the directory");
+}
+
+#[test]
+fn a_directory_with_two_files_and_no_index() {
+    let dir = TempDir::new("two");
+    three_tensor_file(&dir, "a.safetensors", 0);
+    dir.write(
+        "b.safetensors",
+        &st(&header_for(&[("other", "U8", &[2])]), &[1, 2]),
+    );
+    let (path, reason) = checkpoint_err(dir.path());
+    assert_eq!(path, dir.path());
+    assert_contains(
+        &reason,
+        "2 .safetensors files and no model.safetensors.index.json",
+    );
+}
+
+const F1: &str = "model-00001-of-00002.safetensors";
+const F2: &str = "model-00002-of-00002.safetensors";
+
+/// Two shard files: F1 holds `a` (BF16 [3]) and `b` (F32 [2]), F2 holds `c` (U8 [5]).
+fn two_shards(dir: &TempDir) -> (Vec<u8>, Vec<u8>) {
+    let d1 = data(6 + 8, 3);
+    let d2 = data(5, 4);
+    dir.write(
+        F1,
+        &st(&header_for(&[("a", "BF16", &[3]), ("b", "F32", &[2])]), &d1),
+    );
+    dir.write(F2, &st(&header_for(&[("c", "U8", &[5])]), &d2));
+    (d1, d2)
+}
+
+fn write_index(dir: &TempDir, weight_map: serde_json::Value) -> PathBuf {
+    let index = json!({"metadata": {"total_size": 19}, "weight_map": weight_map});
+    dir.write(INDEX_NAME, index.to_string().as_bytes())
+}
+
+#[test]
+fn a_directory_with_an_index_round_trips() {
+    let dir = TempDir::new("index");
+    let (d1, d2) = two_shards(&dir);
+    write_index(&dir, json!({"c": F2, "a": F1, "b": F1}));
+    dir.write("config.json", b"{}");
+    for backend in BACKENDS {
+        let ckpt = Checkpoint::open(dir.path(), backend).unwrap();
+        assert_eq!(ckpt.root(), dir.path());
+        let files: Vec<&Path> = ckpt.files().iter().map(SafetensorsFile::path).collect();
+        assert_eq!(files, [dir.path().join(F1), dir.path().join(F2)]);
+        assert_eq!(ckpt.names(), ["a", "b", "c"]);
+        assert_eq!(ckpt.read("a").unwrap().as_slice(), &d1[0..6]);
+        assert_eq!(ckpt.read("b").unwrap().as_slice(), &d1[6..14]);
+        assert_eq!(ckpt.read("c").unwrap().as_slice(), &d2[..]);
+        assert_eq!(ckpt.locate("c").unwrap().0.path(), dir.path().join(F2));
+        assert_eq!(ckpt.locate("c").unwrap().1.dtype, Dtype::U8);
+        assert!(matches!(ckpt.read("d"), Err(Error::TensorNotFound { .. })));
+    }
+}
+
+#[test]
+fn an_index_may_name_files_in_a_subdirectory() {
+    let dir = TempDir::new("index-subdir");
+    let bytes = data(4, 0);
+    dir.write(
+        "shards/x.safetensors",
+        &st(&header_for(&[("x", "F32", &[1])]), &bytes),
+    );
+    write_index(&dir, json!({"x": "shards/x.safetensors"}));
+    let ckpt = Checkpoint::open(dir.path(), Backend::Mmap).unwrap();
+    assert_eq!(ckpt.read("x").unwrap().as_slice(), &bytes[..]);
+}
+
+fn index_err(dir: &TempDir) -> String {
+    let (path, reason) = checkpoint_err(dir.path());
+    assert_eq!(path, dir.path().join(INDEX_NAME));
+    reason
+}
+
+#[test]
+fn refuses_an_index_that_is_not_json() {
+    let dir = TempDir::new("index-notjson");
+    two_shards(&dir);
+    dir.write(INDEX_NAME, b"{\"weight_map\": ");
+    assert_contains(&index_err(&dir), "not JSON");
+}
+
+#[test]
+fn refuses_an_index_without_a_weight_map() {
+    let dir = TempDir::new("index-nomap");
+    two_shards(&dir);
+    dir.write(INDEX_NAME, br#"{"metadata": {}}"#);
+    assert_contains(&index_err(&dir), "no \"weight_map\" object");
+    dir.write(INDEX_NAME, br#"{"weight_map": ["a"]}"#);
+    assert_contains(&index_err(&dir), "no \"weight_map\" object");
+    dir.write(INDEX_NAME, b"[]");
+    assert_contains(&index_err(&dir), "no \"weight_map\" object");
+}
+
+#[test]
+fn refuses_a_weight_map_entry_that_is_not_a_string() {
+    let dir = TempDir::new("index-nonstring");
+    two_shards(&dir);
+    write_index(&dir, json!({"a": F1, "b": F1, "c": 2}));
+    assert_contains(&index_err(&dir), "weight_map[\"c\"] is not a file name");
+}
+
+#[test]
+fn refuses_an_index_naming_a_missing_file() {
+    let dir = TempDir::new("index-missing");
+    two_shards(&dir);
+    write_index(
+        &dir,
+        json!({"a": F1, "b": F1, "c": "model-00003-of-00002.safetensors"}),
+    );
+    for backend in BACKENDS {
+        match Checkpoint::open(dir.path(), backend) {
+            Err(Error::Io { path, source }) => {
+                assert_eq!(path, dir.path().join("model-00003-of-00002.safetensors"));
+                assert_eq!(source.kind(), std::io::ErrorKind::NotFound);
+            }
+            Err(e) => panic!("{e:?}"),
+            Ok(_) => panic!("opened a checkpoint with a missing file"),
+        }
+    }
+}
+
+#[test]
+fn refuses_a_tensor_mapped_to_a_file_that_lacks_it() {
+    let dir = TempDir::new("index-lacks");
+    two_shards(&dir);
+    write_index(&dir, json!({"a": F1, "b": F1, "c": F1}));
+    let reason = index_err(&dir);
+    assert_contains(
+        &reason,
+        &format!("maps tensor \"c\" to {F1}, which has no such tensor"),
+    );
+}
+
+#[test]
+fn refuses_paths_that_leave_the_directory() {
+    let dir = TempDir::new("index-escape");
+    two_shards(&dir);
+    let outside =
+        std::env::temp_dir().join(format!("kda_tp-outside-{}.safetensors", std::process::id()));
+    for bad in [
+        "../outside.safetensors".to_string(),
+        format!("shards/../../{F2}"),
+        outside.display().to_string(),
+        "/etc/passwd".to_string(),
+        String::new(),
+        format!("./{F2}"),
+    ] {
+        write_index(&dir, json!({"a": F1, "b": F1, "c": bad}));
+        let reason = index_err(&dir);
+        assert_contains(
+            &reason,
+            &format!("weight_map[\"c\"] = {bad:?} is not a plain relative path"),
+        );
+    }
+}
+
+#[cfg(unix)]
+#[test]
+fn refuses_a_symlink_that_leaves_the_directory() {
+    let dir = TempDir::new("index-symlink");
+    let outside = TempDir::new("index-symlink-target");
+    two_shards(&dir);
+    let target = outside.write(
+        "c.safetensors",
+        &st(&header_for(&[("c", "U8", &[5])]), &data(5, 0)),
+    );
+    std::os::unix::fs::symlink(&target, dir.path().join("link.safetensors")).unwrap();
+    write_index(&dir, json!({"a": F1, "b": F1, "c": "link.safetensors"}));
+    assert_contains(&index_err(&dir), "\"link.safetensors\" resolves to");
+    assert_contains(&index_err(&dir), "outside the checkpoint directory");
+}
+
+#[cfg(unix)]
+#[test]
+fn a_symlink_inside_the_directory_is_followed() {
+    let dir = TempDir::new("index-symlink-inside");
+    let (_, d2) = two_shards(&dir);
+    std::os::unix::fs::symlink(dir.path().join(F2), dir.path().join("alias.safetensors")).unwrap();
+    write_index(&dir, json!({"a": F1, "b": F1, "c": "alias.safetensors"}));
+    let ckpt = Checkpoint::open(dir.path(), Backend::Pread).unwrap();
+    assert_eq!(ckpt.read("c").unwrap().as_slice(), &d2[..]);
+}
+
+#[test]
+fn refuses_a_file_tensor_missing_from_the_index() {
+    let dir = TempDir::new("index-unlisted");
+    two_shards(&dir);
+    write_index(&dir, json!({"a": F1, "c": F2}));
+    assert_contains(
+        &index_err(&dir),
+        &format!("{F1} holds tensor \"b\", which the index maps to no file"),
+    );
+}
+
+#[test]
+fn refuses_a_tensor_held_by_two_files() {
+    let dir = TempDir::new("index-twice");
+    two_shards(&dir);
+    // F2 also holds `a`; the index says `a` lives in F1.
+    dir.write(
+        F2,
+        &st(
+            &header_for(&[("c", "U8", &[5]), ("a", "BF16", &[3])]),
+            &data(11, 0),
+        ),
+    );
+    write_index(&dir, json!({"a": F1, "b": F1, "c": F2}));
+    assert_contains(
+        &index_err(&dir),
+        &format!("{F2} holds tensor \"a\", which the index maps to {F1}"),
+    );
+}
+
+#[test]
+fn a_bad_shard_file_is_refused_through_the_index() {
+    let dir = TempDir::new("index-badshard");
+    two_shards(&dir);
+    dir.write(F2, b"tiny");
+    write_index(&dir, json!({"a": F1, "b": F1, "c": F2}));
+    for backend in BACKENDS {
+        match Checkpoint::open(dir.path(), backend) {
+            Err(Error::Safetensors { path, reason }) => {
+                assert_eq!(path, dir.path().join(F2));
+                assert_contains(&reason, "the file is 4 bytes");
+            }
+            Err(e) => panic!("{e:?}"),
+            Ok(_) => panic!("opened a checkpoint with a corrupt shard"),
+        }
+    }
+}
