@@ -1,0 +1,95 @@
+"""Zero-copy reads: row-sliced and replicated tensors view the mapped file; the views stay
+valid after the source is gone; reads from several threads agree."""
+
+from __future__ import annotations
+
+import gc
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+import kda_tp
+from kda_tp.synth import write_small_checkpoint
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return write_small_checkpoint(
+        tmp_path_factory.mktemp("zc") / "ckpt", hidden=96, heads=4, head_dim=64, conv_kernel=4,
+        gate_rank=16, num_layers=2, kda_layers=[0, 1], seed=3,
+    )
+
+
+def _inside(array: np.ndarray, ranges: list[tuple[int, int]]) -> bool:
+    start = array.__array_interface__["data"][0]
+    return any(lo <= start and start + array.nbytes <= hi for lo, hi in ranges)
+
+
+def test_get_views_the_mapping(checkpoint):
+    source = kda_tp.SafetensorsSource(checkpoint)
+    ranges = source.mappings()
+    assert ranges
+    for name in source.names():
+        t = source.get(name)
+        assert _inside(t.data, ranges), name
+        assert not t.data.flags.writeable
+        assert not t.array.flags.writeable
+
+
+def test_sharded_rows_and_replicated_view_the_mapping(checkpoint):
+    source = kda_tp.SafetensorsSource(checkpoint)
+    shard = kda_tp.KdaShardedSource(source, kda_tp.KdaTpPlan.from_config(source, 1, 2))
+    ranges = source.mappings()
+    for name in source.names():
+        t = shard.get(name)
+        if name.endswith("o_proj.weight"):
+            assert not _inside(t.data, ranges)  # a gather: new memory
+        else:
+            assert _inside(t.data, ranges), name
+        assert not t.data.flags.writeable
+
+
+def test_views_outlive_the_source(checkpoint):
+    source = kda_tp.SafetensorsSource(checkpoint)
+    name = "model.layers.0.self_attn.q_proj.weight"
+    expected = bytes(source.get(name))
+    shard = kda_tp.KdaShardedSource(source, kda_tp.KdaTpPlan.from_config(source, 1, 2))
+    local = shard.get(name).array
+    view = source.get(name).data
+    del source, shard
+    gc.collect()
+    assert view.tobytes() == expected
+    assert local.tobytes() == expected[len(expected) // 2 :]
+
+
+def test_pread_backend_copies_and_agrees(checkpoint, monkeypatch):
+    mapped = kda_tp.SafetensorsSource(checkpoint)
+    monkeypatch.setenv("KDA_TP_BACKEND", "pread")
+    pread = kda_tp.SafetensorsSource(checkpoint)
+    assert pread.backend == "pread" and pread.mappings() == []
+    for name in mapped.names():
+        assert np.array_equal(mapped.get(name).data, pread.get(name).data)
+
+
+def test_eight_threads_read_the_same_bytes(checkpoint):
+    source = kda_tp.SafetensorsSource(checkpoint)
+    shard = kda_tp.KdaShardedSource(source, kda_tp.KdaTpPlan.from_config(source, 0, 2))
+    names = source.names()
+    single = {n: bytes(shard.get(n)) for n in names}
+
+    def read_all(_):
+        return {n: bytes(shard.get(n)) for n in names}
+
+    with ThreadPoolExecutor(8) as pool:
+        for result in pool.map(read_all, range(8)):
+            assert result == single
+
+
+def test_shard_bytes_views_its_input_for_rows():
+    plan = kda_tp.KdaTpPlan(1, 2, 4, 64, 4, 2, 4)
+    full = np.arange(256 * 8, dtype=np.uint32).astype(np.uint8)
+    out = kda_tp.shard_bytes(plan["q_proj"], full)
+    assert np.shares_memory(out, full) and not out.flags.writeable
+    cols = kda_tp.shard_bytes(plan["o_proj"], np.zeros(4 * 256 * 2, np.uint8))
+    assert not np.shares_memory(cols, full)
