@@ -238,3 +238,12 @@ def test_demo(model, tp_size, capsys):
                  "4" if model == "kimi-linear" else "2"]) == 0
     text = capsys.readouterr().out
     assert "OK: " in text and "numerical TP equivalence passes" in text
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("model", "tp_sizes"), [("kimi-linear", (2, 8)), ("glm-5.3-flash", (4, 8))])
+def test_real_geometry_numeric_equivalence(tmp_path, model, tp_sizes):
+    ckpt = write_checkpoint(tmp_path / "ckpt", model, 1)
+    for tp_size in tp_sizes:
+        report = kda_tp.check_tp_equivalence(ckpt, tp_size, seq_len=32)
+        assert report.passed and [r.layer for r in report.layers] == [0], report.format()

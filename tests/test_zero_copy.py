@@ -93,3 +93,13 @@ def test_shard_bytes_views_its_input_for_rows():
     assert np.shares_memory(out, full) and not out.flags.writeable
     cols = kda_tp.shard_bytes(plan["o_proj"], np.zeros(4 * 256 * 2, np.uint8))
     assert not np.shares_memory(cols, full)
+
+
+def test_to_torch_shares_memory(checkpoint):
+    torch = pytest.importorskip("torch")
+    source = kda_tp.SafetensorsSource(checkpoint)
+    t = source.get("model.layers.0.self_attn.q_proj.weight")
+    tensor = t.to_torch()
+    assert tensor.dtype == torch.bfloat16 and tuple(tensor.shape) == t.shape
+    assert tensor.data_ptr() == t.data.__array_interface__["data"][0]
+    assert np.array_equal(tensor.view(torch.int16).numpy().view(np.uint8).ravel(), t.data)

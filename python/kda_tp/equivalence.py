@@ -176,7 +176,13 @@ def check_tp_equivalence(
         kda_tp.KdaTpPlan.from_config(source, rank, tp_size, qk_multiple=qk_multiple)
         for rank in range(tp_size)
     ]
-    rank_sources = [factory(source, plan, layer_list) for plan in plans]
+    # The adapter shards every KDA layer (it refuses a KDA layer left out), even when only
+    # some are checked.
+    try:
+        all_kda = kda_layer_indices(source, None)
+    except CheckpointError:
+        all_kda = layer_list
+    rank_sources = [factory(source, plan, all_kda) for plan in plans]
     head_dim = plans[0].head_dim
     eps = parse_config(source.config).rms_norm_eps
     rng = np.random.default_rng(seed)

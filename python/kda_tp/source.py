@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+import warnings
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Protocol
@@ -102,17 +103,20 @@ class Tensor:
     def to_torch(self) -> Any:
         """This tensor as a ``torch.Tensor`` sharing the memory (no copy), BF16 included.
 
-        Needs the optional ``torch`` extra. The tensor is read-only memory: do not write to it
-        (torch warns that it cannot mark it read-only); call ``.clone()`` for a writable copy.
+        Needs the optional ``torch`` extra. The tensor is read-only memory: torch cannot mark it
+        read-only, so do not write to it; call ``.clone()`` for a writable copy.
         """
         import torch  # noqa: PLC0415 - optional dependency
 
         torch_dtype = getattr(torch, _TORCH_DTYPES.get(self.dtype, ""), None)
         if torch_dtype is None:
             raise DtypeMismatchError(f"{self.name}: dtype {self.dtype} has no torch equivalent")
-        raw = torch.frombuffer(memoryview(self.data), dtype=torch.uint8) if self.nbytes else (
-            torch.empty(0, dtype=torch.uint8)
-        )
+        if not self.nbytes:
+            return torch.empty(self.shape, dtype=torch_dtype)
+        with warnings.catch_warnings():
+            # torch warns that it cannot mark the read-only buffer read-only; documented above.
+            warnings.simplefilter("ignore", UserWarning)
+            raw = torch.frombuffer(memoryview(self.data), dtype=torch.uint8)
         return raw.view(torch_dtype).reshape(self.shape)
 
     def __repr__(self) -> str:
