@@ -284,94 +284,28 @@ impl KdaTpPlan {
         let head_off = tp_rank * local_heads;
 
         use KdaShard::{ChannelCols, ChannelRows, HeadRows, Replicated};
+        #[rustfmt::skip]
         let layout: [(&'static str, KdaShard, usize, usize, Vec<usize>); 15] = [
-            (
-                "q_proj",
-                ChannelRows,
-                full_ch,
-                hidden,
-                vec![full_ch, hidden],
-            ),
-            (
-                "k_proj",
-                ChannelRows,
-                full_ch,
-                hidden,
-                vec![full_ch, hidden],
-            ),
-            (
-                "v_proj",
-                ChannelRows,
-                full_ch,
-                hidden,
-                vec![full_ch, hidden],
-            ),
-            (
-                "q_conv1d",
-                ChannelRows,
-                full_ch,
-                conv_kernel,
-                vec![full_ch, 1, conv_kernel],
-            ),
-            (
-                "k_conv1d",
-                ChannelRows,
-                full_ch,
-                conv_kernel,
-                vec![full_ch, 1, conv_kernel],
-            ),
-            (
-                "v_conv1d",
-                ChannelRows,
-                full_ch,
-                conv_kernel,
-                vec![full_ch, 1, conv_kernel],
-            ),
-            (
-                "f_a_proj",
-                Replicated,
-                gate_rank,
-                hidden,
-                vec![gate_rank, hidden],
-            ),
-            (
-                "f_b_proj",
-                ChannelRows,
-                full_ch,
-                gate_rank,
-                vec![full_ch, gate_rank],
-            ),
-            (
-                "g_a_proj",
-                Replicated,
-                gate_rank,
-                hidden,
-                vec![gate_rank, hidden],
-            ),
-            (
-                "g_b_proj",
-                ChannelRows,
-                full_ch,
-                gate_rank,
-                vec![full_ch, gate_rank],
-            ),
-            (
-                "b_proj",
-                HeadRows,
-                full_heads,
-                hidden,
-                vec![full_heads, hidden],
-            ),
-            ("A_log", HeadRows, full_heads, 1, vec![1, 1, full_heads, 1]),
-            ("dt_bias", ChannelRows, full_ch, 1, vec![full_ch]),
-            ("o_norm", Replicated, head_dim, 1, vec![head_dim]),
-            (
-                "o_proj",
-                ChannelCols,
-                hidden,
-                full_ch,
-                vec![hidden, full_ch],
-            ),
+            // name      kind         rows        row_elems    on-disk shape (Kimi-Linear)
+            ("q_proj",   ChannelRows, full_ch,    hidden,      vec![full_ch, hidden]),
+            ("k_proj",   ChannelRows, full_ch,    hidden,      vec![full_ch, hidden]),
+            ("v_proj",   ChannelRows, full_ch,    hidden,      vec![full_ch, hidden]),
+            ("q_conv1d", ChannelRows, full_ch,    conv_kernel, vec![full_ch, 1, conv_kernel]),
+            ("k_conv1d", ChannelRows, full_ch,    conv_kernel, vec![full_ch, 1, conv_kernel]),
+            ("v_conv1d", ChannelRows, full_ch,    conv_kernel, vec![full_ch, 1, conv_kernel]),
+            // Low-rank gates: `_a` down-projects (replicated), `_b` up-projects into channels.
+            ("f_a_proj", Replicated,  gate_rank,  hidden,      vec![gate_rank, hidden]),
+            ("f_b_proj", ChannelRows, full_ch,    gate_rank,   vec![full_ch, gate_rank]),
+            ("g_a_proj", Replicated,  gate_rank,  hidden,      vec![gate_rank, hidden]),
+            ("g_b_proj", ChannelRows, full_ch,    gate_rank,   vec![full_ch, gate_rank]),
+            // beta: one row per head.
+            ("b_proj",   HeadRows,    full_heads, hidden,      vec![full_heads, hidden]),
+            ("A_log",    HeadRows,    full_heads, 1,           vec![1, 1, full_heads, 1]),
+            ("dt_bias",  ChannelRows, full_ch,    1,           vec![full_ch]),
+            // `[head_dim]`, shared by every head.
+            ("o_norm",   Replicated,  head_dim,   1,           vec![head_dim]),
+            // Row-parallel: the input (last) axis is sharded; all-reduce after.
+            ("o_proj",   ChannelCols, hidden,     full_ch,     vec![hidden, full_ch]),
         ];
 
         let mut tensors = Vec::with_capacity(layout.len());
