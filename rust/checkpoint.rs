@@ -8,20 +8,28 @@
 //!
 //! Two read paths: `Mmap` maps each file read-only (`MAP_PRIVATE`) and hands out borrowed byte
 //! ranges; `Pread` keeps a file handle and copies each tensor out with positioned reads, for
-//! network filesystems where page faults on a mapping are slow or unreliable. With `Mmap`, a file
-//! truncated by another process after it was opened makes later reads of the lost pages raise
-//! SIGBUS (the kernel's rule for mappings); do not rewrite checkpoints in place while they are open.
+//! network filesystems where page faults on a mapping are slow or unreliable.
+//!
+//! A file that changes while it is open: its length is checked against its header at open (and
+//! the mapping against that length). Later, each `read` checks the file's current length first,
+//! so a file truncated before a tensor is read gives an error on both backends. With `Pread` a
+//! truncation during the read is an error too. With `Mmap`, a tensor already handed out still
+//! borrows the mapping: touching its lost pages after a truncation raises SIGBUS (the kernel's
+//! rule for mappings), which no library can turn into an error; use `Pread` where files may be
+//! truncated or rewritten in place. A file replaced by rename (the usual atomic rewrite) is safe
+//! on both backends: the open handle and mapping keep the old contents.
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fmt;
 use std::fs::File;
+use std::io::Read;
 use std::ops::Range;
 use std::path::{Component, Path, PathBuf};
 use std::sync::Arc;
 
 use memmap2::{Mmap, MmapOptions};
 use safetensors::tensor::{Metadata, TensorInfo};
-use serde::de::{Deserialize, Deserializer, IgnoredAny, MapAccess, Visitor};
+use serde::de::{Deserialize, Deserializer, MapAccess, Visitor};
 
 use crate::error::{Error, Result};
 
@@ -40,7 +48,8 @@ pub enum Backend {
 }
 
 enum Storage {
-    Mapped(Arc<Mmap>),
+    /// The mapping, and the file handle (kept to check the file's length before each read).
+    Mapped(Arc<Mmap>, File),
     File(File),
 }
 
@@ -88,7 +97,7 @@ impl SafetensorsFile {
             path: path.to_path_buf(),
             reason,
         };
-        let file = File::open(path).map_err(io)?;
+        let file = open_regular_file(path)?;
         let file_len = file.metadata().map_err(io)?.len();
         if file_len < 8 {
             return Err(bad(format!(
@@ -103,37 +112,31 @@ impl SafetensorsFile {
                 "header length {header_len} bytes exceeds the format's {MAX_HEADER_BYTES}-byte limit"
             )));
         }
-        if 8 + header_len > file_len {
+        if header_len > file_len - 8 {
             return Err(bad(format!(
                 "header length {header_len} bytes runs past the end of the {file_len}-byte file"
             )));
         }
-        // Both fit in usize: bounded by MAX_HEADER_BYTES.
+        // Fits in usize: bounded by MAX_HEADER_BYTES.
         let mut header = vec![0u8; header_len as usize];
         read_exact_at(&file, &mut header, 8).map_err(io)?;
-        let header =
-            std::str::from_utf8(&header).map_err(|e| bad(format!("header is not UTF-8: {e}")))?;
-        let TopLevelKeys(duplicate) = serde_json::from_str(header)
-            .map_err(|e| bad(format!("header is not a JSON object: {e}")))?;
-        if let Some(name) = duplicate {
-            return Err(bad(format!("tensor {name:?} appears twice in the header")));
-        }
-        let metadata: Metadata =
-            serde_json::from_str(header).map_err(|e| bad(format!("invalid header: {e}")))?;
-        let described = 8 + header_len + metadata.data_len() as u64;
-        if described != file_len {
-            return Err(bad(format!(
-                "the header describes {described} bytes but the file has {file_len} \
-                 (truncated, or trailing bytes after the data)"
-            )));
-        }
+        let metadata = parse_header(path, &header, file_len - 8 - header_len)?;
         let storage = match backend {
-            // SAFETY: a read-only private mapping. If another process truncates the file while
-            // it is mapped, reads of the lost pages raise SIGBUS (documented above); the length
-            // was checked against the header just now.
-            Backend::Mmap => Storage::Mapped(Arc::new(
-                unsafe { MmapOptions::new().map_copy_read_only(&file) }.map_err(io)?,
-            )),
+            Backend::Mmap => {
+                // SAFETY: a read-only private mapping. If another process truncates the file
+                // while it is mapped, reads of the lost pages raise SIGBUS (see the module
+                // docs); the length was checked against the header just now, and the mapping's
+                // length is checked against it below.
+                let map = unsafe { MmapOptions::new().map_copy_read_only(&file) }.map_err(io)?;
+                if map.len() as u64 != file_len {
+                    return Err(bad(format!(
+                        "the file changed size while it was being opened ({file_len} bytes, \
+                         then {})",
+                        map.len()
+                    )));
+                }
+                Storage::Mapped(Arc::new(map), file)
+            }
             Backend::Pread => Storage::File(file),
         };
         Ok(Self {
@@ -167,33 +170,60 @@ impl SafetensorsFile {
     /// The address range of the mapping, when the file is mapped (used to prove zero copy).
     pub fn mapping(&self) -> Option<Range<usize>> {
         match &self.storage {
-            Storage::Mapped(map) => Some(map.as_ptr() as usize..map.as_ptr() as usize + map.len()),
+            Storage::Mapped(map, _) => {
+                Some(map.as_ptr() as usize..map.as_ptr() as usize + map.len())
+            }
             Storage::File(_) => None,
         }
     }
 
     /// The bytes of tensor `name`.
     ///
+    /// The file's current length is checked first, so a file truncated since it was opened
+    /// gives an error instead of a short read (or, with `Mmap`, a SIGBUS).
+    ///
     /// # Errors
-    /// [`Error::TensorNotFound`]; [`Error::Io`] when a positioned read fails.
+    /// [`Error::TensorNotFound`]; [`Error::Checkpoint`] when the file is now too short for the
+    /// tensor (truncated while open); [`Error::Io`] when a read fails otherwise.
     pub fn read(&self, name: &str) -> Result<TensorData> {
         let info = self.info(name).ok_or_else(|| Error::TensorNotFound {
             path: self.path.clone(),
             name: name.to_string(),
         })?;
         let (begin, end) = info.data_offsets;
+        // In range: the header was checked against the file's length at open.
         let range = self.data_start + begin..self.data_start + end;
+        let io = |source| Error::Io {
+            path: self.path.clone(),
+            source,
+        };
+        let truncated = |now: String| Error::Checkpoint {
+            path: self.path.clone(),
+            reason: format!(
+                "tensor {name:?} (file bytes {}..{}) cannot be read: the file is {now}, shorter \
+                 than when it was opened (truncated or rewritten in place while open)",
+                range.start, range.end
+            ),
+        };
+        let file = match &self.storage {
+            Storage::Mapped(_, file) | Storage::File(file) => file,
+        };
+        let len_now = file.metadata().map_err(io)?.len();
+        if len_now < range.end as u64 {
+            return Err(truncated(format!("now {len_now} bytes")));
+        }
         match &self.storage {
-            Storage::Mapped(map) => Ok(TensorData::Mapped {
+            Storage::Mapped(map, _) => Ok(TensorData::Mapped {
                 map: Arc::clone(map),
                 range,
             }),
             Storage::File(file) => {
                 let mut bytes = vec![0u8; range.len()];
                 read_exact_at(file, &mut bytes, range.start as u64).map_err(|source| {
-                    Error::Io {
-                        path: self.path.clone(),
-                        source,
+                    if source.kind() == std::io::ErrorKind::UnexpectedEof {
+                        truncated("cut short during the read".to_string())
+                    } else {
+                        io(source)
                     }
                 })?;
                 Ok(TensorData::Owned(bytes))
@@ -265,10 +295,13 @@ impl Checkpoint {
             path: index_path.to_path_buf(),
             reason,
         };
-        let text = std::fs::read(index_path).map_err(|source| Error::Io {
-            path: index_path.to_path_buf(),
-            source,
-        })?;
+        let mut text = Vec::new();
+        open_regular_file(index_path)?
+            .read_to_end(&mut text)
+            .map_err(|source| Error::Io {
+                path: index_path.to_path_buf(),
+                source,
+            })?;
         let json: serde_json::Value =
             serde_json::from_slice(&text).map_err(|e| bad(format!("not JSON: {e}")))?;
         let weight_map = json
@@ -282,6 +315,8 @@ impl Checkpoint {
 
         let mut file_names: Vec<&str> = Vec::new();
         let mut wanted: BTreeMap<&str, &str> = BTreeMap::new();
+        // File name -> the first tensor the index maps to it (named in errors about the file).
+        let mut first_tensor: HashMap<&str, &str> = HashMap::new();
         for (tensor, file) in weight_map {
             let file = file
                 .as_str()
@@ -299,6 +334,7 @@ impl Checkpoint {
             }
             if !file_names.contains(&file) {
                 file_names.push(file);
+                first_tensor.insert(file, tensor.as_str());
             }
             wanted.insert(tensor, file);
         }
@@ -307,9 +343,12 @@ impl Checkpoint {
         let mut files = Vec::with_capacity(file_names.len());
         for file in &file_names {
             let full = root.join(file);
-            let canonical = full.canonicalize().map_err(|source| Error::Io {
-                path: full.clone(),
-                source,
+            let canonical = full.canonicalize().map_err(|source| {
+                bad(format!(
+                    "weight_map[{:?}] = {file:?}, which cannot be opened ({}): {source}",
+                    first_tensor.get(file).copied().unwrap_or("?"),
+                    full.display()
+                ))
             })?;
             if !canonical.starts_with(&canonical_root) {
                 return Err(bad(format!(
@@ -395,30 +434,195 @@ impl Checkpoint {
     }
 }
 
-/// Parses a JSON object's keys only, remembering the first key seen twice.
-struct TopLevelKeys(Option<String>);
+/// Parses and validates the JSON header of a safetensors file, from memory (no file I/O).
+///
+/// `header` is the header's bytes (what follows the 8-byte length prefix, `header.len()` being
+/// that length) and `data_len` the number of bytes after the header in the file. Checks what
+/// [`SafetensorsFile::open`] promises about a header: UTF-8, a JSON object, no name twice, a
+/// `__metadata__` string map, every tensor entry a known dtype with a shape whose byte size
+/// equals its `data_offsets` range (no overflow), the tensors back to back from data byte 0
+/// with no gap or overlap, and their total exactly `data_len` (neither past the end of the file
+/// nor followed by trailing bytes). Errors are [`Error::Safetensors`] naming `path` and, where
+/// there is one, the tensor. Public so that fuzzers can drive header parsing from memory.
+///
+/// # Errors
+/// [`Error::Safetensors`] for each refusal above.
+pub fn parse_header(path: &Path, header: &[u8], data_len: u64) -> Result<Metadata> {
+    let bad = |reason: String| Error::Safetensors {
+        path: path.to_path_buf(),
+        reason,
+    };
+    let text = std::str::from_utf8(header).map_err(|e| bad(format!("header is not UTF-8: {e}")))?;
+    let HeaderEntries { entries, duplicate } =
+        serde_json::from_str(text).map_err(|e| bad(format!("header is not a JSON object: {e}")))?;
+    if let Some(name) = duplicate {
+        return Err(bad(format!("tensor {name:?} appears twice in the header")));
+    }
+    let mut user_metadata = None;
+    let mut tensors: Vec<(String, TensorInfo)> = Vec::with_capacity(entries.len());
+    for (name, value) in entries {
+        if name == METADATA_KEY {
+            let map = HashMap::<String, String>::deserialize(value).map_err(|e| {
+                bad(format!(
+                    "invalid header: {METADATA_KEY:?} is not a map of strings to strings: {e}"
+                ))
+            })?;
+            user_metadata = Some(map);
+            continue;
+        }
+        let info = TensorInfo::deserialize(value)
+            .map_err(|e| bad(format!("invalid header: tensor {name:?}: {e}")))?;
+        let (begin, end) = info.data_offsets;
+        if end < begin {
+            return Err(bad(format!(
+                "invalid header: tensor {name:?} has data_offsets [{begin}, {end}], which end \
+                 before they begin"
+            )));
+        }
+        let bits = info
+            .shape
+            .iter()
+            .try_fold(1usize, |n, &d| n.checked_mul(d))
+            .and_then(|n| n.checked_mul(info.dtype.bitsize()));
+        match bits {
+            None => {
+                return Err(bad(format!(
+                    "invalid header: tensor {name:?}: shape {:?} of {} overflows the byte size",
+                    info.shape, info.dtype
+                )))
+            }
+            Some(bits) if bits % 8 != 0 => {
+                return Err(bad(format!(
+                    "invalid header: tensor {name:?}: shape {:?} of {} is {bits} bits, not a \
+                     whole number of bytes",
+                    info.shape, info.dtype
+                )))
+            }
+            Some(bits) if bits / 8 != end - begin => {
+                return Err(bad(format!(
+                    "invalid header: tensor {name:?}: shape {:?} of {} is {} bytes, but its \
+                     data_offsets [{begin}, {end}] span {} bytes",
+                    info.shape,
+                    info.dtype,
+                    bits / 8,
+                    end - begin
+                )))
+            }
+            Some(_) => {}
+        }
+        tensors.push((name, info));
+    }
+    // Data order; equal offsets (empty tensors) by name, so the order is deterministic.
+    tensors.sort_by(|(a, x), (b, y)| (x.data_offsets, a).cmp(&(y.data_offsets, b)));
+    let mut described = 0usize;
+    let mut previous: Option<&str> = None;
+    for (name, info) in &tensors {
+        let (begin, end) = info.data_offsets;
+        let after = previous.map_or_else(
+            || "the start of the data section".to_string(),
+            |p| format!("tensor {p:?}"),
+        );
+        if begin < described {
+            return Err(bad(format!(
+                "invalid header: tensor {name:?} (data bytes [{begin}, {end})) overlaps {after}, \
+                 which ends at data byte {described}"
+            )));
+        }
+        if begin > described {
+            return Err(bad(format!(
+                "invalid header: a gap of {} bytes between {after} (ending at data byte \
+                 {described}) and tensor {name:?} (starting at {begin})",
+                begin - described
+            )));
+        }
+        described = end;
+        previous = Some(name);
+    }
+    let prefix = 8 + header.len() as u128;
+    let file_len = prefix + u128::from(data_len);
+    let described_total = prefix + described as u128;
+    if let Some((name, info)) = tensors
+        .iter()
+        .find(|(_, info)| info.data_offsets.1 as u128 > u128::from(data_len))
+    {
+        return Err(bad(format!(
+            "the header describes {described_total} bytes but the file has {file_len} \
+             (truncated: tensor {name:?} ends at data byte {}, past the {data_len} data bytes \
+             after the header)",
+            info.data_offsets.1
+        )));
+    }
+    if (described as u128) < u128::from(data_len) {
+        return Err(bad(format!(
+            "the header describes {described_total} bytes but the file has {file_len} \
+             ({} trailing bytes after the data)",
+            u128::from(data_len) - described as u128
+        )));
+    }
+    Metadata::new(user_metadata, tensors).map_err(|e| bad(format!("invalid header: {e}")))
+}
 
-impl<'de> Deserialize<'de> for TopLevelKeys {
+const METADATA_KEY: &str = "__metadata__";
+
+/// Opens `path` for reading if it is a regular file. Anything else (a directory, a FIFO, a
+/// socket, a device) is refused before it is opened: opening a FIFO would block forever.
+///
+/// # Errors
+/// [`Error::Io`]: the file cannot be opened, or is not a regular file (`InvalidInput`).
+pub fn open_regular_file(path: &Path) -> Result<File> {
+    let io = |source| Error::Io {
+        path: path.to_path_buf(),
+        source,
+    };
+    let not_regular = || {
+        io(std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            "not a regular file (a directory, FIFO, socket or device cannot be read as a \
+             checkpoint file)",
+        ))
+    };
+    if !std::fs::metadata(path).map_err(io)?.is_file() {
+        return Err(not_regular());
+    }
+    let file = File::open(path).map_err(io)?;
+    // Again on the open handle, in case the path changed in between.
+    if !file.metadata().map_err(io)?.is_file() {
+        return Err(not_regular());
+    }
+    Ok(file)
+}
+
+/// A JSON object's entries in document order, and the first key seen twice (serde_json's own
+/// maps would silently keep the last of two equal keys).
+struct HeaderEntries {
+    entries: Vec<(String, serde_json::Value)>,
+    duplicate: Option<String>,
+}
+
+impl<'de> Deserialize<'de> for HeaderEntries {
     fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
-        struct Keys;
-        impl<'de> Visitor<'de> for Keys {
-            type Value = TopLevelKeys;
+        struct Entries;
+        impl<'de> Visitor<'de> for Entries {
+            type Value = HeaderEntries;
             fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
                 f.write_str("a JSON object")
             }
-            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<TopLevelKeys, A::Error> {
+            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<HeaderEntries, A::Error> {
                 let mut seen = HashSet::new();
+                let mut entries = Vec::new();
                 let mut duplicate = None;
                 while let Some(key) = map.next_key::<String>()? {
-                    map.next_value::<IgnoredAny>()?;
-                    if !seen.insert(key.clone()) && duplicate.is_none() {
-                        duplicate = Some(key);
+                    let value = map.next_value::<serde_json::Value>()?;
+                    if !seen.insert(key.clone()) {
+                        duplicate.get_or_insert(key);
+                    } else {
+                        entries.push((key, value));
                     }
                 }
-                Ok(TopLevelKeys(duplicate))
+                Ok(HeaderEntries { entries, duplicate })
             }
         }
-        deserializer.deserialize_map(Keys)
+        deserializer.deserialize_map(Entries)
     }
 }
 

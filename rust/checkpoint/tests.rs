@@ -682,16 +682,13 @@ fn refuses_an_index_naming_a_missing_file() {
         &dir,
         json!({"a": F1, "b": F1, "c": "model-00003-of-00002.safetensors"}),
     );
-    for backend in BACKENDS {
-        match Checkpoint::open(dir.path(), backend) {
-            Err(Error::Io { path, source }) => {
-                assert_eq!(path, dir.path().join("model-00003-of-00002.safetensors"));
-                assert_eq!(source.kind(), std::io::ErrorKind::NotFound);
-            }
-            Err(e) => panic!("{e:?}"),
-            Ok(_) => panic!("opened a checkpoint with a missing file"),
-        }
-    }
+    // The error names the index, the file and a tensor mapped to it.
+    let reason = index_err(&dir);
+    assert_contains(
+        &reason,
+        "weight_map[\"c\"] = \"model-00003-of-00002.safetensors\", which cannot be opened",
+    );
+    assert_contains(&reason, "No such file");
 }
 
 #[test]
@@ -800,6 +797,172 @@ fn a_bad_shard_file_is_refused_through_the_index() {
             }
             Err(e) => panic!("{e:?}"),
             Ok(_) => panic!("opened a checkpoint with a corrupt shard"),
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Named refusals from `parse_header` (no file I/O), files that change while open, and files
+// that are not regular files.
+// ---------------------------------------------------------------------------------------------
+
+fn header_err(header: &[u8], data_len: u64) -> String {
+    match parse_header(Path::new("mem.safetensors"), header, data_len) {
+        Err(Error::Safetensors { path, reason }) => {
+            assert_eq!(path, Path::new("mem.safetensors"));
+            reason
+        }
+        Err(e) => panic!("expected Error::Safetensors, got {e:?}"),
+        Ok(_) => panic!("accepted {:?}", String::from_utf8_lossy(header)),
+    }
+}
+
+#[test]
+fn parse_header_names_the_tensor() {
+    let h = json!({"ok": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1]},
+                   "odd": {"dtype": "Q7", "shape": [2], "data_offsets": [1, 3]}});
+    assert_contains(
+        &header_err(h.to_string().as_bytes(), 3),
+        "tensor \"odd\": unknown variant",
+    );
+    let h = json!({"w": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}});
+    assert_contains(
+        &header_err(h.to_string().as_bytes(), 8),
+        "tensor \"w\": shape [3] of F32 is 12 bytes, but its data_offsets [0, 8] span 8 bytes",
+    );
+    let h = json!({"w": {"dtype": "U8", "shape": [0], "data_offsets": [8, 0]}});
+    assert_contains(
+        &header_err(h.to_string().as_bytes(), 8),
+        "end before they begin",
+    );
+    let h = json!({"w": {"dtype": "F4", "shape": [3], "data_offsets": [0, 2]}});
+    assert_contains(
+        &header_err(h.to_string().as_bytes(), 2),
+        "not a whole number of bytes",
+    );
+    let h =
+        json!({"w": {"dtype": "F32", "shape": [1u64 << 40, 1u64 << 40], "data_offsets": [0, 8]}});
+    assert_contains(
+        &header_err(h.to_string().as_bytes(), 8),
+        "tensor \"w\": shape",
+    );
+    let h = json!({
+        "a": {"dtype": "U8", "shape": [8], "data_offsets": [0, 8]},
+        "b": {"dtype": "U8", "shape": [8], "data_offsets": [4, 12]},
+    });
+    assert_contains(
+        &header_err(h.to_string().as_bytes(), 12),
+        "tensor \"b\" (data bytes [4, 12)) overlaps tensor \"a\"",
+    );
+    let h = json!({
+        "a": {"dtype": "U8", "shape": [4], "data_offsets": [0, 4]},
+        "b": {"dtype": "U8", "shape": [4], "data_offsets": [8, 12]},
+    });
+    assert_contains(
+        &header_err(h.to_string().as_bytes(), 12),
+        "a gap of 4 bytes between tensor \"a\"",
+    );
+    let h = json!({"a": {"dtype": "U8", "shape": [4], "data_offsets": [4, 8]}});
+    assert_contains(
+        &header_err(h.to_string().as_bytes(), 8),
+        "between the start of the data section",
+    );
+    let h = header_for(&[("a", "F32", &[2]), ("b", "U8", &[4])]);
+    assert_contains(
+        &header_err(h.to_string().as_bytes(), 10),
+        "tensor \"b\" ends at data byte 12, past the 10 data bytes",
+    );
+    assert_contains(
+        &header_err(h.to_string().as_bytes(), 13),
+        "(1 trailing bytes after the data)",
+    );
+}
+
+#[test]
+fn parse_header_does_not_overflow_on_huge_offsets() {
+    // One U8 tensor whose end offset is as large as the bit count allows: the described length
+    // (8 + header + data) must not wrap around.
+    for n in [u64::MAX / 8, (1u64 << 61) - 3, 1u64 << 60] {
+        let h = json!({"big": {"dtype": "U8", "shape": [n], "data_offsets": [0, n]}});
+        assert_contains(
+            &header_err(h.to_string().as_bytes(), 16),
+            "tensor \"big\" ends at",
+        );
+    }
+    // Zero-length tensors at one offset are fine, in a deterministic order.
+    let h = json!({
+        "z2": {"dtype": "F32", "shape": [0], "data_offsets": [0, 0]},
+        "z1": {"dtype": "F32", "shape": [0, 3], "data_offsets": [0, 0]},
+        "a": {"dtype": "U8", "shape": [2], "data_offsets": [0, 2]},
+    });
+    let m = parse_header(Path::new("m"), h.to_string().as_bytes(), 2).unwrap();
+    assert_eq!(m.offset_keys(), ["z1", "z2", "a"]);
+}
+
+#[test]
+fn a_file_truncated_after_open_is_an_error_on_both_backends() {
+    let dir = TempDir::new("truncated-later");
+    let (path, bytes) = three_tensor_file(&dir, "m.safetensors", 1);
+    for backend in BACKENDS {
+        std::fs::write(
+            &path,
+            st(
+                &header_for(&[
+                    ("z", "F32", &[2, 3]),
+                    ("a", "BF16", &[4]),
+                    ("m", "U8", &[5]),
+                ]),
+                &bytes,
+            ),
+        )
+        .unwrap();
+        let f = SafetensorsFile::open(&path, backend).unwrap();
+        let len = std::fs::metadata(&path).unwrap().len();
+        // Cut inside `a`: `z` is still whole, `a` and `m` are not.
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(&path)
+            .unwrap()
+            .set_len(len - 5 - 3)
+            .unwrap();
+        assert_eq!(f.read("z").unwrap().as_slice(), &bytes[..24], "{backend:?}");
+        for name in ["a", "m"] {
+            match f.read(name) {
+                Err(Error::Checkpoint { path: p, reason }) => {
+                    assert_eq!(p, path);
+                    assert_contains(&reason, &format!("tensor {name:?}"));
+                    assert_contains(&reason, "truncated or rewritten in place while open");
+                }
+                Err(e) => panic!("{backend:?} {name}: {e:?}"),
+                Ok(_) => panic!("{backend:?} {name}: read past the end of a truncated file"),
+            }
+        }
+    }
+}
+
+#[cfg(unix)]
+#[test]
+fn a_fifo_is_refused_without_blocking() {
+    let dir = TempDir::new("fifo");
+    let fifo = dir.path().join("model.safetensors");
+    let status = std::process::Command::new("mkfifo").arg(&fifo).status();
+    if !matches!(status, Ok(s) if s.success()) {
+        return; // no mkfifo here
+    }
+    for backend in BACKENDS {
+        for r in [
+            Checkpoint::open(&fifo, backend).map(|_| ()),
+            Checkpoint::open(dir.path(), backend).map(|_| ()),
+        ] {
+            match r {
+                Err(Error::Io { path, source }) => {
+                    assert_eq!(path, fifo);
+                    assert_eq!(source.kind(), std::io::ErrorKind::InvalidInput);
+                    assert_contains(&source.to_string(), "not a regular file");
+                }
+                Err(e) => panic!("{e:?}"),
+                Ok(_) => panic!("opened a FIFO"),
+            }
         }
     }
 }
