@@ -41,6 +41,9 @@ DTYPE_SIZES: dict[str, int] = {
     "I8": 1,
     "F8_E5M2": 1,
     "F8_E4M3": 1,
+    "F8_E8M0": 1,
+    "F8_E5M2FNUZ": 1,
+    "F8_E4M3FNUZ": 1,
     "U16": 2,
     "I16": 2,
     "F16": 2,
@@ -51,6 +54,7 @@ DTYPE_SIZES: dict[str, int] = {
     "U64": 8,
     "I64": 8,
     "F64": 8,
+    "C64": 8,
 }
 
 #: One tensor to write: ``(name, dtype, shape, nbytes, get_bytes)``. ``nbytes`` is a byte count

@@ -53,11 +53,15 @@ def load_config(path: str | os.PathLike[str]) -> dict[str, Any]:
     """Read ``config.json`` (or the ``config.json`` inside a checkpoint directory) as a dict.
 
     Raises:
-        CheckpointError: the file is missing, unreadable or not a JSON object.
+        CheckpointError: the file is missing, not a regular file, unreadable or not a JSON
+            object.
     """
     path = Path(path)
     if path.is_dir():
         path = path / CONFIG_NAME
+    if path.exists() and not path.is_file():
+        # A FIFO would block read_text() forever; a directory or device is no config either.
+        raise CheckpointError(f"{path}: not a regular file")
     try:
         config = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
@@ -73,9 +77,13 @@ def parse_config(config: Mapping[str, Any], source: str = "<dict>") -> KdaConfig
     """Extract the KDA geometry from a config dict.
 
     Raises:
-        CheckpointError: a required key is missing, or a value is not an integer in
-            ``[1, 2**31)`` (layer indices: ``[0, 2**31)``); the message names ``source`` and the key.
+        CheckpointError: the config is not a mapping, a required key is missing, or a value is
+            not an integer in ``[1, 2**31)`` (layer indices: ``[0, 2**31)``); the message names
+            ``source`` and the key.
     """
+
+    if not isinstance(config, Mapping):
+        raise CheckpointError(f"{source}: the config is {type(config).__name__}, not a JSON object")
 
     def dim(mapping: Mapping[str, Any], key: str, where: str = "") -> int:
         if key not in mapping:

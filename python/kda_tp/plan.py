@@ -12,7 +12,7 @@ from typing import Any, Mapping
 
 from . import _native
 from .config import CONFIG_NAME, load_config, parse_config
-from .errors import CheckpointError
+from .errors import CheckpointError, DtypeMismatchError, ShapeMismatchError
 
 __all__ = ["KdaShard", "KdaTensorPlan", "KdaTpPlan"]
 
@@ -108,22 +108,28 @@ class KdaTpPlan(_native.KdaTpPlan):
         Raises:
             CheckpointError: a missing or invalid config, or a checkpoint whose first KDA
                 layer lacks a tensor.
+            DtypeMismatchError: a first-KDA-layer tensor whose dtype is not floating-point.
+            ShapeMismatchError: a first-KDA-layer ``f_a_proj`` that is not 2-D (when the gate
+                rank is read from it).
             PlanError: a refused geometry (see the class).
         """
         from .source import SafetensorsSource, checkpoint_suffix, kda_layer_indices
 
         source = None
+        where = "config"  # names the config in error messages
         if isinstance(config, SafetensorsSource):
             source = config
             config = source.config
             if config is None:
                 raise CheckpointError(f"{source.root}: no {CONFIG_NAME} beside the weights")
+            where = str(source.root / CONFIG_NAME)
         elif isinstance(config, (str, os.PathLike)):
             path = Path(config)
             if path.is_dir() and any(path.glob("*.safetensors")):
                 source = SafetensorsSource(path)
             config = load_config(path)
-        kda = parse_config(config, str(source.root if source else "config"))
+            where = str(path / CONFIG_NAME if path.is_dir() else path)
+        kda = parse_config(config, where)
 
         dtypes = None
         if source is not None:
@@ -131,16 +137,30 @@ class KdaTpPlan(_native.KdaTpPlan):
             prefix = _layer_prefix(source, layer)
             headers = {}
             for name in _TENSOR_NAMES:
-                info = source.info(f"{prefix}{checkpoint_suffix(name)}")
+                full_name = f"{prefix}{checkpoint_suffix(name)}"
+                info = source.info(full_name)
                 if info is None:
                     raise CheckpointError(
                         f"{source.root}: KDA layer {layer} lacks "
                         f"self_attn.{checkpoint_suffix(name)}"
                     )
+                if info[0] not in _FLOAT_DTYPES:
+                    raise DtypeMismatchError(
+                        f"{source.file_of(full_name)}: {full_name}: dtype {info[0]} is not a "
+                        f"floating-point dtype ({', '.join(_FLOAT_DTYPES)})"
+                    )
                 headers[name] = info
             dtypes = {name: dtype for name, (dtype, _) in headers.items()}
             if gate_rank is None:
-                gate_rank = headers["f_a_proj"][1][0]
+                f_a_shape = headers["f_a_proj"][1]
+                if len(f_a_shape) != 2:
+                    f_a_name = f"{prefix}{checkpoint_suffix('f_a_proj')}"
+                    raise ShapeMismatchError(
+                        f"{source.file_of(f_a_name)}: {f_a_name}: on-disk shape "
+                        f"{list(f_a_shape)} is not 2-D [gate_rank, hidden], so the gate rank "
+                        "cannot be read from it"
+                    )
+                gate_rank = f_a_shape[0]
         return cls(
             tp_rank,
             tp_size,
@@ -154,6 +174,8 @@ class KdaTpPlan(_native.KdaTpPlan):
         )
 
 
+# The dtypes the plan accepts for a KDA tensor (the Rust core's rule).
+_FLOAT_DTYPES = ("BF16", "F16", "F32", "F64")
 _TENSOR_NAMES = [t.name for t in _native.KdaTpPlan(0, 1, 1, 128, 1, 1, 1).tensors]
 
 

@@ -31,7 +31,7 @@ import numpy as np
 from ._io import DTYPE_SIZES, write_index, write_safetensors
 from ._native import __version__
 from .equivalence import EquivalenceReport, check_tp_equivalence
-from .errors import CheckpointError, OutputError
+from .errors import CheckpointError, DtypeMismatchError, OutputError, PlanError
 from .plan import KdaShard, KdaTpPlan
 from .source import KdaShardedSource, SafetensorsSource, Tensor
 
@@ -97,26 +97,54 @@ def shard_checkpoint(
     Raises:
         CheckpointError, PlanError, DtypeMismatchError, ShapeMismatchError: bad input; nothing
             is written.
-        OutputError: the output directory is refused, or a write fails (e.g. a full disk); no
-            ``rank{r}`` directory of this run is left behind incomplete.
+        OutputError: the output directory is refused, or a write fails (e.g. a full disk);
+            nothing of this run is left behind: the ranks it completed are removed again (a run
+            killed outright may leave complete ``rank{r}`` directories, never incomplete ones,
+            and ``verify`` rejects the set until every rank is there).
     """
     start = time.perf_counter()
     source = SafetensorsSource(checkpoint, backend)
     out = Path(out_dir)
+    if isinstance(tp_size, bool) or not isinstance(tp_size, (int, np.integer)) or tp_size < 1:
+        raise PlanError(f"tp_size must be a positive integer, got {tp_size!r}")
+    tp_size = int(tp_size)
     ranks = tuple(range(tp_size)) if ranks is None else tuple(sorted({int(r) for r in ranks}))
+    if not ranks:
+        raise PlanError("no ranks to write: --ranks is empty")
     shards = [
         KdaShardedSource(
             source, KdaTpPlan.from_config(source, r, tp_size, qk_multiple=qk_multiple), layers
         )
         for r in ranks
     ]
+    for name in source.names():
+        dtype = source.info(name)[0]
+        if dtype not in DTYPE_SIZES:
+            raise DtypeMismatchError(
+                f"{source.file_of(name)}: {name}: dtype {dtype} cannot be copied to the shards "
+                f"(whole-byte dtypes only: {', '.join(DTYPE_SIZES)})"
+            )
     _prepare_out_dir(source.root, out, ranks, force)
     files = _names_by_file(source)
     total = sum(_nbytes(*s.info(name)) for s in shards for name in source.names())
     advance = progress(total) if progress else None
     # Ranks are independent; the copies and writes release the GIL, so threads overlap them.
     with ThreadPoolExecutor(max_workers=min(len(shards), os.cpu_count() or 1)) as pool:
-        written = sum(pool.map(lambda s: _write_rank(source, s, files, out, advance), shards))
+        futures = [pool.submit(_write_rank, source, s, files, out, advance) for s in shards]
+    failed = [f.exception() for f in futures if f.exception() is not None]
+    if failed:
+        # All or nothing: a failed run (e.g. a full disk) also removes the ranks it completed,
+        # moving each aside in one rename first, so no incomplete rank{r} is ever visible.
+        for r, f in zip(ranks, futures):
+            if f.exception() is None:
+                aside = out / f".rank{r}.partial-failed-{os.getpid()}"
+                try:
+                    os.replace(rank_dir(out, r), aside)
+                except OSError:
+                    continue
+                shutil.rmtree(aside, ignore_errors=True)
+        raise failed[0]
+    written = sum(f.result() for f in futures)
     return ShardResult(out, tp_size, ranks, written, time.perf_counter() - start)
 
 
@@ -137,6 +165,14 @@ def _prepare_out_dir(root: Path, out: Path, ranks: tuple[int, ...], force: bool)
     resolved, input_root = out.resolve(), root.resolve()
     if resolved == input_root or input_root in resolved.parents:
         raise OutputError(f"{out}: the output directory lies inside the input checkpoint {root}")
+    for r in ranks:
+        # e.g. re-sharding OUT/rank0 into OUT: --force would delete the input.
+        final = rank_dir(out, r).resolve()
+        if final == input_root or final in input_root.parents:
+            raise OutputError(
+                f"{rank_dir(out, r)}: this rank's output directory is (or holds) the input "
+                f"checkpoint {root}; choose another --out"
+            )
     try:
         out.mkdir(parents=True, exist_ok=True)
         entries = sorted(out.iterdir())
@@ -198,8 +234,15 @@ def _write_rank(
             shutil.copy2(extra, partial / extra.name)
         final = rank_dir(out, plan.tp_rank)
         if final.exists():
-            shutil.rmtree(final)
-        os.replace(partial, final)
+            # Move the old directory aside in one rename, so a run killed here never leaves a
+            # half-deleted rank{r} behind; the aside name is a partial name, removed by the
+            # next run if this one dies before removing it.
+            old = out / f".rank{plan.tp_rank}.partial-old-{os.getpid()}"
+            os.replace(final, old)
+            os.replace(partial, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(partial, final)
     except OSError as e:
         shutil.rmtree(partial, ignore_errors=True)
         raise OutputError(f"{partial}: writing rank {plan.tp_rank} failed: {e}") from e
@@ -296,6 +339,13 @@ def verify_shards(
         tp_size = int(meta["tp_size"])
         qk_multiple = int(meta.get("kda_tp_qk_multiple", 256))
         layers = json.loads(meta["kda_tp_layers"]) if "kda_tp_layers" in meta else None
+        if tp_size < 1:
+            raise ValueError(f"tp_size {tp_size} is not positive")
+        if layers is not None and not (
+            isinstance(layers, list)
+            and all(isinstance(i, int) and not isinstance(i, bool) for i in layers)
+        ):
+            raise ValueError(f"kda_tp_layers {meta['kda_tp_layers']!r} is not a list of ints")
     except (KeyError, ValueError) as e:
         raise CheckpointError(f"{rank_dir(out, 0)}: no valid kda-tp metadata ({e})") from None
     report.tp_size = tp_size

@@ -200,9 +200,11 @@ class SafetensorsSource:
         """The parsed ``config.json`` beside the weights, or None when there is none.
 
         Raises:
-            CheckpointError: ``config.json`` exists but is not a JSON object.
+            CheckpointError: ``config.json`` exists but is not a regular file holding a JSON
+                object.
         """
-        if self._config is None and (self.root / "config.json").is_file():
+        # exists(), not is_file(): a config.json that is a directory or FIFO is an error.
+        if self._config is None and (self.root / "config.json").exists():
             self._config = load_config(self.root)
         return self._config
 
@@ -260,6 +262,18 @@ def _itemsize(dtype: str) -> int:
         return 1
 
 
+def _location(source: Any, name: str | None = None) -> str:
+    """Where ``name`` (or the checkpoint) lives, for error messages: the tensor's file, else the
+    source's root directory, else the source's repr."""
+    file_of = getattr(source, "file_of", None)
+    if name is not None and file_of is not None:
+        found = file_of(name)
+        if found is not None:
+            return str(found)
+    root = getattr(source, "root", None)
+    return str(root) if root is not None else repr(source)
+
+
 # `model.layers.12.self_attn.q_proj.weight` -> ("12", "q_proj.weight"); any prefix before
 # `layers.` (e.g. `language_model.model.`) is allowed.
 _LAYER_TENSOR = re.compile(r"^(?:.*\.)?layers\.(\d+)\.self_attn\.(.+)$")
@@ -282,7 +296,9 @@ def kda_layer_indices(source: Any, layers: Iterable[int] | None) -> tuple[int, .
         return tuple(sorted({int(i) for i in layers}))
     config = getattr(source, "config", None)
     if config is not None:
-        kda_layers = parse_config(config, str(getattr(source, "root", "config"))).kda_layers
+        root = getattr(source, "root", None)
+        where = str(Path(root) / "config.json") if root is not None else "config"
+        kda_layers = parse_config(config, where).kda_layers
         if kda_layers is not None:
             return kda_layers
     raise CheckpointError(
@@ -335,24 +351,24 @@ class KdaShardedSource:
             if layer not in wanted:
                 if suffix in _BARE:
                     raise CheckpointError(
-                        f"{name}: layer {layer} holds a KDA tensor but is not a KDA layer "
-                        f"(KDA layers: {list(self.layers)})"
+                        f"{_location(source, name)}: {name}: layer {layer} holds a KDA tensor "
+                        f"but is not a KDA layer (KDA layers: {list(self.layers)})"
                     )
                 continue
             entry = by_suffix.get(suffix)
             if entry is None:
                 raise CheckpointError(
-                    f"{name}: KDA layer {layer} holds a self_attn tensor the plan does not know; "
-                    f"it cannot be sharded safely (known: {sorted(by_suffix)})"
+                    f"{_location(source, name)}: {name}: KDA layer {layer} holds a self_attn "
+                    f"tensor the plan does not know; it cannot be sharded safely "
+                    f"(known: {sorted(by_suffix)})"
                 )
             self._planned[name] = (entry, self._check(name, entry, source))
             seen[layer].add(suffix)
         for layer in self.layers:
             missing = sorted(set(by_suffix) - seen[layer])
             if missing:
-                raise CheckpointError(
-                    f"KDA layer {layer} lacks {', '.join(f'self_attn.{m}' for m in missing)}"
-                )
+                lacking = ", ".join(f"self_attn.{m}" for m in missing)
+                raise CheckpointError(f"{_location(source)}: KDA layer {layer} lacks {lacking}")
 
     @staticmethod
     def _check(name: str, entry: KdaTensorPlan, source: TensorSource) -> tuple[int, ...]:
@@ -363,11 +379,13 @@ class KdaShardedSource:
             record = source.get(name)
             dtype, shape = record.dtype, tuple(record.shape)
         if dtype != entry.dtype:
-            raise DtypeMismatchError(f"{name}: dtype {dtype}, expected {entry.dtype}")
+            raise DtypeMismatchError(
+                f"{_location(source, name)}: {name}: dtype {dtype}, expected {entry.dtype}"
+            )
         try:
             return entry.local_shape(list(shape))
         except KdaTpError as e:
-            raise type(e)(f"{name}: {e}") from None
+            raise type(e)(f"{_location(source, name)}: {name}: {e}") from None
 
     @property
     def config(self) -> dict[str, Any] | None:
