@@ -221,7 +221,8 @@ impl KdaTpPlan {
     /// The plan for rank `tp_rank` of `tp_size`.
     ///
     /// # Errors
-    /// [`Error::RankOutOfRange`] for `tp_rank >= tp_size`; [`Error::ZeroSize`] for any zero
+    /// [`Error::ZeroSize`] for a zero `tp_size` or any other zero size (checked after the rank);
+    /// [`Error::RankOutOfRange`] for `tp_rank >= tp_size`;
     /// size; [`Error::HeadsNotDivisible`]; [`Error::QkWidth`] when `2 · local_heads · head_dim`
     /// is not a multiple of `qk_multiple`; [`Error::UnknownTensor`] / [`Error::UnsupportedDtype`]
     /// for a bad dtype override; [`Error::Overflow`] when a byte size exceeds `isize::MAX`.
@@ -236,6 +237,9 @@ impl KdaTpPlan {
         gate_rank: usize,
         options: &PlanOptions,
     ) -> Result<Self> {
+        if tp_size == 0 {
+            return Err(Error::ZeroSize { field: "tp_size" });
+        }
         if tp_rank >= tp_size {
             return Err(Error::RankOutOfRange { tp_rank, tp_size });
         }

@@ -12,7 +12,7 @@ use safetensors::Dtype;
 
 use crate::checkpoint::{Backend, Checkpoint, TensorData};
 use crate::error::Error;
-use crate::plan::{KdaShard, KdaTensorPlan, KdaTpPlan, PlanOptions};
+use crate::plan::{KdaShard, KdaTensorPlan, KdaTpPlan, PlanOptions, TENSOR_NAMES};
 use crate::slice;
 
 pyo3::import_exception!(kda_tp.errors, PlanError);
@@ -42,6 +42,13 @@ impl From<Error> for PyErr {
 }
 
 /// How one KDA tensor maps onto tensor-parallel ranks.
+///
+/// REPLICATED: every rank holds the whole tensor (f_a_proj, g_a_proj, o_norm).
+/// HEAD_ROWS: the leading dimension is heads; each rank keeps its head range (b_proj, A_log).
+/// CHANNEL_ROWS: the leading dimension is heads * head_dim; each rank keeps its channel range
+/// (column-parallel: q/k/v_proj, q/k/v_conv1d, f_b_proj, g_b_proj, dt_bias).
+/// CHANNEL_COLS: the trailing (input) dimension is heads * head_dim; each rank keeps every row's
+/// channel range and its output is all-reduced (row-parallel: o_proj).
 #[pyclass(eq, eq_int, frozen, hash, name = "KdaShard", module = "kda_tp")]
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
 enum PyKdaShard {
@@ -80,7 +87,23 @@ impl From<KdaShard> for PyKdaShard {
     }
 }
 
-/// One tensor's placement (see the Rust `KdaTensorPlan`).
+/// One tensor's placement for one rank, in a flat ``[rows, row_elems]`` view of the on-disk tensor.
+///
+/// Counts are elements unless the name says bytes. For CHANNEL_COLS the sharded axis is
+/// ``row_elems`` (columns); for the row kinds it is ``rows``.
+///
+/// Attributes:
+///     name: plan name, e.g. ``"q_proj"`` (checkpoint name without layer prefix and ``.weight``).
+///     kind: a ``KdaShard``.
+///     dtype: safetensors dtype name, e.g. ``"BF16"``; elem_bytes: bytes per element.
+///     full_rows, full_row_elems: the full tensor as ``[rows, row_elems]``.
+///     local_rows, local_row_elems: this rank's part.
+///     src_row_offset: first row of this rank's slice (0 for REPLICATED and CHANNEL_COLS).
+///     src_col_offset: first element of this rank's column slice (CHANNEL_COLS only, else 0).
+///     local_bytes, full_bytes: byte sizes of this rank's part and of the full tensor.
+///     disk_shape: the full shape as Kimi-Linear stores it, e.g. ``(1, 1, H, 1)`` for A_log.
+///     byte_range: ``(start, stop)`` byte range of this rank's part in the full tensor, or None
+///         for CHANNEL_COLS (a strided gather, not one range).
 #[pyclass(frozen, eq, name = "KdaTensorPlan", module = "kda_tp")]
 #[derive(PartialEq)]
 struct PyTensorPlan(KdaTensorPlan);
@@ -143,9 +166,20 @@ impl PyTensorPlan {
     fn byte_range(&self) -> Option<(usize, usize)> {
         slice::row_byte_range(&self.0).map(|r| (r.start, r.end))
     }
+    /// The on-disk axis sharded in a tensor stored with shape ``disk_shape`` (None when
+    /// replicated): for the row kinds the first axis of extent ``full_rows`` after only unit
+    /// axes (``(1, 1, H, 1)`` -> 2, ``(H,)`` -> 0, ``(C, 1, K)`` -> 0), for CHANNEL_COLS the last.
+    ///
+    /// Raises:
+    ///     ShapeMismatchError: ``disk_shape`` does not hold exactly this tensor.
     fn sharded_axis(&self, disk_shape: Vec<usize>) -> PyResult<Option<usize>> {
         Ok(self.0.sharded_axis(&disk_shape)?)
     }
+    /// This rank's shape of a tensor stored as ``disk_shape``: the same rank (number of
+    /// dimensions), with the sharded axis reduced, e.g. ``(8192, 1, 4)`` -> ``(4096, 1, 4)``.
+    ///
+    /// Raises:
+    ///     ShapeMismatchError: ``disk_shape`` does not hold exactly this tensor.
     fn local_shape<'py>(
         &self,
         py: Python<'py>,
@@ -280,12 +314,18 @@ impl PyPlan {
     fn needs_output_all_reduce(&self) -> bool {
         self.0.needs_output_all_reduce()
     }
+    /// The entry for a plan name such as ``"q_proj"`` or ``"A_log"``, or None.
     fn get(&self, name: &str) -> Option<PyTensorPlan> {
         self.0.get(name).cloned().map(PyTensorPlan)
     }
+    /// The entry for a plan name; raises KeyError listing the plan names when absent.
     fn __getitem__(&self, name: &str) -> PyResult<PyTensorPlan> {
-        self.get(name)
-            .ok_or_else(|| PyKeyError::new_err(name.to_string()))
+        self.get(name).ok_or_else(|| {
+            PyKeyError::new_err(format!(
+                "{name:?} is not a KDA plan name; expected one of {}",
+                TENSOR_NAMES.join(", ")
+            ))
+        })
     }
     fn __contains__(&self, name: &str) -> bool {
         self.0.get(name).is_some()

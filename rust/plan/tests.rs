@@ -266,7 +266,7 @@ fn plans_compare_by_value() {
 
 #[test]
 fn rank_out_of_range() {
-    for (rank, tp) in [(2, 2), (5, 4), (0, 0), (usize::MAX, 1), (1, 1)] {
+    for (rank, tp) in [(2, 2), (5, 4), (usize::MAX, 1), (1, 1)] {
         match KdaTpPlan::new(rank, tp, 4096, 128, 64, 4, 128) {
             Err(Error::RankOutOfRange { tp_rank, tp_size }) => {
                 assert_eq!((tp_rank, tp_size), (rank, tp));
@@ -276,6 +276,14 @@ fn rank_out_of_range() {
     }
     let e = KdaTpPlan::new(2, 2, 4096, 128, 64, 4, 128).unwrap_err();
     assert_eq!(e.to_string(), "tp_rank 2 >= tp_size 2");
+}
+
+#[test]
+fn a_zero_tp_size_is_named_before_the_rank() {
+    assert!(matches!(
+        KdaTpPlan::new(0, 0, 4096, 128, 64, 4, 128),
+        Err(Error::ZeroSize { field: "tp_size" })
+    ));
 }
 
 #[test]
