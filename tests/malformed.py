@@ -475,22 +475,6 @@ def index_absolute_path(root: Path) -> Case:
     )
 
 
-def index_symlink_outside(root: Path) -> Case:
-    """The index names a file inside the directory that is a symlink to a file outside it."""
-    target = _copy_base(root, "index_symlink_outside")
-    index = json.loads((target / INDEX).read_text())
-    victim = sorted(set(index["weight_map"].values()))[-1]
-    (target / victim).unlink()
-    (target / victim).symlink_to((base_checkpoint(root) / victim).resolve())
-    return Case(
-        "index_symlink_outside",
-        target,
-        CheckpointError,
-        (str(target / INDEX), victim, "outside the checkpoint directory"),
-        "shard",
-    )
-
-
 # ----------------------------------------------------------------------------------------------
 # config.json
 
@@ -812,7 +796,6 @@ KINDS: dict[str, Callable[[Path], Case]] = {
         index_unlisted_tensor,
         index_parent_path,
         index_absolute_path,
-        index_symlink_outside,
         config_missing,
         config_not_json,
         config_not_object,

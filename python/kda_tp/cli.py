@@ -17,8 +17,8 @@ from pathlib import Path
 from . import __version__
 from .errors import KdaTpError
 from .plan import KdaTpPlan
-from .shard import shard_checkpoint, verify_shards
-from .source import SafetensorsSource, checkpoint_suffix, kda_layer_indices
+from .shard import ShardResult, shard_checkpoint, verify_shards
+from .source import SafetensorsSource, decoder_prefix, kda_layer_indices, kda_tensor_name
 
 __all__ = ["main"]
 
@@ -43,7 +43,7 @@ def _parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("plan", help="print the shard table for one rank")
     p.add_argument("input", type=Path, help="checkpoint directory or config.json")
-    p.add_argument("--tp-size", type=int, required=True)
+    p.add_argument("--tp-size", type=int, required=True, help="tensor-parallel world size")
     p.add_argument("--rank", type=int, default=0, help="rank whose offsets to show (default 0)")
     p.add_argument("--gate-rank", type=int, help="gate bottleneck width (bare config only)")
     _add_qk_multiple(p)
@@ -51,10 +51,10 @@ def _parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("shard", help="write one checkpoint directory per rank")
     p.add_argument("checkpoint", type=Path)
-    p.add_argument("--tp-size", type=int, required=True)
+    p.add_argument("--tp-size", type=int, required=True, help="tensor-parallel world size")
     p.add_argument("--out", type=Path, required=True, help="output directory (OUT/rank{r}/)")
     p.add_argument("--ranks", type=_int_list, help="comma-separated ranks (default: all)")
-    p.add_argument("--layers", type=_int_list, help="0-based KDA layers (default: config)")
+    p.add_argument("--layers", type=_int_list, help="0-based KDA layer indices (default: the config's, which Kimi-Linear numbers from 1)")
     p.add_argument("--force", action="store_true", help="overwrite a non-empty output")
     p.add_argument("--backend", choices=["mmap", "pread"], help="input read path")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -68,10 +68,10 @@ def _parser() -> argparse.ArgumentParser:
     p.set_defaults(run=_cmd_verify)
 
     p = sub.add_parser("demo", help="plan, shard and verify a generated real-geometry checkpoint")
-    p.add_argument("--tp-size", type=int, default=4)
+    p.add_argument("--tp-size", type=int, default=4, help="world size (default 4)")
     p.add_argument("--model", choices=["kimi-linear", "glm-5.3-flash"], default="kimi-linear")
     p.add_argument("--num-layers", type=int, default=4)
-    p.add_argument("--keep", type=Path, help="write here instead of a temporary directory")
+    p.add_argument("--keep", type=Path, help="write DIR/checkpoint and DIR/tp{N} here (replacing them) instead of a temporary directory")
     _add_numeric(p, default_on=True)
     p.set_defaults(run=_cmd_demo)
     return parser
@@ -114,12 +114,9 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         source = SafetensorsSource(args.input)
         layers = kda_layer_indices(source, None)
         n_layers = len(layers)
-        prefix = next(
-            n.rsplit("self_attn.", 1)[0] for n in source.names()
-            if f"layers.{layers[0]}.self_attn." in n
-        )
+        prefix = decoder_prefix(source)
         shapes = {
-            t.name: source.info(f"{prefix}self_attn.{checkpoint_suffix(t.name)}")[1]
+            t.name: source.info(kda_tensor_name(prefix, layers[0], t.name))[1]
             for t in plan.tensors
         }
     print(format_plan(plan, shapes, n_layers))
@@ -211,12 +208,7 @@ def _cmd_shard(args: argparse.Namespace) -> int:
         backend=args.backend,
         progress=_progress(args.quiet),
     )
-    rate = result.bytes_written / result.seconds / 1e9 if result.seconds else 0.0
-    print(
-        f"wrote ranks {list(result.ranks)} of {result.tp_size} to {result.out_dir}: "
-        f"{result.bytes_written / 1e9:.3f} GB of tensors in {result.seconds:.2f} s "
-        f"({rate:.2f} GB/s)"
-    )
+    print(_written_line(result))
     return 0
 
 
@@ -237,9 +229,22 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
-def _cmd_demo(args: argparse.Namespace) -> int:
-    from .synth import write_checkpoint
+def _written_line(result: ShardResult) -> str:
+    rate = result.bytes_written / result.seconds / 1e9 if result.seconds else 0.0
+    return (
+        f"wrote ranks {list(result.ranks)} of {result.tp_size} to {result.out_dir}: "
+        f"{result.bytes_written / 1e9:.3f} GB of tensors in {result.seconds:.2f} s "
+        f"({rate:.2f} GB/s written)"
+    )
 
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from .synth import GEOMETRIES, write_checkpoint
+
+    g = GEOMETRIES[args.model]
+    # Refuse a tp_size the model cannot split before generating anything.
+    KdaTpPlan(0, args.tp_size, g["hidden"], g["head_dim"], g["heads"], g["conv_kernel"],
+              g["gate_rank"])
     with tempfile.TemporaryDirectory(prefix="kda-tp-demo-") as tmp:
         base = args.keep or Path(tmp)
         checkpoint, out = base / "checkpoint", base / f"tp{args.tp_size}"
@@ -247,14 +252,19 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         write_checkpoint(checkpoint, args.model, args.num_layers)
         size = sum(p.stat().st_size for p in checkpoint.glob("*.safetensors"))
         print(f"generated a {args.num_layers}-layer {args.model} checkpoint "
-              f"({size / 1e9:.3f} GB) in {time.perf_counter() - t0:.1f} s: {checkpoint}\n")
+              f"({size / 1e9:.3f} GB) in {time.perf_counter() - t0:.1f} s: {checkpoint}")
+        mla = [i for i in range(args.num_layers)
+               if g["full_attn_every"] and (i + 1) % g["full_attn_every"] == 0]
+        if mla:
+            print(f"layers {mla} (0-based) are full attention (MLA): passed through unsliced")
+        print()
         status = _cmd_plan(argparse.Namespace(input=checkpoint, rank=0, tp_size=args.tp_size,
                                               gate_rank=None, qk_multiple=256))
         print()
         result = shard_checkpoint(checkpoint, out, args.tp_size, force=args.keep is not None,
                                   progress=_progress(False))
-        print(f"shard: {result.tp_size} ranks, {result.bytes_written / 1e9:.3f} GB written in "
-              f"{result.seconds:.2f} s ({size / result.seconds / 1e9:.2f} GB/s of input)")
+        print(f"shard: {_written_line(result)}; input read at "
+              f"{size / result.seconds / 1e9:.2f} GB/s")
         t0 = time.perf_counter()
         report = verify_shards(checkpoint, out, numeric=args.numeric, seq_len=args.seq_len,
                                seed=args.seed)

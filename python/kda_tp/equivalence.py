@@ -28,7 +28,7 @@ import numpy as np
 from kda_tp.config import parse_config
 from kda_tp.errors import CheckpointError, PlanError
 from kda_tp.reference import WEIGHT_NAMES, kda_layer_forward
-from kda_tp.source import checkpoint_suffix, kda_layer_indices
+from kda_tp.source import decoder_prefix, kda_layer_indices, kda_tensor_name
 
 __all__ = [
     "DEFAULT_ATOL",
@@ -173,7 +173,9 @@ def check_tp_equivalence(
         raise CheckpointError(f"{checkpoint}: no KDA layer to check")
     factory = kda_tp.KdaShardedSource if shard_source_factory is None else shard_source_factory
     plans = [
-        kda_tp.KdaTpPlan.from_config(source, rank, tp_size, qk_multiple=qk_multiple)
+        kda_tp.KdaTpPlan.from_config(
+            source, rank, tp_size, qk_multiple=qk_multiple, layers=layer_list
+        )
         for rank in range(tp_size)
     ]
     # The adapter shards every KDA layer (it refuses a KDA layer left out), even when only
@@ -191,20 +193,20 @@ def check_tp_equivalence(
     def forward(weights: Mapping[str, Any]) -> np.ndarray:
         return kda_layer_forward(weights, x, head_dim=head_dim, rms_norm_eps=eps)
 
+    prefix = decoder_prefix(source)
     results = []
     for layer in layer_list:
-        y = forward(_layer_weights(source, layer))
-        y_sum = sum(forward(_layer_weights(s, layer)) for s in rank_sources)
+        y = forward(_layer_weights(source, layer, prefix))
+        y_sum = sum(forward(_layer_weights(s, layer, prefix)) for s in rank_sources)
         results.append(_compare(layer, y, y_sum, atol, rtol))
     return EquivalenceReport(tp_size, int(seq_len), seed, atol, rtol, tuple(results))
 
 
-def _layer_weights(source: Any, layer: int) -> dict[str, np.ndarray]:
-    """Plan name -> typed array of ``model.layers.{layer}.self_attn.*``, as ``source`` has it."""
-    prefix = f"model.layers.{layer}.self_attn."
+def _layer_weights(source: Any, layer: int, prefix: str) -> dict[str, np.ndarray]:
+    """Plan name -> typed array of ``{prefix}{layer}.self_attn.*``, as ``source`` has it."""
     weights = {}
     for name in WEIGHT_NAMES:
-        key = prefix + checkpoint_suffix(name)
+        key = kda_tensor_name(prefix, layer, name)
         record = source.get(key)
         if record is None:
             raise CheckpointError(f"{key}: missing (KDA layer {layer})")

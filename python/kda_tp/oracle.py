@@ -666,12 +666,15 @@ def verify(checkpoint_dir: str | Path, out_dir: str | Path) -> list[str]:
         for p in out_dir.iterdir()
         if p.is_dir() and (m := re.fullmatch(r"rank(\d+)", p.name))
     )
-    tp_size = len(rank_dirs)
-    if tp_size == 0:
+    if not rank_dirs:
         return [f"output: {out_dir} holds no rank<N> directory"]
+    tp_size = _declared_tp_size(rank_dirs[0][1]) or len(rank_dirs)
     if [r for r, _ in rank_dirs] != list(range(tp_size)):
-        names = [p.name for _, p in rank_dirs]
-        return [f"output: rank directories {names} are not rank0 .. rank{tp_size - 1}"]
+        names = [p.name for _, p in rank_dirs][:8]
+        return [
+            f"output: rank directories {names} are not rank0 .. rank{tp_size - 1} "
+            f"(tp_size {tp_size}; incomplete run?)"
+        ]
 
     problems = []
     for rank, rank_dir in rank_dirs:
@@ -697,6 +700,17 @@ def verify(checkpoint_dir: str | Path, out_dir: str | Path) -> list[str]:
             continue
         problems += _check_rank(source, sharded, rank_plan, geometry.kda_layers)
     return problems
+
+
+def _declared_tp_size(rank_dir: Path) -> int | None:
+    """``tp_size`` from the ``__metadata__`` of the first safetensors file in ``rank_dir``."""
+    for path in sorted(rank_dir.glob("*.safetensors")):
+        try:
+            metadata, _ = _read_safetensors_header(path)
+            return int(metadata["tp_size"])
+        except (CheckpointError, KeyError, ValueError, OSError):
+            return None
+    return None
 
 
 def _check_rank(

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Mapping
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 from . import _native
 from .config import CONFIG_NAME, load_config, parse_config
@@ -87,6 +88,7 @@ class KdaTpPlan(_native.KdaTpPlan):
         tp_size: int,
         gate_rank: int | None = None,
         qk_multiple: int = 256,
+        layers: Iterable[int] | None = None,
     ) -> KdaTpPlan:
         """The plan for one rank, with the geometry read from a model config.
 
@@ -101,6 +103,8 @@ class KdaTpPlan(_native.KdaTpPlan):
                 KDA layer's ``f_a_proj`` row count; with a bare config, to ``head_dim``
                 (Kimi-Linear's choice).
             qk_multiple: see the class.
+            layers: 0-based KDA layer indices, for a checkpoint whose config does not list them;
+                the first one is read for dtypes and the gate rank.
 
         With a checkpoint, each tensor's dtype (and so its element size) is read from the first
         KDA layer's header.
@@ -113,7 +117,7 @@ class KdaTpPlan(_native.KdaTpPlan):
                 rank is read from it).
             PlanError: a refused geometry (see the class).
         """
-        from .source import SafetensorsSource, checkpoint_suffix, kda_layer_indices
+        from .source import SafetensorsSource, decoder_prefix, kda_layer_indices, kda_tensor_name
 
         source = None
         where = "config"  # names the config in error messages
@@ -125,7 +129,10 @@ class KdaTpPlan(_native.KdaTpPlan):
             where = str(source.root / CONFIG_NAME)
         elif isinstance(config, (str, os.PathLike)):
             path = Path(config)
-            if path.is_dir() and any(path.glob("*.safetensors")):
+            if path.suffix == ".safetensors" and path.is_file():
+                source = SafetensorsSource(path)
+                path = path.parent
+            elif path.is_dir() and any(path.glob("*.safetensors")):
                 source = SafetensorsSource(path)
             config = load_config(path)
             where = str(path / CONFIG_NAME if path.is_dir() else path)
@@ -133,17 +140,14 @@ class KdaTpPlan(_native.KdaTpPlan):
 
         dtypes = None
         if source is not None:
-            layer = kda_layer_indices(source, None)[0] if kda.kda_layers else None
-            prefix = _layer_prefix(source, layer)
+            layer = kda_layer_indices(source, layers)[0]
+            prefix = decoder_prefix(source)
             headers = {}
             for name in _TENSOR_NAMES:
-                full_name = f"{prefix}{checkpoint_suffix(name)}"
+                full_name = kda_tensor_name(prefix, layer, name)
                 info = source.info(full_name)
                 if info is None:
-                    raise CheckpointError(
-                        f"{source.root}: KDA layer {layer} lacks "
-                        f"self_attn.{checkpoint_suffix(name)}"
-                    )
+                    raise CheckpointError(f"{source.root}: KDA layer {layer} lacks {full_name}")
                 if info[0] not in _FLOAT_DTYPES:
                     raise DtypeMismatchError(
                         f"{source.file_of(full_name)}: {full_name}: dtype {info[0]} is not a "
@@ -154,7 +158,7 @@ class KdaTpPlan(_native.KdaTpPlan):
             if gate_rank is None:
                 f_a_shape = headers["f_a_proj"][1]
                 if len(f_a_shape) != 2:
-                    f_a_name = f"{prefix}{checkpoint_suffix('f_a_proj')}"
+                    f_a_name = kda_tensor_name(prefix, layer, "f_a_proj")
                     raise ShapeMismatchError(
                         f"{source.file_of(f_a_name)}: {f_a_name}: on-disk shape "
                         f"{list(f_a_shape)} is not 2-D [gate_rank, hidden], so the gate rank "
@@ -173,17 +177,20 @@ class KdaTpPlan(_native.KdaTpPlan):
             dtypes=dtypes,
         )
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickle (and copy) by the constructor's arguments."""
+        args = (self.tp_rank, self.tp_size, self.hidden, self.head_dim, self.full_heads,
+                self.conv_kernel, self.gate_rank)
+        options = {"qk_multiple": self.qk_multiple,
+                   "dtypes": {t.name: t.dtype for t in self.tensors}}
+        return (_rebuild, (type(self), args, options))
+
+
+def _rebuild(cls: type, args: tuple[int, ...], options: dict[str, Any]) -> KdaTpPlan:
+    return cls(*args, **options)
+
 
 # The dtypes the plan accepts for a KDA tensor (the Rust core's rule).
 _FLOAT_DTYPES = ("BF16", "F16", "F32", "F64")
 _TENSOR_NAMES = [t.name for t in _native.KdaTpPlan(0, 1, 1, 128, 1, 1, 1).tensors]
 
-
-def _layer_prefix(source: Any, layer: int | None) -> str:
-    """``<prefix>layers.{layer}.self_attn.`` as the checkpoint spells it."""
-    marker = f"layers.{layer}.self_attn."
-    for name in source.names():
-        head, found, _ = name.partition(marker)
-        if found and (not head or head.endswith(".")):
-            return head + marker
-    raise CheckpointError(f"{source.root}: no tensors for KDA layer {layer}")

@@ -31,7 +31,7 @@ import numpy as np
 from ._io import DTYPE_SIZES, write_index, write_safetensors
 from ._native import __version__
 from .equivalence import EquivalenceReport, check_tp_equivalence
-from .errors import CheckpointError, DtypeMismatchError, OutputError, PlanError
+from .errors import CheckpointError, DtypeMismatchError, KdaTpError, OutputError, PlanError
 from .plan import KdaShard, KdaTpPlan
 from .source import KdaShardedSource, SafetensorsSource, Tensor
 
@@ -113,7 +113,9 @@ def shard_checkpoint(
         raise PlanError("no ranks to write: --ranks is empty")
     shards = [
         KdaShardedSource(
-            source, KdaTpPlan.from_config(source, r, tp_size, qk_multiple=qk_multiple), layers
+            source, KdaTpPlan.from_config(
+                source, r, tp_size, qk_multiple=qk_multiple, layers=layers
+            ), layers
         )
         for r in ranks
     ]
@@ -124,7 +126,7 @@ def shard_checkpoint(
                 f"{source.file_of(name)}: {name}: dtype {dtype} cannot be copied to the shards "
                 f"(whole-byte dtypes only: {', '.join(DTYPE_SIZES)})"
             )
-    _prepare_out_dir(source.root, out, ranks, force)
+    _prepare_out_dir(source.root, out, tp_size, ranks, force)
     files = _names_by_file(source)
     total = sum(_nbytes(*s.info(name)) for s in shards for name in source.names())
     advance = progress(total) if progress else None
@@ -135,16 +137,18 @@ def shard_checkpoint(
     if failed:
         # All or nothing: a failed run (e.g. a full disk) also removes the ranks it completed,
         # moving each aside in one rename first, so no incomplete rank{r} is ever visible.
-        for r, f in zip(ranks, futures):
+        # Only directories this run created (same inode) are removed, never another
+        # process's.
+        for f in futures:
             if f.exception() is None:
-                aside = out / f".rank{r}.partial-failed-{os.getpid()}"
+                _, final, inode = f.result()
                 try:
-                    os.replace(rank_dir(out, r), aside)
+                    if final.stat().st_ino == inode:
+                        _remove_dir(final, out)
                 except OSError:
                     continue
-                shutil.rmtree(aside, ignore_errors=True)
         raise failed[0]
-    written = sum(f.result() for f in futures)
+    written = sum(f.result()[0] for f in futures)
     return ShardResult(out, tp_size, ranks, written, time.perf_counter() - start)
 
 
@@ -160,7 +164,9 @@ def _names_by_file(source: SafetensorsSource) -> dict[str, list[str]]:
     return files
 
 
-def _prepare_out_dir(root: Path, out: Path, ranks: tuple[int, ...], force: bool) -> None:
+def _prepare_out_dir(
+    root: Path, out: Path, tp_size: int, ranks: tuple[int, ...], force: bool
+) -> None:
     """Create ``out`` or check what it holds; remove stale partial directories of ``ranks``."""
     resolved, input_root = out.resolve(), root.resolve()
     if resolved == input_root or input_root in resolved.parents:
@@ -184,10 +190,37 @@ def _prepare_out_dir(root: Path, out: Path, ranks: tuple[int, ...], force: bool)
             shutil.rmtree(entry, ignore_errors=True)  # left by a killed run
         elif final and int(final.group(1)) in ranks and not force:
             raise OutputError(f"{entry} already exists; pass --force to overwrite it")
+        elif final and int(final.group(1)) not in ranks:
+            # Another run's rank: it must belong to the same world size.
+            found = _rank_tp_size(entry)
+            if found != tp_size:
+                if not force:
+                    raise OutputError(
+                        f"{entry} holds output for tp_size {found or 'unknown'}, not {tp_size}; "
+                        "pass --force to replace it"
+                    )
+                _remove_dir(entry, out)
         elif not (partial or final) and not force:
             raise OutputError(
                 f"{out} is not empty (it holds {entry.name}); pass --force to write into it"
             )
+
+
+def _rank_tp_size(path: Path) -> int | None:
+    """The ``tp_size`` recorded in a rank directory's first file, or None if unreadable."""
+    try:
+        files = SafetensorsSource(path).files()
+        return int((files[0][1] or {})["tp_size"]) if files else None
+    except (KdaTpError, KeyError, ValueError, OSError):
+        return None
+
+
+def _remove_dir(path: Path, out: Path) -> None:
+    """Remove a directory after moving it aside in one rename, so it never lingers half-deleted
+    under its own name (the aside name is a partial name, cleaned by a later run)."""
+    aside = out / f".{path.name}.partial-removed-{os.getpid()}"
+    os.replace(path, aside)
+    shutil.rmtree(aside, ignore_errors=True)
 
 
 def _write_rank(
@@ -196,8 +229,11 @@ def _write_rank(
     files: dict[str, list[str]],
     out: Path,
     advance: Callable[[int], None] | None,
-) -> int:
-    """Write ``shard``'s rank into a partial directory, then rename it into place."""
+) -> tuple[int, Path, int]:
+    """Write ``shard``'s rank into a partial directory, then rename it into place.
+
+    Returns the tensor bytes written, the rank directory, and its inode (to recognise it).
+    """
     plan = shard.plan
     partial = out / f".rank{plan.tp_rank}.partial-{os.getpid()}"
 
@@ -233,6 +269,7 @@ def _write_rank(
         for extra in _companion_files(source):
             shutil.copy2(extra, partial / extra.name)
         final = rank_dir(out, plan.tp_rank)
+        inode = partial.stat().st_ino
         if final.exists():
             # Move the old directory aside in one rename, so a run killed here never leaves a
             # half-deleted rank{r} behind; the aside name is a partial name, removed by the
@@ -249,7 +286,7 @@ def _write_rank(
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         raise
-    return total
+    return total, final, inode
 
 
 def _companion_files(source: SafetensorsSource) -> list[Path]:
@@ -334,6 +371,9 @@ def verify_shards(
         report.problems.append(f"{out}: no rank0 directory (not a kda-tp output, or incomplete)")
         return report
     rank0 = SafetensorsSource(rank_dir(out, 0))
+    if not rank0.files():
+        report.problems.append(f"{rank_dir(out, 0)}: holds no safetensors file")
+        return report
     meta = rank0.files()[0][1] or {}
     try:
         tp_size = int(meta["tp_size"])
@@ -349,17 +389,24 @@ def verify_shards(
     except (KeyError, ValueError) as e:
         raise CheckpointError(f"{rank_dir(out, 0)}: no valid kda-tp metadata ({e})") from None
     report.tp_size = tp_size
-    missing = sorted(set(range(tp_size)) - present)
+    # The plan refuses a tp_size the heads cannot split (so it stays small) before any listing.
+    plans = [KdaTpPlan.from_config(source, 0, tp_size, qk_multiple=qk_multiple, layers=layers)]
+    extra = sorted(r for r in present if r >= tp_size)
+    if extra:
+        report.problems.append(f"{out}: rank directories {extra[:8]} beyond tp_size {tp_size}")
+    missing = [r for r in range(tp_size) if r not in present]
     if missing:
-        report.problems.append(f"{out}: ranks {missing} of {tp_size} are missing (incomplete run?)")
+        report.problems.append(
+            f"{out}: {len(missing)} of {tp_size} ranks missing, e.g. {missing[:8]} "
+            "(incomplete run?)"
+        )
         return report
     ranks = [rank0] + [SafetensorsSource(rank_dir(out, r)) for r in range(1, tp_size)]
-    shards = [
-        KdaShardedSource(
-            source, KdaTpPlan.from_config(source, r, tp_size, qk_multiple=qk_multiple), layers
-        )
-        for r in range(tp_size)
+    plans += [
+        KdaTpPlan.from_config(source, r, tp_size, qk_multiple=qk_multiple, layers=layers)
+        for r in range(1, tp_size)
     ]
+    shards = [KdaShardedSource(source, plan, layers) for plan in plans]
     for r, rank in enumerate(ranks):
         for path, file_meta in rank.files():
             got = (file_meta or {}).get("tp_rank"), (file_meta or {}).get("tp_size")

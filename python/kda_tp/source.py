@@ -138,6 +138,8 @@ class TensorSource(Protocol):
 
 
 def _readonly_bytes(data: Any) -> np.ndarray:
+    if isinstance(data, (np.ndarray, memoryview)):
+        data = np.ascontiguousarray(data)  # copies only a strided view
     array = np.frombuffer(data, dtype=np.uint8)
     array.flags.writeable = False
     return array
@@ -148,8 +150,9 @@ def shard_bytes(tensor_plan: KdaTensorPlan, buffer: Any) -> np.ndarray:
 
     Args:
         tensor_plan: the plan entry (``plan["q_proj"]``).
-        buffer: the full tensor's raw bytes, ``tensor_plan.full_bytes`` long; any C-contiguous
-            buffer-protocol object (bytes, bytearray, memoryview, numpy array).
+        buffer: the full tensor's raw bytes, ``tensor_plan.full_bytes`` long; any
+            buffer-protocol object (bytes, bytearray, memoryview, numpy array of any dtype,
+            row-major; a strided array or memoryview is first copied to contiguous memory).
 
     Returns:
         A read-only 1-D ``uint8`` array of ``tensor_plan.local_bytes`` bytes. For replicated and
@@ -186,6 +189,10 @@ class SafetensorsSource:
     def __init__(self, path: str | os.PathLike[str], backend: str | None = None):
         backend = backend or os.environ.get(BACKEND_ENV) or "mmap"
         self.path = Path(path)
+        if self.path.suffix == ".json" and self.path.is_file():
+            raise CheckpointError(
+                f"{self.path}: a JSON file; expected a checkpoint directory or a .safetensors file"
+            )
         self.backend = backend
         self._checkpoint = _native.Checkpoint(self.path, backend)
         self._config: dict[str, Any] | None = None
@@ -274,11 +281,38 @@ def _location(source: Any, name: str | None = None) -> str:
     return str(root) if root is not None else repr(source)
 
 
-# `model.layers.12.self_attn.q_proj.weight` -> ("12", "q_proj.weight"); any prefix before
-# `layers.` (e.g. `language_model.model.`) is allowed.
-_LAYER_TENSOR = re.compile(r"^(?:.*\.)?layers\.(\d+)\.self_attn\.(.+)$")
+# After the decoder prefix: `12.self_attn.q_proj.weight` -> ("12", "q_proj.weight").
+_LAYER_TENSOR = re.compile(r"^(\d+)\.self_attn\.(.+)$")
+# `model.layers.3.self_attn.A_log` -> "model.layers.": A_log exists only in KDA layers.
+_KDA_MARKER = re.compile(r"^((?:.*\.)?layers\.)\d+\.self_attn\.A_log$")
 # A_log and dt_bias are bare parameters; every other KDA tensor is a module's `.weight`.
 _BARE = {"A_log", "dt_bias"}
+DEFAULT_PREFIX = "model.layers."
+
+
+def decoder_prefix(source: Any) -> str:
+    """The name prefix of the decoder layers holding the KDA tensors, up to the layer index.
+
+    It is the prefix of the ``...layers.{i}.self_attn.A_log`` tensors (``"model.layers."`` in
+    Kimi-Linear, ``"language_model.model.layers."`` in some multimodal checkpoints), so other
+    stacks with ``layers.{i}.self_attn`` tensors (a vision tower, a draft model) are never taken
+    for KDA layers. Without any ``A_log``, ``"model.layers."``.
+
+    Raises:
+        CheckpointError: ``A_log`` tensors appear under more than one prefix.
+    """
+    prefixes = {m.group(1) for n in source.names() if (m := _KDA_MARKER.match(n))}
+    if len(prefixes) > 1:
+        raise CheckpointError(
+            f"{_location(source)}: KDA tensors (A_log) under several prefixes {sorted(prefixes)}; "
+            "cannot tell which stack to shard"
+        )
+    return prefixes.pop() if prefixes else DEFAULT_PREFIX
+
+
+def kda_tensor_name(prefix: str, layer: int, plan_name: str) -> str:
+    """The checkpoint name of a plan tensor: ``model.layers.0.self_attn.q_proj.weight``."""
+    return f"{prefix}{layer}.self_attn.{checkpoint_suffix(plan_name)}"
 
 
 def checkpoint_suffix(plan_name: str) -> str:
@@ -340,11 +374,14 @@ class KdaShardedSource:
         self.layers = kda_layer_indices(source, layers)
         wanted = set(self.layers)
         by_suffix = {checkpoint_suffix(t.name): t for t in plan.tensors}
+        self.prefix = decoder_prefix(source)
         # checkpoint name -> (plan entry, local shape)
         self._planned: dict[str, tuple[KdaTensorPlan, tuple[int, ...]]] = {}
         seen: dict[int, set[str]] = {i: set() for i in self.layers}
         for name in source.names():
-            match = _LAYER_TENSOR.match(name)
+            if not name.startswith(self.prefix):
+                continue
+            match = _LAYER_TENSOR.match(name[len(self.prefix) :])
             if match is None:
                 continue
             layer, suffix = int(match.group(1)), match.group(2)
