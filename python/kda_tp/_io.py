@@ -126,7 +126,11 @@ def write_safetensors(
 
 
 def write_index(
-    path: str | os.PathLike[str], weight_map: Mapping[str, str], total_size: int
+    path: str | os.PathLike[str],
+    weight_map: Mapping[str, str],
+    total_size: int,
+    *,
+    sync: bool = True,
 ) -> None:
     """Write a Hugging Face ``model.safetensors.index.json`` atomically.
 
@@ -138,6 +142,7 @@ def write_index(
         weight_map: tensor name -> file name of the safetensors file holding it (relative to the
             index's directory).
         total_size: sum of the tensors' data sizes in bytes (headers not included).
+        sync: fsync the file and its directory (see :func:`write_safetensors`).
 
     Raises:
         OutputError: ``total_size`` is not a non-negative int, or an OS error while writing.
@@ -148,13 +153,14 @@ def write_index(
         "metadata": {"total_size": total_size},
         "weight_map": {name: weight_map[name] for name in sorted(weight_map)},
     }
-    write_json(path, document)
+    write_json(path, document, sync=sync)
 
 
-def write_json(path: str | os.PathLike[str], document: Any) -> None:
+def write_json(path: str | os.PathLike[str], document: Any, *, sync: bool = True) -> None:
     """Write ``document`` as UTF-8 JSON (two-space indent, trailing newline) atomically.
 
-    Uses the same temporary-file, fsync and rename sequence as :func:`write_safetensors`.
+    Uses the same temporary-file, fsync (with ``sync``) and rename sequence as
+    :func:`write_safetensors`.
 
     Raises:
         TypeError: ``document`` is not JSON-serialisable (nothing is written).
@@ -162,7 +168,7 @@ def write_json(path: str | os.PathLike[str], document: Any) -> None:
     """
     path = Path(path)
     encoded = (json.dumps(document, indent=2) + "\n").encode("utf-8")
-    _atomic_write(path, lambda f: _checked_write(f, path, encoded))
+    _atomic_write(path, lambda f: _checked_write(f, path, encoded), sync=sync)
 
 
 def _build_header(path: Path, specs: list[TensorSpec], metadata: Mapping[str, str] | None) -> bytes:

@@ -265,7 +265,7 @@ def _write_rank(
                 )
             total += write_safetensors(partial / file_name, specs, metadata, sync=False)
             weight_map.update(dict.fromkeys(names, file_name))
-        write_index(partial / INDEX_NAME, weight_map, total)
+        write_index(partial / INDEX_NAME, weight_map, total, sync=False)
         for extra in _companion_files(source):
             shutil.copy2(extra, partial / extra.name)
         final = rank_dir(out, plan.tp_rank)
