@@ -27,7 +27,7 @@ use std::ops::Range;
 use std::path::{Component, Path, PathBuf};
 use std::sync::Arc;
 
-use memmap2::{Mmap, MmapOptions};
+use memmap2::{Mmap, MmapOptions, UncheckedAdvice};
 use safetensors::tensor::{Metadata, TensorInfo};
 use serde::de::{Deserialize, Deserializer, MapAccess, Visitor};
 
@@ -174,6 +174,28 @@ impl SafetensorsFile {
                 Some(map.as_ptr() as usize..map.as_ptr() as usize + map.len())
             }
             Storage::File(_) => None,
+        }
+    }
+
+    /// Drops this process's resident pages of tensor `name` from the mapping (the kernel's page
+    /// cache keeps them), so a streaming pass over a large checkpoint does not grow the resident
+    /// set. Arrays already viewing the tensor stay valid: their next access maps the pages again
+    /// from the file, which has not changed. Only whole 64 KiB blocks inside the tensor are
+    /// dropped; a no-op for `Pread` and for unknown names.
+    pub fn release(&self, name: &str) {
+        const BLOCK: usize = 64 << 10;
+        let (Storage::Mapped(map, _), Some(info)) = (&self.storage, self.info(name)) else {
+            return;
+        };
+        let start = (self.data_start + info.data_offsets.0).next_multiple_of(BLOCK);
+        let end = (self.data_start + info.data_offsets.1) / BLOCK * BLOCK;
+        if start < end {
+            // SAFETY: the mapping is private and read-only, so it has no dirty pages: after
+            // MADV_DONTNEED every access repopulates the same bytes from the unchanged file, and
+            // borrows of the range keep reading valid data. A failure only means the pages stay.
+            let _ = unsafe {
+                map.unchecked_advise_range(UncheckedAdvice::DontNeed, start, end - start)
+            };
         }
     }
 
@@ -408,6 +430,13 @@ impl Checkpoint {
     pub fn locate(&self, name: &str) -> Option<(&SafetensorsFile, &TensorInfo)> {
         let file = &self.files[*self.index.get(name)?];
         Some((file, file.info(name)?))
+    }
+
+    /// Drops the resident pages of tensor `name` (see [`SafetensorsFile::release`]).
+    pub fn release(&self, name: &str) {
+        if let Some((file, _)) = self.locate(name) {
+            file.release(name);
+        }
     }
 
     /// The bytes of tensor `name`.

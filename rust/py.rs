@@ -365,11 +365,11 @@ fn shard_bytes<'py>(
         let view = PySlice::new(py, range.start as isize, range.end as isize, 1);
         return full.as_any().get_item(view);
     }
-    let out = PyArray1::<u8>::zeros(py, plan.0.local_bytes(), false);
-    // SAFETY: `out` was just created here and no other reference to its data exists.
-    let dst = unsafe { out.as_slice_mut() }
-        .map_err(|_| PyValueError::new_err("fresh output array is not contiguous"))?;
-    py.detach(|| slice::gather_cols(&plan.0, src, dst))?;
+    // SAFETY: a new, uninitialised 1-D array of `local_bytes()` bytes that nothing else can
+    // see yet; `gather_cols_uninit` writes every byte of it before it is returned.
+    let out = unsafe { PyArray1::<u8>::new(py, plan.0.local_bytes(), false) };
+    let dst = out.data() as usize;
+    py.detach(|| unsafe { slice::gather_cols_uninit(&plan.0, src, dst as *mut u8) })?;
     Ok(out.into_any())
 }
 
@@ -434,6 +434,10 @@ impl PyCheckpoint {
     }
     fn read(&self, py: Python<'_>, name: &str) -> PyResult<PyTensorBytes> {
         Ok(PyTensorBytes(py.detach(|| self.0.read(name))?))
+    }
+    /// Drops this process's resident pages of a tensor (mmap only); views stay valid.
+    fn release(&self, py: Python<'_>, name: &str) {
+        py.detach(|| self.0.release(name));
     }
     /// ``[(file_path, user_metadata or None, mapping (start, stop) or None)]`` per file.
     #[allow(clippy::type_complexity)]

@@ -63,7 +63,6 @@ pub fn row_byte_range(plan: &KdaTensorPlan) -> Option<Range<usize>> {
 /// [`Error::BufferSize`] when `full` has the wrong length, or when `out` is not
 /// `plan.local_bytes()` long (reported against the local shape).
 pub fn gather_cols(plan: &KdaTensorPlan, full: &[u8], out: &mut [u8]) -> Result<()> {
-    check_full_len(plan, full.len())?;
     if out.len() != plan.local_bytes() {
         return Err(Error::BufferSize {
             tensor: format!("{} (local output)", plan.name),
@@ -74,25 +73,55 @@ pub fn gather_cols(plan: &KdaTensorPlan, full: &[u8], out: &mut [u8]) -> Result<
             elem_bytes: plan.elem_bytes,
         });
     }
+    // SAFETY: `out` is a live, exclusively borrowed buffer of exactly `local_bytes()` bytes.
+    unsafe { gather_cols_uninit(plan, full, out.as_mut_ptr()) }
+}
+
+/// [`gather_cols`] into memory that may be uninitialised, such as a freshly allocated array:
+/// every output byte is written, so no zeroing pass (and no reuse penalty) is needed.
+///
+/// # Errors
+/// [`Error::BufferSize`] when `full` has the wrong length.
+///
+/// # Safety
+/// `out` must be valid for writes of `plan.local_bytes()` bytes, and nothing else may read or
+/// write that memory during the call.
+pub unsafe fn gather_cols_uninit(plan: &KdaTensorPlan, full: &[u8], out: *mut u8) -> Result<()> {
+    check_full_len(plan, full.len())?;
     let width = plan.local_row_elems * plan.elem_bytes;
-    if width == 0 {
+    let rows = plan.local_rows;
+    if width == 0 || rows == 0 {
         return Ok(());
     }
     let row = plan.row_bytes();
     let lo = plan.src_col_offset * plan.elem_bytes;
-    let copy_rows = |first_row: usize, dst: &mut [u8]| {
-        for (i, dst_row) in dst.chunks_exact_mut(width).enumerate() {
-            let base = (plan.src_row_offset + first_row + i) * row + lo;
-            dst_row.copy_from_slice(&full[base..base + width]);
+    // An address, not a pointer, so the closure can be shared across rayon's threads.
+    let out_addr = out as usize;
+    let copy_rows = |first: usize, count: usize| {
+        for i in first..first + count {
+            let base = (plan.src_row_offset + i) * row + lo;
+            let src = &full[base..base + width];
+            // SAFETY: output row `i` is `[i*width, (i+1)*width)`, inside the `rows*width` =
+            // `local_bytes()` bytes the caller guarantees; tasks write disjoint rows.
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    src.as_ptr(),
+                    (out_addr as *mut u8).add(i * width),
+                    width,
+                );
+            }
         }
     };
-    if out.len() < PARALLEL_MIN_BYTES {
-        copy_rows(0, out);
+    if rows * width < PARALLEL_MIN_BYTES {
+        copy_rows(0, rows);
     } else {
-        let rows_per_task = (TASK_BYTES / width).max(1);
-        out.par_chunks_mut(rows_per_task * width)
-            .enumerate()
-            .for_each(|(task, dst)| copy_rows(task * rows_per_task, dst));
+        let per_task = (TASK_BYTES / width).max(1);
+        (0..rows.div_ceil(per_task))
+            .into_par_iter()
+            .for_each(|task| {
+                let first = task * per_task;
+                copy_rows(first, per_task.min(rows - first));
+            });
     }
     Ok(())
 }
@@ -108,8 +137,13 @@ pub fn shard_bytes<'a>(plan: &KdaTensorPlan, full: &'a [u8]) -> Result<Cow<'a, [
     match row_byte_range(plan) {
         Some(range) => Ok(Cow::Borrowed(&full[range])),
         None => {
-            let mut out = vec![0u8; plan.local_bytes()];
-            gather_cols(plan, full, &mut out)?;
+            let mut out = Vec::with_capacity(plan.local_bytes());
+            // SAFETY: the capacity is `local_bytes()`, and every byte is written before
+            // `set_len`.
+            unsafe {
+                gather_cols_uninit(plan, full, out.as_mut_ptr())?;
+                out.set_len(plan.local_bytes());
+            }
             Ok(Cow::Owned(out))
         }
     }

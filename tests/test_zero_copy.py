@@ -103,3 +103,14 @@ def test_to_torch_shares_memory(checkpoint):
     assert tensor.dtype == torch.bfloat16 and tuple(tensor.shape) == t.shape
     assert tensor.data_ptr() == t.data.__array_interface__["data"][0]
     assert np.array_equal(tensor.view(torch.int16).numpy().view(np.uint8).ravel(), t.data)
+
+
+def test_release_keeps_views_valid(checkpoint):
+    source = kda_tp.SafetensorsSource(checkpoint)
+    name = "model.embed_tokens.weight"
+    t = source.get(name)
+    before = t.data.tobytes()
+    for n in source.names():
+        source.release(n)
+    assert t.data.tobytes() == before
+    kda_tp.SafetensorsSource(checkpoint, backend="pread").release(name)  # a no-op

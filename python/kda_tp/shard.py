@@ -237,8 +237,18 @@ def _write_rank(
     plan = shard.plan
     partial = out / f".rank{plan.tp_rank}.partial-{os.getpid()}"
 
+    previous: list[str] = []
+
+    def release_previous() -> None:
+        # The writer is done with a tensor once it asks for the next one: drop its pages from
+        # this process (the page cache keeps them), so the resident set stays near one tensor.
+        if previous:
+            source.release(previous.pop())
+
     def fetch(name: str) -> np.ndarray:
+        release_previous()
         data = shard.get(name).data
+        previous.append(name)
         if advance:
             advance(data.nbytes)
         return data
@@ -264,6 +274,7 @@ def _write_rank(
                     (name, dtype, shape, _nbytes(dtype, shape), lambda n=name: fetch(n))
                 )
             total += write_safetensors(partial / file_name, specs, metadata, sync=False)
+            release_previous()
             weight_map.update(dict.fromkeys(names, file_name))
         write_index(partial / INDEX_NAME, weight_map, total, sync=False)
         for extra in _companion_files(source):

@@ -255,6 +255,15 @@ class SafetensorsSource:
             data.flags.writeable = False
         return Tensor(name, dtype, tuple(shape), data)
 
+    def release(self, name: str) -> None:
+        """Drop this process's resident pages of tensor ``name`` (``"mmap"`` only).
+
+        For streaming over checkpoints larger than memory: the kernel's page cache keeps the
+        data, and arrays already viewing the tensor stay valid (their next access maps the
+        pages again from the unchanged file). A no-op for ``"pread"`` and unknown names.
+        """
+        self._checkpoint.release(name)
+
     def __contains__(self, name: str) -> bool:
         return self._checkpoint.info(name) is not None
 
