@@ -1,0 +1,699 @@
+"""kda_tp benchmark: slicing throughput, zero-copy gets, and whole-checkpoint sharding.
+
+Run by hand (not part of the test suite), from the repository root::
+
+    python benchmarks/bench.py            # full run (about 2-4 minutes on a 2-vCPU VM)
+    python benchmarks/bench.py --quick    # fewer repetitions, skips section 4 (about 1 minute)
+
+Options: ``--tmp DIR`` (scratch root, default /tmp; about 4.5 GB needed for the full run),
+``--kda-tp CMD`` (command that runs the CLI, default the ``kda-tp`` console script beside the
+interpreter), ``--keep`` (leave the scratch directory behind), ``--fresh-pages`` (re-run under
+``MALLOC_MMAP_THRESHOLD_=1048576`` so that every output of 1 MiB or more - kda_tp's, numpy's and
+the memcpy baseline's alike - is a fresh mapping whose pages the copy must fault in; by default
+glibc lets ``np.empty`` reuse heap memory an earlier repetition already faulted in, which
+favours the numpy and memcpy baselines over an output allocated with calloc/``np.zeros``).
+
+Progress goes to stderr; stdout gets the machine description and ONE table. Every figure in the
+table is measured in the same run, on the same buffers, and compared as a ratio against a
+baseline measured alongside it; the last columns give the target and PASS/MISS.
+
+1. ``o_proj`` column slice (CHANNEL_COLS), GLM-5.3 geometry [4096, 8192] BF16 (64 MiB), at
+   TP = 2, 4, 8 (rank tp//2). The input is the tensor's bytes in the read-only mapping of a
+   generated checkpoint file (warm page cache, pages pre-touched). Timed, best of N, interleaved
+   round-robin, a fresh output array every call:
+   ``kda_tp.shard_bytes(plan["o_proj"], buf)``; ``KdaShardedSource.get(name)`` (same mapping);
+   numpy ``a[:, lo:hi].copy()`` (``a`` = the buffer viewed as uint16 [4096, 8192]); safetensors
+   ``safe_open(file, framework="np").get_slice(name)[:, lo:hi]`` (BF16 via ml_dtypes; its own
+   mapping of the same file, handle opened once); torch ``narrow(1, lo, w).contiguous()`` when
+   torch is installed; and the memory-bandwidth limit, a contiguous copy of the same number of
+   bytes into a fresh buffer (``np.empty`` + ``np.copyto``, single thread). For information, the
+   same copy into a reused, already-faulted buffer, and into an ``np.zeros`` buffer show how much
+   of the cost is the output allocation: ``np.zeros`` (calloc) hands back untouched zero pages
+   that the copy must fault in, while ``np.empty`` below glibc's dynamic mmap threshold (up to
+   32 MiB) reuses heap memory an earlier repetition already faulted in. Caches are evicted
+   before every call. Figures are GB/s of output (1 GB = 1e9 bytes). Outputs are checked
+   byte-equal before timing.
+2. ``get()`` of row-sliced and replicated tensors, 64 MiB and 1 MiB class: time per call (us,
+   best of several loops of many calls) and bytes copied (0 when the returned array's data lies
+   inside one of ``source.mappings()`` and two calls share memory; else the tensor's size).
+   A safetensors np row slice of the same tensor is shown for contrast (it copies).
+3. ``kda-tp shard CKPT --tp-size 4 --out DIR`` on a generated 4-layer GLM-5.3 checkpoint
+   (about 1.1 GB, 3 files), warm page cache, vs ``benchmarks/safetensors_baseline.py`` (the same
+   job with safe_open/get_slice + safetensors.numpy.save_file) and ``cp -r`` of the directory
+   (the I/O limit). Wall time of the command alone (the target uses this), and "+sync": the
+   command followed by sync(2), i.e. until the written data is on disk (a tool that fsyncs pays
+   for the disk inside its wall time; cp and safetensors' save_file do not fsync; the +sync
+   figures compare all three on the same footing).
+   Peak RSS is ``/usr/bin/time``'s "Maximum resident set size" (``%M``; not the benchmark's own
+   wait4 ru_maxrss, which on Linux inherits the parent's high-water mark across fork + exec).
+   The baseline's output is checked against KdaShardedSource.
+   When the CLI has ``--quiet`` it is passed (no progress bar); when it has ``--backend``, one
+   ``--backend pread`` run is shown for information.
+4. (full run only) Peak RSS of ``kda-tp shard`` at TP=4 on a 2-layer and an 8-layer GLM-5.3
+   checkpoint; the bound is the largest single tensor + 256 MiB. RssAnon/RssFile peaks are
+   sampled from /proc every 10 ms (RSS counts touched pages of file mappings, so a
+   mmap-based reader's RSS includes mapped checkpoint pages; RssAnon is the private memory).
+   When the CLI has ``--backend``, the same with ``--backend pread`` is shown for information.
+
+If the ``kda-tp shard`` CLI is not available, sections 3-4 print n/a for it (the baselines still
+run). torch is optional. OPENBLAS/OMP settings are irrelevant (no BLAS is used).
+Scratch data goes under ``--tmp`` and is removed at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import resource
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import ml_dtypes  # noqa: F401  (registers numpy's "bfloat16" for safetensors' np framework)
+import numpy as np
+
+import kda_tp
+import safetensors
+from kda_tp import KdaShardedSource, KdaTpPlan, SafetensorsSource, shard_bytes
+from kda_tp.synth import write_checkpoint, write_small_checkpoint
+from safetensors import safe_open
+
+try:
+    import torch
+except ImportError:  # optional
+    torch = None
+
+HERE = Path(__file__).resolve().parent
+BASELINE = HERE / "safetensors_baseline.py"
+MIB = 2**20
+ROWS: list[tuple] = []  # (section, case, value, unit, ratio text, target, verdict)
+
+
+def log(msg: str) -> None:
+    print(f"[bench] {msg}", file=sys.stderr, flush=True)
+
+
+def row(section, case, value="", unit="", ratio="", target="", verdict=""):
+    ROWS.append((section, case, value, unit, ratio, target, verdict))
+
+
+def verdict(ok: bool | None) -> str:
+    return "n/a" if ok is None else ("PASS" if ok else "MISS")
+
+
+# ------------------------------------------------------------------------------------------------
+# machine
+
+
+def machine() -> str:
+    cpu = "unknown CPU"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    ram = "?"
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal"):
+                ram = f"{int(line.split()[1]) / 2**20:.1f} GiB"
+    except OSError:
+        pass
+    thp = "?"
+    try:
+        thp = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text().strip()
+    except OSError:
+        pass
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    versions = (
+        f"python {platform.python_version()}, numpy {np.__version__}, "
+        f"safetensors {safetensors.__version__}, kda_tp {kda_tp.__version__}, "
+        f"torch {torch.__version__ if torch else 'not installed'}"
+    )
+    text = (
+        f"machine: {cpu}; {os.cpu_count()} logical cores ({usable} usable); RAM {ram}; "
+        f"kernel {platform.release()}; THP {thp}\n{versions}\n{load_line()}"
+    )
+    return text
+
+
+def load_line() -> str:
+    """The 1-minute load average at the start (it lags: an earlier run still shows in it; the
+    line after the table measures the CPU other processes took during this run)."""
+    return f"load average at start (1 min, lagging): {os.getloadavg()[0]:.2f}"
+
+
+def cpu_seconds() -> tuple[float, float]:
+    """(busy CPU-seconds of the whole machine, CPU-seconds of this process and its children)."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    # user nice system idle iowait irq softirq steal ...
+    busy = (sum(fields[:3]) + sum(fields[5:8])) / os.sysconf("SC_CLK_TCK")
+    own = 0.0
+    for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN):
+        r = resource.getrusage(who)
+        own += r.ru_utime + r.ru_stime
+    return busy, own
+
+
+def foreign_cpu_line(start: tuple[float, float], wall: float) -> str:
+    """How much CPU other processes used during the run (they compete with the measurements)."""
+    busy, own = cpu_seconds()
+    other = max(0.0, (busy - start[0]) - (own - start[1]))
+    line = (f"other processes used {other:.1f} CPU-s during the {wall:.0f} s run "
+            f"({100 * other / wall:.0f}% of one core)")
+    if other / wall > 0.1:
+        line += "  WARNING: figures were measured on a busy machine"
+    return line
+
+
+# ------------------------------------------------------------------------------------------------
+# timing helpers
+
+
+_EVICT = None
+
+
+def evict_caches() -> None:
+    """Read 128 MiB (4x a large L3) so the next call reads its source from DRAM, not cache."""
+    global _EVICT
+    if _EVICT is None:
+        _EVICT = np.ones(128 * MIB // 8, np.uint64)
+    _EVICT.max()
+
+
+def best_interleaved(funcs: dict, reps: int) -> dict[str, float]:
+    """Best wall time per function; one call of each per round, rounds repeated ``reps`` times.
+
+    Caches are evicted before every call: a checkpoint's bytes are read once, from DRAM, and a
+    small source left in L3 by the previous repetition would favour plain copies (a column
+    slice's 16 KiB-strided rows map to few cache sets and do not stay resident).
+    """
+    best = {k: float("inf") for k in funcs}
+    for _ in range(reps):
+        for name, fn in funcs.items():
+            evict_caches()
+            t0 = time.perf_counter()
+            out = fn()
+            t1 = time.perf_counter()
+            del out
+            best[name] = min(best[name], t1 - t0)
+    return best
+
+
+def per_call_us(fn, calls: int, loops: int) -> float:
+    """Best (over ``loops``) mean time per call in microseconds."""
+    best = float("inf")
+    for _ in range(loops):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.perf_counter() - t0) / calls)
+    return best * 1e6
+
+
+def warm(path: Path) -> None:
+    """Read every file under ``path`` once so it sits in the page cache."""
+    for f in sorted(path.rglob("*")):
+        if f.is_file():
+            with open(f, "rb", buffering=0) as fh:
+                while fh.read(64 * MIB):
+                    pass
+
+
+# ------------------------------------------------------------------------------------------------
+# section 1: o_proj column slice
+
+
+def section1(ckpt: Path, reps: int) -> None:
+    log(f"section 1: o_proj column slice, best of {reps}")
+    source = SafetensorsSource(ckpt)
+    name = "model.layers.0.self_attn.o_proj.weight"
+    record = source.get(name)
+    rows_, cols = record.shape
+    buf = record.data  # read-only uint8 view of the file mapping
+    assert buf.nbytes == rows_ * cols * 2
+    int(buf[:: 4096].sum())  # touch every page of the mapping in this process
+    a = buf.view(np.uint16).reshape(rows_, cols)
+    st_file = safe_open(source.file_of(name), framework="np")
+    st_file.get_slice(name)[:, :1]  # warm its own mapping (touches a page column only)
+    st_file.get_tensor(name)  # touch all of it
+    tbuf = torch.frombuffer(memoryview(buf), dtype=torch.uint8).view(torch.bfloat16).reshape(
+        rows_, cols
+    ) if torch is not None else None
+
+    for tp in (2, 4, 8):
+        rank = tp // 2
+        plan = KdaTpPlan.from_config(source, rank, tp)
+        entry = plan["o_proj"]
+        sharded = KdaShardedSource(source, plan)
+        lo, w = entry.src_col_offset, entry.local_row_elems
+        hi = lo + w
+        n = entry.local_bytes
+        funcs = {
+            "kda": lambda: shard_bytes(entry, buf),
+            "kda_get": lambda: sharded.get(name).data,
+            "numpy": lambda: a[:, lo:hi].copy(),
+            "safetensors": lambda: st_file.get_slice(name)[:, lo:hi],
+            "memcpy": lambda: _fresh_copy(buf, n),
+            "memcpy_reused": lambda: np.copyto(reused, buf[:n]),
+            "memcpy_zeros": lambda: _zeros_copy(buf, n),
+        }
+        reused = np.ones(n, np.uint8)  # faulted in once, reused: the copy without page faults
+        if tbuf is not None:
+            funcs["torch"] = lambda: tbuf.narrow(1, lo, w).contiguous()
+        # correctness before timing
+        ref = funcs["numpy"]()
+        assert np.array_equal(funcs["kda"](), ref.reshape(-1).view(np.uint8)), "kda_tp != numpy"
+        assert np.array_equal(funcs["kda_get"](), ref.reshape(-1).view(np.uint8)), "get != numpy"
+        st = funcs["safetensors"]()
+        assert np.array_equal(st.view(np.uint16), ref), "safetensors != numpy"
+        if tbuf is not None:
+            tt = funcs["torch"]()
+            assert np.array_equal(tt.view(torch.int16).numpy().view(np.uint16), ref)
+        del ref, st
+        t = best_interleaved(funcs, reps)
+        del reused
+        gbs = {k: n / v / 1e9 for k, v in t.items()}
+        sec = f"1 TP={tp} r{rank}"
+        shape = f"[{rows_},{w}] {n / MIB:.0f} MiB"
+        row(sec, f"memcpy same bytes, np.empty dst {n / MIB:.0f} MiB", f"{gbs['memcpy']:.2f}",
+            "GB/s")
+        row(sec, "  (info) memcpy into a reused, prefaulted dst", f"{gbs['memcpy_reused']:.2f}",
+            "GB/s", f"fresh/reused {gbs['memcpy'] / gbs['memcpy_reused']:.2f}x (page-fault cost)")
+        row(sec, "  (info) memcpy into np.zeros dst (fresh zero pages)",
+            f"{gbs['memcpy_zeros']:.2f}",
+            "GB/s", f"zeros/empty {gbs['memcpy_zeros'] / gbs['memcpy']:.2f}x (dst allocation)")
+        row(sec, f"numpy a[:,lo:hi].copy() {shape}", f"{gbs['numpy']:.2f}", "GB/s")
+        row(sec, "safetensors np get_slice[:,lo:hi]", f"{gbs['safetensors']:.2f}", "GB/s")
+        if tbuf is not None:
+            row(sec, "torch narrow(1,lo,w).contiguous()", f"{gbs['torch']:.2f}", "GB/s",
+                f"kda/torch {gbs['kda'] / gbs['torch']:.2f}x")
+        else:
+            row(sec, "torch narrow().contiguous()", "skip", "", "torch not installed")
+        r_mem = gbs["kda"] / gbs["memcpy"]
+        r_np = gbs["kda"] / gbs["numpy"]
+        r_st = gbs["kda"] / gbs["safetensors"]
+        row(sec, "kda_tp.shard_bytes", f"{gbs['kda']:.2f}", "GB/s",
+            f"kda/memcpy {r_mem:.2f}x", ">= 0.85x", verdict(r_mem >= 0.85))
+        row(sec, "", "", "", f"kda/numpy {r_np:.2f}x", "> 1.00x", verdict(r_np > 1.0))
+        if tp == 2:
+            row(sec, "", "", "", f"kda/safetensors {r_st:.2f}x", ">= 3.00x", verdict(r_st >= 3.0))
+        else:
+            row(sec, "", "", "", f"kda/safetensors {r_st:.2f}x")
+        row(sec, "KdaShardedSource.get (same file)", f"{gbs['kda_get']:.2f}", "GB/s",
+            f"get/memcpy {gbs['kda_get'] / gbs['memcpy']:.2f}x")
+        log(f"  TP={tp}: " + ", ".join(f"{k} {v:.2f}" for k, v in gbs.items()) + " GB/s")
+    del st_file
+
+
+def _fresh_copy(buf: np.ndarray, n: int) -> np.ndarray:
+    out = np.empty(n, np.uint8)
+    np.copyto(out, buf[:n])
+    return out
+
+
+def _zeros_copy(buf: np.ndarray, n: int) -> np.ndarray:
+    out = np.zeros(n, np.uint8)  # calloc: fresh zero pages, faulted in by the copy
+    np.copyto(out, buf[:n])
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# section 2: zero-copy get()
+
+
+def _copied(tensor, mappings, again) -> int:
+    """0 if ``tensor.data`` lies inside a file mapping and shares memory with a second get."""
+    data = tensor.data
+    ptr = data.ctypes.data
+    inside = any(lo <= ptr and ptr + data.nbytes <= hi for lo, hi in mappings)
+    shared = np.shares_memory(data, again.data) if data.nbytes else True
+    return 0 if (inside and shared) else data.nbytes
+
+
+def section2(glm: Path, wide: Path, calls: int, loops: int) -> None:
+    log("section 2: zero-copy get()")
+    cases = []
+    g_src = SafetensorsSource(glm)
+    g_sh = KdaShardedSource(g_src, KdaTpPlan.from_config(g_src, 1, 4))
+    w_src = SafetensorsSource(wide)
+    w_sh = KdaShardedSource(w_src, KdaTpPlan.from_config(w_src, 1, 2))
+    L = "model.layers.0.self_attn."
+    # (group, label, source, mapping owner, name)
+    cases = [
+        ("plain", "SafetensorsSource.get q_proj", g_src, g_src, L + "q_proj.weight"),
+        ("plain", "SafetensorsSource.get f_a_proj", g_src, g_src, L + "f_a_proj.weight"),
+        ("rows", "KdaSharded.get q_proj rows TP4", g_sh, g_src, L + "q_proj.weight"),
+        ("rows", "KdaSharded.get b_proj heads TP4", g_sh, g_src, L + "b_proj.weight"),
+        ("repl", "KdaSharded.get f_a_proj repl TP2", w_sh, w_src, L + "f_a_proj.weight"),
+        ("repl", "KdaSharded.get f_a_proj repl TP4", g_sh, g_src, L + "f_a_proj.weight"),
+    ]
+    times: dict[str, list[tuple[int, float]]] = {}
+    for group, label, src, owner, name in cases:
+        full = owner.get(name).nbytes
+        t = src.get(name)
+        copied = _copied(t, owner.mappings(), src.get(name))
+        us = per_call_us(lambda: src.get(name), calls, loops)
+        times.setdefault(group, []).append((full, us))
+        row("2 get()", f"{label} (full {_size(full)}, out {_size(t.nbytes)})", f"{us:.1f}",
+            "us/call", f"copied {copied} B", "0 B", verdict(copied == 0))
+    for group, what in (("plain", "whole tensor"), ("rows", "row slice"), ("repl", "replicated")):
+        (big, t_big), (small, t_small) = sorted(times[group], reverse=True)
+        ratio = t_big / t_small
+        row("2 get()", f"{what}: time/call {_size(big)} vs {_size(small)}", "", "",
+            f"{ratio:.2f}x for {big / small:.0f}x bytes", "<= 2.00x", verdict(ratio <= 2.0))
+    # contrast: safetensors np row slice of the same q_proj (copies)
+    name = L + "q_proj.weight"
+    plan = KdaTpPlan.from_config(g_src, 1, 4)["q_proj"]
+    lo, k = plan.src_row_offset, plan.local_rows
+    with safe_open(g_src.file_of(name), framework="np") as f:
+        f.get_tensor(name)
+        st_us = per_call_us(lambda: f.get_slice(name)[lo : lo + k], max(3, calls // 500), loops)
+    kda_us = min(us for _, us in times["rows"])
+    row("2 get()", f"safetensors np get_slice q_proj rows TP4 (out {_size(plan.local_bytes)})",
+        f"{st_us:.1f}", "us/call", f"copied {plan.local_bytes} B; {st_us / kda_us:.0f}x kda get")
+
+
+def _size(n: int) -> str:
+    return f"{n / MIB:.0f} MiB" if n >= MIB else f"{n / 1024:.0f} KiB" if n >= 1024 else f"{n} B"
+
+
+# ------------------------------------------------------------------------------------------------
+# sections 3-4: whole checkpoint
+
+
+FRESH_ENV, FRESH_VALUE = "MALLOC_MMAP_THRESHOLD_", "1048576"
+GNU_TIME = "/usr/bin/time" if os.access("/usr/bin/time", os.X_OK) else None
+
+
+def run_child(cmd: list[str], sample: bool = False) -> dict:
+    """Run ``cmd``: wall time, peak RSS, and (``sample``) peak RssAnon/RssFile/VmHWM from /proc.
+
+    Peak RSS is ``/usr/bin/time -f %M`` (the "Maximum resident set size" of ``time -v``). Not
+    this process's ``wait4`` ru_maxrss: Linux carries the parent's RSS high-water mark across
+    (v)fork + exec into the child's ru_maxrss, so it would report the benchmark's own RSS.
+    Without /usr/bin/time, the last sampled VmHWM (per process image, reset at exec) is used.
+    """
+    err_file = tempfile.TemporaryFile()  # a file, not a pipe: a chatty child cannot block
+    rss_fd, rss_path = tempfile.mkstemp(prefix="kda_tp_bench_rss.")
+    os.close(rss_fd)
+    wrapped = [GNU_TIME, "-f", "%M", "-o", rss_path, *cmd] if GNU_TIME else cmd
+    sample = sample or GNU_TIME is None
+    peak = {"RssAnon": 0, "RssFile": 0, "VmHWM": 0}
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(wrapped, stdout=subprocess.DEVNULL, stderr=err_file)
+    if sample:
+        while proc.poll() is None:
+            _sample(proc.pid, GNU_TIME is not None, peak)
+            time.sleep(0.01)
+    proc.wait()
+    wall = time.perf_counter() - t0
+    err_file.seek(0)
+    err = err_file.read().decode(errors="replace")
+    err_file.close()
+    try:
+        maxrss = int(Path(rss_path).read_text().split()[-1]) * 1024 if GNU_TIME else peak["VmHWM"]
+    except (ValueError, IndexError):
+        maxrss = 0
+    os.unlink(rss_path)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{shlex.join(cmd)} failed ({proc.returncode}):\n{err[-3000:]}")
+    return {"wall": wall, "maxrss": maxrss, **peak}
+
+
+def _sample(pid: int, via_time: bool, peak: dict) -> None:
+    """Fold /proc/<pid>/status of the measured process (time's child if ``via_time``) into peak."""
+    try:
+        if via_time:
+            children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+            if not children:
+                return
+            pid = int(children[0])
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            key = line.split(":", 1)[0]
+            if key in peak:
+                peak[key] = max(peak[key], int(line.split()[1]) * 1024)
+    except (OSError, ValueError, IndexError):
+        pass
+
+
+def timed_job(cmd: list[str], out: Path) -> dict:
+    """rm + sync before (outside the timing); command; then sync(2) timed separately."""
+    if out.exists():
+        shutil.rmtree(out)
+    os.sync()
+    result = run_child(cmd)
+    t0 = time.perf_counter()
+    os.sync()
+    result["durable"] = result["wall"] + time.perf_counter() - t0
+    result["bytes"] = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
+    return result
+
+
+class Cli:
+    """The ``kda-tp`` command, and which optional ``shard`` flags it has."""
+
+    def __init__(self, cmd: list[str], help_text: str):
+        self.cmd = cmd
+        self.help = help_text
+
+    def has(self, flag: str) -> bool:
+        return flag in self.help
+
+    def shard(self, ckpt: Path, tp: int, out: Path | None, *extra: str) -> list[str]:
+        """``kda-tp shard CKPT --tp-size N [--quiet] [extra] --out`` (+ OUT when given)."""
+        cmd = self.cmd + ["shard", str(ckpt), "--tp-size", str(tp)]
+        if self.has("--quiet"):
+            cmd.append("--quiet")  # no progress bar: time the work, not the terminal output
+        cmd += list(extra) + ["--out"]
+        return cmd + ([str(out)] if out is not None else [])
+
+
+def kda_cli(args) -> Cli | None:
+    cmd = shlex.split(args.kda_tp) if args.kda_tp else [str(Path(sys.executable).parent / "kda-tp")]
+    try:
+        probe = subprocess.run(cmd + ["shard", "--help"], capture_output=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        log(f"kda-tp shard not available: {e}")
+        return None
+    if probe.returncode != 0:
+        log(f"kda-tp shard not available: {probe.stderr.decode(errors='replace').strip()[-300:]}")
+        return None
+    return Cli(cmd, probe.stdout.decode(errors="replace"))
+
+
+def verify_baseline(ckpt: Path, out: Path, tp: int, rank: int) -> None:
+    src = SafetensorsSource(ckpt)
+    sharded = KdaShardedSource(src, KdaTpPlan.from_config(src, rank, tp))
+    got = SafetensorsSource(out / f"rank{rank}")
+    assert sorted(got.names()) == sorted(sharded.names()), "baseline names differ"
+    for name in sharded.names():
+        a, b = sharded.get(name), got.get(name)
+        assert a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a.data, b.data), name
+
+
+def section3(ckpt: Path, scratch: Path, cli: Cli | None, rounds: int) -> None:
+    tp = 4
+    log(f"section 3: shard 4-layer GLM at TP={tp}, {rounds} round(s)")
+    warm(ckpt)
+    jobs = {}
+    if cli is not None:
+        jobs["kda"] = (cli.shard(ckpt, tp, None), scratch / "o_kda")
+    jobs["st"] = ([sys.executable, str(BASELINE), str(ckpt), "--tp-size", str(tp), "--out"],
+                  scratch / "o_st")
+    jobs["cp"] = (["cp", "-r", str(ckpt)], scratch / "o_cp")
+    best: dict[str, dict] = {}
+    for _ in range(rounds):
+        for key, (cmd, out) in jobs.items():
+            r = timed_job(cmd + [str(out)], out)
+            log(f"  {key}: {r['wall']:.2f} s (+sync {r['durable']:.2f} s), "
+                f"maxrss {r['maxrss'] / MIB:.0f} MiB, {r['bytes'] / 1e9:.2f} GB written")
+            b = best.setdefault(key, dict(r))
+            for field in ("wall", "durable"):
+                b[field] = min(b[field], r[field])
+            b["maxrss"] = max(b["maxrss"], r["maxrss"])
+    pread = None
+    if cli is not None and cli.has("--backend"):
+        out = scratch / "o_pread"
+        pread = timed_job(cli.shard(ckpt, tp, out, "--backend", "pread"), out)
+        log(f"  kda --backend pread: {pread['wall']:.2f} s, maxrss {pread['maxrss'] / MIB:.0f} MiB")
+        shutil.rmtree(out, ignore_errors=True)
+    verify_baseline(ckpt, jobs["st"][1], tp, 1)
+    size = sum(f.stat().st_size for f in ckpt.rglob("*") if f.is_file())
+    sec = f"3 shard TP={tp}"
+    st, cp = best["st"], best["cp"]
+    row(sec, f"input: 4-layer GLM-5.3, {size / 1e9:.2f} GB, warm cache", "", "",
+        f"best of {rounds}")
+    row(sec, "cp -r (I/O limit)", f"{cp['wall']:.2f}", "s",
+        f"{size / cp['wall'] / 1e9:.2f} GB/s; +sync {cp['durable']:.2f} s")
+    row(sec, "safetensors baseline (get_slice+save_file)", f"{st['wall']:.2f}", "s",
+        f"+sync {st['durable']:.2f} s; RSS {st['maxrss'] / MIB:.0f} MiB; "
+        f"wrote {st['bytes'] / 1e9:.2f} GB")
+    if "kda" in best:
+        k = best["kda"]
+        row(sec, "kda-tp shard", f"{k['wall']:.2f}", "s",
+            f"+sync {k['durable']:.2f} s; RSS {k['maxrss'] / MIB:.0f} MiB; "
+            f"wrote {k['bytes'] / 1e9:.2f} GB")
+        r_st, r_cp = st["wall"] / k["wall"], cp["wall"] / k["wall"]
+        row(sec, "kda-tp speed vs safetensors baseline", "", "", f"{r_st:.2f}x", ">= 2.00x",
+            verdict(r_st >= 2.0))
+        row(sec, "kda-tp speed vs cp -r", "", "", f"{r_cp:.2f}x", ">= 0.50x", verdict(r_cp >= 0.5))
+        row(sec, "  same, both +sync (data on disk)", "", "",
+            f"vs st {st['durable'] / k['durable']:.2f}x, vs cp {cp['durable'] / k['durable']:.2f}x")
+        if pread is not None:
+            row(sec, "  (info) kda-tp shard --backend pread, 1 run", f"{pread['wall']:.2f}", "s",
+                f"+sync {pread['durable']:.2f} s; RSS {pread['maxrss'] / MIB:.0f} MiB; "
+                f"vs st {st['wall'] / pread['wall']:.2f}x, vs cp {cp['wall'] / pread['wall']:.2f}x")
+    else:
+        row(sec, "kda-tp shard", "n/a", "", "CLI not available", ">= 2.00x / >= 0.50x", "n/a")
+    for _, out in jobs.values():
+        shutil.rmtree(out, ignore_errors=True)
+
+
+def section4(scratch: Path, cli: Cli | None) -> None:
+    tp = 4
+    log("section 4: peak RSS vs checkpoint size")
+    results = {}
+    largest = 0
+    for layers in (2, 8):
+        ckpt = scratch / f"glm{layers}"
+        log(f"  writing {layers}-layer checkpoint")
+        write_checkpoint(ckpt, "glm-5.3-flash", layers)
+        src = SafetensorsSource(ckpt)
+        largest = max(largest, max(src.get(n).nbytes for n in src.names()))
+        size = sum(f.stat().st_size for f in ckpt.rglob("*") if f.is_file())
+        del src
+        warm(ckpt)
+        out = scratch / "o_rss"
+        results[layers] = (size, None, None)
+        if cli is not None:
+            runs = []
+            for extra in ([], ["--backend", "pread"]) if cli.has("--backend") else ([],):
+                shutil.rmtree(out, ignore_errors=True)
+                os.sync()
+                runs.append(run_child(cli.shard(ckpt, tp, out, *extra), sample=True))
+                log(f"  {layers} layers {' '.join(extra)}: "
+                    f"maxrss {runs[-1]['maxrss'] / MIB:.0f} MiB")
+                shutil.rmtree(out, ignore_errors=True)
+            results[layers] = (size, runs[0], runs[1] if len(runs) > 1 else None)
+        shutil.rmtree(ckpt, ignore_errors=True)
+    bound = largest + 256 * MIB
+    sec = f"4 RSS TP={tp}"
+    for layers, (size, r, _) in results.items():
+        if r is None:
+            row(sec, f"kda-tp shard {layers} layers ({size / 1e9:.2f} GB)", "n/a", "",
+                "CLI not available", f"< {bound / MIB:.0f} MiB", "n/a")
+            continue
+        row(sec, f"kda-tp shard {layers} layers ({size / 1e9:.2f} GB)", f"{r['maxrss'] / MIB:.0f}",
+            "MiB", f"anon {r['RssAnon'] / MIB:.0f} + file {r['RssFile'] / MIB:.0f} MiB (sampled)",
+            f"< {bound / MIB:.0f} MiB", verdict(r["maxrss"] < bound))
+    if all(r is not None for _, r, _ in results.values()):
+        growth = results[8][1]["maxrss"] / results[2][1]["maxrss"]
+        row(sec, "peak RSS 8 layers / 2 layers", "", "", f"{growth:.2f}x for 4x the bytes")
+    for layers, (size, _, p) in results.items():
+        if p is not None:
+            row(sec, f"  (info) same, --backend pread, {layers} layers", f"{p['maxrss'] / MIB:.0f}",
+                "MiB", f"anon {p['RssAnon'] / MIB:.0f} + file {p['RssFile'] / MIB:.0f} MiB; "
+                f"would {verdict(p['maxrss'] < bound)}")
+    row(sec, f"bound = largest tensor {largest / MIB:.0f} MiB + 256 MiB", f"{bound / MIB:.0f}",
+        "MiB")
+
+
+# ------------------------------------------------------------------------------------------------
+
+
+def print_table() -> None:
+    head = ("section", "case", "value", "unit", "ratio / detail", "target", "result")
+    widths = [max(len(str(r[i])) for r in ROWS + [head]) for i in range(len(head))]
+    line = "  ".join("-" * w for w in widths)
+
+    def fmt(r):
+        cells = []
+        for i, (cell, w) in enumerate(zip(r, widths)):
+            cells.append(str(cell).rjust(w) if i == 2 else str(cell).ljust(w))
+        return "  ".join(cells).rstrip()
+
+    print(fmt(head))
+    print(line)
+    prev = None
+    for r in ROWS:
+        sec = r[0].split()[0]
+        if prev is not None and sec != prev:
+            print(line)
+        prev = sec
+        print(fmt(r))
+    print(line)
+    misses = sum(r[6] == "MISS" for r in ROWS)
+    passes = sum(r[6] == "PASS" for r in ROWS)
+    print(f"targets: {passes} PASS, {misses} MISS, {sum(r[6] == 'n/a' for r in ROWS)} n/a")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="kda_tp benchmark (see module docstring)")
+    parser.add_argument("--quick", action="store_true", help="fewer repetitions, skip section 4")
+    parser.add_argument("--tmp", default="/tmp", help="scratch root (default /tmp)")
+    parser.add_argument("--kda-tp", default=None, help="command that runs the kda-tp CLI")
+    parser.add_argument("--keep", action="store_true", help="keep the scratch directory")
+    parser.add_argument(
+        "--fresh-pages", action="store_true",
+        help=f"re-run under {FRESH_ENV}={FRESH_VALUE}: every allocation >= 1 MiB (kda_tp's, "
+        "numpy's and memcpy's outputs alike) is a fresh mmap whose pages the copy faults in",
+    )
+    args = parser.parse_args(argv)
+    if args.fresh_pages and os.environ.get(FRESH_ENV) != FRESH_VALUE:
+        argv = sys.argv[1:] if argv is None else argv
+        env = dict(os.environ, **{FRESH_ENV: FRESH_VALUE})
+        os.execve(sys.executable, [sys.executable, str(Path(__file__).resolve()), *argv], env)
+
+    reps = 5 if args.quick else 10
+    calls, loops = (2000, 3) if args.quick else (5000, 5)
+    rounds = 1 if args.quick else 2
+    t_start = time.perf_counter()
+    cpu0 = cpu_seconds()
+    print(machine())
+    malloc = os.environ.get(FRESH_ENV)
+    if malloc:
+        print(f"malloc: {FRESH_ENV}={malloc} (outputs of that size or more on fresh pages)")
+    else:
+        print("malloc: glibc default (np.empty may reuse already-faulted heap memory)")
+    print(f"mode: {'quick' if args.quick else 'full'} (section 1 best of {reps}; section 3 best "
+          f"of {rounds}; section 4 {'skipped' if args.quick else 'run'})", flush=True)
+    scratch = Path(tempfile.mkdtemp(prefix="kda_tp_bench.", dir=args.tmp))
+    try:
+        glm = scratch / "glm4"
+        log("writing 4-layer GLM-5.3 checkpoint")
+        write_checkpoint(glm, "glm-5.3-flash", 4)
+        wide = scratch / "wide"
+        # one KDA layer whose replicated f_a_proj/g_a_proj are [4096, 8192] BF16 = 64 MiB
+        write_small_checkpoint(wide, hidden=8192, heads=2, head_dim=128, conv_kernel=4,
+                               gate_rank=4096, num_layers=1, kda_layers=[0], style="qwen3next")
+        warm(glm)
+        warm(wide)
+        cli = kda_cli(args)
+        section1(glm, reps)
+        section2(glm, wide, calls, loops)
+        shutil.rmtree(wide)
+        section3(glm, scratch, cli, rounds)
+        shutil.rmtree(glm)
+        if not args.quick:
+            section4(scratch, cli)
+    finally:
+        if args.keep:
+            log(f"kept {scratch}")
+        else:
+            shutil.rmtree(scratch, ignore_errors=True)
+    print_table()
+    print(foreign_cpu_line(cpu0, time.perf_counter() - t_start))
+    print(f"total bench time {time.perf_counter() - t_start:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
