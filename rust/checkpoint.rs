@@ -208,13 +208,34 @@ impl SafetensorsFile {
     /// [`Error::TensorNotFound`]; [`Error::Checkpoint`] when the file is now too short for the
     /// tensor (truncated while open); [`Error::Io`] when a read fails otherwise.
     pub fn read(&self, name: &str) -> Result<TensorData> {
+        self.read_range(name, 0..usize::MAX)
+    }
+
+    /// Bytes `part` of tensor `name` (offsets within the tensor; `part.end` is clamped to the
+    /// tensor's length). With `Pread` only those bytes are read, so a rank reading its row
+    /// slice reads `1/tp_size` of the tensor.
+    ///
+    /// # Errors
+    /// As [`Self::read`], plus [`Error::Checkpoint`] when `part.start` lies past the tensor.
+    pub fn read_range(&self, name: &str, part: Range<usize>) -> Result<TensorData> {
         let info = self.info(name).ok_or_else(|| Error::TensorNotFound {
             path: self.path.clone(),
             name: name.to_string(),
         })?;
         let (begin, end) = info.data_offsets;
+        let part = part.start..part.end.min(end - begin);
+        if part.start > part.end {
+            return Err(Error::Checkpoint {
+                path: self.path.clone(),
+                reason: format!(
+                    "tensor {name:?}: byte range starting at {} is past its {} bytes",
+                    part.start,
+                    end - begin
+                ),
+            });
+        }
         // In range: the header was checked against the file's length at open.
-        let range = self.data_start + begin..self.data_start + end;
+        let range = self.data_start + begin + part.start..self.data_start + begin + part.end;
         let io = |source| Error::Io {
             path: self.path.clone(),
             source,
@@ -444,8 +465,16 @@ impl Checkpoint {
     /// # Errors
     /// [`Error::TensorNotFound`]; [`Error::Io`] when a positioned read fails.
     pub fn read(&self, name: &str) -> Result<TensorData> {
+        self.read_range(name, 0..usize::MAX)
+    }
+
+    /// Bytes `part` of tensor `name` (see [`SafetensorsFile::read_range`]).
+    ///
+    /// # Errors
+    /// As [`SafetensorsFile::read_range`].
+    pub fn read_range(&self, name: &str, part: Range<usize>) -> Result<TensorData> {
         match self.locate(name) {
-            Some((file, _)) => file.read(name),
+            Some((file, _)) => file.read_range(name, part),
             None => Err(Error::TensorNotFound {
                 path: self.root.clone(),
                 name: name.to_string(),

@@ -432,8 +432,17 @@ impl PyCheckpoint {
             )
         })
     }
-    fn read(&self, py: Python<'_>, name: &str) -> PyResult<PyTensorBytes> {
-        Ok(PyTensorBytes(py.detach(|| self.0.read(name))?))
+    /// The raw bytes of a tensor, or of bytes ``[start, stop)`` of it (read alone with pread).
+    #[pyo3(signature = (name, start=0, stop=None))]
+    fn read(
+        &self,
+        py: Python<'_>,
+        name: &str,
+        start: usize,
+        stop: Option<usize>,
+    ) -> PyResult<PyTensorBytes> {
+        let part = start..stop.unwrap_or(usize::MAX);
+        Ok(PyTensorBytes(py.detach(|| self.0.read_range(name, part))?))
     }
     /// Drops this process's resident pages of a tensor (mmap only); views stay valid.
     fn release(&self, py: Python<'_>, name: &str) {

@@ -114,3 +114,25 @@ def test_release_keeps_views_valid(checkpoint):
         source.release(n)
     assert t.data.tobytes() == before
     kda_tp.SafetensorsSource(checkpoint, backend="pread").release(name)  # a no-op
+
+
+def test_sharded_reads_agree_across_backends(checkpoint):
+    views = []
+    for backend in ("mmap", "pread"):
+        source = kda_tp.SafetensorsSource(checkpoint, backend=backend)
+        shard = kda_tp.KdaShardedSource(source, kda_tp.KdaTpPlan.from_config(source, 1, 2))
+        views.append({n: (shard.get(n).shape, bytes(shard.get(n))) for n in source.names()})
+    assert views[0] == views[1]
+
+
+def test_read_range(checkpoint):
+    for backend in ("mmap", "pread"):
+        source = kda_tp.SafetensorsSource(checkpoint, backend=backend)
+        name = "model.layers.0.self_attn.q_proj.weight"
+        full = bytes(source.get(name))
+        assert bytes(source.read_range(name, 10, 30)) == full[10:30]
+        assert bytes(source.read_range(name, 10, 10**12)) == full[10:]
+        with pytest.raises(kda_tp.CheckpointError, match="past its"):
+            source.read_range(name, len(full) + 1, len(full) + 2)
+        with pytest.raises(kda_tp.CheckpointError, match="no tensor named"):
+            source.read_range("nope", 0, 1)

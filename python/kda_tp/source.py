@@ -248,12 +248,28 @@ class SafetensorsSource:
         if found is None:
             return None
         dtype, shape, _ = found
-        data = np.asarray(self._checkpoint.read(name))
-        itemsize = max(1, _itemsize(dtype))
-        if data.ctypes.data % itemsize:
-            data = data.copy()
+        return Tensor(name, dtype, tuple(shape), self._read(name, dtype, 0, None))
+
+    def read_range(self, name: str, start: int, stop: int) -> np.ndarray:
+        """Bytes ``[start, stop)`` of tensor ``name``'s data, as a read-only ``uint8`` array.
+
+        A view of the mapping with ``"mmap"``; with ``"pread"`` only these bytes are read (a
+        rank's row slice is ``1/tp_size`` of the tensor).
+
+        Raises:
+            CheckpointError: no such tensor, or ``start`` past its end.
+        """
+        found = self._checkpoint.info(name)
+        if found is None:
+            raise CheckpointError(f"{self.root}: no tensor named {name!r}")
+        return self._read(name, found[0], start, stop)
+
+    def _read(self, name: str, dtype: str, start: int, stop: int | None) -> np.ndarray:
+        data = np.asarray(self._checkpoint.read(name, start, stop))
+        if data.ctypes.data % max(1, _itemsize(dtype)):
+            data = data.copy()  # misaligned for its dtype in the file: aligned copy
             data.flags.writeable = False
-        return Tensor(name, dtype, tuple(shape), data)
+        return data
 
     def release(self, name: str) -> None:
         """Drop this process's resident pages of tensor ``name`` (``"mmap"`` only).
@@ -464,12 +480,17 @@ class KdaShardedSource:
         ``o_proj`` is gathered into a new array.
         """
         planned = self._planned.get(name)
-        record = self.source.get(name)
-        if planned is None or record is None:
-            return record
+        if planned is None:
+            return self.source.get(name)
         entry, local_shape = planned
-        data = shard_bytes(entry, record.data)
-        return Tensor(name, record.dtype, local_shape, data)
+        read_range = getattr(self.source, "read_range", None)
+        if entry.byte_range is not None and read_range is not None:
+            # One contiguous range: read only it (its size was checked with the shape).
+            return Tensor(name, entry.dtype, local_shape, read_range(name, *entry.byte_range))
+        record = self.source.get(name)
+        if record is None:
+            return None
+        return Tensor(name, record.dtype, local_shape, shard_bytes(entry, record.data))
 
     def __contains__(self, name: str) -> bool:
         return name in self.names()
