@@ -26,27 +26,12 @@ import ml_dtypes
 import numpy as np
 
 from kda_tp.errors import DtypeMismatchError, ShapeMismatchError
+from kda_tp.oracle import TENSOR_NAMES
 
 __all__ = ["WEIGHT_NAMES", "L2NORM_EPS", "kda_layer_forward"]
 
 #: The layer's tensors, by plan name (Kimi-Linear ``self_attn`` names without ``.weight``).
-WEIGHT_NAMES = (
-    "q_proj",
-    "k_proj",
-    "v_proj",
-    "q_conv1d",
-    "k_conv1d",
-    "v_conv1d",
-    "f_a_proj",
-    "f_b_proj",
-    "g_a_proj",
-    "g_b_proj",
-    "b_proj",
-    "A_log",
-    "dt_bias",
-    "o_norm",
-    "o_proj",
-)
+WEIGHT_NAMES = TENSOR_NAMES
 
 #: Epsilon of the per-head q/k L2 normalisation (fla ``l2norm``; fixed, not a config value).
 L2NORM_EPS = 1e-6
