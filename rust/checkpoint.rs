@@ -228,8 +228,9 @@ impl SafetensorsFile {
             return Err(Error::Checkpoint {
                 path: self.path.clone(),
                 reason: format!(
-                    "tensor {name:?}: byte range starting at {} is past its {} bytes",
+                    "tensor {name:?}: byte range {}..{} is empty or past its {} bytes",
                     part.start,
+                    part.end,
                     end - begin
                 ),
             });

@@ -64,6 +64,7 @@ def test_a_language_model_prefix_is_found(tmp_path):
     rank1 = kda_tp.SafetensorsSource(rank_dir(tmp_path / "out", 1))
     assert rank1.info("language_model.model.layers.0.self_attn.A_log")[1] == (1, 1, 2, 1)
     assert verify_shards(renamed, tmp_path / "out", numeric=True).ok
+    assert oracle.verify(renamed, tmp_path / "out") == []
 
 
 def test_a_different_world_size_is_not_mixed_into_one_output(ckpt, tmp_path, capsys):
@@ -162,3 +163,23 @@ def test_hugging_face_cache_layout(tmp_path):
         (snapshot / f.name).symlink_to(Path("../../blobs") / blob.name)
     shard_checkpoint(snapshot, tmp_path / "out", 2)
     assert verify_shards(snapshot, tmp_path / "out").ok
+
+
+@pytest.mark.parametrize("name", ["rank5", ".rank0.partial-keep"])
+def test_an_input_inside_the_output_is_never_removed(ckpt, tmp_path, name):
+    out = tmp_path / "out"
+    inside = out / name
+    shutil.copytree(ckpt, inside)
+    before = sorted(p.name for p in inside.iterdir())
+    for force in (False, True):
+        with pytest.raises(kda_tp.OutputError, match="is \\(or holds\\) the input checkpoint"):
+            shard_checkpoint(inside, out, 2, force=force)
+    assert sorted(p.name for p in inside.iterdir()) == before
+
+
+def test_an_empty_kda_layer_list_is_a_named_error(ckpt, tmp_path):
+    config = json.loads((ckpt / "config.json").read_text())
+    config["linear_attn_config"]["kda_layers"] = []
+    (ckpt / "config.json").write_text(json.dumps(config))
+    with pytest.raises(kda_tp.CheckpointError, match="no KDA layer"):
+        shard_checkpoint(ckpt, tmp_path / "out", 2)

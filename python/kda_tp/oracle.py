@@ -31,7 +31,7 @@ import math
 import re
 import struct
 import sys
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -599,16 +599,24 @@ class _Checkpoint:
                 yield piece
 
 
-_LAYER_ATTN = re.compile(r"model\.layers\.(\d+)\.(self_attn\..+)")
+_LAYER_ATTN = re.compile(r"(\d+)\.(self_attn\..+)")
+_A_LOG = re.compile(r"((?:.*\.)?layers\.)\d+\.self_attn\.A_log")
 
 
-def _kda_plan_name(name: str, kda_layers: frozenset[int]) -> str | None:
+def _decoder_prefix(names: Iterable[str]) -> str:
+    """The prefix, up to the layer index, of the layers holding ``A_log`` (a KDA-only tensor):
+    ``model.layers.`` for Kimi-Linear; other stacks (a vision tower) are never KDA layers."""
+    prefixes = {m[1] for n in names if (m := _A_LOG.fullmatch(n))}
+    return prefixes.pop() if len(prefixes) == 1 else "model.layers."
+
+
+def _kda_plan_name(name: str, kda_layers: frozenset[int], prefix: str) -> str | None:
     """The plan name of checkpoint tensor ``name`` if it belongs to a KDA layer, else ``None``.
 
     Layer type comes from the config, never from a tensor's shape: full-attention (MLA) layers
     also have ``self_attn.q_proj`` and an ``o_proj`` of the same shape.
     """
-    match = _LAYER_ATTN.fullmatch(name)
+    match = _LAYER_ATTN.fullmatch(name[len(prefix) :]) if name.startswith(prefix) else None
     if match is None or int(match[1]) not in kda_layers:
         return None
     candidate = plan_name(match[2])
@@ -648,7 +656,8 @@ def verify(checkpoint_dir: str | Path, out_dir: str | Path) -> list[str]:
     if not geometry.kda_layers:
         return [f"input: {checkpoint_dir}/config.json lists no KDA layer"]
     first = min(geometry.kda_layers)
-    prefix = f"model.layers.{first}.self_attn."
+    decoder = _decoder_prefix(source.tensors)
+    prefix = f"{decoder}{first}.self_attn."
     f_a = source.tensors.get(prefix + "f_a_proj.weight")
     if f_a is None or not f_a.shape:
         return [f"input: {prefix}f_a_proj.weight is missing, so gate_rank is unknown"]
@@ -698,7 +707,7 @@ def verify(checkpoint_dir: str | Path, out_dir: str | Path) -> list[str]:
         except CheckpointError as exc:
             problems.append(f"rank{rank}: {exc}")
             continue
-        problems += _check_rank(source, sharded, rank_plan, geometry.kda_layers)
+        problems += _check_rank(source, sharded, rank_plan, geometry.kda_layers, decoder)
     return problems
 
 
@@ -714,7 +723,11 @@ def _declared_tp_size(rank_dir: Path) -> int | None:
 
 
 def _check_rank(
-    source: _Checkpoint, sharded: _Checkpoint, rank_plan: OraclePlan, kda_layers: frozenset[int]
+    source: _Checkpoint,
+    sharded: _Checkpoint,
+    rank_plan: OraclePlan,
+    kda_layers: frozenset[int],
+    decoder: str,
 ) -> list[str]:
     """The problems of one rank's directory; see :func:`verify`."""
     tag = f"rank{rank_plan.tp_rank}"
@@ -736,7 +749,7 @@ def _check_rank(
         if out.dtype != src.dtype:
             problems.append(f"{tag}: {name}: dtype {out.dtype}, input has {src.dtype}")
             continue
-        kda_name = _kda_plan_name(name, kda_layers)
+        kda_name = _kda_plan_name(name, kda_layers, decoder)
         if kda_name is None:
             want_shape = src.shape
         else:

@@ -140,7 +140,10 @@ class KdaTpPlan(_native.KdaTpPlan):
 
         dtypes = None
         if source is not None:
-            layer = kda_layer_indices(source, layers)[0]
+            indices = kda_layer_indices(source, layers)
+            if not indices:
+                raise CheckpointError(f"{where}: no KDA layer to read the dtypes from")
+            layer = indices[0]
             prefix = decoder_prefix(source)
             headers = {}
             for name in _TENSOR_NAMES:

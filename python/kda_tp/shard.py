@@ -186,6 +186,11 @@ def _prepare_out_dir(
         raise OutputError(f"{out}: cannot create or list the output directory: {e}") from e
     for entry in entries:
         partial, final = _PARTIAL_DIR.match(entry.name), _RANK_DIR.match(entry.name)
+        if (partial or final) and (entry.resolve() == input_root or _holds(entry, input_root)):
+            # Never remove or replace the input, whatever its name.
+            raise OutputError(
+                f"{entry} is (or holds) the input checkpoint {root}; choose another --out"
+            )
         if partial and int(partial.group(1)) in ranks:
             shutil.rmtree(entry, ignore_errors=True)  # left by a killed run
         elif final and int(final.group(1)) in ranks and not force:
@@ -204,6 +209,11 @@ def _prepare_out_dir(
             raise OutputError(
                 f"{out} is not empty (it holds {entry.name}); pass --force to write into it"
             )
+
+
+def _holds(directory: Path, path: Path) -> bool:
+    """Whether resolved ``path`` lies inside ``directory``."""
+    return directory.resolve() in path.parents
 
 
 def _rank_tp_size(path: Path) -> int | None:
