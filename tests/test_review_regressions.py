@@ -183,3 +183,25 @@ def test_an_empty_kda_layer_list_is_a_named_error(ckpt, tmp_path):
     (ckpt / "config.json").write_text(json.dumps(config))
     with pytest.raises(kda_tp.CheckpointError, match="no KDA layer"):
         shard_checkpoint(ckpt, tmp_path / "out", 2)
+
+
+def test_a_failed_force_rerun_restores_the_previous_output(ckpt, tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    shard_checkpoint(ckpt, out, 2)
+    before = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    import kda_tp.shard as shard_module
+
+    real = shard_module.write_safetensors
+
+    def fail_on_rank1(path, *args, **kwargs):
+        if ".rank1.partial" in str(path):
+            raise kda_tp.OutputError(f"{path}: write failed: [Errno 28] No space left on device")
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(shard_module, "write_safetensors", fail_on_rank1)
+    with pytest.raises(kda_tp.OutputError, match="No space left"):
+        shard_checkpoint(ckpt, out, 2, force=True)
+    after = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    assert after == before
+    assert sorted(p.name for p in out.iterdir()) == ["rank0", "rank1"]
+    assert verify_shards(ckpt, out).ok

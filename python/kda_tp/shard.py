@@ -139,15 +139,21 @@ def shard_checkpoint(
         # moving each aside in one rename first, so no incomplete rank{r} is ever visible.
         # Only directories this run created (same inode) are removed, never another
         # process's.
+        # A rank directory this run replaced is put back.
         for f in futures:
             if f.exception() is None:
-                _, final, inode = f.result()
+                _, final, inode, old = f.result()
                 try:
                     if final.stat().st_ino == inode:
                         _remove_dir(final, out)
+                        if old is not None:
+                            os.replace(old, final)
                 except OSError:
                     continue
         raise failed[0]
+    for f in futures:
+        if f.result()[3] is not None:
+            shutil.rmtree(f.result()[3], ignore_errors=True)
     written = sum(f.result()[0] for f in futures)
     return ShardResult(out, tp_size, ranks, written, time.perf_counter() - start)
 
@@ -239,10 +245,11 @@ def _write_rank(
     files: dict[str, list[str]],
     out: Path,
     advance: Callable[[int], None] | None,
-) -> tuple[int, Path, int]:
+) -> tuple[int, Path, int, Path | None]:
     """Write ``shard``'s rank into a partial directory, then rename it into place.
 
-    Returns the tensor bytes written, the rank directory, and its inode (to recognise it).
+    Returns the tensor bytes written, the rank directory, its inode (to recognise it), and where
+    the directory it replaced was moved (None if there was none).
     """
     plan = shard.plan
     partial = out / f".rank{plan.tp_rank}.partial-{os.getpid()}"
@@ -263,6 +270,8 @@ def _write_rank(
             advance(data.nbytes)
         return data
 
+    final = rank_dir(out, plan.tp_rank)
+    old: Path | None = None
     try:
         partial.mkdir()
         input_meta = {path.name: meta or {} for path, meta in source.files()}
@@ -289,25 +298,22 @@ def _write_rank(
         write_index(partial / INDEX_NAME, weight_map, total, sync=False)
         for extra in _companion_files(source):
             shutil.copy2(extra, partial / extra.name)
-        final = rank_dir(out, plan.tp_rank)
         inode = partial.stat().st_ino
         if final.exists():
-            # Move the old directory aside in one rename, so a run killed here never leaves a
-            # half-deleted rank{r} behind; the aside name is a partial name, removed by the
-            # next run if this one dies before removing it.
+            # Keep the old directory aside (one rename) until the whole run has succeeded, so a
+            # failed --force rerun can put it back; its name is a partial name, so a run killed
+            # before then leaves it for the next run to clean.
             old = out / f".rank{plan.tp_rank}.partial-old-{os.getpid()}"
             os.replace(final, old)
-            os.replace(partial, final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(partial, final)
-    except OSError as e:
+        os.replace(partial, final)
+    except BaseException as e:
         shutil.rmtree(partial, ignore_errors=True)
-        raise OutputError(f"{partial}: writing rank {plan.tp_rank} failed: {e}") from e
-    except BaseException:
-        shutil.rmtree(partial, ignore_errors=True)
+        if old is not None and not final.exists():
+            os.replace(old, final)
+        if isinstance(e, OSError):
+            raise OutputError(f"{partial}: writing rank {plan.tp_rank} failed: {e}") from e
         raise
-    return total, final, inode
+    return total, final, inode, old
 
 
 def _companion_files(source: SafetensorsSource) -> list[Path]:
