@@ -98,9 +98,10 @@ def shard_checkpoint(
         CheckpointError, PlanError, DtypeMismatchError, ShapeMismatchError: bad input; nothing
             is written.
         OutputError: the output directory is refused, or a write fails (e.g. a full disk);
-            nothing of this run is left behind: the ranks it completed are removed again (a run
-            killed outright may leave complete ``rank{r}`` directories, never incomplete ones,
-            and ``verify`` rejects the set until every rank is there).
+            nothing of this run is left behind: the ranks it completed are removed again and
+            rank directories it replaced under ``force`` are put back (a run killed outright may
+            leave complete ``rank{r}`` directories, never incomplete ones, and ``verify``
+            rejects the set until every rank is there).
     """
     start = time.perf_counter()
     source = SafetensorsSource(checkpoint, backend)
