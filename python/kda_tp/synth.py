@@ -22,8 +22,9 @@ small). Two config dialects are produced:
     ``g_a_proj``/``g_b_proj``, ``A_log`` 1-D ``[P]`` zero-padded past the H heads (P = max(H, D)
     by default, K3's 128 for 96 heads), and F32 conv weights and ``o_norm``; non-KDA layers are
     K3's MLA layers, whose ``g_proj.weight [C, d]`` and ``o_proj.weight [d, C]`` have exactly
-    the KDA names and shapes; a vision tower (``vision_tower.encoder.blocks.0.self_attn.*``) and
-    ``mm_projector.proj.0.weight`` are added.
+    the KDA names and shapes; a small vision tower
+    (``vision_tower.encoder.blocks.0.self_attn.q_proj/o_proj``, 256 wide) and
+    ``mm_projector.proj.0.weight [d, 256]`` are added.
 
 All dialects name a KDA layer's tensors the Kimi-Linear way, under
 ``model.layers.{i}.self_attn.`` (H heads, D = head_dim, C = H * D, hidden size d, conv kernel K,
@@ -105,6 +106,8 @@ GEOMETRIES: dict[str, dict[str, object]] = {
 _STYLES = ("kimi", "qwen3next", "k3")
 #: Kimi K3's forget-gate lower bound (``linear_attn_config.gate_lower_bound``).
 K3_GATE_LOWER_BOUND = -5.0
+# Hidden size of the synthetic K3 vision tower (small: only its names matter to sharding).
+_VISION_HIDDEN = 256
 _WEIGHT_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
 _DEFAULT_MAX_FILE_BYTES = 400 * 2**20
 _RMS_NORM_EPS = 1e-5
@@ -371,10 +374,10 @@ def _model_tensors(
     specs.append(_Spec(lm + "lm_head.weight", wdt, (vocab, g.hidden), "proj"))
     if g.style == "k3":
         # A vision tower whose `self_attn.q_proj`/`o_proj` must never be taken for KDA.
-        tower = "vision_tower.encoder.blocks.0.self_attn."
-        specs.append(_Spec(tower + "q_proj.weight", wdt, (g.hidden, g.hidden), "proj"))
-        specs.append(_Spec(tower + "o_proj.weight", wdt, (g.hidden, g.hidden), "proj"))
-        specs.append(_Spec("mm_projector.proj.0.weight", wdt, (g.hidden, g.hidden), "proj"))
+        tower, width = "vision_tower.encoder.blocks.0.self_attn.", _VISION_HIDDEN
+        specs.append(_Spec(tower + "q_proj.weight", wdt, (width, width), "proj"))
+        specs.append(_Spec(tower + "o_proj.weight", wdt, (width, width), "proj"))
+        specs.append(_Spec("mm_projector.proj.0.weight", wdt, (g.hidden, width), "proj"))
     return specs
 
 
@@ -486,7 +489,7 @@ def _config(g: _Geometry, num_layers: int, kda: set[int], vocab: int, torch_dtyp
             "architectures": ["KimiK3ForConditionalGeneration"],
             "model_type": "kimi_k3",
             "text_config": text,
-            "vision_config": {"hidden_size": g.hidden, "num_hidden_layers": 1},
+            "vision_config": {"hidden_size": _VISION_HIDDEN, "num_hidden_layers": 1},
         }
     if g.style == "kimi":
         return {
