@@ -48,8 +48,38 @@ pub enum Error {
     UnknownTensor { name: String, known: String },
 
     /// A dtype the plan does not support for a KDA tensor.
-    #[error("{tensor}: dtype {dtype} is not a floating-point dtype (BF16, F16, F32 or F64)")]
+    #[error(
+        "{tensor}: dtype {dtype} is not allowed for a KDA tensor: BF16, F16, F32 or F64, and \
+         F8_E4M3 or F8_E5M2 only for a block-quantized projection (with its scale)"
+    )]
     UnsupportedDtype { tensor: String, dtype: String },
+
+    /// A block edge over the supported maximum.
+    #[error("block size {block} is larger than {max}")]
+    BlockSize { block: usize, max: usize },
+
+    /// A quantized tensor that checkpoints never quantize.
+    #[error(
+        "{tensor} is never block-quantized (conv weights, A_log, dt_bias and o_norm stay \
+         floating-point); a checkpoint that quantizes it is not supported"
+    )]
+    NotQuantizable { tensor: String },
+
+    /// A rank's range of a block-quantized weight that its scale grid cannot follow.
+    #[error(
+        "{tensor}: rank {rank}'s {axis} {start}..{end} start inside block {first} of {block} \
+         {axis}, so the block scales cannot be sliced to match; a rank's range must start on a \
+         block boundary or lie inside one block (choose another tp_size)"
+    )]
+    BlockSplit {
+        tensor: String,
+        axis: &'static str,
+        rank: usize,
+        start: usize,
+        end: usize,
+        block: usize,
+        first: usize,
+    },
 
     /// A KDA tensor whose dtype differs from the plan's.
     #[error("{tensor}: dtype {actual}, expected {expected}")]
@@ -104,9 +134,17 @@ pub enum Error {
 
 /// The divisors of `n`, comma-separated: the world sizes a head count can be split over.
 fn divisors(n: usize) -> String {
-    let small: Vec<usize> = (1..).take_while(|d| d * d <= n).filter(|d| n % d == 0).collect();
+    let small: Vec<usize> = (1..)
+        .take_while(|d| d * d <= n)
+        .filter(|d| n % d == 0)
+        .collect();
     let large = small.iter().rev().map(|d| n / d).filter(|&d| d * d != n);
-    let all: Vec<String> = small.iter().copied().chain(large).map(|d| d.to_string()).collect();
+    let all: Vec<String> = small
+        .iter()
+        .copied()
+        .chain(large)
+        .map(|d| d.to_string())
+        .collect();
     all.join(", ")
 }
 

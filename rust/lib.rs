@@ -1,6 +1,7 @@
 //! `kda_tp`: tensor-parallel sharding of KDA (Kimi Delta Attention) weights.
 //!
 //! * [`plan`]: which part of each KDA tensor a rank keeps (pure arithmetic).
+//! * [`quant`]: which part of a block-quantized (FP8) weight's scale grid a rank keeps.
 //! * [`slice`]: applying a plan entry to a tensor's bytes (contiguous row ranges, strided
 //!   column gather).
 //! * [`checkpoint`]: validated safetensors files and sharded checkpoint directories.
@@ -12,6 +13,7 @@
 pub mod checkpoint;
 pub mod error;
 pub mod plan;
+pub mod quant;
 pub mod slice;
 
 #[cfg(feature = "python")]

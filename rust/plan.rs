@@ -18,6 +18,7 @@
 use safetensors::Dtype;
 
 use crate::error::{Error, Result};
+use crate::quant::{self, BlockQuant};
 
 /// How one KDA tensor maps onto tensor-parallel ranks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -77,6 +78,11 @@ pub struct KdaTensorPlan {
     /// `[1, 1, H, 1]` (Kimi K3's zero-padded `A_log`: `[a_log_len]`), `dt_bias` `[C]`, `o_norm`
     /// `[head_dim]`.
     pub disk_shape: Vec<usize>,
+    /// Block edge `[rows, columns]` (elements) when the weight is block-quantized (FP8).
+    pub block: Option<[usize; 2]>,
+    /// The plan of the weight's scale grid when block-quantized: same kind, counts and offsets
+    /// in blocks (see [`crate::quant`]).
+    pub scale: Option<Box<KdaTensorPlan>>,
 }
 
 impl KdaTensorPlan {
@@ -101,7 +107,8 @@ impl KdaTensorPlan {
     /// The shape may have any rank that flattens to `[full_rows, full_row_elems]`: for the row
     /// kinds the sharded axis is the first one whose extent is `full_rows` with only unit axes
     /// before it (`[1, 1, H, 1]` → 2, `[H]` → 0, `[C, 1, K]` → 0); for `ChannelCols` it is the
-    /// last axis.
+    /// last one whose extent is `full_row_elems` with only unit axes after it (`[d, C]` → 1, a
+    /// ModelOpt scale grid `[ob, 1, ib, 1]` → 2).
     ///
     /// # Errors
     /// [`Error::Shape`] when `disk_shape` does not hold exactly this tensor.
@@ -134,10 +141,21 @@ impl KdaTensorPlan {
                     _ => Err(mismatch()),
                 }
             }
-            KdaShard::ChannelCols => match disk_shape.last() {
-                Some(&d) if d == self.full_row_elems => Ok(Some(disk_shape.len() - 1)),
-                _ => Err(mismatch()),
-            },
+            KdaShard::ChannelCols => {
+                let trail = disk_shape.iter().rev().take_while(|&&d| d == 1).count();
+                let axis = if self.full_row_elems == 1 {
+                    disk_shape.len()
+                } else {
+                    disk_shape.len() - trail
+                };
+                match axis
+                    .checked_sub(1)
+                    .and_then(|a| disk_shape.get(a).map(|&d| (a, d)))
+                {
+                    Some((a, d)) if d == self.full_row_elems => Ok(Some(a)),
+                    _ => Err(mismatch()),
+                }
+            }
         }
     }
 
@@ -174,6 +192,9 @@ pub struct PlanOptions {
     /// Entries of the stored `A_log` when it is zero-padded past the heads (Kimi K3: 128 for 96
     /// heads); `None` when it holds exactly one entry per head. Must be at least `full_heads`.
     pub a_log_len: Option<usize>,
+    /// Block-quantized (FP8) projections and their block size; their default dtype becomes
+    /// `F8_E4M3` and each gets a [`KdaTensorPlan::scale`].
+    pub block_quant: Option<BlockQuant>,
 }
 
 impl Default for PlanOptions {
@@ -183,6 +204,7 @@ impl Default for PlanOptions {
             dtypes: Vec::new(),
             full_rank_gate: false,
             a_log_len: None,
+            block_quant: None,
         }
     }
 }
@@ -366,7 +388,14 @@ impl KdaTpPlan {
         ])
         .collect();
         let names: Vec<&str> = layout.iter().map(|row| row.0).collect();
-        let dtype_of = dtype_table(&options.dtypes, &names)?;
+        let quantized: Vec<&str> = match &options.block_quant {
+            Some(q) => {
+                quant::check(q, &names)?;
+                q.tensors.iter().map(String::as_str).collect()
+            }
+            None => Vec::new(),
+        };
+        let dtype_of = dtype_table(&options.dtypes, &names, &quantized)?;
 
         let mut tensors = Vec::with_capacity(layout.len());
         let mut block_bytes: usize = 0;
@@ -388,7 +417,7 @@ impl KdaTpPlan {
                 ChannelRows => (local_ch, full_row_elems, ch_off, 0),
                 ChannelCols => (full_rows, local_ch, 0, ch_off),
             };
-            tensors.push(KdaTensorPlan {
+            let mut entry = KdaTensorPlan {
                 name,
                 kind,
                 dtype,
@@ -400,7 +429,18 @@ impl KdaTpPlan {
                 src_row_offset,
                 src_col_offset,
                 disk_shape,
-            });
+                block: None,
+                scale: None,
+            };
+            if let Some(q) = options
+                .block_quant
+                .as_ref()
+                .filter(|_| quantized.contains(&name))
+            {
+                entry.scale = Some(Box::new(quant::scale_plan(&entry, q, tp_size)?));
+                entry.block = Some(q.block);
+            }
+            tensors.push(entry);
         }
 
         Ok(Self {
@@ -447,10 +487,13 @@ impl KdaTpPlan {
 }
 
 /// Resolves dtype overrides into a lookup by plan name, refusing names not in `names` (this
-/// block's layout) and non-floating dtypes.
+/// block's layout) and dtypes a KDA tensor may not have: floating-point (BF16, F16, F32, F64),
+/// and FP8 (F8_E4M3, F8_E5M2) for the block-quantized names in `quantized`, which default to
+/// F8_E4M3.
 fn dtype_table<'a>(
     overrides: &'a [(String, Dtype)],
     names: &[&str],
+    quantized: &'a [&'a str],
 ) -> Result<impl Fn(&str) -> Dtype + 'a> {
     for (name, dtype) in overrides {
         if !names.contains(&name.as_str()) {
@@ -459,7 +502,9 @@ fn dtype_table<'a>(
                 known: names.join(", "),
             });
         }
-        if !matches!(dtype, Dtype::BF16 | Dtype::F16 | Dtype::F32 | Dtype::F64) {
+        let fp8 = matches!(dtype, Dtype::F8_E4M3 | Dtype::F8_E5M2);
+        let float = matches!(dtype, Dtype::BF16 | Dtype::F16 | Dtype::F32 | Dtype::F64);
+        if !(float || fp8 && quantized.contains(&name.as_str())) {
             return Err(Error::UnsupportedDtype {
                 tensor: name.clone(),
                 dtype: dtype.to_string(),
@@ -467,14 +512,18 @@ fn dtype_table<'a>(
         }
     }
     Ok(move |name: &str| {
-        overrides.iter().rev().find(|(n, _)| n == name).map_or(
-            if matches!(name, "A_log" | "dt_bias") {
-                Dtype::F32
-            } else {
-                Dtype::BF16
-            },
-            |(_, d)| *d,
-        )
+        let default = if quantized.contains(&name) {
+            Dtype::F8_E4M3
+        } else if matches!(name, "A_log" | "dt_bias") {
+            Dtype::F32
+        } else {
+            Dtype::BF16
+        };
+        overrides
+            .iter()
+            .rev()
+            .find(|(n, _)| n == name)
+            .map_or(default, |(_, d)| *d)
     })
 }
 

@@ -13,6 +13,7 @@ use safetensors::Dtype;
 use crate::checkpoint::{Backend, Checkpoint, TensorData};
 use crate::error::Error;
 use crate::plan::{KdaShard, KdaTensorPlan, KdaTpPlan, PlanOptions};
+use crate::quant::{self, BlockQuant, ScaleLayout};
 use crate::slice;
 
 pyo3::import_exception!(kda_tp.errors, PlanError);
@@ -29,6 +30,9 @@ impl From<Error> for PyErr {
             | Error::HeadsNotDivisible { .. }
             | Error::QkWidth { .. }
             | Error::ALogLength { .. }
+            | Error::BlockSize { .. }
+            | Error::NotQuantizable { .. }
+            | Error::BlockSplit { .. }
             | Error::Overflow { .. }
             | Error::UnknownTensor { .. }
             | Error::UnsupportedDtype { .. } => PlanError::new_err(message),
@@ -105,6 +109,12 @@ impl From<KdaShard> for PyKdaShard {
 ///     disk_shape: the full shape as Kimi-Linear stores it, e.g. ``(1, 1, H, 1)`` for A_log.
 ///     byte_range: ``(start, stop)`` byte range of this rank's part in the full tensor, or None
 ///         for CHANNEL_COLS (a strided gather, not one range).
+///     block: ``(rows, cols)`` block edge in elements when the weight is block-quantized (FP8),
+///         else None.
+///     scale: the ``KdaTensorPlan`` of a block-quantized weight's scale grid (F32), else None:
+///         same kind as the weight, rows/columns counted in blocks, ``src_row_offset`` /
+///         ``src_col_offset`` the first block this rank keeps (the blocks covering its range),
+///         ``disk_shape`` ``(ob, 1, ib, 1)`` (ModelOpt) or ``(ob, ib)``.
 #[pyclass(frozen, eq, name = "KdaTensorPlan", module = "kda_tp")]
 #[derive(PartialEq)]
 struct PyTensorPlan(KdaTensorPlan);
@@ -166,6 +176,14 @@ impl PyTensorPlan {
     #[getter]
     fn byte_range(&self) -> Option<(usize, usize)> {
         slice::row_byte_range(&self.0).map(|r| (r.start, r.end))
+    }
+    #[getter]
+    fn block(&self) -> Option<(usize, usize)> {
+        self.0.block.map(|[rows, cols]| (rows, cols))
+    }
+    #[getter]
+    fn scale(&self) -> Option<PyTensorPlan> {
+        self.0.scale.as_deref().cloned().map(PyTensorPlan)
     }
     /// The on-disk axis sharded in a tensor stored with shape ``disk_shape`` (None when
     /// replicated): for the row kinds the first axis of extent ``full_rows`` after only unit
@@ -231,7 +249,7 @@ struct PyPlan(KdaTpPlan);
 #[pymethods]
 impl PyPlan {
     #[new]
-    #[pyo3(signature = (tp_rank, tp_size, hidden, head_dim, full_heads, conv_kernel, gate_rank, *, qk_multiple=None, dtypes=None, full_rank_gate=false, a_log_len=None))]
+    #[pyo3(signature = (tp_rank, tp_size, hidden, head_dim, full_heads, conv_kernel, gate_rank, *, qk_multiple=None, dtypes=None, full_rank_gate=false, a_log_len=None, quant_block=None, quantized=None, scale_layout="grid"))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         tp_rank: &Bound<'_, PyAny>,
@@ -245,6 +263,9 @@ impl PyPlan {
         dtypes: Option<HashMap<String, String>>,
         full_rank_gate: bool,
         a_log_len: Option<&Bound<'_, PyAny>>,
+        quant_block: Option<(usize, usize)>,
+        quantized: Option<Vec<String>>,
+        scale_layout: &str,
     ) -> PyResult<Self> {
         let mut options = PlanOptions {
             full_rank_gate,
@@ -253,6 +274,28 @@ impl PyPlan {
         if let Some(len) = a_log_len {
             options.a_log_len = Some(size_arg(len, "a_log_len")?);
         }
+        let layout = match scale_layout {
+            "grid" => ScaleLayout::Grid,
+            "modelopt" => ScaleLayout::ModelOpt,
+            other => {
+                return Err(PlanError::new_err(format!(
+                    "scale_layout must be \"grid\" or \"modelopt\", got {other:?}"
+                )))
+            }
+        };
+        options.block_quant = match (quant_block, quantized) {
+            (Some((rows, cols)), names) => Some(BlockQuant {
+                block: [rows, cols],
+                tensors: names.unwrap_or_else(|| quant::projections(full_rank_gate)),
+                layout,
+            }),
+            (None, Some(_)) => {
+                return Err(PlanError::new_err(
+                    "quantized= needs quant_block=(rows, cols), the block size",
+                ))
+            }
+            (None, None) => None,
+        };
         if let Some(multiple) = qk_multiple {
             options.qk_multiple = size_arg(multiple, "qk_multiple")?;
         }
@@ -494,6 +537,7 @@ impl PyCheckpoint {
 #[pyo3(name = "_native")]
 fn native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add("QUANTIZABLE", quant::QUANTIZABLE.to_vec())?;
     m.add_class::<PyKdaShard>()?;
     m.add_class::<PyTensorPlan>()?;
     m.add_class::<PyPlan>()?;

@@ -376,3 +376,55 @@ def test_plan_lookup_by_name():
     with pytest.raises(KeyError):
         rust["nope"]
     assert rust["A_log"].local_rows == rust.get("A_log").local_rows == 32
+
+
+@st.composite
+def block_quantized(draw) -> tuple[Geometry, tuple[int, int], list[str]]:
+    """A legal geometry with random FP8 block edges (small, so ranks' ranges land on block
+    boundaries, inside one block, or across a boundary, which must be refused) and a random
+    subset of the projections quantized."""
+    g = draw(legal_geometries())
+    names = oracle.FULL_RANK_GATE_TENSOR_NAMES if g.full_rank_gate else oracle.TENSOR_NAMES
+    projections = [n for n in names if n.endswith("_proj")]
+    quantized = draw(st.lists(st.sampled_from(projections), min_size=1, unique=True))
+    block = (draw(st.integers(1, 300)), draw(st.integers(1, 300)))
+    # The quantized names' dtype overrides must be FP8 or floats; keep the others'.
+    dtypes = {k: v for k, v in (g.dtypes or {}).items() if k not in quantized} or None
+    return Geometry(**{**g.__dict__, "dtypes": dtypes}), block, quantized
+
+
+@PROPERTY
+@given(block_quantized(), st.integers(0, 2**32))
+def test_block_scale_plans_match_the_oracle_and_cover_each_ranks_weight(case, seed):
+    g, block, quantized = case
+    quant = {"quant_block": block, "quantized": quantized, "scale_layout": "modelopt"}
+    rng = random.Random(seed)
+    for tp_size in g.tp_sizes():
+        for rank in range(tp_size):
+            try:
+                want = oracle.plan(*g.args(rank, tp_size), **g.kwargs(), **quant)
+            except PlanError:
+                with pytest.raises(PlanError):
+                    kda_tp.KdaTpPlan(*g.args(rank, tp_size), **g.kwargs(), **quant)
+                continue
+            got = kda_tp.KdaTpPlan(*g.args(rank, tp_size), **g.kwargs(), **quant)
+            assert_same_plan(got, want)
+            for r, w in zip(got.tensors, want.tensors, strict=True):
+                assert (r.scale is None) == (w.scale is None) == (w.name not in quantized)
+                if w.scale is None:
+                    continue
+                assert r.block == w.block == block and r.dtype == "F8_E4M3"
+                for field in TENSOR_FIELDS:
+                    assert getattr(r.scale, field) == getattr(w.scale, field), (w.name, field)
+                assert tuple(r.scale.disk_shape) == w.scale.disk_shape
+                # The kept blocks cover the rank's weight range, and dequantizing with local
+                # indices (i // bo, j // bi) reads the same block as the global indices.
+                by_cols = w.kind == "CHANNEL_COLS"
+                start = w.src_col_offset if by_cols else w.src_row_offset
+                size = w.local_row_elems if by_cols else w.local_rows
+                edge = block[1] if by_cols else block[0]
+                first = w.scale.src_col_offset if by_cols else w.scale.src_row_offset
+                for i in (0, size - 1):
+                    assert (start + i) // edge == first + i // edge, (w.name, i)
+                grid = rng.randbytes(w.scale.full_bytes)
+                assert rust_shard(r.scale, grid) == oracle.shard_bytes(w.scale, grid)

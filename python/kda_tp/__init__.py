@@ -17,6 +17,7 @@ from .errors import (
     ShapeMismatchError,
 )
 from .plan import KdaShard, KdaTensorPlan, KdaTpPlan
+from .quant import dequantize
 from .source import KdaShardedSource, SafetensorsSource, Tensor, shard_bytes
 
 __all__ = [
@@ -35,5 +36,6 @@ __all__ = [
     "SafetensorsSource",
     "KdaShardedSource",
     "shard_bytes",
+    "dequantize",
     "check_tp_equivalence",
 ]

@@ -18,7 +18,13 @@ from . import __version__
 from .errors import KdaTpError
 from .plan import KdaTpPlan
 from .shard import ShardResult, shard_checkpoint, verify_shards
-from .source import SafetensorsSource, decoder_prefix, kda_layer_indices, kda_tensor_name
+from .source import (
+    SafetensorsSource,
+    decoder_prefix,
+    kda_layer_indices,
+    kda_tensor_name,
+    scale_tensor_name,
+)
 
 __all__ = ["main"]
 
@@ -122,6 +128,10 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             t.name: source.info(kda_tensor_name(prefix, layers[0], t.name))[1]
             for t in plan.tensors
         }
+        for t in plan.tensors:
+            scale = t.scale and scale_tensor_name(source, prefix, layers[0], t.name)
+            if scale:
+                shapes[t.scale.name] = source.info(scale)[1]
     print(format_plan(plan, shapes, n_layers))
     return 0
 
@@ -132,11 +142,13 @@ def format_plan(
     """The shard table of ``plan``: one line per tensor, then totals and the all-reduce.
 
     ``shapes`` gives on-disk shapes by plan name (default: the canonical Kimi-Linear shapes).
+    A block-quantized weight is followed by its scale grid's row (``q_proj.scale``, offsets in
+    blocks).
     """
     shapes = shapes or {}
     rows = [("tensor", "kind", "dtype", "full shape", f"rank {plan.tp_rank} shape", "offset",
              "bytes/rank")]
-    for t in plan.tensors:
+    for t in (e for tensor in plan.tensors for e in (tensor, tensor.scale) if e is not None):
         disk = tuple(shapes.get(t.name, t.disk_shape))
         axis = t.sharded_axis(list(disk))
         offset = "-" if axis is None else f"dim {axis} @ {t.src_row_offset or t.src_col_offset}"
@@ -154,6 +166,14 @@ def format_plan(
                                for j, (c, w) in enumerate(zip(row, widths))).rstrip())
         if i == 0:
             lines.append("  ".join("-" * w for w in widths))
+    quantized = [t for t in plan.tensors if t.scale is not None]
+    if quantized:
+        rows_, cols_ = quantized[0].block
+        lines += [
+            "",
+            f"block-quantized FP8 ({rows_}x{cols_} blocks): each rank keeps the scale blocks "
+            "covering its weight range (offsets in blocks)",
+        ]
     a_log = plan["A_log"]
     if a_log.full_rows > plan.full_heads:
         lines += [

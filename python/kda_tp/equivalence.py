@@ -27,8 +27,9 @@ import numpy as np
 
 from kda_tp.config import parse_config
 from kda_tp.errors import CheckpointError, PlanError
+from kda_tp.quant import dequantize
 from kda_tp.reference import kda_layer_forward
-from kda_tp.source import decoder_prefix, kda_layer_indices, kda_tensor_name
+from kda_tp.source import decoder_prefix, kda_layer_indices, kda_tensor_name, scale_tensor_name
 
 __all__ = [
     "DEFAULT_ATOL",
@@ -124,7 +125,9 @@ def check_tp_equivalence(
     rank ``r``'s local weights (``KdaTpPlan.from_config(config, r, tp_size)``), and the layer
     passes when ``max|sum_r y_r - y| <= atol + rtol * max|y|`` (module docstring: why). The
     forget gate's lower bound (Kimi K3's ``gate_lower_bound``) and the output-gate form
-    (``use_full_rank_gate``) come from the config.
+    (``use_full_rank_gate``) come from the config; block-quantized (FP8) weights are dequantized
+    with their scale grids (:func:`kda_tp.dequantize`) before computing, on every rank with its
+    own local grid.
 
     Args:
         checkpoint: a ``kda_tp.SafetensorsSource`` (or any object with ``get(name)`` returning a
@@ -189,7 +192,6 @@ def check_tp_equivalence(
     rank_sources = [factory(source, plan, all_kda) for plan in plans]
     head_dim = plans[0].head_dim
     config = parse_config(source.config)
-    names = [t.name for t in plans[0].tensors]
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((1, seq_len, plans[0].hidden)).astype(np.float32)
 
@@ -205,24 +207,30 @@ def check_tp_equivalence(
     prefix = decoder_prefix(source)
     results = []
     for layer in layer_list:
-        y = forward(_layer_weights(source, layer, prefix, names))
-        y_sum = sum(forward(_layer_weights(s, layer, prefix, names)) for s in rank_sources)
+        y = forward(_layer_weights(source, layer, prefix, plans[0]))
+        y_sum = sum(
+            forward(_layer_weights(s, layer, prefix, plan))
+            for s, plan in zip(rank_sources, plans)
+        )
         results.append(_compare(layer, y, y_sum, atol, rtol))
     return EquivalenceReport(tp_size, int(seq_len), seed, atol, rtol, tuple(results))
 
 
-def _layer_weights(
-    source: Any, layer: int, prefix: str, names: Iterable[str]
-) -> dict[str, np.ndarray]:
-    """Plan name -> typed array of ``{prefix}{layer}.self_attn.*`` for the plan names ``names``,
-    as ``source`` has it."""
+def _layer_weights(source: Any, layer: int, prefix: str, plan: Any) -> dict[str, np.ndarray]:
+    """Plan name -> array of ``{prefix}{layer}.self_attn.*`` for every tensor of ``plan``, as
+    ``source`` has it; block-quantized weights dequantized with their scale grids."""
     weights = {}
-    for name in names:
-        key = kda_tensor_name(prefix, layer, name)
+    for entry in plan.tensors:
+        key = kda_tensor_name(prefix, layer, entry.name)
         record = source.get(key)
         if record is None:
             raise CheckpointError(f"{key}: missing (KDA layer {layer})")
-        weights[name] = record.array
+        weights[entry.name] = record.array
+        if entry.scale is not None:
+            scale_key = scale_tensor_name(source, prefix, layer, entry.name)
+            if scale_key is None:
+                raise CheckpointError(f"{key}: block scale missing (KDA layer {layer})")
+            weights[entry.name] = dequantize(record.array, source.get(scale_key).array, entry.block)
     return weights
 
 

@@ -26,12 +26,19 @@ Kimi K3 (``shared/notes/kimi_k3.md``) changes two things. Its output gate is one
 the first ``H`` the heads and the rest zero: rank ``r`` keeps entries ``[r * H/T, (r+1) * H/T)``
 of it, never an even split of the stored length, and the padding must be zero.
 
+Block-quantized FP8 projections (``shared/notes/kda_quant_and_gate.md``) carry a scale grid of
+``ceil(out/bo) x ceil(in/bi)`` (ModelOpt stores it ``[ob, 1, ib, 1]``). A rank whose weight range
+on the sharded axis is ``[a, e)`` keeps grid rows (columns for ``o_proj``) ``[a // b, ceil(e / b))``
+and a replicated weight keeps the whole grid. That only dequantizes if every rank's range starts
+on a block boundary or stays inside one block; otherwise the plan is refused.
+
 Sizes are in elements unless a name says bytes.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import re
@@ -100,6 +107,9 @@ FULL_RANK_GATE_TENSOR_NAMES = (
 #: Bytes per element of the safetensors dtypes a KDA tensor may have.
 ELEM_BYTES = {"BF16": 2, "F16": 2, "F32": 4, "F64": 8}
 
+#: Bytes per element of the FP8 dtypes a block-quantized projection may have.
+FP8_ELEM_BYTES = {"F8_E4M3": 1, "F8_E5M2": 1}
+
 #: Largest byte size a tensor, or a whole block, may have (``isize::MAX`` on 64-bit targets, the
 #: bound of a Rust slice and of a signed 64-bit file offset). Larger geometry is refused.
 MAX_BYTES = 2**63 - 1
@@ -136,6 +146,8 @@ class OracleTensor:
     src_row_offset: int
     src_col_offset: int
     disk_shape: tuple[int, ...]
+    block: tuple[int, int] | None = None
+    scale: OracleTensor | None = None
 
     @property
     def local_bytes(self) -> int:
@@ -205,6 +217,9 @@ def plan(
     dtypes: Mapping[str, str] | None = None,
     full_rank_gate: bool = False,
     a_log_len: int | None = None,
+    quant_block: tuple[int, int] | None = None,
+    quantized: Sequence[str] | None = None,
+    scale_layout: str = "grid",
 ) -> OraclePlan:
     """The shard plan of one KDA block for rank ``tp_rank`` of ``tp_size`` (spec ``tp.rs``,
     ``KdaTpPlan::new``).
@@ -225,6 +240,12 @@ def plan(
             of ``g_a_proj``/``g_b_proj``.
         a_log_len: entries of the stored ``A_log`` when zero-padded past the heads (K3: 128 for
             96 heads); ``None`` for one entry per head.
+        quant_block: ``(bo, bi)`` FP8 block edge; with it, the projections in ``quantized``
+            (default: all of this layout's projections) default to dtype ``F8_E4M3`` and get a
+            ``scale`` entry (F32, counts and offsets in blocks).
+        quantized: plan names of the block-quantized weights.
+        scale_layout: ``"grid"`` (``[ob, ib]``) or ``"modelopt"`` (``[ob, 1, ib, 1]``), the
+            scale's canonical ``disk_shape``.
 
     Returns:
         An :class:`OraclePlan`. Per tensor (full shape as ``[rows, row_elems]``, with
@@ -275,7 +296,21 @@ def plan(
             f"is not a multiple of {qk_multiple}"
         )
     names = FULL_RANK_GATE_TENSOR_NAMES if full_rank_gate else TENSOR_NAMES
-    chosen = _resolve_dtypes(dtypes, names)
+    projections = [n for n in names if n.endswith("_proj")]
+    if quant_block is None:
+        if quantized:
+            raise PlanError("quantized needs quant_block, the block size")
+        quantized = ()
+    else:
+        if not all(1 <= b <= 1 << 16 for b in quant_block):
+            raise PlanError(f"block size {quant_block} must be in [1, 65536]")
+        quantized = projections if quantized is None else tuple(quantized)
+        for name in quantized:
+            if name not in names:
+                raise PlanError(f"unknown KDA tensor {name!r}; the plan has {', '.join(names)}")
+            if name not in projections:
+                raise PlanError(f"{name} is never block-quantized")
+    chosen = _resolve_dtypes(dtypes, names, quantized)
     stored = full_heads if a_log_len is None else a_log_len
     if stored < full_heads:
         raise PlanError(f"A_log holds {stored} entries but there are {full_heads} heads")
@@ -306,7 +341,7 @@ def plan(
     layout = sorted((row for row in layout if row[0] in order), key=lambda row: order[row[0]])
     tensors = []
     for name, kind, rows, row_elems, disk_shape in layout:
-        elem_bytes = ELEM_BYTES[chosen[name]]
+        elem_bytes = {**ELEM_BYTES, **FP8_ELEM_BYTES}[chosen[name]]
         if rows * row_elems * elem_bytes > MAX_BYTES:
             raise PlanError(
                 f"KDA TP geometry too large: {name} {list(disk_shape)} x {elem_bytes} bytes "
@@ -320,9 +355,10 @@ def plan(
             local = (local_channels, row_elems, tp_rank * local_channels, 0)
         else:
             local = (rows, local_channels, 0, tp_rank * local_channels)
-        tensors.append(
-            OracleTensor(name, kind, chosen[name], elem_bytes, rows, row_elems, *local, disk_shape)
-        )
+        entry = OracleTensor(name, kind, chosen[name], elem_bytes, rows, row_elems, *local, disk_shape)
+        if name in quantized:
+            entry = _with_scale(entry, quant_block, scale_layout, tp_size)
+        tensors.append(entry)
     result = OraclePlan(
         tp_rank,
         tp_size,
@@ -345,17 +381,57 @@ def plan(
     return result
 
 
-def _resolve_dtypes(dtypes: Mapping[str, str] | None, names: Sequence[str]) -> dict[str, str]:
+def _resolve_dtypes(
+    dtypes: Mapping[str, str] | None, names: Sequence[str], quantized: Sequence[str] = ()
+) -> dict[str, str]:
     """Plan name -> dtype for the plan names ``names``, the defaults overridden by ``dtypes``;
-    PlanError on keys outside ``names`` or unknown dtypes."""
-    chosen = {n: "F32" if n in _F32_TENSORS else _DEFAULT_DTYPE for n in names}
+    PlanError on keys outside ``names`` or unknown dtypes (FP8 only for ``quantized``)."""
+    chosen = {
+        n: "F8_E4M3" if n in quantized else "F32" if n in _F32_TENSORS else _DEFAULT_DTYPE
+        for n in names
+    }
     for name, dtype in (dtypes or {}).items():
         if name not in chosen:
             raise PlanError(f"unknown KDA tensor {name!r}; the plan has {', '.join(names)}")
-        if dtype not in ELEM_BYTES:
-            raise PlanError(f"{name}: dtype {dtype!r} is not one of {', '.join(ELEM_BYTES)}")
+        allowed = ELEM_BYTES if name not in quantized else {**ELEM_BYTES, **FP8_ELEM_BYTES}
+        if dtype not in allowed:
+            raise PlanError(f"{name}: dtype {dtype!r} is not one of {', '.join(allowed)}")
         chosen[name] = dtype
     return chosen
+
+
+def _with_scale(
+    weight: OracleTensor, block: tuple[int, int], layout: str, tp_size: int
+) -> OracleTensor:
+    """``weight`` with its scale grid's entry: blocks covering each rank's range, refusing a
+    split in which some rank's range starts inside a block and reaches into the next."""
+    bo, bi = block
+    grid_rows, grid_cols = -(-weight.full_rows // bo), -(-weight.full_row_elems // bi)
+    rows, cols, row_off, col_off = grid_rows, grid_cols, 0, 0
+    if weight.kind != _REPLICATED:
+        by_cols = weight.kind == _CHANNEL_COLS
+        size = weight.local_row_elems if by_cols else weight.local_rows
+        edge = bi if by_cols else bo
+        for rank in range(tp_size):
+            start, end = rank * size, (rank + 1) * size
+            if start % edge and start // edge != (end - 1) // edge:
+                axis = "columns" if by_cols else "rows"
+                raise PlanError(
+                    f"{weight.name}: rank {rank}'s {axis} {start}..{end} start inside block "
+                    f"{start // edge} of {edge} {axis}; its scales cannot be sliced"
+                )
+        start = weight.src_col_offset if by_cols else weight.src_row_offset
+        first, last = start // edge, -(-(start + size) // edge)
+        if by_cols:
+            cols, col_off = last - first, first
+        else:
+            rows, row_off = last - first, first
+    shape = (grid_rows, 1, grid_cols, 1) if layout == "modelopt" else (grid_rows, grid_cols)
+    scale = OracleTensor(
+        f"{weight.name}.scale", weight.kind, "F32", 4, grid_rows, grid_cols, rows, cols, row_off,
+        col_off, shape
+    )
+    return dataclasses.replace(weight, block=(bo, bi), scale=scale)
 
 
 def shard_bytes(entry: OracleTensor, data: bytes | bytearray | memoryview) -> bytes:
@@ -401,7 +477,8 @@ def local_shape(entry: OracleTensor, disk_shape: Sequence[int]) -> tuple[int, ..
 
     The sharded axis: for the row kinds, the first axis whose extent is not 1 (leading unit
     axes are padding, as in ``A_log``'s ``(1, 1, H, 1)``), or axis 0 when the tensor has a
-    single row; for ``CHANNEL_COLS``, the last axis. So ``(1, 1, H, 1) -> (1, 1, H/T, 1)``,
+    single row; for ``CHANNEL_COLS``, the last axis that is not a trailing unit axis. So
+    ``(ob, 1, ib, 1) -> (ob, 1, ib_local, 1)``, ``(1, 1, H, 1) -> (1, 1, H/T, 1)``,
     ``(H,) -> (H/T,)``, ``(C, 1, K) -> (C/T, 1, K)``, ``(C, K) -> (C/T, K)``,
     ``(hidden, C) -> (hidden, C/T)``. Replicated tensors keep ``disk_shape``.
 
@@ -424,9 +501,14 @@ def local_shape(entry: OracleTensor, disk_shape: Sequence[int]) -> tuple[int, ..
     if entry.kind == _REPLICATED:
         return shape
     if entry.kind == _CHANNEL_COLS:
-        if not shape or shape[-1] != entry.full_row_elems:
-            raise mismatch(f"the last axis must be {entry.full_row_elems} long")
-        return shape[:-1] + (entry.local_row_elems,)
+        # The last axis, skipping trailing unit axes (ModelOpt scale grids are [ob, 1, ib, 1]).
+        if entry.full_row_elems == 1:
+            axis = len(shape) - 1
+        else:
+            axis = max((i for i, d in enumerate(shape) if d != 1), default=-1)
+        if axis < 0 or shape[axis] != entry.full_row_elems:
+            raise mismatch(f"the last non-unit axis must be {entry.full_row_elems} long")
+        return shape[:axis] + (entry.local_row_elems,) + shape[axis + 1 :]
     if entry.full_rows == 1:
         axis = 0
     else:
@@ -677,10 +759,11 @@ def _decoder_prefix(names: Iterable[str]) -> str:
 
 
 def _kda_plan_name(
-    name: str, kda_layers: frozenset[int], prefix: str, names: Sequence[str]
+    name: str, kda_layers: frozenset[int], prefix: str, names: Iterable[str]
 ) -> str | None:
     """The plan name (one of ``names``) of checkpoint tensor ``name`` if it belongs to a KDA
-    layer, else ``None``.
+    layer, else ``None``. A block scale ``<p>.weight_scale`` / ``<p>.weight_scale_inv`` is
+    named ``<p>.scale``.
 
     Layer type comes from the config, never from a tensor's shape: full-attention (MLA) layers
     also have ``self_attn.q_proj`` and an ``o_proj`` of the same shape.
@@ -689,6 +772,9 @@ def _kda_plan_name(
     if match is None or int(match[1]) not in kda_layers:
         return None
     candidate = plan_name(match[2])
+    for suffix in (".weight_scale", ".weight_scale_inv"):
+        if candidate.endswith(suffix):
+            candidate = candidate.removesuffix(suffix) + ".scale"
     return candidate if candidate in names else None
 
 
@@ -739,6 +825,10 @@ def verify(checkpoint_dir: str | Path, out_dir: str | Path) -> list[str]:
     }
     a_log = source.tensors.get(prefix + "A_log")
     a_log_len = math.prod(a_log.shape) if a_log is not None else None
+    fp8 = [n for n, d in dtypes.items() if d in FP8_ELEM_BYTES]
+    block = _config_block(source.config, checkpoint_dir) if fp8 else None
+    if fp8 and block is None:
+        return [f"input: {prefix}{fp8[0]}.weight is FP8 but the config declares no block size"]
     problems = _padding_problems(source, geometry, decoder)
 
     if not out_dir.is_dir():
@@ -772,6 +862,8 @@ def verify(checkpoint_dir: str | Path, out_dir: str | Path) -> list[str]:
                 dtypes=dtypes,
                 full_rank_gate=geometry.full_rank_gate,
                 a_log_len=a_log_len,
+                quant_block=block,
+                quantized=fp8 if block else None,
             )
         except PlanError as exc:
             problems.append(f"rank{rank}: no shard plan for this geometry: {exc}")
@@ -783,6 +875,30 @@ def verify(checkpoint_dir: str | Path, out_dir: str | Path) -> list[str]:
             continue
         problems += _check_rank(source, sharded, rank_plan, geometry.kda_layers, decoder)
     return problems
+
+
+def _config_block(config: Mapping, directory: Path) -> tuple[int, int] | None:
+    """The FP8 block edge a config declares: 128 x 128 for NVIDIA ModelOpt (``modelopt``,
+    ``modelopt_mixed`` or an ``hf_quant_config.json``), ``weight_block_size`` for DeepSeek-style
+    ``fp8``, a block ``block_structure`` for compressed-tensors; None otherwise."""
+    quant = config.get("quantization_config")
+    if not isinstance(quant, Mapping):
+        quant = (config.get("text_config") or {}).get("quantization_config")
+    if not isinstance(quant, Mapping):
+        if (directory / "hf_quant_config.json").is_file():
+            return (128, 128)
+        return None
+    method = quant.get("quant_method")
+    if method in ("modelopt", "modelopt_mixed"):
+        return (128, 128)
+    if method == "fp8" and quant.get("weight_block_size"):
+        return tuple(quant["weight_block_size"])
+    if method == "compressed-tensors":
+        for group in (quant.get("config_groups") or {}).values():
+            weights = group.get("weights") or {}
+            if weights.get("strategy") == "block":
+                return tuple(weights["block_structure"])
+    return None
 
 
 def _padding_problems(source: _Checkpoint, geometry: KdaConfig, decoder: str) -> list[str]:
@@ -842,13 +958,13 @@ def _check_rank(
         if out.dtype != src.dtype:
             problems.append(f"{tag}: {name}: dtype {out.dtype}, input has {src.dtype}")
             continue
-        kda_name = _kda_plan_name(
-            name, kda_layers, decoder, [t.name for t in rank_plan.tensors]
-        )
+        entries = {t.name: t for t in rank_plan.tensors}
+        entries.update({t.scale.name: t.scale for t in rank_plan.tensors if t.scale})
+        kda_name = _kda_plan_name(name, kda_layers, decoder, entries)
         if kda_name is None:
             want_shape = src.shape
         else:
-            entry = rank_plan.get(kda_name)
+            entry = entries[kda_name]
             if src.dtype != entry.dtype:
                 problems.append(
                     f"{tag}: {name}: input dtype {src.dtype} differs from the first KDA "

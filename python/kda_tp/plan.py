@@ -15,6 +15,7 @@ from typing import Any
 from . import _native
 from .config import CONFIG_NAME, load_config, parse_config
 from .errors import CheckpointError, DtypeMismatchError, ShapeMismatchError
+from .quant import FP8_DTYPES, BlockFormat, block_format
 
 __all__ = ["KdaShard", "KdaTensorPlan", "KdaTpPlan"]
 
@@ -28,7 +29,8 @@ class KdaTpPlan(_native.KdaTpPlan):
     """The per-rank shard plan for one KDA block (head-parallel, one all-reduce after ``o_proj``).
 
     ``KdaTpPlan(tp_rank, tp_size, hidden, head_dim, full_heads, conv_kernel, gate_rank, *,
-    qk_multiple=256, dtypes=None, full_rank_gate=False, a_log_len=None)``
+    qk_multiple=256, dtypes=None, full_rank_gate=False, a_log_len=None, quant_block=None,
+    quantized=None, scale_layout="grid")``
 
     Rank ``r`` of ``T`` owns heads ``[r*H/T, (r+1)*H/T)`` and channels ``c = h*head_dim + d`` of
     those heads. Per tensor (plan name; on-disk shape as Kimi-Linear stores it; C = H*head_dim):
@@ -68,6 +70,17 @@ class KdaTpPlan(_native.KdaTpPlan):
         a_log_len: entries of the stored ``A_log`` when it is zero-padded past the heads (K3:
             128 for 96 heads); None (the default) for one entry per head. At least
             ``full_heads``.
+        quant_block: ``(rows, cols)`` block edge (elements) of block-quantized FP8 weights
+            (``(128, 128)`` in every published checkpoint; see :mod:`kda_tp.quant`); None for
+            an unquantized block.
+        quantized: plan names of the FP8 weights (default with ``quant_block``: every
+            projection). Their dtype defaults to ``F8_E4M3`` and each entry's ``.scale`` is
+            the plan of its F32 scale grid: rank ``r`` keeps the blocks covering its weight
+            range, ``[floor(a/b), ceil(e/b))`` on the sharded axis (the whole grid when
+            replicated). Conv weights, ``A_log``, ``dt_bias``, ``o_norm`` cannot be quantized.
+        scale_layout: ``"grid"`` (2-D ``[ob, ib]``: DeepSeek, compressed-tensors) or
+            ``"modelopt"`` (4-D ``[ob, 1, ib, 1]``); only the canonical ``disk_shape`` depends
+            on it.
 
     Attributes:
         tp_rank, tp_size, hidden, head_dim, full_heads, local_heads, conv_kernel, gate_rank,
@@ -85,7 +98,11 @@ class KdaTpPlan(_native.KdaTpPlan):
         PlanError: ``tp_rank >= tp_size``; a zero or negative size; heads not divisible by
             ``tp_size``; the q|k width rule; ``a_log_len < full_heads``; an unknown tensor
             or dtype in ``dtypes`` (a name not in this layout, e.g. ``g_proj`` without
-            ``full_rank_gate``); a geometry whose byte sizes overflow.
+            ``full_rank_gate``; FP8 for an unquantized tensor); a quantized name that is not
+            a projection; a split where some rank's range of a quantized weight starts inside
+            a block and reaches into the next (e.g. 6 heads of 64 at TP=2, 128x128 blocks:
+            rank 1's rows 192..384 start inside block 1), since its scales cannot be sliced
+            to match; a geometry whose byte sizes overflow.
     """
 
     @classmethod
@@ -137,10 +154,10 @@ class KdaTpPlan(_native.KdaTpPlan):
             kda_tensor_name,
         )
 
-        source = None
+        source, root = None, None
         where = "config"  # names the config in error messages
         if isinstance(config, SafetensorsSource):
-            source = config
+            source, root = config, config.root
             config = source.config
             if config is None:
                 raise CheckpointError(f"{source.root}: no {CONFIG_NAME} beside the weights")
@@ -153,8 +170,14 @@ class KdaTpPlan(_native.KdaTpPlan):
             elif path.is_dir() and any(path.glob("*.safetensors")):
                 source = SafetensorsSource(path)
             config = load_config(path)
+            root = path if path.is_dir() else path.parent
             where = str(path / CONFIG_NAME if path.is_dir() else path)
         kda = parse_config(config, where)
+        fmt = block_format(config, root)
+        quant: dict[str, Any] = {}
+        if isinstance(fmt, BlockFormat):
+            # A bare config: every projection (a checkpoint below says which are FP8).
+            quant = {"quant_block": fmt.block, "scale_layout": fmt.scale_layout}
 
         dtypes, a_log_len = None, None
         if source is not None:
@@ -164,19 +187,34 @@ class KdaTpPlan(_native.KdaTpPlan):
             layer = indices[0]
             prefix = decoder_prefix(source)
             check_gate_form(source, prefix, layer, kda.full_rank_gate)
+            attn = f"{prefix}{layer}.self_attn."
+            packed = [n for n in source.names() if n.startswith(attn) and n.endswith("_packed")]
+            if packed:
+                raise CheckpointError(
+                    f"{source.file_of(packed[0])}: {packed[0]}: packed 4-bit KDA weights "
+                    f"({fmt or 'no quantization_config'}) are not supported; kda_tp slices "
+                    "BF16/F16/F32 KDA weights and FP8 block-quantized projections"
+                )
             headers = {}
             for name in _tensor_names(kda.full_rank_gate):
                 full_name = kda_tensor_name(prefix, layer, name)
                 info = source.info(full_name)
                 if info is None:
                     raise CheckpointError(f"{source.root}: KDA layer {layer} lacks {full_name}")
-                if info[0] not in _FLOAT_DTYPES:
+                if info[0] in FP8_DTYPES:
+                    _check_quantizable(source, full_name, name, fmt)
+                elif info[0] not in _FLOAT_DTYPES:
+                    declared = f"; the config declares {fmt}" if isinstance(fmt, str) else ""
                     raise DtypeMismatchError(
-                        f"{source.file_of(full_name)}: {full_name}: dtype {info[0]} is not a "
-                        f"floating-point dtype ({', '.join(_FLOAT_DTYPES)})"
+                        f"{source.file_of(full_name)}: {full_name}: dtype {info[0]} is not "
+                        f"allowed for a KDA tensor: {', '.join(_FLOAT_DTYPES)}, or "
+                        f"{' / '.join(FP8_DTYPES)} with a block scale for a block-quantized "
+                        f"projection{declared}"
                     )
                 headers[name] = info
             dtypes = {name: dtype for name, (dtype, _) in headers.items()}
+            quantized = [n for n, (dtype, _) in headers.items() if dtype in FP8_DTYPES]
+            quant = {**quant, "quantized": quantized} if quantized else {}
             stored = math.prod(headers["A_log"][1])
             a_log_len = stored if stored > kda.heads else None
             if gate_rank is None:
@@ -201,6 +239,7 @@ class KdaTpPlan(_native.KdaTpPlan):
             dtypes=dtypes,
             full_rank_gate=kda.full_rank_gate,
             a_log_len=a_log_len,
+            **quant,
         )
 
     def __reduce__(self) -> tuple[Any, ...]:
@@ -211,6 +250,13 @@ class KdaTpPlan(_native.KdaTpPlan):
                    "dtypes": {t.name: t.dtype for t in self.tensors},
                    "full_rank_gate": self.full_rank_gate,
                    "a_log_len": self.a_log_len}
+        quantized = [t for t in self.tensors if t.scale is not None]
+        if quantized:
+            options.update(
+                quant_block=quantized[0].block,
+                quantized=[t.name for t in quantized],
+                scale_layout="modelopt" if len(quantized[0].scale.disk_shape) == 4 else "grid",
+            )
         return (_rebuild, (type(self), args, options))
 
 
@@ -220,6 +266,25 @@ def _rebuild(cls: type, args: tuple[int, ...], options: dict[str, Any]) -> KdaTp
 
 # The dtypes the plan accepts for a KDA tensor (the Rust core's rule).
 _FLOAT_DTYPES = ("BF16", "F16", "F32", "F64")
+
+
+def _check_quantizable(
+    source: Any, full_name: str, name: str, fmt: BlockFormat | str | None
+) -> None:
+    """Refuse an FP8 KDA tensor that is not a projection, or whose checkpoint's config declares
+    no block-FP8 format (the format comes from the config, never from shapes)."""
+    where = f"{source.file_of(full_name)}: {full_name}"
+    if name not in _native.QUANTIZABLE:
+        raise CheckpointError(
+            f"{where}: {name} is stored as FP8, but conv weights, A_log, dt_bias and o_norm are "
+            "never quantized; this checkpoint is not supported"
+        )
+    if not isinstance(fmt, BlockFormat):
+        raise CheckpointError(
+            f"{where}: an FP8 weight, but the config declares "
+            f"{fmt or 'no quantization_config'}; supported block-FP8 formats: ModelOpt FP8_PB_WO, "
+            "DeepSeek-style fp8 with weight_block_size, compressed-tensors FP8 block"
+        )
 
 
 def _tensor_names(full_rank_gate: bool) -> list[str]:

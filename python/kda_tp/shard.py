@@ -487,10 +487,22 @@ def _check_tensor(
     if not shards[0].is_sharded(name):
         same = all(np.array_equal(p.data, full_bytes) for p in parts)
         return None if same else f"{name}: a rank's copy differs from the input"
-    entry = shards[0].plan[_plan_name(name)]
+    entry = shards[0].plan_entry(name)
     if entry.kind == KdaShard.REPLICATED:
         same = all(np.array_equal(p.data, full_bytes) for p in parts)
         return None if same else f"{name}: a replicated copy differs from the input"
+    if entry.name.endswith(".scale"):
+        # Block scales: each rank holds the blocks covering its weight range; ranks whose range
+        # lies inside one block share it, so check each rank's grid instead of rejoining.
+        grid = full_bytes.reshape(entry.full_rows, -1)
+        for r, (part, shard) in enumerate(zip(parts, shards)):
+            e = shard.plan_entry(name)
+            cols = slice(e.src_col_offset * e.elem_bytes,
+                         (e.src_col_offset + e.local_row_elems) * e.elem_bytes)
+            want = grid[e.src_row_offset : e.src_row_offset + e.local_rows, cols]
+            if not np.array_equal(part.data, want.ravel()):
+                return f"{name}: rank {r}'s scale blocks differ from the input's covering blocks"
+        return None
     if entry.kind == KdaShard.CHANNEL_COLS:
         rows = entry.full_rows
         rejoined = np.concatenate([p.data.reshape(rows, -1) for p in parts], axis=1).ravel()
@@ -502,7 +514,3 @@ def _check_tensor(
         return None
     return f"{name}: the ranks' {entry.kind.name} slices do not rejoin to the input"
 
-
-def _plan_name(name: str) -> str:
-    tail = name.rsplit("self_attn.", 1)[1]
-    return tail.removesuffix(".weight")

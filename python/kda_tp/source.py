@@ -22,6 +22,7 @@ from . import _native
 from .config import load_config, parse_config
 from .errors import CheckpointError, DtypeMismatchError, KdaTpError
 from .plan import KdaShard, KdaTensorPlan, KdaTpPlan
+from .quant import SCALE_SUFFIXES
 
 __all__ = ["Tensor", "TensorSource", "SafetensorsSource", "KdaShardedSource", "shard_bytes"]
 
@@ -380,6 +381,17 @@ def _gate_form_problem(full_rank_gate: bool) -> str:
     )
 
 
+def scale_tensor_name(source: Any, prefix: str, layer: int, plan_name: str) -> str | None:
+    """The checkpoint name of a block-quantized weight's scale grid in ``source``:
+    ``...{plan_name}.weight_scale`` (ModelOpt, compressed-tensors) or ``.weight_scale_inv``
+    (DeepSeek), whichever ``source.get`` finds; None if neither."""
+    for suffix in SCALE_SUFFIXES:
+        name = f"{prefix}{layer}.self_attn.{plan_name}.{suffix}"
+        if source.get(name) is not None:
+            return name
+    return None
+
+
 def kda_layer_indices(source: Any, layers: Iterable[int] | None) -> tuple[int, ...]:
     """0-based KDA layer indices: ``layers`` if given, else the source config's.
 
@@ -439,6 +451,12 @@ class KdaShardedSource:
         self.layers = kda_layer_indices(source, layers)
         wanted = set(self.layers)
         by_suffix = {checkpoint_suffix(t.name): t for t in plan.tensors}
+        required = set(by_suffix)
+        for t in plan.tensors:
+            if t.scale is not None:
+                # A block scale has two spellings; a layer holds exactly one of them.
+                by_suffix.update({f"{t.name}.{s}": t.scale for s in SCALE_SUFFIXES})
+                required.add(t.scale.name)
         self.prefix = decoder_prefix(source)
         # checkpoint name -> (plan entry, local shape)
         self._planned: dict[str, tuple[KdaTensorPlan, tuple[int, ...]]] = {}
@@ -463,6 +481,13 @@ class KdaShardedSource:
                     f"{_location(source, name)}: {name}: "
                     f"{_gate_form_problem(plan.full_rank_gate)}"
                 )
+            if entry is None and suffix.rsplit(".", 1)[-1] in SCALE_SUFFIXES:
+                weight = suffix.rsplit(".", 1)[0]
+                raise CheckpointError(
+                    f"{_location(source, name)}: {name}: a block scale, but {weight} is not "
+                    "block-quantized in this checkpoint (its weight is not FP8, or the config "
+                    "declares no block-FP8 format)"
+                )
             if entry is None:
                 raise CheckpointError(
                     f"{_location(source, name)}: {name}: KDA layer {layer} holds a self_attn "
@@ -470,11 +495,21 @@ class KdaShardedSource:
                     f"(known: {sorted(by_suffix)})"
                 )
             self._planned[name] = (entry, self._check(name, entry, source))
-            seen[layer].add(suffix)
+            key = entry.name if entry.name.endswith(".scale") else suffix
+            if key in seen[layer]:
+                raise CheckpointError(
+                    f"{_location(source, name)}: {name}: KDA layer {layer} holds both "
+                    f"{' and '.join(SCALE_SUFFIXES)} for {key.removesuffix('.scale')}"
+                )
+            seen[layer].add(key)
         for layer in self.layers:
-            missing = sorted(set(by_suffix) - seen[layer])
+            missing = sorted(required - seen[layer])
             if missing:
-                lacking = ", ".join(f"self_attn.{m}" for m in missing)
+                lacking = ", ".join(
+                    f"self_attn.{m.removesuffix('.scale')}.weight_scale (its block scale)"
+                    if m.endswith(".scale") else f"self_attn.{m}"
+                    for m in missing
+                )
                 raise CheckpointError(f"{_location(source)}: KDA layer {layer} lacks {lacking}")
         for name, (entry, _) in self._planned.items():
             if entry.name == "A_log" and entry.full_rows > plan.full_heads:
@@ -524,6 +559,12 @@ class KdaShardedSource:
     def names(self) -> list[str]:
         """The wrapped source's names, unchanged."""
         return self.source.names()
+
+    def plan_entry(self, name: str) -> KdaTensorPlan | None:
+        """The plan entry that slices checkpoint tensor ``name`` (a block scale's is the
+        weight's ``.scale``), or None when ``name`` passes through."""
+        planned = self._planned.get(name)
+        return None if planned is None else planned[0]
 
     def is_sharded(self, name: str) -> bool:
         """Whether ``name`` is a KDA tensor this adapter slices (or would, at ``tp_size > 1``)."""

@@ -61,6 +61,7 @@ import zlib
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
@@ -92,6 +93,16 @@ GEOMETRIES: dict[str, dict[str, object]] = {
         "full_attn_every": None,
     },
     # Kimi K3 (2.8T): 93 layers, every 4th and the last MLA; one KDA layer is about 0.89 GB.
+    "kimi-k3-fp8": {
+        "hidden": 7168,
+        "heads": 96,
+        "head_dim": 128,
+        "conv_kernel": 4,
+        "gate_rank": 128,
+        "style": "k3",
+        "full_attn_every": 4,
+        "fp8": True,
+    },
     "kimi-k3": {
         "hidden": 7168,
         "heads": 96,
@@ -116,6 +127,9 @@ _PROJ_STD = 0.02
 _DIRECT_LIMIT = 1 << 16
 _MIN_POOL_ELEMS = 1 << 22
 _POOL_STREAM = 0x706F6F6C  # second seed word of the pool's generator
+# FP8 weights: N(0, 1) * this in F8_E4M3 (max 448), scales about _PROJ_STD / this.
+_FP8_SPREAD = 64.0
+_FP8_BLOCK = 128
 
 ProgressFn = Callable[[int, int], None]
 
@@ -137,8 +151,10 @@ def write_checkpoint(
             replaced).
         model: a key of :data:`GEOMETRIES`: ``"kimi-linear"`` (Kimi-Linear-48B-A3B attention:
             every 4th layer MLA, Kimi config), ``"glm-5.3-flash"`` (all layers KDA,
-            Qwen3-Next-style config) or ``"kimi-k3"`` (Kimi K3: every 4th layer and, as in
-            the real model, the last one MLA; K3 config and tensors, ``style="k3"``).
+            Qwen3-Next-style config), ``"kimi-k3"`` (Kimi K3: every 4th layer and, as in
+            the real model, the last one MLA; K3 config and tensors, ``style="k3"``) or
+            ``"kimi-k3-fp8"`` (the same with the attention projections in FP8 128x128 blocks as
+            NVIDIA's ModelOpt release stores them, ``fp8=True``).
         num_layers: number of decoder layers (default 4: 0-based layer 3 is MLA for Kimi and
             K3; with K3 and 2 layers, layer 0 is KDA and layer 1 MLA).
         seed: non-negative int; the same arguments give byte-identical files.
@@ -178,6 +194,7 @@ def write_checkpoint(
         kda_layers=kda_layers,
         seed=seed,
         style=geometry["style"],
+        fp8=bool(geometry.get("fp8", False)),
         vocab_size=vocab_size,
         max_file_bytes=max_file_bytes,
         progress=progress,
@@ -201,6 +218,7 @@ def write_small_checkpoint(
     flat_a_log: bool = False,
     flat_conv: bool = False,
     a_log_len: int | None = None,
+    fp8: bool = False,
     max_file_bytes: int = _DEFAULT_MAX_FILE_BYTES,
     progress: ProgressFn | None = None,
 ) -> Path:
@@ -225,6 +243,11 @@ def write_small_checkpoint(
         flat_conv: store the conv weights as ``[C, K]`` instead of ``[C, 1, K]``.
         a_log_len: ``style="k3"`` only: stored ``A_log`` entries P >= H, the entries past the H
             heads zero (default ``max(H, D)``, as K3 pads 96 heads to 128).
+        fp8: ``style="k3"`` only: store every attention projection (KDA and MLA) as NVIDIA's
+            ModelOpt ``FP8_PB_WO`` does: ``<p>.weight`` F8_E4M3 plus ``<p>.weight_scale`` F32
+            ``[ceil(out/128), 1, ceil(in/128), 1]``, with a ``modelopt_mixed``
+            ``quantization_config`` and ``hf_quant_config.json``. Dequantized weights are
+            about N(0, 0.02).
         max_file_bytes: byte budget per safetensors file (tensor data; a file exceeds it by at
             most one tensor). At least two files are always written.
         progress: optional ``progress(bytes_done, bytes_total)``, called after each tensor is
@@ -264,8 +287,8 @@ def write_small_checkpoint(
         _check_positive(a_log_len=a_log_len)
         if a_log_len < heads:
             raise PlanError(f"a_log_len {a_log_len} is below the {heads} heads")
-    elif a_log_len is not None:
-        raise PlanError("a_log_len (a zero-padded A_log) needs style='k3'")
+    elif a_log_len is not None or fp8:
+        raise PlanError("a_log_len (a zero-padded A_log) and fp8 need style='k3'")
     kda = list(kda_layers)
     if (
         len(set(kda)) != len(kda)
@@ -287,10 +310,14 @@ def write_small_checkpoint(
         hidden, heads, head_dim, conv_kernel, gate_rank, style, flat_a_log, flat_conv, a_log_len
     )
     specs = _model_tensors(geometry, num_layers, set(kda), vocab_size, weight_dtype)
-    _io.write_json(
-        out / "config.json",
-        _config(geometry, num_layers, set(kda), vocab_size, _WEIGHT_DTYPES[weight_dtype]),
-    )
+    config = _config(geometry, num_layers, set(kda), vocab_size, _WEIGHT_DTYPES[weight_dtype])
+    if fp8:
+        specs = _quantize_attention(specs)
+        quant = _modelopt_config([s.name for s in specs if s.name.endswith(".weight_scale")])
+        config["quantization_config"] = {"quant_method": "modelopt_mixed", **quant}
+        _io.write_json(out / "hf_quant_config.json",
+                       {"producer": {"name": "modelopt"}, "quantization": quant})
+    _io.write_json(out / "config.json", config)
     _write_tensor_files(out, specs, seed, max_file_bytes, progress)
     return out
 
@@ -336,8 +363,9 @@ class _Spec:
 
     ``kind`` is ``"proj"`` (N(0, 0.02)), ``"conv"`` (U(-0.5, 0.5)), ``"norm"`` (1 + N(0, 0.02)),
     ``"a_log"`` (log U(1, 16)), ``"a_log_pad:H"`` (the first H entries log U(1, 16), the rest
-    zero) or ``"dt_bias"`` (inverse softplus of a log-uniform step in [1e-3, 1e-1], as
-    flash-linear-attention initialises it).
+    zero), ``"dt_bias"`` (inverse softplus of a log-uniform step in [1e-3, 1e-1], as
+    flash-linear-attention initialises it), ``"fp8"`` (N(0, 1) · 64 in F8_E4M3) or ``"scale"``
+    (U(0.5, 1.5) · 0.02 / 64, so that dequantized FP8 weights are about N(0, 0.02)).
     """
 
     __slots__ = ("dtype", "kind", "name", "nbytes", "shape")
@@ -451,6 +479,35 @@ def _k3_mla_tensors(g: _Geometry, wdt: str) -> list[tuple[str, str, tuple[int, .
         ("g_proj.weight", wdt, (h * hd, d), "proj"),
         ("o_proj.weight", wdt, (d, h * hd), "proj"),
     ]
+
+
+def _quantize_attention(specs: list[_Spec]) -> list[_Spec]:
+    """Every attention projection as FP8_PB_WO: an F8_E4M3 weight followed by its F32 scale
+    grid ``[ceil(out/128), 1, ceil(in/128), 1]``; everything else unchanged."""
+    out = []
+    for spec in specs:
+        is_proj = ".self_attn." in spec.name and spec.name.endswith("_proj.weight")
+        is_proj = is_proj or spec.name.endswith("kv_a_proj_with_mqa.weight")
+        if not is_proj or spec.name.startswith("vision_tower."):
+            out.append(spec)
+            continue
+        rows, cols = spec.shape
+        grid = (-(-rows // _FP8_BLOCK), 1, -(-cols // _FP8_BLOCK), 1)
+        out.append(_Spec(spec.name, "F8_E4M3", spec.shape, "fp8"))
+        out.append(_Spec(spec.name + "_scale", "F32", grid, "scale"))
+    return out
+
+
+def _modelopt_config(scale_names: list[str]) -> dict:
+    """ModelOpt's ``MIXED_PRECISION`` description of the FP8_PB_WO modules."""
+    modules = sorted(n.removesuffix(".weight_scale") for n in scale_names)
+    return {
+        "quant_algo": "MIXED_PRECISION",
+        "kv_cache_quant_algo": None,
+        "quantized_layers": {m: {"quant_algo": "FP8_PB_WO"} for m in modules},
+        "exclude_modules": ["*_conv1d*", "*o_norm*", "*A_log*", "*dt_bias*",
+                            "language_model.lm_head", "vision_tower*"],
+    }
 
 
 def _gqa_tensors(g: _Geometry, wdt: str) -> list[tuple[str, str, tuple[int, ...], str]]:
@@ -594,7 +651,9 @@ class _Generator:
     @staticmethod
     def _uses_pool(spec: _Spec) -> bool:
         return (
-            spec.kind == "proj" and len(spec.shape) == 2 and math.prod(spec.shape) > _DIRECT_LIMIT
+            spec.kind in ("proj", "fp8")
+            and len(spec.shape) == 2
+            and math.prod(spec.shape) > _DIRECT_LIMIT
         )
 
     def tensor(self, spec: _Spec) -> np.ndarray:
@@ -602,12 +661,18 @@ class _Generator:
         rng = np.random.default_rng([self._seed, zlib.crc32(spec.name.encode("utf-8"))])
         if self._uses_pool(spec):
             rows, cols = spec.shape
-            pool = self._pool(spec.dtype)
+            pool = self._pool(spec.dtype, spec.kind)
             starts = rng.choice(pool.size - cols + 1, size=rows, replace=False)
             return sliding_window_view(pool, cols)[starts]
         count = math.prod(spec.shape)
         if spec.kind == "proj":
             values = rng.standard_normal(count, dtype=np.float32) * np.float32(_PROJ_STD)
+        elif spec.kind == "fp8":
+            values = rng.standard_normal(count, dtype=np.float32) * np.float32(_FP8_SPREAD)
+        elif spec.kind == "scale":
+            values = rng.uniform(0.5, 1.5, count).astype(np.float32) * np.float32(
+                _PROJ_STD / _FP8_SPREAD
+            )
         elif spec.kind == "norm":
             values = 1 + rng.standard_normal(count, dtype=np.float32) * np.float32(_PROJ_STD)
         elif spec.kind == "conv":
@@ -623,12 +688,13 @@ class _Generator:
             values = (dt + np.log(-np.expm1(-dt))).astype(np.float32)
         return _encode(values, spec.dtype)
 
-    def _pool(self, dtype: str) -> np.ndarray:
-        """N(0, 0.02) values in ``dtype``, drawn once per dtype per checkpoint."""
+    def _pool(self, dtype: str, kind: str) -> np.ndarray:
+        """N(0, 0.02) values in ``dtype`` (N(0, 1) · 64 for FP8), drawn once per dtype per
+        checkpoint."""
         if dtype not in self._pools:
             rng = np.random.default_rng([self._seed, _POOL_STREAM])
             values = rng.standard_normal(self._pool_elems, dtype=np.float32)
-            values *= np.float32(_PROJ_STD)
+            values *= np.float32(_FP8_SPREAD if kind == "fp8" else _PROJ_STD)
             self._pools[dtype] = _encode(values, dtype)
         return self._pools[dtype]
 
@@ -639,6 +705,8 @@ def _encode(values: np.ndarray, dtype: str) -> np.ndarray:
     BF16 keeps the top 16 bits of the float32 pattern after adding 0x7FFF plus the lowest kept
     bit, i.e. round to nearest, ties to even (valid for the finite values generated here).
     """
+    if dtype == "F8_E4M3":
+        return values.astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
     if dtype == "BF16":
         bits = values.astype("<f4", copy=False).view("<u4")
         lowest_kept = (bits >> np.uint32(16)) & np.uint32(1)

@@ -558,7 +558,8 @@ fn dtype_override_with_a_non_float_dtype() {
     .unwrap_err();
     assert_eq!(
         e.to_string(),
-        "A_log: dtype I32 is not a floating-point dtype (BF16, F16, F32 or F64)"
+        "A_log: dtype I32 is not allowed for a KDA tensor: BF16, F16, F32 or F64, and F8_E4M3 \
+         or F8_E5M2 only for a block-quantized projection (with its scale)"
     );
 }
 
@@ -722,7 +723,8 @@ fn kimi_o_proj_layouts() {
     axis_and_local(o, &[2, 1152, 4096], Some(2), &[2, 1152, 512]);
     // Transposed: same element count, the input dim is first. Refused.
     shape_err(o, &[4096, 2304]);
-    shape_err(o, &[2304, 4096, 1]);
+    // Trailing unit axes are skipped, as in ModelOpt's [ob, 1, ib, 1] scale grids.
+    axis_and_local(o, &[2304, 4096, 1], Some(1), &[2304, 512, 1]);
     shape_err(o, &[2304 * 4096]);
     shape_err(o, &[2304, 512]);
 }
@@ -999,7 +1001,13 @@ fn k3_padded_a_log_gives_each_rank_its_heads_not_an_even_split_of_the_padding() 
 #[test]
 fn k3_refuses_tp_64_and_a_short_a_log() {
     let err = k3(0, 64).unwrap_err();
-    assert!(matches!(err, Error::HeadsNotDivisible { heads: 96, tp_size: 64 }));
+    assert!(matches!(
+        err,
+        Error::HeadsNotDivisible {
+            heads: 96,
+            tp_size: 64
+        }
+    ));
     assert!(err
         .to_string()
         .ends_with("tp_size may be one of 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 96"));
@@ -1008,7 +1016,10 @@ fn k3_refuses_tp_64_and_a_short_a_log() {
         ..PlanOptions::default()
     };
     let err = KdaTpPlan::with_options(0, 1, 7168, 128, 96, 4, 128, &short).unwrap_err();
-    assert_eq!(err.to_string(), "A_log stores 95 entries, fewer than the 96 heads");
+    assert_eq!(
+        err.to_string(),
+        "A_log stores 95 entries, fewer than the 96 heads"
+    );
     // An unpadded length keeps Kimi-Linear's canonical [1, 1, H, 1].
     let exact = PlanOptions {
         a_log_len: Some(96),

@@ -1,0 +1,176 @@
+"""Block-quantized (FP8) KDA checkpoints: recognising the format, and dequantizing.
+
+Supported, recognised from the config (never from tensor shapes alone), for KDA projections
+``q/k/v_proj``, ``g_proj`` (or ``g_a_proj``/``g_b_proj``), ``f_a_proj``, ``f_b_proj``, ``b_proj``
+and ``o_proj``; conv weights, ``A_log``, ``dt_bias`` and ``o_norm`` are never quantized:
+
+==============================  ===============================  ===========================
+format (config)                 tensors per quantized weight     scale grid
+==============================  ===============================  ===========================
+NVIDIA ModelOpt ``FP8_PB_WO``   ``<p>.weight`` F8_E4M3 [out, in] ``<p>.weight_scale`` F32
+(``quant_method: modelopt`` /   (Kimi K3's ``nvidia/Kimi-K3-``   ``[ceil(out/128), 1,
+``modelopt_mixed``, or          ``NVFP4`` release quantizes its  ceil(in/128), 1]``
+``hf_quant_config.json``)       KDA projections this way)
+DeepSeek-style FP8              ``<p>.weight`` F8                ``<p>.weight_scale_inv`` F32
+(``quant_method: fp8``,                                          ``[ceil(out/bo), ceil(in/bi)]``
+``weight_block_size: [bo, bi]``)                                 (multiplied, despite the name)
+compressed-tensors FP8 block    ``<p>.weight`` F8                ``<p>.weight_scale`` F32
+(``quant_method:                                                 ``[ceil(out/bo),
+compressed-tensors``, weights                                    ceil(in/bi)]``
+``strategy: block``,
+``block_structure: [bo, bi]``)
+==============================  ===============================  ===========================
+
+Element ``(i, j)`` of a weight dequantizes as ``weight[i, j] * scale[i // bo, j // bi]``
+(:func:`dequantize`). How a rank's scale grid is cut is the Rust core's rule (``KdaTensorPlan
+.scale``): the blocks covering its weight range.
+
+NVFP4 (ModelOpt or compressed-tensors ``nvfp4-pack-quantized``), MXFP4 and 4-bit
+group-quantized KDA weights (compressed-tensors ``pack-quantized``: ``weight_packed`` plus group
+scales) are refused with a message naming the format. Checkpoints that quantize only layers
+outside KDA (Kimi K3's official MXFP4 experts, RedHat's NVFP4 experts, GLM-5.3-Flash's FP8)
+shard as usual: those tensors pass through byte for byte.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .errors import CheckpointError, ShapeMismatchError
+
+__all__ = ["BlockFormat", "FP8_DTYPES", "SCALE_SUFFIXES", "block_format", "dequantize"]
+
+#: Safetensors dtypes of block-quantized weights.
+FP8_DTYPES = ("F8_E4M3", "F8_E5M2")
+#: Names of a block scale after ``<p>.``: ModelOpt and compressed-tensors, DeepSeek.
+SCALE_SUFFIXES = ("weight_scale", "weight_scale_inv")
+HF_QUANT_CONFIG = "hf_quant_config.json"
+# ModelOpt's FP8_PB_WO block is fixed at 128 x 128.
+_MODELOPT_BLOCK = (128, 128)
+
+
+@dataclass(frozen=True)
+class BlockFormat:
+    """A recognised block-FP8 format.
+
+    Attributes:
+        name: human-readable format name, for messages.
+        block: ``(rows, cols)`` block edge in weight elements.
+        scale_layout: ``"modelopt"`` (4-D ``[ob, 1, ib, 1]`` grids) or ``"grid"`` (2-D).
+    """
+
+    name: str
+    block: tuple[int, int]
+    scale_layout: str
+
+
+def block_format(config: Mapping[str, Any], root: Path | None = None) -> BlockFormat | str | None:
+    """The block-FP8 format a model config declares.
+
+    Looks at ``quantization_config`` at the top level, then under ``text_config``, then at
+    ``hf_quant_config.json`` in ``root``.
+
+    Returns:
+        A :class:`BlockFormat`; or a string naming a quantization format kda_tp cannot slice
+        KDA weights in (e.g. ``"NVFP4 (compressed-tensors nvfp4-pack-quantized)"``), to be
+        used in a refusal if the KDA layers turn out to be quantized; or None when the config
+        declares no quantization.
+
+    Raises:
+        CheckpointError: a block-FP8 config whose block size is missing or not two positive
+            integers.
+    """
+    quant = config.get("quantization_config")
+    if not isinstance(quant, Mapping) and isinstance(config.get("text_config"), Mapping):
+        quant = config["text_config"].get("quantization_config")
+    if not isinstance(quant, Mapping) and root is not None and (root / HF_QUANT_CONFIG).is_file():
+        try:
+            hf = json.loads((root / HF_QUANT_CONFIG).read_text(encoding="utf-8"))
+        except (OSError, ValueError) as e:
+            raise CheckpointError(f"{root / HF_QUANT_CONFIG}: cannot read it as JSON: {e}") from e
+        quant = {"quant_method": "modelopt", **(hf.get("quantization") or {})}
+    if not isinstance(quant, Mapping):
+        return None
+    method = str(quant.get("quant_method", "")).lower()
+    if method in ("modelopt", "modelopt_mixed"):
+        algos = {str(quant.get("quant_algo", ""))}
+        layers = quant.get("quantized_layers")
+        if isinstance(layers, Mapping):
+            algos |= {str(v.get("quant_algo", "")) for v in layers.values() if isinstance(v, Mapping)}
+        if "FP8_PB_WO" in algos:
+            return BlockFormat("ModelOpt FP8_PB_WO (128x128 blocks)", _MODELOPT_BLOCK, "modelopt")
+        return f"ModelOpt {'/'.join(sorted(a for a in algos if a)) or 'unknown'}"
+    if method == "fp8":
+        block = quant.get("weight_block_size")
+        if block is None:
+            return "per-tensor FP8 (quant_method fp8 without weight_block_size)"
+        return BlockFormat("DeepSeek-style FP8 block", _block(block, "weight_block_size"), "grid")
+    if method == "compressed-tensors":
+        fmt = str(quant.get("format", ""))
+        groups = quant.get("config_groups") or {}
+        for group in groups.values() if isinstance(groups, Mapping) else ():
+            weights = group.get("weights") if isinstance(group, Mapping) else None
+            if isinstance(weights, Mapping) and weights.get("strategy") == "block":
+                block = _block(weights.get("block_structure"), "block_structure")
+                return BlockFormat("compressed-tensors FP8 block", block, "grid")
+        names = {
+            "nvfp4-pack-quantized": "NVFP4",
+            "mxfp4-pack-quantized": "MXFP4",
+            "pack-quantized": "4-bit group-quantized (weight_packed + group scales)",
+        }
+        return f"{names.get(fmt, 'unsupported')} (compressed-tensors {fmt or 'format unknown'})"
+    return f"quant_method {method or 'unknown'!r}"
+
+
+def _block(value: Any, key: str) -> tuple[int, int]:
+    if (
+        isinstance(value, (list, tuple))
+        and len(value) == 2
+        and all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value)
+    ):
+        return int(value[0]), int(value[1])
+    raise CheckpointError(f"quantization_config: {key} = {value!r} is not two positive integers")
+
+
+def dequantize(weight: Any, scale: Any, block: tuple[int, int] = _MODELOPT_BLOCK) -> np.ndarray:
+    """A block-quantized weight as float32: ``weight[i, j] * scale[i // bo, j // bi]``.
+
+    Args:
+        weight: the weight ``[out, in]``, any array-like (``ml_dtypes.float8_e4m3fn`` /
+            ``float8_e5m2`` for FP8, e.g. ``Tensor.array``; any float dtype works).
+        scale: its scale grid, 2-D ``[ceil(out/bo), ceil(in/bi)]`` (DeepSeek
+            ``weight_scale_inv``, compressed-tensors) or ModelOpt's 4-D
+            ``[ceil(out/bo), 1, ceil(in/bi), 1]``, any float dtype.
+        block: ``(bo, bi)`` block edge in elements (128 x 128 in every published checkpoint).
+            A rank's local weight and local grid (``KdaTensorPlan.scale``) dequantize with the
+            same call, because a rank's range starts on a block boundary or lies in one block.
+
+    Returns:
+        float32 array of the weight's shape.
+
+    Raises:
+        ShapeMismatchError: the weight is not 2-D, the grid is not 2-D or ``[ob, 1, ib, 1]``,
+            or its shape is not ``ceil(out/bo) x ceil(in/bi)``; the message gives both shapes.
+    """
+    w = np.asarray(weight)
+    grid = np.asarray(scale)
+    bo, bi = block
+    if w.ndim != 2:
+        raise ShapeMismatchError(f"weight: shape {w.shape}, expected 2-D [out, in]")
+    if grid.ndim == 4 and grid.shape[1] == grid.shape[3] == 1:
+        grid = grid[:, 0, :, 0]
+    want = (-(-w.shape[0] // bo), -(-w.shape[1] // bi))
+    if grid.shape != want:
+        raise ShapeMismatchError(
+            f"scale: shape {list(np.asarray(scale).shape)} does not match the weight "
+            f"{list(w.shape)} in {bo}x{bi} blocks; expected {list(want)} (or "
+            f"{[want[0], 1, want[1], 1]})"
+        )
+    full = np.repeat(np.repeat(grid.astype(np.float32), bo, axis=0), bi, axis=1)
+    return w.astype(np.float32) * full[: w.shape[0], : w.shape[1]]
