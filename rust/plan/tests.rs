@@ -1011,6 +1011,11 @@ fn k3_refuses_tp_64_and_a_short_a_log() {
     assert!(err
         .to_string()
         .ends_with("tp_size may be one of 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 96"));
+    // Absurd head counts (fuzzing) get no list, and no loop over 2^62 candidates.
+    let huge = KdaTpPlan::new(0, 3, 1, 1, 1 << 62, 1, 1).unwrap_err();
+    assert!(huge
+        .to_string()
+        .ends_with("tp_size may be one of a divisor of the head count"));
     let short = PlanOptions {
         a_log_len: Some(95),
         ..PlanOptions::default()
