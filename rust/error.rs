@@ -40,7 +40,7 @@ pub enum Error {
     UnknownTensor { name: String, known: String },
 
     /// A dtype the plan does not support for a KDA tensor.
-    #[error("{tensor}: dtype {dtype} is not a floating-point dtype (BF16, F16, F32 or F64)")]
+    #[error("{tensor}: dtype {dtype}; a KDA tensor must be BF16, F16, F32 or F64")]
     UnsupportedDtype { tensor: String, dtype: String },
 
     /// A KDA tensor whose dtype differs from the plan's.

@@ -124,7 +124,7 @@ def test_dtype_overrides_change_element_sizes():
     assert plan["A_log"].elem_bytes == 2
     with pytest.raises(kda_tp.PlanError, match="unknown KDA tensor"):
         KdaTpPlan(0, 2, 4096, 128, 64, 4, 128, dtypes={"qproj": "F32"})
-    with pytest.raises(kda_tp.PlanError, match="not a floating-point dtype"):
+    with pytest.raises(kda_tp.PlanError, match="a KDA tensor must be BF16, F16, F32 or F64"):
         KdaTpPlan(0, 2, 4096, 128, 64, 4, 128, dtypes={"q_proj": "I32"})
 
 

@@ -112,7 +112,7 @@ class KdaTpPlan(_native.KdaTpPlan):
         Raises:
             CheckpointError: a missing or invalid config, or a checkpoint whose first KDA
                 layer lacks a tensor.
-            DtypeMismatchError: a first-KDA-layer tensor whose dtype is not floating-point.
+            DtypeMismatchError: a first-KDA-layer tensor whose dtype is not BF16, F16, F32 or F64.
             ShapeMismatchError: a first-KDA-layer ``f_a_proj`` that is not 2-D (when the gate
                 rank is read from it).
             PlanError: a refused geometry (see the class).
@@ -153,8 +153,9 @@ class KdaTpPlan(_native.KdaTpPlan):
                     raise CheckpointError(f"{source.root}: KDA layer {layer} lacks {full_name}")
                 if info[0] not in _FLOAT_DTYPES:
                     raise DtypeMismatchError(
-                        f"{source.file_of(full_name)}: {full_name}: dtype {info[0]} is not a "
-                        f"floating-point dtype ({', '.join(_FLOAT_DTYPES)})"
+                        f"{source.file_of(full_name)}: {full_name}: dtype {info[0]}; a KDA "
+                        f"tensor must be {', '.join(_FLOAT_DTYPES)} (quantised KDA weights, "
+                        "e.g. FP8, are not supported: dequantise them first)"
                     )
                 headers[name] = info
             dtypes = {name: dtype for name, (dtype, _) in headers.items()}

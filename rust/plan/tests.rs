@@ -556,7 +556,7 @@ fn dtype_override_with_a_non_float_dtype() {
     .unwrap_err();
     assert_eq!(
         e.to_string(),
-        "A_log: dtype I32 is not a floating-point dtype (BF16, F16, F32 or F64)"
+        "A_log: dtype I32; a KDA tensor must be BF16, F16, F32 or F64"
     );
 }
 
