@@ -210,6 +210,18 @@ def test_ctrl_c_in_process_leaves_no_partial(ckpt, tmp_path, monkeypatch):
     assert e.remaining == tuple(r for r in range(2) if r not in e.completed)
 
 
+def test_ctrl_c_elsewhere_exits_130_without_traceback(ckpt, sharded, capsys, monkeypatch):
+    import kda_tp.cli as cli
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "verify_shards", interrupted)
+    status, out, err = run(capsys, "verify", ckpt, sharded, "--json")
+    assert status == 130 and err == "kda-tp: interrupted\n"
+    assert json.loads(out) == {"ok": False, "interrupted": True}
+
+
 def test_already_exists_and_missing_ranks_name_the_finishing_ranks(ckpt, tmp_path, capsys):
     out = tmp_path / "out"
     assert run(capsys, "shard", ckpt, "--tp-size", 2, "--out", out, "--ranks", 0, "--quiet")[0] == 0

@@ -54,14 +54,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         done = ", ".join(map(str, e.completed)) or "none"
         lines = [f"kda-tp: interrupted; removed this run's partial rank directories; "
                  f"ranks completed by this run: {done}"]
-        if e.remaining:
-            lines.append(f"kda-tp: to finish, run: {_finish_command(args, e.remaining)}")
-        else:
+        # `demo` shards too, into a directory of its own: no command to finish it.
+        finish = None
+        if e.remaining and args.run is _cmd_shard:
+            finish = _finish_command(args, e.remaining)
+        if finish:
+            lines.append(f"kda-tp: to finish, run: {finish}")
+        elif not e.remaining:
             lines.append(f"kda-tp: every rank of {e.tp_size} is complete in {e.out_dir}")
         print("\n".join(lines), file=sys.stderr)
         _emit_json(args, {"ok": False, "interrupted": True, "tp_size": e.tp_size,
                           "completed": list(e.completed), "remaining": list(e.remaining),
-                          "finish": _finish_command(args, e.remaining) if e.remaining else None})
+                          "finish": finish})
         return EXIT_INTERRUPTED
     except KeyboardInterrupt:
         print("kda-tp: interrupted", file=sys.stderr)
