@@ -303,6 +303,10 @@ def test_verify_against_another_checkpoint(ckpt, sharded, tmp_path, capsys):
                                    kda_layers=[0, 1], seed=3)
     status, _, err = run(capsys, "verify", other, sharded)
     assert status == 2 and "sharded from another checkpoint" in err and "lacks" not in err
+    # Same names and shapes, other values (a fine-tune and its base model):
+    twin = write_small_checkpoint(tmp_path / "twin", **SMALL, kda_layers=[0, 1, 2], seed=4)
+    status, _, err = run(capsys, "verify", twin, sharded)
+    assert status == 2 and "sharded from another checkpoint" in err
 
 
 def test_verify_a_directory_that_is_not_an_output(ckpt, tmp_path, capsys):

@@ -472,14 +472,34 @@ def _write_rank(
     return total, final, inode, old
 
 
+#: Bytes read from the start and the end of each file's data for :func:`_input_fingerprint`.
+_FINGERPRINT_SAMPLE = 4096
+
+
 def _input_fingerprint(source: SafetensorsSource) -> str:
-    """A hex digest of the checkpoint's tensor names, dtypes and full shapes (headers only).
+    """A hex digest of the checkpoint's tensor names, dtypes and full shapes, and of the first
+    and last 4 KiB of each file's data (a fine-tune has the base model's names and shapes).
 
     ``shard`` records it in every rank's header (``kda_tp_input``) so that ``verify`` can tell
     output made from another checkpoint from a damaged output.
+
+    Raises:
+        CheckpointError: a file cannot be read.
     """
     entries = sorted((name, *source.info(name)) for name in source.names())
-    return hashlib.sha256(json.dumps(entries).encode()).hexdigest()[:32]
+    digest = hashlib.sha256(json.dumps(entries).encode())
+    for path, _ in source.files():
+        try:
+            with open(path, "rb") as f:
+                data_start = 8 + int.from_bytes(f.read(8), "little")
+                f.seek(data_start)
+                digest.update(f.read(_FINGERPRINT_SAMPLE))
+                end = os.fstat(f.fileno()).st_size
+                f.seek(max(data_start, end - _FINGERPRINT_SAMPLE))
+                digest.update(f.read(_FINGERPRINT_SAMPLE))
+        except OSError as e:
+            raise CheckpointError(f"{path}: cannot be read: {e}") from e
+    return digest.hexdigest()[:32]
 
 
 def _companion_files(source: SafetensorsSource) -> list[Path]:
@@ -568,8 +588,8 @@ def verify_shards(
     Raises:
         CheckpointError: the input, or a rank directory's files, cannot be read; ``out_dir``
             holds other things but no ``rank{r}`` directory (not a kda-tp output), or was
-            sharded from another checkpoint (its headers record the input's tensor names,
-            dtypes and shapes, and they differ).
+            sharded from another checkpoint (its headers record a digest of the input's
+            tensor names, dtypes, shapes and some data bytes, and it differs).
         PlanError: ``layers`` refused (see :func:`~kda_tp.layers.check_layers`).
     """
     source = SafetensorsSource(checkpoint)
@@ -607,9 +627,10 @@ def verify_shards(
     recorded = meta.get("kda_tp_input")
     if recorded is not None and recorded != _input_fingerprint(source):
         raise CheckpointError(
-            f"{out} was sharded from another checkpoint, not {checkpoint}: the tensor names, "
-            "dtypes and shapes its headers record differ from this checkpoint's; verify it "
-            "against the checkpoint it was made from"
+            f"{out} was sharded from another checkpoint, not {checkpoint} (or this one has "
+            "changed since): the tensor names, dtypes, shapes and data samples its headers "
+            "record differ from this checkpoint's; verify it against the checkpoint it was made "
+            "from"
         )
     report.tp_size = tp_size
     if numeric and layers is not None:
