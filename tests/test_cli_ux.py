@@ -121,7 +121,7 @@ def test_shard_layers_for_a_config_without_the_list(ckpt, tmp_path, capsys):
     (ckpt / "config.json").write_text(json.dumps(config))
     out = tmp_path / "out"
     status, _, err = run(capsys, "shard", ckpt, "--tp-size", 2, "--out", out)
-    assert status == 2 and "does not list the KDA layers" in err
+    assert status == 2 and "does not list the KDA layers" in err and "pass --layers" in err
     status, _, err = run(capsys, "shard", ckpt, "--tp-size", 2, "--out", out, "--layers", "1,2,3")
     assert status == 2 and "1-based" in err and "--layers 0,1,2" in err
     assert run(capsys, "shard", ckpt, "--tp-size", 2, "--out", out, "--layers", "0,1,2",

@@ -184,7 +184,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     # `demo` calls this with a namespace that has no --layers or --json.
     requested, as_json = getattr(args, "layers", None), getattr(args, "json", False)
     _refuse_index_member(args.input)
-    source, layers = None, None
+    source: SafetensorsSource | None = None
+    layers: tuple[int, ...] | None = None
     if args.input.is_dir() and any(args.input.glob("*.safetensors")):
         source = SafetensorsSource(args.input)
         layers = _selected_layers(source, requested)
@@ -197,7 +198,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         qk_multiple=args.qk_multiple, layers=layers if source is not None else None,
     )
     shapes, n_layers = {}, None
-    if source is not None:
+    if source is not None and layers:
         n_layers = len(layers)
         prefix = decoder_prefix(source)
         shapes = {
@@ -230,7 +231,7 @@ def plan_json(
     :func:`format_plan`.
     """
     shapes = shapes or {}
-    tensors = []
+    tensors: list[dict[str, Any]] = []
     for t in plan.tensors:
         disk = tuple(shapes.get(t.name, t.disk_shape))
         axis = t.sharded_axis(list(disk))
@@ -371,7 +372,7 @@ def _progress(
         return lambda total: _ProgressLines(what, total, unit)
     from tqdm import tqdm
 
-    def start(total: int):
+    def start(total: int) -> Callable[[int], None]:
         bar = tqdm(total=total, unit=unit, unit_scale=unit == "B", desc=what, file=sys.stderr)
         def advance(n: int) -> None:
             bar.update(n)
@@ -387,7 +388,7 @@ class _ProgressLines:
     when ``total`` is reached, e.g. ``shard: 0.61 of 1.12 GB (54%), 2.0 s``. Thread-safe (the
     shard writers call it from several threads)."""
 
-    def __init__(self, what: str, total: int, unit: str, every: float = 2.0):
+    def __init__(self, what: str, total: int, unit: str, every: float = 2.0) -> None:
         self.what, self.total, self.unit, self.every = what, total, unit, every
         self.done = 0
         self.start = self.last = time.monotonic()
@@ -457,9 +458,10 @@ def _finish_command(args: argparse.Namespace, ranks: Sequence[int]) -> str:
 
 
 def _with_hints(args: argparse.Namespace, error: KdaTpError) -> str:
-    """``error``'s message in command-line terms: a plan refusal names ``--qk-multiple`` and
-    lists the TP sizes this model allows when the requested one is not among them."""
-    message = str(error)
+    """``error``'s message in command-line terms: flags instead of keyword arguments, and a
+    plan refusal lists the TP sizes this model allows when the requested one is not among
+    them."""
+    message = str(error).replace("pass layers=[...] (0-based)", "pass --layers (0-based)")
     if not isinstance(error, PlanError) or not isinstance(getattr(args, "tp_size", None), int):
         return message
     message = message.replace("pass qk_multiple=1", "pass --qk-multiple 1")
@@ -482,7 +484,9 @@ def _allowed_tp_sizes(args: argparse.Namespace, qk_multiple: int) -> list[int] |
         from .synth import GEOMETRIES
 
         g = GEOMETRIES[args.model]
-        hidden, head_dim, heads, kernel = g["hidden"], g["head_dim"], g["heads"], g["conv_kernel"]
+        hidden, head_dim, heads, kernel = (
+            int(g[key]) for key in ("hidden", "head_dim", "heads", "conv_kernel")  # type: ignore[call-overload]
+        )
     else:
         path = getattr(args, "input", None) or args.checkpoint
         try:
@@ -491,7 +495,7 @@ def _allowed_tp_sizes(args: argparse.Namespace, qk_multiple: int) -> list[int] |
         except KdaTpError:
             return None
         hidden, head_dim, heads, kernel = kda.hidden, kda.head_dim, kda.heads, kda.conv_kernel
-    sizes = []
+    sizes: list[int] = []
     for tp_size in range(1, heads + 1):
         if heads % tp_size == 0:
             try:
@@ -502,7 +506,7 @@ def _allowed_tp_sizes(args: argparse.Namespace, qk_multiple: int) -> list[int] |
     return sizes
 
 
-def _print_verify(report) -> None:
+def _print_verify(report: VerifyReport) -> None:
     for problem in report.problems[:20]:
         print(f"  {problem}")
     if len(report.problems) > 20:

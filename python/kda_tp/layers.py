@@ -98,7 +98,7 @@ def layers_with_kda_tensors(source: Any) -> tuple[int, ...]:
 
 def _indices(source: Any, tail: str) -> set[int]:
     prefix = decoder_prefix(source)
-    found = set()
+    found: set[int] = set()
     for name in source.names():
         if name.startswith(prefix) and name.endswith(tail):
             match = _LAYER.match(name[len(prefix):])

@@ -25,7 +25,7 @@ import shutil
 import threading
 import time
 from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -208,7 +208,7 @@ def shard_checkpoint(
 
     # Ranks are independent; the copies and writes release the GIL, so threads overlap them.
     pool = ThreadPoolExecutor(max_workers=min(len(shards), os.cpu_count() or 1))
-    futures = []
+    futures: list[Future[tuple[int, Path, int, Path | None]]] = []
     try:
         for s in shards:
             futures.append(pool.submit(_write_rank, source, s, files, out, advance))
@@ -217,12 +217,13 @@ def shard_checkpoint(
     except KeyboardInterrupt:
         stop.set()
         _shutdown(pool)
-        completed = []
+        completed: list[int] = []
         for r, f in zip(ranks, futures):
             if not f.cancelled() and f.exception() is None:
                 completed.append(r)
-                if f.result()[3] is not None:
-                    shutil.rmtree(f.result()[3], ignore_errors=True)
+                replaced = f.result()[3]
+                if replaced is not None:
+                    shutil.rmtree(replaced, ignore_errors=True)
         present = {int(m.group(1)) for p in out.iterdir() if (m := _RANK_DIR.match(p.name))}
         remaining = tuple(r for r in range(tp_size) if r not in present)
         raise ShardInterrupted(out, tp_size, tuple(completed), remaining) from None
@@ -331,7 +332,7 @@ def _prepare_out_dir(
         entries = sorted(out.iterdir())
     except OSError as e:
         raise OutputError(f"{out}: cannot create or list the output directory: {e}") from e
-    existing = []
+    existing: list[Path] = []
     for entry in entries:
         partial, final = _PARTIAL_DIR.match(entry.name), _RANK_DIR.match(entry.name)
         if (partial or final) and (entry.resolve() == input_root or _holds(entry, input_root)):
@@ -725,15 +726,15 @@ def _check_tensor(
         rejoined = np.concatenate(pieces, axis=1).ravel()
         bounds = np.cumsum([0] + [piece.shape[1] for piece in pieces])
         full_2d = full_bytes.reshape(rows, -1)
-        expected = [full_2d[:, lo:hi] for lo, hi in zip(bounds[:-1], bounds[1:])]
+        slices = [full_2d[:, lo:hi] for lo, hi in zip(bounds[:-1], bounds[1:])]
     else:
         rejoined = np.concatenate([p.data for p in parts])
         pieces = [p.data for p in parts]
         bounds = np.cumsum([0] + [p.nbytes for p in parts])
-        expected = [full_bytes[lo:hi] for lo, hi in zip(bounds[:-1], bounds[1:])]
+        slices = [full_bytes[lo:hi] for lo, hi in zip(bounds[:-1], bounds[1:])]
     if np.array_equal(rejoined, full_bytes):
         return None
-    differ = [r for r, (got, want) in enumerate(zip(pieces, expected)) if not np.array_equal(got, want)]
+    differ = [r for r, (got, want) in enumerate(zip(pieces, slices)) if not np.array_equal(got, want)]
     return (
         f"{name}: the ranks' {entry.kind.name} slices do not rejoin to the input "
         f"(the slice on {_ranks(differ)} differs)"
