@@ -15,7 +15,11 @@ pub enum Error {
     ZeroSize { field: &'static str },
 
     /// The head count does not split evenly over the ranks.
-    #[error("KDA TP requires heads ({heads}) divisible by tp_size ({tp_size})")]
+    #[error(
+        "KDA TP requires heads ({heads}) divisible by tp_size ({tp_size}); tp_size may be one of \
+         {}",
+        divisors(*heads)
+    )]
     HeadsNotDivisible { heads: usize, tp_size: usize },
 
     /// The local q|k width breaks the kernel's channel-multiple rule.
@@ -30,6 +34,10 @@ pub enum Error {
         local_heads: usize,
         head_dim: usize,
     },
+
+    /// A stored `A_log` length shorter than the head count.
+    #[error("A_log stores {len} entries, fewer than the {heads} heads")]
+    ALogLength { len: usize, heads: usize },
 
     /// A size computed from the geometry does not fit in the address space.
     #[error("KDA TP geometry too large: {tensor} byte size overflows")]
@@ -92,6 +100,14 @@ pub enum Error {
     /// A tensor name the checkpoint does not hold.
     #[error("{}: no tensor named {name:?}", path.display())]
     TensorNotFound { path: PathBuf, name: String },
+}
+
+/// The divisors of `n`, comma-separated: the world sizes a head count can be split over.
+fn divisors(n: usize) -> String {
+    let small: Vec<usize> = (1..).take_while(|d| d * d <= n).filter(|d| n % d == 0).collect();
+    let large = small.iter().rev().map(|d| n / d).filter(|&d| d * d != n);
+    let all: Vec<String> = small.iter().copied().chain(large).map(|d| d.to_string()).collect();
+    all.join(", ")
 }
 
 /// Result alias of the core.

@@ -2,9 +2,12 @@
 //!
 //! Each rank owns a contiguous head range `[r·H/T, (r+1)·H/T)`. Per tensor:
 //!
-//! * `q/k/v_proj`, `q/k/v_conv1d`, `f_b_proj`, `g_b_proj`, `dt_bias`: column-parallel, sliced by
-//!   output channel (`c = h·head_dim + d`), i.e. rows of the on-disk `[out, in]` tensor.
-//! * `b_proj`, `A_log`: one entry per head, sliced by head.
+//! * `q/k/v_proj`, `q/k/v_conv1d`, `f_b_proj`, `g_b_proj` (or Kimi K3's full-rank `g_proj`),
+//!   `dt_bias`: column-parallel, sliced by output channel (`c = h·head_dim + d`), i.e. rows of the
+//!   on-disk `[out, in]` tensor.
+//! * `b_proj`, `A_log`: one entry per head, sliced by head. Kimi K3 stores `A_log` zero-padded
+//!   past the real heads (128 entries for 96 heads): a rank keeps `A_log[r·H/T, (r+1)·H/T)` of
+//!   the stored tensor and the padding belongs to no rank.
 //! * `f_a_proj`, `g_a_proj` (low-rank down-projections `[gate_rank, hidden]`) and `o_norm`
 //!   (`[head_dim]`, shared by every head): replicated.
 //! * `o_proj` `[hidden, heads·head_dim]`: row-parallel, sliced on its input (last) dimension; each
@@ -30,10 +33,18 @@ pub enum KdaShard {
     ChannelCols,
 }
 
-/// Plan names of the tensors of one KDA block, in the order of [`KdaTpPlan::tensors`].
+/// Plan names of the tensors of one Kimi-Linear KDA block (low-rank output gate), in the order
+/// of [`KdaTpPlan::tensors`].
 pub const TENSOR_NAMES: [&str; 15] = [
     "q_proj", "k_proj", "v_proj", "q_conv1d", "k_conv1d", "v_conv1d", "f_a_proj", "f_b_proj",
     "g_a_proj", "g_b_proj", "b_proj", "A_log", "dt_bias", "o_norm", "o_proj",
+];
+
+/// Plan names of the tensors of one Kimi K3 KDA block (`use_full_rank_gate`): `g_proj` replaces
+/// `g_a_proj` and `g_b_proj`.
+pub const FULL_RANK_GATE_TENSOR_NAMES: [&str; 14] = [
+    "q_proj", "k_proj", "v_proj", "q_conv1d", "k_conv1d", "v_conv1d", "f_a_proj", "f_b_proj",
+    "g_proj", "b_proj", "A_log", "dt_bias", "o_norm", "o_proj",
 ];
 
 /// One tensor's placement, in a flat `[rows, row_elems]` view of the on-disk tensor.
@@ -63,7 +74,8 @@ pub struct KdaTensorPlan {
     /// First element of this rank's column slice. 0 except for `ChannelCols`.
     pub src_col_offset: usize,
     /// The full tensor's shape as Kimi-Linear stores it: conv weights `[C, 1, K]`, `A_log`
-    /// `[1, 1, H, 1]`, `dt_bias` `[C]`, `o_norm` `[head_dim]`.
+    /// `[1, 1, H, 1]` (Kimi K3's zero-padded `A_log`: `[a_log_len]`), `dt_bias` `[C]`, `o_norm`
+    /// `[head_dim]`.
     pub disk_shape: Vec<usize>,
 }
 
@@ -156,6 +168,12 @@ pub struct PlanOptions {
     pub qk_multiple: usize,
     /// Dtype overrides by plan name. The default is BF16, with F32 for `A_log` and `dt_bias`.
     pub dtypes: Vec<(String, Dtype)>,
+    /// Kimi K3's full-rank output gate (`linear_attn_config.use_full_rank_gate`): one `g_proj`
+    /// `[C, hidden]`, column-parallel, instead of `g_a_proj`/`g_b_proj` (14 tensors, not 15).
+    pub full_rank_gate: bool,
+    /// Entries of the stored `A_log` when it is zero-padded past the heads (Kimi K3: 128 for 96
+    /// heads); `None` when it holds exactly one entry per head. Must be at least `full_heads`.
+    pub a_log_len: Option<usize>,
 }
 
 impl Default for PlanOptions {
@@ -163,6 +181,8 @@ impl Default for PlanOptions {
         Self {
             qk_multiple: 256,
             dtypes: Vec::new(),
+            full_rank_gate: false,
+            a_log_len: None,
         }
     }
 }
@@ -188,7 +208,13 @@ pub struct KdaTpPlan {
     pub gate_rank: usize,
     /// The multiple the local q|k width must meet (see [`PlanOptions::qk_multiple`]).
     pub qk_multiple: usize,
-    /// Every tensor of the block, in [`TENSOR_NAMES`] order.
+    /// Whether the block has Kimi K3's full-rank `g_proj` (see [`PlanOptions::full_rank_gate`]).
+    pub full_rank_gate: bool,
+    /// Entries of the stored `A_log` (`full_heads` unless zero-padded; see
+    /// [`PlanOptions::a_log_len`]).
+    pub a_log_len: usize,
+    /// Every tensor of the block, in [`TENSOR_NAMES`] order (or
+    /// [`FULL_RANK_GATE_TENSOR_NAMES`] with a full-rank gate).
     pub tensors: Vec<KdaTensorPlan>,
 }
 
@@ -223,9 +249,11 @@ impl KdaTpPlan {
     /// # Errors
     /// [`Error::ZeroSize`] for a zero `tp_size` or any other zero size (checked after the rank);
     /// [`Error::RankOutOfRange`] for `tp_rank >= tp_size`;
-    /// size; [`Error::HeadsNotDivisible`]; [`Error::QkWidth`] when `2 · local_heads · head_dim`
-    /// is not a multiple of `qk_multiple`; [`Error::UnknownTensor`] / [`Error::UnsupportedDtype`]
-    /// for a bad dtype override; [`Error::Overflow`] when a byte size exceeds `isize::MAX`.
+    /// [`Error::HeadsNotDivisible`]; [`Error::QkWidth`] when `2 · local_heads · head_dim`
+    /// is not a multiple of `qk_multiple`; [`Error::ALogLength`] when `a_log_len < full_heads`;
+    /// [`Error::UnknownTensor`] / [`Error::UnsupportedDtype`] for a bad dtype override (a name
+    /// not in this block's layout, e.g. `g_proj` without `full_rank_gate`);
+    /// [`Error::Overflow`] when a byte size exceeds `isize::MAX`.
     #[allow(clippy::too_many_arguments)]
     pub fn with_options(
         tp_rank: usize,
@@ -277,7 +305,19 @@ impl KdaTpPlan {
                 head_dim,
             });
         }
-        let dtype_of = dtype_table(&options.dtypes)?;
+        let a_log_len = options.a_log_len.unwrap_or(full_heads);
+        if a_log_len < full_heads {
+            return Err(Error::ALogLength {
+                len: a_log_len,
+                heads: full_heads,
+            });
+        }
+        // Unpadded: Kimi-Linear's `[1, 1, H, 1]`; padded: Kimi K3's 1-D `[a_log_len]`.
+        let a_log_shape = if a_log_len == full_heads {
+            vec![1, 1, full_heads, 1]
+        } else {
+            vec![a_log_len]
+        };
 
         // Cannot overflow: `channels` above is twice this.
         let local_ch = local_heads * head_dim;
@@ -288,8 +328,18 @@ impl KdaTpPlan {
         let head_off = tp_rank * local_heads;
 
         use KdaShard::{ChannelCols, ChannelRows, HeadRows, Replicated};
+        type Row = (&'static str, KdaShard, usize, usize, Vec<usize>);
         #[rustfmt::skip]
-        let layout: [(&'static str, KdaShard, usize, usize, Vec<usize>); 15] = [
+        let output_gate: Vec<Row> = if options.full_rank_gate {
+            vec![("g_proj",   ChannelRows, full_ch,   hidden,    vec![full_ch, hidden])]
+        } else {
+            vec![
+                ("g_a_proj", Replicated,  gate_rank, hidden,    vec![gate_rank, hidden]),
+                ("g_b_proj", ChannelRows, full_ch,   gate_rank, vec![full_ch, gate_rank]),
+            ]
+        };
+        #[rustfmt::skip]
+        let layout: Vec<Row> = [
             // name      kind         rows        row_elems    on-disk shape (Kimi-Linear)
             ("q_proj",   ChannelRows, full_ch,    hidden,      vec![full_ch, hidden]),
             ("k_proj",   ChannelRows, full_ch,    hidden,      vec![full_ch, hidden]),
@@ -297,20 +347,26 @@ impl KdaTpPlan {
             ("q_conv1d", ChannelRows, full_ch,    conv_kernel, vec![full_ch, 1, conv_kernel]),
             ("k_conv1d", ChannelRows, full_ch,    conv_kernel, vec![full_ch, 1, conv_kernel]),
             ("v_conv1d", ChannelRows, full_ch,    conv_kernel, vec![full_ch, 1, conv_kernel]),
-            // Low-rank gates: `_a` down-projects (replicated), `_b` up-projects into channels.
+            // Low-rank forget gate: `_a` down-projects (replicated), `_b` up-projects.
             ("f_a_proj", Replicated,  gate_rank,  hidden,      vec![gate_rank, hidden]),
             ("f_b_proj", ChannelRows, full_ch,    gate_rank,   vec![full_ch, gate_rank]),
-            ("g_a_proj", Replicated,  gate_rank,  hidden,      vec![gate_rank, hidden]),
-            ("g_b_proj", ChannelRows, full_ch,    gate_rank,   vec![full_ch, gate_rank]),
-            // beta: one row per head.
+        ]
+        .into_iter()
+        // Output gate: low-rank `g_a`/`g_b` (Kimi-Linear) or full-rank `g_proj` (Kimi K3).
+        .chain(output_gate)
+        .chain([
+            // beta: one row per head. `A_log`: one entry per head, plus any zero padding.
             ("b_proj",   HeadRows,    full_heads, hidden,      vec![full_heads, hidden]),
-            ("A_log",    HeadRows,    full_heads, 1,           vec![1, 1, full_heads, 1]),
+            ("A_log",    HeadRows,    a_log_len,  1,           a_log_shape),
             ("dt_bias",  ChannelRows, full_ch,    1,           vec![full_ch]),
             // `[head_dim]`, shared by every head.
             ("o_norm",   Replicated,  head_dim,   1,           vec![head_dim]),
             // Row-parallel: the input (last) axis is sharded; all-reduce after.
             ("o_proj",   ChannelCols, hidden,     full_ch,     vec![hidden, full_ch]),
-        ];
+        ])
+        .collect();
+        let names: Vec<&str> = layout.iter().map(|row| row.0).collect();
+        let dtype_of = dtype_table(&options.dtypes, &names)?;
 
         let mut tensors = Vec::with_capacity(layout.len());
         let mut block_bytes: usize = 0;
@@ -357,6 +413,8 @@ impl KdaTpPlan {
             conv_kernel,
             gate_rank,
             qk_multiple: options.qk_multiple,
+            full_rank_gate: options.full_rank_gate,
+            a_log_len,
             tensors,
         })
     }
@@ -381,16 +439,24 @@ impl KdaTpPlan {
     pub fn needs_output_all_reduce(&self) -> bool {
         self.tp_size > 1
     }
+
+    /// Plan names of this block's tensors, in order.
+    pub fn names(&self) -> Vec<&'static str> {
+        self.tensors.iter().map(|t| t.name).collect()
+    }
 }
 
-/// Resolves dtype overrides into a lookup by plan name, refusing unknown names and
-/// non-floating dtypes.
-fn dtype_table(overrides: &[(String, Dtype)]) -> Result<impl Fn(&str) -> Dtype + '_> {
+/// Resolves dtype overrides into a lookup by plan name, refusing names not in `names` (this
+/// block's layout) and non-floating dtypes.
+fn dtype_table<'a>(
+    overrides: &'a [(String, Dtype)],
+    names: &[&str],
+) -> Result<impl Fn(&str) -> Dtype + 'a> {
     for (name, dtype) in overrides {
-        if !TENSOR_NAMES.contains(&name.as_str()) {
+        if !names.contains(&name.as_str()) {
             return Err(Error::UnknownTensor {
                 name: name.clone(),
-                known: TENSOR_NAMES.join(", "),
+                known: names.join(", "),
             });
         }
         if !matches!(dtype, Dtype::BF16 | Dtype::F16 | Dtype::F32 | Dtype::F64) {

@@ -12,7 +12,7 @@ use safetensors::Dtype;
 
 use crate::checkpoint::{Backend, Checkpoint, TensorData};
 use crate::error::Error;
-use crate::plan::{KdaShard, KdaTensorPlan, KdaTpPlan, PlanOptions, TENSOR_NAMES};
+use crate::plan::{KdaShard, KdaTensorPlan, KdaTpPlan, PlanOptions};
 use crate::slice;
 
 pyo3::import_exception!(kda_tp.errors, PlanError);
@@ -28,6 +28,7 @@ impl From<Error> for PyErr {
             | Error::ZeroSize { .. }
             | Error::HeadsNotDivisible { .. }
             | Error::QkWidth { .. }
+            | Error::ALogLength { .. }
             | Error::Overflow { .. }
             | Error::UnknownTensor { .. }
             | Error::UnsupportedDtype { .. } => PlanError::new_err(message),
@@ -230,7 +231,7 @@ struct PyPlan(KdaTpPlan);
 #[pymethods]
 impl PyPlan {
     #[new]
-    #[pyo3(signature = (tp_rank, tp_size, hidden, head_dim, full_heads, conv_kernel, gate_rank, *, qk_multiple=None, dtypes=None))]
+    #[pyo3(signature = (tp_rank, tp_size, hidden, head_dim, full_heads, conv_kernel, gate_rank, *, qk_multiple=None, dtypes=None, full_rank_gate=false, a_log_len=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         tp_rank: &Bound<'_, PyAny>,
@@ -242,8 +243,16 @@ impl PyPlan {
         gate_rank: &Bound<'_, PyAny>,
         qk_multiple: Option<&Bound<'_, PyAny>>,
         dtypes: Option<HashMap<String, String>>,
+        full_rank_gate: bool,
+        a_log_len: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
-        let mut options = PlanOptions::default();
+        let mut options = PlanOptions {
+            full_rank_gate,
+            ..PlanOptions::default()
+        };
+        if let Some(len) = a_log_len {
+            options.a_log_len = Some(size_arg(len, "a_log_len")?);
+        }
         if let Some(multiple) = qk_multiple {
             options.qk_multiple = size_arg(multiple, "qk_multiple")?;
         }
@@ -299,6 +308,14 @@ impl PyPlan {
         self.0.qk_multiple
     }
     #[getter]
+    fn full_rank_gate(&self) -> bool {
+        self.0.full_rank_gate
+    }
+    #[getter]
+    fn a_log_len(&self) -> usize {
+        self.0.a_log_len
+    }
+    #[getter]
     fn tensors(&self) -> Vec<PyTensorPlan> {
         self.0.tensors.iter().cloned().map(PyTensorPlan).collect()
     }
@@ -323,7 +340,7 @@ impl PyPlan {
         self.get(name).ok_or_else(|| {
             PyKeyError::new_err(format!(
                 "{name:?} is not a KDA plan name; expected one of {}",
-                TENSOR_NAMES.join(", ")
+                self.0.names().join(", ")
             ))
         })
     }
@@ -337,7 +354,7 @@ impl PyPlan {
         let p = &self.0;
         format!(
             "KdaTpPlan(tp_rank={}, tp_size={}, hidden={}, head_dim={}, full_heads={}, \
-             conv_kernel={}, gate_rank={}, qk_multiple={})",
+             conv_kernel={}, gate_rank={}, qk_multiple={}, full_rank_gate={}, a_log_len={})",
             p.tp_rank,
             p.tp_size,
             p.hidden,
@@ -345,7 +362,9 @@ impl PyPlan {
             p.full_heads,
             p.conv_kernel,
             p.gate_rank,
-            p.qk_multiple
+            p.qk_multiple,
+            if p.full_rank_gate { "True" } else { "False" },
+            p.a_log_len
         )
     }
 }

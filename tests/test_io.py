@@ -681,7 +681,7 @@ def test_output_directory_that_is_a_file(tmp_path):
 
 def test_write_checkpoint_argument_errors(tmp_path):
     with pytest.raises(PlanError, match="model"):
-        synth.write_checkpoint(tmp_path, "kimi-k3")
+        synth.write_checkpoint(tmp_path, "kimi-k9")
     with pytest.raises(PlanError, match="num_layers"):
         synth.write_checkpoint(tmp_path, "kimi-linear", num_layers=0)
     assert list(tmp_path.iterdir()) == []

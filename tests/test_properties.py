@@ -36,6 +36,8 @@ PLAN_FIELDS = (
     "conv_kernel",
     "gate_rank",
     "qk_multiple",
+    "full_rank_gate",
+    "a_log_len",
     "local_bytes",
     "full_bytes",
     "needs_output_all_reduce",
@@ -66,6 +68,8 @@ class Geometry:
     gate_rank: int
     qk_multiple: int
     dtypes: dict | None
+    full_rank_gate: bool = False
+    a_log_len: int | None = None
 
     def args(self, rank: int, tp_size: int) -> tuple:
         return (
@@ -79,7 +83,12 @@ class Geometry:
         )
 
     def kwargs(self) -> dict:
-        return {"qk_multiple": self.qk_multiple, "dtypes": self.dtypes}
+        return {
+            "qk_multiple": self.qk_multiple,
+            "dtypes": self.dtypes,
+            "full_rank_gate": self.full_rank_gate,
+            "a_log_len": self.a_log_len,
+        }
 
     def tp_sizes(self) -> list[int]:
         """Every tensor-parallel size that divides the head count."""
@@ -94,16 +103,20 @@ def oracle_plan(g: Geometry, rank: int, tp_size: int) -> oracle.OraclePlan:
     return oracle.plan(*g.args(rank, tp_size), **g.kwargs())
 
 
-dtype_overrides = st.none() | st.dictionaries(
-    st.sampled_from(oracle.TENSOR_NAMES), st.sampled_from(tuple(oracle.ELEM_BYTES)), max_size=4
-)
+def dtype_overrides(names=oracle.TENSOR_NAMES):
+    return st.none() | st.dictionaries(
+        st.sampled_from(names), st.sampled_from(tuple(oracle.ELEM_BYTES)), max_size=4
+    )
 
 
 @st.composite
 def legal_geometries(draw) -> Geometry:
     """Geometry whose TP=1 plan is legal; larger TP sizes may break the q|k width rule, which
-    exercises the refusal on both sides."""
+    exercises the refusal on both sides. Half of them are Kimi K3 blocks (full-rank ``g_proj``),
+    and ``A_log`` is zero-padded past the heads in about half."""
     qk_multiple = draw(st.sampled_from(QK_MULTIPLES))
+    full_rank_gate = draw(st.booleans())
+    names = oracle.FULL_RANK_GATE_TENSOR_NAMES if full_rank_gate else oracle.TENSOR_NAMES
     heads = draw(st.integers(1, 64))
     # Smallest head_dim making 2 * heads * head_dim a multiple of qk_multiple.
     unit = qk_multiple // math.gcd(qk_multiple, 2 * heads)
@@ -115,7 +128,9 @@ def legal_geometries(draw) -> Geometry:
         conv_kernel=draw(st.integers(1, 8)),
         gate_rank=draw(st.integers(1, 32)),
         qk_multiple=qk_multiple,
-        dtypes=draw(dtype_overrides),
+        dtypes=draw(dtype_overrides(names)),
+        full_rank_gate=full_rank_gate,
+        a_log_len=draw(st.none() | st.integers(heads, heads + 40)),
     )
 
 
@@ -182,12 +197,16 @@ def test_shard_bytes_match_the_oracle_and_the_ranks_rejoin(g, seed):
                 assert got == oracle.shard_bytes(want, data), (tp_size, rank, entry.name)
                 slices[entry.name].append(got)
         for entry in oracle_plan(g, 0, tp_size).tensors:
-            assert rejoin(entry, slices[entry.name]) == full[entry.name], (tp_size, entry.name)
+            want = full[entry.name]
+            if entry.name == "A_log":
+                want = want[: g.heads * entry.elem_bytes]  # the zero padding is no rank's
+            assert rejoin(entry, slices[entry.name]) == want, (tp_size, entry.name)
 
 
 def rejoin(entry: oracle.OracleTensor, parts: list[bytes]) -> bytes:
     """The full tensor from every rank's slice, in rank order: replicated tensors must agree on
-    every rank; row slices concatenate; column slices (``o_proj``) interleave row by row."""
+    every rank; row slices concatenate (a padded ``A_log`` to its heads); column slices
+    (``o_proj``) interleave row by row."""
     if entry.kind == "REPLICATED":
         assert all(p == parts[0] for p in parts), entry.name
         return parts[0]
@@ -205,11 +224,18 @@ def test_tp1_is_the_identity(g, seed):
     rng = random.Random(seed)
     rust = rust_plan(g, 0, 1)
     assert rust.needs_output_all_reduce is False
-    assert rust.local_bytes == rust.full_bytes
+    a_log = rust["A_log"]
+    padding = (a_log.full_rows - g.heads) * a_log.elem_bytes
+    assert rust.local_bytes == rust.full_bytes - padding
     for entry in rust.tensors:
-        assert (entry.local_rows, entry.local_row_elems) == (entry.full_rows, entry.full_row_elems)
-        assert (entry.src_row_offset, entry.src_col_offset) == (0, 0)
         data = rng.randbytes(entry.full_bytes)
+        assert (entry.src_row_offset, entry.src_col_offset) == (0, 0)
+        if entry.name == "A_log" and g.a_log_len not in (None, g.heads):
+            # A padded A_log keeps its heads and drops the padding, even at TP=1.
+            assert (entry.local_rows, entry.full_rows) == (g.heads, g.a_log_len)
+            assert rust_shard(entry, data) == data[: g.heads * entry.elem_bytes]
+            continue
+        assert (entry.local_rows, entry.local_row_elems) == (entry.full_rows, entry.full_row_elems)
         assert rust_shard(entry, data) == data, entry.name
 
 
@@ -237,7 +263,7 @@ sizes = st.one_of(
     st.sampled_from((16, 64, 128, 256, 2**20, 2**31, 2**40, 2**62, 2**64)),
 )
 raw_dtypes = st.none() | st.dictionaries(
-    st.sampled_from((*oracle.TENSOR_NAMES, "q", "o_proj.weight", "bias")),
+    st.sampled_from((*oracle.TENSOR_NAMES, "g_proj", "q", "o_proj.weight", "bias")),
     st.sampled_from((*oracle.ELEM_BYTES, "I32", "bf16", "F8_E4M3")),
     max_size=3,
 )
@@ -256,6 +282,8 @@ raw_dtypes = st.none() | st.dictionaries(
         gate_rank=sizes,
         qk_multiple=st.sampled_from((0, 1, 2, 128, 256, 2**40)),
         dtypes=raw_dtypes,
+        full_rank_gate=st.booleans(),
+        a_log_len=st.none() | sizes,
     ),
 )
 def test_refusals_agree_on_any_geometry(rank, tp_size, g):
@@ -284,7 +312,7 @@ def near_the_byte_limit(draw) -> tuple[int, int, Geometry]:
         conv_kernel=draw(sizes),
         gate_rank=draw(sizes),
         qk_multiple=1,
-        dtypes=draw(dtype_overrides),
+        dtypes=draw(dtype_overrides()),
     )
     return draw(st.integers(0, tp_size - 1)), tp_size, geometry
 

@@ -35,7 +35,8 @@ def fx() -> dict:
     config = json.loads((FIXTURE / "config.json").read_text())
     prefix = manifest["tensor_prefix"]
     with safe_open(str(FIXTURE / "model.safetensors"), framework="np") as f:
-        weights = {n: f.get_tensor(prefix + _disk_key(n)) for n in WEIGHT_NAMES}
+        names = WEIGHT_NAMES + ("g_a_proj", "g_b_proj")
+        weights = {n: f.get_tensor(prefix + _disk_key(n)) for n in names}
     assert weights["q_proj"].dtype == np.dtype(ml_dtypes.bfloat16)
     assert weights["A_log"].dtype == np.float32
     return {

@@ -134,8 +134,11 @@ def _parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("demo", help="plan, shard and verify a generated real-geometry checkpoint")
     p.add_argument("--tp-size", type=int, default=4, help="world size (default 4)")
-    p.add_argument("--model", choices=["kimi-linear", "glm-5.3-flash"], default="kimi-linear")
-    p.add_argument("--num-layers", type=int, default=4)
+    p.add_argument("--model", choices=["kimi-linear", "glm-5.3-flash", "kimi-k3"],
+                   default="kimi-linear")
+    p.add_argument("--num-layers", type=int,
+                   help="decoder layers to generate (default 4; kimi-k3: 2, one KDA layer of "
+                   "0.89 GB and one MLA layer)")
     p.add_argument("--keep", type=Path, help="write DIR/checkpoint and DIR/tp{N} here (replacing them) instead of a temporary directory")
     _add_numeric(p, default_on=True)
     p.set_defaults(run=_cmd_demo)
@@ -331,6 +334,13 @@ def format_plan(
                                for j, (c, w) in enumerate(zip(row, widths))).rstrip())
         if i == 0:
             lines.append("  ".join("-" * w for w in widths))
+    a_log = plan["A_log"]
+    if a_log.full_rows > plan.full_heads:
+        lines += [
+            "",
+            f"A_log stores {a_log.full_rows} entries for {plan.full_heads} heads: entries "
+            f"{plan.full_heads}..{a_log.full_rows - 1} are zero padding (checked), held by no rank",
+        ]
     share = plan.local_bytes / plan.full_bytes
     lines += [
         "",
@@ -582,6 +592,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     from .synth import GEOMETRIES, write_checkpoint
 
     g = GEOMETRIES[args.model]
+    if args.num_layers is None:
+        args.num_layers = 2 if g["style"] == "k3" else 4
     # Refuse a tp_size the model cannot split before generating anything.
     KdaTpPlan(0, args.tp_size, g["hidden"], g["head_dim"], g["heads"], g["conv_kernel"],
               g["gate_rank"])
@@ -594,8 +606,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         print(f"generated a {args.num_layers}-layer {args.model} checkpoint "
               f"({size / 1e9:.3f} GB) in {time.perf_counter() - t0:.1f} s: {checkpoint}"
               + ("" if args.keep else " (deleted on exit; --keep DIR keeps it)"))
-        mla = [i for i in range(args.num_layers)
-               if g["full_attn_every"] and (i + 1) % g["full_attn_every"] == 0]
+        kda = set(kda_layer_indices(SafetensorsSource(checkpoint), None))
+        mla = [i for i in range(args.num_layers) if i not in kda]
         if mla:
             print(f"layers {mla} (0-based) are full attention (MLA): passed through unsliced")
         print()

@@ -1,16 +1,24 @@
 """Reading KDA geometry from a model config.
 
-Two key styles are understood:
+Three key styles are understood, at the top level or, for multimodal wrappers such as Kimi K3's
+(``model_type: kimi_k3``), under ``text_config`` when the top level has no KDA geometry:
 
-* Kimi-Linear: ``hidden_size`` and ``linear_attn_config`` with ``head_dim``, ``num_heads``,
-  ``short_conv_kernel_size`` and ``kda_layers`` (1-based layer numbers).
-* Qwen3-Next style: ``hidden_size``, ``linear_key_head_dim``, ``linear_num_key_heads``,
-  ``linear_conv_kernel_dim``, with KDA layers marked ``"linear_attention"`` in ``layer_types``.
+* Kimi-Linear / Kimi K3: ``hidden_size`` and ``linear_attn_config`` with ``head_dim``,
+  ``num_heads``, ``short_conv_kernel_size``, ``kda_layers`` (1-based layer numbers) and, for
+  K3, ``use_full_rank_gate`` (bool) and ``gate_lower_bound`` (float < 0).
+* transformers' native ``kimi_linear`` and Qwen3-Next style: ``hidden_size``,
+  ``linear_key_head_dim`` / ``linear_num_key_heads`` (or the older ``linear_head_dim`` /
+  ``linear_num_heads``), ``linear_conv_kernel_dim``, with KDA layers marked
+  ``"linear_attention"`` or ``"kda_attention"`` in ``layer_types``.
+
+A config that describes no KDA layer (a Llama config, an empty ``kda_layers``) is refused with
+a message that starts "no KDA layers".
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +33,9 @@ _MAX_DIM = 2**31
 
 CONFIG_NAME = "config.json"
 
+#: ``layer_types`` entries that mark a KDA layer (transformers' ``kimi_linear``, Qwen3-Next).
+KDA_LAYER_TYPES = ("linear_attention", "kda_attention")
+
 
 @dataclass(frozen=True)
 class KdaConfig:
@@ -37,7 +48,12 @@ class KdaConfig:
         conv_kernel: short-convolution kernel width.
         kda_layers: 0-based indices of the KDA layers, or None when the config does not say.
         rms_norm_eps: epsilon of the gated output RMSNorm (``rms_norm_eps``, default 1e-5).
-        source: where the config came from (a path, or ``"<dict>"``), for error messages.
+        source: where the config came from (a path, or ``"<dict>"``; ``...:text_config`` for a
+            wrapper), for error messages.
+        full_rank_gate: Kimi K3's full-rank output gate ``g_proj``
+            (``linear_attn_config.use_full_rank_gate``), instead of ``g_a_proj``/``g_b_proj``.
+        gate_lower_bound: Kimi K3's forget-gate lower bound (``gate_lower_bound``, < 0), or None
+            for Kimi-Linear's unbounded softplus gate.
     """
 
     hidden: int
@@ -47,6 +63,8 @@ class KdaConfig:
     kda_layers: tuple[int, ...] | None
     rms_norm_eps: float
     source: str
+    full_rank_gate: bool = False
+    gate_lower_bound: float | None = None
 
 
 def load_config(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -74,22 +92,31 @@ def load_config(path: str | os.PathLike[str]) -> dict[str, Any]:
 
 
 def parse_config(config: Mapping[str, Any], source: str = "<dict>") -> KdaConfig:
-    """Extract the KDA geometry from a config dict.
+    """Extract the KDA geometry from a config dict (see the module docstring for the keys).
 
     Raises:
-        CheckpointError: the config is not a mapping, a required key is missing, or a value is
-            not an integer in ``[1, 2**31)`` (layer indices: ``[0, 2**31)``); the message names
-            ``source`` and the key.
+        CheckpointError: the config is not a mapping; it describes no KDA layer ("no KDA
+            layers: ..."); a required key is missing; a size is not an integer in
+            ``[1, 2**31)`` (layer indices: ``[0, 2**31)``); ``use_full_rank_gate`` is not a bool
+            or ``gate_lower_bound`` not a finite number below 0. The message names ``source``
+            and the key.
     """
-
     if not isinstance(config, Mapping):
         raise CheckpointError(f"{source}: the config is {type(config).__name__}, not a JSON object")
+    if not _has_kda_keys(config) and isinstance(config.get("text_config"), Mapping):
+        config, source = config["text_config"], f"{source}:text_config"
+    if not _has_kda_keys(config):
+        raise CheckpointError(
+            f"{source}: no KDA layers: the config has no linear_attn_config, "
+            f"linear_key_head_dim or linear_head_dim (model_type {config.get('model_type')!r})"
+        )
 
     def dim(mapping: Mapping[str, Any], key: str, where: str = "") -> int:
         if key not in mapping:
             raise CheckpointError(f"{source}: config has no {where}{key!r}")
         return _int_in_range(mapping[key], f"{where}{key}", source, low=1)
 
+    full_rank_gate, lower_bound = False, None
     linear = config.get("linear_attn_config")
     if linear is not None:
         if not isinstance(linear, Mapping):
@@ -106,17 +133,40 @@ def parse_config(config: Mapping[str, Any], source: str = "<dict>") -> KdaConfig
             kda_layers = tuple(
                 _int_in_range(n, f"{where}kda_layers", source, low=1) - 1 for n in layers
             )
+            if not kda_layers:
+                raise CheckpointError(f"{source}: no KDA layers: '{where}kda_layers' is empty")
         else:
             raise CheckpointError(f"{source}: '{where}kda_layers' is not a list")
+        full_rank_gate = linear.get("use_full_rank_gate", False)
+        if not isinstance(full_rank_gate, bool):
+            raise CheckpointError(
+                f"{source}: '{where}use_full_rank_gate' = {full_rank_gate!r} is not a bool"
+            )
+        lower_bound = linear.get("gate_lower_bound")
+        if lower_bound is not None and (
+            isinstance(lower_bound, bool)
+            or not isinstance(lower_bound, (int, float))
+            or not -math.inf < lower_bound < 0
+        ):
+            raise CheckpointError(
+                f"{source}: '{where}gate_lower_bound' = {lower_bound!r} is not a finite number "
+                "below 0"
+            )
     else:
-        head_dim = dim(config, "linear_key_head_dim")
-        heads = dim(config, "linear_num_key_heads")
+        native = "linear_key_head_dim" in config or "linear_num_key_heads" in config
+        head_dim = dim(config, "linear_key_head_dim" if native else "linear_head_dim")
+        heads = dim(config, "linear_num_key_heads" if native else "linear_num_heads")
         conv_kernel = dim(config, "linear_conv_kernel_dim")
         types = config.get("layer_types")
         if types is None:
             kda_layers = None
         elif isinstance(types, list):
-            kda_layers = tuple(i for i, t in enumerate(types) if t == "linear_attention")
+            kda_layers = tuple(i for i, t in enumerate(types) if t in KDA_LAYER_TYPES)
+            if not kda_layers:
+                raise CheckpointError(
+                    f"{source}: no KDA layers: 'layer_types' has no "
+                    f"{' or '.join(map(repr, KDA_LAYER_TYPES))} entry"
+                )
         else:
             raise CheckpointError(f"{source}: 'layer_types' is not a list")
     eps = config.get("rms_norm_eps", 1e-5)
@@ -130,6 +180,17 @@ def parse_config(config: Mapping[str, Any], source: str = "<dict>") -> KdaConfig
         kda_layers=kda_layers,
         rms_norm_eps=float(eps),
         source=source,
+        full_rank_gate=full_rank_gate,
+        gate_lower_bound=None if lower_bound is None else float(lower_bound),
+    )
+
+
+def _has_kda_keys(config: Mapping[str, Any]) -> bool:
+    """Whether ``config`` (one level, no wrapper) names any KDA geometry key."""
+    return any(
+        key in config
+        for key in ("linear_attn_config", "linear_key_head_dim", "linear_num_key_heads",
+                    "linear_head_dim", "linear_num_heads")
     )
 
 

@@ -27,7 +27,7 @@ import numpy as np
 
 from kda_tp.config import parse_config
 from kda_tp.errors import CheckpointError, PlanError
-from kda_tp.reference import WEIGHT_NAMES, kda_layer_forward
+from kda_tp.reference import kda_layer_forward
 from kda_tp.source import decoder_prefix, kda_layer_indices, kda_tensor_name
 
 __all__ = [
@@ -122,7 +122,9 @@ def check_tp_equivalence(
 
     For each layer, ``y`` = reference forward on the full weights, ``y_r`` = reference forward on
     rank ``r``'s local weights (``KdaTpPlan.from_config(config, r, tp_size)``), and the layer
-    passes when ``max|sum_r y_r - y| <= atol + rtol * max|y|`` (module docstring: why).
+    passes when ``max|sum_r y_r - y| <= atol + rtol * max|y|`` (module docstring: why). The
+    forget gate's lower bound (Kimi K3's ``gate_lower_bound``) and the output-gate form
+    (``use_full_rank_gate``) come from the config.
 
     Args:
         checkpoint: a ``kda_tp.SafetensorsSource`` (or any object with ``get(name)`` returning a
@@ -186,26 +188,36 @@ def check_tp_equivalence(
         all_kda = layer_list
     rank_sources = [factory(source, plan, all_kda) for plan in plans]
     head_dim = plans[0].head_dim
-    eps = parse_config(source.config).rms_norm_eps
+    config = parse_config(source.config)
+    names = [t.name for t in plans[0].tensors]
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((1, seq_len, plans[0].hidden)).astype(np.float32)
 
     def forward(weights: Mapping[str, Any]) -> np.ndarray:
-        return kda_layer_forward(weights, x, head_dim=head_dim, rms_norm_eps=eps)
+        return kda_layer_forward(
+            weights,
+            x,
+            head_dim=head_dim,
+            rms_norm_eps=config.rms_norm_eps,
+            gate_lower_bound=config.gate_lower_bound,
+        )
 
     prefix = decoder_prefix(source)
     results = []
     for layer in layer_list:
-        y = forward(_layer_weights(source, layer, prefix))
-        y_sum = sum(forward(_layer_weights(s, layer, prefix)) for s in rank_sources)
+        y = forward(_layer_weights(source, layer, prefix, names))
+        y_sum = sum(forward(_layer_weights(s, layer, prefix, names)) for s in rank_sources)
         results.append(_compare(layer, y, y_sum, atol, rtol))
     return EquivalenceReport(tp_size, int(seq_len), seed, atol, rtol, tuple(results))
 
 
-def _layer_weights(source: Any, layer: int, prefix: str) -> dict[str, np.ndarray]:
-    """Plan name -> typed array of ``{prefix}{layer}.self_attn.*``, as ``source`` has it."""
+def _layer_weights(
+    source: Any, layer: int, prefix: str, names: Iterable[str]
+) -> dict[str, np.ndarray]:
+    """Plan name -> typed array of ``{prefix}{layer}.self_attn.*`` for the plan names ``names``,
+    as ``source`` has it."""
     weights = {}
-    for name in WEIGHT_NAMES:
+    for name in names:
         key = kda_tensor_name(prefix, layer, name)
         record = source.get(key)
         if record is None:

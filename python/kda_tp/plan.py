@@ -6,6 +6,7 @@ from a model config or checkpoint.
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 from collections.abc import Iterable, Mapping
@@ -27,7 +28,7 @@ class KdaTpPlan(_native.KdaTpPlan):
     """The per-rank shard plan for one KDA block (head-parallel, one all-reduce after ``o_proj``).
 
     ``KdaTpPlan(tp_rank, tp_size, hidden, head_dim, full_heads, conv_kernel, gate_rank, *,
-    qk_multiple=256, dtypes=None)``
+    qk_multiple=256, dtypes=None, full_rank_gate=False, a_log_len=None)``
 
     Rank ``r`` of ``T`` owns heads ``[r*H/T, (r+1)*H/T)`` and channels ``c = h*head_dim + d`` of
     those heads. Per tensor (plan name; on-disk shape as Kimi-Linear stores it; C = H*head_dim):
@@ -62,10 +63,16 @@ class KdaTpPlan(_native.KdaTpPlan):
             handles 2 heads per 256-thread block); 1 switches the rule off.
         dtypes: safetensors dtype per plan name, overriding the default (BF16; F32 for
             ``A_log`` and ``dt_bias``). Element sizes (bytes) follow from them.
+        full_rank_gate: Kimi K3's full-rank output gate (``g_proj``) instead of the low-rank
+            ``g_a_proj``/``g_b_proj`` (``linear_attn_config.use_full_rank_gate``).
+        a_log_len: entries of the stored ``A_log`` when it is zero-padded past the heads (K3:
+            128 for 96 heads); None (the default) for one entry per head. At least
+            ``full_heads``.
 
     Attributes:
         tp_rank, tp_size, hidden, head_dim, full_heads, local_heads, conv_kernel, gate_rank,
-        qk_multiple: the geometry.
+        qk_multiple, full_rank_gate, a_log_len: the geometry (``a_log_len`` is ``full_heads``
+        when ``A_log`` is not padded).
         tensors: list of :class:`KdaTensorPlan`, one per tensor, in the table's order.
         local_bytes: bytes this rank stores for one KDA block.
         full_bytes: bytes one KDA block occupies on disk.
@@ -76,8 +83,9 @@ class KdaTpPlan(_native.KdaTpPlan):
 
     Raises:
         PlanError: ``tp_rank >= tp_size``; a zero or negative size; heads not divisible by
-            ``tp_size``; the q|k width rule; an unknown tensor or dtype in ``dtypes``; a
-            geometry whose byte sizes overflow.
+            ``tp_size``; the q|k width rule; ``a_log_len < full_heads``; an unknown tensor
+            or dtype in ``dtypes`` (a name not in this layout, e.g. ``g_proj`` without
+            ``full_rank_gate``); a geometry whose byte sizes overflow.
     """
 
     @classmethod
@@ -95,9 +103,11 @@ class KdaTpPlan(_native.KdaTpPlan):
         Args:
             config: a config dict, a ``config.json`` path, a checkpoint directory, or a
                 :class:`~kda_tp.SafetensorsSource`. Kimi-Linear keys (``hidden_size``,
-                ``linear_attn_config.head_dim/num_heads/short_conv_kernel_size``) and
-                Qwen3-Next-style keys (``linear_key_head_dim``, ``linear_num_key_heads``,
-                ``linear_conv_kernel_dim``) are understood.
+                ``linear_attn_config.head_dim/num_heads/short_conv_kernel_size``, K3's
+                ``use_full_rank_gate``), transformers' native ``kimi_linear`` and Qwen3-Next
+                keys (``linear_key_head_dim``, ``linear_num_key_heads``,
+                ``linear_conv_kernel_dim``), at the top level or under ``text_config``
+                (:mod:`kda_tp.config`).
             tp_rank, tp_size: this rank and the world size.
             gate_rank: the gate bottleneck width. With a checkpoint it defaults to the first
                 KDA layer's ``f_a_proj`` row count; with a bare config, to ``head_dim``
@@ -106,18 +116,26 @@ class KdaTpPlan(_native.KdaTpPlan):
             layers: 0-based KDA layer indices, for a checkpoint whose config does not list them;
                 the first one is read for dtypes and the gate rank.
 
-        With a checkpoint, each tensor's dtype (and so its element size) is read from the first
-        KDA layer's header.
+        With a checkpoint, each tensor's dtype (and so its element size) and the stored length
+        of ``A_log`` (``a_log_len``, for K3's zero-padded one) are read from the first KDA
+        layer's header; ``full_rank_gate`` always comes from the config.
 
         Raises:
-            CheckpointError: a missing or invalid config, or a checkpoint whose first KDA
-                layer lacks a tensor.
+            CheckpointError: a missing or invalid config, a config with no KDA layers, or a
+                checkpoint whose first KDA layer lacks a tensor or holds the other output-gate
+                form than the config says.
             DtypeMismatchError: a first-KDA-layer tensor whose dtype is not BF16, F16, F32 or F64.
             ShapeMismatchError: a first-KDA-layer ``f_a_proj`` that is not 2-D (when the gate
                 rank is read from it).
             PlanError: a refused geometry (see the class).
         """
-        from .source import SafetensorsSource, decoder_prefix, kda_layer_indices, kda_tensor_name
+        from .source import (
+            SafetensorsSource,
+            check_gate_form,
+            decoder_prefix,
+            kda_layer_indices,
+            kda_tensor_name,
+        )
 
         source = None
         where = "config"  # names the config in error messages
@@ -138,15 +156,16 @@ class KdaTpPlan(_native.KdaTpPlan):
             where = str(path / CONFIG_NAME if path.is_dir() else path)
         kda = parse_config(config, where)
 
-        dtypes = None
+        dtypes, a_log_len = None, None
         if source is not None:
             indices = kda_layer_indices(source, layers)
             if not indices:
                 raise CheckpointError(f"{where}: no KDA layer to read the dtypes from")
             layer = indices[0]
             prefix = decoder_prefix(source)
+            check_gate_form(source, prefix, layer, kda.full_rank_gate)
             headers = {}
-            for name in _TENSOR_NAMES:
+            for name in _tensor_names(kda.full_rank_gate):
                 full_name = kda_tensor_name(prefix, layer, name)
                 info = source.info(full_name)
                 if info is None:
@@ -159,6 +178,8 @@ class KdaTpPlan(_native.KdaTpPlan):
                     )
                 headers[name] = info
             dtypes = {name: dtype for name, (dtype, _) in headers.items()}
+            stored = math.prod(headers["A_log"][1])
+            a_log_len = stored if stored > kda.heads else None
             if gate_rank is None:
                 f_a_shape = headers["f_a_proj"][1]
                 if len(f_a_shape) != 2:
@@ -179,6 +200,8 @@ class KdaTpPlan(_native.KdaTpPlan):
             kda.head_dim if gate_rank is None else gate_rank,
             qk_multiple=qk_multiple,
             dtypes=dtypes,
+            full_rank_gate=kda.full_rank_gate,
+            a_log_len=a_log_len,
         )
 
     def __reduce__(self) -> tuple[Any, ...]:
@@ -186,7 +209,9 @@ class KdaTpPlan(_native.KdaTpPlan):
         args = (self.tp_rank, self.tp_size, self.hidden, self.head_dim, self.full_heads,
                 self.conv_kernel, self.gate_rank)
         options = {"qk_multiple": self.qk_multiple,
-                   "dtypes": {t.name: t.dtype for t in self.tensors}}
+                   "dtypes": {t.name: t.dtype for t in self.tensors},
+                   "full_rank_gate": self.full_rank_gate,
+                   "a_log_len": self.a_log_len}
         return (_rebuild, (type(self), args, options))
 
 
@@ -196,5 +221,10 @@ def _rebuild(cls: type, args: tuple[int, ...], options: dict[str, Any]) -> KdaTp
 
 # The dtypes the plan accepts for a KDA tensor (the Rust core's rule).
 _FLOAT_DTYPES = ("BF16", "F16", "F32", "F64")
-_TENSOR_NAMES = [t.name for t in _native.KdaTpPlan(0, 1, 1, 128, 1, 1, 1).tensors]
+
+
+def _tensor_names(full_rank_gate: bool) -> list[str]:
+    """Plan names of one KDA block with the given output-gate form, in plan order."""
+    plan = _native.KdaTpPlan(0, 1, 1, 128, 1, 1, 1, full_rank_gate=full_rank_gate)
+    return [t.name for t in plan.tensors]
 

@@ -9,9 +9,13 @@ The equations are those of ``shared/KDA_MATH.md`` ("Forward"), which transcribes
 ``fla/layers/kda.py`` (``KimiDeltaAttention.forward``), ``fla/ops/kda/gate.py``
 (``naive_kda_gate``), ``fla/ops/kda/naive.py`` (``naive_recurrent_kda``),
 ``fla/modules/l2norm.py`` and ``fla/modules/norm/fused_norm_gate.py`` (``FusedRMSNormGated``
-with sigmoid activation). Scope: no cache, no padding mask, ``safe_gate=False``,
-``allow_neg_eigval=False``, no grouped value heads (``num_v_heads == num_heads``,
-``expand_v == 1``), no conv bias, no ``g_b_proj`` bias (Kimi-Linear has none).
+with sigmoid activation). Scope: no cache, no padding mask, ``allow_neg_eigval=False``, no grouped
+value heads (``num_v_heads == num_heads``, ``expand_v == 1``), no conv bias, no ``g_b_proj`` bias
+(Kimi-Linear has none).
+
+Kimi K3 (``KDA_MATH.md``, "Kimi K3 variant") is covered too: the lower-bounded forget gate
+(fla ``naive_kda_lowerbound_gate``, ``gate_lower_bound``), the full-rank output gate ``g_proj``
+and an ``A_log`` zero-padded past the heads.
 
 Everything is computed in float32; BF16/F16 weights are upcast exactly. Only numpy (and
 ``ml_dtypes`` for the bfloat16 dtype) is needed.
@@ -26,12 +30,17 @@ import ml_dtypes
 import numpy as np
 
 from kda_tp.errors import DtypeMismatchError, ShapeMismatchError
-from kda_tp.oracle import TENSOR_NAMES
 
 __all__ = ["WEIGHT_NAMES", "L2NORM_EPS", "kda_layer_forward"]
 
-#: The layer's tensors, by plan name (Kimi-Linear ``self_attn`` names without ``.weight``).
-WEIGHT_NAMES = TENSOR_NAMES
+#: The layer's tensors but the output gate, by plan name (``self_attn`` names without
+#: ``.weight``). The output gate is either ``g_a_proj`` + ``g_b_proj`` (Kimi-Linear) or
+#: ``g_proj`` (Kimi K3).
+WEIGHT_NAMES = (
+    "q_proj", "k_proj", "v_proj", "q_conv1d", "k_conv1d", "v_conv1d", "f_a_proj", "f_b_proj",
+    "b_proj", "A_log", "dt_bias", "o_norm", "o_proj",
+)
+_LOW_RANK_GATE = ("g_a_proj", "g_b_proj")
 
 #: Epsilon of the per-head q/k L2 normalisation (fla ``l2norm``; fixed, not a config value).
 L2NORM_EPS = 1e-6
@@ -47,25 +56,28 @@ def kda_layer_forward(
     *,
     head_dim: int,
     rms_norm_eps: float = 1e-5,
+    gate_lower_bound: float | None = None,
 ) -> np.ndarray:
     """Run one KDA layer forward in float32 and return its output (or a rank's partial output).
 
     Args:
-        weights: plan name -> array-like, for every name in :data:`WEIGHT_NAMES`, in on-disk
-            (Kimi-Linear) shapes, with ``H`` heads, ``C = H * head_dim`` channels, hidden size
-            ``d`` (the last dimension of ``x``), conv kernel ``W`` and gate ranks ``r_f``, ``r_g``:
+        weights: plan name -> array-like, for every name in :data:`WEIGHT_NAMES` plus one
+            output-gate form (``g_a_proj`` and ``g_b_proj``, or ``g_proj``; not both), in
+            on-disk shapes, with ``H`` heads, ``C = H * head_dim`` channels, hidden size ``d``
+            (the last dimension of ``x``), conv kernel ``W`` and gate ranks ``r_f``, ``r_g``:
 
             - ``q_proj``, ``k_proj``, ``v_proj``: ``(C, d)``
             - ``q_conv1d``, ``k_conv1d``, ``v_conv1d``: ``(C, 1, W)`` or ``(C, W)``
             - ``f_a_proj`` / ``f_b_proj``: ``(r_f, d)`` / ``(C, r_f)``
-            - ``g_a_proj`` / ``g_b_proj``: ``(r_g, d)`` / ``(C, r_g)``
+            - ``g_a_proj`` / ``g_b_proj``: ``(r_g, d)`` / ``(C, r_g)``, or ``g_proj``: ``(C, d)``
             - ``b_proj``: ``(H, d)``
-            - ``A_log``: ``(1, 1, H, 1)`` or ``(H,)``
+            - ``A_log``: ``(1, 1, H, 1)``, ``(H,)`` or Kimi K3's zero-padded ``(P,)`` with
+              ``P > H``, whose first ``H`` entries are the heads (the rest is not read)
             - ``dt_bias``: ``(C,)``
             - ``o_norm``: ``(head_dim,)``
             - ``o_proj``: ``(d, C)``
 
-            ``H`` is taken from the size of ``A_log``, ``W`` from ``q_conv1d`` and the gate ranks
+            ``H`` is taken from the rows of ``b_proj``, ``W`` from ``q_conv1d`` and the gate ranks
             from ``f_a_proj`` / ``g_a_proj``, so one rank's local slices (``H / tp_size`` heads,
             ``o_proj`` column block) are accepted as they are. Dtypes: BF16
             (``ml_dtypes.bfloat16``), F16, F32 or F64; all are converted to float32 (exact for
@@ -74,24 +86,31 @@ def kda_layer_forward(
         head_dim: per-head key/value width ``K = V``.
         rms_norm_eps: epsilon of the gated output RMSNorm (``config.rms_norm_eps``; 1e-5 in
             Kimi-Linear). It matters: 1e-6 instead of 1e-5 moves the fixture output by ~0.4.
+        gate_lower_bound: Kimi K3's ``gate_lower_bound`` (< 0). With it the forget gate is
+            ``lb * sigmoid(exp(A_log) * (f + dt_bias))`` (fla ``naive_kda_lowerbound_gate``);
+            without it, Kimi-Linear's ``-exp(A_log) * softplus(f + dt_bias)``.
 
     Returns:
         float32 array ``(B, T, d)``: ``o_proj`` applied to the gated, normalised recurrence
         output of the ``H`` heads present. On local slices this is the rank's partial sum.
 
     Raises:
-        KeyError: a name of :data:`WEIGHT_NAMES` is missing from ``weights``.
+        KeyError: a name of :data:`WEIGHT_NAMES` or of the output gate is missing from
+            ``weights``, or both output-gate forms are present.
         DtypeMismatchError: a weight is not a floating dtype listed above.
-        ShapeMismatchError: ``x`` is not 3-D, ``head_dim`` is not positive, ``A_log`` is empty,
-            or a weight's shape disagrees with the table above; the message names the tensor
-            and gives the expected and actual shapes.
+        ShapeMismatchError: ``x`` is not 3-D, ``head_dim`` is not positive, ``b_proj`` has no
+            rows, or a weight's shape disagrees with the table above; the message names the
+            tensor and gives the expected and actual shapes.
+        ValueError: ``gate_lower_bound`` is not below 0.
     """
     x = np.asarray(x, dtype=np.float32)
     if x.ndim != 3:
         raise ShapeMismatchError(f"x: shape {x.shape}, expected (batch, seq_len, hidden)")
+    if gate_lower_bound is not None and not gate_lower_bound < 0:
+        raise ValueError(f"gate_lower_bound: {gate_lower_bound!r}, expected a number below 0")
     w = _checked_weights(weights, head_dim, x.shape[2])
     batch, seq_len, hidden = x.shape
-    heads = w["A_log"].shape[0]
+    heads = w["b_proj"].shape[0]
     channels = heads * head_dim
     rows = x.reshape(batch * seq_len, hidden)
 
@@ -113,16 +132,24 @@ def kda_layer_forward(
     # Step 4: per-head L2 norm; the head_dim**-0.5 scale goes on q (naive_recurrent_kda).
     q = _l2norm(q) * np.float32(head_dim**-0.5)
     k = _l2norm(k)
-    # Step 5: forget gate in log space (naive_kda_gate), g < 0.
+    # Step 5: forget gate in log space, g < 0: naive_kda_gate, or with K3's lower bound
+    # naive_kda_lowerbound_gate, g in (lb, 0).
     f = per_head(project("f_b_proj", project("f_a_proj", rows)))
     dt_bias = w["dt_bias"].reshape(heads, head_dim)
-    g = -np.exp(w["A_log"])[:, None] * _softplus(f + dt_bias)
+    decay_rate = np.exp(w["A_log"])[:, None]
+    if gate_lower_bound is None:
+        g = -decay_rate * _softplus(f + dt_bias)
+    else:
+        g = np.float32(gate_lower_bound) * _sigmoid(decay_rate * (f + dt_bias))
     # Step 6: beta.
     beta = _sigmoid(project("b_proj", rows)).reshape(batch, seq_len, heads)
     # Step 7: delta-rule recurrence.
     o = _delta_rule(q, k, v, g, beta)
     # Step 8: sigmoid-gated RMSNorm over each head's V channels.
-    z = per_head(project("g_b_proj", project("g_a_proj", rows)))
+    if "g_proj" in w:
+        z = per_head(project("g_proj", rows))
+    else:
+        z = per_head(project("g_b_proj", project("g_a_proj", rows)))
     inv_rms = 1.0 / np.sqrt(np.mean(o * o, axis=-1, keepdims=True) + np.float32(rms_norm_eps))
     o = o * inv_rms * w["o_norm"] * _sigmoid(z)
     # Step 9: output projection (a partial sum when o_proj is a column block).
@@ -135,13 +162,19 @@ def _checked_weights(weights: Mapping[str, Any], head_dim: int, hidden: int) -> 
 
     Checks presence, dtype and shape as documented in :func:`kda_layer_forward`.
     """
-    missing = [n for n in WEIGHT_NAMES if n not in weights]
+    full_rank = "g_proj" in weights
+    if full_rank and any(n in weights for n in _LOW_RANK_GATE):
+        raise KeyError(
+            "KDA reference forward: both output-gate forms given (g_proj and g_a_proj/g_b_proj)"
+        )
+    names = WEIGHT_NAMES + (("g_proj",) if full_rank else _LOW_RANK_GATE)
+    missing = [n for n in names if n not in weights]
     if missing:
         raise KeyError(f"KDA reference forward: missing weights {missing}")
     if not isinstance(head_dim, (int, np.integer)) or head_dim <= 0:
         raise ShapeMismatchError(f"head_dim: {head_dim!r}, expected a positive integer")
     arrays = {}
-    for name in WEIGHT_NAMES:
+    for name in names:
         a = np.asarray(weights[name])
         if a.dtype not in _FLOAT_DTYPES:
             raise DtypeMismatchError(
@@ -149,15 +182,17 @@ def _checked_weights(weights: Mapping[str, Any], head_dim: int, hidden: int) -> 
             )
         arrays[name] = a
 
-    a_log = arrays["A_log"]
-    heads = a_log.size
-    if heads == 0 or not (
-        a_log.ndim == 1 or (a_log.ndim == 4 and a_log.shape[:2] == (1, 1) and a_log.shape[3] == 1)
-    ):
+    b_proj = arrays["b_proj"]
+    if b_proj.ndim != 2 or b_proj.shape[0] == 0:
         raise ShapeMismatchError(
-            f"A_log: shape {a_log.shape}, expected (1, 1, heads, 1) or (heads,) with heads >= 1"
+            f"b_proj: shape {b_proj.shape}, expected (heads, {hidden}) with heads >= 1"
         )
+    heads = b_proj.shape[0]
     channels = heads * head_dim
+    a_log = arrays["A_log"]
+    a_log_shapes = [(1, 1, heads, 1), (heads,)]
+    if a_log.ndim == 1 and a_log.size > heads:
+        a_log_shapes.append(a_log.shape)  # zero-padded past the heads (Kimi K3)
 
     def leading(name: str) -> int:
         """First dim of a 2-D low-rank factor; its second dim must be the hidden size."""
@@ -175,7 +210,12 @@ def _checked_weights(weights: Mapping[str, Any], head_dim: int, hidden: int) -> 
             f"q_conv1d: shape {conv.shape}, expected ({channels}, 1, kernel) or "
             f"({channels}, kernel) with kernel >= 1"
         )
-    f_rank, g_rank = leading("f_a_proj"), leading("g_a_proj")
+    f_rank = leading("f_a_proj")
+    if full_rank:
+        gate = {"g_proj": [(channels, hidden)]}
+    else:
+        g_rank = leading("g_a_proj")
+        gate = {"g_a_proj": [(g_rank, hidden)], "g_b_proj": [(channels, g_rank)]}
     expected = {
         "q_proj": [(channels, hidden)],
         "k_proj": [(channels, hidden)],
@@ -185,10 +225,9 @@ def _checked_weights(weights: Mapping[str, Any], head_dim: int, hidden: int) -> 
         "v_conv1d": [(channels, 1, kernel), (channels, kernel)],
         "f_a_proj": [(f_rank, hidden)],
         "f_b_proj": [(channels, f_rank)],
-        "g_a_proj": [(g_rank, hidden)],
-        "g_b_proj": [(channels, g_rank)],
+        **gate,
         "b_proj": [(heads, hidden)],
-        "A_log": [a_log.shape],
+        "A_log": a_log_shapes,
         "dt_bias": [(channels,)],
         "o_norm": [(head_dim,)],
         "o_proj": [(hidden, channels)],
@@ -200,12 +239,12 @@ def _checked_weights(weights: Mapping[str, Any], head_dim: int, hidden: int) -> 
             wanted = " or ".join(str(s) for s in shapes)
             raise ShapeMismatchError(
                 f"{name}: shape {a.shape}, expected {wanted} "
-                f"(heads {heads} from A_log, head_dim {head_dim}, hidden {hidden})"
+                f"(heads {heads} from b_proj, head_dim {head_dim}, hidden {hidden})"
             )
         out[name] = a.astype(np.float32)
     for name in ("q_conv1d", "k_conv1d", "v_conv1d"):
         out[name] = out[name].reshape(channels, kernel)
-    out["A_log"] = out["A_log"].reshape(heads)
+    out["A_log"] = out["A_log"].reshape(-1)[:heads]
     return out
 
 

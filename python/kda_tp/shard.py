@@ -569,7 +569,8 @@ def verify_shards(
 
     For every tensor of the input: each rank holds it with the dtype and the local shape the
     plan gives; KDA tensors rejoin to the input (row slices concatenated in rank order,
-    ``o_proj`` column slices side by side, replicated tensors equal on every rank); every other
+    ``o_proj`` column slices side by side, replicated tensors equal on every rank; a zero-padded
+    ``A_log`` rejoins to its heads, its padding checked to be zero); every other
     tensor is identical on every rank. Every rank ``0..tp_size-1`` must be present and complete,
     with matching ``tp_rank``/``tp_size`` metadata, and no rank may hold extra tensors. A
     problem names the tensor and the rank(s) whose bytes differ.
@@ -729,6 +730,8 @@ def _check_tensor(
         slices = [full_2d[:, lo:hi] for lo, hi in zip(bounds[:-1], bounds[1:])]
     else:
         rejoined = np.concatenate([p.data for p in parts])
+        # A zero-padded A_log (Kimi K3) rejoins to its heads; the adapter checked the padding.
+        full_bytes = full_bytes[: rejoined.nbytes]
         pieces = [p.data for p in parts]
         bounds = np.cumsum([0] + [p.nbytes for p in parts])
         slices = [full_bytes[lo:hi] for lo, hi in zip(bounds[:-1], bounds[1:])]

@@ -345,6 +345,41 @@ def checkpoint_suffix(plan_name: str) -> str:
     return plan_name if plan_name in _BARE else f"{plan_name}.weight"
 
 
+_LOW_RANK_GATE = ("g_a_proj.weight", "g_b_proj.weight")
+_FULL_RANK_GATE = ("g_proj.weight",)
+
+
+def check_gate_form(source: Any, prefix: str, layer: int, full_rank_gate: bool) -> None:
+    """Refuse a KDA layer whose output gate is not the form the config says.
+
+    Kimi K3 (``use_full_rank_gate: true``) has one ``g_proj.weight``; Kimi-Linear has
+    ``g_a_proj.weight`` and ``g_b_proj.weight``. A layer holding the other form (or both) cannot
+    be sharded by this plan.
+
+    Raises:
+        CheckpointError: naming the file, the tensor found and the config key.
+    """
+    wrong = _LOW_RANK_GATE if full_rank_gate else _FULL_RANK_GATE
+    for suffix in wrong:
+        name = f"{prefix}{layer}.self_attn.{suffix}"
+        if name in source.names():
+            raise CheckpointError(
+                f"{_location(source, name)}: {name}: {_gate_form_problem(full_rank_gate)}"
+            )
+
+
+def _gate_form_problem(full_rank_gate: bool) -> str:
+    if full_rank_gate:
+        return (
+            "the config sets linear_attn_config.use_full_rank_gate (one full-rank g_proj per KDA "
+            "layer), but this KDA layer holds the low-rank g_a_proj/g_b_proj"
+        )
+    return (
+        "this KDA layer holds a full-rank g_proj, but the config does not set "
+        "linear_attn_config.use_full_rank_gate (it expects the low-rank g_a_proj/g_b_proj)"
+    )
+
+
 def kda_layer_indices(source: Any, layers: Iterable[int] | None) -> tuple[int, ...]:
     """0-based KDA layer indices: ``layers`` if given, else the source config's.
 
@@ -372,9 +407,12 @@ class KdaShardedSource:
     For every KDA layer ``i``, ``...layers.{i}.self_attn.<tensor>.weight`` (``A_log`` and
     ``dt_bias`` without ``.weight``) is returned as this rank's slice with its local shape, in
     the on-disk rank (conv ``[C, 1, K]`` -> ``[C/T, 1, K]``, ``A_log`` ``[1, 1, H, 1]`` ->
-    ``[1, 1, H/T, 1]``, ``o_proj`` ``[hidden, C]`` -> ``[hidden, C/T]``). Every other name,
-    including full-attention (MLA) layers' ``self_attn.q_proj``/``o_proj``, passes through
-    untouched. At ``tp_size == 1`` it is the identity.
+    ``[1, 1, H/T, 1]``, K3's zero-padded ``A_log`` ``[P]`` -> ``[H/T]``, ``o_proj``
+    ``[hidden, C]`` -> ``[hidden, C/T]``). Every other name, including full-attention (MLA)
+    layers' ``self_attn.q_proj``/``g_proj``/``o_proj`` (K3's MLA ``g_proj``/``o_proj`` have the
+    KDA names and shapes: layer type comes from the config alone) and vision-tower tensors,
+    passes through untouched. At ``tp_size == 1`` it is the identity, except that a padded
+    ``A_log`` loses its padding.
 
     Args:
         source: the full checkpoint (any object with ``names()`` and ``get(name)``).
@@ -383,12 +421,14 @@ class KdaShardedSource:
             ``linear_attn_config.kda_layers`` is 1-based and converted).
 
     Every KDA tensor is checked when the adapter is built, so bad input fails before any
-    data is read or written.
+    data is read or written; for a zero-padded ``A_log`` that includes reading its padding.
 
     Raises:
         CheckpointError: the KDA layers are unknown, a KDA layer lacks one of its tensors or
             holds a ``self_attn`` tensor the plan does not know (it could not be sharded
-            correctly), or a non-KDA layer holds KDA-only tensors (``A_log``, ``dt_bias``).
+            correctly; e.g. the other output-gate form than the config's), a non-KDA layer holds
+            KDA-only tensors (``A_log``, ``dt_bias``), or a padded ``A_log`` has a non-zero
+            entry past the heads (the message gives the tensor, the index and the value).
         DtypeMismatchError: a KDA tensor's dtype is not the plan's.
         ShapeMismatchError: a KDA tensor's shape does not hold the plan's tensor.
     """
@@ -418,6 +458,11 @@ class KdaShardedSource:
                     )
                 continue
             entry = by_suffix.get(suffix)
+            if entry is None and suffix in _LOW_RANK_GATE + _FULL_RANK_GATE:
+                raise CheckpointError(
+                    f"{_location(source, name)}: {name}: "
+                    f"{_gate_form_problem(plan.full_rank_gate)}"
+                )
             if entry is None:
                 raise CheckpointError(
                     f"{_location(source, name)}: {name}: KDA layer {layer} holds a self_attn "
@@ -431,6 +476,28 @@ class KdaShardedSource:
             if missing:
                 lacking = ", ".join(f"self_attn.{m}" for m in missing)
                 raise CheckpointError(f"{_location(source)}: KDA layer {layer} lacks {lacking}")
+        for name, (entry, _) in self._planned.items():
+            if entry.name == "A_log" and entry.full_rows > plan.full_heads:
+                self._check_padding(name, entry, plan.full_heads)
+
+    def _check_padding(self, name: str, entry: KdaTensorPlan, heads: int) -> None:
+        """Refuse a zero-padded ``A_log`` whose entries past the ``heads`` real ones are not all
+        exactly 0 (Megatron-Bridge refuses the same: the padding carries no head)."""
+        start = heads * entry.elem_bytes
+        read_range = getattr(self.source, "read_range", None)
+        if read_range is not None:
+            raw = read_range(name, start, entry.full_bytes)
+        else:
+            raw = np.asarray(self.source.get(name).data)[start : entry.full_bytes]
+        tail = np.frombuffer(raw, dtype=numpy_dtype(entry.dtype))
+        nonzero = np.flatnonzero(tail)
+        if nonzero.size:
+            i = int(nonzero[0])
+            raise CheckpointError(
+                f"{_location(self.source, name)}: {name}: padding entry {heads + i} is "
+                f"{tail[i].item()!r}, expected 0 (A_log stores {entry.full_rows} entries for "
+                f"{heads} heads; entries {heads}..{entry.full_rows - 1} must be zero padding)"
+            )
 
     @staticmethod
     def _check(name: str, entry: KdaTensorPlan, source: TensorSource) -> tuple[int, ...]:

@@ -15,7 +15,18 @@ small). Two config dialects are produced:
     ``"full_attention"`` otherwise); non-KDA layers are gated GQA layers (``q_proj`` holding query
     and output gate, ``k_proj``, ``v_proj``, ``q_norm``, ``k_norm``, ``o_proj``).
 
-Both dialects name a KDA layer's tensors the Kimi-Linear way, under
+``style="k3"`` (Kimi K3)
+    a wrapper config (``model_type: kimi_k3``) with the Kimi dialect under ``text_config``, plus
+    ``use_full_rank_gate: true`` and ``gate_lower_bound: -5.0``; every name under
+    ``language_model.``; KDA layers have one full-rank ``g_proj.weight [C, d]`` instead of
+    ``g_a_proj``/``g_b_proj``, ``A_log`` 1-D ``[P]`` zero-padded past the H heads (P = max(H, D)
+    by default, K3's 128 for 96 heads), and F32 conv weights and ``o_norm``; non-KDA layers are
+    K3's MLA layers, whose ``g_proj.weight [C, d]`` and ``o_proj.weight [d, C]`` have exactly
+    the KDA names and shapes; a small vision tower
+    (``vision_tower.encoder.blocks.0.self_attn.q_proj/o_proj``, 256 wide) and
+    ``mm_projector.proj.0.weight [d, 256]`` are added.
+
+All dialects name a KDA layer's tensors the Kimi-Linear way, under
 ``model.layers.{i}.self_attn.`` (H heads, D = head_dim, C = H * D, hidden size d, conv kernel K,
 gate rank R; W is the weight dtype, BF16 by default)::
 
@@ -80,9 +91,23 @@ GEOMETRIES: dict[str, dict[str, object]] = {
         "style": "qwen3next",
         "full_attn_every": None,
     },
+    # Kimi K3 (2.8T): 93 layers, every 4th and the last MLA; one KDA layer is about 0.89 GB.
+    "kimi-k3": {
+        "hidden": 7168,
+        "heads": 96,
+        "head_dim": 128,
+        "conv_kernel": 4,
+        "gate_rank": 128,
+        "style": "k3",
+        "full_attn_every": 4,
+    },
 }
 
-_STYLES = ("kimi", "qwen3next")
+_STYLES = ("kimi", "qwen3next", "k3")
+#: Kimi K3's forget-gate lower bound (``linear_attn_config.gate_lower_bound``).
+K3_GATE_LOWER_BOUND = -5.0
+# Hidden size of the synthetic K3 vision tower (small: only its names matter to sharding).
+_VISION_HIDDEN = 256
 _WEIGHT_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
 _DEFAULT_MAX_FILE_BYTES = 400 * 2**20
 _RMS_NORM_EPS = 1e-5
@@ -111,9 +136,11 @@ def write_checkpoint(
         out_dir: directory to write into (created if missing; files of the same names are
             replaced).
         model: a key of :data:`GEOMETRIES`: ``"kimi-linear"`` (Kimi-Linear-48B-A3B attention:
-            every 4th layer MLA, Kimi config) or ``"glm-5.3-flash"`` (all layers KDA,
-            Qwen3-Next-style config).
-        num_layers: number of decoder layers (default 4: 0-based layer 3 is MLA for Kimi).
+            every 4th layer MLA, Kimi config), ``"glm-5.3-flash"`` (all layers KDA,
+            Qwen3-Next-style config) or ``"kimi-k3"`` (Kimi K3: every 4th layer and, as in
+            the real model, the last one MLA; K3 config and tensors, ``style="k3"``).
+        num_layers: number of decoder layers (default 4: 0-based layer 3 is MLA for Kimi and
+            K3; with K3 and 2 layers, layer 0 is KDA and layer 1 MLA).
         seed: non-negative int; the same arguments give byte-identical files.
         vocab_size: rows of ``embed_tokens`` and ``lm_head``; small by default to keep files small.
         max_file_bytes: byte budget per safetensors file (tensor data; a file exceeds it by at
@@ -122,7 +149,7 @@ def write_checkpoint(
             generated, with byte counts of tensor data.
 
     Sizes with the defaults: Kimi-Linear 4 layers about 305 MB in 2 files, GLM-5.3-Flash 4 layers
-    about 1.1 GB in 3 files.
+    about 1.1 GB in 3 files, Kimi K3 2 layers (one KDA, one MLA) about 1.4 GB in 4 files.
 
     Returns:
         ``Path(out_dir)``.
@@ -138,6 +165,8 @@ def write_checkpoint(
     _check_positive(num_layers=num_layers)
     every = geometry["full_attn_every"]
     kda_layers = [i for i in range(num_layers) if every is None or (i + 1) % every != 0]
+    if geometry["style"] == "k3" and num_layers > 1:
+        kda_layers = [i for i in kda_layers if i != num_layers - 1]
     return write_small_checkpoint(
         out_dir,
         hidden=geometry["hidden"],
@@ -171,6 +200,7 @@ def write_small_checkpoint(
     weight_dtype: str = "BF16",
     flat_a_log: bool = False,
     flat_conv: bool = False,
+    a_log_len: int | None = None,
     max_file_bytes: int = _DEFAULT_MAX_FILE_BYTES,
     progress: ProgressFn | None = None,
 ) -> Path:
@@ -186,13 +216,15 @@ def write_small_checkpoint(
         kda_layers: **0-based** indices of the KDA layers (any subset, unique, in range); the
             config stores them the way its dialect does (1-based for ``style="kimi"``).
         seed: non-negative int; the same arguments give byte-identical files.
-        style: ``"kimi"`` or ``"qwen3next"`` config dialect (and MLA vs. gated-GQA full-attention
-            layers).
+        style: ``"kimi"``, ``"qwen3next"`` or ``"k3"`` config dialect and tensor layout (MLA,
+            gated-GQA or K3 MLA full-attention layers; see the module docstring).
         vocab_size: rows of ``embed_tokens`` and ``lm_head``.
         weight_dtype: ``"BF16"``, ``"F16"`` or ``"F32"`` for every tensor except ``A_log`` and
             ``dt_bias``, which are always F32.
         flat_a_log: store ``A_log`` as ``[H]`` instead of ``[1, 1, H, 1]``.
         flat_conv: store the conv weights as ``[C, K]`` instead of ``[C, 1, K]``.
+        a_log_len: ``style="k3"`` only: stored ``A_log`` entries P >= H, the entries past the H
+            heads zero (default ``max(H, D)``, as K3 pads 96 heads to 128).
         max_file_bytes: byte budget per safetensors file (tensor data; a file exceeds it by at
             most one tensor). At least two files are always written.
         progress: optional ``progress(bytes_done, bytes_total)``, called after each tensor is
@@ -203,7 +235,8 @@ def write_small_checkpoint(
 
     Raises:
         PlanError: a non-positive size, a negative seed, an out-of-range or repeated
-            ``kda_layers`` entry, or an unknown ``style``.
+            ``kda_layers`` entry, an unknown ``style``, or an ``a_log_len`` below ``heads`` or
+            without ``style="k3"``.
         DtypeMismatchError: an unsupported ``weight_dtype``.
         OutputError: the directory or a file cannot be written.
     """
@@ -226,6 +259,13 @@ def write_small_checkpoint(
             f"weight_dtype {weight_dtype!r} is not supported; "
             f"expected one of {list(_WEIGHT_DTYPES)}"
         )
+    if style == "k3":
+        a_log_len = max(heads, head_dim) if a_log_len is None else a_log_len
+        _check_positive(a_log_len=a_log_len)
+        if a_log_len < heads:
+            raise PlanError(f"a_log_len {a_log_len} is below the {heads} heads")
+    elif a_log_len is not None:
+        raise PlanError("a_log_len (a zero-padded A_log) needs style='k3'")
     kda = list(kda_layers)
     if (
         len(set(kda)) != len(kda)
@@ -244,7 +284,7 @@ def write_small_checkpoint(
         raise OutputError(f"{out}: cannot create output directory: {exc}") from exc
 
     geometry = _Geometry(
-        hidden, heads, head_dim, conv_kernel, gate_rank, style, flat_a_log, flat_conv
+        hidden, heads, head_dim, conv_kernel, gate_rank, style, flat_a_log, flat_conv, a_log_len
     )
     specs = _model_tensors(geometry, num_layers, set(kda), vocab_size, weight_dtype)
     _io.write_json(
@@ -268,6 +308,7 @@ class _Geometry:
         style: str,
         flat_a_log: bool,
         flat_conv: bool,
+        a_log_len: int | None,
     ):
         self.hidden = hidden
         self.heads = heads
@@ -278,6 +319,11 @@ class _Geometry:
         self.style = style
         self.flat_a_log = flat_a_log
         self.flat_conv = flat_conv
+        self.a_log_len = a_log_len
+        # Names of the language model's tensors start with this (K3 nests it in a wrapper).
+        self.prefix = "language_model." if style == "k3" else ""
+        # K3's MLA: q_lora_rank = 12 D, rope = D / 2 (1536 and 64 at D = 128).
+        self.q_lora_rank = 12 * head_dim
         # MLA sizes follow Kimi-Linear's ratios: rope = D/2, kv_lora_rank = 4D, nope = v = D.
         self.rope_dim = max(1, head_dim // 2)
         self.kv_lora_rank = 4 * head_dim
@@ -289,8 +335,9 @@ class _Spec:
     """One tensor to generate: name, safetensors dtype, shape and value distribution.
 
     ``kind`` is ``"proj"`` (N(0, 0.02)), ``"conv"`` (U(-0.5, 0.5)), ``"norm"`` (1 + N(0, 0.02)),
-    ``"a_log"`` (log U(1, 16)) or ``"dt_bias"`` (inverse softplus of a log-uniform step in
-    [1e-3, 1e-1], as flash-linear-attention initialises it).
+    ``"a_log"`` (log U(1, 16)), ``"a_log_pad:H"`` (the first H entries log U(1, 16), the rest
+    zero) or ``"dt_bias"`` (inverse softplus of a log-uniform step in [1e-3, 1e-1], as
+    flash-linear-attention initialises it).
     """
 
     __slots__ = ("dtype", "kind", "name", "nbytes", "shape")
@@ -306,21 +353,31 @@ class _Spec:
 def _model_tensors(
     g: _Geometry, num_layers: int, kda: set[int], vocab: int, wdt: str
 ) -> list[_Spec]:
-    """All tensors of the model in file order: embeddings, layers 0.., final norm, lm_head."""
-    specs = [_Spec("model.embed_tokens.weight", wdt, (vocab, g.hidden), "proj")]
+    """All tensors of the model in file order: embeddings, layers 0.., final norm, lm_head, and
+    for K3 the vision tower and projector."""
+    lm = g.prefix
+    specs = [_Spec(lm + "model.embed_tokens.weight", wdt, (vocab, g.hidden), "proj")]
     for i in range(num_layers):
-        layer = f"model.layers.{i}."
+        layer = f"{lm}model.layers.{i}."
         specs.append(_Spec(layer + "input_layernorm.weight", wdt, (g.hidden,), "norm"))
         if i in kda:
             attention = _kda_tensors(g, wdt)
         elif g.style == "kimi":
             attention = _mla_tensors(g, wdt)
+        elif g.style == "k3":
+            attention = _k3_mla_tensors(g, wdt)
         else:
             attention = _gqa_tensors(g, wdt)
         specs.extend(_Spec(layer + "self_attn." + n, dt, s, k) for n, dt, s, k in attention)
         specs.append(_Spec(layer + "post_attention_layernorm.weight", wdt, (g.hidden,), "norm"))
-    specs.append(_Spec("model.norm.weight", wdt, (g.hidden,), "norm"))
-    specs.append(_Spec("lm_head.weight", wdt, (vocab, g.hidden), "proj"))
+    specs.append(_Spec(lm + "model.norm.weight", wdt, (g.hidden,), "norm"))
+    specs.append(_Spec(lm + "lm_head.weight", wdt, (vocab, g.hidden), "proj"))
+    if g.style == "k3":
+        # A vision tower whose `self_attn.q_proj`/`o_proj` must never be taken for KDA.
+        tower, width = "vision_tower.encoder.blocks.0.self_attn.", _VISION_HIDDEN
+        specs.append(_Spec(tower + "q_proj.weight", wdt, (width, width), "proj"))
+        specs.append(_Spec(tower + "o_proj.weight", wdt, (width, width), "proj"))
+        specs.append(_Spec("mm_projector.proj.0.weight", wdt, (g.hidden, width), "proj"))
     return specs
 
 
@@ -328,6 +385,24 @@ def _kda_tensors(g: _Geometry, wdt: str) -> list[tuple[str, str, tuple[int, ...]
     """A KDA layer's ``self_attn`` tensors in the plan's spec order."""
     c, d, r = g.channels, g.hidden, g.gate_rank
     conv = (c, g.conv_kernel) if g.flat_conv else (c, 1, g.conv_kernel)
+    if g.style == "k3":
+        # K3: full-rank output gate, A_log zero-padded, F32 convs and o_norm.
+        return [
+            ("q_proj.weight", wdt, (c, d), "proj"),
+            ("k_proj.weight", wdt, (c, d), "proj"),
+            ("v_proj.weight", wdt, (c, d), "proj"),
+            ("q_conv1d.weight", "F32", conv, "conv"),
+            ("k_conv1d.weight", "F32", conv, "conv"),
+            ("v_conv1d.weight", "F32", conv, "conv"),
+            ("f_a_proj.weight", wdt, (r, d), "proj"),
+            ("f_b_proj.weight", wdt, (c, r), "proj"),
+            ("g_proj.weight", wdt, (c, d), "proj"),
+            ("b_proj.weight", wdt, (g.heads, d), "proj"),
+            ("A_log", "F32", (g.a_log_len,), f"a_log_pad:{g.heads}"),
+            ("dt_bias", "F32", (c,), "dt_bias"),
+            ("o_norm.weight", "F32", (g.head_dim,), "norm"),
+            ("o_proj.weight", wdt, (d, c), "proj"),
+        ]
     a_log = (g.heads,) if g.flat_a_log else (1, 1, g.heads, 1)
     return [
         ("q_proj.weight", wdt, (c, d), "proj"),
@@ -360,6 +435,24 @@ def _mla_tensors(g: _Geometry, wdt: str) -> list[tuple[str, str, tuple[int, ...]
     ]
 
 
+def _k3_mla_tensors(g: _Geometry, wdt: str) -> list[tuple[str, str, tuple[int, ...], str]]:
+    """A Kimi K3 MLA layer's ``self_attn`` tensors (q-LoRA, output gate). Its ``g_proj`` and
+    ``o_proj`` have exactly a KDA layer's names and shapes."""
+    d, h, hd, lora, rope, q_rank = (
+        g.hidden, g.heads, g.head_dim, g.kv_lora_rank, g.rope_dim, g.q_lora_rank
+    )
+    return [
+        ("q_a_proj.weight", wdt, (q_rank, d), "proj"),
+        ("q_a_layernorm.weight", wdt, (q_rank,), "norm"),
+        ("q_b_proj.weight", wdt, (h * (hd + rope), q_rank), "proj"),
+        ("kv_a_proj_with_mqa.weight", wdt, (lora + rope, d), "proj"),
+        ("kv_a_layernorm.weight", wdt, (lora,), "norm"),
+        ("kv_b_proj.weight", wdt, (h * 2 * hd, lora), "proj"),
+        ("g_proj.weight", wdt, (h * hd, d), "proj"),
+        ("o_proj.weight", wdt, (d, h * hd), "proj"),
+    ]
+
+
 def _gqa_tensors(g: _Geometry, wdt: str) -> list[tuple[str, str, tuple[int, ...], str]]:
     """A Qwen3-Next-style gated GQA layer's ``self_attn`` tensors (q_proj = query + gate)."""
     d, h, hd, kv = g.hidden, g.heads, g.head_dim, g.kv_heads
@@ -384,6 +477,20 @@ def _config(g: _Geometry, num_layers: int, kda: set[int], vocab: int, torch_dtyp
         "tie_word_embeddings": False,
         "torch_dtype": torch_dtype,
     }
+    if g.style == "k3":
+        text = _config(_Geometry(g.hidden, g.heads, g.head_dim, g.conv_kernel, g.gate_rank,
+                                 "kimi", False, False, None), num_layers, kda, vocab, torch_dtype)
+        text["linear_attn_config"].update(
+            use_full_rank_gate=True, gate_lower_bound=K3_GATE_LOWER_BOUND
+        )
+        text.pop("architectures")
+        text.update(q_lora_rank=g.q_lora_rank, mla_use_output_gate=True)
+        return {
+            "architectures": ["KimiK3ForConditionalGeneration"],
+            "model_type": "kimi_k3",
+            "text_config": text,
+            "vision_config": {"hidden_size": _VISION_HIDDEN, "num_hidden_layers": 1},
+        }
     if g.style == "kimi":
         return {
             "architectures": ["KimiLinearForCausalLM"],
@@ -507,6 +614,10 @@ class _Generator:
             values = rng.random(count, dtype=np.float32) - np.float32(0.5)
         elif spec.kind == "a_log":
             values = np.log(rng.uniform(1.0, 16.0, count)).astype(np.float32)
+        elif spec.kind.startswith("a_log_pad:"):
+            heads = int(spec.kind.split(":")[1])
+            values = np.zeros(count, np.float32)
+            values[:heads] = np.log(rng.uniform(1.0, 16.0, heads))
         else:  # dt_bias
             dt = np.exp(rng.uniform(math.log(1e-3), math.log(1e-1), count))
             values = (dt + np.log(-np.expm1(-dt))).astype(np.float32)

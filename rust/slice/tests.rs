@@ -392,6 +392,7 @@ fn parallel_gather_with_odd_widths() {
     let o_opts = |dtype| PlanOptions {
         qk_multiple: 1,
         dtypes: vec![("o_proj".into(), dtype)],
+        ..PlanOptions::default()
     };
     for (dtype, elem) in [(Dtype::BF16, 2usize), (Dtype::F32, 4)] {
         // 6 heads of 100 at TP=2: 300 local channels.
@@ -454,7 +455,7 @@ proptest! {
         } else {
             Vec::new()
         };
-        let o = PlanOptions { qk_multiple: qk, dtypes };
+        let o = PlanOptions { qk_multiple: qk, dtypes, ..PlanOptions::default() };
         for tp in (1..=heads).filter(|tp| heads % tp == 0) {
             let plans: Vec<KdaTpPlan> = (0..tp)
                 .map(|r| KdaTpPlan::with_options(r, tp, hidden, head_dim, heads, kernel, gate, &o).unwrap())

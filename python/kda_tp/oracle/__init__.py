@@ -20,6 +20,12 @@ contiguous channel range ``[r * C/T, (r+1) * C/T)`` with ``C = heads * head_dim`
 * row-parallel: ``o_proj`` ``[hidden, C]``, sliced on its input (last) axis; every rank's output
   is a partial sum, and one all-reduce follows it when ``tp_size > 1``.
 
+Kimi K3 (``shared/notes/kimi_k3.md``) changes two things. Its output gate is one full-rank
+``g_proj`` ``[C, hidden]``, column-parallel like ``q_proj``, in place of ``g_a_proj`` and
+``g_b_proj`` (14 tensors). Its ``A_log`` is stored 1-D with more entries than heads (128 for 96),
+the first ``H`` the heads and the rest zero: rank ``r`` keeps entries ``[r * H/T, (r+1) * H/T)``
+of it, never an even split of the stored length, and the padding must be zero.
+
 Sizes are in elements unless a name says bytes.
 """
 
@@ -39,6 +45,7 @@ from kda_tp.errors import CheckpointError, PlanError, ShapeMismatchError
 
 __all__ = [
     "TENSOR_NAMES",
+    "FULL_RANK_GATE_TENSOR_NAMES",
     "ELEM_BYTES",
     "MAX_BYTES",
     "OracleTensor",
@@ -65,6 +72,24 @@ TENSOR_NAMES = (
     "f_b_proj",
     "g_a_proj",
     "g_b_proj",
+    "b_proj",
+    "A_log",
+    "dt_bias",
+    "o_norm",
+    "o_proj",
+)
+
+#: The tensors of one Kimi K3 KDA block (full-rank output gate), in plan order.
+FULL_RANK_GATE_TENSOR_NAMES = (
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "q_conv1d",
+    "k_conv1d",
+    "v_conv1d",
+    "f_a_proj",
+    "f_b_proj",
+    "g_proj",
     "b_proj",
     "A_log",
     "dt_bias",
@@ -128,8 +153,9 @@ class OraclePlan:
     """The shard plan of one KDA block on rank ``tp_rank`` of ``tp_size``.
 
     ``full_heads`` counts heads over all ranks, ``local_heads = full_heads / tp_size`` those of
-    this rank. ``tensors`` holds one :class:`OracleTensor` per name of :data:`TENSOR_NAMES`, in
-    that order.
+    this rank. ``tensors`` holds one :class:`OracleTensor` per name of :data:`TENSOR_NAMES` (or
+    :data:`FULL_RANK_GATE_TENSOR_NAMES` when ``full_rank_gate``), in that order. ``a_log_len`` is
+    the stored length of ``A_log`` (``full_heads`` unless zero-padded).
     """
 
     tp_rank: int
@@ -141,6 +167,8 @@ class OraclePlan:
     conv_kernel: int
     gate_rank: int
     qk_multiple: int
+    full_rank_gate: bool
+    a_log_len: int
     tensors: list[OracleTensor]
 
     @property
@@ -175,6 +203,8 @@ def plan(
     *,
     qk_multiple: int = 256,
     dtypes: Mapping[str, str] | None = None,
+    full_rank_gate: bool = False,
+    a_log_len: int | None = None,
 ) -> OraclePlan:
     """The shard plan of one KDA block for rank ``tp_rank`` of ``tp_size`` (spec ``tp.rs``,
     ``KdaTpPlan::new``).
@@ -191,6 +221,10 @@ def plan(
             1 switches the rule off.
         dtypes: plan name -> ``"BF16"``, ``"F16"``, ``"F32"`` or ``"F64"``, overriding the
             defaults (BF16, F32 for ``A_log`` and ``dt_bias``).
+        full_rank_gate: Kimi K3's output gate: ``g_proj`` ``[C, hidden]`` (CHANNEL_ROWS) instead
+            of ``g_a_proj``/``g_b_proj``.
+        a_log_len: entries of the stored ``A_log`` when zero-padded past the heads (K3: 128 for
+            96 heads); ``None`` for one entry per head.
 
     Returns:
         An :class:`OraclePlan`. Per tensor (full shape as ``[rows, row_elems]``, with
@@ -203,8 +237,9 @@ def plan(
         q/k/v_conv1d                CHANNEL_ROWS  [C, K]               rows ``[r*Cl, (r+1)*Cl)``
         f_a_proj, g_a_proj          REPLICATED    [gate_rank, hidden]  everything
         f_b_proj, g_b_proj          CHANNEL_ROWS  [C, gate_rank]       rows ``[r*Cl, (r+1)*Cl)``
+        g_proj (full_rank_gate)     CHANNEL_ROWS  [C, hidden]          rows ``[r*Cl, (r+1)*Cl)``
         b_proj                      HEAD_ROWS     [H, hidden]          rows ``[r*Hl, (r+1)*Hl)``
-        A_log                       HEAD_ROWS     [H, 1]               rows ``[r*Hl, (r+1)*Hl)``
+        A_log                       HEAD_ROWS     [P, 1] (P >= H)      rows ``[r*Hl, (r+1)*Hl)``
         dt_bias                     CHANNEL_ROWS  [C, 1]               rows ``[r*Cl, (r+1)*Cl)``
         o_norm                      REPLICATED    [head_dim, 1]        everything
         o_proj                      CHANNEL_COLS  [hidden, C]          columns ``[r*Cl, (r+1)*Cl)``
@@ -214,8 +249,9 @@ def plan(
         PlanError: ``tp_size == 0`` or ``tp_rank >= tp_size``; a zero (or negative) ``hidden``,
             ``head_dim``, ``full_heads``, ``conv_kernel``, ``gate_rank`` or ``qk_multiple``;
             ``full_heads`` not divisible by ``tp_size``; a local q|k width that is not a
-            multiple of ``qk_multiple``; an unknown tensor name or dtype in ``dtypes``; a tensor
-            or the whole block over :data:`MAX_BYTES` bytes.
+            multiple of ``qk_multiple``; ``a_log_len`` below ``full_heads``; an unknown tensor
+            name (for this gate form) or dtype in ``dtypes``; a tensor or the whole block over
+            :data:`MAX_BYTES` bytes.
     """
     if tp_size <= 0 or not 0 <= tp_rank < tp_size:
         raise PlanError(f"tp_rank {tp_rank} is not in [0, tp_size {tp_size})")
@@ -238,7 +274,12 @@ def plan(
             f"KDA TP: local q|k width 2 * {local_heads} heads * {head_dim} = {qk_width} "
             f"is not a multiple of {qk_multiple}"
         )
-    chosen = _resolve_dtypes(dtypes)
+    names = FULL_RANK_GATE_TENSOR_NAMES if full_rank_gate else TENSOR_NAMES
+    chosen = _resolve_dtypes(dtypes, names)
+    stored = full_heads if a_log_len is None else a_log_len
+    if stored < full_heads:
+        raise PlanError(f"A_log holds {stored} entries but there are {full_heads} heads")
+    a_log_shape = (1, 1, full_heads, 1) if stored == full_heads else (stored,)
 
     channels = full_heads * head_dim
     local_channels = local_heads * head_dim
@@ -255,11 +296,14 @@ def plan(
         ("g_a_proj", _REPLICATED, gate_rank, hidden, (gate_rank, hidden)),
         ("g_b_proj", _CHANNEL_ROWS, channels, gate_rank, (channels, gate_rank)),
         ("b_proj", _HEAD_ROWS, full_heads, hidden, (full_heads, hidden)),
-        ("A_log", _HEAD_ROWS, full_heads, 1, (1, 1, full_heads, 1)),
+        ("g_proj", _CHANNEL_ROWS, channels, hidden, (channels, hidden)),
+        ("A_log", _HEAD_ROWS, stored, 1, a_log_shape),
         ("dt_bias", _CHANNEL_ROWS, channels, 1, (channels,)),
         ("o_norm", _REPLICATED, head_dim, 1, (head_dim,)),
         ("o_proj", _CHANNEL_COLS, hidden, channels, (hidden, channels)),
     )
+    order = {n: i for i, n in enumerate(names)}
+    layout = sorted((row for row in layout if row[0] in order), key=lambda row: order[row[0]])
     tensors = []
     for name, kind, rows, row_elems, disk_shape in layout:
         elem_bytes = ELEM_BYTES[chosen[name]]
@@ -289,6 +333,8 @@ def plan(
         conv_kernel,
         gate_rank,
         qk_multiple,
+        full_rank_gate,
+        stored,
         tensors,
     )
     if result.full_bytes > MAX_BYTES:
@@ -299,13 +345,13 @@ def plan(
     return result
 
 
-def _resolve_dtypes(dtypes: Mapping[str, str] | None) -> dict[str, str]:
-    """Plan name -> dtype, the defaults overridden by ``dtypes``; PlanError on unknown keys or
-    dtypes."""
-    chosen = {n: "F32" if n in _F32_TENSORS else _DEFAULT_DTYPE for n in TENSOR_NAMES}
+def _resolve_dtypes(dtypes: Mapping[str, str] | None, names: Sequence[str]) -> dict[str, str]:
+    """Plan name -> dtype for the plan names ``names``, the defaults overridden by ``dtypes``;
+    PlanError on keys outside ``names`` or unknown dtypes."""
+    chosen = {n: "F32" if n in _F32_TENSORS else _DEFAULT_DTYPE for n in names}
     for name, dtype in (dtypes or {}).items():
         if name not in chosen:
-            raise PlanError(f"unknown KDA tensor {name!r}; the plan has {', '.join(TENSOR_NAMES)}")
+            raise PlanError(f"unknown KDA tensor {name!r}; the plan has {', '.join(names)}")
         if dtype not in ELEM_BYTES:
             raise PlanError(f"{name}: dtype {dtype!r} is not one of {', '.join(ELEM_BYTES)}")
         chosen[name] = dtype
@@ -409,29 +455,40 @@ def plan_name(checkpoint_name: str) -> str:
 
 @dataclass(frozen=True)
 class KdaConfig:
-    """KDA geometry read from a ``config.json``. ``kda_layers`` are 0-based layer indices."""
+    """KDA geometry read from a ``config.json``. ``kda_layers`` are 0-based layer indices;
+    ``full_rank_gate`` is Kimi K3's ``use_full_rank_gate``."""
 
     hidden: int
     head_dim: int
     heads: int
     conv_kernel: int
     kda_layers: frozenset[int]
+    full_rank_gate: bool = False
 
 
 def read_kda_config(config: Mapping) -> KdaConfig:
     """The KDA geometry of a parsed ``config.json``.
 
-    Two layouts are understood:
+    A wrapper config (Kimi K3's ``model_type: kimi_k3``) keeps the language model's keys under
+    ``text_config``; they are read from there when the top level has none. Two layouts are
+    understood:
 
-    * Kimi-Linear: ``hidden_size`` and ``linear_attn_config`` with ``head_dim``, ``num_heads``,
-      ``short_conv_kernel_size`` and ``kda_layers`` (1-based layer numbers).
-    * Qwen3-Next style: ``hidden_size``, ``linear_key_head_dim``, ``linear_num_key_heads``,
-      ``linear_conv_kernel_dim`` and ``layer_types``, where ``"linear_attention"`` at index
-      ``i`` marks 0-based layer ``i`` as KDA.
+    * Kimi-Linear / Kimi K3: ``hidden_size`` and ``linear_attn_config`` with ``head_dim``,
+      ``num_heads``, ``short_conv_kernel_size``, ``kda_layers`` (1-based layer numbers) and
+      optionally ``use_full_rank_gate``.
+    * transformers' ``kimi_linear`` / Qwen3-Next style: ``hidden_size``,
+      ``linear_key_head_dim`` and ``linear_num_key_heads`` (older spelling: ``linear_head_dim``
+      and ``linear_num_heads``), ``linear_conv_kernel_dim`` and ``layer_types``, where
+      ``"linear_attention"`` or ``"kda_attention"`` at index ``i`` marks 0-based layer ``i``
+      as KDA.
 
     Raises:
-        CheckpointError: neither layout is present, or a value has the wrong type.
+        CheckpointError: neither layout is present ("no KDA layers"), no layer is KDA, or a
+            value has the wrong type.
     """
+    layout_keys = ("linear_attn_config", "linear_key_head_dim", "linear_head_dim")
+    if not any(k in config for k in layout_keys) and isinstance(config.get("text_config"), Mapping):
+        config = config["text_config"]
     try:
         if isinstance(config.get("linear_attn_config"), Mapping):
             lac = config["linear_attn_config"]
@@ -441,21 +498,28 @@ def read_kda_config(config: Mapping) -> KdaConfig:
                 heads=lac["num_heads"],
                 conv_kernel=lac["short_conv_kernel_size"],
                 kda_layers=frozenset(n - 1 for n in lac["kda_layers"]),
+                full_rank_gate=lac.get("use_full_rank_gate", False) is True,
             )
-        elif "layer_types" in config and "linear_key_head_dim" in config:
+        elif "layer_types" in config and (
+            "linear_key_head_dim" in config or "linear_head_dim" in config
+        ):
+            key = "linear_key_head_dim" if "linear_key_head_dim" in config else "linear_head_dim"
+            heads = "linear_num_key_heads" if key == "linear_key_head_dim" else "linear_num_heads"
             result = KdaConfig(
                 hidden=config["hidden_size"],
-                head_dim=config["linear_key_head_dim"],
-                heads=config["linear_num_key_heads"],
+                head_dim=config[key],
+                heads=config[heads],
                 conv_kernel=config["linear_conv_kernel_dim"],
                 kda_layers=frozenset(
-                    i for i, t in enumerate(config["layer_types"]) if t == "linear_attention"
+                    i
+                    for i, t in enumerate(config["layer_types"])
+                    if t in ("linear_attention", "kda_attention")
                 ),
             )
         else:
             raise CheckpointError(
-                "config.json has neither linear_attn_config (Kimi-Linear) nor "
-                "layer_types + linear_key_head_dim (Qwen3-Next style)"
+                "config.json: no KDA layers: neither linear_attn_config (Kimi-Linear, K3) nor "
+                "layer_types + linear_key_head_dim (kimi_linear, Qwen3-Next style)"
             )
     except (KeyError, TypeError) as exc:
         raise CheckpointError(f"config.json: missing or malformed KDA key: {exc}") from exc
@@ -464,6 +528,8 @@ def read_kda_config(config: Mapping) -> KdaConfig:
         isinstance(i, int) and i >= 0 for i in result.kda_layers
     ):
         raise CheckpointError(f"config.json: KDA geometry is not positive integers: {result}")
+    if not result.kda_layers:
+        raise CheckpointError("config.json: no KDA layers: the config marks no layer as KDA")
     return result
 
 
@@ -610,8 +676,11 @@ def _decoder_prefix(names: Iterable[str]) -> str:
     return prefixes.pop() if len(prefixes) == 1 else "model.layers."
 
 
-def _kda_plan_name(name: str, kda_layers: frozenset[int], prefix: str) -> str | None:
-    """The plan name of checkpoint tensor ``name`` if it belongs to a KDA layer, else ``None``.
+def _kda_plan_name(
+    name: str, kda_layers: frozenset[int], prefix: str, names: Sequence[str]
+) -> str | None:
+    """The plan name (one of ``names``) of checkpoint tensor ``name`` if it belongs to a KDA
+    layer, else ``None``.
 
     Layer type comes from the config, never from a tensor's shape: full-attention (MLA) layers
     also have ``self_attn.q_proj`` and an ``o_proj`` of the same shape.
@@ -620,7 +689,7 @@ def _kda_plan_name(name: str, kda_layers: frozenset[int], prefix: str) -> str | 
     if match is None or int(match[1]) not in kda_layers:
         return None
     candidate = plan_name(match[2])
-    return candidate if candidate in TENSOR_NAMES else None
+    return candidate if candidate in names else None
 
 
 def verify(checkpoint_dir: str | Path, out_dir: str | Path) -> list[str]:
@@ -661,12 +730,16 @@ def verify(checkpoint_dir: str | Path, out_dir: str | Path) -> list[str]:
     f_a = source.tensors.get(prefix + "f_a_proj.weight")
     if f_a is None or not f_a.shape:
         return [f"input: {prefix}f_a_proj.weight is missing, so gate_rank is unknown"]
+    names = FULL_RANK_GATE_TENSOR_NAMES if geometry.full_rank_gate else TENSOR_NAMES
     dtypes = {
         name: source.tensors[full].dtype
-        for name in TENSOR_NAMES
+        for name in names
         for full in (prefix + name, prefix + name + ".weight")
         if full in source.tensors
     }
+    a_log = source.tensors.get(prefix + "A_log")
+    a_log_len = math.prod(a_log.shape) if a_log is not None else None
+    problems = _padding_problems(source, geometry, decoder)
 
     if not out_dir.is_dir():
         return [f"output: {out_dir} is not a directory"]
@@ -685,7 +758,6 @@ def verify(checkpoint_dir: str | Path, out_dir: str | Path) -> list[str]:
             f"(tp_size {tp_size}; incomplete run?)"
         ]
 
-    problems = []
     for rank, rank_dir in rank_dirs:
         try:
             rank_plan = plan(
@@ -698,6 +770,8 @@ def verify(checkpoint_dir: str | Path, out_dir: str | Path) -> list[str]:
                 f_a.shape[0],
                 qk_multiple=1,
                 dtypes=dtypes,
+                full_rank_gate=geometry.full_rank_gate,
+                a_log_len=a_log_len,
             )
         except PlanError as exc:
             problems.append(f"rank{rank}: no shard plan for this geometry: {exc}")
@@ -708,6 +782,25 @@ def verify(checkpoint_dir: str | Path, out_dir: str | Path) -> list[str]:
             problems.append(f"rank{rank}: {exc}")
             continue
         problems += _check_rank(source, sharded, rank_plan, geometry.kda_layers, decoder)
+    return problems
+
+
+def _padding_problems(source: _Checkpoint, geometry: KdaConfig, decoder: str) -> list[str]:
+    """One line per KDA layer whose ``A_log`` holds a non-zero entry past the heads (K3 pads
+    ``A_log`` with zeros; a non-zero pad means the checkpoint is not what the plan assumes)."""
+    problems = []
+    for layer in sorted(geometry.kda_layers):
+        name = f"{decoder}{layer}.self_attn.A_log"
+        info = source.tensors.get(name)
+        if info is None or info.dtype != "F32" or math.prod(info.shape) <= geometry.heads:
+            continue
+        values = struct.unpack(f"<{math.prod(info.shape)}f", source.read(name))
+        for index in range(geometry.heads, len(values)):
+            if values[index] != 0:
+                problems.append(
+                    f"input: {name}: padding entry {index} is {values[index]!r}, expected 0"
+                )
+                break
     return problems
 
 
@@ -749,7 +842,9 @@ def _check_rank(
         if out.dtype != src.dtype:
             problems.append(f"{tag}: {name}: dtype {out.dtype}, input has {src.dtype}")
             continue
-        kda_name = _kda_plan_name(name, kda_layers, decoder)
+        kda_name = _kda_plan_name(
+            name, kda_layers, decoder, [t.name for t in rank_plan.tensors]
+        )
         if kda_name is None:
             want_shape = src.shape
         else:
