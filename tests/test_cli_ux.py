@@ -337,10 +337,14 @@ def test_a_corrupted_byte_names_rank_and_tensor(ckpt, sharded, capsys, name, fil
 def test_the_qk_rule_names_the_flag_and_the_sizes_that_pass(ckpt, tmp_path, capsys):
     status, _, err = run(capsys, "shard", ckpt, "--tp-size", 4, "--out", tmp_path / "o")
     assert status == 2 and "--qk-multiple 1" in err and "qk_multiple=1" not in err
-    assert "TP sizes this model allows: 1, 2 (1, 2, 4 with --qk-multiple 1)" in err
+    assert ("with --qk-multiple 256 (the default) the TP sizes that pass are 1, 2 "
+            "(1, 2, 4 with --qk-multiple 1)") in err
     status, _, err = run(capsys, "plan", ckpt, "--tp-size", 3)
-    assert status == 2 and "divisible by tp_size (3)" in err and "allows: 1, 2" in err
+    assert status == 2 and "divisible by tp_size (3)" in err and "pass are 1, 2 (" in err
     assert run(capsys, "plan", ckpt, "--tp-size", 4, "--qk-multiple", 1)[0] == 0
+    # Where the plan's own list of divisors is the answer, it is not repeated.
+    status, _, err = run(capsys, "plan", ckpt, "--tp-size", 3, "--qk-multiple", 1)
+    assert status == 2 and "may be one of 1, 2, 4" in err and "pass are" not in err
 
 
 def test_fp8_kda_tensor_names_the_dtypes_a_kda_tensor_may_have(ckpt, tmp_path, capsys):

@@ -479,7 +479,13 @@ def _with_hints(args: argparse.Namespace, error: KdaTpError) -> str:
     sizes = _allowed_tp_sizes(args, qk_multiple)
     if sizes is None or args.tp_size in sizes:
         return message
-    message += f"; TP sizes this model allows: {', '.join(map(str, sizes)) or 'none'}"
+    if "may be one of" in message and sizes == _allowed_tp_sizes(args, 1):
+        return message  # the plan's own list of divisors is already the answer
+    default = " (the default)" if qk_multiple == 256 else ""
+    message += (
+        f"; with --qk-multiple {qk_multiple}{default} the TP sizes that pass are "
+        f"{', '.join(map(str, sizes)) or 'none'}"
+    )
     if qk_multiple != 1:
         loose = _allowed_tp_sizes(args, 1)
         if loose and loose != sizes:
