@@ -5,10 +5,8 @@ progress lines, ``--json``, messages that point at the fix, re-sharding an outpu
 from __future__ import annotations
 
 import json
-import os
 import re
 import shlex
-import shutil
 import signal
 import subprocess
 import sys

@@ -18,7 +18,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from . import __version__
 from .config import load_config, parse_config
@@ -501,7 +501,7 @@ def _allowed_tp_sizes(args: argparse.Namespace, qk_multiple: int) -> list[int] |
 
         g = GEOMETRIES[args.model]
         hidden, head_dim, heads, kernel = (
-            int(g[key]) for key in ("hidden", "head_dim", "heads", "conv_kernel")  # type: ignore[call-overload]
+            cast(int, g[key]) for key in ("hidden", "head_dim", "heads", "conv_kernel")
         )
     else:
         path = getattr(args, "input", None) or args.checkpoint

@@ -737,7 +737,8 @@ def _check_tensor(
         slices = [full_bytes[lo:hi] for lo, hi in zip(bounds[:-1], bounds[1:])]
     if np.array_equal(rejoined, full_bytes):
         return None
-    differ = [r for r, (got, want) in enumerate(zip(pieces, slices)) if not np.array_equal(got, want)]
+    differ = [r for r, (got, want) in enumerate(zip(pieces, slices))
+              if not np.array_equal(got, want)]
     return (
         f"{name}: the ranks' {entry.kind.name} slices do not rejoin to the input "
         f"(the slice on {_ranks(differ)} differs)"
