@@ -755,7 +755,7 @@ def test_verify_checks_the_layout_of_the_output(tmp_path, sharded_pair):
 
 def test_verify_command_line(sharded_pair, tmp_path):
     src, out, config, ranks = sharded_pair
-    env = dict(os.environ, PYTHONPATH=str(Path(oracle.__file__).parents[1]))
+    env = dict(os.environ, PYTHONPATH=str(Path(oracle.__file__).parents[2]))
 
     def run(*args):
         return subprocess.run(

@@ -2,22 +2,40 @@
 
 Subcommands: ``plan`` (the shard table), ``shard`` (write one checkpoint per rank), ``verify``
 (rejoin the ranks and compare with the input), ``demo`` (all three on a generated checkpoint of
-a real model's geometry). Exit status: 0 success, 1 verification failed, 2 refused input.
+a real model's geometry). Exit status: 0 success, 1 verification failed, 2 refused input,
+130 interrupted (Ctrl-C). ``--json`` (plan, shard, verify) prints one JSON document on stdout
+instead of the text; progress and errors go to stderr.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import math
 import sys
 import tempfile
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any, cast
 
 from . import __version__
-from .errors import KdaTpError
+from .config import load_config, parse_config
+from .errors import CheckpointError, KdaTpError, PlanError
+from .layers import check_layers, config_layer_count, layer_count, layers_with_kda_tensors
 from .plan import KdaTpPlan
-from .shard import ShardResult, shard_checkpoint, verify_shards
+from .shard import (
+    INDEX_NAME,
+    ShardInterrupted,
+    ShardResult,
+    VerifyReport,
+    finish_command,
+    rank_dir,
+    shard_checkpoint,
+    unindexed_files,
+    verify_shards,
+)
 from .source import (
     SafetensorsSource,
     decoder_prefix,
@@ -28,15 +46,48 @@ from .source import (
 
 __all__ = ["main"]
 
+#: Exit status after Ctrl-C (128 + SIGINT), as shells report it.
+EXIT_INTERRUPTED = 130
+
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line; returns the exit status."""
+    """Run the command line; returns the exit status (0 OK, 1 verification failed, 2 refused
+    input, 130 interrupted)."""
     args = _parser().parse_args(argv)
     try:
         return args.run(args)
+    except ShardInterrupted as e:
+        done = ", ".join(map(str, e.completed)) or "none"
+        lines = [f"kda-tp: interrupted; removed this run's partial rank directories; "
+                 f"ranks completed by this run: {done}"]
+        # `demo` shards too, into a directory of its own: no command to finish it.
+        finish = None
+        if e.remaining and args.run is _cmd_shard:
+            finish = _finish_command(args, e.remaining)
+        if finish:
+            lines.append(f"kda-tp: to finish, run: {finish}")
+        elif not e.remaining:
+            lines.append(f"kda-tp: every rank of {e.tp_size} is complete in {e.out_dir}")
+        print("\n".join(lines), file=sys.stderr)
+        _emit_json(args, {"ok": False, "interrupted": True, "tp_size": e.tp_size,
+                          "completed": list(e.completed), "remaining": list(e.remaining),
+                          "finish": finish})
+        return EXIT_INTERRUPTED
+    except KeyboardInterrupt:
+        print("kda-tp: interrupted", file=sys.stderr)
+        _emit_json(args, {"ok": False, "interrupted": True})
+        return EXIT_INTERRUPTED
     except KdaTpError as e:
-        print(f"kda-tp: error: {type(e).__name__}: {e}", file=sys.stderr)
+        message = _with_hints(args, e)
+        print(f"kda-tp: error: {type(e).__name__}: {message}", file=sys.stderr)
+        _emit_json(args, {"ok": False, "error": {"type": type(e).__name__, "message": message}})
         return 2
+
+
+def _emit_json(args: argparse.Namespace, document: dict[str, Any]) -> None:
+    """Print ``document`` as the command's one JSON document, when ``--json`` was given."""
+    if getattr(args, "json", False):
+        print(json.dumps(document, indent=2))
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -52,7 +103,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--tp-size", type=int, required=True, help="tensor-parallel world size")
     p.add_argument("--rank", type=int, default=0, help="rank whose offsets to show (default 0)")
     p.add_argument("--gate-rank", type=int, help="gate bottleneck width (bare config only)")
+    p.add_argument("--layers", type=_int_list, help="0-based KDA layers to count and take the "
+                   "shapes from (default: every KDA layer the config lists)")
     _add_qk_multiple(p)
+    _add_json(p, "the plan table")
     p.set_defaults(run=_cmd_plan)
 
     p = sub.add_parser("shard", help="write one checkpoint directory per rank")
@@ -60,17 +114,28 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--tp-size", type=int, required=True, help="tensor-parallel world size")
     p.add_argument("--out", type=Path, required=True, help="output directory (OUT/rank{r}/)")
     p.add_argument("--ranks", type=_int_list, help="comma-separated ranks (default: all)")
-    p.add_argument("--layers", type=_int_list, help="0-based KDA layer indices (default: the config's, which Kimi-Linear numbers from 1)")
+    p.add_argument("--layers", type=_int_list, help="only for a config that does not list its "
+                   "KDA layers: their 0-based indices (every KDA layer is always sliced)")
     p.add_argument("--force", action="store_true", help="overwrite a non-empty output")
     p.add_argument("--backend", choices=["mmap", "pread"], help="input read path")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--allow-resharding", action="store_true",
+                   help="accept an input that is already a kda-tp rank directory")
+    p.add_argument("--skip-unindexed", action="store_true",
+                   help="shard although the directory has .safetensors files its index does not "
+                   "name (they are left out of every rank)")
+    _add_quiet(p)
     _add_qk_multiple(p)
+    _add_json(p, "what was written")
     p.set_defaults(run=_cmd_shard)
 
     p = sub.add_parser("verify", help="check a shard output against its input")
     p.add_argument("checkpoint", type=Path)
     p.add_argument("out", type=Path, help="the directory given to `shard --out`")
     _add_numeric(p)
+    p.add_argument("--layers", type=_int_list, help="with --numeric: the 0-based KDA layers to "
+                   "check numerically (default: all; the byte check covers every tensor)")
+    _add_quiet(p)
+    _add_json(p, "what was checked and the verdict")
     p.set_defaults(run=_cmd_verify)
 
     p = sub.add_parser("demo", help="plan, shard and verify a generated real-geometry checkpoint")
@@ -95,6 +160,16 @@ def _add_qk_multiple(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_quiet(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quiet", action="store_true",
+                   help="no progress (a bar on a terminal, else a line every few seconds)")
+
+
+def _add_json(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument("--json", action="store_true",
+                   help=f"print {what} as one JSON document on stdout")
+
+
 def _add_numeric(p: argparse.ArgumentParser, default_on: bool = False) -> None:
     if default_on:
         p.add_argument("--no-numeric", dest="numeric", action="store_false",
@@ -115,13 +190,24 @@ def _int_list(text: str) -> list[int]:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    plan = KdaTpPlan.from_config(
-        args.input, args.rank, args.tp_size, gate_rank=args.gate_rank, qk_multiple=args.qk_multiple
-    )
-    shapes, n_layers = {}, None
+    # `demo` calls this with a namespace that has no --layers or --json.
+    requested, as_json = getattr(args, "layers", None), getattr(args, "json", False)
+    _refuse_index_member(args.input)
+    source: SafetensorsSource | None = None
+    layers: tuple[int, ...] | None = None
     if args.input.is_dir() and any(args.input.glob("*.safetensors")):
         source = SafetensorsSource(args.input)
-        layers = kda_layer_indices(source, None)
+        layers = _selected_layers(source, requested)
+    elif requested is not None:
+        config = load_config(args.input)
+        layers = check_layers(requested, parse_config(config, str(args.input)).kda_layers,
+                              config_layer_count(config))
+    plan = KdaTpPlan.from_config(
+        args.input, args.rank, args.tp_size, gate_rank=args.gate_rank,
+        qk_multiple=args.qk_multiple, layers=layers if source is not None else None,
+    )
+    shapes, n_layers = {}, None
+    if source is not None and layers:
         n_layers = len(layers)
         prefix = decoder_prefix(source)
         shapes = {
@@ -132,8 +218,111 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             scale = t.scale and scale_tensor_name(source, prefix, layers[0], t.name)
             if scale:
                 shapes[t.scale.name] = source.info(scale)[1]
-    print(format_plan(plan, shapes, n_layers))
+    elif layers is not None:
+        n_layers = len(layers)
+    if as_json:
+        print(json.dumps(plan_json(plan, shapes, layers), indent=2))
+    else:
+        print(format_plan(plan, shapes, n_layers))
     return 0
+
+
+def plan_json(
+    plan: KdaTpPlan,
+    shapes: dict[str, tuple[int, ...]] | None = None,
+    layers: Sequence[int] | None = None,
+) -> dict[str, Any]:
+    """The shard table of ``plan`` as a JSON-ready dict (what ``kda-tp plan --json`` prints).
+
+    Keys: the geometry (``tp_rank``, ``tp_size``, ``hidden``, ``head_dim``, ``full_heads``,
+    ``local_heads``, ``conv_kernel``, ``gate_rank``, ``qk_multiple``); ``tensors``, one entry
+    per tensor with ``name``, ``kind``, ``dtype``, ``full_shape`` and ``local_shape`` (on-disk
+    rank, elements), ``sharded_axis`` (None when replicated), ``offset`` (this rank's first
+    index on that axis, elements) and ``local_bytes``/``full_bytes``, and for a block-quantized
+    weight ``block`` and ``scale`` (the same fields for its scale grid, offsets in blocks);
+    ``full_rank_gate`` and ``a_log_len`` (Kimi K3); ``layer_local_bytes`` and
+    ``layer_full_bytes`` per KDA layer; ``kda_layers`` (0-based, None when not known);
+    ``all_reduce`` (whether ``o_proj``'s output is all-reduced). ``shapes`` as for
+    :func:`format_plan`.
+    """
+    shapes = shapes or {}
+
+    def entry(t: Any) -> dict[str, Any]:
+        disk = tuple(shapes.get(t.name, t.disk_shape))
+        axis = t.sharded_axis(list(disk))
+        row = {
+            "name": t.name, "kind": t.kind.name, "dtype": t.dtype, "full_shape": list(disk),
+            "local_shape": list(t.local_shape(list(disk))), "sharded_axis": axis,
+            "offset": None if axis is None else t.src_row_offset or t.src_col_offset,
+            "local_bytes": t.local_bytes, "full_bytes": t.full_bytes,
+        }
+        if t.scale is not None:
+            row["block"] = list(t.block)
+            row["scale"] = entry(t.scale)  # offsets in blocks
+        return row
+
+    tensors = [entry(t) for t in plan.tensors]
+    return {
+        "tp_rank": plan.tp_rank, "tp_size": plan.tp_size, "hidden": plan.hidden,
+        "head_dim": plan.head_dim, "full_heads": plan.full_heads,
+        "local_heads": plan.local_heads, "conv_kernel": plan.conv_kernel,
+        "gate_rank": plan.gate_rank, "qk_multiple": plan.qk_multiple,
+        "full_rank_gate": plan.full_rank_gate, "a_log_len": plan.a_log_len, "tensors": tensors,
+        "layer_local_bytes": plan.local_bytes, "layer_full_bytes": plan.full_bytes,
+        "kda_layers": None if layers is None else list(layers),
+        "all_reduce": plan.needs_output_all_reduce,
+    }
+
+
+def _refuse_index_member(path: Path) -> None:
+    """Refuse one ``.safetensors`` file of an indexed checkpoint: alone it lacks the tensors
+    the index puts in the other files (and the KDA layers they hold)."""
+    if path.suffix == ".safetensors" and path.is_file() and (path.parent / INDEX_NAME).is_file():
+        raise CheckpointError(
+            f"{path} is one file of an indexed checkpoint; pass the directory {path.parent} "
+            f"(it has {INDEX_NAME})"
+        )
+
+
+def _selected_layers(source: SafetensorsSource, requested: list[int] | None) -> tuple[int, ...]:
+    """The KDA layers to show or check: ``requested`` (``--layers``, a subset of the config's
+    KDA layers, or of the layers holding KDA tensors when the config does not list them), else
+    every KDA layer the config lists."""
+    try:
+        listed = kda_layer_indices(source, None)
+    except CheckpointError:
+        if requested is None:
+            raise
+        return check_layers(requested, layers_with_kda_tensors(source) or None,
+                            layer_count(source))
+    if requested is None:
+        return listed
+    return check_layers(requested, listed, layer_count(source))
+
+
+def _shard_layers(source: SafetensorsSource, requested: list[int] | None) -> list[int] | None:
+    """``shard --layers``: the KDA layers of a config that does not list them (returned, for
+    ``shard_checkpoint``); with a config that lists them only that same list is accepted
+    (None is returned: the config's list is used), since every KDA layer is always sliced.
+
+    Raises:
+        PlanError: see :func:`~kda_tp.layers.check_layers`, or a list that is not the config's.
+    """
+    if requested is None:
+        return None
+    try:
+        listed = kda_layer_indices(source, None)
+    except CheckpointError:
+        return list(check_layers(requested, layers_with_kda_tensors(source) or None,
+                                 layer_count(source)))
+    chosen = check_layers(requested, listed, layer_count(source))
+    if chosen != tuple(listed):
+        raise PlanError(
+            f"--layers {','.join(map(str, chosen))}: shard slices every KDA layer the config "
+            f"lists ({','.join(map(str, listed))}); --layers is only for a config that does not "
+            "list them (to check or show some layers: verify --numeric --layers, plan --layers)"
+        )
+    return None
 
 
 def format_plan(
@@ -210,13 +399,20 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:,.2f} MiB"
 
 
-def _progress(quiet: bool):
-    if quiet or not sys.stderr.isatty():
+def _progress(
+    quiet: bool, what: str = "shard", unit: str = "B"
+) -> Callable[[int], Callable[[int], None]] | None:
+    """A progress factory for ``shard_checkpoint``/``verify_shards``: ``None`` when ``quiet``;
+    a tqdm bar on a terminal; else plain lines on stderr (see :class:`_ProgressLines`).
+    ``unit`` is ``"B"`` (bytes) or ``"tensors"``."""
+    if quiet:
         return None
+    if not sys.stderr.isatty():
+        return lambda total: _ProgressLines(what, total, unit)
     from tqdm import tqdm
 
-    def start(total: int):
-        bar = tqdm(total=total, unit="B", unit_scale=True, desc="shard", file=sys.stderr)
+    def start(total: int) -> Callable[[int], None]:
+        bar = tqdm(total=total, unit=unit, unit_scale=unit == "B", desc=what, file=sys.stderr)
         def advance(n: int) -> None:
             bar.update(n)
             if bar.n >= total:
@@ -226,23 +422,136 @@ def _progress(quiet: bool):
     return start
 
 
+class _ProgressLines:
+    """Progress for logs and pipes: a line on stderr at most every ``every`` seconds and one
+    when ``total`` is reached, e.g. ``shard: 0.61 of 1.12 GB (54%), 2.0 s``. Thread-safe (the
+    shard writers call it from several threads)."""
+
+    def __init__(self, what: str, total: int, unit: str, every: float = 2.0) -> None:
+        self.what, self.total, self.unit, self.every = what, total, unit, every
+        self.done = 0
+        self.start = self.last = time.monotonic()
+        self.lock = threading.Lock()
+
+    def __call__(self, n: int) -> None:
+        with self.lock:
+            self.done += n
+            now = time.monotonic()
+            if self.done < self.total and now - self.last < self.every:
+                return
+            self.last = now
+            if self.unit == "B":
+                amount = f"{self.done / 1e9:.2f} of {self.total / 1e9:.2f} GB"
+            else:
+                amount = f"{self.done:,} of {self.total:,} {self.unit}"
+            share = self.done / self.total if self.total else 1.0
+            print(f"{self.what}: {amount} ({share:.0%}), {now - self.start:.1f} s",
+                  file=sys.stderr, flush=True)
+
+
 def _cmd_shard(args: argparse.Namespace) -> int:
+    _refuse_index_member(args.checkpoint)
+    source = SafetensorsSource(args.checkpoint, args.backend)
+    layers = _shard_layers(source, args.layers)
+    skipped = unindexed_files(source) if args.skip_unindexed else []
+    for path in skipped:
+        print(f"kda-tp: warning: {path} is not named by {INDEX_NAME}; it is left out of every "
+              "rank (--skip-unindexed)", file=sys.stderr)
     result = shard_checkpoint(
         args.checkpoint,
         args.out,
         args.tp_size,
         ranks=args.ranks,
-        layers=args.layers,
+        layers=layers,
         qk_multiple=args.qk_multiple,
         force=args.force,
         backend=args.backend,
         progress=_progress(args.quiet),
+        allow_resharding=args.allow_resharding,
+        skip_unindexed=args.skip_unindexed,
     )
-    print(_written_line(result))
+    if args.json:
+        _emit_json(args, {
+            "ok": True, "out_dir": str(result.out_dir), "tp_size": result.tp_size,
+            "ranks": list(result.ranks),
+            "rank_dirs": [str(rank_dir(result.out_dir, r)) for r in result.ranks],
+            "bytes_written": result.bytes_written, "seconds": result.seconds,
+            "skipped_unindexed": [str(p) for p in skipped],
+        })
+    else:
+        print(_written_line(result))
     return 0
 
 
-def _print_verify(report) -> None:
+def _finish_command(args: argparse.Namespace, ranks: Sequence[int]) -> str:
+    """The ``kda-tp shard`` command that writes ``ranks`` with this run's other options."""
+    command = finish_command(args.checkpoint, args.out, args.tp_size, ranks, args.qk_multiple)
+    if args.layers is not None:
+        command += f" --layers {','.join(map(str, args.layers))}"
+    for flag in ("allow_resharding", "skip_unindexed"):
+        if getattr(args, flag):
+            command += " --" + flag.replace("_", "-")
+    if args.backend:
+        command += f" --backend {args.backend}"
+    return command
+
+
+def _with_hints(args: argparse.Namespace, error: KdaTpError) -> str:
+    """``error``'s message in command-line terms: flags instead of keyword arguments, and a
+    plan refusal lists the TP sizes this model allows when the requested one is not among
+    them."""
+    message = str(error).replace("pass layers=[...] (0-based)", "pass --layers (0-based)")
+    if not isinstance(error, PlanError) or not isinstance(getattr(args, "tp_size", None), int):
+        return message
+    message = message.replace("pass qk_multiple=1", "pass --qk-multiple 1")
+    qk_multiple = getattr(args, "qk_multiple", 256)
+    sizes = _allowed_tp_sizes(args, qk_multiple)
+    if sizes is None or args.tp_size in sizes:
+        return message
+    if "may be one of" in message and sizes == _allowed_tp_sizes(args, 1):
+        return message  # the plan's own list of divisors is already the answer
+    default = " (the default)" if qk_multiple == 256 else ""
+    message += (
+        f"; with --qk-multiple {qk_multiple}{default} the TP sizes that pass are "
+        f"{', '.join(map(str, sizes)) or 'none'}"
+    )
+    if qk_multiple != 1:
+        loose = _allowed_tp_sizes(args, 1)
+        if loose and loose != sizes:
+            message += f" ({', '.join(map(str, loose))} with --qk-multiple 1)"
+    return message
+
+
+def _allowed_tp_sizes(args: argparse.Namespace, qk_multiple: int) -> list[int] | None:
+    """The world sizes the plan accepts for the command's model, or None when its geometry
+    cannot be read."""
+    if getattr(args, "model", None) is not None:
+        from .synth import GEOMETRIES
+
+        g = GEOMETRIES[args.model]
+        hidden, head_dim, heads, kernel = (
+            cast(int, g[key]) for key in ("hidden", "head_dim", "heads", "conv_kernel")
+        )
+    else:
+        path = getattr(args, "input", None) or args.checkpoint
+        try:
+            kda = parse_config(load_config(path.parent if path.is_file() and
+                                           path.suffix == ".safetensors" else path))
+        except KdaTpError:
+            return None
+        hidden, head_dim, heads, kernel = kda.hidden, kda.head_dim, kda.heads, kda.conv_kernel
+    sizes: list[int] = []
+    for tp_size in range(1, heads + 1):
+        if heads % tp_size == 0:
+            try:
+                KdaTpPlan(0, tp_size, hidden, head_dim, heads, kernel, 1, qk_multiple=qk_multiple)
+            except PlanError:
+                continue
+            sizes.append(tp_size)
+    return sizes
+
+
+def _print_verify(report: VerifyReport) -> None:
     for problem in report.problems[:20]:
         print(f"  {problem}")
     if len(report.problems) > 20:
@@ -253,10 +562,56 @@ def _print_verify(report) -> None:
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
+    if args.layers is not None and not args.numeric:
+        raise PlanError("--layers picks the KDA layers of the numeric check; pass --numeric too "
+                        "(the byte check always covers every tensor)")
+    _refuse_index_member(args.checkpoint)
+    unindexed = unindexed_files(SafetensorsSource(args.checkpoint))
+    for path in unindexed:
+        print(f"kda-tp: warning: {path} is not named by {INDEX_NAME}; no rank holds it and it "
+              "is not checked", file=sys.stderr)
     report = verify_shards(args.checkpoint, args.out, numeric=args.numeric,
-                           seq_len=args.seq_len, seed=args.seed)
-    _print_verify(report)
+                           seq_len=args.seq_len, seed=args.seed, layers=args.layers,
+                           progress=_progress(args.quiet, "verify", "tensors"))
+    if args.json:
+        _emit_json(args, verify_json(report, unindexed))
+    else:
+        _print_verify(report)
     return 0 if report.ok else 1
+
+
+def verify_json(report: VerifyReport, unindexed: Sequence[Path] = ()) -> dict[str, Any]:
+    """``report`` as a JSON-ready dict (what ``kda-tp verify --json`` prints).
+
+    Keys: ``ok`` (the verdict), ``tp_size``, ``tensors`` and ``bytes_checked`` (input tensor
+    bytes), ``problems`` (one string each), ``numeric`` (None when not run, else ``passed``,
+    ``seq_len``, ``seed``, ``atol``, ``rtol`` and ``layers``: per layer ``layer``,
+    ``max_abs_error``, ``max_rel_error`` (None when infinite), ``y_abs_max``, ``tolerance``,
+    ``passed``), ``unindexed`` (input files the index does not name, unchecked).
+    """
+    numeric = None
+    if report.numeric is not None:
+        n = report.numeric
+        numeric = {
+            "passed": n.passed, "seq_len": n.seq_len, "seed": n.seed, "atol": n.atol,
+            "rtol": n.rtol,
+            "layers": [
+                {"layer": e.layer, "max_abs_error": _finite(e.max_abs_error),
+                 "max_rel_error": _finite(e.max_rel_error), "y_abs_max": _finite(e.y_abs_max),
+                 "tolerance": _finite(e.tolerance), "passed": e.passed}
+                for e in n.layers
+            ],
+        }
+    return {
+        "ok": report.ok, "tp_size": report.tp_size, "tensors": report.tensors,
+        "bytes_checked": report.bytes_checked, "problems": list(report.problems),
+        "numeric": numeric, "unindexed": [str(p) for p in unindexed],
+    }
+
+
+def _finite(x: float) -> float | None:
+    """``x``, or None for NaN and infinities (which JSON cannot hold)."""
+    return x if math.isfinite(x) else None
 
 
 def _written_line(result: ShardResult) -> str:
@@ -284,7 +639,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         write_checkpoint(checkpoint, args.model, args.num_layers)
         size = sum(p.stat().st_size for p in checkpoint.glob("*.safetensors"))
         print(f"generated a {args.num_layers}-layer {args.model} checkpoint "
-              f"({size / 1e9:.3f} GB) in {time.perf_counter() - t0:.1f} s: {checkpoint}")
+              f"({size / 1e9:.3f} GB) in {time.perf_counter() - t0:.1f} s: {checkpoint}"
+              + ("" if args.keep else " (deleted on exit; --keep DIR keeps it)"))
         kda = set(kda_layer_indices(SafetensorsSource(checkpoint), None))
         mla = [i for i in range(args.num_layers) if i not in kda]
         if mla:

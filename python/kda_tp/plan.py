@@ -141,7 +141,8 @@ class KdaTpPlan(_native.KdaTpPlan):
             CheckpointError: a missing or invalid config, a config with no KDA layers, or a
                 checkpoint whose first KDA layer lacks a tensor or holds the other output-gate
                 form than the config says.
-            DtypeMismatchError: a first-KDA-layer tensor whose dtype is not floating-point.
+            DtypeMismatchError: a first-KDA-layer tensor whose dtype is not BF16, F16, F32 or
+                F64 (or FP8, for a projection of a block-quantized checkpoint).
             ShapeMismatchError: a first-KDA-layer ``f_a_proj`` that is not 2-D (when the gate
                 rank is read from it).
             PlanError: a refused geometry (see the class).

@@ -16,13 +16,16 @@ incomplete ``rank{r}``. Several processes may write different ranks into one ``O
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
+import shlex
 import shutil
+import threading
 import time
 from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -32,10 +35,20 @@ from ._io import DTYPE_SIZES, write_index, write_safetensors
 from ._native import __version__
 from .equivalence import EquivalenceReport, check_tp_equivalence
 from .errors import CheckpointError, DtypeMismatchError, KdaTpError, OutputError, PlanError
+from .layers import check_layers, layer_count
 from .plan import KdaShard, KdaTpPlan
-from .source import KdaShardedSource, SafetensorsSource, Tensor
+from .source import KdaShardedSource, SafetensorsSource, Tensor, kda_layer_indices
 
-__all__ = ["ShardResult", "VerifyReport", "rank_dir", "shard_checkpoint", "verify_shards"]
+__all__ = [
+    "ShardInterrupted",
+    "ShardResult",
+    "VerifyReport",
+    "finish_command",
+    "rank_dir",
+    "shard_checkpoint",
+    "unindexed_files",
+    "verify_shards",
+]
 
 INDEX_NAME = "model.safetensors.index.json"
 _RANK_DIR = re.compile(r"^rank(\d+)$")
@@ -48,6 +61,38 @@ ProgressFactory = Callable[[int], Callable[[int], None]]
 def rank_dir(out_dir: str | os.PathLike[str], tp_rank: int) -> Path:
     """The directory holding rank ``tp_rank``'s checkpoint under ``out_dir``."""
     return Path(out_dir) / f"rank{tp_rank}"
+
+
+class ShardInterrupted(KeyboardInterrupt):
+    """Ctrl-C (SIGINT) stopped :func:`shard_checkpoint`.
+
+    A ``KeyboardInterrupt``, so code that does not expect it still stops. When it is raised the
+    writer threads have stopped and this run's partial directories are removed; the ranks in
+    ``completed`` were renamed into place before the interrupt and are complete.
+
+    Attributes:
+        out_dir: the output directory.
+        tp_size: the world size of the run.
+        completed: ranks this run wrote completely, sorted.
+        remaining: ranks of ``0..tp_size-1`` that ``out_dir`` still lacks, sorted (the
+            ``--ranks`` that would finish the job).
+    """
+
+    def __init__(
+        self, out_dir: Path, tp_size: int, completed: tuple[int, ...], remaining: tuple[int, ...]
+    ):
+        super().__init__(
+            f"interrupted: ranks {list(completed)} of {tp_size} complete in {out_dir}, "
+            f"{list(remaining)} missing"
+        )
+        self.out_dir = out_dir
+        self.tp_size = tp_size
+        self.completed = completed
+        self.remaining = remaining
+
+
+class _Stopped(Exception):
+    """Raised inside a writer thread at its next tensor once the run is interrupted."""
 
 
 @dataclass(frozen=True)
@@ -73,6 +118,8 @@ def shard_checkpoint(
     force: bool = False,
     backend: str | None = None,
     progress: ProgressFactory | None = None,
+    allow_resharding: bool = False,
+    skip_unindexed: bool = False,
 ) -> ShardResult:
     """Write one checkpoint directory per rank (layout in the module docstring).
 
@@ -92,16 +139,24 @@ def shard_checkpoint(
         qk_multiple: the plan's local q|k width rule (see :class:`KdaTpPlan`).
         force: see ``out_dir``.
         backend: ``"mmap"`` or ``"pread"`` reads of the input (see :class:`SafetensorsSource`).
-        progress: called once with the total bytes to write; returns ``advance(nbytes)``.
+        progress: called once with the total bytes to write; returns ``advance(nbytes)``,
+            which the writer threads call (from several threads) after each tensor.
+        allow_resharding: accept an input whose headers carry ``tp_rank``/``tp_size`` (a rank
+            directory kda-tp wrote); refused by default.
+        skip_unindexed: shard a directory whose ``.safetensors`` files include some its index
+            does not name (see :func:`unindexed_files`), leaving them out of every rank;
+            refused by default.
 
     Raises:
-        CheckpointError, PlanError, DtypeMismatchError, ShapeMismatchError: bad input; nothing
-            is written.
+        CheckpointError, PlanError, DtypeMismatchError, ShapeMismatchError: bad input (also:
+            an input that is already a shard, unindexed files); nothing is written.
         OutputError: the output directory is refused, or a write fails (e.g. a full disk);
             nothing of this run is left behind: the ranks it completed are removed again and
             rank directories it replaced under ``force`` are put back (a run killed outright may
             leave complete ``rank{r}`` directories, never incomplete ones, and ``verify``
             rejects the set until every rank is there).
+        ShardInterrupted: Ctrl-C; the writers stop at their next tensor, this run's partial
+            directories are removed, and the ranks completed before it stay.
     """
     start = time.perf_counter()
     source = SafetensorsSource(checkpoint, backend)
@@ -112,6 +167,17 @@ def shard_checkpoint(
     ranks = tuple(range(tp_size)) if ranks is None else tuple(sorted({int(r) for r in ranks}))
     if not ranks:
         raise PlanError("no ranks to write: --ranks is empty")
+    if not allow_resharding:
+        _refuse_shard_input(source)
+    unindexed = unindexed_files(source)
+    if unindexed and not skip_unindexed:
+        one = len(unindexed) == 1
+        raise CheckpointError(
+            f"{source.root}: {', '.join(p.name for p in unindexed)} "
+            f"{'is' if one else 'are'} not named by {INDEX_NAME}, so no rank would hold "
+            f"{'it' if one else 'them'}; pass --skip-unindexed (skip_unindexed=True) to shard "
+            f"without {'it' if one else 'them'}"
+        )
     shards = [
         KdaShardedSource(
             source, KdaTpPlan.from_config(
@@ -130,10 +196,37 @@ def shard_checkpoint(
     _prepare_out_dir(source.root, out, tp_size, ranks, force)
     files = _names_by_file(source)
     total = sum(_nbytes(*s.info(name)) for s in shards for name in source.names())
-    advance = progress(total) if progress else None
+    report = progress(total) if progress else None
+    stop = threading.Event()
+
+    def advance(nbytes: int) -> None:
+        # Called by the writers after each tensor: where they notice an interrupt.
+        if stop.is_set():
+            raise _Stopped
+        if report:
+            report(nbytes)
+
     # Ranks are independent; the copies and writes release the GIL, so threads overlap them.
-    with ThreadPoolExecutor(max_workers=min(len(shards), os.cpu_count() or 1)) as pool:
-        futures = [pool.submit(_write_rank, source, s, files, out, advance) for s in shards]
+    pool = ThreadPoolExecutor(max_workers=min(len(shards), os.cpu_count() or 1))
+    futures: list[Future[tuple[int, Path, int, Path | None]]] = []
+    try:
+        for s in shards:
+            futures.append(pool.submit(_write_rank, source, s, files, out, advance))
+        wait(futures)
+        pool.shutdown()
+    except KeyboardInterrupt:
+        stop.set()
+        _shutdown(pool)
+        completed: list[int] = []
+        for r, f in zip(ranks, futures):
+            if not f.cancelled() and f.exception() is None:
+                completed.append(r)
+                replaced = f.result()[3]
+                if replaced is not None:
+                    shutil.rmtree(replaced, ignore_errors=True)
+        present = {int(m.group(1)) for p in out.iterdir() if (m := _RANK_DIR.match(p.name))}
+        remaining = tuple(r for r in range(tp_size) if r not in present)
+        raise ShardInterrupted(out, tp_size, tuple(completed), remaining) from None
     failed = [f.exception() for f in futures if f.exception() is not None]
     if failed:
         # All or nothing: a failed run (e.g. a full disk) also removes the ranks it completed,
@@ -157,6 +250,54 @@ def shard_checkpoint(
             shutil.rmtree(f.result()[3], ignore_errors=True)
     written = sum(f.result()[0] for f in futures)
     return ShardResult(out, tp_size, ranks, written, time.perf_counter() - start)
+
+
+def _shutdown(pool: ThreadPoolExecutor) -> None:
+    """Cancel the ranks not started and wait for the running writers to stop (at their next
+    tensor), whatever further Ctrl-Cs arrive meanwhile: each removes its partial directory."""
+    while True:
+        try:
+            pool.shutdown(wait=True, cancel_futures=True)
+            return
+        except KeyboardInterrupt:
+            continue
+
+
+def _refuse_shard_input(source: SafetensorsSource) -> None:
+    """Refuse a rank directory that kda-tp wrote (``tp_rank``/``tp_size`` in its headers)."""
+    for path, meta in source.files():
+        if meta and "tp_rank" in meta and "tp_size" in meta:
+            raise CheckpointError(
+                f"{path}: already a tensor-parallel shard (rank {meta['tp_rank']} of "
+                f"{meta['tp_size']}, its header says); shard the original checkpoint, or pass "
+                "--allow-resharding (allow_resharding=True) to split this one further"
+            )
+
+
+def unindexed_files(source: SafetensorsSource) -> list[Path]:
+    """The ``.safetensors`` files in an indexed checkpoint directory that its index does not
+    name (e.g. a multi-token-prediction head shipped beside the index), sorted; empty for a
+    single-file checkpoint. Loaders that follow the index never read them, and neither does
+    the shard writer."""
+    if not source.path.is_dir() or not (source.root / INDEX_NAME).is_file():
+        return []
+    indexed = {path.name for path, _ in source.files()}
+    return sorted(p for p in source.root.glob("*.safetensors") if p.name not in indexed)
+
+
+def finish_command(
+    checkpoint: str | os.PathLike[str],
+    out_dir: str | os.PathLike[str],
+    tp_size: int,
+    ranks: Iterable[int],
+    qk_multiple: int = 256,
+) -> str:
+    """The ``kda-tp shard`` command line that writes ``ranks`` (shell-quoted paths)."""
+    command = (
+        f"kda-tp shard {shlex.quote(str(checkpoint))} --tp-size {tp_size} "
+        f"--out {shlex.quote(str(out_dir))} --ranks {','.join(map(str, ranks))}"
+    )
+    return command + (f" --qk-multiple {qk_multiple}" if qk_multiple != 256 else "")
 
 
 def _nbytes(dtype: str, shape: tuple[int, ...]) -> int:
@@ -191,6 +332,7 @@ def _prepare_out_dir(
         entries = sorted(out.iterdir())
     except OSError as e:
         raise OutputError(f"{out}: cannot create or list the output directory: {e}") from e
+    existing: list[Path] = []
     for entry in entries:
         partial, final = _PARTIAL_DIR.match(entry.name), _RANK_DIR.match(entry.name)
         if (partial or final) and (entry.resolve() == input_root or _holds(entry, input_root)):
@@ -201,7 +343,7 @@ def _prepare_out_dir(
         if partial and int(partial.group(1)) in ranks:
             shutil.rmtree(entry, ignore_errors=True)  # left by a killed run
         elif final and int(final.group(1)) in ranks and not force:
-            raise OutputError(f"{entry} already exists; pass --force to overwrite it")
+            existing.append(entry)
         elif final and int(final.group(1)) not in ranks:
             # Another run's rank: it must belong to the same world size.
             found = _rank_tp_size(entry)
@@ -216,6 +358,18 @@ def _prepare_out_dir(
             raise OutputError(
                 f"{out} is not empty (it holds {entry.name}); pass --force to write into it"
             )
+    if existing:
+        present = {int(m.group(1)) for p in entries if (m := _RANK_DIR.match(p.name))}
+        missing = [r for r in range(tp_size) if r not in present]
+        finish = (
+            f", or --ranks {','.join(map(str, missing))} to write only the missing ranks"
+            if missing
+            else ""
+        )
+        others = "".join(f" and {e}" for e in existing[1:])
+        raise OutputError(
+            f"{existing[0]} already exists; pass --force to overwrite it{others}{finish}"
+        )
 
 
 def _holds(directory: Path, path: Path) -> bool:
@@ -276,6 +430,7 @@ def _write_rank(
     try:
         partial.mkdir()
         input_meta = {path.name: meta or {} for path, meta in source.files()}
+        fingerprint = _input_fingerprint(source)
         weight_map: dict[str, str] = {}
         total = 0
         for file_name, names in files.items():
@@ -286,6 +441,7 @@ def _write_rank(
                 "kda_tp_qk_multiple": str(plan.qk_multiple),
                 "kda_tp_layers": json.dumps(list(shard.layers)),
                 "kda_tp_version": __version__,
+                "kda_tp_input": fingerprint,
             }
             specs = []
             for name in names:
@@ -315,6 +471,36 @@ def _write_rank(
             raise OutputError(f"{partial}: writing rank {plan.tp_rank} failed: {e}") from e
         raise
     return total, final, inode, old
+
+
+#: Bytes read from the start and the end of each file's data for :func:`_input_fingerprint`.
+_FINGERPRINT_SAMPLE = 4096
+
+
+def _input_fingerprint(source: SafetensorsSource) -> str:
+    """A hex digest of the checkpoint's tensor names, dtypes and full shapes, and of the first
+    and last 4 KiB of each file's data (a fine-tune has the base model's names and shapes).
+
+    ``shard`` records it in every rank's header (``kda_tp_input``) so that ``verify`` can tell
+    output made from another checkpoint from a damaged output.
+
+    Raises:
+        CheckpointError: a file cannot be read.
+    """
+    entries = sorted((name, *source.info(name)) for name in source.names())
+    digest = hashlib.sha256(json.dumps(entries).encode())
+    for path, _ in source.files():
+        try:
+            with open(path, "rb") as f:
+                data_start = 8 + int.from_bytes(f.read(8), "little")
+                f.seek(data_start)
+                digest.update(f.read(_FINGERPRINT_SAMPLE))
+                end = os.fstat(f.fileno()).st_size
+                f.seek(max(data_start, end - _FINGERPRINT_SAMPLE))
+                digest.update(f.read(_FINGERPRINT_SAMPLE))
+        except OSError as e:
+            raise CheckpointError(f"{path}: cannot be read: {e}") from e
+    return digest.hexdigest()[:32]
 
 
 def _companion_files(source: SafetensorsSource) -> list[Path]:
@@ -376,6 +562,8 @@ def verify_shards(
     numeric: bool = False,
     seq_len: int = 16,
     seed: int = 0,
+    layers: Iterable[int] | None = None,
+    progress: ProgressFactory | None = None,
 ) -> VerifyReport:
     """Check a ``kda-tp shard`` output against its input, byte for byte.
 
@@ -384,42 +572,74 @@ def verify_shards(
     ``o_proj`` column slices side by side, replicated tensors equal on every rank; a zero-padded
     ``A_log`` rejoins to its heads, its padding checked to be zero); every other
     tensor is identical on every rank. Every rank ``0..tp_size-1`` must be present and complete,
-    with matching ``tp_rank``/``tp_size`` metadata, and no rank may hold extra tensors.
+    with matching ``tp_rank``/``tp_size`` metadata, and no rank may hold extra tensors. A
+    problem names the tensor and the rank(s) whose bytes differ.
 
     With ``numeric``, also runs :func:`~kda_tp.check_tp_equivalence` on the rank directories:
     each KDA layer's full output against the sum of the ranks' partial outputs.
 
+    Args:
+        checkpoint: the input given to ``shard`` (directory or single file).
+        out_dir: the ``--out`` directory holding ``rank{r}/``.
+        numeric, seq_len, seed: the numerical check and its input (tokens, rng seed).
+        layers: 0-based KDA layers to check numerically (default: every KDA layer); the byte
+            check always covers every tensor.
+        progress: called once with the number of input tensors; returns ``advance(n)``, called
+            after each tensor is checked.
+
     Raises:
-        CheckpointError: the input, or a rank directory's files, cannot be read.
+        CheckpointError: the input, or a rank directory's files, cannot be read; ``out_dir``
+            holds other things but no ``rank{r}`` directory (not a kda-tp output), or was
+            sharded from another checkpoint (its headers record a digest of the input's
+            tensor names, dtypes, shapes and some data bytes, and it differs).
+        PlanError: ``layers`` refused (see :func:`~kda_tp.layers.check_layers`).
     """
     source = SafetensorsSource(checkpoint)
     out = Path(out_dir)
     report = VerifyReport()
-    present = {int(m.group(1)) for p in _listdir(out) if (m := _RANK_DIR.match(p.name))}
-    if 0 not in present:
-        report.problems.append(f"{out}: no rank0 directory (not a kda-tp output, or incomplete)")
+    entries = _listdir(out)
+    present = {int(m.group(1)) for p in entries if (m := _RANK_DIR.match(p.name))}
+    if not present:
+        if all(_PARTIAL_DIR.match(p.name) for p in entries):
+            # Empty, or only what a killed run leaves: an output not yet complete.
+            report.problems.append(f"{out}: no rank directory yet (incomplete run?)")
+            return report
+        raise CheckpointError(f"{out}: not a kda-tp shard output (no rank{{r}} directory in it)")
+    first = rank_dir(out, min(present))
+    first_source = SafetensorsSource(first)
+    if not first_source.files():
+        report.problems.append(f"{first}: holds no safetensors file")
         return report
-    rank0 = SafetensorsSource(rank_dir(out, 0))
-    if not rank0.files():
-        report.problems.append(f"{rank_dir(out, 0)}: holds no safetensors file")
-        return report
-    meta = rank0.files()[0][1] or {}
+    meta = first_source.files()[0][1] or {}
     try:
         tp_size = int(meta["tp_size"])
         qk_multiple = int(meta.get("kda_tp_qk_multiple", 256))
-        layers = json.loads(meta["kda_tp_layers"]) if "kda_tp_layers" in meta else None
+        kda_layers = json.loads(meta["kda_tp_layers"]) if "kda_tp_layers" in meta else None
         if tp_size < 1:
             raise ValueError(f"tp_size {tp_size} is not positive")
-        if layers is not None and not (
-            isinstance(layers, list)
-            and all(isinstance(i, int) and not isinstance(i, bool) for i in layers)
+        if kda_layers is not None and not (
+            isinstance(kda_layers, list)
+            and all(isinstance(i, int) and not isinstance(i, bool) for i in kda_layers)
         ):
             raise ValueError(f"kda_tp_layers {meta['kda_tp_layers']!r} is not a list of ints")
     except (KeyError, ValueError) as e:
-        raise CheckpointError(f"{rank_dir(out, 0)}: no valid kda-tp metadata ({e})") from None
+        raise CheckpointError(
+            f"{first}: no valid kda-tp metadata ({e}); not a kda-tp shard output"
+        ) from None
+    recorded = meta.get("kda_tp_input")
+    if recorded is not None and recorded != _input_fingerprint(source):
+        raise CheckpointError(
+            f"{out} was sharded from another checkpoint, not {checkpoint} (or this one has "
+            "changed since): the tensor names, dtypes, shapes and data samples its headers "
+            "record differ from this checkpoint's; verify it against the checkpoint it was made "
+            "from"
+        )
     report.tp_size = tp_size
+    if numeric and layers is not None:
+        known = kda_layers if kda_layers is not None else kda_layer_indices(source, None)
+        layers = check_layers(layers, known, layer_count(source))
     # The plan refuses a tp_size the heads cannot split (so it stays small) before any listing.
-    plans = [KdaTpPlan.from_config(source, 0, tp_size, qk_multiple=qk_multiple, layers=layers)]
+    plans = [KdaTpPlan.from_config(source, 0, tp_size, qk_multiple=qk_multiple, layers=kda_layers)]
     extra = sorted(r for r in present if r >= tp_size)
     if extra:
         report.problems.append(f"{out}: rank directories {extra[:8]} beyond tp_size {tp_size}")
@@ -427,15 +647,16 @@ def verify_shards(
     if missing:
         report.problems.append(
             f"{out}: {len(missing)} of {tp_size} ranks missing, e.g. {missing[:8]} "
-            "(incomplete run?)"
+            f"(incomplete run?); finish with: "
+            f"{finish_command(checkpoint, out, tp_size, missing, qk_multiple)}"
         )
         return report
-    ranks = [rank0] + [SafetensorsSource(rank_dir(out, r)) for r in range(1, tp_size)]
+    ranks = [SafetensorsSource(rank_dir(out, r)) for r in range(tp_size)]
     plans += [
-        KdaTpPlan.from_config(source, r, tp_size, qk_multiple=qk_multiple, layers=layers)
+        KdaTpPlan.from_config(source, r, tp_size, qk_multiple=qk_multiple, layers=kda_layers)
         for r in range(1, tp_size)
     ]
-    shards = [KdaShardedSource(source, plan, layers) for plan in plans]
+    shards = [KdaShardedSource(source, plan, kda_layers) for plan in plans]
     for r, rank in enumerate(ranks):
         for path, file_meta in rank.files():
             got = (file_meta or {}).get("tp_rank"), (file_meta or {}).get("tp_size")
@@ -445,7 +666,9 @@ def verify_shards(
         if extra:
             report.problems.append(f"{rank.root}: {len(extra)} tensor(s) not in the input, e.g. {extra[0]}")
 
-    for name in source.names():
+    names = source.names()
+    advance = progress(len(names)) if progress else None
+    for name in names:
         full = source.get(name)
         parts = [rank.get(name) for rank in ranks]
         report.tensors += 1
@@ -453,11 +676,13 @@ def verify_shards(
         problem = _check_tensor(name, full, parts, shards)
         if problem:
             report.problems.append(problem)
+        if advance:
+            advance(1)
     if numeric:
         report.numeric = check_tp_equivalence(
             source,
             tp_size,
-            layers,
+            kda_layers if layers is None else layers,
             seq_len=seq_len,
             seed=seed,
             qk_multiple=qk_multiple,
@@ -476,7 +701,8 @@ def _listdir(path: Path) -> list[Path]:
 def _check_tensor(
     name: str, full: Tensor, parts: list[Tensor | None], shards: list[KdaShardedSource]
 ) -> str | None:
-    """One line describing how ``parts`` (one record per rank) fail to rejoin to ``full``."""
+    """One line describing how ``parts`` (one record per rank) fail to rejoin to ``full``,
+    naming the ranks whose bytes differ."""
     for r, (part, shard) in enumerate(zip(parts, shards)):
         if part is None:
             return f"{name}: missing from rank {r}"
@@ -485,12 +711,16 @@ def _check_tensor(
             return f"{name}: rank {r} has {part.dtype} {list(part.shape)}, expected {expected[0]} {list(expected[1])}"
     full_bytes = full.data
     if not shards[0].is_sharded(name):
-        same = all(np.array_equal(p.data, full_bytes) for p in parts)
-        return None if same else f"{name}: a rank's copy differs from the input"
+        differ = [r for r, p in enumerate(parts) if not np.array_equal(p.data, full_bytes)]
+        return f"{name}: the copy on {_ranks(differ)} differs from the input" if differ else None
     entry = shards[0].plan_entry(name)
     if entry.kind == KdaShard.REPLICATED:
-        same = all(np.array_equal(p.data, full_bytes) for p in parts)
-        return None if same else f"{name}: a replicated copy differs from the input"
+        differ = [r for r, p in enumerate(parts) if not np.array_equal(p.data, full_bytes)]
+        return (
+            f"{name}: the replicated copy on {_ranks(differ)} differs from the input"
+            if differ
+            else None
+        )
     if entry.name.endswith(".scale"):
         # Block scales: each rank holds the blocks covering its weight range; ranks whose range
         # lies inside one block share it, so check each rank's grid instead of rejoining.
@@ -505,12 +735,29 @@ def _check_tensor(
         return None
     if entry.kind == KdaShard.CHANNEL_COLS:
         rows = entry.full_rows
-        rejoined = np.concatenate([p.data.reshape(rows, -1) for p in parts], axis=1).ravel()
+        pieces = [p.data.reshape(rows, -1) for p in parts]
+        rejoined = np.concatenate(pieces, axis=1).ravel()
+        bounds = np.cumsum([0] + [piece.shape[1] for piece in pieces])
+        full_2d = full_bytes.reshape(rows, -1)
+        slices = [full_2d[:, lo:hi] for lo, hi in zip(bounds[:-1], bounds[1:])]
     else:
         rejoined = np.concatenate([p.data for p in parts])
         # A zero-padded A_log (Kimi K3) rejoins to its heads; the adapter checked the padding.
         full_bytes = full_bytes[: rejoined.nbytes]
+        pieces = [p.data for p in parts]
+        bounds = np.cumsum([0] + [p.nbytes for p in parts])
+        slices = [full_bytes[lo:hi] for lo, hi in zip(bounds[:-1], bounds[1:])]
     if np.array_equal(rejoined, full_bytes):
         return None
-    return f"{name}: the ranks' {entry.kind.name} slices do not rejoin to the input"
+    differ = [r for r, (got, want) in enumerate(zip(pieces, slices))
+              if not np.array_equal(got, want)]
+    return (
+        f"{name}: the ranks' {entry.kind.name} slices do not rejoin to the input "
+        f"(the slice on {_ranks(differ)} differs)"
+    )
+
+
+def _ranks(ranks: list[int]) -> str:
+    """``rank 1`` or ``ranks 0, 2``, for messages."""
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
 

@@ -1021,6 +1021,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"OK: {args.out} is a correct tensor-parallel sharding of {args.checkpoint}")
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

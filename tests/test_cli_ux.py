@@ -1,0 +1,412 @@
+"""The command line as a new user meets it (issue 10, items 1-6 and 8): ``--layers``, Ctrl-C,
+progress lines, ``--json``, messages that point at the fix, re-sharding an output, and
+``.safetensors`` files the index does not name."""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import kda_tp
+from kda_tp._io import write_safetensors
+from kda_tp.cli import main
+from kda_tp.errors import PlanError
+from kda_tp.layers import check_layers
+from kda_tp.shard import rank_dir, shard_checkpoint
+from kda_tp.synth import write_small_checkpoint
+
+# 4 decoder layers, 0-based 0..2 KDA and 3 full attention (MLA); Kimi's config says 1,2,3.
+# TP 1 and 2 pass the 256-channel rule, TP 4 only with --qk-multiple 1.
+SMALL = dict(hidden=96, heads=4, head_dim=64, conv_kernel=4, gate_rank=16, num_layers=4)
+
+
+@pytest.fixture
+def ckpt(tmp_path) -> Path:
+    return write_small_checkpoint(tmp_path / "ckpt", **SMALL, kda_layers=[0, 1, 2], seed=3)
+
+
+@pytest.fixture
+def sharded(ckpt, tmp_path) -> Path:
+    out = tmp_path / "out"
+    shard_checkpoint(ckpt, out, 2)
+    return out
+
+
+def run(capsys, *args: object) -> tuple[int, str, str]:
+    status = main([str(a) for a in args])
+    captured = capsys.readouterr()
+    return status, captured.out, captured.err
+
+
+def _retype(path: Path, name: str, dtype: str, data: bytes | None = None) -> None:
+    """Rewrite one tensor of a safetensors file with another dtype (and, optionally, bytes)."""
+    source = kda_tp.SafetensorsSource(path)
+    specs = []
+    for n in source.names():
+        t = source.get(n)
+        payload = bytes(t) if n != name else (data if data is not None else bytes(t))
+        specs.append((n, dtype if n == name else t.dtype, t.shape, len(payload),
+                      lambda p=payload: p))
+    meta = source.files()[0][1]
+    del source
+    write_safetensors(path, specs, meta)
+
+
+def _flip_byte(path: Path, name: str, offset: int) -> None:
+    """Flip one byte of tensor ``name``'s data in place."""
+    data = bytearray(path.read_bytes())
+    header_len = int.from_bytes(data[:8], "little")
+    begin = json.loads(data[8 : 8 + header_len])[name]["data_offsets"][0]
+    data[8 + header_len + begin + offset] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+# --- 1. --layers ---------------------------------------------------------------------------
+
+
+def test_check_layers_refuses_with_the_layer_count():
+    kda = (0, 1, 2)
+    assert check_layers([2, 0], kda, 4) == (0, 2)
+    assert check_layers([1, 2], kda, 4) == (1, 2)  # valid 0-based, though also 1 more than 0,1
+    for bad, words in [
+        ([-1], ["-1 is negative", "the model has 4 layers, 0..3"]),
+        ([1, 1], ["1 given more than once", "the model has 4 layers"]),
+        ([7], ["7 out of range", "the model has 4 layers, 0..3"]),
+        ([0, 3], ["3 not a KDA layer", "0,1,2"]),
+        ([3], ["1-based", "--layers 2"]),  # MLA layer 3 read as Kimi's 1-based 3
+        ([1, 2, 3], ["1-based", "--layers 0,1,2"]),
+        ([1, 4], ["4 out of range", "the model has 4 layers"]),
+        ([], ["empty"]),
+    ]:
+        with pytest.raises(PlanError) as info:
+            check_layers(bad, kda, 4)
+        for word in words:
+            assert word in str(info.value), (bad, str(info.value))
+    # Every layer KDA: 1..4 is out of range as 0-based, and recognised as 1-based.
+    with pytest.raises(PlanError, match="1-based.*--layers 0,1,2,3"):
+        check_layers([1, 2, 3, 4], (0, 1, 2, 3), 4)
+
+
+def test_shard_layers_is_only_an_override(ckpt, tmp_path, capsys):
+    out = tmp_path / "out"
+    status, _, err = run(capsys, "shard", ckpt, "--tp-size", 2, "--out", out, "--layers", "0,1")
+    assert status == 2 and "every KDA layer the config lists (0,1,2)" in err
+    assert "verify --numeric --layers" in err and not out.exists()
+    # Kimi's own numbers, copied from config.json:
+    status, _, err = run(capsys, "shard", ckpt, "--tp-size", 2, "--out", out, "--layers", "1,2,3")
+    assert status == 2 and "1-based" in err and "--layers 0,1,2" in err and not out.exists()
+    for value, word in [("-1", "negative"), ("0,0,1,2", "more than once"), ("0,1,9", "range")]:
+        status, _, err = run(capsys, "shard", ckpt, "--tp-size", 2, "--out", out,
+                             f"--layers={value}")
+        assert status == 2 and word in err and "the model has 4 layers" in err, err
+    assert not out.exists()
+    # The config's own list is accepted.
+    assert run(capsys, "shard", ckpt, "--tp-size", 2, "--out", out, "--layers", "0,1,2",
+               "--quiet")[0] == 0
+
+
+def test_shard_layers_for_a_config_without_the_list(ckpt, tmp_path, capsys):
+    config = json.loads((ckpt / "config.json").read_text())
+    del config["linear_attn_config"]["kda_layers"]
+    (ckpt / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "out"
+    status, _, err = run(capsys, "shard", ckpt, "--tp-size", 2, "--out", out)
+    assert status == 2 and "does not list the KDA layers" in err and "pass --layers" in err
+    status, _, err = run(capsys, "shard", ckpt, "--tp-size", 2, "--out", out, "--layers", "1,2,3")
+    assert status == 2 and "1-based" in err and "--layers 0,1,2" in err
+    assert run(capsys, "shard", ckpt, "--tp-size", 2, "--out", out, "--layers", "0,1,2",
+               "--quiet")[0] == 0
+    assert run(capsys, "verify", ckpt, out, "--quiet")[0] == 0
+
+
+def test_verify_and_plan_layers_select(ckpt, sharded, capsys):
+    status, out, _ = run(capsys, "verify", ckpt, sharded, "--numeric", "--layers", "1", "--json")
+    doc = json.loads(out)
+    assert status == 0 and [e["layer"] for e in doc["numeric"]["layers"]] == [1]
+    assert doc["tensors"] == len(kda_tp.SafetensorsSource(ckpt).names())  # bytes: all
+    status, _, err = run(capsys, "verify", ckpt, sharded, "--numeric", "--layers", "1,2,3")
+    assert status == 2 and "1-based" in err and "--layers 0,1,2" in err
+    status, _, err = run(capsys, "verify", ckpt, sharded, "--layers", "1")
+    assert status == 2 and "--numeric" in err
+    status, out, _ = run(capsys, "plan", ckpt, "--tp-size", 2, "--layers", "0,2", "--json")
+    assert status == 0 and json.loads(out)["kda_layers"] == [0, 2]
+    status, out, _ = run(capsys, "plan", ckpt, "--tp-size", 2, "--layers", "2")
+    assert status == 0 and "1 KDA layers:" in out
+    status, _, err = run(capsys, "plan", ckpt / "config.json", "--tp-size", 2, "--layers", "1,2,3")
+    assert status == 2 and "1-based" in err and "--layers 0,1,2" in err
+
+
+# --- 2. Ctrl-C ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def large_checkpoint(tmp_path_factory) -> Path:
+    # About 400 MB in 2 files (embeddings and lm_head of 32768 x 2048 BF16): a TP=4 shard writes
+    # for a second or more on the CI machine, long enough to be interrupted mid-write.
+    return write_small_checkpoint(
+        tmp_path_factory.mktemp("large") / "ckpt", hidden=2048, heads=16, head_dim=128,
+        conv_kernel=4, gate_rank=128, num_layers=4, kda_layers=[0, 1, 2, 3], vocab_size=32768,
+    )
+
+
+def test_ctrl_c_stops_cleans_up_and_says_how_to_finish(large_checkpoint, tmp_path):
+    out = tmp_path / "out"
+    command = [sys.executable, "-m", "kda_tp", "shard", str(large_checkpoint), "--tp-size", "4",
+               "--out", str(out)]
+    child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    # Interrupt as soon as a rank is being written.
+    while not (out.is_dir() and any(p.name.startswith(".rank") for p in out.iterdir())):
+        assert child.poll() is None and time.monotonic() < deadline, child.communicate()
+        time.sleep(0.002)
+    sent = time.monotonic()
+    child.send_signal(signal.SIGINT)
+    stdout, stderr = child.communicate(timeout=30)
+    stopped = time.monotonic() - sent
+    assert child.returncode == 130, (stdout, stderr)
+    assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr
+    assert stopped < 2.0, stopped  # the writers stop at their next tensor (~0.2-0.6 s here)
+    # Only complete ranks are left: no partial directory of this run.
+    left = sorted(p.name for p in out.iterdir())
+    assert all(re.fullmatch(r"rank\d", name) for name in left), left
+    assert "interrupted" in stderr and "ranks completed by this run:" in stderr
+    finish = re.search(r"to finish, run: (kda-tp shard .*)", stderr).group(1)
+    missing = sorted({0, 1, 2, 3} - {int(name[4:]) for name in left})
+    assert finish.endswith("--ranks " + ",".join(map(str, missing)))
+    # The suggested command completes the job.
+    assert main(shlex.split(finish)[1:] + ["--quiet"]) == 0
+    assert main(["verify", str(large_checkpoint), str(out), "--quiet"]) == 0
+
+
+def test_ctrl_c_in_process_leaves_no_partial(ckpt, tmp_path, monkeypatch):
+    """The library raises ShardInterrupted (a KeyboardInterrupt) after the writers stopped."""
+    import kda_tp.shard as shard
+
+    calls = {"n": 0}
+
+    def interrupted_wait(futures):
+        calls["n"] += 1
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(shard, "wait", interrupted_wait)
+    out = tmp_path / "out"
+    with pytest.raises(shard.ShardInterrupted) as info:
+        shard_checkpoint(ckpt, out, 2)
+    assert calls["n"] == 1
+    e = info.value
+    assert isinstance(e, KeyboardInterrupt) and e.tp_size == 2
+    present = sorted(p.name for p in out.iterdir())
+    assert present == [f"rank{r}" for r in e.completed]
+    assert e.remaining == tuple(r for r in range(2) if r not in e.completed)
+
+
+def test_ctrl_c_elsewhere_exits_130_without_traceback(ckpt, sharded, capsys, monkeypatch):
+    import kda_tp.cli as cli
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "verify_shards", interrupted)
+    status, out, err = run(capsys, "verify", ckpt, sharded, "--json")
+    assert status == 130 and err == "kda-tp: interrupted\n"
+    assert json.loads(out) == {"ok": False, "interrupted": True}
+
+
+def test_already_exists_and_missing_ranks_name_the_finishing_ranks(ckpt, tmp_path, capsys):
+    out = tmp_path / "out"
+    assert run(capsys, "shard", ckpt, "--tp-size", 2, "--out", out, "--ranks", 0, "--quiet")[0] == 0
+    status, text, _ = run(capsys, "verify", ckpt, out)
+    assert status == 1 and f"--out {out} --ranks 1" in text and "kda-tp shard" in text
+    status, _, err = run(capsys, "shard", ckpt, "--tp-size", 2, "--out", out, "--quiet")
+    assert status == 2 and "already exists" in err and "--ranks 1" in err
+
+
+# --- 3. progress ----------------------------------------------------------------------------
+
+
+def test_progress_lines_when_not_a_terminal(ckpt, tmp_path, capsys):
+    out = tmp_path / "out"
+    status, _, err = run(capsys, "shard", ckpt, "--tp-size", 2, "--out", out)
+    assert status == 0 and re.search(r"^shard: [\d.]+ of [\d.]+ GB \(100%\), [\d.]+ s$", err, re.M)
+    assert len(err.splitlines()) <= 5  # a line every few seconds, not per tensor
+    status, _, err = run(capsys, "verify", ckpt, out)
+    n = len(kda_tp.SafetensorsSource(ckpt).names())
+    assert status == 0 and f"verify: {n} of {n} tensors (100%)" in err
+    assert run(capsys, "verify", ckpt, out, "--quiet")[2] == ""
+    assert run(capsys, "shard", ckpt, "--tp-size", 2, "--out", out, "--force", "--quiet")[2] == ""
+
+
+# --- 4. --json ------------------------------------------------------------------------------
+
+
+def test_json_documents(ckpt, tmp_path, capsys):
+    status, out, _ = run(capsys, "plan", ckpt, "--tp-size", 2, "--rank", 1, "--json")
+    plan = json.loads(out)
+    assert status == 0 and plan["tp_size"] == 2 and plan["tp_rank"] == 1
+    assert plan["kda_layers"] == [0, 1, 2] and plan["all_reduce"] is True
+    o_proj = next(t for t in plan["tensors"] if t["name"] == "o_proj")
+    assert o_proj == {"name": "o_proj", "kind": "CHANNEL_COLS", "dtype": "BF16",
+                      "full_shape": [96, 256], "local_shape": [96, 128], "sharded_axis": 1,
+                      "offset": 128, "local_bytes": 96 * 128 * 2, "full_bytes": 96 * 256 * 2}
+    a_log = next(t for t in plan["tensors"] if t["name"] == "A_log")
+    assert a_log["dtype"] == "F32" and a_log["sharded_axis"] == 2 and a_log["offset"] == 2
+
+    dest = tmp_path / "out"
+    status, out, _ = run(capsys, "shard", ckpt, "--tp-size", 2, "--out", dest, "--json")
+    written = json.loads(out)
+    assert status == 0 and written["ranks"] == [0, 1] and written["ok"] is True
+    assert written["rank_dirs"] == [str(rank_dir(dest, r)) for r in (0, 1)]
+    assert written["bytes_written"] > 0
+
+    status, out, _ = run(capsys, "verify", ckpt, dest, "--numeric", "--json")
+    checked = json.loads(out)
+    assert status == 0 and checked["ok"] is True and checked["problems"] == []
+    assert [e["layer"] for e in checked["numeric"]["layers"]] == [0, 1, 2]
+
+    _flip_byte(dest / "rank1" / "model-00001-of-00002.safetensors",
+               "model.layers.0.self_attn.q_proj.weight", 5)
+    status, out, _ = run(capsys, "verify", ckpt, dest, "--json")
+    failed = json.loads(out)
+    assert status == 1 and failed["ok"] is False and len(failed["problems"]) == 1
+
+    status, out, err = run(capsys, "shard", ckpt, "--tp-size", 3, "--out", tmp_path / "x",
+                           "--json")
+    refused = json.loads(out)
+    assert status == 2 and refused["ok"] is False and refused["error"]["type"] == "PlanError"
+    assert "PlanError" in err
+
+
+# --- 5. messages that point at the fix ------------------------------------------------------
+
+
+def test_one_file_of_an_indexed_checkpoint(ckpt, sharded, tmp_path, capsys):
+    one = ckpt / "model-00001-of-00002.safetensors"
+    for args in (["plan", one, "--tp-size", 2], ["shard", one, "--tp-size", 2, "--out",
+                 tmp_path / "o"], ["verify", one, sharded]):
+        status, _, err = run(capsys, *args)
+        assert status == 2, args
+        assert f"pass the directory {ckpt} (it has model.safetensors.index.json)" in err
+
+
+def test_verify_against_another_checkpoint(ckpt, sharded, tmp_path, capsys):
+    other = write_small_checkpoint(tmp_path / "other", **{**SMALL, "num_layers": 3},
+                                   kda_layers=[0, 1], seed=3)
+    status, _, err = run(capsys, "verify", other, sharded)
+    assert status == 2 and "sharded from another checkpoint" in err and "lacks" not in err
+    # Same names and shapes, other values (a fine-tune and its base model):
+    twin = write_small_checkpoint(tmp_path / "twin", **SMALL, kda_layers=[0, 1, 2], seed=4)
+    status, _, err = run(capsys, "verify", twin, sharded)
+    assert status == 2 and "sharded from another checkpoint" in err
+
+
+def test_verify_a_directory_that_is_not_an_output(ckpt, tmp_path, capsys):
+    status, _, err = run(capsys, "verify", ckpt, ckpt)
+    assert status == 2 and "not a kda-tp shard output" in err
+    (tmp_path / "empty").mkdir()
+    assert run(capsys, "verify", ckpt, tmp_path / "empty")[0] == 1  # nothing written yet
+
+
+@pytest.mark.parametrize(
+    "name, file, rank, words",
+    [
+        ("model.layers.1.self_attn.q_proj.weight", 1, 1, "CHANNEL_ROWS slices do not rejoin"),
+        ("model.layers.0.self_attn.o_proj.weight", 0, 0, "CHANNEL_COLS slices do not rejoin"),
+        ("model.layers.0.self_attn.f_a_proj.weight", 0, 1, "replicated copy on rank 1"),
+        ("model.embed_tokens.weight", 0, 0, "the copy on rank 0 differs"),
+    ],
+)
+def test_a_corrupted_byte_names_rank_and_tensor(ckpt, sharded, capsys, name, file, rank, words):
+    rank_source = kda_tp.SafetensorsSource(rank_dir(sharded, rank))
+    path = rank_source.file_of(name)
+    del rank_source
+    _flip_byte(path, name, 3)
+    status, out, _ = run(capsys, "verify", ckpt, sharded)
+    assert status == 1 and name in out and words in out and f"rank {rank}" in out, out
+
+
+def test_the_qk_rule_names_the_flag_and_the_sizes_that_pass(ckpt, tmp_path, capsys):
+    status, _, err = run(capsys, "shard", ckpt, "--tp-size", 4, "--out", tmp_path / "o")
+    assert status == 2 and "--qk-multiple 1" in err and "qk_multiple=1" not in err
+    assert ("with --qk-multiple 256 (the default) the TP sizes that pass are 1, 2 "
+            "(1, 2, 4 with --qk-multiple 1)") in err
+    status, _, err = run(capsys, "plan", ckpt, "--tp-size", 3)
+    assert status == 2 and "divisible by tp_size (3)" in err and "pass are 1, 2 (" in err
+    assert run(capsys, "plan", ckpt, "--tp-size", 4, "--qk-multiple", 1)[0] == 0
+    # Where the plan's own list of divisors is the answer, it is not repeated.
+    status, _, err = run(capsys, "plan", ckpt, "--tp-size", 3, "--qk-multiple", 1)
+    assert status == 2 and "may be one of 1, 2, 4" in err and "pass are" not in err
+
+
+def test_fp8_kda_tensor_names_the_dtypes_a_kda_tensor_may_have(ckpt, tmp_path, capsys):
+    name = "model.layers.0.self_attn.q_proj.weight"
+    path = kda_tp.SafetensorsSource(ckpt).file_of(name)
+    size = 256 * 96
+    _retype(path, name, "F8_E4M3", bytes(size))
+    # No block-FP8 format in the config: refused, naming the formats that are supported.
+    status, _, err = run(capsys, "shard", ckpt, "--tp-size", 2, "--out", tmp_path / "o")
+    assert status == 2 and "q_proj.weight: an FP8 weight" in err
+    assert "supported block-FP8 formats: ModelOpt FP8_PB_WO" in err
+    assert "is not a floating-point dtype" not in err
+    with pytest.raises(PlanError, match="F8_E4M3 is not allowed for a KDA tensor: BF16, F16, "
+                                        "F32 or F64, and F8_E4M3 or F8_E5M2 only for a "
+                                        "block-quantized projection"):
+        kda_tp.KdaTpPlan(0, 2, 96, 64, 4, 4, 16, dtypes={"q_proj": "F8_E4M3"})
+
+
+def test_demo_says_how_to_keep_its_files(capsys):
+    status, out, _ = run(capsys, "demo", "--tp-size", 2, "--num-layers", 1, "--no-numeric")
+    assert status == 0 and "deleted on exit; --keep DIR keeps it" in out
+
+
+def test_oracle_command_line_prints_no_warning(ckpt, sharded):
+    done = subprocess.run(
+        [sys.executable, "-W", "error::RuntimeWarning", "-m", "kda_tp.oracle", "verify",
+         str(ckpt), str(sharded)],
+        capture_output=True, text=True, check=False,
+    )
+    assert done.returncode == 0 and done.stderr == "" and done.stdout.startswith("OK"), done
+
+
+# --- 6. re-sharding an output ---------------------------------------------------------------
+
+
+def test_a_rank_directory_is_not_taken_as_input(ckpt, sharded, tmp_path, capsys):
+    status, _, err = run(capsys, "shard", rank_dir(sharded, 0), "--tp-size", 2, "--out",
+                         tmp_path / "again")
+    assert status == 2 and "already a tensor-parallel shard (rank 0 of 2" in err
+    assert "--allow-resharding" in err and not (tmp_path / "again").exists()
+    # A TP=1 output holds the full shapes, so with the override it shards like the original.
+    single = tmp_path / "single"
+    shard_checkpoint(ckpt, single, 1)
+    status, _, err = run(capsys, "shard", rank_dir(single, 0), "--tp-size", 2, "--out",
+                         tmp_path / "again")
+    assert status == 2 and "already a tensor-parallel shard" in err
+    assert run(capsys, "shard", rank_dir(single, 0), "--tp-size", 2, "--out",
+               tmp_path / "again", "--allow-resharding", "--quiet")[0] == 0
+
+
+# --- 8. files the index does not name -------------------------------------------------------
+
+
+def test_an_unindexed_file_is_refused_or_skipped_by_flag(ckpt, tmp_path, capsys):
+    extra = ckpt / "mtp.safetensors"
+    write_safetensors(extra, [("model.mtp.weight", "BF16", (4, 4), 32, lambda: bytes(32))])
+    out = tmp_path / "out"
+    status, _, err = run(capsys, "shard", ckpt, "--tp-size", 2, "--out", out)
+    assert status == 2 and "mtp.safetensors" in err and "--skip-unindexed" in err
+    assert not out.exists()
+    status, _, err = run(capsys, "shard", ckpt, "--tp-size", 2, "--out", out, "--skip-unindexed",
+                         "--quiet")
+    assert status == 0 and f"warning: {extra} is not named by" in err
+    assert not any(p.name == "mtp.safetensors" for p in out.rglob("*"))
+    status, out_text, err = run(capsys, "verify", ckpt, out, "--json", "--quiet")
+    assert status == 0 and json.loads(out_text)["unindexed"] == [str(extra)]
+    assert f"warning: {extra} is not named by" in err
