@@ -257,7 +257,7 @@ def _byte_view(name: str, buffer: Any, nbytes: int) -> memoryview:
     if isinstance(buffer, np.ndarray):
         if not buffer.flags.c_contiguous:
             raise TypeError(f"{name}: get_bytes returned a non-contiguous numpy array")
-        view = memoryview(buffer.reshape(-1).view(np.uint8))
+        view = buffer.reshape(-1).view(np.uint8).data
     else:
         view = memoryview(buffer)
         if not view.c_contiguous:

@@ -18,6 +18,7 @@ observed rounding and ~300x below the smallest observed mistake.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -181,7 +182,7 @@ def check_tp_equivalence(
     # The adapter shards every KDA layer (it refuses a KDA layer left out), even when only
     # some are checked.
     try:
-        all_kda = kda_layer_indices(source, None)
+        all_kda = list(kda_layer_indices(source, None))
     except CheckpointError:
         all_kda = layer_list
     rank_sources = [factory(source, plan, all_kda) for plan in plans]
@@ -197,7 +198,8 @@ def check_tp_equivalence(
     results = []
     for layer in layer_list:
         y = forward(_layer_weights(source, layer, prefix))
-        y_sum = sum(forward(_layer_weights(s, layer, prefix)) for s in rank_sources)
+        partials = (forward(_layer_weights(s, layer, prefix)) for s in rank_sources)
+        y_sum = functools.reduce(np.add, partials)
         results.append(_compare(layer, y, y_sum, atol, rtol))
     return EquivalenceReport(tp_size, int(seq_len), seed, atol, rtol, tuple(results))
 
