@@ -34,6 +34,7 @@ import sys
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from kda_tp.errors import CheckpointError, PlanError, ShapeMismatchError
 
@@ -418,7 +419,7 @@ class KdaConfig:
     kda_layers: frozenset[int]
 
 
-def read_kda_config(config: Mapping) -> KdaConfig:
+def read_kda_config(config: Mapping[str, Any]) -> KdaConfig:
     """The KDA geometry of a parsed ``config.json``.
 
     Two layouts are understood:
@@ -753,7 +754,9 @@ def _check_rank(
         if kda_name is None:
             want_shape = src.shape
         else:
-            entry = rank_plan.get(kda_name)
+            found = rank_plan.get(kda_name)
+            assert found is not None  # _kda_plan_name returns only plan names
+            entry = found
             if src.dtype != entry.dtype:
                 problems.append(
                     f"{tag}: {name}: input dtype {src.dtype} differs from the first KDA "

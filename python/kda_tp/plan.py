@@ -189,7 +189,7 @@ class KdaTpPlan(_native.KdaTpPlan):
         return (_rebuild, (type(self), args, options))
 
 
-def _rebuild(cls: type, args: tuple[int, ...], options: dict[str, Any]) -> KdaTpPlan:
+def _rebuild(cls: type[KdaTpPlan], args: tuple[int, ...], options: dict[str, Any]) -> KdaTpPlan:
     return cls(*args, **options)
 
 

@@ -116,7 +116,7 @@ class Tensor:
         with warnings.catch_warnings():
             # torch warns that it cannot mark the read-only buffer read-only; documented above.
             warnings.simplefilter("ignore", UserWarning)
-            raw = torch.frombuffer(memoryview(self.data), dtype=torch.uint8)
+            raw = torch.frombuffer(self.data.data, dtype=torch.uint8)
         return raw.view(torch_dtype).reshape(self.shape)
 
     def __repr__(self) -> str:

@@ -49,6 +49,7 @@ import os
 import zlib
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
@@ -61,7 +62,7 @@ __all__ = ["GEOMETRIES", "write_checkpoint", "write_small_checkpoint"]
 #: Real KDA geometries. ``hidden`` (d), ``heads`` (H), ``head_dim`` (D), ``conv_kernel`` (K) and
 #: ``gate_rank`` (R) are element counts; ``style`` is the config dialect; ``full_attn_every`` = n
 #: makes layers n, 2n, ... (1-based) full-attention layers; ``None`` makes every layer KDA.
-GEOMETRIES: dict[str, dict[str, object]] = {
+GEOMETRIES: dict[str, dict[str, Any]] = {
     "kimi-linear": {
         "hidden": 2304,
         "heads": 32,
@@ -373,7 +374,9 @@ def _gqa_tensors(g: _Geometry, wdt: str) -> list[tuple[str, str, tuple[int, ...]
     ]
 
 
-def _config(g: _Geometry, num_layers: int, kda: set[int], vocab: int, torch_dtype: str) -> dict:
+def _config(
+    g: _Geometry, num_layers: int, kda: set[int], vocab: int, torch_dtype: str
+) -> dict[str, Any]:
     """config.json contents in the geometry's dialect."""
     common = {
         "hidden_size": g.hidden,
@@ -441,7 +444,7 @@ def _write_tensor_files(
 
         return get_bytes
 
-    weight_map = {}
+    weight_map: dict[str, str] = {}
     for number, group in enumerate(groups, start=1):
         file_name = f"model-{number:05d}-of-{len(groups):05d}.safetensors"
         members = [specs[j] for j in group]
