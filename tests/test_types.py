@@ -127,3 +127,9 @@ def test_help_shows_the_real_qk_multiple_default() -> None:
     # The text signature is hand-written beside the Rust default it must repeat.
     assert kda_tp.KdaTpPlan(0, 1, 1, 128, 1, 1, 1).qk_multiple == 256
     assert "qk_multiple=256" in kda_tp._native.KdaTpPlan.__text_signature__
+
+
+def test_the_installed_package_ships_its_type_information() -> None:
+    package = Path(kda_tp.__file__).parent
+    assert (package / "py.typed").is_file()
+    assert (package / "_native.pyi").is_file()
