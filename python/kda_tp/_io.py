@@ -101,6 +101,7 @@ def tensor_nbytes(dtype: str, shape: Iterable[int]) -> int:
         )
     return total_bits // 8
 
+
 #: One tensor to write: ``(name, dtype, shape, nbytes, get_bytes)``. ``nbytes`` is a byte count
 #: (not an element count) and must equal ``tensor_nbytes(dtype, shape)``. ``get_bytes`` is
 #: called with no arguments, once, when the writer reaches that tensor, and must return a
