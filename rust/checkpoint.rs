@@ -489,8 +489,9 @@ impl Checkpoint {
 /// `header` is the header's bytes (what follows the 8-byte length prefix, `header.len()` being
 /// that length) and `data_len` the number of bytes after the header in the file. Checks what
 /// [`SafetensorsFile::open`] promises about a header: UTF-8, a JSON object, no name twice, a
-/// `__metadata__` string map, every tensor entry a known dtype with a shape whose byte size
-/// equals its `data_offsets` range (no overflow), the tensors back to back from data byte 0
+/// `__metadata__` string map (or `null`, read as no metadata), every tensor entry a known dtype
+/// with a shape whose byte size (sub-byte dtypes such as F4 included, by bits) equals its
+/// `data_offsets` range (no overflow), the tensors back to back from data byte 0
 /// with no gap or overlap, and their total exactly `data_len` (neither past the end of the file
 /// nor followed by trailing bytes). Errors are [`Error::Safetensors`] naming `path` and, where
 /// there is one, the tensor. Public so that fuzzers can drive header parsing from memory.
@@ -512,6 +513,10 @@ pub fn parse_header(path: &Path, header: &[u8], data_len: u64) -> Result<Metadat
     let mut tensors: Vec<(String, TensorInfo)> = Vec::with_capacity(entries.len());
     for (name, value) in entries {
         if name == METADATA_KEY {
+            // `null` is no metadata, as the reference reader has it (its field is an Option).
+            if value.is_null() {
+                continue;
+            }
             let map = HashMap::<String, String>::deserialize(value).map_err(|e| {
                 bad(format!(
                     "invalid header: {METADATA_KEY:?} is not a map of strings to strings: {e}"

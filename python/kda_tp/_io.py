@@ -32,9 +32,17 @@ import numpy as np
 
 from kda_tp.errors import DtypeMismatchError, OutputError, ShapeMismatchError
 
-__all__ = ["DTYPE_SIZES", "TensorSpec", "write_index", "write_json", "write_safetensors"]
+__all__ = [
+    "DTYPE_BITS",
+    "DTYPE_SIZES",
+    "TensorSpec",
+    "tensor_nbytes",
+    "write_index",
+    "write_json",
+    "write_safetensors",
+]
 
-#: Bytes per element of every safetensors dtype this writer accepts.
+#: Bytes per element of every whole-byte safetensors dtype.
 DTYPE_SIZES: dict[str, int] = {
     "BOOL": 1,
     "U8": 1,
@@ -57,8 +65,45 @@ DTYPE_SIZES: dict[str, int] = {
     "C64": 8,
 }
 
+#: Bits per element of every safetensors dtype this writer accepts: the whole-byte dtypes and
+#: the packed sub-byte floats of the MX formats (F4: 4 bits, F6_E2M3 and F6_E3M2: 6 bits), whose
+#: tensors are stored as packed bits without padding, so their bit count must be a multiple of 8.
+DTYPE_BITS: dict[str, int] = {
+    **{dtype: 8 * size for dtype, size in DTYPE_SIZES.items()},
+    "F4": 4,
+    "F6_E2M3": 6,
+    "F6_E3M2": 6,
+}
+
+
+def tensor_nbytes(dtype: str, shape: Iterable[int]) -> int:
+    """The data size in bytes of a tensor of ``dtype`` and ``shape`` (elements).
+
+    Raises:
+        DtypeMismatchError: ``dtype`` is not a safetensors dtype (:data:`DTYPE_BITS`).
+        ShapeMismatchError: a negative or non-integer dimension, or a sub-byte tensor whose
+            bits do not fill a whole number of bytes (e.g. 3 F4 elements).
+    """
+    bits = DTYPE_BITS.get(dtype)
+    if bits is None:
+        raise DtypeMismatchError(
+            f"dtype {dtype!r} is not a safetensors dtype (expected one of {', '.join(DTYPE_BITS)})"
+        )
+    dims = tuple(shape)
+    if not all(
+        isinstance(d, (int, np.integer)) and not isinstance(d, bool) and d >= 0 for d in dims
+    ):
+        raise ShapeMismatchError(f"shape {list(dims)} has a negative or non-int size")
+    total_bits = int(np.prod(dims, dtype=object)) * bits
+    if total_bits % 8:
+        raise ShapeMismatchError(
+            f"shape {list(dims)} of {dtype} is {total_bits} bits, not a whole number of bytes"
+        )
+    return total_bits // 8
+
+
 #: One tensor to write: ``(name, dtype, shape, nbytes, get_bytes)``. ``nbytes`` is a byte count
-#: (not an element count) and must equal ``prod(shape) * DTYPE_SIZES[dtype]``. ``get_bytes`` is
+#: (not an element count) and must equal ``tensor_nbytes(dtype, shape)``. ``get_bytes`` is
 #: called with no arguments, once, when the writer reaches that tensor, and must return a
 #: C-contiguous buffer-protocol object (numpy array of any dtype, bytes, bytearray, memoryview)
 #: holding exactly ``nbytes`` bytes of little-endian tensor data.
@@ -93,7 +138,7 @@ def write_safetensors(
         ``write_index`` expects as ``total_size`` when summed over a checkpoint's files.
 
     Raises:
-        DtypeMismatchError: a dtype string that is not a safetensors dtype (:data:`DTYPE_SIZES`).
+        DtypeMismatchError: a dtype string that is not a safetensors dtype (:data:`DTYPE_BITS`).
         ShapeMismatchError: a negative or non-integer dimension, an ``nbytes`` that disagrees
             with ``shape`` x dtype size, or a ``get_bytes`` result whose length is not ``nbytes``
             (the message names the tensor and both byte counts).
@@ -187,22 +232,15 @@ def _build_header(path: Path, specs: list[TensorSpec], metadata: Mapping[str, st
             raise OutputError(f"{path}: {_METADATA_KEY!r} is reserved and cannot name a tensor")
         if name in header:
             raise OutputError(f"{path}: duplicate tensor name {name!r}")
-        elem_bytes = DTYPE_SIZES.get(dtype)
-        if elem_bytes is None:
-            raise DtypeMismatchError(
-                f"{name}: dtype {dtype!r} is not a safetensors dtype "
-                f"(expected one of {', '.join(DTYPE_SIZES)})"
-            )
         dims = tuple(shape)
-        if not all(
-            isinstance(d, (int, np.integer)) and not isinstance(d, bool) and d >= 0 for d in dims
-        ):
-            raise ShapeMismatchError(f"{name}: shape {list(dims)} has a negative or non-int size")
-        expected = int(np.prod(dims, dtype=object)) * elem_bytes
+        try:
+            expected = tensor_nbytes(dtype, dims)
+        except (DtypeMismatchError, ShapeMismatchError) as e:
+            raise type(e)(f"{name}: {e}") from None
         if nbytes != expected:
             raise ShapeMismatchError(
                 f"{name}: declared {nbytes} bytes, but shape {list(dims)} of {dtype} "
-                f"({elem_bytes} bytes each) is {expected} bytes"
+                f"({DTYPE_BITS[dtype]} bits each) is {expected} bytes"
             )
         header[name] = {
             "dtype": dtype,
@@ -220,7 +258,7 @@ def _byte_view(name: str, buffer: Any, nbytes: int) -> memoryview:
     if isinstance(buffer, np.ndarray):
         if not buffer.flags.c_contiguous:
             raise TypeError(f"{name}: get_bytes returned a non-contiguous numpy array")
-        view = memoryview(buffer.reshape(-1).view(np.uint8))
+        view = buffer.reshape(-1).view(np.uint8).data
     else:
         view = memoryview(buffer)
         if not view.c_contiguous:

@@ -18,6 +18,7 @@ observed rounding and ~300x below the smallest observed mistake.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -186,7 +187,7 @@ def check_tp_equivalence(
     # The adapter shards every KDA layer (it refuses a KDA layer left out), even when only
     # some are checked.
     try:
-        all_kda = kda_layer_indices(source, None)
+        all_kda = list(kda_layer_indices(source, None))
     except CheckpointError:
         all_kda = layer_list
     rank_sources = [factory(source, plan, all_kda) for plan in plans]
@@ -208,10 +209,11 @@ def check_tp_equivalence(
     results = []
     for layer in layer_list:
         y = forward(_layer_weights(source, layer, prefix, plans[0]))
-        y_sum = sum(
+        partials = (
             forward(_layer_weights(s, layer, prefix, plan))
             for s, plan in zip(rank_sources, plans)
         )
+        y_sum = functools.reduce(np.add, partials)
         results.append(_compare(layer, y, y_sum, atol, rtol))
     return EquivalenceReport(tp_size, int(seq_len), seed, atol, rtol, tuple(results))
 

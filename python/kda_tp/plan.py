@@ -251,17 +251,18 @@ class KdaTpPlan(_native.KdaTpPlan):
                    "dtypes": {t.name: t.dtype for t in self.tensors},
                    "full_rank_gate": self.full_rank_gate,
                    "a_log_len": self.a_log_len}
-        quantized = [t for t in self.tensors if t.scale is not None]
-        if quantized:
+        scales = [(t, t.scale) for t in self.tensors if t.scale is not None]
+        if scales:
+            weight, scale = scales[0]
             options.update(
-                quant_block=quantized[0].block,
-                quantized=[t.name for t in quantized],
-                scale_layout="modelopt" if len(quantized[0].scale.disk_shape) == 4 else "grid",
+                quant_block=weight.block,
+                quantized=[t.name for t, _ in scales],
+                scale_layout="modelopt" if len(scale.disk_shape) == 4 else "grid",
             )
         return (_rebuild, (type(self), args, options))
 
 
-def _rebuild(cls: type, args: tuple[int, ...], options: dict[str, Any]) -> KdaTpPlan:
+def _rebuild(cls: type[KdaTpPlan], args: tuple[int, ...], options: dict[str, Any]) -> KdaTpPlan:
     return cls(*args, **options)
 
 

@@ -157,7 +157,9 @@ def kda_layer_forward(
     return y.reshape(batch, seq_len, hidden).astype(np.float32, copy=False)
 
 
-def _checked_weights(weights: Mapping[str, Any], head_dim: int, hidden: int) -> dict:
+def _checked_weights(
+    weights: Mapping[str, Any], head_dim: int, hidden: int
+) -> dict[str, np.ndarray]:
     """Return the weights as float32 arrays (convs as ``(C, W)``, ``A_log`` as ``(H,)``).
 
     Checks presence, dtype and shape as documented in :func:`kda_layer_forward`.
@@ -201,7 +203,7 @@ def _checked_weights(weights: Mapping[str, Any], head_dim: int, hidden: int) -> 
             raise ShapeMismatchError(
                 f"{name}: shape {a.shape}, expected (gate_rank, {hidden}) with gate_rank >= 1"
             )
-        return a.shape[0]
+        return int(a.shape[0])
 
     conv = arrays["q_conv1d"]
     kernel = conv.shape[-1] if conv.ndim in (2, 3) and conv.shape[-1] > 0 else None
@@ -211,12 +213,13 @@ def _checked_weights(weights: Mapping[str, Any], head_dim: int, hidden: int) -> 
             f"({channels}, kernel) with kernel >= 1"
         )
     f_rank = leading("f_a_proj")
+    gate: dict[str, list[tuple[int, ...]]]
     if full_rank:
         gate = {"g_proj": [(channels, hidden)]}
     else:
         g_rank = leading("g_a_proj")
         gate = {"g_a_proj": [(g_rank, hidden)], "g_b_proj": [(channels, g_rank)]}
-    expected = {
+    expected: dict[str, list[tuple[int, ...]]] = {
         "q_proj": [(channels, hidden)],
         "k_proj": [(channels, hidden)],
         "v_proj": [(channels, hidden)],

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ._io import DTYPE_SIZES, write_index, write_safetensors
+from ._io import DTYPE_BITS, tensor_nbytes, write_index, write_safetensors
 from ._native import __version__
 from .equivalence import EquivalenceReport, check_tp_equivalence
 from .errors import CheckpointError, DtypeMismatchError, KdaTpError, OutputError, PlanError
@@ -186,12 +186,15 @@ def shard_checkpoint(
         )
         for r in ranks
     ]
+    # Tensors outside the KDA layers are copied through whatever their dtype, packed sub-byte
+    # floats (F4, F6) included; a dtype the writer cannot size is refused before anything is
+    # written (the header reader and the writer know the same dtypes, so this guards upgrades).
     for name in source.names():
         dtype = source.info(name)[0]
-        if dtype not in DTYPE_SIZES:
+        if dtype not in DTYPE_BITS:
             raise DtypeMismatchError(
                 f"{source.file_of(name)}: {name}: dtype {dtype} cannot be copied to the shards "
-                f"(whole-byte dtypes only: {', '.join(DTYPE_SIZES)})"
+                f"(the writer knows {', '.join(DTYPE_BITS)})"
             )
     _prepare_out_dir(source.root, out, tp_size, ranks, force)
     files = _names_by_file(source)
@@ -301,7 +304,7 @@ def finish_command(
 
 
 def _nbytes(dtype: str, shape: tuple[int, ...]) -> int:
-    return int(np.prod(shape, dtype=np.int64)) * DTYPE_SIZES[dtype]
+    return tensor_nbytes(dtype, shape)
 
 
 def _names_by_file(source: SafetensorsSource) -> dict[str, list[str]]:

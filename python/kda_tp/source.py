@@ -117,7 +117,7 @@ class Tensor:
         with warnings.catch_warnings():
             # torch warns that it cannot mark the read-only buffer read-only; documented above.
             warnings.simplefilter("ignore", UserWarning)
-            raw = torch.frombuffer(memoryview(self.data), dtype=torch.uint8)
+            raw = torch.frombuffer(self.data.data, dtype=torch.uint8)
         return raw.view(torch_dtype).reshape(self.shape)
 
     def __repr__(self) -> str:
@@ -240,6 +240,9 @@ class SafetensorsSource:
 
     def get(self, name: str) -> Tensor | None:
         """The tensor ``name``, or None when the checkpoint has no such tensor.
+
+        None, not an error, as ``Mapping.get`` does: a misspelt name is not caught here, so
+        check ``name in source`` (or iterate over :meth:`names`) where that matters.
 
         With ``"mmap"`` the data views the mapping: no bytes are copied, and the array keeps the
         mapping alive after the source is gone. A tensor whose data offset is not aligned for
@@ -582,7 +585,9 @@ class KdaShardedSource:
         return None if record is None else (record.dtype, tuple(record.shape))
 
     def get(self, name: str) -> Tensor | None:
-        """This rank's tensor ``name``: a local slice for KDA tensors, else the source's record.
+        """This rank's tensor ``name``: a local slice for KDA tensors, else the source's record;
+        None when the source has no such tensor (as ``Mapping.get``: a misspelt name is not an
+        error here; check ``name in adapter`` where that matters).
 
         Row-sliced and replicated tensors are views of the source's bytes (no copy);
         ``o_proj`` is gathered into a new array.

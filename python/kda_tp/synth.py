@@ -60,6 +60,7 @@ import os
 import zlib
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import ml_dtypes
 import numpy as np
@@ -73,7 +74,7 @@ __all__ = ["GEOMETRIES", "write_checkpoint", "write_small_checkpoint"]
 #: Real KDA geometries. ``hidden`` (d), ``heads`` (H), ``head_dim`` (D), ``conv_kernel`` (K) and
 #: ``gate_rank`` (R) are element counts; ``style`` is the config dialect; ``full_attn_every`` = n
 #: makes layers n, 2n, ... (1-based) full-attention layers; ``None`` makes every layer KDA.
-GEOMETRIES: dict[str, dict[str, object]] = {
+GEOMETRIES: dict[str, dict[str, Any]] = {
     "kimi-linear": {
         "hidden": 2304,
         "heads": 32,
@@ -426,7 +427,7 @@ def _kda_tensors(g: _Geometry, wdt: str) -> list[tuple[str, str, tuple[int, ...]
             ("f_b_proj.weight", wdt, (c, r), "proj"),
             ("g_proj.weight", wdt, (c, d), "proj"),
             ("b_proj.weight", wdt, (g.heads, d), "proj"),
-            ("A_log", "F32", (g.a_log_len,), f"a_log_pad:{g.heads}"),
+            ("A_log", "F32", (g.a_log_len or g.heads,), f"a_log_pad:{g.heads}"),
             ("dt_bias", "F32", (c,), "dt_bias"),
             ("o_norm.weight", "F32", (g.head_dim,), "norm"),
             ("o_proj.weight", wdt, (d, c), "proj"),
@@ -498,7 +499,7 @@ def _quantize_attention(specs: list[_Spec]) -> list[_Spec]:
     return out
 
 
-def _modelopt_config(scale_names: list[str]) -> dict:
+def _modelopt_config(scale_names: list[str]) -> dict[str, Any]:
     """ModelOpt's ``MIXED_PRECISION`` description of the FP8_PB_WO modules."""
     modules = sorted(n.removesuffix(".weight_scale") for n in scale_names)
     return {
@@ -523,7 +524,9 @@ def _gqa_tensors(g: _Geometry, wdt: str) -> list[tuple[str, str, tuple[int, ...]
     ]
 
 
-def _config(g: _Geometry, num_layers: int, kda: set[int], vocab: int, torch_dtype: str) -> dict:
+def _config(
+    g: _Geometry, num_layers: int, kda: set[int], vocab: int, torch_dtype: str
+) -> dict[str, Any]:
     """config.json contents in the geometry's dialect."""
     common = {
         "hidden_size": g.hidden,
@@ -605,7 +608,7 @@ def _write_tensor_files(
 
         return get_bytes
 
-    weight_map = {}
+    weight_map: dict[str, str] = {}
     for number, group in enumerate(groups, start=1):
         file_name = f"model-{number:05d}-of-{len(groups):05d}.safetensors"
         members = [specs[j] for j in group]

@@ -461,6 +461,49 @@ fn refuses_duplicate_tensor_names() {
     );
 }
 
+/// The reference reader (`safetensors` itself) opens `"__metadata__": null` as no metadata.
+#[test]
+fn a_null_metadata_is_no_metadata() {
+    let dir = TempDir::new("null-metadata");
+    let header = br#"{"__metadata__":null,"w":{"dtype":"U8","shape":[2],"data_offsets":[0,2]}}"#;
+    let path = dir.write("null.safetensors", &st_raw(header, &[7, 9]));
+    for backend in BACKENDS {
+        let f = SafetensorsFile::open(&path, backend).unwrap();
+        assert!(f.user_metadata().is_none());
+        assert_eq!(f.names(), ["w"]);
+        assert_eq!(f.read("w").unwrap().as_slice(), &[7, 9]);
+    }
+}
+
+/// F4 and F6 tensors are sized by bits: a whole number of bytes opens and reads back.
+#[test]
+fn sub_byte_dtypes_are_sized_by_bits() {
+    let dir = TempDir::new("sub-byte");
+    let h = json!({
+        "f4": {"dtype": "F4", "shape": [4, 6], "data_offsets": [0, 12]},
+        "f6a": {"dtype": "F6_E2M3", "shape": [4], "data_offsets": [12, 15]},
+        "f6b": {"dtype": "F6_E3M2", "shape": [2, 4], "data_offsets": [15, 21]},
+        "e8m0": {"dtype": "F8_E8M0", "shape": [3], "data_offsets": [21, 24]},
+    });
+    let bytes = data(24, 5);
+    let path = dir.write("sub.safetensors", &st(&h, &bytes));
+    for backend in BACKENDS {
+        let f = SafetensorsFile::open(&path, backend).unwrap();
+        for (name, range) in [
+            ("f4", 0..12),
+            ("f6a", 12..15),
+            ("f6b", 15..21),
+            ("e8m0", 21..24),
+        ] {
+            assert_eq!(
+                f.read(name).unwrap().as_slice(),
+                &bytes[range],
+                "{name} {backend:?}"
+            );
+        }
+    }
+}
+
 #[test]
 fn refuses_a_non_string_metadata_value() {
     let h = json!({"__metadata__": {"n": 3}});

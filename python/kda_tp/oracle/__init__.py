@@ -47,6 +47,7 @@ import sys
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from kda_tp.errors import CheckpointError, PlanError, ShapeMismatchError
 
@@ -338,9 +339,9 @@ def plan(
         ("o_proj", _CHANNEL_COLS, hidden, channels, (hidden, channels)),
     )
     order = {n: i for i, n in enumerate(names)}
-    layout = sorted((row for row in layout if row[0] in order), key=lambda row: order[row[0]])
+    rows_in_order = sorted((row for row in layout if row[0] in order), key=lambda r: order[r[0]])
     tensors = []
-    for name, kind, rows, row_elems, disk_shape in layout:
+    for name, kind, rows, row_elems, disk_shape in rows_in_order:
         elem_bytes = {**ELEM_BYTES, **FP8_ELEM_BYTES}[chosen[name]]
         if rows * row_elems * elem_bytes > MAX_BYTES:
             raise PlanError(
@@ -356,7 +357,7 @@ def plan(
         else:
             local = (rows, local_channels, 0, tp_rank * local_channels)
         entry = OracleTensor(name, kind, chosen[name], elem_bytes, rows, row_elems, *local, disk_shape)
-        if name in quantized:
+        if quant_block is not None and name in quantized:
             entry = _with_scale(entry, quant_block, scale_layout, tp_size)
         tensors.append(entry)
     result = OraclePlan(
@@ -548,7 +549,7 @@ class KdaConfig:
     full_rank_gate: bool = False
 
 
-def read_kda_config(config: Mapping) -> KdaConfig:
+def read_kda_config(config: Mapping[str, Any]) -> KdaConfig:
     """The KDA geometry of a parsed ``config.json``.
 
     A wrapper config (Kimi K3's ``model_type: kimi_k3``) keeps the language model's keys under
@@ -816,7 +817,9 @@ def verify(checkpoint_dir: str | Path, out_dir: str | Path) -> list[str]:
     f_a = source.tensors.get(prefix + "f_a_proj.weight")
     if f_a is None or not f_a.shape:
         return [f"input: {prefix}f_a_proj.weight is missing, so gate_rank is unknown"]
-    names = FULL_RANK_GATE_TENSOR_NAMES if geometry.full_rank_gate else TENSOR_NAMES
+    names: Sequence[str] = (
+        FULL_RANK_GATE_TENSOR_NAMES if geometry.full_rank_gate else TENSOR_NAMES
+    )
     dtypes = {
         name: source.tensors[full].dtype
         for name in names
@@ -877,7 +880,7 @@ def verify(checkpoint_dir: str | Path, out_dir: str | Path) -> list[str]:
     return problems
 
 
-def _config_block(config: Mapping, directory: Path) -> tuple[int, int] | None:
+def _config_block(config: Mapping[str, Any], directory: Path) -> tuple[int, int] | None:
     """The FP8 block edge a config declares: 128 x 128 for NVIDIA ModelOpt (``modelopt``,
     ``modelopt_mixed`` or an ``hf_quant_config.json``), ``weight_block_size`` for DeepSeek-style
     ``fp8``, a block ``block_structure`` for compressed-tensors; None otherwise."""
