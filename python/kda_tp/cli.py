@@ -8,6 +8,7 @@ a real model's geometry). Exit status: 0 success, 1 verification failed, 2 refus
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import tempfile
 import time
@@ -58,14 +59,15 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="overwrite a non-empty output")
     p.add_argument("--backend", choices=["mmap", "pread"], help="input read path")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--kda-only", action="store_true", help="write only the sliced KDA tensors (an overlay on the input checkpoint)")
     _add_qk_multiple(p)
-    p.set_defaults(run=_cmd_shard)
+    p.set_defaults(run=_run_shard)
 
     p = sub.add_parser("verify", help="check a shard output against its input")
     p.add_argument("checkpoint", type=Path)
     p.add_argument("out", type=Path, help="the directory given to `shard --out`")
     _add_numeric(p)
-    p.set_defaults(run=_cmd_verify)
+    p.set_defaults(run=_run_verify)
 
     p = sub.add_parser("demo", help="plan, shard and verify a generated real-geometry checkpoint")
     p.add_argument("--tp-size", type=int, default=4, help="world size (default 4)")
@@ -207,6 +209,7 @@ def _cmd_shard(args: argparse.Namespace) -> int:
         force=args.force,
         backend=args.backend,
         progress=_progress(args.quiet),
+        kda_only=args.kda_only,
     )
     print(_written_line(result))
     return 0
@@ -271,3 +274,84 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         print(f"verify: {time.perf_counter() - t0:.2f} s")
         _print_verify(report)
         return status if report.ok else 1
+
+
+def _torchrun_processes() -> int:
+    """The number of processes of the torchrun job this process is part of; 1 outside torchrun."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return 1
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _run_shard(args: argparse.Namespace) -> int:
+    """``shard``; under torchrun with several processes, the ranks are split over them."""
+    if _torchrun_processes() == 1:
+        return _cmd_shard(args)
+    from .torch import shard_checkpoint_distributed, torchrun_group
+
+    with torchrun_group() as (process, processes):
+        try:
+            result = shard_checkpoint_distributed(
+                args.checkpoint,
+                args.out,
+                args.tp_size,
+                ranks=args.ranks,
+                layers=args.layers,
+                qk_multiple=args.qk_multiple,
+                force=args.force,
+                backend=args.backend,
+                progress=_progress(args.quiet) if process == 0 else None,
+                kda_only=args.kda_only,
+            )
+        except KdaTpError as e:
+            if process == 0:
+                print(f"kda-tp: error: {type(e).__name__}: {e}", file=sys.stderr)
+            return 2
+        if process == 0:
+            print(f"{_written_line(result)}; {processes} torchrun processes")
+        return 0
+
+
+def _run_verify(args: argparse.Namespace) -> int:
+    """``verify``; under torchrun with several processes, process 0 checks the bytes and
+    ``--numeric`` spreads the ranks' forwards over the processes with a real all-reduce."""
+    if _torchrun_processes() == 1:
+        return _cmd_verify(args)
+    import torch.distributed as dist
+
+    from .torch import check_tp_equivalence_distributed, rank_dir_metadata, torchrun_group
+
+    with torchrun_group() as (process, _):
+        report, failure = None, None
+        if process == 0:
+            try:
+                report = verify_shards(args.checkpoint, args.out)
+            except KdaTpError as e:
+                failure = f"kda-tp: error: {type(e).__name__}: {e}"
+        state = [report is not None and report.ok, failure]
+        dist.broadcast_object_list(state, src=0)
+        if state[0] and args.numeric:
+            meta = rank_dir_metadata(args.out)
+            numeric = check_tp_equivalence_distributed(
+                args.checkpoint,
+                meta["tp_size"],
+                shard_dir=args.out,
+                layers=meta["layers"],
+                seq_len=args.seq_len,
+                seed=args.seed,
+                qk_multiple=meta["qk_multiple"],
+            )
+            if report is not None:
+                report.numeric = numeric
+        if process != 0:
+            status = [0]
+            dist.broadcast_object_list(status, src=0)
+            return status[0]
+        if failure is not None:
+            print(failure, file=sys.stderr)
+            status = [2]
+        else:
+            _print_verify(report)
+            status = [0 if report.ok else 1]
+        dist.broadcast_object_list(status, src=0)
+        return status[0]

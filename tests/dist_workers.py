@@ -1,0 +1,64 @@
+"""Worker functions of test_distributed.py, run in spawned gloo processes (importable by name)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from kda_tp import SafetensorsSource
+from kda_tp.config import parse_config
+from kda_tp.reference import WEIGHT_NAMES, kda_layer_forward
+from kda_tp.source import decoder_prefix, kda_layer_indices, kda_tensor_name
+
+
+def _layer(weights, prefix, layer):
+    """Plan name -> float32 numpy array of one KDA layer's tensors in ``weights``."""
+    out = {}
+    for name in WEIGHT_NAMES:
+        tensor = weights[kda_tensor_name(prefix, layer, name)]
+        out[name] = tensor.float().numpy() if hasattr(tensor, "float") else tensor.array
+    return out
+
+
+def load_rank_allreduce_and_dtensors(rank, world, store, checkpoint, qk_multiple):
+    """load_rank + reference forward + all_reduce == the full output; load_dtensors rejoins."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import kda_tp.torch as kt
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    try:
+        source = SafetensorsSource(checkpoint)
+        eps = parse_config(source.config).rms_norm_eps
+        prefix = decoder_prefix(source)
+        local = kt.load_rank(checkpoint, qk_multiple=qk_multiple)  # rank, size from the group
+        head_dim = parse_config(source.config).head_dim
+        x = np.random.default_rng(3).standard_normal((1, 8, parse_config(source.config).hidden))
+        x = x.astype(np.float32)
+        for layer in kda_layer_indices(source, None):
+            y_r = kda_layer_forward(_layer(local, prefix, layer), x, head_dim=head_dim,
+                                    rms_norm_eps=eps)
+            y_sum = torch.from_numpy(y_r)
+            dist.all_reduce(y_sum, op=dist.ReduceOp.SUM)
+            full = {n: source.get(n) for n in source.names()}
+            y = kda_layer_forward(_layer(full, prefix, layer), x, head_dim=head_dim,
+                                  rms_norm_eps=eps)
+            err = float(np.max(np.abs(y_sum.numpy() - y)))
+            assert err <= 1e-5, f"layer {layer}: all-reduced partials off by {err}"
+
+        mesh = init_device_mesh("cpu", (world,))
+        dtensors = kt.load_dtensors(checkpoint, mesh, qk_multiple=qk_multiple)
+        assert dtensors, "no KDA tensor"
+        for name, dt in dtensors.items():
+            whole = dt.full_tensor()
+            want = source.get(name).to_torch()
+            if want.numel() != whole.numel():  # a padded tensor rejoins to its real entries
+                want = want.reshape(-1)[: whole.numel()].reshape(whole.shape)
+            assert whole.shape == want.shape, name
+            assert torch.equal(whole.view(torch.uint8), want.view(torch.uint8)), name
+
+        report = kt.check_tp_equivalence_distributed(checkpoint, world, qk_multiple=qk_multiple)
+        assert report.passed, report.format()
+    finally:
+        dist.destroy_process_group()
