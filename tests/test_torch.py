@@ -164,3 +164,19 @@ def test_load_rank_to_cuda_equals_the_cpu_load():
     for name, tensor in gpu.items():
         assert tensor.device.type == "cuda"
         assert torch.equal(tensor.cpu().view(torch.uint8), cpu[name].view(torch.uint8)), name
+
+
+def test_device_copy_path_in_buffer_sized_chunks(monkeypatch):
+    """The staging logic of a device load (run on CPU: plain host buffers, synchronous
+    copies): tensors smaller and larger than the buffers arrive intact."""
+    monkeypatch.setattr(kt, "PINNED_CHUNK_BYTES", 1000)
+    source = SafetensorsSource(SMALL)
+    shard = KdaShardedSource(source, KdaTpPlan.from_config(source, 1, 2))
+    names = source.names()
+    got = kt._load_to_device(shard, names, torch.device("cpu"))
+    want = kt.load_rank(source, 1, 2)
+    sizes = [t.numel() * t.element_size() for t in want.values()]
+    assert min(sizes) < 1000 < max(sizes)
+    for name in names:
+        assert got[name].dtype == want[name].dtype and got[name].shape == want[name].shape
+        assert torch.equal(got[name].view(torch.uint8), want[name].view(torch.uint8)), name

@@ -229,37 +229,61 @@ def _read_into(shard: KdaShardedSource, name: str, out: torch.Tensor) -> None:
     out.numpy()[:] = shard.get(name).data
 
 
+#: Size of each of the two pinned host buffers a device load copies through (bytes).
+PINNED_CHUNK_BYTES = 64 << 20
+
+
 def _load_to_device(
     shard: KdaShardedSource, names: list[str], device: torch.device
 ) -> dict[str, torch.Tensor]:
-    """Copy each tensor to ``device`` through two alternating pinned host buffers."""
+    """Copy each tensor to ``device`` through two alternating pinned host buffers of at most
+    :data:`PINNED_CHUNK_BYTES`: a tensor that fits is read into one buffer, a larger one (an
+    embedding, an expert weight) is copied from its mapping one buffer-full at a time. With CUDA
+    the transfers are asynchronous, so filling one buffer overlaps the other's transfer."""
     infos = {name: shard.info(name) for name in names}
     sizes = {
         name: int(np.prod(shape, dtype=np.int64)) * torch_dtype(dtype).itemsize
         for name, (dtype, shape) in infos.items()
     }
-    largest = max(sizes.values(), default=0)
-    staging = [torch.empty(largest, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+    chunk = min(max(sizes.values(), default=0), PINNED_CHUNK_BYTES)
     cuda = device.type == "cuda"
-    done: list[Any] = [None, None]  # the event after the last copy out of each buffer
-    out: dict[str, torch.Tensor] = {}
-    for i, name in enumerate(names):
-        dtype, shape = infos[name]
-        nbytes = sizes[name]
-        if not nbytes:
-            out[name] = torch.empty(shape, dtype=torch_dtype(dtype), device=device)
-            continue
-        slot = i % 2
+    # Pinned (page-locked) for CUDA; for other devices plain host memory and synchronous copies.
+    staging = [torch.empty(chunk, dtype=torch.uint8, pin_memory=cuda) for _ in range(2)]
+    done: list[Any] = [None, None]  # the event after the last transfer out of each buffer
+    turn = 0
+
+    def next_buffer(nbytes: int) -> tuple[int, torch.Tensor]:
+        nonlocal turn
+        slot, turn = turn, 1 - turn
         if done[slot] is not None:
-            done[slot].synchronize()  # the buffer's previous transfer has finished
-        host = staging[slot][:nbytes]
-        _read_into(shard, name, host)
-        flat = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        flat.copy_(host, non_blocking=cuda)
+            done[slot].synchronize()  # its previous transfer has finished
+        return slot, staging[slot][:nbytes]
+
+    def send(slot: int, host: torch.Tensor, dst: torch.Tensor) -> None:
+        dst.copy_(host, non_blocking=cuda)
         if cuda:
             done[slot] = torch.cuda.Event()
             done[slot].record()
-        out[name] = flat.view(torch_dtype(dtype)).reshape(shape)
+
+    out: dict[str, torch.Tensor] = {}
+    for name in names:
+        dtype, shape = infos[name]
+        nbytes = sizes[name]
+        flat = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        if 0 < nbytes <= chunk:
+            slot, host = next_buffer(nbytes)
+            _read_into(shard, name, host)
+            send(slot, host, flat)
+        elif nbytes:
+            data = shard.get(name).data
+            for start in range(0, nbytes, chunk):
+                stop = min(start + chunk, nbytes)
+                slot, host = next_buffer(stop - start)
+                host.numpy()[:] = data[start:stop]
+                send(slot, host, flat[start:stop])
+        out[name] = flat.view(torch_dtype(dtype)).reshape(shape) if nbytes else torch.empty(
+            shape, dtype=torch_dtype(dtype), device=device
+        )
     for event in done:
         if event is not None:
             event.synchronize()
