@@ -6,7 +6,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import tp_fixtures
-
 from kda_tp import KdaShard, KdaShardedSource, KdaTpPlan, SafetensorsSource
 
 CASES = [
@@ -57,5 +56,6 @@ def test_o_proj_costs_its_column_block_and_the_header_is_counted_at_open():
     assert source.bytes_read - header == entry.local_bytes == block.nbytes
     assert not block.flags.writeable
     mapped = SafetensorsSource(path)
-    assert np.array_equal(block, mapped.read_columns("model.layers.0.self_attn.o_proj.weight", entry))
+    o_proj = "model.layers.0.self_attn.o_proj.weight"
+    assert np.array_equal(block, mapped.read_columns(o_proj, entry))
     assert mapped.bytes_read == header, "mapped pages are not counted"

@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from . import errors
+from .config import parse_config
 from .equivalence import (
     DEFAULT_ATOL,
     DEFAULT_RTOL,
@@ -36,8 +37,13 @@ from .equivalence import (
     _compare,
     _layer_weights,
 )
-from .config import parse_config
-from .errors import CheckpointError, DtypeMismatchError, KdaTpError, MissingDependencyError, PlanError
+from .errors import (
+    CheckpointError,
+    DtypeMismatchError,
+    KdaTpError,
+    MissingDependencyError,
+    PlanError,
+)
 from .plan import KdaTpPlan
 from .reference import kda_layer_forward
 from .shard import ShardResult, rank_dir, shard_checkpoint
@@ -403,9 +409,10 @@ def check_tp_equivalence_distributed(
     """:func:`~kda_tp.check_tp_equivalence` with the ranks spread over a process group and a real
     ``torch.distributed.all_reduce`` (sum) of their partial outputs.
 
-    Process ``p`` of ``P`` computes the reference forward (:func:`kda_tp.reference.kda_layer_forward`)
-    of TP ranks ``p, p + P, ...`` on their local weights (from :func:`load_rank`, or from
-    ``shard_dir/rank{r}`` when given), adds them, and the all-reduce sums over the processes;
+    Process ``p`` of ``P`` computes the reference forward
+    (:func:`kda_tp.reference.kda_layer_forward`) of TP ranks ``p, p + P, ...`` on their local
+    weights (sliced from ``checkpoint`` as :func:`load_rank` does, or read from
+    ``shard_dir/rank{r}`` when given) and adds them; the all-reduce sums over the processes, and
     every process compares the sum with the full layer's output and returns the same report.
 
     Args:
@@ -452,7 +459,8 @@ def check_tp_equivalence_distributed(
     total = torch.from_numpy(partial)
     dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
     results = [
-        _compare(layer, forward(_layer_weights(source, layer, prefix)), total[i].numpy(), atol, rtol)
+        _compare(layer, forward(_layer_weights(source, layer, prefix)), total[i].numpy(),
+                 atol, rtol)
         for i, layer in enumerate(checked)
     ]
     return EquivalenceReport(tp_size, int(seq_len), seed, atol, rtol, tuple(results))
