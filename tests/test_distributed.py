@@ -103,9 +103,18 @@ def test_torchrun_verify_numeric_all_reduces_over_the_processes(tmp_path, tmp_pa
     assert "FAIL" in done.stdout
 
 
-def test_torchrun_shard_reports_a_refused_input_once(tmp_path, tmp_path_factory):
+def test_torchrun_shard_reports_a_refusal_once_and_writes_nothing(tmp_path, tmp_path_factory):
     fixture = tp_fixtures.FIXTURES["kimi12"]
     path = tp_fixtures.checkpoint(fixture, tmp_path_factory.getbasetemp())
     done = _torchrun(2, "shard", str(path), "--tp-size", "5", "--out", str(tmp_path / "o"))
-    assert done.returncode != 0
+    assert done.returncode != 0  # each process exits 2; torchrun reports 1
     assert done.stderr.count("kda-tp: error: PlanError") == 1, done.stderr[-4000:]
+    # A refused output directory (rank 3 exists, no --force) is refused before any process
+    # writes its ranks.
+    out = tmp_path / "out"
+    (out / "rank3").mkdir(parents=True)
+    done = _torchrun(2, "shard", str(path), "--tp-size", "4", "--out", str(out),
+                     "--qk-multiple", "1")
+    assert done.returncode != 0  # each process exits 2; torchrun reports 1
+    assert done.stderr.count("kda-tp: error: OutputError") == 1, done.stderr[-4000:]
+    assert sorted(p.name for p in out.iterdir()) == ["rank3"]

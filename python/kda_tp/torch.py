@@ -21,7 +21,7 @@ import datetime
 import json
 import os
 import warnings
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -493,10 +493,11 @@ def shard_checkpoint_distributed(
 ) -> ShardResult:
     """:func:`~kda_tp.shard.shard_checkpoint` spread over the processes of a process group.
 
-    Process ``p`` of ``P`` writes TP ranks ``ranks[p::P]`` (each atomically, as
-    ``shard_checkpoint`` does), then the processes exchange their outcomes, so every process
-    returns the same combined result or raises. The files are those a one-process run writes,
-    byte for byte.
+    First process 0 alone checks the input geometry and the output directory for every rank
+    (a refusal is raised on every process before anything is written). Then process ``p`` of
+    ``P`` writes TP ranks ``ranks[p::P]`` (each atomically, as ``shard_checkpoint`` does), and
+    the processes exchange their outcomes, so every process returns the same combined result or
+    raises. The files are those a one-process run writes, byte for byte.
 
     Args:
         checkpoint, out_dir, tp_size: as ``shard_checkpoint``.
@@ -524,36 +525,77 @@ def shard_checkpoint_distributed(
     if not wanted:
         raise PlanError("no ranks to write: --ranks is empty")
     process, processes = dist.get_rank(group), dist.get_world_size(group)
+    # Phase 1, process 0 alone: the geometry, and the output directory for every rank (refused,
+    # or cleaned of stale partial and other-world-size ranks), before any process writes; so a
+    # refused output leaves nothing behind and the processes never race to clean it.
+    _agree(group, processes, process == 0, lambda: _check_before_writing(
+        checkpoint, out_dir, tp_size, wanted, options))
+    # Phase 2: every process writes its share.
     mine = wanted[process::processes]
-    outcome: tuple[str, Any]
-    error: Exception | None = None
-    try:
-        if mine:
-            result = shard_checkpoint(checkpoint, out_dir, tp_size, ranks=mine, **options)
-            outcome = ("ok", (result.bytes_written, result.seconds))
-        else:
-            outcome = ("ok", (0, 0.0))
-    except Exception as e:  # reported to every process below, then raised
-        error = e
-        outcome = (type(e).__name__, str(e))
-    outcomes: list[Any] = [None] * processes
-    dist.all_gather_object(outcomes, outcome, group=group)
-    failed = [(p, kind, message) for p, (kind, message) in enumerate(outcomes) if kind != "ok"]
-    if error is not None:
-        raise error
-    if failed:
-        p, kind, message = failed[0]
-        cls = getattr(errors, kind, KdaTpError)
-        if not (isinstance(cls, type) and issubclass(cls, KdaTpError)):
-            cls = KdaTpError
-        raise cls(f"process {p} of {processes}: {kind}: {message}")
+    totals: list[Any] = []
+
+    def write() -> None:
+        result = shard_checkpoint(checkpoint, out_dir, tp_size, ranks=mine, **options)
+        totals.extend((result.bytes_written, result.seconds))
+
+    outcomes = _agree(group, processes, bool(mine), write, lambda: totals or [0, 0.0])
     return ShardResult(
         Path(out_dir),
         tp_size,
         tuple(wanted),
-        sum(o[1][0] for o in outcomes),
-        max(o[1][1] for o in outcomes),
+        sum(o[0] for o in outcomes),
+        max(o[1] for o in outcomes),
     )
+
+
+def _check_before_writing(
+    checkpoint: str | os.PathLike[str],
+    out_dir: str | os.PathLike[str],
+    tp_size: int,
+    ranks: list[int],
+    options: dict[str, Any],
+) -> None:
+    """Check the input geometry, then the output directory for all ``ranks`` (refused, or
+    cleaned as ``shard_checkpoint`` does)."""
+    from .shard import _prepare_out_dir  # the one-process writer's own check
+
+    source = SafetensorsSource(checkpoint, options.get("backend"))
+    layers = options.get("layers")
+    _open(source, 0, tp_size, layers, options.get("qk_multiple", 256), None)
+    _prepare_out_dir(source.root, Path(out_dir), tp_size, tuple(ranks),
+                     bool(options.get("force")))
+
+
+def _agree(
+    group: Any,
+    processes: int,
+    active: bool,
+    step: Callable[[], None],
+    value: Callable[[], Any] = lambda: None,
+) -> list[Any]:
+    """Run ``step()`` where ``active``, then share every process's outcome: returns each
+    process's ``value()`` when all succeeded, else raises on every process (its own exception
+    where it failed, else the first failing process's error class with its message prefixed by
+    the process number)."""
+    error: Exception | None = None
+    try:
+        if active:
+            step()
+        outcome: tuple[str, Any] = ("ok", value())
+    except Exception as e:  # shared with every process below, then raised
+        error = e
+        outcome = (type(e).__name__, str(e))
+    outcomes: list[Any] = [None] * processes
+    dist.all_gather_object(outcomes, outcome, group=group)
+    if error is not None:
+        raise error
+    for p, (kind, message) in enumerate(outcomes):
+        if kind != "ok":
+            cls = getattr(errors, kind, None)
+            if not (isinstance(cls, type) and issubclass(cls, KdaTpError)):
+                cls = KdaTpError
+            raise cls(f"process {p} of {processes}: {kind}: {message}")
+    return [message for _, message in outcomes]
 
 
 def rank_dir_metadata(out_dir: str | os.PathLike[str]) -> dict[str, Any]:
