@@ -74,6 +74,6 @@ class OutputError(KdaTpError):
 class MissingDependencyError(KdaTpError, ImportError):
     """An optional dependency that a feature needs is not installed.
 
-    Example message: ``kda_tp.torch needs PyTorch (torch >= 2.4), which is not installed:
+    Example message: ``kda_tp.torch needs PyTorch (torch >= 2.5), which is not installed:
     pip install 'kda_tp[torch]'``.
     """

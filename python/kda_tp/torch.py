@@ -1,6 +1,6 @@
 """PyTorch and torch.distributed integration: per-rank loading, DTensor, torchrun jobs.
 
-Everything here needs the optional ``torch`` extra (``pip install 'kda_tp[torch]'``, torch >= 2.4);
+Everything here needs the optional ``torch`` extra (``pip install 'kda_tp[torch]'``, torch >= 2.5);
 ``import kda_tp`` does not import torch, and importing this module without torch raises
 :class:`~kda_tp.errors.MissingDependencyError`.
 
@@ -60,7 +60,7 @@ try:
     import torch.distributed as dist
 except ImportError as e:  # pragma: no cover - exercised in CI's venvs without torch
     raise MissingDependencyError(
-        "kda_tp.torch needs PyTorch (torch >= 2.4), which is not installed: "
+        "kda_tp.torch needs PyTorch (torch >= 2.5), which is not installed: "
         "pip install 'kda_tp[torch]'"
     ) from e
 
@@ -76,7 +76,7 @@ __all__ = [
     "rank_dir_metadata",
 ]
 
-# safetensors dtype name -> torch dtype attribute (the ones torch >= 2.4 has).
+# safetensors dtype name -> torch dtype attribute (the ones torch >= 2.5 has).
 _TORCH_DTYPES = {
     "BF16": "bfloat16",
     "F16": "float16",
