@@ -1,8 +1,8 @@
 """PyTorch and torch.distributed integration: per-rank loading, DTensor, torchrun jobs.
 
-Everything here needs the optional ``torch`` extra (``pip install 'kda_tp[torch]'``, torch >= 2.5);
-``import kda_tp`` does not import torch, and importing this module without torch raises
-:class:`~kda_tp.errors.MissingDependencyError`.
+Everything here needs the optional ``torch`` extra (``pip install 'kda_tp[torch]'``, torch
+>= 2.5); ``import kda_tp`` does not import torch, and importing this module without torch (or
+with an older one) raises :class:`~kda_tp.errors.MissingDependencyError`.
 
 * :func:`load_rank`: one tensor-parallel rank's tensors as ``torch.Tensor``; rank and world size
   default to a torch.distributed process group.
@@ -63,6 +63,11 @@ except ImportError as e:  # pragma: no cover - exercised in CI's venvs without t
         "kda_tp.torch needs PyTorch (torch >= 2.5), which is not installed: "
         "pip install 'kda_tp[torch]'"
     ) from e
+if tuple(int(part) for part in torch.__version__.split(".")[:2]) < (2, 5):
+    raise MissingDependencyError(
+        f"kda_tp.torch needs torch >= 2.5 (torch.distributed.tensor), found {torch.__version__}: "
+        "pip install 'kda_tp[torch]'"
+    )
 
 __all__ = [
     "torch_dtype",
