@@ -22,11 +22,9 @@ import dist_workers  # noqa: E402 - needs torch
 
 JOB_TIMEOUT = 240  # seconds per job; a hung collective fails the test instead of hanging CI
 
-CASES = [
-    (tp_fixtures.FIXTURES["kda_small"], 2),
-    (tp_fixtures.FIXTURES["kimi12"], 3),
-    (tp_fixtures.FIXTURES["kda_small"], 4),
-]
+CASES = [(f, world) for f in tp_fixtures.FIXTURES.values() for world in f.gloo_worlds]
+# torchrun sharding with 3 processes and TP 6, on every fixture whose heads split 6 ways.
+SIX_WAY = [f for f in tp_fixtures.FIXTURES.values() if 6 in f.tp_sizes]
 
 
 def _spawn(fn, nprocs: int, *args) -> None:
@@ -66,10 +64,10 @@ def _same_tree(a: Path, b: Path) -> None:
         assert filecmp.cmp(a / rel, b / rel, shallow=False), rel
 
 
+@pytest.mark.parametrize("fixture", SIX_WAY, ids=[f.name for f in SIX_WAY])
 @pytest.mark.parametrize("kda_only", [False, True], ids=["full", "kda-only"])
-def test_torchrun_shard_equals_a_one_process_run_and_verifies(kda_only, tmp_path,
+def test_torchrun_shard_equals_a_one_process_run_and_verifies(fixture, kda_only, tmp_path,
                                                               tmp_path_factory):
-    fixture = tp_fixtures.FIXTURES["kimi12"]
     path = tp_fixtures.checkpoint(fixture, tmp_path_factory.getbasetemp())
     extra = ["--qk-multiple", str(fixture.qk_multiple), "--quiet"]
     extra += ["--kda-only"] if kda_only else []
