@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import datetime
+
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -27,7 +29,8 @@ def load_rank_allreduce_and_dtensors(rank, world, store, checkpoint, qk_multiple
 
     import kda_tp.torch as kt
 
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
     try:
         source = SafetensorsSource(checkpoint)
         eps = parse_config(source.config).rms_norm_eps
@@ -48,7 +51,13 @@ def load_rank_allreduce_and_dtensors(rank, world, store, checkpoint, qk_multiple
             assert err <= 1e-5, f"layer {layer}: all-reduced partials off by {err}"
 
         mesh = init_device_mesh("cpu", (world,))
-        dtensors = kt.load_dtensors(checkpoint, mesh, qk_multiple=qk_multiple)
+        # No collective at load: rank 0 loads while the others wait in a barrier (a collective
+        # inside load_dtensors would be paired with that barrier and fail or time out).
+        if rank == 0:
+            dtensors = kt.load_dtensors(checkpoint, mesh, qk_multiple=qk_multiple)
+        dist.barrier()
+        if rank != 0:
+            dtensors = kt.load_dtensors(checkpoint, mesh, qk_multiple=qk_multiple)
         assert dtensors, "no KDA tensor"
         for name, dt in dtensors.items():
             whole = dt.full_tensor()
