@@ -171,6 +171,7 @@ def _open(
     qk_multiple: int,
     backend: str | None,
 ) -> KdaShardedSource:
+    """The rank's adapter over ``checkpoint`` (opened with ``backend`` unless already open)."""
     source = (
         checkpoint
         if isinstance(checkpoint, SafetensorsSource)
@@ -207,8 +208,10 @@ def load_rank(
         device: ``"cpu"`` (default): row-sliced and replicated tensors, and non-KDA tensors,
             are zero-copy, read-only views of the file mapping (``backend="mmap"``); ``o_proj``
             is gathered into new memory. Any other device (``"cuda"``, ``"cuda:1"``): each
-            tensor is copied into one of two reused pinned host buffers and from there to the
-            device, so host copies overlap the transfers.
+            tensor is copied into one of two reused host buffers of at most
+            :data:`PINNED_CHUNK_BYTES` (pinned for CUDA, so the host copy into one overlaps the
+            other's asynchronous transfer; larger tensors go in chunks) and from there to the
+            device.
         layers: 0-based KDA layer indices (default: the config's).
         include_non_kda: also return the tensors outside the KDA layers (embeddings, MLA and
             MoE weights, norms); False returns the sliced KDA tensors alone.
