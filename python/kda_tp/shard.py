@@ -135,7 +135,9 @@ def shard_checkpoint(
     files = _names_by_file(source)
     if kda_only:
         files = kda_only_files(files, shards[0])
-    total = sum(_nbytes(*s.info(name)) for s in shards for names in files.values() for name in names)
+    total = sum(
+        _nbytes(*s.info(name)) for s in shards for names in files.values() for name in names
+    )
     advance = progress(total) if progress else None
     # Ranks are independent; the copies and writes release the GIL, so threads overlap them.
     with ThreadPoolExecutor(max_workers=min(len(shards), os.cpu_count() or 1)) as pool:
