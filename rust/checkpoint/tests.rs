@@ -1062,3 +1062,28 @@ fn bytes_read_counts_the_header_and_only_the_pread_bytes_asked_for() {
         "mapped pages are not read calls"
     );
 }
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig::with_cases(64))]
+    /// Any column block of any small matrix, on both backends, is the block and costs (pread)
+    /// exactly its bytes.
+    #[test]
+    fn read_spans_is_the_column_block(
+        rows in 1usize..40,
+        cols in 1usize..40,
+        a in 0usize..40,
+        b in 0usize..40,
+    ) {
+        let (lo, hi) = (a.min(b) % (cols + 1), a.max(b).min(cols));
+        let (lo, hi) = (lo.min(hi), hi);
+        let dir = TempDir::new("spans-prop");
+        let (path, bytes, header) = matrix_file(&dir, rows, cols);
+        for backend in BACKENDS {
+            let ckpt = Checkpoint::open(&path, backend).unwrap();
+            let got = ckpt.read_spans("w", lo, hi - lo, cols, rows).unwrap();
+            proptest::prop_assert_eq!(got.as_slice(), column_block(&bytes, cols, lo, hi));
+            let counted = if backend == Backend::Pread { (rows * (hi - lo)) as u64 } else { 0 };
+            proptest::prop_assert_eq!(ckpt.bytes_read(), header + counted);
+        }
+    }
+}
