@@ -25,9 +25,11 @@ use std::fs::File;
 use std::io::Read;
 use std::ops::Range;
 use std::path::{Component, Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use memmap2::{Mmap, MmapOptions, UncheckedAdvice};
+use rayon::prelude::*;
 use safetensors::tensor::{Metadata, TensorInfo};
 use serde::de::{Deserialize, Deserializer, MapAccess, Visitor};
 
@@ -78,6 +80,8 @@ pub struct SafetensorsFile {
     data_start: usize,
     metadata: Metadata,
     storage: Storage,
+    /// Bytes read from the file with read calls: the header at open, then (`Pread`) tensor data.
+    bytes_read: AtomicU64,
 }
 
 impl SafetensorsFile {
@@ -144,7 +148,15 @@ impl SafetensorsFile {
             data_start: 8 + header_len as usize,
             metadata,
             storage,
+            bytes_read: AtomicU64::new(8 + header_len),
         })
+    }
+
+    /// Bytes read from this file with read calls since it was opened: the 8-byte length and
+    /// the header, plus, with `Pread`, every tensor byte read. Pages of a `Mmap` mapping reach
+    /// the process through page faults and are not counted.
+    pub fn bytes_read(&self) -> u64 {
+        self.bytes_read.load(Ordering::Relaxed)
     }
 
     /// The file's path.
@@ -270,11 +282,128 @@ impl SafetensorsFile {
                         io(source)
                     }
                 })?;
+                self.bytes_read
+                    .fetch_add(range.len() as u64, Ordering::Relaxed);
                 Ok(TensorData::Owned(bytes))
             }
         }
     }
+
+    /// `count` spans of `span` bytes of tensor `name`, the first at byte `start` of the tensor
+    /// and each next one `stride` bytes further, concatenated into one buffer of
+    /// `count * span` bytes. This is a column block of a row-major matrix: for rows of
+    /// `stride` bytes, the columns `[start, start + span)` of every row.
+    ///
+    /// With `Pread` only those bytes are read: one positioned read per span (one read in all
+    /// when the spans touch, `span == stride`), spread over the rayon pool for large outputs.
+    /// With `Mmap` the spans are copied out of the mapping.
+    ///
+    /// # Errors
+    /// [`Error::TensorNotFound`]; [`Error::Checkpoint`] when `span > stride` (with several
+    /// spans), when the last span ends past the tensor, or when the file is now too short
+    /// (truncated while open); [`Error::Io`] when a read fails otherwise.
+    pub fn read_spans(
+        &self,
+        name: &str,
+        start: usize,
+        span: usize,
+        stride: usize,
+        count: usize,
+    ) -> Result<TensorData> {
+        let info = self.info(name).ok_or_else(|| Error::TensorNotFound {
+            path: self.path.clone(),
+            name: name.to_string(),
+        })?;
+        let tensor_len = info.data_offsets.1 - info.data_offsets.0;
+        let bad = |reason: String| Error::Checkpoint {
+            path: self.path.clone(),
+            reason: format!("tensor {name:?}: {reason}"),
+        };
+        if count > 1 && span > stride {
+            return Err(bad(format!(
+                "spans of {span} bytes every {stride} bytes overlap"
+            )));
+        }
+        let end = count
+            .checked_sub(1)
+            .and_then(|n| n.checked_mul(stride))
+            .and_then(|n| n.checked_add(start))
+            .and_then(|n| n.checked_add(span))
+            .unwrap_or(start);
+        if end > tensor_len || start > tensor_len {
+            return Err(bad(format!(
+                "{count} spans of {span} bytes every {stride} bytes from byte {start} end at \
+                 byte {end}, past its {tensor_len} bytes"
+            )));
+        }
+        if count <= 1 || span == 0 || span == stride {
+            return self.read_range(name, start..start + count * span);
+        }
+        let total = count * span;
+        let base = self.data_start + info.data_offsets.0 + start;
+        let last = self.data_start + info.data_offsets.0 + end;
+        let file = match &self.storage {
+            Storage::Mapped(_, file) | Storage::File(file) => file,
+        };
+        let len_now = file
+            .metadata()
+            .map_err(|source| Error::Io {
+                path: self.path.clone(),
+                source,
+            })?
+            .len();
+        if len_now < last as u64 {
+            return Err(bad(format!(
+                "file bytes up to {last} cannot be read: the file is now {len_now} bytes, \
+                 shorter than when it was opened (truncated or rewritten in place while open)"
+            )));
+        }
+        let mut out = vec![0u8; total];
+        match &self.storage {
+            Storage::Mapped(map, _) => {
+                for (i, dst) in out.chunks_exact_mut(span).enumerate() {
+                    let from = base + i * stride;
+                    dst.copy_from_slice(&map[from..from + span]);
+                }
+            }
+            Storage::File(file) => {
+                // About 1 MiB of output per task, whole spans.
+                let spans_per_task = ((1usize << 20) / span.max(1)).max(1);
+                let read = |(task, chunk): (usize, &mut [u8])| -> std::io::Result<()> {
+                    for (i, dst) in chunk.chunks_exact_mut(span).enumerate() {
+                        let offset = base + (task * spans_per_task + i) * stride;
+                        read_exact_at(file, dst, offset as u64)?;
+                    }
+                    Ok(())
+                };
+                let chunks = out.chunks_mut(spans_per_task * span).enumerate();
+                let done: std::io::Result<()> = if total >= PARALLEL_SPAN_BYTES {
+                    chunks
+                        .collect::<Vec<_>>()
+                        .into_par_iter()
+                        .try_for_each(read)
+                } else {
+                    chunks.into_iter().try_for_each(read)
+                };
+                done.map_err(|source| {
+                    if source.kind() == std::io::ErrorKind::UnexpectedEof {
+                        bad("cut short during the read (the file was truncated while open)".into())
+                    } else {
+                        Error::Io {
+                            path: self.path.clone(),
+                            source,
+                        }
+                    }
+                })?;
+                self.bytes_read.fetch_add(total as u64, Ordering::Relaxed);
+            }
+        }
+        Ok(TensorData::Owned(out))
+    }
 }
+
+/// Below this many output bytes, `read_spans` reads on the calling thread.
+const PARALLEL_SPAN_BYTES: usize = 4 << 20;
 
 /// A whole checkpoint: one safetensors file, or a directory of them.
 pub struct Checkpoint {
@@ -467,6 +596,33 @@ impl Checkpoint {
     /// [`Error::TensorNotFound`]; [`Error::Io`] when a positioned read fails.
     pub fn read(&self, name: &str) -> Result<TensorData> {
         self.read_range(name, 0..usize::MAX)
+    }
+
+    /// Bytes read from the checkpoint's files with read calls (see
+    /// [`SafetensorsFile::bytes_read`]), summed over the files.
+    pub fn bytes_read(&self) -> u64 {
+        self.files.iter().map(SafetensorsFile::bytes_read).sum()
+    }
+
+    /// Spans of tensor `name` (see [`SafetensorsFile::read_spans`]).
+    ///
+    /// # Errors
+    /// As [`SafetensorsFile::read_spans`].
+    pub fn read_spans(
+        &self,
+        name: &str,
+        start: usize,
+        span: usize,
+        stride: usize,
+        count: usize,
+    ) -> Result<TensorData> {
+        match self.locate(name) {
+            Some((file, _)) => file.read_spans(name, start, span, stride, count),
+            None => Err(Error::TensorNotFound {
+                path: self.root.clone(),
+                name: name.to_string(),
+            }),
+        }
     }
 
     /// Bytes `part` of tensor `name` (see [`SafetensorsFile::read_range`]).

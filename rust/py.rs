@@ -511,6 +511,27 @@ impl PyCheckpoint {
         let part = start..stop.unwrap_or(usize::MAX);
         Ok(PyTensorBytes(py.detach(|| self.0.read_range(name, part))?))
     }
+    /// ``count`` spans of ``span`` bytes of a tensor, ``stride`` bytes apart from byte
+    /// ``start``, concatenated (a column block of a row-major matrix); with pread only those
+    /// bytes are read.
+    fn read_spans(
+        &self,
+        py: Python<'_>,
+        name: &str,
+        start: usize,
+        span: usize,
+        stride: usize,
+        count: usize,
+    ) -> PyResult<PyTensorBytes> {
+        Ok(PyTensorBytes(py.detach(|| {
+            self.0.read_spans(name, start, span, stride, count)
+        })?))
+    }
+    /// Bytes read from the files with read calls: headers, and with pread tensor data.
+    #[getter]
+    fn bytes_read(&self) -> u64 {
+        self.0.bytes_read()
+    }
     /// Drops this process's resident pages of a tensor (mmap only); views stay valid.
     fn release(&self, py: Python<'_>, name: &str) {
         py.detach(|| self.0.release(name));

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import tempfile
 import threading
@@ -62,7 +63,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                  f"ranks completed by this run: {done}"]
         # `demo` shards too, into a directory of its own: no command to finish it.
         finish = None
-        if e.remaining and args.run is _cmd_shard:
+        if e.remaining and args.run in (_cmd_shard, _run_shard):
             finish = _finish_command(args, e.remaining)
         if finish:
             lines.append(f"kda-tp: to finish, run: {finish}")
@@ -123,10 +124,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--skip-unindexed", action="store_true",
                    help="shard although the directory has .safetensors files its index does not "
                    "name (they are left out of every rank)")
+    p.add_argument("--kda-only", action="store_true",
+                   help="write only the sliced KDA tensors (an overlay on the input checkpoint)")
     _add_quiet(p)
     _add_qk_multiple(p)
     _add_json(p, "what was written")
-    p.set_defaults(run=_cmd_shard)
+    p.set_defaults(run=_run_shard)
 
     p = sub.add_parser("verify", help="check a shard output against its input")
     p.add_argument("checkpoint", type=Path)
@@ -136,7 +139,7 @@ def _parser() -> argparse.ArgumentParser:
                    "check numerically (default: all; the byte check covers every tensor)")
     _add_quiet(p)
     _add_json(p, "what was checked and the verdict")
-    p.set_defaults(run=_cmd_verify)
+    p.set_defaults(run=_run_verify)
 
     p = sub.add_parser("demo", help="plan, shard and verify a generated real-geometry checkpoint")
     p.add_argument("--tp-size", type=int, default=4, help="world size (default 4)")
@@ -469,6 +472,7 @@ def _cmd_shard(args: argparse.Namespace) -> int:
         progress=_progress(args.quiet),
         allow_resharding=args.allow_resharding,
         skip_unindexed=args.skip_unindexed,
+        kda_only=args.kda_only,
     )
     if args.json:
         _emit_json(args, {
@@ -659,3 +663,85 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         print(f"verify: {time.perf_counter() - t0:.2f} s")
         _print_verify(report)
         return status if report.ok else 1
+
+
+def _torchrun_processes() -> int:
+    """The number of processes of the torchrun job this process is part of; 1 outside torchrun."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return 1
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _run_shard(args: argparse.Namespace) -> int:
+    """``shard``; under torchrun with several processes, the ranks are split over them."""
+    if _torchrun_processes() == 1:
+        return _cmd_shard(args)
+    from .torch import shard_checkpoint_distributed, torchrun_group
+
+    with torchrun_group() as (process, processes):
+        try:
+            result = shard_checkpoint_distributed(
+                args.checkpoint,
+                args.out,
+                args.tp_size,
+                ranks=args.ranks,
+                layers=_shard_layers(SafetensorsSource(args.checkpoint, args.backend),
+                                     args.layers),
+                qk_multiple=args.qk_multiple,
+                force=args.force,
+                backend=args.backend,
+                progress=_progress(args.quiet) if process == 0 else None,
+                kda_only=args.kda_only,
+            )
+        except KdaTpError as e:
+            if process == 0:
+                print(f"kda-tp: error: {type(e).__name__}: {e}", file=sys.stderr)
+            return 2
+        if process == 0:
+            print(f"{_written_line(result)}; {processes} torchrun processes")
+        return 0
+
+
+def _run_verify(args: argparse.Namespace) -> int:
+    """``verify``; under torchrun with several processes, process 0 checks the bytes and
+    ``--numeric`` spreads the ranks' forwards over the processes with a real all-reduce."""
+    if _torchrun_processes() == 1:
+        return _cmd_verify(args)
+    import torch.distributed as dist
+
+    from .torch import check_tp_equivalence_distributed, rank_dir_metadata, torchrun_group
+
+    with torchrun_group() as (process, _):
+        report, failure = None, None
+        if process == 0:
+            try:
+                report = verify_shards(args.checkpoint, args.out)
+            except KdaTpError as e:
+                failure = f"kda-tp: error: {type(e).__name__}: {e}"
+        state = [report is not None and report.ok, failure]
+        dist.broadcast_object_list(state, src=0)
+        if state[0] and args.numeric:
+            meta = rank_dir_metadata(args.out)
+            numeric = check_tp_equivalence_distributed(
+                args.checkpoint,
+                meta["tp_size"],
+                shard_dir=args.out,
+                layers=meta["layers"],
+                seq_len=args.seq_len,
+                seed=args.seed,
+                qk_multiple=meta["qk_multiple"],
+            )
+            if report is not None:
+                report.numeric = numeric
+        if process != 0:
+            status = [0]
+            dist.broadcast_object_list(status, src=0)
+            return status[0]
+        if failure is not None:
+            print(failure, file=sys.stderr)
+            status = [2]
+        else:
+            _print_verify(report)
+            status = [0 if report.ok else 1]
+        dist.broadcast_object_list(status, src=0)
+        return status[0]

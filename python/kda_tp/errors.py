@@ -18,6 +18,7 @@ __all__ = [
     "DtypeMismatchError",
     "CheckpointError",
     "OutputError",
+    "MissingDependencyError",
 ]
 
 
@@ -67,4 +68,12 @@ class OutputError(KdaTpError):
     Raised for a non-empty output directory without ``force``, an output directory inside the
     input checkpoint, and OS write failures such as a full disk. Nothing half-written is left
     under a final file name when this is raised.
+    """
+
+
+class MissingDependencyError(KdaTpError, ImportError):
+    """An optional dependency that a feature needs is not installed.
+
+    Example message: ``kda_tp.torch needs PyTorch (torch >= 2.5), which is not installed:
+    pip install 'kda_tp[torch]'``.
     """

@@ -120,6 +120,7 @@ def shard_checkpoint(
     progress: ProgressFactory | None = None,
     allow_resharding: bool = False,
     skip_unindexed: bool = False,
+    kda_only: bool = False,
 ) -> ShardResult:
     """Write one checkpoint directory per rank (layout in the module docstring).
 
@@ -146,6 +147,10 @@ def shard_checkpoint(
         skip_unindexed: shard a directory whose ``.safetensors`` files include some its index
             does not name (see :func:`unindexed_files`), leaving them out of every rank;
             refused by default.
+        progress: called once with the total bytes to write; returns ``advance(nbytes)``.
+        kda_only: write only the sliced KDA tensors (an overlay on the input checkpoint, see
+            :func:`kda_only_files`): no other tensor and no companion file; each header's
+            ``__metadata__`` adds ``kda_tp_kda_only`` and ``kda_tp_source`` (the input path).
 
     Raises:
         CheckpointError, PlanError, DtypeMismatchError, ShapeMismatchError: bad input (also:
@@ -198,7 +203,11 @@ def shard_checkpoint(
             )
     _prepare_out_dir(source.root, out, tp_size, ranks, force)
     files = _names_by_file(source)
-    total = sum(_nbytes(*s.info(name)) for s in shards for name in source.names())
+    if kda_only:
+        files = kda_only_files(files, shards[0])
+    total = sum(
+        _nbytes(*s.info(name)) for s in shards for names in files.values() for name in names
+    )
     report = progress(total) if progress else None
     stop = threading.Event()
 
@@ -214,7 +223,7 @@ def shard_checkpoint(
     futures: list[Future[tuple[int, Path, int, Path | None]]] = []
     try:
         for s in shards:
-            futures.append(pool.submit(_write_rank, source, s, files, out, advance))
+            futures.append(pool.submit(_write_rank, source, s, files, out, advance, kda_only))
         wait(futures)
         pool.shutdown()
     except KeyboardInterrupt:
@@ -315,6 +324,15 @@ def _names_by_file(source: SafetensorsSource) -> dict[str, list[str]]:
     return files
 
 
+def kda_only_files(
+    files: dict[str, list[str]], shard: KdaShardedSource
+) -> dict[str, list[str]]:
+    """``files`` (input file name -> tensor names) cut down to the KDA tensors ``shard`` slices;
+    files left without one are dropped, so a KDA-only rank mirrors the input's file names."""
+    kept = {f: [n for n in names if shard.is_sharded(n)] for f, names in files.items()}
+    return {f: names for f, names in kept.items() if names}
+
+
 def _prepare_out_dir(
     root: Path, out: Path, tp_size: int, ranks: tuple[int, ...], force: bool
 ) -> None:
@@ -403,8 +421,10 @@ def _write_rank(
     files: dict[str, list[str]],
     out: Path,
     advance: Callable[[int], None] | None,
+    kda_only: bool = False,
 ) -> tuple[int, Path, int, Path | None]:
-    """Write ``shard``'s rank into a partial directory, then rename it into place.
+    """Write ``shard``'s rank into a partial directory, then rename it into place (with
+    ``kda_only``, the KDA-only metadata and no companion files).
 
     Returns the tensor bytes written, the rank directory, its inode (to recognise it), and where
     the directory it replaced was moved (None if there was none).
@@ -446,6 +466,8 @@ def _write_rank(
                 "kda_tp_version": __version__,
                 "kda_tp_input": fingerprint,
             }
+            if kda_only:
+                metadata.update(kda_tp_kda_only="1", kda_tp_source=str(source.path.resolve()))
             specs = []
             for name in names:
                 dtype, shape = shard.info(name)
@@ -456,7 +478,7 @@ def _write_rank(
             release_previous()
             weight_map.update(dict.fromkeys(names, file_name))
         write_index(partial / INDEX_NAME, weight_map, total, sync=False)
-        for extra in _companion_files(source):
+        for extra in [] if kda_only else _companion_files(source):
             shutil.copy2(extra, partial / extra.name)
         inode = partial.stat().st_ino
         if final.exists():
@@ -577,6 +599,8 @@ def verify_shards(
     tensor is identical on every rank. Every rank ``0..tp_size-1`` must be present and complete,
     with matching ``tp_rank``/``tp_size`` metadata, and no rank may hold extra tensors. A
     problem names the tensor and the rank(s) whose bytes differ.
+    ``--kda-only`` output (``kda_tp_kda_only`` in its metadata) is checked on the KDA tensors
+    alone, and a rank holding any other tensor fails.
 
     With ``numeric``, also runs :func:`~kda_tp.check_tp_equivalence` on the rank directories:
     each KDA layer's full output against the sum of the ranks' partial outputs.
@@ -660,16 +684,19 @@ def verify_shards(
         for r in range(1, tp_size)
     ]
     shards = [KdaShardedSource(source, plan, kda_layers) for plan in plans]
+    # A --kda-only output holds the KDA tensors and nothing else.
+    kda_only = meta.get("kda_tp_kda_only") == "1"
+    names = [n for n in source.names() if not kda_only or shards[0].is_sharded(n)]
     for r, rank in enumerate(ranks):
         for path, file_meta in rank.files():
             got = (file_meta or {}).get("tp_rank"), (file_meta or {}).get("tp_size")
             if got != (str(r), str(tp_size)):
                 report.problems.append(f"{path}: metadata tp_rank/tp_size {got}, expected {(r, tp_size)}")
-        extra = sorted(set(rank.names()) - set(source.names()))
+        extra = sorted(set(rank.names()) - set(names))
         if extra:
-            report.problems.append(f"{rank.root}: {len(extra)} tensor(s) not in the input, e.g. {extra[0]}")
+            what = "KDA tensors of the input" if kda_only else "the input"
+            report.problems.append(f"{rank.root}: {len(extra)} tensor(s) not in {what}, e.g. {extra[0]}")
 
-    names = source.names()
     advance = progress(len(names)) if progress else None
     for name in names:
         full = source.get(name)

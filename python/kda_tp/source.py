@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import re
-import warnings
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Protocol
@@ -20,7 +19,7 @@ import numpy as np
 
 from . import _native
 from .config import load_config, parse_config
-from .errors import CheckpointError, DtypeMismatchError, KdaTpError
+from .errors import CheckpointError, DtypeMismatchError, KdaTpError, ShapeMismatchError
 from .plan import KdaShard, KdaTensorPlan, KdaTpPlan
 from .quant import SCALE_SUFFIXES
 
@@ -102,32 +101,20 @@ class Tensor:
         return self.data.tobytes()
 
     def to_torch(self) -> Any:
-        """This tensor as a ``torch.Tensor`` sharing the memory (no copy), BF16 included.
+        """This tensor as a ``torch.Tensor`` sharing the memory (no copy), BF16 and FP8 included.
 
-        Needs the optional ``torch`` extra. The tensor is read-only memory: torch cannot mark it
-        read-only, so do not write to it; call ``.clone()`` for a writable copy.
+        See :func:`kda_tp.torch.to_torch` (dtypes, read-only memory).
+
+        Raises:
+            MissingDependencyError: torch is not installed (``pip install 'kda_tp[torch]'``).
+            DtypeMismatchError: a dtype torch has no equivalent for.
         """
-        import torch  # noqa: PLC0415 - optional dependency
+        from .torch import to_torch  # noqa: PLC0415 - optional dependency
 
-        torch_dtype = getattr(torch, _TORCH_DTYPES.get(self.dtype, ""), None)
-        if torch_dtype is None:
-            raise DtypeMismatchError(f"{self.name}: dtype {self.dtype} has no torch equivalent")
-        if not self.nbytes:
-            return torch.empty(self.shape, dtype=torch_dtype)
-        with warnings.catch_warnings():
-            # torch warns that it cannot mark the read-only buffer read-only; documented above.
-            warnings.simplefilter("ignore", UserWarning)
-            raw = torch.frombuffer(self.data.data, dtype=torch.uint8)
-        return raw.view(torch_dtype).reshape(self.shape)
+        return to_torch(self)
 
     def __repr__(self) -> str:
         return f"Tensor({self.name!r}, dtype={self.dtype}, shape={self.shape})"
-
-
-_TORCH_DTYPES = {
-    "BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64", "U8": "uint8",
-    "I8": "int8", "I16": "int16", "I32": "int32", "I64": "int64", "BOOL": "bool",
-}
 
 
 class TensorSource(Protocol):
@@ -267,6 +254,52 @@ class SafetensorsSource:
         if found is None:
             raise CheckpointError(f"{self.root}: no tensor named {name!r}")
         return self._read(name, found[0], start, stop)
+
+    def read_columns(self, name: str, tensor_plan: KdaTensorPlan) -> np.ndarray:
+        """This rank's column block of a ``CHANNEL_COLS`` tensor (``o_proj``), as a new read-only
+        ``uint8`` array of ``tensor_plan.local_bytes`` bytes (row-major ``[rows, local cols]``).
+
+        With ``"pread"`` only those bytes are read from the file: one positioned read per row's
+        column span, spread over a few threads for large tensors, never the whole tensor. With
+        ``"mmap"`` the block is gathered from the mapping (as :func:`shard_bytes` does).
+
+        Raises:
+            CheckpointError: no such tensor, or the plan's block lies past its end.
+            ShapeMismatchError: the tensor's byte size is not ``tensor_plan.full_bytes``.
+        """
+        found = self._checkpoint.info(name)
+        if found is None:
+            raise CheckpointError(f"{self.root}: no tensor named {name!r}")
+        if self.backend != "pread":
+            return shard_bytes(tensor_plan, self.get(name).data)
+        full = int(np.prod(found[1], dtype=np.int64)) * _itemsize(found[0])
+        if full != tensor_plan.full_bytes:
+            raise ShapeMismatchError(
+                f"{self.file_of(name)}: {name}: {full} bytes on disk, the plan's full tensor is "
+                f"{tensor_plan.full_bytes} bytes"
+            )
+        row = tensor_plan.full_row_elems * tensor_plan.elem_bytes
+        data = np.asarray(self._checkpoint.read_spans(
+            name,
+            tensor_plan.src_col_offset * tensor_plan.elem_bytes,
+            tensor_plan.local_row_elems * tensor_plan.elem_bytes,
+            row,
+            tensor_plan.full_rows,
+        ))
+        data.flags.writeable = False
+        return data
+
+    @property
+    def bytes_read(self) -> int:
+        """Bytes read from the checkpoint's safetensors files with read calls since it was opened.
+
+        The headers (read at open, on both backends) plus, with ``"pread"``, every tensor byte
+        read. With ``"mmap"`` tensor data reaches the process through page faults of the mapping
+        and is not counted. A rank's KDA tensors read through :class:`KdaShardedSource` on
+        ``"pread"`` cost their local bytes: row slices and ``o_proj``'s column block are read
+        alone.
+        """
+        return self._checkpoint.bytes_read
 
     def _read(self, name: str, dtype: str, start: int, stop: int | None) -> np.ndarray:
         data = np.asarray(self._checkpoint.read(name, start, stop))
@@ -600,6 +633,10 @@ class KdaShardedSource:
         if entry.byte_range is not None and read_range is not None:
             # One contiguous range: read only it (its size was checked with the shape).
             return Tensor(name, entry.dtype, local_shape, read_range(name, *entry.byte_range))
+        read_columns = getattr(self.source, "read_columns", None)
+        if entry.kind == KdaShard.CHANNEL_COLS and read_columns is not None:
+            # o_proj: only this rank's column block of each row (pread reads nothing else).
+            return Tensor(name, entry.dtype, local_shape, read_columns(name, entry))
         record = self.source.get(name)
         if record is None:
             return None
