@@ -9,6 +9,7 @@ from . import errors
 from ._native import __version__
 from .equivalence import check_tp_equivalence
 from .errors import (
+    BufferLayoutError,
     CheckpointError,
     DtypeMismatchError,
     KdaTpError,
@@ -26,6 +27,7 @@ __all__ = [
     "PlanError",
     "ShapeMismatchError",
     "DtypeMismatchError",
+    "BufferLayoutError",
     "CheckpointError",
     "OutputError",
     "KdaShard",
