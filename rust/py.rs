@@ -544,6 +544,25 @@ impl PyCheckpoint {
         let part = start..stop.unwrap_or(usize::MAX);
         Ok(PyTensorBytes(py.detach(|| self.0.read_range(name, part))?))
     }
+    /// ``(fd, start, stop)``: the open file descriptor holding a tensor and the absolute byte
+    /// range ``[start, stop)`` in that file of bytes ``[part_start, part_stop)`` of the tensor
+    /// (``part_stop`` clamped to its length), for kernel-side copies (``os.copy_file_range``).
+    /// The descriptor belongs to this object: use it only while the checkpoint is open, never
+    /// close it. None for an unknown name or a part starting past the tensor.
+    #[cfg(unix)]
+    #[pyo3(signature = (name, part_start=0, part_stop=None))]
+    fn file_range(
+        &self,
+        name: &str,
+        part_start: usize,
+        part_stop: Option<usize>,
+    ) -> Option<(i32, u64, u64)> {
+        use std::os::fd::AsRawFd;
+        let (file, _) = self.0.locate(name)?;
+        let part = part_start..part_stop.unwrap_or(usize::MAX);
+        let (handle, range) = file.file_range(name, part)?;
+        Some((handle.as_raw_fd(), range.start, range.end))
+    }
     /// Drops this process's resident pages of a tensor (mmap only); views stay valid.
     fn release(&self, py: Python<'_>, name: &str) {
         py.detach(|| self.0.release(name));

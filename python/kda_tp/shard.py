@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ._io import DTYPE_SIZES, write_index, write_safetensors
+from ._io import DTYPE_SIZES, FileRange, write_index, write_safetensors
 from ._native import __version__
 from .equivalence import EquivalenceReport, check_tp_equivalence
 from .errors import CheckpointError, DtypeMismatchError, KdaTpError, OutputError, PlanError
@@ -263,13 +263,24 @@ def _write_rank(
         if previous:
             source.release(previous.pop())
 
-    def fetch(name: str) -> np.ndarray:
+    def fetch(name: str, count: bool = True) -> np.ndarray:
         release_previous()
         data = shard.get(name).data
         previous.append(name)
-        if advance:
+        if advance and count:
             advance(data.nbytes)
         return data
+
+    def get_bytes(name: str) -> np.ndarray | FileRange:
+        # Row-sliced, replicated and passed-through tensors are one byte range of the input:
+        # the kernel copies it file to file. o_proj is gathered.
+        piece = _file_piece(source, shard, name, lambda: fetch(name, count=False))
+        if piece is None:
+            return fetch(name)
+        release_previous()
+        if advance:
+            advance(piece.nbytes)
+        return piece
 
     final = rank_dir(out, plan.tp_rank)
     old: Path | None = None
@@ -291,7 +302,7 @@ def _write_rank(
             for name in names:
                 dtype, shape = shard.info(name)
                 specs.append(
-                    (name, dtype, shape, _nbytes(dtype, shape), lambda n=name: fetch(n))
+                    (name, dtype, shape, _nbytes(dtype, shape), lambda n=name: get_bytes(n))
                 )
             total += write_safetensors(partial / file_name, specs, metadata, sync=False)
             release_previous()
@@ -315,6 +326,27 @@ def _write_rank(
             raise OutputError(f"{partial}: writing rank {plan.tp_rank} failed: {e}") from e
         raise
     return total, final, inode, old
+
+
+def _file_piece(
+    source: SafetensorsSource,
+    shard: KdaShardedSource,
+    name: str,
+    fallback: Callable[[], np.ndarray],
+) -> FileRange | None:
+    """This rank's bytes of ``name`` as one range of the input file, or None for a column
+    slice (``o_proj``), which is not one range."""
+    start, stop = 0, None
+    if shard.is_sharded(name):
+        byte_range = shard.plan[_plan_name(name)].byte_range
+        if byte_range is None:
+            return None
+        start, stop = byte_range
+    found = source.file_range(name, start, stop)
+    if found is None:
+        return None
+    fd, begin, end = found
+    return FileRange(fd, begin, end - begin, fallback)
 
 
 def _companion_files(source: SafetensorsSource) -> list[Path]:

@@ -326,6 +326,21 @@ class SafetensorsSource:
             data.flags.writeable = False
         return data
 
+    def file_range(
+        self, name: str, start: int = 0, stop: int | None = None
+    ) -> tuple[int, int, int] | None:
+        """Where bytes ``[start, stop)`` of tensor ``name`` lie in the file this source opened,
+        for file-to-file copies by the kernel (``os.copy_file_range``, ``os.sendfile``).
+
+        Returns ``(fd, begin, end)``: a file descriptor this source owns (valid while the source
+        is alive; never close it) and absolute byte offsets in that file (``stop`` is clamped to
+        the tensor's length, None meaning its end). It is the file opened with the source, even
+        if the path has since been replaced. None for an unknown name or ``start`` past the
+        tensor. Reads through it are not checked against truncation: a short copy means the
+        file shrank.
+        """
+        return self._checkpoint.file_range(name, start, stop)
+
     def release(self, name: str) -> None:
         """Drop this process's resident pages of tensor ``name`` (``"mmap"`` only).
 
