@@ -569,7 +569,9 @@ class KdaShardedSource:
         into ``out``, with no intermediate array and the GIL released during the copy. Row-sliced
         (``q_proj``, ``A_log``, ...), replicated and passed-through tensors are one contiguous
         copy; ``o_proj`` (CHANNEL_COLS) is the strided column gather. Copies of 4 MiB or more
-        use several threads. The bytes written equal ``get(name).data``.
+        use several threads. The bytes written equal ``get(name).data``. With the ``"pread"``
+        backend a row slice is first read into a temporary copy (the rank's rows only), then
+        copied into ``out``.
 
         Args:
             name: a checkpoint tensor name (KDA or passed through), as in :meth:`names`.
