@@ -3,7 +3,7 @@
 Run by hand (not part of the test suite), from the repository root::
 
     python benchmarks/bench.py            # full run (about 3-5 minutes on a 2-vCPU VM)
-    python benchmarks/bench.py --quick    # fewer repetitions, skips section 4 (under a minute)
+    python benchmarks/bench.py --quick    # 3 repetitions, skips section 4 (about 40 s)
 
 Options: ``--tmp DIR`` (scratch root, default /tmp; about 4.5 GB needed for the full run),
 ``--kda-tp CMD`` (command that runs the CLI, default the ``kda-tp`` console script beside the
@@ -677,7 +677,7 @@ def verify_baseline(ckpt: Path, out: Path, tp: int, rank: int) -> None:
         assert a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a.data, b.data), name
 
 
-def section3(ckpt: Path, scratch: Path, cli: Cli | None, rounds: int) -> None:
+def section3(ckpt: Path, scratch: Path, cli: Cli | None, rounds: int, quick: bool) -> None:
     tp = 4
     log(f"section 3: shard 4-layer GLM at TP={tp}, {rounds} round(s)")
     warm(ckpt)
@@ -698,7 +698,7 @@ def section3(ckpt: Path, scratch: Path, cli: Cli | None, rounds: int) -> None:
                 b[field] = min(b[field], r[field])
             b["maxrss"] = max(b["maxrss"], r["maxrss"])
     pread = None
-    if cli is not None and cli.has("--backend"):
+    if cli is not None and cli.has("--backend") and not quick:
         out = scratch / "o_pread"
         pread = timed_job(cli.shard(ckpt, tp, out, "--backend", "pread"), out)
         log(f"  kda --backend pread: {pread['wall']:.2f} s, maxrss {pread['maxrss'] / MIB:.0f} MiB")
@@ -825,7 +825,8 @@ def print_table() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="kda_tp benchmark (see module docstring)")
-    parser.add_argument("--quick", action="store_true", help="fewer repetitions, skip section 4")
+    parser.add_argument("--quick", action="store_true",
+                        help="fewer repetitions, no --backend pread run, skip section 4")
     parser.add_argument("--tmp", default="/tmp", help="scratch root (default /tmp)")
     parser.add_argument("--kda-tp", default=None, help="command that runs the kda-tp CLI")
     parser.add_argument("--keep", action="store_true", help="keep the scratch directory")
@@ -840,7 +841,7 @@ def main(argv: list[str] | None = None) -> int:
         env = dict(os.environ, **{FRESH_ENV: FRESH_VALUE})
         os.execve(sys.executable, [sys.executable, str(Path(__file__).resolve()), *argv], env)
 
-    reps = 5 if args.quick else 10
+    reps = 3 if args.quick else 10
     calls, loops = (2000, 3) if args.quick else (5000, 5)
     rounds = 1 if args.quick else 2
     t_start = time.perf_counter()
@@ -868,7 +869,7 @@ def main(argv: list[str] | None = None) -> int:
         section1(glm, reps)
         section2(glm, wide, calls, loops)
         shutil.rmtree(wide)
-        section3(glm, scratch, cli, rounds)
+        section3(glm, scratch, cli, rounds, args.quick)
         shutil.rmtree(glm)
         section_k3(scratch, reps)
         if not args.quick:
