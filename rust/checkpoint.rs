@@ -189,6 +189,24 @@ impl SafetensorsFile {
         }
     }
 
+    /// The open file and the absolute byte range in it of bytes `part` of tensor `name`
+    /// (offsets within the tensor; `part.end` is clamped to the tensor's length), for copies the
+    /// kernel does file to file (`copy_file_range`, `sendfile`) from the file this value opened,
+    /// even if the path has since been replaced. `None` for an unknown name or a `part` that
+    /// starts past the tensor.
+    pub fn file_range(&self, name: &str, part: Range<usize>) -> Option<(&File, Range<u64>)> {
+        let (begin, end) = self.info(name)?.data_offsets;
+        let part = part.start..part.end.min(end - begin);
+        if part.start > part.end {
+            return None;
+        }
+        let file = match &self.storage {
+            Storage::Mapped(_, file) | Storage::File(file) => file,
+        };
+        let start = (self.data_start + begin + part.start) as u64;
+        Some((file, start..start + part.len() as u64))
+    }
+
     /// Drops this process's resident pages of tensor `name` from the mapping (the kernel's page
     /// cache keeps them), so a streaming pass over a large checkpoint does not grow the resident
     /// set. Arrays already viewing the tensor stay valid: their next access maps the pages again

@@ -4,7 +4,7 @@
 use std::collections::HashMap;
 use std::path::PathBuf;
 
-use numpy::{PyArray1, PyArrayMethods, PyReadonlyArray1};
+use numpy::{PyArray1, PyArrayMethods, PyReadonlyArray1, PyReadwriteArray1};
 use pyo3::exceptions::{PyKeyError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PySlice, PyTuple};
@@ -436,8 +436,93 @@ fn shard_bytes<'py>(
     // see yet; `gather_cols_uninit` writes every byte of it before it is returned.
     let out = unsafe { PyArray1::<u8>::new(py, plan.0.local_bytes(), false) };
     let dst = out.data() as usize;
+    #[cfg(target_os = "linux")]
+    if plan.0.local_bytes() >= slice::PARALLEL_MIN_BYTES {
+        advise_huge_pages(dst, plan.0.local_bytes());
+    }
     py.detach(|| unsafe { slice::gather_cols_uninit(&plan.0, src, dst as *mut u8) })?;
     Ok(out.into_any())
+}
+
+/// Asks the kernel to back the whole pages of `[addr, addr + len)` with transparent huge pages
+/// (`MADV_HUGEPAGE`), before a gather writes them. A large new array is usually fresh memory,
+/// which the gather must fault in page by page: with 2 MiB pages it faults 512x less often
+/// (measured 2x faster into fresh memory on a 2-vCPU VM). Memory already in use (malloc reusing
+/// its heap) is unaffected. Only a hint: a refusal changes nothing but the speed.
+#[cfg(target_os = "linux")]
+fn advise_huge_pages(addr: usize, len: usize) {
+    extern "C" {
+        fn madvise(
+            addr: *mut std::ffi::c_void,
+            len: usize,
+            advice: std::ffi::c_int,
+        ) -> std::ffi::c_int;
+    }
+    const MADV_HUGEPAGE: std::ffi::c_int = 14;
+    const PAGE: usize = 4096;
+    let start = addr.next_multiple_of(PAGE);
+    let end = (addr + len) / PAGE * PAGE;
+    if start < end {
+        // SAFETY: the range lies inside the caller's live allocation; MADV_HUGEPAGE changes no
+        // data, only how future page faults in it are served.
+        unsafe { madvise(start as *mut std::ffi::c_void, end - start, MADV_HUGEPAGE) };
+    }
+}
+
+/// Writes this rank's bytes of one tensor into a caller-owned buffer, with the GIL released
+/// (see `KdaShardedSource.read_into`, which checks the buffer and names the tensor first).
+///
+/// ``full``: the full tensor's raw bytes, a C-contiguous 1-D uint8 array of
+/// ``plan.full_bytes`` bytes. ``out``: a writable C-contiguous 1-D uint8 array of
+/// ``plan.local_bytes`` bytes; every byte is overwritten.
+///
+/// Raises:
+///     ShapeMismatchError: ``full`` or ``out`` has the wrong number of bytes.
+///     ValueError: an array is not C-contiguous.
+#[pyfunction]
+fn shard_into(
+    py: Python<'_>,
+    plan: &PyTensorPlan,
+    full: PyReadonlyArray1<'_, u8>,
+    mut out: PyReadwriteArray1<'_, u8>,
+) -> PyResult<()> {
+    let src = contiguous(full.as_slice())?;
+    let dst = out
+        .as_slice_mut()
+        .map_err(|_| PyValueError::new_err("the output buffer must be C-contiguous"))?;
+    py.detach(|| slice::shard_into(&plan.0, src, dst))?;
+    Ok(())
+}
+
+/// Copies ``src`` into ``out`` (both C-contiguous 1-D uint8 arrays of the same length in bytes)
+/// with the GIL released; large copies use several threads (see `KdaShardedSource.read_into`).
+///
+/// Raises:
+///     ShapeMismatchError: the lengths differ (the message gives both, in bytes).
+///     ValueError: an array is not C-contiguous.
+#[pyfunction]
+fn copy_into(
+    py: Python<'_>,
+    src: PyReadonlyArray1<'_, u8>,
+    mut out: PyReadwriteArray1<'_, u8>,
+) -> PyResult<()> {
+    let src = contiguous(src.as_slice())?;
+    let dst = out
+        .as_slice_mut()
+        .map_err(|_| PyValueError::new_err("the output buffer must be C-contiguous"))?;
+    if src.len() != dst.len() {
+        return Err(ShapeMismatchError::new_err(format!(
+            "the output buffer is {} bytes, the source is {} bytes",
+            dst.len(),
+            src.len()
+        )));
+    }
+    py.detach(|| slice::copy_parallel(src, dst));
+    Ok(())
+}
+
+fn contiguous<T, E>(slice: Result<T, E>) -> PyResult<T> {
+    slice.map_err(|_| PyValueError::new_err("the buffer must be C-contiguous"))
 }
 
 /// The raw bytes of one tensor, exposed to numpy through ``__array_interface__`` without a copy.
@@ -532,6 +617,25 @@ impl PyCheckpoint {
     fn bytes_read(&self) -> u64 {
         self.0.bytes_read()
     }
+    /// ``(fd, start, stop)``: the open file descriptor holding a tensor and the absolute byte
+    /// range ``[start, stop)`` in that file of bytes ``[part_start, part_stop)`` of the tensor
+    /// (``part_stop`` clamped to its length), for kernel-side copies (``os.copy_file_range``).
+    /// The descriptor belongs to this object: use it only while the checkpoint is open, never
+    /// close it. None for an unknown name or a part starting past the tensor.
+    #[cfg(unix)]
+    #[pyo3(signature = (name, part_start=0, part_stop=None))]
+    fn file_range(
+        &self,
+        name: &str,
+        part_start: usize,
+        part_stop: Option<usize>,
+    ) -> Option<(i32, u64, u64)> {
+        use std::os::fd::AsRawFd;
+        let (file, _) = self.0.locate(name)?;
+        let part = part_start..part_stop.unwrap_or(usize::MAX);
+        let (handle, range) = file.file_range(name, part)?;
+        Some((handle.as_raw_fd(), range.start, range.end))
+    }
     /// Drops this process's resident pages of a tensor (mmap only); views stay valid.
     fn release(&self, py: Python<'_>, name: &str) {
         py.detach(|| self.0.release(name));
@@ -570,5 +674,7 @@ fn native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyTensorBytes>()?;
     m.add_class::<PyCheckpoint>()?;
     m.add_function(wrap_pyfunction!(shard_bytes, m)?)?;
+    m.add_function(wrap_pyfunction!(shard_into, m)?)?;
+    m.add_function(wrap_pyfunction!(copy_into, m)?)?;
     Ok(())
 }

@@ -5,10 +5,12 @@ adapter that presents one rank's shard, a pure-Python oracle (``kda_tp.oracle``)
 reference forward (``kda_tp.reference``) and the ``kda-tp`` command line.
 """
 
+from typing import Any
+
 from . import errors
 from ._native import __version__
-from .equivalence import check_tp_equivalence
 from .errors import (
+    BufferLayoutError,
     CheckpointError,
     DtypeMismatchError,
     KdaTpError,
@@ -28,6 +30,7 @@ __all__ = [
     "PlanError",
     "ShapeMismatchError",
     "DtypeMismatchError",
+    "BufferLayoutError",
     "CheckpointError",
     "OutputError",
     "MissingDependencyError",
@@ -41,3 +44,13 @@ __all__ = [
     "dequantize",
     "check_tp_equivalence",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    # The numeric check pulls in the reference forward and the oracle; import it on first use
+    # so that `import kda_tp` (and every `kda-tp` command) starts faster.
+    if name == "check_tp_equivalence":
+        from .equivalence import check_tp_equivalence  # noqa: PLC0415
+
+        return check_tp_equivalence
+    raise AttributeError(f"module 'kda_tp' has no attribute {name!r}")

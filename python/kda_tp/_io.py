@@ -20,21 +20,25 @@ Only numpy and the standard library are used.
 
 from __future__ import annotations
 
+import errno
+import io
 import json
 import os
 import secrets
 import struct
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
 import numpy as np
 
-from kda_tp.errors import DtypeMismatchError, OutputError, ShapeMismatchError
+from kda_tp.errors import CheckpointError, DtypeMismatchError, OutputError, ShapeMismatchError
 
 __all__ = [
     "DTYPE_BITS",
     "DTYPE_SIZES",
+    "FileRange",
     "TensorSpec",
     "tensor_nbytes",
     "write_index",
@@ -102,12 +106,35 @@ def tensor_nbytes(dtype: str, shape: Iterable[int]) -> int:
     return total_bits // 8
 
 
+@dataclass(frozen=True)
+class FileRange:
+    """A tensor's bytes as a range of an open file, copied into the output by the kernel.
+
+    Attributes:
+        fd: the source file descriptor (the writer neither closes nor moves it).
+        offset: absolute byte offset of the first byte in that file.
+        nbytes: number of bytes.
+        fallback: returns the same bytes as a buffer (see :data:`TensorSpec`); used where the
+            kernel cannot copy between the two files (``copy_file_range`` and ``sendfile``
+            unsupported, e.g. EXDEV, EINVAL or ENOSYS) or the output is not an OS file.
+    """
+
+    fd: int
+    offset: int
+    nbytes: int
+    fallback: Callable[[], Any]
+
+
 #: One tensor to write: ``(name, dtype, shape, nbytes, get_bytes)``. ``nbytes`` is a byte count
 #: (not an element count) and must equal ``tensor_nbytes(dtype, shape)``. ``get_bytes`` is
 #: called with no arguments, once, when the writer reaches that tensor, and must return a
 #: C-contiguous buffer-protocol object (numpy array of any dtype, bytes, bytearray, memoryview)
-#: holding exactly ``nbytes`` bytes of little-endian tensor data.
+#: holding exactly ``nbytes`` bytes of little-endian tensor data, or a :class:`FileRange` of
+#: ``nbytes`` bytes (copied file to file with ``os.copy_file_range``, else ``os.sendfile``).
 TensorSpec = tuple[str, str, tuple[int, ...], int, Callable[[], Any]]
+
+# copy_file_range/sendfile cannot copy between these two files: use the buffer path instead.
+_NO_KERNEL_COPY = {errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP}
 
 _METADATA_KEY = "__metadata__"
 
@@ -162,7 +189,18 @@ def write_safetensors(
     def write_body(f: BinaryIO) -> None:
         _checked_write(f, path, header)
         for name, _dtype, _shape, nbytes, get_bytes in specs:
-            view = _byte_view(name, get_bytes(), nbytes)
+            data = get_bytes()
+            if isinstance(data, FileRange):
+                if data.nbytes != nbytes:
+                    raise ShapeMismatchError(
+                        f"{name}: get_bytes returned a file range of {data.nbytes} bytes, the "
+                        f"header declares {nbytes} bytes"
+                    )
+                if _copy_file_range(f, path, name, data):
+                    continue
+                data = data.fallback()
+            view = _byte_view(name, data, nbytes)
+            del data  # only the view keeps the buffer alive, and it is released below
             _checked_write(f, path, view)
             view.release()
 
@@ -273,6 +311,48 @@ def _byte_view(name: str, buffer: Any, nbytes: int) -> memoryview:
             f"{name}: get_bytes returned {actual} bytes, the header declares {nbytes} bytes"
         )
     return view
+
+
+def _copy_file_range(f: BinaryIO, path: Path, name: str, source: FileRange) -> bool:
+    """Append ``source``'s bytes to ``f`` inside the kernel (no copy through this process):
+    ``os.copy_file_range``, else ``os.sendfile``. Returns False, having written nothing, where
+    neither can copy between these files or ``f`` is not an OS file; the caller then writes the
+    bytes itself.
+
+    Raises:
+        OutputError: the copy failed otherwise (e.g. ENOSPC); names the file and the tensor.
+        CheckpointError: the input ended before the range did (truncated while open).
+    """
+    if not isinstance(f, (io.BufferedWriter, io.FileIO)) or not source.nbytes:
+        return False  # a file-like object (or nothing to copy): the plain write path
+    try:
+        f.flush()  # the header and earlier tensors first
+    except OSError as exc:
+        raise OutputError(f"{path}: write failed: {exc}") from exc
+    out_fd = f.fileno()
+    copy = getattr(os, "copy_file_range", None)
+    done = 0
+    while done < source.nbytes:
+        offset, count = source.offset + done, source.nbytes - done
+        try:
+            if copy is not None:
+                n = copy(source.fd, out_fd, count, offset)
+            else:
+                n = os.sendfile(out_fd, source.fd, offset, count)
+        except OSError as exc:
+            if exc.errno in _NO_KERNEL_COPY and copy is not None:
+                copy = None  # e.g. across file systems on older kernels: try sendfile
+                continue
+            if exc.errno in _NO_KERNEL_COPY and done == 0:
+                return False
+            raise OutputError(f"{path}: copying {name} failed: {exc}") from exc
+        if n == 0:
+            raise CheckpointError(
+                f"{name}: the input file ended at byte {offset}, before the tensor's bytes "
+                f"{source.offset}..{source.offset + source.nbytes} (truncated while open)"
+            )
+        done += n
+    return True
 
 
 def _checked_write(f: BinaryIO, path: Path, data: bytes | memoryview) -> None:

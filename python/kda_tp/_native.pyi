@@ -24,6 +24,8 @@ __all__ = [
     "KdaTpPlan",
     "TensorBytes",
     "shard_bytes",
+    "shard_into",
+    "copy_into",
 ]
 
 __version__: str
@@ -146,6 +148,14 @@ class KdaTpPlan:
 def shard_bytes(plan: KdaTensorPlan, full: npt.NDArray[np.uint8]) -> npt.NDArray[np.uint8]:
     """This rank's bytes of one full tensor held in a 1-D uint8 array."""
 
+def shard_into(
+    plan: KdaTensorPlan, full: npt.NDArray[np.uint8], out: npt.NDArray[np.uint8]
+) -> None:
+    """This rank's bytes of one full tensor written into ``out`` (``plan.local_bytes`` bytes)."""
+
+def copy_into(src: npt.NDArray[np.uint8], out: npt.NDArray[np.uint8]) -> None:
+    """``src`` copied into ``out`` (same length in bytes), the GIL released."""
+
 @final
 class TensorBytes:
     """The raw bytes of one tensor, viewed by numpy through ``__array_interface__``."""
@@ -169,5 +179,8 @@ class Checkpoint:
     ) -> TensorBytes: ...
     @property
     def bytes_read(self) -> int: ...
+    def file_range(
+        self, name: str, part_start: int = 0, part_stop: int | None = None
+    ) -> tuple[int, int, int] | None: ...
     def release(self, name: str) -> None: ...
     def files(self) -> list[tuple[Path, dict[str, str] | None, tuple[int, int] | None]]: ...

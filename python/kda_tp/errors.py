@@ -16,6 +16,7 @@ __all__ = [
     "PlanError",
     "ShapeMismatchError",
     "DtypeMismatchError",
+    "BufferLayoutError",
     "CheckpointError",
     "OutputError",
     "MissingDependencyError",
@@ -50,6 +51,16 @@ class DtypeMismatchError(KdaTpError, ValueError):
     """A KDA tensor whose dtype is not the one the plan expects.
 
     Example message: ``model.layers.0.self_attn.A_log: dtype I32, expected F32``.
+    """
+
+
+class BufferLayoutError(KdaTpError, ValueError):
+    """An output buffer that cannot be written in place: read-only, not C-contiguous, holding
+    Python objects, or not a buffer at all.
+
+    Raised by ``KdaShardedSource.read_into`` before anything is read or written.
+
+    Example message: ``model.layers.0.self_attn.o_proj.weight: the output buffer is read-only``.
     """
 
 

@@ -28,16 +28,20 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ._io import DTYPE_BITS, tensor_nbytes, write_index, write_safetensors
+from ._io import DTYPE_BITS, FileRange, tensor_nbytes, write_index, write_safetensors
 from ._native import __version__
-from .equivalence import EquivalenceReport, check_tp_equivalence
 from .errors import CheckpointError, DtypeMismatchError, KdaTpError, OutputError, PlanError
 from .layers import check_layers, layer_count
 from .plan import KdaShard, KdaTpPlan
 from .source import KdaShardedSource, SafetensorsSource, Tensor, kda_layer_indices
+
+# Imported where verify_shards(numeric=True) needs it, so `kda-tp shard` starts faster.
+if TYPE_CHECKING:
+    from .equivalence import EquivalenceReport
 
 __all__ = [
     "ShardInterrupted",
@@ -440,13 +444,24 @@ def _write_rank(
         if previous:
             source.release(previous.pop())
 
-    def fetch(name: str) -> np.ndarray:
+    def fetch(name: str, count: bool = True) -> np.ndarray:
         release_previous()
         data = shard.get(name).data
         previous.append(name)
-        if advance:
+        if advance and count:
             advance(data.nbytes)
         return data
+
+    def get_bytes(name: str) -> np.ndarray | FileRange:
+        # Row-sliced, replicated and passed-through tensors are one byte range of the input:
+        # the kernel copies it file to file. o_proj is gathered.
+        piece = _file_piece(source, shard, name, lambda: fetch(name, count=False))
+        if piece is None:
+            return fetch(name)
+        release_previous()
+        if advance:
+            advance(piece.nbytes)
+        return piece
 
     final = rank_dir(out, plan.tp_rank)
     old: Path | None = None
@@ -472,7 +487,7 @@ def _write_rank(
             for name in names:
                 dtype, shape = shard.info(name)
                 specs.append(
-                    (name, dtype, shape, _nbytes(dtype, shape), lambda n=name: fetch(n))
+                    (name, dtype, shape, _nbytes(dtype, shape), lambda n=name: get_bytes(n))
                 )
             total += write_safetensors(partial / file_name, specs, metadata, sync=False)
             release_previous()
@@ -526,6 +541,27 @@ def _input_fingerprint(source: SafetensorsSource) -> str:
         except OSError as e:
             raise CheckpointError(f"{path}: cannot be read: {e}") from e
     return digest.hexdigest()[:32]
+
+
+def _file_piece(
+    source: SafetensorsSource,
+    shard: KdaShardedSource,
+    name: str,
+    fallback: Callable[[], np.ndarray],
+) -> FileRange | None:
+    """This rank's bytes of ``name`` as one range of the input file, or None for a column
+    slice (``o_proj``), which is not one range."""
+    start, stop = 0, None
+    if shard.is_sharded(name):
+        byte_range = shard.plan_entry(name).byte_range
+        if byte_range is None:
+            return None
+        start, stop = byte_range
+    found = source.file_range(name, start, stop)
+    if found is None:
+        return None
+    fd, begin, end = found
+    return FileRange(fd, begin, end - begin, fallback)
 
 
 def _companion_files(source: SafetensorsSource) -> list[Path]:
@@ -709,6 +745,8 @@ def verify_shards(
         if advance:
             advance(1)
     if numeric:
+        from .equivalence import check_tp_equivalence  # noqa: PLC0415 - start-up time
+
         report.numeric = check_tp_equivalence(
             source,
             tp_size,

@@ -19,7 +19,13 @@ import numpy as np
 
 from . import _native
 from .config import load_config, parse_config
-from .errors import CheckpointError, DtypeMismatchError, KdaTpError, ShapeMismatchError
+from .errors import (
+    BufferLayoutError,
+    CheckpointError,
+    DtypeMismatchError,
+    KdaTpError,
+    ShapeMismatchError,
+)
 from .plan import KdaShard, KdaTensorPlan, KdaTpPlan
 from .quant import SCALE_SUFFIXES
 
@@ -123,6 +129,55 @@ class TensorSource(Protocol):
     def names(self) -> list[str]: ...
 
     def get(self, name: str) -> Any: ...
+
+
+def _writable_bytes(name: str, out: Any) -> np.ndarray:
+    """``out`` as a writable 1-D ``uint8`` array sharing its memory (for ``read_into``).
+
+    Raises:
+        BufferLayoutError: ``out`` is read-only, not C-contiguous, an object array, or not a
+            buffer.
+    """
+    if isinstance(out, np.ndarray):
+        if out.dtype.hasobject:
+            raise BufferLayoutError(
+                f"{name}: the output buffer is a numpy array of Python objects ({out.dtype})"
+            )
+        array = out
+    else:
+        try:
+            view = memoryview(out)
+        except TypeError:
+            raise BufferLayoutError(
+                f"{name}: the output ({type(out).__name__}) does not expose the buffer protocol"
+            ) from None
+        if view.readonly:
+            raise BufferLayoutError(f"{name}: the output buffer is read-only")
+        if not view.c_contiguous:
+            raise BufferLayoutError(f"{name}: the output buffer is not C-contiguous")
+        # cast() refuses views with a zero-length dimension; an empty one is written as is.
+        array = np.frombuffer(view.cast("B"), np.uint8) if view.nbytes else np.empty(0, np.uint8)
+    if not array.flags.writeable:
+        raise BufferLayoutError(f"{name}: the output buffer is read-only")
+    if not array.flags.c_contiguous:
+        raise BufferLayoutError(f"{name}: the output buffer is not C-contiguous")
+    return array.reshape(-1).view(np.uint8)
+
+
+def _check_out(name: str, dtype: str, out: Any, target: np.ndarray, expected: int) -> None:
+    """Refuse an output buffer of the wrong byte size or item size (for ``read_into``)."""
+    itemsize = out.itemsize if isinstance(out, np.ndarray) else memoryview(out).itemsize
+    elem = _itemsize(dtype)
+    if itemsize not in (1, elem):
+        raise ShapeMismatchError(
+            f"{name}: the output buffer has {itemsize}-byte items, the tensor's dtype {dtype} "
+            f"has {elem}-byte elements"
+        )
+    if target.nbytes != expected:
+        raise ShapeMismatchError(
+            f"{name}: the output buffer is {target.nbytes} bytes, this rank's tensor is "
+            f"{expected} bytes"
+        )
 
 
 def _readonly_bytes(data: Any) -> np.ndarray:
@@ -271,7 +326,7 @@ class SafetensorsSource:
         if found is None:
             raise CheckpointError(f"{self.root}: no tensor named {name!r}")
         if self.backend != "pread":
-            return shard_bytes(tensor_plan, self.get(name).data)
+            return shard_bytes(tensor_plan, self._read(name, found[0], 0, None))
         full = int(np.prod(found[1], dtype=np.int64)) * _itemsize(found[0])
         if full != tensor_plan.full_bytes:
             raise ShapeMismatchError(
@@ -307,6 +362,21 @@ class SafetensorsSource:
             data = data.copy()  # misaligned for its dtype in the file: aligned copy
             data.flags.writeable = False
         return data
+
+    def file_range(
+        self, name: str, start: int = 0, stop: int | None = None
+    ) -> tuple[int, int, int] | None:
+        """Where bytes ``[start, stop)`` of tensor ``name`` lie in the file this source opened,
+        for file-to-file copies by the kernel (``os.copy_file_range``, ``os.sendfile``).
+
+        Returns ``(fd, begin, end)``: a file descriptor this source owns (valid while the source
+        is alive; never close it) and absolute byte offsets in that file (``stop`` is clamped to
+        the tensor's length, None meaning its end). It is the file opened with the source, even
+        if the path has since been replaced. None for an unknown name or ``start`` past the
+        tensor. Reads through it are not checked against truncation: a short copy means the
+        file shrank.
+        """
+        return self._checkpoint.file_range(name, start, stop)
 
     def release(self, name: str) -> None:
         """Drop this process's resident pages of tensor ``name`` (``"mmap"`` only).
@@ -641,6 +711,55 @@ class KdaShardedSource:
         if record is None:
             return None
         return Tensor(name, record.dtype, local_shape, shard_bytes(entry, record.data))
+
+    def read_into(self, name: str, out: Any) -> None:
+        """Write this rank's tensor ``name`` into ``out``, a buffer the caller owns.
+
+        The one-copy path for a loader: the bytes go from the source (the mapped file) straight
+        into ``out``, with no intermediate array and the GIL released during the copy. Row-sliced
+        (``q_proj``, ``A_log``, ...), replicated and passed-through tensors are one contiguous
+        copy; ``o_proj`` (CHANNEL_COLS) is the strided column gather. Copies of 4 MiB or more
+        use several threads. The bytes written equal ``get(name).data``. With the ``"pread"``
+        backend a row slice is first read into a temporary copy (the rank's rows only), then
+        copied into ``out``.
+
+        Args:
+            name: a checkpoint tensor name (KDA or passed through), as in :meth:`names`.
+            out: a writable, C-contiguous numpy array (any dtype but object, with the item size
+                1 or that of the tensor's dtype, any shape) or any other object exposing a
+                writable C-contiguous buffer (``bytearray``, ``memoryview``, ``mmap``; for a
+                CPU ``torch`` tensor pass ``t.view(-1).view(torch.uint8).numpy()``) of exactly
+                the local tensor's size in bytes (``prod(info(name)[1])`` x the dtype's size).
+                Every byte of it is overwritten, row-major in the local shape.
+
+        Raises:
+            ShapeMismatchError: ``out`` is not the local tensor's size in bytes, or its item
+                size is neither 1 nor the tensor dtype's (the message names the tensor and gives
+                both sizes in bytes).
+            BufferLayoutError: ``out`` is read-only, not C-contiguous, an object array, or not
+                a buffer.
+            CheckpointError: the source has no tensor ``name``, or reading it fails.
+        """
+        target = _writable_bytes(name, out)
+        planned = self._planned.get(name)
+        if planned is None:
+            record = self.source.get(name)
+            if record is None:
+                raise CheckpointError(f"{_location(self.source)}: no tensor named {name!r}")
+            data = _readonly_bytes(record.data)
+            _check_out(name, record.dtype, out, target, data.nbytes)
+            _native.copy_into(data, target)
+            return
+        entry = planned[0]
+        _check_out(name, entry.dtype, out, target, entry.local_bytes)
+        read_range = getattr(self.source, "read_range", None)
+        if entry.byte_range is not None and read_range is not None:
+            _native.copy_into(read_range(name, *entry.byte_range), target)
+            return
+        record = self.source.get(name)
+        if record is None:
+            raise CheckpointError(f"{_location(self.source)}: no tensor named {name!r}")
+        _native.shard_into(entry, _readonly_bytes(record.data), target)
 
     def __contains__(self, name: str) -> bool:
         return name in self.names()

@@ -114,7 +114,7 @@ def torch_dtype(dtype: str) -> torch.dtype:
         DtypeMismatchError: a dtype torch has no equivalent for (packed 4- and 6-bit floats,
             ``F8_E8M0``).
     """
-    found = getattr(torch, _TORCH_DTYPES.get(dtype, ""), None)
+    found: torch.dtype | None = getattr(torch, _TORCH_DTYPES.get(dtype, ""), None)
     if found is None:
         raise DtypeMismatchError(f"dtype {dtype} has no torch equivalent")
     return found
@@ -139,7 +139,7 @@ def to_torch(tensor: Tensor) -> torch.Tensor:
     with warnings.catch_warnings():
         # torch warns that it cannot mark the read-only buffer read-only; documented above.
         warnings.simplefilter("ignore", UserWarning)
-        raw = torch.frombuffer(memoryview(tensor.data), dtype=torch.uint8)
+        raw = torch.frombuffer(tensor.data.data, dtype=torch.uint8)
     return raw.view(dtype).reshape(tensor.shape)
 
 
@@ -233,14 +233,24 @@ def load_rank(
     names = [n for n in shard.names() if include_non_kda or shard.is_sharded(n)]
     device = torch.device(device)
     if device.type == "cpu":
-        return {name: to_torch(shard.get(name)) for name in names}
+        return {name: to_torch(_get(shard, name)) for name in names}
     return _load_to_device(shard, names, device)
 
 
-def _read_into(shard: KdaShardedSource, name: str, out: torch.Tensor) -> None:
-    """Copy this rank's bytes of ``name`` into ``out``, a 1-D ``uint8`` CPU tensor of exactly
-    its local byte size."""
-    out.numpy()[:] = shard.get(name).data
+def _get(shard: KdaShardedSource, name: str) -> Tensor:
+    """``shard.get(name)``, refusing a name the checkpoint lost since the adapter listed it."""
+    found = shard.get(name)
+    if found is None:
+        raise CheckpointError(f"{name}: listed by the checkpoint but not readable")
+    return found
+
+
+def _info(shard: KdaShardedSource, name: str) -> tuple[str, tuple[int, ...]]:
+    """``shard.info(name)``, refusing a name the checkpoint does not hold."""
+    found = shard.info(name)
+    if found is None:
+        raise CheckpointError(f"{name}: listed by the checkpoint but not readable")
+    return found
 
 
 #: Size of each of the two pinned host buffers a device load copies through (bytes).
@@ -254,7 +264,7 @@ def _load_to_device(
     :data:`PINNED_CHUNK_BYTES`: a tensor that fits is read into one buffer, a larger one (an
     embedding, an expert weight) is copied from its mapping one buffer-full at a time. With CUDA
     the transfers are asynchronous, so filling one buffer overlaps the other's transfer."""
-    infos = {name: shard.info(name) for name in names}
+    infos = {name: _info(shard, name) for name in names}
     sizes = {
         name: int(np.prod(shape, dtype=np.int64)) * torch_dtype(dtype).itemsize
         for name, (dtype, shape) in infos.items()
@@ -276,7 +286,7 @@ def _load_to_device(
     def send(slot: int, host: torch.Tensor, dst: torch.Tensor) -> None:
         dst.copy_(host, non_blocking=cuda)
         if cuda:
-            done[slot] = torch.cuda.Event()
+            done[slot] = torch.cuda.Event()  # type: ignore[no-untyped-call]
             done[slot].record()
 
     out: dict[str, torch.Tensor] = {}
@@ -286,10 +296,10 @@ def _load_to_device(
         flat = torch.empty(nbytes, dtype=torch.uint8, device=device)
         if 0 < nbytes <= chunk:
             slot, host = next_buffer(nbytes)
-            _read_into(shard, name, host)
+            shard.read_into(name, host.numpy())  # one copy, the GIL released
             send(slot, host, flat)
         elif nbytes:
-            data = shard.get(name).data
+            data = _get(shard, name).data
             for start in range(0, nbytes, chunk):
                 stop = min(start + chunk, nbytes)
                 slot, host = next_buffer(stop - start)
@@ -378,19 +388,24 @@ def load_dtensors(
     names = [n for n in shard.names() if include_non_kda or shard.is_sharded(n)]
     device = torch.device(device_mesh.device_type)
     if device.type == "cpu":
-        local = {name: to_torch(shard.get(name)) for name in names}
+        local = {name: to_torch(_get(shard, name)) for name in names}
     else:
         local = _load_to_device(shard, names, device)
+    source = shard.source
+    assert isinstance(source, SafetensorsSource)  # _open builds the adapter over one
     out = {}
     for name, tensor in local.items():
         shape = list(tensor.shape)
         where = Replicate()
         entry = shard.plan_entry(name)
         if entry is not None:
-            where = placement(entry, shard.source.info(name)[1])
+            info = source.info(name)
+            assert info is not None  # the adapter planned it from this header
+            disk_shape = list(info[1])
+            where = placement(entry, disk_shape)
             if where.is_shard():
                 shape[where.dim] *= tp_size
-                if entry.name.endswith(".scale") and shape != list(shard.source.info(name)[1]):
+                if entry.name.endswith(".scale") and shape != list(disk_shape):
                     raise PlanError(
                         f"{name}: ranks share scale blocks (each rank's rows lie inside one "
                         "block, several ranks per block): no 1-D DTensor placement describes "

@@ -410,6 +410,81 @@ fn parallel_gather_with_odd_widths() {
     }
 }
 
+/// `shard_into` writes exactly `shard_bytes`'s bytes for every kind and rank, on the serial path
+/// (small) and the parallel streaming path (the 8 MiB `q_proj`/`o_proj` slices of the large
+/// geometry), overwriting whatever the buffer held.
+#[test]
+fn shard_into_equals_shard_bytes_for_every_kind() {
+    for (tp, make) in [
+        (2, small as fn(usize) -> KdaTpPlan),
+        (2, |rank| {
+            KdaTpPlan::new(rank, 2, 2048, 128, 32, 4, 16).unwrap()
+        }),
+    ] {
+        for rank in 0..tp {
+            let p = make(rank);
+            for t in &p.tensors {
+                let full = noise(t.full_bytes(), 23 + rank as u64);
+                let mut out = vec![0xEEu8; t.local_bytes()];
+                shard_into(t, &full, &mut out).unwrap();
+                assert!(
+                    out[..] == shard_bytes(t, &full).unwrap()[..],
+                    "{} rank {rank}",
+                    t.name
+                );
+            }
+        }
+    }
+    let big = KdaTpPlan::new(1, 2, 2048, 128, 32, 4, 16).unwrap();
+    assert!(big.get("q_proj").unwrap().local_bytes() >= PARALLEL_MIN_BYTES);
+    assert!(big.get("o_proj").unwrap().local_bytes() >= PARALLEL_MIN_BYTES);
+}
+
+#[test]
+fn shard_into_refuses_wrong_lengths() {
+    let p = small(1);
+    for name in ["q_proj", "o_proj", "o_norm"] {
+        let t = p.get(name).unwrap();
+        let full = vec![0u8; t.full_bytes()];
+        let mut out = vec![9u8; t.local_bytes() + 1];
+        let got = buffer_size(shard_into(t, &full, &mut out));
+        assert_eq!(got.0, format!("{name} (local output)"));
+        assert_eq!((got.1, got.2), (t.local_bytes() + 1, t.local_bytes()));
+        let mut out = vec![9u8; t.local_bytes()];
+        let got = buffer_size(shard_into(t, &full[1..], &mut out));
+        assert_eq!((got.0.as_str(), got.1), (name, t.full_bytes() - 1));
+        assert!(
+            out.iter().all(|b| *b == 9),
+            "{name}: nothing written on refusal"
+        );
+    }
+}
+
+/// The streaming copy handles every destination alignment and a tail that is not a whole
+/// 64-byte block, and writes nothing outside its destination.
+#[test]
+fn copy_parallel_at_unaligned_offsets() {
+    let len = PARALLEL_MIN_BYTES + 77;
+    let src = noise(len, 5);
+    let mut buf = vec![0u8; len + 64];
+    for offset in [0, 1, 3, 8, 15, 16, 17, 33, 63] {
+        buf.fill(0);
+        copy_parallel(&src, &mut buf[offset..offset + len]);
+        assert!(buf[offset..offset + len] == src[..], "offset {offset}");
+        assert!(
+            buf[..offset].iter().all(|b| *b == 0),
+            "offset {offset}: before"
+        );
+        assert!(
+            buf[offset + len..].iter().all(|b| *b == 0),
+            "offset {offset}: after"
+        );
+    }
+    let mut small_dst = [0u8; 5];
+    copy_parallel(&src[..5], &mut small_dst);
+    assert_eq!(small_dst, src[..5]);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Properties.
 // ---------------------------------------------------------------------------------------------
