@@ -13,8 +13,10 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from . import _native
+from .checkpoint import SafetensorsSource
 from .config import CONFIG_NAME, load_config, parse_config
 from .errors import CheckpointError, DtypeMismatchError, ShapeMismatchError
+from .layout import check_gate_form, decoder_prefix, kda_layer_indices, kda_tensor_name
 from .quant import FP8_DTYPES, BlockFormat, block_format
 
 __all__ = ["KdaShard", "KdaTensorPlan", "KdaTpPlan"]
@@ -147,13 +149,6 @@ class KdaTpPlan(_native.KdaTpPlan):
                 rank is read from it).
             PlanError: a refused geometry (see the class).
         """
-        from .source import (
-            SafetensorsSource,
-            check_gate_form,
-            decoder_prefix,
-            kda_layer_indices,
-            kda_tensor_name,
-        )
 
         source, root = None, None
         where = "config"  # names the config in error messages
