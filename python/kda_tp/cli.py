@@ -56,7 +56,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     input, 130 interrupted)."""
     args = _parser().parse_args(argv)
     try:
-        return args.run(args)
+        # Every subcommand's parser sets `run` to its handler (set_defaults).
+        run: Callable[[argparse.Namespace], int] = args.run
+        return run(args)
     except ShardInterrupted as e:
         done = ", ".join(map(str, e.completed)) or "none"
         lines = [f"kda-tp: interrupted; removed this run's partial rank directories; "
@@ -214,13 +216,15 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         n_layers = len(layers)
         prefix = decoder_prefix(source)
         shapes = {
-            t.name: source.info(kda_tensor_name(prefix, layers[0], t.name))[1]
+            t.name: _disk_shape(source, kda_tensor_name(prefix, layers[0], t.name), layers[0])
             for t in plan.tensors
         }
         for t in plan.tensors:
-            scale = t.scale and scale_tensor_name(source, prefix, layers[0], t.name)
+            if t.scale is None:
+                continue
+            scale = scale_tensor_name(source, prefix, layers[0], t.name)
             if scale:
-                shapes[t.scale.name] = source.info(scale)[1]
+                shapes[t.scale.name] = _disk_shape(source, scale, layers[0])
     elif layers is not None:
         n_layers = len(layers)
     if as_json:
@@ -228,6 +232,18 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     else:
         print(format_plan(plan, shapes, n_layers))
     return 0
+
+
+def _disk_shape(source: SafetensorsSource, name: str, layer: int) -> tuple[int, ...]:
+    """The on-disk shape of tensor ``name`` of KDA layer ``layer``.
+
+    Raises:
+        CheckpointError: the checkpoint has no tensor ``name``.
+    """
+    info = source.info(name)
+    if info is None:
+        raise CheckpointError(f"{source.root}: KDA layer {layer} lacks {name}")
+    return info[1]
 
 
 def plan_json(
@@ -360,7 +376,9 @@ def format_plan(
             lines.append("  ".join("-" * w for w in widths))
     quantized = [t for t in plan.tensors if t.scale is not None]
     if quantized:
-        rows_, cols_ = quantized[0].block
+        block = quantized[0].block
+        assert block is not None  # the plan sets a weight's block and scale together
+        rows_, cols_ = block
         lines += [
             "",
             f"block-quantized FP8 ({rows_}x{cols_} blocks): each rank keeps the scale blocks "
@@ -741,6 +759,8 @@ def _run_verify(args: argparse.Namespace) -> int:
             print(failure, file=sys.stderr)
             status = [2]
         else:
+            # Process 0 got a report: verify_shards returned, or failure would be set.
+            assert report is not None
             _print_verify(report)
             status = [0 if report.ok else 1]
         dist.broadcast_object_list(status, src=0)

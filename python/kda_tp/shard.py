@@ -37,7 +37,7 @@ from ._native import __version__
 from .errors import CheckpointError, DtypeMismatchError, KdaTpError, OutputError, PlanError
 from .layers import check_layers, layer_count
 from .plan import KdaShard, KdaTpPlan
-from .source import KdaShardedSource, SafetensorsSource, Tensor, kda_layer_indices
+from .source import KdaShardedSource, SafetensorsSource, Tensor, _location, kda_layer_indices
 
 # Imported where verify_shards(numeric=True) needs it, so `kda-tp shard` starts faster.
 if TYPE_CHECKING:
@@ -199,7 +199,7 @@ def shard_checkpoint(
     # floats (F4, F6) included; a dtype the writer cannot size is refused before anything is
     # written (the header reader and the writer know the same dtypes, so this guards upgrades).
     for name in source.names():
-        dtype = source.info(name)[0]
+        dtype = _info(source, name)[0]
         if dtype not in DTYPE_BITS:
             raise DtypeMismatchError(
                 f"{source.file_of(name)}: {name}: dtype {dtype} cannot be copied to the shards "
@@ -210,7 +210,7 @@ def shard_checkpoint(
     if kda_only:
         files = kda_only_files(files, shards[0])
     total = sum(
-        _nbytes(*s.info(name)) for s in shards for names in files.values() for name in names
+        _nbytes(*_info(s, name)) for s in shards for names in files.values() for name in names
     )
     report = progress(total) if progress else None
     stop = threading.Event()
@@ -243,7 +243,7 @@ def shard_checkpoint(
         present = {int(m.group(1)) for p in out.iterdir() if (m := _RANK_DIR.match(p.name))}
         remaining = tuple(r for r in range(tp_size) if r not in present)
         raise ShardInterrupted(out, tp_size, tuple(completed), remaining) from None
-    failed = [f.exception() for f in futures if f.exception() is not None]
+    failed = [error for f in futures if (error := f.exception()) is not None]
     if failed:
         # All or nothing: a failed run (e.g. a full disk) also removes the ranks it completed,
         # moving each aside in one rename first, so no incomplete rank{r} is ever visible.
@@ -262,8 +262,9 @@ def shard_checkpoint(
                     continue
         raise failed[0]
     for f in futures:
-        if f.result()[3] is not None:
-            shutil.rmtree(f.result()[3], ignore_errors=True)
+        replaced = f.result()[3]
+        if replaced is not None:
+            shutil.rmtree(replaced, ignore_errors=True)
     written = sum(f.result()[0] for f in futures)
     return ShardResult(out, tp_size, ranks, written, time.perf_counter() - start)
 
@@ -320,11 +321,47 @@ def _nbytes(dtype: str, shape: tuple[int, ...]) -> int:
     return tensor_nbytes(dtype, shape)
 
 
+def _missing(source: SafetensorsSource | KdaShardedSource, name: str) -> CheckpointError:
+    """The error for a tensor that ``source.names()`` lists but ``source`` cannot find."""
+    return CheckpointError(
+        f"{_location(source, name)}: {name}: listed by the checkpoint but not found in it"
+    )
+
+
+def _info(
+    source: SafetensorsSource | KdaShardedSource, name: str
+) -> tuple[str, tuple[int, ...]]:
+    """``source.info(name)`` for a name taken from ``source.names()``.
+
+    Raises:
+        CheckpointError: ``source`` has no tensor ``name`` after all.
+    """
+    found = source.info(name)
+    if found is None:
+        raise _missing(source, name)
+    return found
+
+
+def _tensor(source: SafetensorsSource | KdaShardedSource, name: str) -> Tensor:
+    """``source.get(name)`` for a name taken from ``source.names()``.
+
+    Raises:
+        CheckpointError: ``source`` has no tensor ``name`` after all.
+    """
+    found = source.get(name)
+    if found is None:
+        raise _missing(source, name)
+    return found
+
+
 def _names_by_file(source: SafetensorsSource) -> dict[str, list[str]]:
     """Input file name -> its tensor names in data order."""
     files: dict[str, list[str]] = {}
     for name in source.names():
-        files.setdefault(source.file_of(name).name, []).append(name)
+        path = source.file_of(name)
+        if path is None:
+            raise _missing(source, name)
+        files.setdefault(path.name, []).append(name)
     return files
 
 
@@ -346,8 +383,8 @@ def _prepare_out_dir(
         raise OutputError(f"{out}: the output directory lies inside the input checkpoint {root}")
     for r in ranks:
         # e.g. re-sharding OUT/rank0 into OUT: --force would delete the input.
-        final = rank_dir(out, r).resolve()
-        if final == input_root or final in input_root.parents:
+        final_dir = rank_dir(out, r).resolve()
+        if final_dir == input_root or final_dir in input_root.parents:
             raise OutputError(
                 f"{rank_dir(out, r)}: this rank's output directory is (or holds) the input "
                 f"checkpoint {root}; choose another --out"
@@ -446,7 +483,7 @@ def _write_rank(
 
     def fetch(name: str, count: bool = True) -> np.ndarray:
         release_previous()
-        data = shard.get(name).data
+        data = _tensor(shard, name).data
         previous.append(name)
         if advance and count:
             advance(data.nbytes)
@@ -485,7 +522,7 @@ def _write_rank(
                 metadata.update(kda_tp_kda_only="1", kda_tp_source=str(source.path.resolve()))
             specs = []
             for name in names:
-                dtype, shape = shard.info(name)
+                dtype, shape = _info(shard, name)
                 specs.append(
                     (name, dtype, shape, _nbytes(dtype, shape), lambda n=name: get_bytes(n))
                 )
@@ -527,7 +564,7 @@ def _input_fingerprint(source: SafetensorsSource) -> str:
     Raises:
         CheckpointError: a file cannot be read.
     """
-    entries = sorted((name, *source.info(name)) for name in source.names())
+    entries = sorted((name, *_info(source, name)) for name in source.names())
     digest = hashlib.sha256(json.dumps(entries).encode())
     for path, _ in source.files():
         try:
@@ -552,8 +589,9 @@ def _file_piece(
     """This rank's bytes of ``name`` as one range of the input file, or None for a column
     slice (``o_proj``), which is not one range."""
     start, stop = 0, None
-    if shard.is_sharded(name):
-        byte_range = shard.plan_entry(name).byte_range
+    entry = shard.plan_entry(name)  # None: passed through whole
+    if entry is not None:
+        byte_range = entry.byte_range
         if byte_range is None:
             return None
         start, stop = byte_range
@@ -728,14 +766,16 @@ def verify_shards(
             got = (file_meta or {}).get("tp_rank"), (file_meta or {}).get("tp_size")
             if got != (str(r), str(tp_size)):
                 report.problems.append(f"{path}: metadata tp_rank/tp_size {got}, expected {(r, tp_size)}")
-        extra = sorted(set(rank.names()) - set(names))
-        if extra:
+        unexpected = sorted(set(rank.names()) - set(names))
+        if unexpected:
             what = "KDA tensors of the input" if kda_only else "the input"
-            report.problems.append(f"{rank.root}: {len(extra)} tensor(s) not in {what}, e.g. {extra[0]}")
+            report.problems.append(
+                f"{rank.root}: {len(unexpected)} tensor(s) not in {what}, e.g. {unexpected[0]}"
+            )
 
     advance = progress(len(names)) if progress else None
     for name in names:
-        full = source.get(name)
+        full = _tensor(source, name)
         parts = [rank.get(name) for rank in ranks]
         report.tensors += 1
         report.bytes_checked += full.nbytes
@@ -767,21 +807,23 @@ def _listdir(path: Path) -> list[Path]:
 
 
 def _check_tensor(
-    name: str, full: Tensor, parts: list[Tensor | None], shards: list[KdaShardedSource]
+    name: str, full: Tensor, records: list[Tensor | None], shards: list[KdaShardedSource]
 ) -> str | None:
-    """One line describing how ``parts`` (one record per rank) fail to rejoin to ``full``,
-    naming the ranks whose bytes differ."""
-    for r, (part, shard) in enumerate(zip(parts, shards)):
+    """One line describing how ``records`` (one per rank, None where the rank lacks ``name``)
+    fail to rejoin to ``full``, naming the ranks whose bytes differ."""
+    parts: list[Tensor] = []  # the records, each checked to be there with the planned shape
+    for r, (part, shard) in enumerate(zip(records, shards)):
         if part is None:
             return f"{name}: missing from rank {r}"
-        expected = shard.info(name)
+        expected = _info(shard, name)
         if (part.dtype, tuple(part.shape)) != expected:
             return f"{name}: rank {r} has {part.dtype} {list(part.shape)}, expected {expected[0]} {list(expected[1])}"
+        parts.append(part)
     full_bytes = full.data
-    if not shards[0].is_sharded(name):
+    entry = shards[0].plan_entry(name)
+    if entry is None:  # not sliced: the same bytes on every rank
         differ = [r for r, p in enumerate(parts) if not np.array_equal(p.data, full_bytes)]
         return f"{name}: the copy on {_ranks(differ)} differs from the input" if differ else None
-    entry = shards[0].plan_entry(name)
     if entry.kind == KdaShard.REPLICATED:
         differ = [r for r, p in enumerate(parts) if not np.array_equal(p.data, full_bytes)]
         return (
@@ -795,6 +837,9 @@ def _check_tensor(
         grid = full_bytes.reshape(entry.full_rows, -1)
         for r, (part, shard) in enumerate(zip(parts, shards)):
             e = shard.plan_entry(name)
+            # Every rank's adapter plans the same tensors (one source, one layer list), and
+            # rank 0's plans this one.
+            assert e is not None
             cols = slice(e.src_col_offset * e.elem_bytes,
                          (e.src_col_offset + e.local_row_elems) * e.elem_bytes)
             want = grid[e.src_row_offset : e.src_row_offset + e.local_rows, cols]

@@ -286,7 +286,9 @@ def _load_to_device(
     def send(slot: int, host: torch.Tensor, dst: torch.Tensor) -> None:
         dst.copy_(host, non_blocking=cuda)
         if cuda:
-            done[slot] = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            # torch.cuda.Event's constructor is unannotated (a third-party gap); without torch
+            # installed, torch is Any and the ignore is unused, hence unused-ignore.
+            done[slot] = torch.cuda.Event()  # type: ignore[no-untyped-call,unused-ignore]
             done[slot].record()
 
     out: dict[str, torch.Tensor] = {}
