@@ -36,8 +36,10 @@ from ._io import DTYPE_BITS, FileRange, tensor_nbytes, write_index, write_safete
 from ._native import __version__
 from .errors import CheckpointError, DtypeMismatchError, KdaTpError, OutputError, PlanError
 from .layers import check_layers, layer_count
+from .checkpoint import SafetensorsSource, Tensor
+from .layout import _location, kda_layer_indices
 from .plan import KdaShard, KdaTpPlan
-from .source import KdaShardedSource, SafetensorsSource, Tensor, _location, kda_layer_indices
+from .source import KdaShardedSource
 
 # Imported where verify_shards(numeric=True) needs it, so `kda-tp shard` starts faster.
 if TYPE_CHECKING:
