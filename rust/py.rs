@@ -268,10 +268,26 @@ impl PyPlan {
         dtypes: Option<HashMap<String, String>>,
         full_rank_gate: bool,
         a_log_len: Option<&Bound<'_, PyAny>>,
-        quant_block: Option<(usize, usize)>,
+        quant_block: Option<&Bound<'_, PyAny>>,
         quantized: Option<Vec<String>>,
         scale_layout: &str,
     ) -> PyResult<Self> {
+        let quant_block = match quant_block {
+            Some(block) => {
+                let (rows, cols): (Bound<'_, PyAny>, Bound<'_, PyAny>) =
+                    block.extract().map_err(|_| {
+                        PlanError::new_err(format!(
+                            "quant_block must be a (rows, cols) pair of block sizes, got {}",
+                            block.repr().map_or_else(|_| "?".into(), |r| r.to_string())
+                        ))
+                    })?;
+                Some((
+                    size_arg(&rows, "quant_block rows")?,
+                    size_arg(&cols, "quant_block cols")?,
+                ))
+            }
+            None => None,
+        };
         let mut options = PlanOptions {
             full_rank_gate,
             ..PlanOptions::default()

@@ -139,7 +139,7 @@ def test_verify_and_plan_layers_select(ckpt, sharded, capsys):
     status, out, _ = run(capsys, "plan", ckpt, "--tp-size", 2, "--layers", "0,2", "--json")
     assert status == 0 and json.loads(out)["kda_layers"] == [0, 2]
     status, out, _ = run(capsys, "plan", ckpt, "--tp-size", 2, "--layers", "2")
-    assert status == 0 and "1 KDA layers:" in out
+    assert status == 0 and "1 KDA layer:" in out
     status, _, err = run(capsys, "plan", ckpt / "config.json", "--tp-size", 2, "--layers", "1,2,3")
     assert status == 2 and "1-based" in err and "--layers 0,1,2" in err
 

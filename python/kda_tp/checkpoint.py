@@ -20,8 +20,27 @@ from . import _native
 from .config import load_config
 from .errors import BufferLayoutError, CheckpointError, DtypeMismatchError, ShapeMismatchError
 
-__all__ = ["BACKEND_ENV", "Tensor", "TensorSource", "SafetensorsSource", "numpy_dtype",
-           "shard_bytes"]
+__all__ = ["BACKEND_ENV", "INDEX_NAME", "Tensor", "TensorSource", "SafetensorsSource",
+           "numpy_dtype", "refuse_index_member", "shard_bytes"]
+
+#: The index of a sharded Hugging Face checkpoint directory.
+INDEX_NAME = "model.safetensors.index.json"
+
+
+def refuse_index_member(path: str | os.PathLike[str]) -> None:
+    """Refuse one ``.safetensors`` file of an indexed checkpoint where a whole checkpoint is
+    needed: alone it lacks the tensors the index puts in the other files (KDA layers,
+    embeddings, MLA layers).
+
+    Raises:
+        CheckpointError: ``path`` is such a file; the message names the directory to pass.
+    """
+    path = Path(path)
+    if path.suffix == ".safetensors" and path.is_file() and (path.parent / INDEX_NAME).is_file():
+        raise CheckpointError(
+            f"{path} is one file of an indexed checkpoint; pass the directory {path.parent} "
+            f"(it has {INDEX_NAME})"
+        )
 
 BACKEND_ENV = "KDA_TP_BACKEND"
 

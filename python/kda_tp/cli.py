@@ -22,12 +22,12 @@ from pathlib import Path
 from typing import Any, cast
 
 from . import __version__
+from .checkpoint import INDEX_NAME, refuse_index_member
 from .config import load_config, parse_config
 from .errors import CheckpointError, KdaTpError, PlanError
 from .layers import check_layers, config_layer_count, layer_count, layers_with_kda_tensors
 from .plan import KdaTpPlan
 from .shard import (
-    INDEX_NAME,
     ShardInterrupted,
     ShardResult,
     VerifyReport,
@@ -59,6 +59,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         # Every subcommand's parser sets `run` to its handler (set_defaults).
         run: Callable[[argparse.Namespace], int] = args.run
         return run(args)
+    except BrokenPipeError:
+        # The reader went away (`kda-tp plan ... | head`): stop quietly, as other CLIs do.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 1
     except ShardInterrupted as e:
         done = ", ".join(map(str, e.completed)) or "none"
         lines = [f"kda-tp: interrupted; removed this run's partial rank directories; "
@@ -197,7 +202,7 @@ def _int_list(text: str) -> list[int]:
 def _cmd_plan(args: argparse.Namespace) -> int:
     # `demo` calls this with a namespace that has no --layers or --json.
     requested, as_json = getattr(args, "layers", None), getattr(args, "json", False)
-    _refuse_index_member(args.input)
+    refuse_index_member(args.input)
     source: SafetensorsSource | None = None
     layers: tuple[int, ...] | None = None
     if args.input.is_dir() and any(args.input.glob("*.safetensors")):
@@ -231,6 +236,10 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         print(json.dumps(plan_json(plan, shapes, layers), indent=2))
     else:
         print(format_plan(plan, shapes, n_layers))
+        if source is None:
+            print("(from the config alone: on-disk shapes and dtypes are assumed, Kimi-Linear's "
+                  "defaults; pass the checkpoint directory to read its own, e.g. Kimi K3's "
+                  "padded A_log and F32 convs)")
     return 0
 
 
@@ -291,16 +300,6 @@ def plan_json(
         "kda_layers": None if layers is None else list(layers),
         "all_reduce": plan.needs_output_all_reduce,
     }
-
-
-def _refuse_index_member(path: Path) -> None:
-    """Refuse one ``.safetensors`` file of an indexed checkpoint: alone it lacks the tensors
-    the index puts in the other files (and the KDA layers they hold)."""
-    if path.suffix == ".safetensors" and path.is_file() and (path.parent / INDEX_NAME).is_file():
-        raise CheckpointError(
-            f"{path} is one file of an indexed checkpoint; pass the directory {path.parent} "
-            f"(it has {INDEX_NAME})"
-        )
 
 
 def _selected_layers(source: SafetensorsSource, requested: list[int] | None) -> tuple[int, ...]:
@@ -399,7 +398,8 @@ def format_plan(
     ]
     if n_layers:
         lines.append(
-            f"{n_layers} KDA layers: {_mib(n_layers * plan.local_bytes)} per rank of "
+            f"{n_layers} KDA layer{'s' if n_layers != 1 else ''}: "
+            f"{_mib(n_layers * plan.local_bytes)} per rank of "
             f"{_mib(n_layers * plan.full_bytes)}"
         )
     if plan.needs_output_all_reduce:
@@ -471,7 +471,7 @@ class _ProgressLines:
 
 
 def _cmd_shard(args: argparse.Namespace) -> int:
-    _refuse_index_member(args.checkpoint)
+    refuse_index_member(args.checkpoint)
     source = SafetensorsSource(args.checkpoint, args.backend)
     layers = _shard_layers(source, args.layers)
     skipped = unindexed_files(source) if args.skip_unindexed else []
@@ -587,7 +587,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     if args.layers is not None and not args.numeric:
         raise PlanError("--layers picks the KDA layers of the numeric check; pass --numeric too "
                         "(the byte check always covers every tensor)")
-    _refuse_index_member(args.checkpoint)
+    refuse_index_member(args.checkpoint)
     unindexed = unindexed_files(SafetensorsSource(args.checkpoint))
     for path in unindexed:
         print(f"kda-tp: warning: {path} is not named by {INDEX_NAME}; no rank holds it and it "
@@ -687,7 +687,10 @@ def _torchrun_processes() -> int:
     """The number of processes of the torchrun job this process is part of; 1 outside torchrun."""
     if "TORCHELASTIC_RUN_ID" not in os.environ:
         return 1
-    return int(os.environ.get("WORLD_SIZE", "1"))
+    world = os.environ.get("WORLD_SIZE", "1")
+    if not world.isdigit() or int(world) < 1:
+        raise PlanError(f"WORLD_SIZE={world!r} (set by torchrun) is not a positive integer")
+    return int(world)
 
 
 def _run_shard(args: argparse.Namespace) -> int:
@@ -725,9 +728,10 @@ def _run_verify(args: argparse.Namespace) -> int:
     ``--numeric`` spreads the ranks' forwards over the processes with a real all-reduce."""
     if _torchrun_processes() == 1:
         return _cmd_verify(args)
-    import torch.distributed as dist
-
+    # kda_tp.torch first: without torch it raises MissingDependencyError, a KdaTpError.
     from .torch import check_tp_equivalence_distributed, rank_dir_metadata, torchrun_group
+
+    import torch.distributed as dist
 
     with torchrun_group() as (process, _):
         report, failure = None, None

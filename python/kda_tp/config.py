@@ -18,7 +18,6 @@ a message that starts "no KDA layers".
 from __future__ import annotations
 
 import json
-import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +31,9 @@ __all__ = ["KdaConfig", "load_config", "parse_config"]
 _MAX_DIM = 2**31
 
 CONFIG_NAME = "config.json"
+
+# The gate is computed in float32: a lower bound beyond its range would turn the gate into inf/NaN.
+_FLOAT32_MAX = 3.4028234663852886e38
 
 #: ``layer_types`` entries that mark a KDA layer (transformers' ``kimi_linear``, Qwen3-Next).
 KDA_LAYER_TYPES = ("linear_attention", "kda_attention")
@@ -146,11 +148,11 @@ def parse_config(config: Mapping[str, Any], source: str = "<dict>") -> KdaConfig
         if lower_bound is not None and (
             isinstance(lower_bound, bool)
             or not isinstance(lower_bound, (int, float))
-            or not -math.inf < lower_bound < 0
+            or not -_FLOAT32_MAX <= lower_bound < 0
         ):
             raise CheckpointError(
-                f"{source}: '{where}gate_lower_bound' = {lower_bound!r} is not a finite number "
-                "below 0"
+                f"{source}: '{where}gate_lower_bound' = {lower_bound!r} is not a number below 0 "
+                "that float32 can hold (K3 uses -5.0)"
             )
     else:
         native = "linear_key_head_dim" in config or "linear_num_key_heads" in config

@@ -19,6 +19,7 @@ observed rounding and ~300x below the smallest observed mistake.
 from __future__ import annotations
 
 import functools
+import math
 import os
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -227,13 +228,30 @@ def _layer_weights(source: Any, layer: int, prefix: str, plan: Any) -> dict[str,
         record = source.get(key)
         if record is None:
             raise CheckpointError(f"{key}: missing (KDA layer {layer})")
-        weights[entry.name] = record.array
+        weights[entry.name] = _canonical(record.array, entry)
         if entry.scale is not None:
             scale_key = scale_tensor_name(source, prefix, layer, entry.name)
-            if scale_key is None:
+            scale = None if scale_key is None else source.get(scale_key)
+            if scale is None:
                 raise CheckpointError(f"{key}: block scale missing (KDA layer {layer})")
-            weights[entry.name] = dequantize(record.array, source.get(scale_key).array, entry.block)
+            weights[entry.name] = dequantize(
+                weights[entry.name], _canonical(scale.array, entry.scale), entry.block
+            )
     return weights
+
+
+def _canonical(array: np.ndarray, entry: Any) -> np.ndarray:
+    """``array`` in the layout the reference forward takes, whatever on-disk layout the plan
+    accepted for it (extra unit axes, a flat conv, ``A_log`` as ``[1, 1, P, 1]``): the plan's
+    canonical full shape (``entry.disk_shape``), or this rank's slice of it. Same bytes, same
+    order; only the shape changes. An array of neither size is returned as it is."""
+    full = tuple(entry.disk_shape)
+    if array.size == math.prod(full):
+        return array.reshape(full)
+    local = entry.local_shape(list(full))
+    if array.size == math.prod(local):
+        return array.reshape(local)
+    return array  # neither: the reference forward names what is wrong with it
 
 
 def _compare(

@@ -13,7 +13,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from . import _native
-from .checkpoint import SafetensorsSource
+from .checkpoint import SafetensorsSource, refuse_index_member
 from .config import CONFIG_NAME, load_config, parse_config
 from .errors import CheckpointError, DtypeMismatchError, ShapeMismatchError
 from .layout import check_gate_form, decoder_prefix, kda_layer_indices, kda_tensor_name
@@ -140,7 +140,8 @@ class KdaTpPlan(_native.KdaTpPlan):
         layer's header; ``full_rank_gate`` always comes from the config.
 
         Raises:
-            CheckpointError: a missing or invalid config, a config with no KDA layers, or a
+            CheckpointError: one file of an indexed checkpoint (pass the directory), a missing
+                or invalid config, a config with no KDA layers, or a
                 checkpoint whose first KDA layer lacks a tensor or holds the other output-gate
                 form than the config says.
             DtypeMismatchError: a first-KDA-layer tensor whose dtype is not BF16, F16, F32 or
@@ -153,6 +154,7 @@ class KdaTpPlan(_native.KdaTpPlan):
         source, root = None, None
         where = "config"  # names the config in error messages
         if isinstance(config, SafetensorsSource):
+            refuse_index_member(config.path)
             source, root = config, config.root
             config = source.config
             if config is None:
@@ -160,6 +162,7 @@ class KdaTpPlan(_native.KdaTpPlan):
             where = str(source.root / CONFIG_NAME)
         elif isinstance(config, (str, os.PathLike)):
             path = Path(config)
+            refuse_index_member(path)
             if path.suffix == ".safetensors" and path.is_file():
                 source = SafetensorsSource(path)
                 path = path.parent
@@ -188,7 +191,7 @@ class KdaTpPlan(_native.KdaTpPlan):
             if packed:
                 raise CheckpointError(
                     f"{source.file_of(packed[0])}: {packed[0]}: packed 4-bit KDA weights "
-                    f"({fmt or 'no quantization_config'}) are not supported; kda_tp slices "
+                    f"({_format_name(fmt)}) are not supported; kda_tp slices "
                     "BF16/F16/F32 KDA weights and FP8 block-quantized projections"
                 )
             headers = {}
@@ -279,9 +282,16 @@ def _check_quantizable(
     if not isinstance(fmt, BlockFormat):
         raise CheckpointError(
             f"{where}: an FP8 weight, but the config declares "
-            f"{fmt or 'no quantization_config'}; supported block-FP8 formats: ModelOpt FP8_PB_WO, "
+            f"{_format_name(fmt)}; supported block-FP8 formats: ModelOpt FP8_PB_WO, "
             "DeepSeek-style fp8 with weight_block_size, compressed-tensors FP8 block"
         )
+
+
+def _format_name(fmt: BlockFormat | str | None) -> str:
+    """What a config declares, for messages: a format's name, or "no quantization_config"."""
+    if isinstance(fmt, BlockFormat):
+        return f"{fmt.name}, whose weights are F8 with a block scale"
+    return fmt or "no quantization_config"
 
 
 def _tensor_names(full_rank_gate: bool) -> list[str]:

@@ -84,7 +84,8 @@ def block_format(config: Mapping[str, Any], root: Path | None = None) -> BlockFo
 
     Raises:
         CheckpointError: a block-FP8 config whose block size is missing or not two positive
-            integers.
+            integers; an ``hf_quant_config.json`` that is not JSON or has no ``quantization``
+            object.
     """
     quant = config.get("quantization_config")
     if not isinstance(quant, Mapping) and isinstance(config.get("text_config"), Mapping):
@@ -94,7 +95,13 @@ def block_format(config: Mapping[str, Any], root: Path | None = None) -> BlockFo
             hf = json.loads((root / HF_QUANT_CONFIG).read_text(encoding="utf-8"))
         except (OSError, ValueError) as e:
             raise CheckpointError(f"{root / HF_QUANT_CONFIG}: cannot read it as JSON: {e}") from e
-        quant = {"quant_method": "modelopt", **(hf.get("quantization") or {})}
+        body = hf.get("quantization") if isinstance(hf, Mapping) else None
+        if not isinstance(body, Mapping):
+            raise CheckpointError(
+                f"{root / HF_QUANT_CONFIG}: expected a JSON object with a \"quantization\" "
+                f"object (ModelOpt's layout), got {json.dumps(hf)[:80]}"
+            )
+        quant = {"quant_method": "modelopt", **body}
     if not isinstance(quant, Mapping):
         return None
     method = str(quant.get("quant_method", "")).lower()

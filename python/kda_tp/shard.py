@@ -36,7 +36,7 @@ from ._io import DTYPE_BITS, FileRange, tensor_nbytes, write_index, write_safete
 from ._native import __version__
 from .errors import CheckpointError, DtypeMismatchError, KdaTpError, OutputError, PlanError
 from .layers import check_layers, layer_count
-from .checkpoint import SafetensorsSource, Tensor
+from .checkpoint import INDEX_NAME, SafetensorsSource, Tensor
 from .layout import _location, kda_layer_indices
 from .plan import KdaShard, KdaTpPlan
 from .source import KdaShardedSource
@@ -56,7 +56,6 @@ __all__ = [
     "verify_shards",
 ]
 
-INDEX_NAME = "model.safetensors.index.json"
 _RANK_DIR = re.compile(r"^rank(\d+)$")
 _PARTIAL_DIR = re.compile(r"^\.rank(\d+)\.partial-")
 
@@ -407,6 +406,12 @@ def _prepare_out_dir(
         if partial and int(partial.group(1)) in ranks:
             shutil.rmtree(entry, ignore_errors=True)  # left by a killed run
         elif final and int(final.group(1)) in ranks and not force:
+            found = _rank_tp_size(entry)
+            if found != tp_size:
+                raise OutputError(
+                    f"{entry} holds output for tp_size {found or 'unknown'}, not {tp_size}; "
+                    "pass --force to replace it (or choose another --out)"
+                )
             existing.append(entry)
         elif final and int(final.group(1)) not in ranks:
             # Another run's rank: it must belong to the same world size.

@@ -61,12 +61,12 @@ try:
 except ImportError as e:  # pragma: no cover - exercised in CI's venvs without torch
     raise MissingDependencyError(
         "kda_tp.torch needs PyTorch (torch >= 2.5), which is not installed: "
-        "pip install 'kda_tp[torch]'"
+        "pip install 'kda_tp[torch]' (from a source checkout: pip install '.[torch]')"
     ) from e
 if tuple(int(part) for part in torch.__version__.split(".")[:2]) < (2, 5):
     raise MissingDependencyError(
         f"kda_tp.torch needs torch >= 2.5 (torch.distributed.tensor), found {torch.__version__}: "
-        "pip install 'kda_tp[torch]'"
+        "pip install 'kda_tp[torch]' (from a source checkout: pip install '.[torch]')"
     )
 
 __all__ = [

@@ -549,7 +549,7 @@ class KdaConfig:
     full_rank_gate: bool = False
 
 
-def read_kda_config(config: Mapping[str, Any]) -> KdaConfig:
+def read_kda_config(config: Mapping[str, Any], layers: Iterable[int] | None = None) -> KdaConfig:
     """The KDA geometry of a parsed ``config.json``.
 
     A wrapper config (Kimi K3's ``model_type: kimi_k3``) keeps the language model's keys under
@@ -564,6 +564,9 @@ def read_kda_config(config: Mapping[str, Any]) -> KdaConfig:
       and ``linear_num_heads``), ``linear_conv_kernel_dim`` and ``layer_types``, where
       ``"linear_attention"`` or ``"kda_attention"`` at index ``i`` marks 0-based layer ``i``
       as KDA.
+
+    ``layers`` (0-based) stands in for a Kimi-style config without ``kda_layers`` (``kda-tp
+    shard --layers`` records them in each rank's header as ``kda_tp_layers``).
 
     Raises:
         CheckpointError: neither layout is present ("no KDA layers"), no layer is KDA, or a
@@ -580,7 +583,11 @@ def read_kda_config(config: Mapping[str, Any]) -> KdaConfig:
                 head_dim=lac["head_dim"],
                 heads=lac["num_heads"],
                 conv_kernel=lac["short_conv_kernel_size"],
-                kda_layers=frozenset(n - 1 for n in lac["kda_layers"]),
+                kda_layers=(
+                    frozenset(n - 1 for n in lac["kda_layers"])
+                    if "kda_layers" in lac or layers is None
+                    else frozenset(layers)
+                ),
                 full_rank_gate=lac.get("use_full_rank_gate", False) is True,
             )
         elif "layer_types" in config and (
@@ -675,18 +682,24 @@ class _Checkpoint:
     """A Hugging Face checkpoint directory, read lazily: ``config.json`` plus either
     ``model.safetensors.index.json`` with its shards or a single ``*.safetensors`` file."""
 
-    def __init__(self, directory: Path, *, require_index: bool) -> None:
-        """Read the config and every safetensors header.
+    def __init__(
+        self, directory: Path, *, require_index: bool, require_config: bool = True
+    ) -> None:
+        """Read the config (optional when not ``require_config``: a ``--kda-only`` rank has
+        none) and every safetensors header.
 
         Raises:
-            CheckpointError: missing or invalid ``config.json``; missing index when
+            CheckpointError: missing (when required) or invalid ``config.json``; missing index when
                 ``require_index``; no or several safetensors files without an index; an index
                 whose ``weight_map`` disagrees with the files' headers; a tensor in two files.
         """
         self.directory = directory
         config_path = directory / "config.json"
         try:
-            self.config = json.loads(config_path.read_text())
+            if require_config or config_path.exists():
+                self.config = json.loads(config_path.read_text())
+            else:
+                self.config = {}
         except (OSError, ValueError) as exc:
             raise CheckpointError(f"{config_path}: {exc}") from exc
         if not isinstance(self.config, dict):
@@ -799,14 +812,24 @@ def verify(checkpoint_dir: str | Path, out_dir: str | Path) -> list[str]:
     tensors; it is built with ``qk_multiple=1``, since the 256-channel kernel rule does not
     change which bytes a rank holds.
 
+    A ``--kda-only`` output (``kda_tp_kda_only`` in its headers) must hold exactly the KDA
+    tensors, and needs no ``config.json``. When the source config lists no KDA layers, the
+    ``kda_tp_layers`` the rank headers record are used.
+
     Returns:
         One line per problem found, each naming the rank and the file or tensor; empty when the
         output is a correct sharding of the source.
     """
     checkpoint_dir, out_dir = Path(checkpoint_dir), Path(out_dir)
+    meta = _rank_metadata(out_dir / "rank0")
+    try:
+        recorded = json.loads(meta.get("kda_tp_layers", "null"))
+    except ValueError:
+        recorded = None
+    kda_only = meta.get("kda_tp_kda_only") == "1"
     try:
         source = _Checkpoint(checkpoint_dir, require_index=False)
-        geometry = read_kda_config(source.config)
+        geometry = read_kda_config(source.config, recorded)
     except CheckpointError as exc:
         return [f"input: {exc}"]
     if not geometry.kda_layers:
@@ -872,11 +895,13 @@ def verify(checkpoint_dir: str | Path, out_dir: str | Path) -> list[str]:
             problems.append(f"rank{rank}: no shard plan for this geometry: {exc}")
             continue
         try:
-            sharded = _Checkpoint(rank_dir, require_index=True)
+            sharded = _Checkpoint(rank_dir, require_index=True, require_config=not kda_only)
         except CheckpointError as exc:
             problems.append(f"rank{rank}: {exc}")
             continue
-        problems += _check_rank(source, sharded, rank_plan, geometry.kda_layers, decoder)
+        problems += _check_rank(
+            source, sharded, rank_plan, geometry.kda_layers, decoder, kda_only
+        )
     return problems
 
 
@@ -923,6 +948,16 @@ def _padding_problems(source: _Checkpoint, geometry: KdaConfig, decoder: str) ->
     return problems
 
 
+def _rank_metadata(rank_dir: Path) -> dict[str, str]:
+    """The ``__metadata__`` of the first safetensors file in ``rank_dir`` ({} if unreadable)."""
+    for path in sorted(rank_dir.glob("*.safetensors")):
+        try:
+            return _read_safetensors_header(path)[0]
+        except (CheckpointError, OSError):
+            return {}
+    return {}
+
+
 def _declared_tp_size(rank_dir: Path) -> int | None:
     """``tp_size`` from the ``__metadata__`` of the first safetensors file in ``rank_dir``."""
     for path in sorted(rank_dir.glob("*.safetensors")):
@@ -940,9 +975,13 @@ def _check_rank(
     rank_plan: OraclePlan,
     kda_layers: frozenset[int],
     decoder: str,
+    kda_only: bool = False,
 ) -> list[str]:
-    """The problems of one rank's directory; see :func:`verify`."""
+    """The problems of one rank's directory; see :func:`verify`. A ``--kda-only`` rank
+    (``kda_tp_kda_only`` in its headers) holds the KDA tensors and nothing else."""
     tag = f"rank{rank_plan.tp_rank}"
+    entries = {t.name: t for t in rank_plan.tensors}
+    entries.update({t.scale.name: t.scale for t in rank_plan.tensors if t.scale})
     problems = []
     for path, metadata in sharded.metadata.items():
         for key, want in (("tp_rank", rank_plan.tp_rank), ("tp_size", rank_plan.tp_size)):
@@ -951,7 +990,11 @@ def _check_rank(
                     f"{tag}: {path.name}: __metadata__ {key} is {metadata.get(key)!r}, "
                     f"expected {str(want)!r}"
                 )
-    problems += [f"{tag}: {n}: missing" for n in sorted(source.tensors.keys() - sharded.tensors)]
+    expected = {
+        n for n in source.tensors
+        if not kda_only or _kda_plan_name(n, kda_layers, decoder, entries) is not None
+    }
+    problems += [f"{tag}: {n}: missing" for n in sorted(expected - sharded.tensors.keys())]
     problems += [
         f"{tag}: {n}: not in the input" for n in sorted(sharded.tensors.keys() - source.tensors)
     ]
@@ -961,8 +1004,6 @@ def _check_rank(
         if out.dtype != src.dtype:
             problems.append(f"{tag}: {name}: dtype {out.dtype}, input has {src.dtype}")
             continue
-        entries = {t.name: t for t in rank_plan.tensors}
-        entries.update({t.scale.name: t.scale for t in rank_plan.tensors if t.scale})
         kda_name = _kda_plan_name(name, kda_layers, decoder, entries)
         if kda_name is None:
             want_shape = src.shape
