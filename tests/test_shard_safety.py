@@ -214,9 +214,12 @@ def test_never_writes_into_the_input(checkpoint: Path, tmp_path: Path) -> None:
     before = tree(checkpoint)
     entries = sorted(os.listdir(checkpoint))
     shard_checkpoint(checkpoint, tmp_path / "out", 2, backend="pread")
-    shard_checkpoint(
-        checkpoint / "model-00001-of-00002.safetensors", tmp_path / "one", 1, layers=[0]
-    )
+    # One file of the indexed checkpoint is refused before anything is read or written.
+    with pytest.raises(CheckpointError, match="one file of an indexed checkpoint"):
+        shard_checkpoint(
+            checkpoint / "model-00001-of-00002.safetensors", tmp_path / "one", 1, layers=[0]
+        )
+    assert not (tmp_path / "one").exists()
     assert tree(checkpoint) == before and sorted(os.listdir(checkpoint)) == entries
 
 
@@ -237,8 +240,12 @@ def test_output_in_the_input_is_refused(checkpoint: Path, tmp_path: Path, where:
         out.symlink_to(checkpoint)
         out = out / "tp2"
     elif where == "file's directory":
-        source = checkpoint / "model-00001-of-00002.safetensors"
-        out = checkpoint
+        # A lone safetensors file (no index beside it) whose own directory is the output.
+        lone = tmp_path / "lone"
+        lone.mkdir()
+        shutil.copy(checkpoint / "model-00001-of-00002.safetensors", lone)
+        shutil.copy(checkpoint / "config.json", lone)
+        source, out = lone / "model-00001-of-00002.safetensors", lone
     else:
         # Re-sharding OUT/rank0 into OUT with --force would delete the input.
         parent = tmp_path / "resharded"

@@ -407,9 +407,9 @@ def _prepare_out_dir(
             shutil.rmtree(entry, ignore_errors=True)  # left by a killed run
         elif final and int(final.group(1)) in ranks and not force:
             found = _rank_tp_size(entry)
-            if found != tp_size:
+            if found is not None and found != tp_size:
                 raise OutputError(
-                    f"{entry} holds output for tp_size {found or 'unknown'}, not {tp_size}; "
+                    f"{entry} holds output for tp_size {found}, not {tp_size}; "
                     "pass --force to replace it (or choose another --out)"
                 )
             existing.append(entry)
