@@ -39,7 +39,7 @@ from .layers import check_layers, layer_count
 from .checkpoint import INDEX_NAME, SafetensorsSource, Tensor
 from .layout import _location, kda_layer_indices
 from .plan import KdaShard, KdaTpPlan
-from .source import KdaShardedSource
+from .source import KdaShardedSource, checked_get, checked_info, missing_tensor
 
 # Imported where verify_shards(numeric=True) needs it, so `kda-tp shard` starts faster.
 if TYPE_CHECKING:
@@ -200,7 +200,7 @@ def shard_checkpoint(
     # floats (F4, F6) included; a dtype the writer cannot size is refused before anything is
     # written (the header reader and the writer know the same dtypes, so this guards upgrades).
     for name in source.names():
-        dtype = _info(source, name)[0]
+        dtype = checked_info(source, name)[0]
         if dtype not in DTYPE_BITS:
             raise DtypeMismatchError(
                 f"{source.file_of(name)}: {name}: dtype {dtype} cannot be copied to the shards "
@@ -211,7 +211,7 @@ def shard_checkpoint(
     if kda_only:
         files = kda_only_files(files, shards[0])
     total = sum(
-        _nbytes(*_info(s, name)) for s in shards for names in files.values() for name in names
+        _nbytes(*checked_info(s, name)) for s in shards for names in files.values() for name in names
     )
     report = progress(total) if progress else None
     stop = threading.Event()
@@ -322,46 +322,13 @@ def _nbytes(dtype: str, shape: tuple[int, ...]) -> int:
     return tensor_nbytes(dtype, shape)
 
 
-def _missing(source: SafetensorsSource | KdaShardedSource, name: str) -> CheckpointError:
-    """The error for a tensor that ``source.names()`` lists but ``source`` cannot find."""
-    return CheckpointError(
-        f"{_location(source, name)}: {name}: listed by the checkpoint but not found in it"
-    )
-
-
-def _info(
-    source: SafetensorsSource | KdaShardedSource, name: str
-) -> tuple[str, tuple[int, ...]]:
-    """``source.info(name)`` for a name taken from ``source.names()``.
-
-    Raises:
-        CheckpointError: ``source`` has no tensor ``name`` after all.
-    """
-    found = source.info(name)
-    if found is None:
-        raise _missing(source, name)
-    return found
-
-
-def _tensor(source: SafetensorsSource | KdaShardedSource, name: str) -> Tensor:
-    """``source.get(name)`` for a name taken from ``source.names()``.
-
-    Raises:
-        CheckpointError: ``source`` has no tensor ``name`` after all.
-    """
-    found = source.get(name)
-    if found is None:
-        raise _missing(source, name)
-    return found
-
-
 def _names_by_file(source: SafetensorsSource) -> dict[str, list[str]]:
     """Input file name -> its tensor names in data order."""
     files: dict[str, list[str]] = {}
     for name in source.names():
         path = source.file_of(name)
         if path is None:
-            raise _missing(source, name)
+            raise missing_tensor(source, name)
         files.setdefault(path.name, []).append(name)
     return files
 
@@ -490,7 +457,7 @@ def _write_rank(
 
     def fetch(name: str, count: bool = True) -> np.ndarray:
         release_previous()
-        data = _tensor(shard, name).data
+        data = checked_get(shard, name).data
         previous.append(name)
         if advance and count:
             advance(data.nbytes)
@@ -529,7 +496,7 @@ def _write_rank(
                 metadata.update(kda_tp_kda_only="1", kda_tp_source=str(source.path.resolve()))
             specs = []
             for name in names:
-                dtype, shape = _info(shard, name)
+                dtype, shape = checked_info(shard, name)
                 specs.append(
                     (name, dtype, shape, _nbytes(dtype, shape), lambda n=name: get_bytes(n))
                 )
@@ -571,7 +538,7 @@ def _input_fingerprint(source: SafetensorsSource) -> str:
     Raises:
         CheckpointError: a file cannot be read.
     """
-    entries = sorted((name, *_info(source, name)) for name in source.names())
+    entries = sorted((name, *checked_info(source, name)) for name in source.names())
     digest = hashlib.sha256(json.dumps(entries).encode())
     for path, _ in source.files():
         try:
@@ -782,7 +749,7 @@ def verify_shards(
 
     advance = progress(len(names)) if progress else None
     for name in names:
-        full = _tensor(source, name)
+        full = checked_get(source, name)
         parts = [rank.get(name) for rank in ranks]
         report.tensors += 1
         report.bytes_checked += full.nbytes
@@ -822,7 +789,7 @@ def _check_tensor(
     for r, (part, shard) in enumerate(zip(records, shards)):
         if part is None:
             return f"{name}: missing from rank {r}"
-        expected = _info(shard, name)
+        expected = checked_info(shard, name)
         if (part.dtype, tuple(part.shape)) != expected:
             return f"{name}: rank {r} has {part.dtype} {list(part.shape)}, expected {expected[0]} {list(expected[1])}"
         parts.append(part)

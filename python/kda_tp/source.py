@@ -52,6 +52,8 @@ __all__ = [
     "Tensor",
     "TensorSource",
     "check_gate_form",
+    "checked_get",
+    "checked_info",
     "checkpoint_suffix",
     "decoder_prefix",
     "kda_layer_indices",
@@ -312,3 +314,35 @@ class KdaShardedSource:
             f"tp_size={self.plan.tp_size}, layers={list(self.layers)})"
         )
 
+
+def missing_tensor(source: SafetensorsSource | KdaShardedSource, name: str) -> CheckpointError:
+    """The error for a tensor that ``source.names()`` lists but ``source`` cannot find."""
+    return CheckpointError(
+        f"{_location(source, name)}: {name}: listed by the checkpoint but not found in it"
+    )
+
+
+def checked_info(
+    source: SafetensorsSource | KdaShardedSource, name: str
+) -> tuple[str, tuple[int, ...]]:
+    """``source.info(name)`` (dtype, shape) for a name taken from ``source.names()``.
+
+    Raises:
+        CheckpointError: ``source`` has no tensor ``name`` after all.
+    """
+    found = source.info(name)
+    if found is None:
+        raise missing_tensor(source, name)
+    return found
+
+
+def checked_get(source: SafetensorsSource | KdaShardedSource, name: str) -> Tensor:
+    """``source.get(name)`` for a name taken from ``source.names()``.
+
+    Raises:
+        CheckpointError: ``source`` has no tensor ``name`` after all.
+    """
+    found = source.get(name)
+    if found is None:
+        raise missing_tensor(source, name)
+    return found

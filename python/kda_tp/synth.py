@@ -94,16 +94,6 @@ GEOMETRIES: dict[str, dict[str, Any]] = {
         "full_attn_every": None,
     },
     # Kimi K3 (2.8T): 93 layers, every 4th and the last MLA; one KDA layer is about 0.89 GB.
-    "kimi-k3-fp8": {
-        "hidden": 7168,
-        "heads": 96,
-        "head_dim": 128,
-        "conv_kernel": 4,
-        "gate_rank": 128,
-        "style": "k3",
-        "full_attn_every": 4,
-        "fp8": True,
-    },
     "kimi-k3": {
         "hidden": 7168,
         "heads": 96,
@@ -114,6 +104,8 @@ GEOMETRIES: dict[str, dict[str, Any]] = {
         "full_attn_every": 4,
     },
 }
+# The same with the attention projections in FP8 128x128 blocks (NVIDIA's ModelOpt release).
+GEOMETRIES["kimi-k3-fp8"] = {**GEOMETRIES["kimi-k3"], "fp8": True}
 
 _STYLES = ("kimi", "qwen3next", "k3")
 #: Kimi K3's forget-gate lower bound (``linear_attn_config.gate_lower_bound``).

@@ -51,6 +51,8 @@ from .source import (
     KdaShardedSource,
     SafetensorsSource,
     Tensor,
+    checked_get,
+    checked_info,
     decoder_prefix,
     kda_layer_indices,
 )
@@ -233,24 +235,8 @@ def load_rank(
     names = [n for n in shard.names() if include_non_kda or shard.is_sharded(n)]
     device = torch.device(device)
     if device.type == "cpu":
-        return {name: to_torch(_get(shard, name)) for name in names}
+        return {name: to_torch(checked_get(shard, name)) for name in names}
     return _load_to_device(shard, names, device)
-
-
-def _get(shard: KdaShardedSource, name: str) -> Tensor:
-    """``shard.get(name)``, refusing a name the checkpoint lost since the adapter listed it."""
-    found = shard.get(name)
-    if found is None:
-        raise CheckpointError(f"{name}: listed by the checkpoint but not readable")
-    return found
-
-
-def _info(shard: KdaShardedSource, name: str) -> tuple[str, tuple[int, ...]]:
-    """``shard.info(name)``, refusing a name the checkpoint does not hold."""
-    found = shard.info(name)
-    if found is None:
-        raise CheckpointError(f"{name}: listed by the checkpoint but not readable")
-    return found
 
 
 #: Size of each of the two pinned host buffers a device load copies through (bytes).
@@ -264,7 +250,7 @@ def _load_to_device(
     :data:`PINNED_CHUNK_BYTES`: a tensor that fits is read into one buffer, a larger one (an
     embedding, an expert weight) is copied from its mapping one buffer-full at a time. With CUDA
     the transfers are asynchronous, so filling one buffer overlaps the other's transfer."""
-    infos = {name: _info(shard, name) for name in names}
+    infos = {name: checked_info(shard, name) for name in names}
     sizes = {
         name: int(np.prod(shape, dtype=np.int64)) * torch_dtype(dtype).itemsize
         for name, (dtype, shape) in infos.items()
@@ -301,7 +287,7 @@ def _load_to_device(
             shard.read_into(name, host.numpy())  # one copy, the GIL released
             send(slot, host, flat)
         elif nbytes:
-            data = _get(shard, name).data
+            data = checked_get(shard, name).data
             for start in range(0, nbytes, chunk):
                 stop = min(start + chunk, nbytes)
                 slot, host = next_buffer(stop - start)
@@ -390,7 +376,7 @@ def load_dtensors(
     names = [n for n in shard.names() if include_non_kda or shard.is_sharded(n)]
     device = torch.device(device_mesh.device_type)
     if device.type == "cpu":
-        local = {name: to_torch(_get(shard, name)) for name in names}
+        local = {name: to_torch(checked_get(shard, name)) for name in names}
     else:
         local = _load_to_device(shard, names, device)
     source = shard.source
