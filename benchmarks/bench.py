@@ -843,7 +843,7 @@ def main(argv: list[str] | None = None) -> int:
         wide = scratch / "wide"
         # one KDA layer whose replicated f_a_proj/g_a_proj are [4096, 8192] BF16 = 64 MiB
         write_small_checkpoint(wide, hidden=8192, heads=2, head_dim=128, conv_kernel=4,
-                               gate_rank=4096, num_layers=1, kda_layers=[0], style="qwen3next")
+                               gate_rank=4096, num_layers=1, kda_layers=[0], style="glm")
         warm(glm)
         warm(wide)
         cli = kda_cli(args)

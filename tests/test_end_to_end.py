@@ -22,11 +22,17 @@ from kda_tp.synth import write_checkpoint, write_small_checkpoint
 SMALL = dict(hidden=96, heads=4, head_dim=64, conv_kernel=4, gate_rank=16, num_layers=3)
 
 
-@pytest.fixture(params=["kimi", "qwen3next"])
+@pytest.fixture(params=["kimi", "glm"])
 def small_checkpoint(request, tmp_path) -> Path:
     return write_small_checkpoint(
         tmp_path / "ckpt", **SMALL, kda_layers=[0, 2], seed=7, style=request.param
     )
+
+
+def _layers(checkpoint: Path) -> str:
+    """Name prefix of the decoder layers: GLM nests them under ``model.language_model.``."""
+    glm = json.loads((checkpoint / "config.json").read_text())["model_type"] == "glm5_next"
+    return "model.language_model.layers." if glm else "model.layers."
 
 
 def _files_state(path: Path) -> dict[str, bytes]:
@@ -48,7 +54,7 @@ def test_shard_then_verify_small(small_checkpoint, tmp_path, tp_size):
     assert _files_state(small_checkpoint) == before
     for r in range(tp_size):
         rank = kda_tp.SafetensorsSource(rank_dir(out, r))
-        q = rank.get("model.layers.0.self_attn.q_proj.weight")
+        q = rank.get(f"{_layers(small_checkpoint)}0.self_attn.q_proj.weight")
         assert q.shape == (256 // tp_size, 96)
         assert rank.files()[0][1]["tp_rank"] == str(r)
         assert (rank_dir(out, r) / "config.json").read_bytes() == (
@@ -75,7 +81,10 @@ def test_cli_plan_shard_verify(small_checkpoint, tmp_path, capsys):
     assert main(["plan", str(small_checkpoint), "--tp-size", "2", "--rank", "1"]) == 0
     table = capsys.readouterr().out
     assert "o_proj    CHANNEL_COLS" in table
-    assert "[1, 1, 4, 1]  [1, 1, 2, 1]  dim 2 @ 2" in table
+    # A_log: Kimi-Linear's [1, 1, H, 1], GLM-5.3-Flash's [H].
+    glm = _layers(small_checkpoint) != "model.layers."
+    a_log = "[4]          [2]           dim 0 @ 2" if glm else "[1, 1, 4, 1]  [1, 1, 2, 1]  dim 2 @ 2"
+    assert a_log in table
     assert "all-reduce" in table
     out = tmp_path / "out"
     assert main(["shard", str(small_checkpoint), "--tp-size", "2", "--out", str(out), "--quiet"]) == 0
@@ -127,7 +136,7 @@ def _rewrite(path: Path, name: str, data: bytes) -> None:
 
 def test_wrong_size_on_disk_is_refused(small_checkpoint, tmp_path, capsys):
     source = kda_tp.SafetensorsSource(small_checkpoint)
-    name = "model.layers.2.self_attn.f_b_proj.weight"
+    name = f"{_layers(small_checkpoint)}2.self_attn.f_b_proj.weight"
     path = source.file_of(name)
     t = source.get(name)
     # Store f_b_proj with one row too few: the header is valid, the shape is not the plan's.
@@ -173,7 +182,7 @@ def test_verify_catches_a_wrong_plan(small_checkpoint, tmp_path, capsys):
     right, the byte check and the numerical check both fail and name the tensor / layer."""
     out = tmp_path / "out"
     shard_checkpoint(small_checkpoint, out, 2)
-    name = "model.layers.2.self_attn.dt_bias"
+    name = f"{_layers(small_checkpoint)}2.self_attn.dt_bias"
     full = kda_tp.SafetensorsSource(small_checkpoint).get(name).array
     local = 256 // 2
     for r in range(2):

@@ -132,7 +132,7 @@ def test_config_without_kda_layers_is_refused(tmp_path):
         check_tp_equivalence(tmp_path, 2)
 
 
-@pytest.mark.parametrize(("style", "flat"), [("kimi", False), ("kimi", True), ("qwen3next", False)])
+@pytest.mark.parametrize(("style", "flat"), [("kimi", False), ("kimi", True), ("glm", False)])
 def test_synthetic_multi_layer_checkpoints_pass(tmp_path, style, flat):
     """Both config dialects, several files, a non-KDA layer in the middle, hidden != H * D."""
     geometry = {"hidden": 192, "heads": 4, "head_dim": 64, "conv_kernel": 3, "gate_rank": 64}

@@ -481,40 +481,44 @@ def test_small_kimi_style_checkpoint(tmp_path):
     assert a_log.dtype == np.float32 and (a_log >= 0).all() and (a_log <= np.log(16)).all()
 
 
-def test_small_qwen3next_style_checkpoint(tmp_path):
+def test_small_glm_style_checkpoint(tmp_path):
+    """GLM-5.3-Flash as transformers writes it: glm5_next wrapper, lower-bounded gate, A_log
+    [H] and convs in F32, MLA (DSA) layers under model.language_model."""
     out = synth.write_small_checkpoint(
         tmp_path / "ck", hidden=64, heads=8, head_dim=8, conv_kernel=4, gate_rank=8,
-        num_layers=3, kda_layers=[1, 2], seed=3, style="qwen3next",
+        num_layers=3, kda_layers=[1, 2], seed=3, style="glm",
     )  # fmt: skip
     config, index, tensors = read_checkpoint(out)
     check_index(out, index, tensors)
+    assert config["architectures"] == ["Glm5NextForConditionalGeneration"]
+    assert config["model_type"] == "glm5_next"
+    text = config["text_config"]
+    assert text["model_type"] == "glm5_next_text"
+    assert text["layer_types"] == ["indexed_attention", "linear_attention", "linear_attention"]
     assert (
-        config["architectures"] == ["Glm5NextForCausalLM"] and config["model_type"] == "glm5_next"
-    )
-    assert config["layer_types"] == ["full_attention", "linear_attention", "linear_attention"]
-    assert (
-        config["linear_key_head_dim"],
-        config["linear_num_key_heads"],
-        config["linear_conv_kernel_dim"],
+        text["linear_head_dim"], text["linear_num_heads"], text["linear_conv_kernel_dim"]
     ) == (8, 8, 4)
-    assert (config["linear_value_head_dim"], config["linear_num_value_heads"]) == (8, 8)
-    heads = (config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"])
-    assert heads == (8, 2, 8)
-    assert config["hidden_size"] == 64 and config["num_hidden_layers"] == 3
-    assert "linear_attn_config" not in config
+    assert text["linear_lower_bound"] == -5.0
+    assert text["hidden_size"] == 64 and text["num_hidden_layers"] == 3
+    assert "linear_attn_config" not in text
 
+    layers = "model.language_model.layers."
     for i in (1, 2):
-        for suffix, shape in expected_kda_shapes(64, 8, 8, 4, 8).items():
-            assert tensors[f"model.layers.{i}.self_attn.{suffix}"][2] == shape
-    gqa = {
+        for suffix, shape in expected_kda_shapes(64, 8, 8, 4, 8, flat_a_log=True).items():
+            assert tensors[f"{layers}{i}.self_attn.{suffix}"][2] == shape
+        for suffix in ("q_conv1d.weight", "k_conv1d.weight", "v_conv1d.weight", "A_log"):
+            assert tensors[f"{layers}{i}.self_attn.{suffix}"][1] == "F32"
+    mla = {
         n.split("self_attn.")[1]: t[2]
         for n, t in tensors.items()
-        if n.startswith("model.layers.0.self_attn.")
+        if n.startswith(f"{layers}0.self_attn.")
     }
-    assert gqa == {
-        "q_proj.weight": (128, 64), "k_proj.weight": (16, 64), "v_proj.weight": (16, 64),
-        "q_norm.weight": (8,), "k_norm.weight": (8,), "o_proj.weight": (64, 64),
+    assert mla == {
+        "q_a_proj.weight": (96, 64), "q_a_layernorm.weight": (96,), "q_b_proj.weight": (64, 96),
+        "kv_a_proj_with_mqa.weight": (32, 64), "kv_a_layernorm.weight": (32,),
+        "kv_b_proj.weight": (128, 32), "o_proj.weight": (64, 64),
     }  # fmt: skip
+    assert {"model.language_model.embed_tokens.weight", "lm_head.weight"} <= set(tensors)
 
 
 @pytest.mark.parametrize("case", range(6))
@@ -530,7 +534,7 @@ def test_random_small_geometries(tmp_path, case):
         int(i)
         for i in rng.choice(num_layers, size=int(rng.integers(0, num_layers + 1)), replace=False)
     )
-    style = ("kimi", "qwen3next")[case % 2]
+    style = ("kimi", "glm")[case % 2]
     out = synth.write_small_checkpoint(
         tmp_path, hidden, heads, head_dim, conv_kernel, gate_rank, num_layers, kda_layers,
         seed=case, style=style, flat_a_log=bool(case & 2), flat_conv=bool(case & 4),
@@ -543,18 +547,19 @@ def test_random_small_geometries(tmp_path, case):
         head_dim,
         conv_kernel,
         gate_rank,
-        flat_a_log=bool(case & 2),
+        flat_a_log=bool(case & 2) or style == "glm",
         flat_conv=bool(case & 4),
     )
+    layers = "model.layers." if style == "kimi" else "model.language_model.layers."
     for i in kda_layers:
         for suffix, shape in expected.items():
-            assert tensors[f"model.layers.{i}.self_attn.{suffix}"][2] == shape
+            assert tensors[f"{layers}{i}.self_attn.{suffix}"][2] == shape
     for i in set(range(num_layers)) - set(kda_layers):
-        assert f"model.layers.{i}.self_attn.dt_bias" not in tensors
+        assert f"{layers}{i}.self_attn.dt_bias" not in tensors
     if style == "kimi":
         assert config["linear_attn_config"]["kda_layers"] == [i + 1 for i in kda_layers]
     else:
-        assert [t == "linear_attention" for t in config["layer_types"]] == [
+        assert [t == "linear_attention" for t in config["text_config"]["layer_types"]] == [
             i in kda_layers for i in range(num_layers)
         ]
 
@@ -762,14 +767,17 @@ def test_glm_geometry_one_layer(tmp_path):
     out = synth.write_checkpoint(tmp_path / "glm", "glm-5.3-flash", num_layers=1, seed=0)
     config, index, tensors = read_checkpoint(out)
     check_index(out, index, tensors)
-    assert config["layer_types"] == ["linear_attention"]
+    text = config["text_config"]
+    assert text["layer_types"] == ["linear_attention"]
     assert (
-        config["hidden_size"],
-        config["linear_key_head_dim"],
-        config["linear_num_key_heads"],
-        config["linear_conv_kernel_dim"],
-        config["rms_norm_eps"],
-    ) == (4096, 128, 64, 4, 1e-5)
-    for suffix, shape in expected_kda_shapes(4096, 64, 128, 4, 128).items():
-        assert tensors[f"model.layers.0.self_attn.{suffix}"][2] == shape
-    assert tensors["model.layers.0.self_attn.o_proj.weight"][2] == (4096, 8192)
+        text["hidden_size"],
+        text["linear_head_dim"],
+        text["linear_num_heads"],
+        text["linear_conv_kernel_dim"],
+        text["linear_lower_bound"],
+        text["rms_norm_eps"],
+    ) == (4096, 128, 64, 4, -5.0, 1e-5)
+    layer = "model.language_model.layers.0.self_attn."
+    for suffix, shape in expected_kda_shapes(4096, 64, 128, 4, 128, flat_a_log=True).items():
+        assert tensors[layer + suffix][2] == shape
+    assert tensors[layer + "o_proj.weight"][2] == (4096, 8192)

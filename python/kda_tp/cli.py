@@ -23,7 +23,7 @@ from typing import Any, cast
 
 from . import __version__
 from .checkpoint import INDEX_NAME, refuse_index_member
-from .config import load_config, parse_config
+from .config import KdaConfig, load_config, parse_config
 from .errors import CheckpointError, KdaTpError, PlanError
 from .layers import check_layers, config_layer_count, layer_count, layers_with_kda_tensors
 from .plan import KdaTpPlan
@@ -216,6 +216,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         args.input, args.rank, args.tp_size, gate_rank=args.gate_rank,
         qk_multiple=args.qk_multiple, layers=layers if source is not None else None,
     )
+    kda = parse_config(load_config(_config_location(args.input)), str(args.input))
     shapes, n_layers = {}, None
     if source is not None and layers:
         n_layers = len(layers)
@@ -233,14 +234,21 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     elif layers is not None:
         n_layers = len(layers)
     if as_json:
-        print(json.dumps(plan_json(plan, shapes, layers), indent=2))
+        print(json.dumps(plan_json(plan, shapes, layers, kda), indent=2))
     else:
         print(format_plan(plan, shapes, n_layers))
+        print(kda.describe_gate())
         if source is None:
             print("(from the config alone: on-disk shapes and dtypes are assumed, Kimi-Linear's "
                   "defaults; pass the checkpoint directory to read its own, e.g. Kimi K3's "
                   "padded A_log and F32 convs)")
     return 0
+
+
+def _config_location(path: Path) -> Path:
+    """What :func:`~kda_tp.config.load_config` reads for a ``plan``/``verify`` input: the
+    directory of a ``.safetensors`` file, else the path itself (a directory or a config)."""
+    return path.parent if path.is_file() and path.suffix == ".safetensors" else path
 
 
 def _disk_shape(source: SafetensorsSource, name: str, layer: int) -> tuple[int, ...]:
@@ -259,6 +267,7 @@ def plan_json(
     plan: KdaTpPlan,
     shapes: dict[str, tuple[int, ...]] | None = None,
     layers: Sequence[int] | None = None,
+    config: KdaConfig | None = None,
 ) -> dict[str, Any]:
     """The shard table of ``plan`` as a JSON-ready dict (what ``kda-tp plan --json`` prints).
 
@@ -270,8 +279,11 @@ def plan_json(
     weight ``block`` and ``scale`` (the same fields for its scale grid, offsets in blocks);
     ``full_rank_gate`` and ``a_log_len`` (Kimi K3); ``layer_local_bytes`` and
     ``layer_full_bytes`` per KDA layer; ``kda_layers`` (0-based, None when not known);
-    ``all_reduce`` (whether ``o_proj``'s output is all-reduced). ``shapes`` as for
-    :func:`format_plan`.
+    ``all_reduce`` (whether ``o_proj``'s output is all-reduced). With ``config`` (the parsed
+    config the plan came from): ``forget_gate`` (``"lower_bound"`` or ``"softplus"``),
+    ``gate_lower_bound`` (None for softplus), ``gate_bound_key`` (the config key it came from,
+    e.g. ``"text_config.linear_lower_bound"``) and ``config_rules`` (``"glm5_next"``,
+    ``"kimi"`` or ``"generic"``: :mod:`kda_tp.config`). ``shapes`` as for :func:`format_plan`.
     """
     shapes = shapes or {}
 
@@ -290,7 +302,7 @@ def plan_json(
         return row
 
     tensors = [entry(t) for t in plan.tensors]
-    return {
+    out = {
         "tp_rank": plan.tp_rank, "tp_size": plan.tp_size, "hidden": plan.hidden,
         "head_dim": plan.head_dim, "full_heads": plan.full_heads,
         "local_heads": plan.local_heads, "conv_kernel": plan.conv_kernel,
@@ -300,6 +312,14 @@ def plan_json(
         "kda_layers": None if layers is None else list(layers),
         "all_reduce": plan.needs_output_all_reduce,
     }
+    if config is not None:
+        out.update(
+            forget_gate=config.forget_gate,
+            gate_lower_bound=config.gate_lower_bound,
+            gate_bound_key=config.gate_bound_key,
+            config_rules=config.rules,
+        )
+    return out
 
 
 def _selected_layers(source: SafetensorsSource, requested: list[int] | None) -> tuple[int, ...]:
@@ -557,8 +577,7 @@ def _allowed_tp_sizes(args: argparse.Namespace, qk_multiple: int) -> list[int] |
     else:
         path = getattr(args, "input", None) or args.checkpoint
         try:
-            kda = parse_config(load_config(path.parent if path.is_file() and
-                                           path.suffix == ".safetensors" else path))
+            kda = parse_config(load_config(_config_location(path)))
         except KdaTpError:
             return None
         hidden, head_dim, heads, kernel = kda.hidden, kda.head_dim, kda.heads, kda.conv_kernel

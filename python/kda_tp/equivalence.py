@@ -19,9 +19,8 @@ observed rounding and ~300x below the smallest observed mistake.
 from __future__ import annotations
 
 import functools
-import math
 import os
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,9 +28,8 @@ import numpy as np
 
 from kda_tp.config import parse_config
 from kda_tp.errors import CheckpointError, PlanError
-from kda_tp.quant import dequantize
-from kda_tp.reference import kda_layer_forward
-from kda_tp.source import decoder_prefix, kda_layer_indices, kda_tensor_name, scale_tensor_name
+from kda_tp.reference import source_layer_forward
+from kda_tp.source import decoder_prefix, kda_layer_indices
 
 __all__ = [
     "DEFAULT_ATOL",
@@ -125,11 +123,13 @@ def check_tp_equivalence(
 
     For each layer, ``y`` = reference forward on the full weights, ``y_r`` = reference forward on
     rank ``r``'s local weights (``KdaTpPlan.from_config(config, r, tp_size)``), and the layer
-    passes when ``max|sum_r y_r - y| <= atol + rtol * max|y|`` (module docstring: why). The
-    forget gate's lower bound (Kimi K3's ``gate_lower_bound``) and the output-gate form
-    (``use_full_rank_gate``) come from the config; block-quantized (FP8) weights are dequantized
-    with their scale grids (:func:`kda_tp.dequantize`) before computing, on every rank with its
-    own local grid.
+    passes when ``max|sum_r y_r - y| <= atol + rtol * max|y|`` (module docstring: why). Both
+    go through :func:`kda_tp.reference.source_layer_forward`, the path of
+    :func:`kda_tp.reference.checkpoint_layer_forward`: the forget gate and its bound (GLM-5.3-
+    Flash's ``linear_lower_bound``, Kimi K3's ``gate_lower_bound``) and the output-gate form
+    come from the config as the model reads it (:mod:`kda_tp.config`); block-quantized (FP8)
+    weights are dequantized with their scale grids (:func:`kda_tp.dequantize`) before
+    computing, on every rank with its own local grid.
 
     Args:
         checkpoint: a ``kda_tp.SafetensorsSource`` (or any object with ``get(name)`` returning a
@@ -197,61 +197,17 @@ def check_tp_equivalence(
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((1, seq_len, plans[0].hidden)).astype(np.float32)
 
-    def forward(weights: Mapping[str, Any]) -> np.ndarray:
-        return kda_layer_forward(
-            weights,
-            x,
-            head_dim=head_dim,
-            rms_norm_eps=config.rms_norm_eps,
-            gate_lower_bound=config.gate_lower_bound,
-        )
-
     prefix = decoder_prefix(source)
     results = []
     for layer in layer_list:
-        y = forward(_layer_weights(source, layer, prefix, plans[0]))
+        y = source_layer_forward(source, layer, x, plan=plans[0], config=config, prefix=prefix)
         partials = (
-            forward(_layer_weights(s, layer, prefix, plan))
+            source_layer_forward(s, layer, x, plan=plan, config=config, prefix=prefix)
             for s, plan in zip(rank_sources, plans)
         )
         y_sum = functools.reduce(np.add, partials)
         results.append(_compare(layer, y, y_sum, atol, rtol))
     return EquivalenceReport(tp_size, int(seq_len), seed, atol, rtol, tuple(results))
-
-
-def _layer_weights(source: Any, layer: int, prefix: str, plan: Any) -> dict[str, np.ndarray]:
-    """Plan name -> array of ``{prefix}{layer}.self_attn.*`` for every tensor of ``plan``, as
-    ``source`` has it; block-quantized weights dequantized with their scale grids."""
-    weights = {}
-    for entry in plan.tensors:
-        key = kda_tensor_name(prefix, layer, entry.name)
-        record = source.get(key)
-        if record is None:
-            raise CheckpointError(f"{key}: missing (KDA layer {layer})")
-        weights[entry.name] = _canonical(record.array, entry)
-        if entry.scale is not None:
-            scale_key = scale_tensor_name(source, prefix, layer, entry.name)
-            scale = None if scale_key is None else source.get(scale_key)
-            if scale is None:
-                raise CheckpointError(f"{key}: block scale missing (KDA layer {layer})")
-            weights[entry.name] = dequantize(
-                weights[entry.name], _canonical(scale.array, entry.scale), entry.block
-            )
-    return weights
-
-
-def _canonical(array: np.ndarray, entry: Any) -> np.ndarray:
-    """``array`` in the layout the reference forward takes, whatever on-disk layout the plan
-    accepted for it (extra unit axes, a flat conv, ``A_log`` as ``[1, 1, P, 1]``): the plan's
-    canonical full shape (``entry.disk_shape``), or this rank's slice of it. Same bytes, same
-    order; only the shape changes. An array of neither size is returned as it is."""
-    full = tuple(entry.disk_shape)
-    if array.size == math.prod(full):
-        return array.reshape(full)
-    local = entry.local_shape(list(full))
-    if array.size == math.prod(local):
-        return array.reshape(local)
-    return array  # neither: the reference forward names what is wrong with it
 
 
 def _compare(

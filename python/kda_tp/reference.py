@@ -17,21 +17,44 @@ Kimi K3 (``KDA_MATH.md``, "Kimi K3 variant") is covered too: the lower-bounded f
 (fla ``naive_kda_lowerbound_gate``, ``gate_lower_bound``), the full-rank output gate ``g_proj``
 and an ``A_log`` zero-padded past the heads.
 
-Everything is computed in float32; BF16/F16 weights are upcast exactly. Only numpy (and
-``ml_dtypes`` for the bfloat16 dtype) is needed.
+GLM-5.3-Flash (transformers ``modeling_glm5_next.py``, ``Glm5NextTextLinearAttention``) is the
+same layer with the lower-bounded forget gate (``linear_lower_bound``, -5.0 by default) and a 1-D
+``A_log``; which gate a checkpoint uses is its config's business (:mod:`kda_tp.config`).
+
+Everything is computed in float32; BF16/F16 weights are upcast exactly, FP8 projections are
+dequantized with their block scales (:func:`kda_tp.dequantize`).
+
+:func:`checkpoint_layer_forward` is the entry point for engine developers: a checkpoint, a layer
+and an input in, the layer's output (or one rank's partial sum) out. :func:`kda_layer_forward`
+takes the weights as arrays.
 """
 
 from __future__ import annotations
 
+import math
+import os
 from collections.abc import Mapping
 from typing import Any
 
 import ml_dtypes
 import numpy as np
 
-from kda_tp.errors import DtypeMismatchError, ShapeMismatchError
+from kda_tp.checkpoint import SafetensorsSource
+from kda_tp.config import CONFIG_NAME, KdaConfig, parse_config
+from kda_tp.errors import CheckpointError, DtypeMismatchError, PlanError, ShapeMismatchError
+from kda_tp.layout import decoder_prefix, kda_tensor_name, scale_tensor_name
+from kda_tp.plan import KdaTpPlan
+from kda_tp.quant import dequantize
+from kda_tp.source import KdaShardedSource
 
-__all__ = ["WEIGHT_NAMES", "L2NORM_EPS", "kda_layer_forward"]
+__all__ = [
+    "WEIGHT_NAMES",
+    "L2NORM_EPS",
+    "checkpoint_layer_forward",
+    "kda_layer_forward",
+    "layer_weights",
+    "source_layer_forward",
+]
 
 #: The layer's tensors but the output gate, by plan name (``self_attn`` names without
 #: ``.weight``). The output gate is either ``g_a_proj`` + ``g_b_proj`` (Kimi-Linear) or
@@ -155,6 +178,159 @@ def kda_layer_forward(
     # Step 9: output projection (a partial sum when o_proj is a column block).
     y = project("o_proj", o.reshape(batch * seq_len, channels))
     return y.reshape(batch, seq_len, hidden).astype(np.float32, copy=False)
+
+
+def checkpoint_layer_forward(
+    checkpoint: str | os.PathLike[str] | SafetensorsSource,
+    layer: int,
+    x: np.ndarray,
+    *,
+    tp_rank: int | None = None,
+    tp_size: int = 1,
+) -> np.ndarray:
+    """What your engine's layer must output: KDA layer ``layer`` of ``checkpoint`` run on ``x``.
+
+    The layer is computed the way the model's reference implementation computes it, with
+    everything read from the checkpoint: the forget gate (softplus, or lower-bounded with the
+    bound its config gives: GLM-5.3-Flash's ``linear_lower_bound``, Kimi K3's
+    ``gate_lower_bound``; see :mod:`kda_tp.config`), the output-gate form (low-rank or K3's
+    full-rank ``g_proj``), ``rms_norm_eps``, the stored dtypes (upcast exactly to float32) and
+    FP8 block dequantization. Compare your engine's output of the same layer against it (the
+    module input ``x``, i.e. after the layer's input norm; no cache, no padding mask).
+
+    With ``tp_rank`` it returns rank ``tp_rank``'s partial sum of a ``tp_size``-way split
+    (``o_proj`` is row-parallel): what that rank holds before the all-reduce. The partials of
+    all ranks sum to the full output up to float32 rounding. Any split with ``heads`` divisible
+    by ``tp_size`` is accepted (the sharder's kernel-width rule, ``qk_multiple``, is not
+    applied here).
+
+    Args:
+        checkpoint: a checkpoint directory or ``.safetensors`` file with ``config.json`` beside
+            it, or a :class:`kda_tp.SafetensorsSource`.
+        layer: 0-based index of a KDA layer (``model.layers.{layer}``).
+        x: input activations ``(B, T, hidden)``, any float dtype (converted to float32).
+        tp_rank: the rank whose partial sum to return; None for the whole layer.
+        tp_size: tensor-parallel world size of that split; 1 without ``tp_rank``.
+
+    Returns:
+        float32 array ``(B, T, hidden)``.
+
+    Raises:
+        CheckpointError: no config, ``layer`` is not one of the config's KDA layers, or a KDA
+            tensor (or an FP8 block scale) is missing.
+        PlanError: ``tp_size`` other than 1 without ``tp_rank``; a ``tp_rank`` / ``tp_size``
+            the plan refuses (heads not divisible, rank out of range).
+        ShapeMismatchError: ``x`` is not ``(B, T, hidden)``, or a stored tensor's shape does
+            not fit the config.
+    """
+    if isinstance(checkpoint, (str, os.PathLike)):
+        checkpoint = SafetensorsSource(checkpoint)
+    if checkpoint.config is None:
+        raise CheckpointError(f"{checkpoint.root}: no {CONFIG_NAME} beside the checkpoint")
+    config = parse_config(checkpoint.config, str(checkpoint.root / CONFIG_NAME))
+    if tp_rank is None:
+        if tp_size != 1:
+            raise PlanError(
+                f"tp_size={tp_size!r} without tp_rank: pass tp_rank for a rank's partial sum, "
+                "or neither for the whole layer"
+            )
+        tp_rank = 0
+    if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)):
+        raise CheckpointError(f"layer: {layer!r} is not a 0-based layer index")
+    x = np.asarray(x, dtype=np.float32)
+    if x.ndim != 3 or x.shape[2] != config.hidden:
+        raise ShapeMismatchError(
+            f"x: shape {x.shape}, expected (batch, seq_len, {config.hidden}) (hidden_size of "
+            f"{config.source})"
+        )
+    if config.kda_layers is None:
+        all_kda: tuple[int, ...] = (int(layer),)
+    else:
+        all_kda = config.kda_layers
+        if layer not in all_kda:
+            raise CheckpointError(
+                f"{config.source}: layer {layer} is not a KDA layer; the KDA layers are "
+                f"{list(all_kda)} (0-based)"
+            )
+    plan = KdaTpPlan.from_config(checkpoint, tp_rank, tp_size, qk_multiple=1, layers=[layer])
+    view: Any = checkpoint if tp_size == 1 else KdaShardedSource(checkpoint, plan, all_kda)
+    return source_layer_forward(
+        view, int(layer), x, plan=plan, config=config, prefix=decoder_prefix(checkpoint)
+    )
+
+
+def source_layer_forward(
+    source: Any, layer: int, x: np.ndarray, *, plan: KdaTpPlan, config: KdaConfig, prefix: str
+) -> np.ndarray:
+    """:func:`kda_layer_forward` of KDA layer ``layer`` as ``source`` holds it under ``plan``,
+    with the gate and eps of ``config``: the one path :func:`checkpoint_layer_forward`,
+    :func:`kda_tp.check_tp_equivalence` and the distributed check compute through.
+
+    Args:
+        source: the full checkpoint or one rank's view (``kda_tp.KdaShardedSource``, a rank
+            directory's source): any object whose ``get(name)`` returns a record with
+            ``.array``.
+        layer: 0-based KDA layer index.
+        x: input ``(B, T, hidden)``.
+        plan: the plan of the rank ``source`` holds (rank 0 of 1 for the full checkpoint).
+        config: the checkpoint's parsed config.
+        prefix: the decoder-layer prefix of the KDA tensors (``kda_tp.layout.decoder_prefix``).
+
+    Returns:
+        float32 ``(B, T, hidden)``: the output, or the rank's partial sum.
+
+    Raises:
+        CheckpointError, ShapeMismatchError: see :func:`layer_weights` and
+            :func:`kda_layer_forward`.
+    """
+    return kda_layer_forward(
+        layer_weights(source, layer, prefix, plan),
+        x,
+        head_dim=plan.head_dim,
+        rms_norm_eps=config.rms_norm_eps,
+        gate_lower_bound=config.gate_lower_bound,
+    )
+
+
+def layer_weights(source: Any, layer: int, prefix: str, plan: Any) -> dict[str, np.ndarray]:
+    """Plan name -> array of ``{prefix}{layer}.self_attn.*`` for every tensor of ``plan``, as
+    ``source`` has it, in the shape :func:`kda_layer_forward` takes; block-quantized (FP8)
+    weights dequantized with their scale grids (:func:`kda_tp.dequantize`).
+
+    Raises:
+        CheckpointError: a tensor or a block scale is missing from ``source``.
+    """
+    weights = {}
+    for entry in plan.tensors:
+        key = kda_tensor_name(prefix, layer, entry.name)
+        record = source.get(key)
+        if record is None:
+            raise CheckpointError(f"{key}: missing (KDA layer {layer})")
+        weights[entry.name] = _canonical(record.array, entry)
+        if entry.scale is not None:
+            scale_key = scale_tensor_name(source, prefix, layer, entry.name)
+            scale = None if scale_key is None else source.get(scale_key)
+            if scale is None:
+                raise CheckpointError(f"{key}: block scale missing (KDA layer {layer})")
+            weights[entry.name] = dequantize(
+                weights[entry.name], _canonical(scale.array, entry.scale), entry.block
+            )
+    return weights
+
+
+def _canonical(array: np.ndarray, entry: Any) -> np.ndarray:
+    """``array`` in the layout the reference forward takes, whatever on-disk layout the plan
+    accepted for it (extra unit axes, a flat conv, ``A_log`` as ``[1, 1, P, 1]`` or GLM's
+    ``[H]``): the plan's canonical full shape (``entry.disk_shape``), or this rank's slice of
+    it. Same bytes, same order; only the shape changes. An array of neither size is returned as
+    it is."""
+    full = tuple(entry.disk_shape)
+    if array.size == math.prod(full):
+        return array.reshape(full)
+    local = entry.local_shape(list(full))
+    if array.size == math.prod(local):
+        return array.reshape(local)
+    return array  # neither: the reference forward names what is wrong with it
 
 
 def _checked_weights(

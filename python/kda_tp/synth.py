@@ -9,11 +9,15 @@ small). Two config dialects are produced:
     ``linear_attn_config = {head_dim, num_heads, short_conv_kernel_size, kda_layers,
     full_attn_layers}`` with **1-based** layer numbers; non-KDA layers are MLA layers
     (``q_proj``, ``kv_a_proj_with_mqa``, ``kv_a_layernorm``, ``kv_b_proj``, ``o_proj``).
-``style="qwen3next"`` (GLM-5.3-Flash, Qwen3-Next-style keys)
-    ``linear_key_head_dim``, ``linear_num_key_heads`` (and the equal ``linear_value_*``),
-    ``linear_conv_kernel_dim`` and ``layer_types`` (``"linear_attention"`` for KDA layers,
-    ``"full_attention"`` otherwise); non-KDA layers are gated GQA layers (``q_proj`` holding query
-    and output gate, ``k_proj``, ``v_proj``, ``q_norm``, ``k_norm``, ``o_proj``).
+``style="glm"`` (GLM-5.3-Flash, as transformers' ``glm5_next`` writes it)
+    a wrapper config (``model_type: glm5_next``) whose ``text_config`` (``glm5_next_text``) has
+    ``linear_head_dim``, ``linear_num_heads``, ``linear_conv_kernel_dim``,
+    ``linear_lower_bound: -5.0`` (the lower-bounded forget gate) and ``layer_types``
+    (``"linear_attention"`` for KDA layers, ``"indexed_attention"`` otherwise); names under
+    ``model.language_model.``; KDA layers store ``A_log`` 1-D ``[H]`` and the conv weights in
+    F32; non-KDA layers are MLA (DSA) layers (``q_a_proj``, ``q_a_layernorm``, ``q_b_proj``,
+    ``kv_a_proj_with_mqa``, ``kv_a_layernorm``, ``kv_b_proj``, ``o_proj``), whose
+    ``self_attn.o_proj`` has the KDA name.
 
 ``style="k3"`` (Kimi K3)
     a wrapper config (``model_type: kimi_k3``) with the Kimi dialect under ``text_config``, plus
@@ -27,15 +31,18 @@ small). Two config dialects are produced:
     ``mm_projector.proj.0.weight [d, 256]`` are added.
 
 All dialects name a KDA layer's tensors the Kimi-Linear way, under
-``model.layers.{i}.self_attn.`` (H heads, D = head_dim, C = H * D, hidden size d, conv kernel K,
+``model.layers.{i}.self_attn.`` (K3: ``language_model.model.layers.``, GLM:
+``model.language_model.layers.``; H heads, D = head_dim, C = H * D, hidden size d, conv kernel K,
 gate rank R; W is the weight dtype, BF16 by default)::
 
     q_proj.weight, k_proj.weight, v_proj.weight          [C, d]         W
-    q_conv1d.weight, k_conv1d.weight, v_conv1d.weight    [C, 1, K]      W  ([C, K] if flat_conv)
+    q_conv1d.weight, k_conv1d.weight, v_conv1d.weight    [C, 1, K]      W  ([C, K] if flat_conv;
+                                                                        F32 in K3 and GLM)
     f_a_proj.weight, g_a_proj.weight                     [R, d]         W
     f_b_proj.weight, g_b_proj.weight                     [C, R]         W
     b_proj.weight                                        [H, d]         W
-    A_log                                                [1, 1, H, 1]   F32  ([H] if flat_a_log)
+    A_log                                                [1, 1, H, 1]   F32  ([H] if flat_a_log
+                                                                        or GLM)
     dt_bias                                              [C]            F32
     o_norm.weight                                        [D]            W
     o_proj.weight                                        [d, C]         W
@@ -90,8 +97,8 @@ GEOMETRIES: dict[str, dict[str, Any]] = {
         "head_dim": 128,
         "conv_kernel": 4,
         "gate_rank": 128,
-        "style": "qwen3next",
-        "full_attn_every": None,
+        "style": "glm",
+        "full_attn_every": 4,
     },
     # Kimi K3 (2.8T): 93 layers, every 4th and the last MLA; one KDA layer is about 0.89 GB.
     "kimi-k3": {
@@ -107,9 +114,12 @@ GEOMETRIES: dict[str, dict[str, Any]] = {
 # The same with the attention projections in FP8 128x128 blocks (NVIDIA's ModelOpt release).
 GEOMETRIES["kimi-k3-fp8"] = {**GEOMETRIES["kimi-k3"], "fp8": True}
 
-_STYLES = ("kimi", "qwen3next", "k3")
+_STYLES = ("kimi", "glm", "k3")
 #: Kimi K3's forget-gate lower bound (``linear_attn_config.gate_lower_bound``).
 K3_GATE_LOWER_BOUND = -5.0
+#: GLM-5.3-Flash's forget-gate lower bound (``text_config.linear_lower_bound``; transformers'
+#: default).
+GLM_GATE_LOWER_BOUND = -5.0
 # Hidden size of the synthetic K3 vision tower (small: only its names matter to sharding).
 _VISION_HIDDEN = 256
 _WEIGHT_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
@@ -143,8 +153,8 @@ def write_checkpoint(
         out_dir: directory to write into (created if missing; files of the same names are
             replaced).
         model: a key of :data:`GEOMETRIES`: ``"kimi-linear"`` (Kimi-Linear-48B-A3B attention:
-            every 4th layer MLA, Kimi config), ``"glm-5.3-flash"`` (all layers KDA,
-            Qwen3-Next-style config), ``"kimi-k3"`` (Kimi K3: every 4th layer and, as in
+            every 4th layer MLA, Kimi config), ``"glm-5.3-flash"`` (every 4th layer MLA as
+            transformers' default ``layer_types``, GLM config, ``style="glm"``), ``"kimi-k3"`` (Kimi K3: every 4th layer and, as in
             the real model, the last one MLA; K3 config and tensors, ``style="k3"``) or
             ``"kimi-k3-fp8"`` (the same with the attention projections in FP8 128x128 blocks as
             NVIDIA's ModelOpt release stores them, ``fp8=True``).
@@ -227,8 +237,8 @@ def write_small_checkpoint(
         kda_layers: **0-based** indices of the KDA layers (any subset, unique, in range); the
             config stores them the way its dialect does (1-based for ``style="kimi"``).
         seed: non-negative int; the same arguments give byte-identical files.
-        style: ``"kimi"``, ``"qwen3next"`` or ``"k3"`` config dialect and tensor layout (MLA,
-            gated-GQA or K3 MLA full-attention layers; see the module docstring).
+        style: ``"kimi"``, ``"glm"`` or ``"k3"`` config dialect and tensor layout (see the
+            module docstring).
         vocab_size: rows of ``embed_tokens`` and ``lm_head``.
         weight_dtype: ``"BF16"``, ``"F16"`` or ``"F32"`` for every tensor except ``A_log`` and
             ``dt_bias``, which are always F32.
@@ -340,15 +350,16 @@ class _Geometry:
         self.flat_a_log = flat_a_log
         self.flat_conv = flat_conv
         self.a_log_len = a_log_len
-        # Names of the language model's tensors start with this (K3 nests it in a wrapper).
-        self.prefix = "language_model." if style == "k3" else ""
+        # The decoder stack's name prefix (K3 and GLM nest it in a wrapper) and lm_head's.
+        self.stack = {"k3": "language_model.model.", "glm": "model.language_model."}.get(
+            style, "model."
+        )
+        self.lm_head = "language_model.lm_head.weight" if style == "k3" else "lm_head.weight"
         # K3's MLA: q_lora_rank = 12 D, rope = D / 2 (1536 and 64 at D = 128).
         self.q_lora_rank = 12 * head_dim
         # MLA sizes follow Kimi-Linear's ratios: rope = D/2, kv_lora_rank = 4D, nope = v = D.
         self.rope_dim = max(1, head_dim // 2)
         self.kv_lora_rank = 4 * head_dim
-        # Gated GQA: 4 query heads per key/value head when H allows it.
-        self.kv_heads = heads // 4 if heads % 4 == 0 else heads
 
 
 class _Spec:
@@ -376,10 +387,9 @@ def _model_tensors(
 ) -> list[_Spec]:
     """All tensors of the model in file order: embeddings, layers 0.., final norm, lm_head, and
     for K3 the vision tower and projector."""
-    lm = g.prefix
-    specs = [_Spec(lm + "model.embed_tokens.weight", wdt, (vocab, g.hidden), "proj")]
+    specs = [_Spec(g.stack + "embed_tokens.weight", wdt, (vocab, g.hidden), "proj")]
     for i in range(num_layers):
-        layer = f"{lm}model.layers.{i}."
+        layer = f"{g.stack}layers.{i}."
         specs.append(_Spec(layer + "input_layernorm.weight", wdt, (g.hidden,), "norm"))
         if i in kda:
             attention = _kda_tensors(g, wdt)
@@ -388,11 +398,11 @@ def _model_tensors(
         elif g.style == "k3":
             attention = _k3_mla_tensors(g, wdt)
         else:
-            attention = _gqa_tensors(g, wdt)
+            attention = _glm_mla_tensors(g, wdt)
         specs.extend(_Spec(layer + "self_attn." + n, dt, s, k) for n, dt, s, k in attention)
         specs.append(_Spec(layer + "post_attention_layernorm.weight", wdt, (g.hidden,), "norm"))
-    specs.append(_Spec(lm + "model.norm.weight", wdt, (g.hidden,), "norm"))
-    specs.append(_Spec(lm + "lm_head.weight", wdt, (vocab, g.hidden), "proj"))
+    specs.append(_Spec(g.stack + "norm.weight", wdt, (g.hidden,), "norm"))
+    specs.append(_Spec(g.lm_head, wdt, (vocab, g.hidden), "proj"))
     if g.style == "k3":
         # A vision tower whose `self_attn.q_proj`/`o_proj` must never be taken for KDA.
         tower, width = "vision_tower.encoder.blocks.0.self_attn.", _VISION_HIDDEN
@@ -424,14 +434,16 @@ def _kda_tensors(g: _Geometry, wdt: str) -> list[tuple[str, str, tuple[int, ...]
             ("o_norm.weight", "F32", (g.head_dim,), "norm"),
             ("o_proj.weight", wdt, (d, c), "proj"),
         ]
-    a_log = (g.heads,) if g.flat_a_log else (1, 1, g.heads, 1)
+    a_log = (g.heads,) if g.flat_a_log or g.style == "glm" else (1, 1, g.heads, 1)
+    # GLM-5.3-Flash (transformers modeling_glm5_next.py) creates its conv in float32.
+    conv_dtype = "F32" if g.style == "glm" else wdt
     return [
         ("q_proj.weight", wdt, (c, d), "proj"),
         ("k_proj.weight", wdt, (c, d), "proj"),
         ("v_proj.weight", wdt, (c, d), "proj"),
-        ("q_conv1d.weight", wdt, conv, "conv"),
-        ("k_conv1d.weight", wdt, conv, "conv"),
-        ("v_conv1d.weight", wdt, conv, "conv"),
+        ("q_conv1d.weight", conv_dtype, conv, "conv"),
+        ("k_conv1d.weight", conv_dtype, conv, "conv"),
+        ("v_conv1d.weight", conv_dtype, conv, "conv"),
         ("f_a_proj.weight", wdt, (r, d), "proj"),
         ("f_b_proj.weight", wdt, (c, r), "proj"),
         ("g_a_proj.weight", wdt, (r, d), "proj"),
@@ -503,15 +515,18 @@ def _modelopt_config(scale_names: list[str]) -> dict[str, Any]:
     }
 
 
-def _gqa_tensors(g: _Geometry, wdt: str) -> list[tuple[str, str, tuple[int, ...], str]]:
-    """A Qwen3-Next-style gated GQA layer's ``self_attn`` tensors (q_proj = query + gate)."""
-    d, h, hd, kv = g.hidden, g.heads, g.head_dim, g.kv_heads
+def _glm_mla_tensors(g: _Geometry, wdt: str) -> list[tuple[str, str, tuple[int, ...], str]]:
+    """A GLM-5.3-Flash MLA (DSA) layer's ``self_attn`` tensors (transformers
+    ``Glm5NextTextAttention``: q-LoRA, no RoPE dims, nope = v = D); its ``o_proj`` has the KDA
+    name."""
+    d, h, hd, lora, q_rank = g.hidden, g.heads, g.head_dim, g.kv_lora_rank, g.q_lora_rank
     return [
-        ("q_proj.weight", wdt, (2 * h * hd, d), "proj"),
-        ("k_proj.weight", wdt, (kv * hd, d), "proj"),
-        ("v_proj.weight", wdt, (kv * hd, d), "proj"),
-        ("q_norm.weight", wdt, (hd,), "norm"),
-        ("k_norm.weight", wdt, (hd,), "norm"),
+        ("q_a_proj.weight", wdt, (q_rank, d), "proj"),
+        ("q_a_layernorm.weight", wdt, (q_rank,), "norm"),
+        ("q_b_proj.weight", wdt, (h * hd, q_rank), "proj"),
+        ("kv_a_proj_with_mqa.weight", wdt, (lora, d), "proj"),
+        ("kv_a_layernorm.weight", wdt, (lora,), "norm"),
+        ("kv_b_proj.weight", wdt, (h * 2 * hd, lora), "proj"),
         ("o_proj.weight", wdt, (d, h * hd), "proj"),
     ]
 
@@ -563,20 +578,28 @@ def _config(
                 "full_attn_layers": [i + 1 for i in range(num_layers) if i not in kda],
             },
         }
-    return {
-        "architectures": ["Glm5NextForCausalLM"],
-        "model_type": "glm5_next",
+    text = {
+        "model_type": "glm5_next_text",
         **common,
-        "num_key_value_heads": g.kv_heads,
-        "head_dim": g.head_dim,
-        "linear_key_head_dim": g.head_dim,
-        "linear_value_head_dim": g.head_dim,
-        "linear_num_key_heads": g.heads,
-        "linear_num_value_heads": g.heads,
+        "num_key_value_heads": g.heads,
+        "q_lora_rank": g.q_lora_rank,
+        "kv_lora_rank": g.kv_lora_rank,
+        "qk_nope_head_dim": g.head_dim,
+        "qk_rope_head_dim": 0,
+        "v_head_dim": g.head_dim,
+        "linear_head_dim": g.head_dim,
+        "linear_num_heads": g.heads,
         "linear_conv_kernel_dim": g.conv_kernel,
+        "linear_lower_bound": GLM_GATE_LOWER_BOUND,
         "layer_types": [
-            "linear_attention" if i in kda else "full_attention" for i in range(num_layers)
+            "linear_attention" if i in kda else "indexed_attention" for i in range(num_layers)
         ],
+    }
+    return {
+        "architectures": ["Glm5NextForConditionalGeneration"],
+        "model_type": "glm5_next",
+        "text_config": text,
+        "torch_dtype": torch_dtype,
     }
 
 

@@ -21,7 +21,7 @@ import datetime
 import json
 import os
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -35,7 +35,6 @@ from .equivalence import (
     DEFAULT_RTOL,
     EquivalenceReport,
     _compare,
-    _layer_weights,
 )
 from .errors import (
     CheckpointError,
@@ -45,7 +44,7 @@ from .errors import (
     PlanError,
 )
 from .plan import KdaShard, KdaTpPlan
-from .reference import kda_layer_forward
+from .reference import source_layer_forward
 from .shard import ShardResult, rank_dir, shard_checkpoint
 from .source import (
     KdaShardedSource,
@@ -435,7 +434,8 @@ def check_tp_equivalence_distributed(
     ``torch.distributed.all_reduce`` (sum) of their partial outputs.
 
     Process ``p`` of ``P`` computes the reference forward
-    (:func:`kda_tp.reference.kda_layer_forward`) of TP ranks ``p, p + P, ...`` on their local
+    (:func:`kda_tp.reference.source_layer_forward`, as
+    :func:`~kda_tp.reference.checkpoint_layer_forward`) of TP ranks ``p, p + P, ...`` on their local
     weights (sliced from ``checkpoint`` as :func:`load_rank` does, or read from
     ``shard_dir/rank{r}`` when given) and adds them; the all-reduce sums over the processes, and
     every process compares the sum with the full layer's output and returns the same report.
@@ -473,11 +473,6 @@ def check_tp_equivalence_distributed(
     x = np.random.default_rng(seed).standard_normal((1, seq_len, plan.hidden)).astype(np.float32)
     prefix = decoder_prefix(source)
 
-    def forward(weights: Mapping[str, Any]) -> np.ndarray:
-        return kda_layer_forward(weights, x, head_dim=plan.head_dim,
-                                 rms_norm_eps=config.rms_norm_eps,
-                                 gate_lower_bound=config.gate_lower_bound)
-
     partial = np.zeros((len(checked), 1, seq_len, plan.hidden), dtype=np.float32)
     for r in range(process, tp_size, processes):
         if shard_dir is not None:
@@ -485,12 +480,19 @@ def check_tp_equivalence_distributed(
         else:
             rank_source = _open(source, r, tp_size, all_kda, qk_multiple, None)
         for i, layer in enumerate(checked):
-            partial[i] += forward(_layer_weights(rank_source, layer, prefix, plan_of(r)))
+            partial[i] += source_layer_forward(
+                rank_source, layer, x, plan=plan_of(r), config=config, prefix=prefix
+            )
     total = torch.from_numpy(partial)
     dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
     results = [
-        _compare(layer, forward(_layer_weights(source, layer, prefix, plan)), total[i].numpy(),
-                 atol, rtol)
+        _compare(
+            layer,
+            source_layer_forward(source, layer, x, plan=plan, config=config, prefix=prefix),
+            total[i].numpy(),
+            atol,
+            rtol,
+        )
         for i, layer in enumerate(checked)
     ]
     return EquivalenceReport(tp_size, int(seq_len), seed, atol, rtol, tuple(results))
