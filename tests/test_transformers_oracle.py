@@ -40,7 +40,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers", minversion="5.20")
 
 import kda_tp.reference  # noqa: E402
-from kda_tp import SafetensorsSource, cli  # noqa: E402
+from kda_tp import SafetensorsSource, cli, oracle  # noqa: E402
 from kda_tp.config import load_config, parse_config  # noqa: E402
 from kda_tp.layout import decoder_prefix  # noqa: E402
 from kda_tp.reference import checkpoint_layer_forward  # noqa: E402
@@ -270,14 +270,17 @@ def test_saved_model_is_stored_as_real_checkpoints_are(built: Built) -> None:
 @pytest.mark.parametrize("tp_size", TP_SIZES)
 def test_rank_dirs_load_into_transformers(built: Built, tp_size: int) -> None:
     """Every rank directory loads into the family's class with the rank's config: no missing,
-    unexpected or mismatched key, and every tensor keeps its dtype."""
+    unexpected or mismatched key, and every tensor keeps its dtype. kda_tp's independent oracle
+    finds every byte where it belongs."""
+    out = built.path.parent / f"tp{tp_size}"
+    assert oracle.verify(built.path, out) == []
     full = dtypes(built.path)
     for r, info in enumerate(built.loading_info[tp_size]):
         assert not info["missing_keys"], (r, info)
         assert not info["unexpected_keys"], (r, info)
         assert not info["mismatched_keys"], (r, info)
         assert not info["error_msgs"], (r, info)
-        assert dtypes(rank_dir(built.path.parent / f"tp{tp_size}", r)) == full
+        assert dtypes(rank_dir(out, r)) == full
 
 
 @pytest.mark.parametrize("tp_size", TP_SIZES)
@@ -410,6 +413,11 @@ CONFIGS = {
         "text_config": {"model_type": "glm5_next_text", **_flat_glm(
             "glm5_next_text", linear_attn_config=_LINEAR
         )},
+    },
+    "kimi_linear as transformers writes it: layer_types, linear_attn_config without layers": {
+        "model_type": "kimi_linear", "hidden_size": HIDDEN, "num_hidden_layers": 3,
+        "layer_types": ["linear_attention", "full_attention", "linear_attention"],
+        "linear_attn_config": _LINEAR,
     },
     "kimi_linear, linear_attn_config (1-based kda_layers)": {
         "model_type": "kimi_linear", "hidden_size": HIDDEN, "num_hidden_layers": 4,

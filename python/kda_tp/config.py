@@ -22,7 +22,8 @@ below names the code it follows.
 
 Kimi and generic keys: ``hidden_size`` and ``linear_attn_config`` with ``head_dim``,
 ``num_heads``, ``short_conv_kernel_size``, ``kda_layers`` (1-based layer numbers) and, for K3,
-``use_full_rank_gate`` (bool) and ``gate_lower_bound`` (float < 0; none: the softplus gate); or
+``use_full_rank_gate`` (bool) and ``gate_lower_bound`` (float < 0; none: the softplus gate),
+with ``layer_types`` (below) when ``kda_layers`` is absent; or
 transformers' native ``kimi_linear`` and Qwen3-Next style: ``hidden_size``,
 ``linear_key_head_dim`` / ``linear_num_key_heads`` (or the older ``linear_head_dim`` /
 ``linear_num_heads``), ``linear_conv_kernel_dim``, with KDA layers marked
@@ -221,7 +222,9 @@ def parse_config(config: Mapping[str, Any], source: str = "<dict>") -> KdaConfig
         conv_kernel = dim(linear, "short_conv_kernel_size", lac)
         layers = linear.get("kda_layers")
         if layers is None:
-            kda_layers = None
+            # transformers' KimiLinearConfig writes layer_types beside a linear_attn_config
+            # that may have no kda_layers (configuration_kimi_linear.py, __post_init__).
+            kda_layers = _layer_types(config, KDA_LAYER_TYPES, source)
         elif isinstance(layers, list):
             # Kimi-Linear numbers layers from 1.
             kda_layers = tuple(
