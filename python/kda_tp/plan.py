@@ -121,12 +121,12 @@ class KdaTpPlan(_native.KdaTpPlan):
 
         Args:
             config: a config dict, a ``config.json`` path, a checkpoint directory, or a
-                :class:`~kda_tp.SafetensorsSource`. Kimi-Linear keys (``hidden_size``,
-                ``linear_attn_config.head_dim/num_heads/short_conv_kernel_size``, K3's
-                ``use_full_rank_gate``), transformers' native ``kimi_linear`` and Qwen3-Next
-                keys (``linear_key_head_dim``, ``linear_num_key_heads``,
-                ``linear_conv_kernel_dim``), at the top level or under ``text_config``
-                (:mod:`kda_tp.config`).
+                :class:`~kda_tp.SafetensorsSource`, read as its model family reads it
+                (:mod:`kda_tp.config`): GLM-5.3-Flash's ``linear_head_dim`` /
+                ``linear_num_heads`` / ``linear_conv_kernel_dim``; Kimi-Linear keys
+                (``hidden_size``, ``linear_attn_config.head_dim/num_heads/
+                short_conv_kernel_size``, K3's ``use_full_rank_gate``) or transformers' flat
+                ``kimi_linear`` keys; at the top level or under ``text_config``.
             tp_rank, tp_size: this rank and the world size.
             gate_rank: the gate bottleneck width. With a checkpoint it defaults to the first
                 KDA layer's ``f_a_proj`` row count; with a bare config, to ``head_dim``

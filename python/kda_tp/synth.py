@@ -98,7 +98,7 @@ GEOMETRIES: dict[str, dict[str, Any]] = {
         "conv_kernel": 4,
         "gate_rank": 128,
         "style": "glm",
-        "full_attn_every": 4,
+        "full_attn_every": None,
     },
     # Kimi K3 (2.8T): 93 layers, every 4th and the last MLA; one KDA layer is about 0.89 GB.
     "kimi-k3": {
@@ -153,9 +153,10 @@ def write_checkpoint(
         out_dir: directory to write into (created if missing; files of the same names are
             replaced).
         model: a key of :data:`GEOMETRIES`: ``"kimi-linear"`` (Kimi-Linear-48B-A3B attention:
-            every 4th layer MLA, Kimi config), ``"glm-5.3-flash"`` (every 4th layer MLA as
-            transformers' default ``layer_types``, GLM config, ``style="glm"``), ``"kimi-k3"`` (Kimi K3: every 4th layer and, as in
-            the real model, the last one MLA; K3 config and tensors, ``style="k3"``) or
+            every 4th layer MLA, Kimi config), ``"glm-5.3-flash"`` (all layers KDA, listed in
+            ``layer_types``; GLM config, ``style="glm"``), ``"kimi-k3"`` (Kimi K3: every 4th
+            layer and, as in the real model, the last one MLA; K3 config and tensors,
+            ``style="k3"``) or
             ``"kimi-k3-fp8"`` (the same with the attention projections in FP8 128x128 blocks as
             NVIDIA's ModelOpt release stores them, ``fp8=True``).
         num_layers: number of decoder layers (default 4: 0-based layer 3 is MLA for Kimi and
