@@ -59,17 +59,19 @@ BATCH, SEQ_LEN = 2, 80
 class Family:
     """How to build one model family's tiny model with transformers, and how it is stored.
 
+    ``prefix`` is the decoder layers' name prefix (module path and checkpoint name alike).
     ``f32`` names the parameters real checkpoints keep in F32 (everything else is BF16):
     Kimi-Linear's ``A_log`` and ``dt_bias``; GLM-5.3-Flash's also its convs
-    (``nn.Conv1d(..., dtype=float32)`` in ``modeling_glm5_next.py``). ``max_shard_size`` (bytes,
-    None: one file) is passed to ``save_pretrained``.
+    (``nn.Conv1d(..., dtype=float32)`` in ``modeling_glm5_next.py``). ``max_shard_size`` is
+    passed to ``save_pretrained`` (Kimi-Linear: one file; GLM: an index and many files).
     """
 
     name: str
     model_class: str
     config: Callable[[], Any]
+    prefix: str
     f32: tuple[str, ...]
-    max_shard_size: int | None
+    max_shard_size: str
 
 
 def _kimi_linear_config() -> Any:
@@ -110,11 +112,12 @@ def _glm_config() -> Any:
 
 FAMILIES = {
     "kimi_linear": Family(
-        "kimi_linear", "KimiLinearForCausalLM", _kimi_linear_config, ("A_log", "dt_bias"), None
+        "kimi_linear", "KimiLinearForCausalLM", _kimi_linear_config, "model.layers.",
+        ("A_log", "dt_bias"), "1GB",
     ),
     "glm5_next": Family(
         "glm5_next", "Glm5NextForConditionalGeneration", _glm_config,
-        ("A_log", "dt_bias", "conv1d"), 64 * 1024,
+        "model.language_model.layers.", ("A_log", "dt_bias", "conv1d"), "64KB",
     ),
 }
 
@@ -197,7 +200,6 @@ class Built:
     family: Family
     path: Path
     config: Any
-    prefix: str
     x: np.ndarray
     full: dict[int, np.ndarray]  # KDA layer -> full module output
     ranks: dict[int, list[dict[int, np.ndarray]]]  # tp_size -> rank -> layer -> partial output
@@ -214,15 +216,13 @@ def built(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
     generator = torch.Generator().manual_seed(1)
     config = family.config()
     model = getattr(transformers, family.model_class)(config)
-    prefix = f"{model.base_model_prefix}." + (
-        "language_model.layers." if family.name == "glm5_next" else "layers."
-    )
+    prefix = family.prefix
     layers = kda_layers(config)
     for layer in layers:
         randomize_kda(attention(model, prefix, layer), generator)
     to_stored_dtypes(model, family.f32)
     path = root / "full"
-    model.save_pretrained(path, max_shard_size=family.max_shard_size or "50GB")
+    model.save_pretrained(path, max_shard_size=family.max_shard_size)
 
     x = np.random.default_rng(2).standard_normal((BATCH, SEQ_LEN, HIDDEN)).astype(np.float32)
     full_model, _ = load(family, path)
@@ -239,7 +239,7 @@ def built(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
             ranks[tp_size].append(
                 {layer: module_output(attention(rank_model, prefix, layer), x) for layer in layers}
             )
-    return Built(family, path, config, prefix, x, full, ranks, infos)
+    return Built(family, path, config, x, full, ranks, infos)
 
 
 def test_saved_model_is_stored_as_real_checkpoints_are(built: Built) -> None:
@@ -247,7 +247,7 @@ def test_saved_model_is_stored_as_real_checkpoints_are(built: Built) -> None:
     checkpoints have it, and the layout kda_tp finds (GLM: an index and several files)."""
     stored = dtypes(built.path)
     prefix = decoder_prefix(SafetensorsSource(built.path))
-    assert prefix == built.prefix
+    assert prefix == built.family.prefix
     a_log_shape = (1, 1, HEADS, 1) if built.family.name == "kimi_linear" else (HEADS,)
     source = SafetensorsSource(built.path)
     for layer in kda_layers(built.config):
@@ -260,7 +260,7 @@ def test_saved_model_is_stored_as_real_checkpoints_are(built: Built) -> None:
         assert stored[kda + "q_proj.weight"] == stored[kda + "o_proj.weight"] == "BF16"
         assert not any(name.startswith(kda + "forget_gate.") for name in stored)
     files = sorted(p.name for p in built.path.glob("*.safetensors"))
-    if built.family.max_shard_size is None:
+    if built.family.name == "kimi_linear":
         assert files == ["model.safetensors"]
     else:
         assert len(files) > 2 and (built.path / "model.safetensors.index.json").is_file()
@@ -348,7 +348,7 @@ def test_kda_tp_reads_the_saved_config_as_transformers_does(built: Built) -> Non
     assert _kda_tp_view(load_config(built.path)) == _kda_view(built.config)
     model, _ = load(built.family, built.path)
     for layer in built.full:
-        gate = attention(model, built.prefix, layer).forget_gate
+        gate = attention(model, built.family.prefix, layer).forget_gate
         bound = getattr(gate, "safe_gate_lower_bound", None)
         assert parse_config(load_config(built.path)).gate_lower_bound == bound
     if built.family.name == "glm5_next":
