@@ -16,7 +16,8 @@ every KDA layer:
   and per rank; with the forget gate's lower bound dropped it does not.
 
 And that kda_tp reads each family's config (geometry, KDA layers, eps and the gate's lower
-bound) as transformers does. The GLM model has MLA/DSA ``indexed_attention`` layers whose
+bound) as transformers does, and that its synthetic checkpoints' KDA layers are what
+transformers builds. The GLM model has MLA/DSA ``indexed_attention`` layers whose
 ``self_attn.o_proj`` has KDA's name, and a vision tower; both are passed through unsliced.
 
 "Relative error" here is ``max|actual - expected| / max|expected|``, as in
@@ -45,6 +46,7 @@ from kda_tp.config import load_config, parse_config  # noqa: E402
 from kda_tp.layout import decoder_prefix  # noqa: E402
 from kda_tp.reference import checkpoint_layer_forward  # noqa: E402
 from kda_tp.shard import rank_dir, shard_checkpoint  # noqa: E402
+from kda_tp.synth import write_small_checkpoint  # noqa: E402
 
 # Kimi-Linear's and GLM-5.3-Flash's head_dim (128); 4 heads, so TP 2 and 4 keep the default
 # q|k width rule (2 * local heads * head_dim a multiple of 256) and TP 4 has one head per rank.
@@ -460,3 +462,28 @@ def test_a_dropped_bound_fails_the_comparison(built: Built, bound_dropped: None)
             assert err > 0.2, layer
         else:
             assert err <= RTOL, layer
+
+
+@pytest.mark.parametrize("style", ["kimi", "glm"])
+def test_synthetic_checkpoints_are_what_transformers_builds(style: str, tmp_path: Path) -> None:
+    """kda_tp's synthetic checkpoints (``kda-tp synth``/``demo``) hold KDA layers transformers
+    loads as they are (no unexpected or mismatched key, none of a KDA layer missing; the MLP,
+    indexer and vision weights they leave out are missing) and computes as
+    ``checkpoint_layer_forward`` does."""
+    family = FAMILIES["kimi_linear" if style == "kimi" else "glm5_next"]
+    kda = [0, 1, 3] if style == "kimi" else [0, 1, 2]
+    write_small_checkpoint(
+        tmp_path, hidden=HIDDEN, heads=HEADS, head_dim=HEAD_DIM, conv_kernel=CONV,
+        gate_rank=HEAD_DIM, num_layers=4, kda_layers=kda, style=style,
+    )
+    config = transformers.AutoConfig.from_pretrained(tmp_path)
+    assert kda_layers(config) == kda
+    # The synthetic configs name no pad token; transformers' default is past their 64 tokens.
+    config.get_text_config().pad_token_id = 0
+    model, info = load(family, tmp_path, config)
+    assert not info["unexpected_keys"] and not info["mismatched_keys"], info
+    assert not [k for k in info["missing_keys"] if ".self_attn." in k and "indexer" not in k]
+    x = np.random.default_rng(3).standard_normal((1, SEQ_LEN, HIDDEN)).astype(np.float32)
+    for layer in kda:
+        expected = module_output(attention(model, family.prefix, layer), x)
+        assert rel_err(checkpoint_layer_forward(tmp_path, layer, x), expected) <= RTOL, layer
