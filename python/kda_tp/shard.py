@@ -656,7 +656,9 @@ def verify_shards(
     Args:
         checkpoint: the input given to ``shard`` (directory or single file).
         out_dir: the ``--out`` directory holding ``rank{r}/``.
-        numeric, seq_len, seed: the numerical check and its input (tokens, rng seed).
+        numeric: also run the numerical check.
+        seq_len: tokens of the numerical check's random input.
+        seed: seed of that input's random generator.
         layers: 0-based KDA layers to check numerically (default: every KDA layer); the byte
             check always covers every tensor.
         progress: called once with the number of input tensors; returns ``advance(n)``, called
@@ -667,7 +669,8 @@ def verify_shards(
             holds other things but no ``rank{r}`` directory (not a kda-tp output), or was
             sharded from another checkpoint (its headers record a digest of the input's
             tensor names, dtypes, shapes and some data bytes, and it differs).
-        PlanError: ``layers`` refused (see :func:`~kda_tp.layers.check_layers`).
+        PlanError: ``layers`` refused (negative, repeated, out of range or
+            1-based).
     """
     source = SafetensorsSource(checkpoint)
     out = Path(out_dir)

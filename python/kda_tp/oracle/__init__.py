@@ -226,7 +226,8 @@ def plan(
     ``KdaTpPlan::new``).
 
     Args:
-        tp_rank, tp_size: this rank and the tensor-parallel world size.
+        tp_rank: this rank, ``0 <= tp_rank < tp_size``.
+        tp_size: the tensor-parallel world size.
         hidden: hidden size of the model (elements).
         head_dim: elements per head; ``C = full_heads * head_dim`` is the channel count.
         full_heads: KDA heads over all ranks.
