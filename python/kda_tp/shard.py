@@ -1,13 +1,15 @@
 """Writing one checkpoint directory per tensor-parallel rank, and verifying them.
 
-Layout written by ``kda-tp shard CHECKPOINT --tp-size T --out OUT``::
+Layout written by ``kda-tp shard CHECKPOINT --tp-size T --out OUT``:
 
-    OUT/rank0/ ... OUT/rank{T-1}/
-        config.json and the input's other small files, unchanged;
-        the input's safetensors file names, each holding the same tensors as in the input
-        (KDA tensors as this rank's slice, with local shapes), ``__metadata__`` carrying
-        ``tp_rank``, ``tp_size``, ``kda_tp_qk_multiple`` and ``kda_tp_layers``;
-        model.safetensors.index.json.
+```text
+OUT/rank0/ ... OUT/rank{T-1}/
+    config.json and the input's other small files, unchanged;
+    the input's safetensors file names, each holding the same tensors as in the input
+    (KDA tensors as this rank's slice, with local shapes), __metadata__ carrying
+    tp_rank, tp_size, kda_tp_qk_multiple and kda_tp_layers;
+    model.safetensors.index.json.
+```
 
 A rank is written into a hidden ``OUT/.rank{r}.partial-<pid>`` directory and renamed to
 ``OUT/rank{r}`` only when every file in it is complete, so a run killed at any point leaves no

@@ -1,8 +1,8 @@
 """PyTorch and torch.distributed integration: per-rank loading, DTensor, torchrun jobs.
 
-Everything here needs the optional ``torch`` extra (``pip install 'kda_tp[torch]'``, torch
->= 2.5); ``import kda_tp`` does not import torch, and importing this module without torch (or
-with an older one) raises :class:`~kda_tp.errors.MissingDependencyError`.
+Everything here needs the optional ``torch`` extra (``pip install 'kda_tp[torch]'``,
+``torch >= 2.5``); ``import kda_tp`` does not import torch, and importing this module without
+torch (or with an older one) raises :class:`~kda_tp.errors.MissingDependencyError`.
 
 * :func:`load_rank`: one tensor-parallel rank's tensors as ``torch.Tensor``; rank and world size
   default to a torch.distributed process group.
