@@ -19,7 +19,7 @@ import kda_tp
 from kda_tp import oracle
 from kda_tp._io import write_safetensors
 from kda_tp.cli import main
-from kda_tp.equivalence import _layer_weights
+from kda_tp.equivalence import layer_weights
 from kda_tp.errors import CheckpointError, DtypeMismatchError, PlanError, ShapeMismatchError
 from kda_tp.reference import kda_layer_forward
 from kda_tp.shard import rank_dir, shard_checkpoint, verify_shards
@@ -53,7 +53,7 @@ def test_reference_on_each_ranks_dequantized_slices_matches_the_fixture():
     for rank in range(2):
         plan = kda_tp.KdaTpPlan.from_config(source, rank, 2)
         view = kda_tp.KdaShardedSource(source, plan)
-        local = _layer_weights(view, 0, LAYERS, plan)
+        local = layer_weights(view, 0, LAYERS, plan)
         partial = kda_layer_forward(local, x, head_dim=64, gate_lower_bound=-5.0)
         want = np.load(FIXTURE / f"y_partial_tp2_rank{rank}.npy")
         assert np.max(np.abs(partial - want)) < 1e-5
@@ -149,9 +149,9 @@ def test_other_layouts_give_the_same_weights_per_rank(tmp_path, style):
     fixture = kda_tp.SafetensorsSource(FIXTURE)
     for rank in range(2):
         plan = kda_tp.KdaTpPlan.from_config(fixture, rank, 2)
-        want = _layer_weights(kda_tp.KdaShardedSource(fixture, plan), 0, LAYERS, plan)
+        want = layer_weights(kda_tp.KdaShardedSource(fixture, plan), 0, LAYERS, plan)
         got_source = kda_tp.SafetensorsSource(rank_dir(out, rank))
-        got = _layer_weights(got_source, 0, LAYERS, plan)
+        got = layer_weights(got_source, 0, LAYERS, plan)
         for name in PROJECTIONS:
             assert np.array_equal(got[name], want[name]), name
             assert got_source.get(f"{KDA}{name}.{suffix}").array.ndim == 2
