@@ -26,7 +26,6 @@ ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 DOCS = ROOT / "docs"
 MODEL = "/models/Kimi-Linear-48B-A3B"
-COMMANDS = ("plan", "shard", "verify", "demo")
 
 
 def python_blocks(path: Path) -> list[str]:
@@ -129,12 +128,12 @@ def cli_sections() -> dict[str, str]:
 def test_cli_reference_lists_every_command(capsys):
     top = help_text(capsys)
     listed = set(re.findall(r"^    (\w+)\s", top.split("COMMAND", 2)[2], flags=re.M))
-    assert listed == set(COMMANDS)
+    assert {"plan", "shard", "verify", "demo"} <= listed
     assert set(cli_sections()) == listed
     assert "--version" in flags(top) and "`kda-tp --version`" in (DOCS / "cli.md").read_text()
 
 
-@pytest.mark.parametrize("command", COMMANDS)
+@pytest.mark.parametrize("command", sorted(cli_sections()))
 def test_cli_reference_lists_every_flag(command, capsys):
     section = cli_sections()[command]
     table = set(re.findall(r"^\| `(--[a-z][a-z0-9-]*)", section, flags=re.M))
