@@ -6,7 +6,7 @@
 * The README is a landing page: at most 200 lines, linking every page of the site's nav; every
   relative link in it and in the docs names a file that exists.
 * docs/cli.md lists every command and every flag of ``kda-tp``, and its flag tables list none that
-  the parser lacks.
+  the parser lacks; the API reference has an entry for every name in ``kda_tp.__all__``.
 
 ``mkdocs build --strict`` (in .ci/run) checks the site's own links, anchors and API references.
 """
@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+import kda_tp
 from kda_tp.cli import main
 from kda_tp.synth import write_small_checkpoint
 
@@ -138,3 +139,15 @@ def test_cli_reference_lists_every_flag(command, capsys):
     section = cli_sections()[command]
     table = set(re.findall(r"^\| `(--[a-z][a-z0-9-]*)", section, flags=re.M))
     assert table == flags(help_text(capsys, command))
+
+
+def test_api_reference_documents_every_public_name():
+    directives = set(re.findall(r"^::: ([\w.]+)$", "\n".join(
+        page.read_text() for page in sorted((DOCS / "api").glob("*.md"))), flags=re.M))
+    whole_modules = {"kda_tp.errors", "kda_tp.torch", "kda_tp.reference", "kda_tp.shard"}
+    assert whole_modules <= directives
+    errors = set(kda_tp.errors.__all__)
+    missing = [name for name in kda_tp.__all__
+               if name not in errors | {"__version__", "errors"}
+               and f"kda_tp.{name}" not in directives]
+    assert missing == []
