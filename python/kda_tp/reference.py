@@ -222,9 +222,14 @@ def checkpoint_layer_forward(
             the plan refuses (heads not divisible, rank out of range).
         ShapeMismatchError: ``x`` is not ``(B, T, hidden)``, or a stored tensor's shape does
             not fit the config.
+        TypeError: ``checkpoint`` is neither a path nor a ``SafetensorsSource``.
     """
     if isinstance(checkpoint, (str, os.PathLike)):
         checkpoint = SafetensorsSource(checkpoint)
+    elif not isinstance(checkpoint, SafetensorsSource):
+        raise TypeError(
+            f"checkpoint: {type(checkpoint).__name__}, expected a path or a SafetensorsSource"
+        )
     if checkpoint.config is None:
         raise CheckpointError(f"{checkpoint.root}: no {CONFIG_NAME} beside the checkpoint")
     config = parse_config(checkpoint.config, str(checkpoint.root / CONFIG_NAME))
