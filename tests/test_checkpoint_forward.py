@@ -113,6 +113,8 @@ def test_refusals_name_the_problem(glm):
         checkpoint_layer_forward(glm, 1, np.zeros((1, 4, 95), np.float32))
     with pytest.raises(kda_tp.PlanError, match="divisible"):
         checkpoint_layer_forward(glm, 1, x, tp_rank=0, tp_size=3)
+    with pytest.raises(TypeError, match="expected a path or a SafetensorsSource"):
+        checkpoint_layer_forward({"hidden_size": 96}, 1, x)
 
 
 def test_the_numeric_check_passes_on_glm(glm):

@@ -8,6 +8,7 @@ installed, the bounds are compared with what ``Glm5NextConfig`` itself makes of 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -155,3 +156,25 @@ def test_plan_prints_the_gate_and_its_key(capsys):
     assert (doc["forget_gate"], doc["gate_lower_bound"], doc["gate_bound_key"]) == (
         "lower_bound", -5.0, "text_config.linear_lower_bound"
     )
+
+
+def _engine_bound(path: Path) -> float | None:
+    """The forget-gate bound an engine's layer ended up with (the rank file's ``engine_gate``
+    metadata, e.g. ``lower_bound: None`` or ``lower_bound attrs: {'kda_lower_bound': -5.0, ...}``)."""
+    import kda_tp
+
+    gate = kda_tp.SafetensorsSource(path).files()[0][1]["engine_gate"]
+    value = re.search(r"(-?\d+\.\d+|None)", gate)
+    assert value is not None, gate
+    return None if value.group(1) == "None" else float(value.group(1))
+
+
+@pytest.mark.parametrize(("model", "ckpt"), [("glm", "glm"), ("k3", "k3"), ("kimi_linear", "kl")])
+def test_bound_equals_vllm_and_differs_from_sglang_only_for_glm(model, ckpt):
+    """vLLM 0.33 reads every family's bound as kda_tp does; SGLang 0.5.23 runs GLM-5.3-Flash
+    unbounded (it reads only linear_attn_config.gate_lower_bound)."""
+    ours = parse_config(load_config(ENGINE_RANKS / f"ckpt_{ckpt}")).gate_lower_bound
+    vllm = _engine_bound(next(ENGINE_RANKS.glob(f"vllm_{model}_tp4_r*.safetensors")))
+    sglang = _engine_bound(next(ENGINE_RANKS.glob(f"sglang_{model}_tp4_r*.safetensors")))
+    assert vllm == ours
+    assert (sglang == ours) is (model != "glm")

@@ -283,7 +283,7 @@ def plan_json(
     config the plan came from): ``forget_gate`` (``"lower_bound"`` or ``"softplus"``),
     ``gate_lower_bound`` (None for softplus), ``gate_bound_key`` (the config key it came from,
     e.g. ``"text_config.linear_lower_bound"``) and ``config_rules`` (``"glm5_next"``,
-    ``"kimi"`` or ``"generic"``: :mod:`kda_tp.config`). ``shapes`` as for :func:`format_plan`.
+    ``"kimi"`` or ``"generic"``: ``kda_tp.config``). ``shapes`` as for :func:`format_plan`.
     """
     shapes = shapes or {}
 

@@ -37,6 +37,7 @@ __all__ = [
     "EquivalenceReport",
     "LayerEquivalence",
     "check_tp_equivalence",
+    "compare_outputs",
 ]
 
 #: Absolute part of the pass threshold (output units).
@@ -125,11 +126,11 @@ def check_tp_equivalence(
     rank ``r``'s local weights (``KdaTpPlan.from_config(config, r, tp_size)``), and the layer
     passes when ``max|sum_r y_r - y| <= atol + rtol * max|y|`` (module docstring: why). Both
     go through :func:`kda_tp.reference.source_layer_forward`, the path of
-    :func:`kda_tp.reference.checkpoint_layer_forward`: the forget gate and its bound (GLM-5.3-
-    Flash's ``linear_lower_bound``, Kimi K3's ``gate_lower_bound``) and the output-gate form
-    come from the config as the model reads it (:mod:`kda_tp.config`); block-quantized (FP8)
-    weights are dequantized with their scale grids (:func:`kda_tp.dequantize`) before
-    computing, on every rank with its own local grid.
+    :func:`kda_tp.reference.checkpoint_layer_forward`: the forget gate and its bound
+    (GLM-5.3-Flash's ``linear_lower_bound``, Kimi K3's ``gate_lower_bound``) and the
+    output-gate form come from the config as the model reads it (``kda_tp.config``);
+    block-quantized (FP8) weights are dequantized with their scale grids
+    (:func:`kda_tp.dequantize`) before computing, on every rank with its own local grid.
 
     Args:
         checkpoint: a ``kda_tp.SafetensorsSource`` (or any object with ``get(name)`` returning a
@@ -192,7 +193,6 @@ def check_tp_equivalence(
     except CheckpointError:
         all_kda = layer_list
     rank_sources = [factory(source, plan, all_kda) for plan in plans]
-    head_dim = plans[0].head_dim
     config = parse_config(source.config)
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((1, seq_len, plans[0].hidden)).astype(np.float32)
@@ -206,11 +206,11 @@ def check_tp_equivalence(
             for s, plan in zip(rank_sources, plans)
         )
         y_sum = functools.reduce(np.add, partials)
-        results.append(_compare(layer, y, y_sum, atol, rtol))
+        results.append(compare_outputs(layer, y, y_sum, atol, rtol))
     return EquivalenceReport(tp_size, int(seq_len), seed, atol, rtol, tuple(results))
 
 
-def _compare(
+def compare_outputs(
     layer: int, y: np.ndarray, y_sum: np.ndarray, atol: float, rtol: float
 ) -> LayerEquivalence:
     """Build the layer's verdict from the full output ``y`` and the sum of partials."""

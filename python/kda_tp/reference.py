@@ -19,7 +19,7 @@ and an ``A_log`` zero-padded past the heads.
 
 GLM-5.3-Flash (transformers ``modeling_glm5_next.py``, ``Glm5NextTextLinearAttention``) is the
 same layer with the lower-bounded forget gate (``linear_lower_bound``, -5.0 by default) and a 1-D
-``A_log``; which gate a checkpoint uses is its config's business (:mod:`kda_tp.config`).
+``A_log``; which gate a checkpoint uses is its config's business (``kda_tp.config``).
 
 Everything is computed in float32; BF16/F16 weights are upcast exactly, FP8 projections are
 dequantized with their block scales (:func:`kda_tp.dequantize`).
@@ -193,7 +193,7 @@ def checkpoint_layer_forward(
     The layer is computed the way the model's reference implementation computes it, with
     everything read from the checkpoint: the forget gate (softplus, or lower-bounded with the
     bound its config gives: GLM-5.3-Flash's ``linear_lower_bound``, Kimi K3's
-    ``gate_lower_bound``; see :mod:`kda_tp.config`), the output-gate form (low-rank or K3's
+    ``gate_lower_bound``; see ``kda_tp.config``), the output-gate form (low-rank or K3's
     full-rank ``g_proj``), ``rms_norm_eps``, the stored dtypes (upcast exactly to float32) and
     FP8 block dequantization. Compare your engine's output of the same layer against it (the
     module input ``x``, i.e. after the layer's input norm; no cache, no padding mask).
@@ -222,9 +222,14 @@ def checkpoint_layer_forward(
             the plan refuses (heads not divisible, rank out of range).
         ShapeMismatchError: ``x`` is not ``(B, T, hidden)``, or a stored tensor's shape does
             not fit the config.
+        TypeError: ``checkpoint`` is neither a path nor a ``SafetensorsSource``.
     """
     if isinstance(checkpoint, (str, os.PathLike)):
         checkpoint = SafetensorsSource(checkpoint)
+    elif not isinstance(checkpoint, SafetensorsSource):
+        raise TypeError(
+            f"checkpoint: {type(checkpoint).__name__}, expected a path or a SafetensorsSource"
+        )
     if checkpoint.config is None:
         raise CheckpointError(f"{checkpoint.root}: no {CONFIG_NAME} beside the checkpoint")
     config = parse_config(checkpoint.config, str(checkpoint.root / CONFIG_NAME))
@@ -280,8 +285,8 @@ def source_layer_forward(
         float32 ``(B, T, hidden)``: the output, or the rank's partial sum.
 
     Raises:
-        CheckpointError, ShapeMismatchError: see :func:`layer_weights` and
-            :func:`kda_layer_forward`.
+        CheckpointError: a tensor or block scale is missing (:func:`layer_weights`).
+        ShapeMismatchError: a weight's shape does not fit the others (:func:`kda_layer_forward`).
     """
     return kda_layer_forward(
         layer_weights(source, layer, prefix, plan),
