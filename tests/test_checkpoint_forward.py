@@ -80,10 +80,9 @@ def test_glm_output_uses_its_lower_bound(glm, tmp_path):
     # Independently: the array-level forward with the bound given by hand.
     source = kda_tp.SafetensorsSource(glm)
     prefix = "model.language_model.layers.1.self_attn."
-    weights = {
-        name: source.get(prefix + (name if name in ("A_log", "dt_bias") else f"{name}.weight")).array
-        for name in kda_tp.reference.WEIGHT_NAMES + ("g_a_proj", "g_b_proj")
-    }
+    names = kda_tp.reference.WEIGHT_NAMES + ("g_a_proj", "g_b_proj")
+    suffix = {name: name if name in ("A_log", "dt_bias") else f"{name}.weight" for name in names}
+    weights = {name: source.get(prefix + suffix[name]).array for name in names}
     assert weights["A_log"].shape == (4,) and weights["A_log"].dtype == np.float32
     by_hand = kda_tp.reference.kda_layer_forward(
         weights, x, head_dim=32, rms_norm_eps=1e-5, gate_lower_bound=-5.0
