@@ -119,3 +119,15 @@ def test_refusals_name_the_problem(glm):
 def test_the_numeric_check_passes_on_glm(glm):
     report = kda_tp.check_tp_equivalence(glm, 2, seq_len=8, qk_multiple=1)
     assert report.passed and [entry.layer for entry in report.layers] == [1]
+
+
+def test_a_config_without_a_layer_list_uses_the_layers_holding_a_log(tmp_path):
+    ckpt = shutil.copytree(DATA / "kda_small", tmp_path / "ckpt")
+    config = json.loads((ckpt / "config.json").read_text())
+    del config["linear_attn_config"]["kda_layers"]
+    (ckpt / "config.json").write_text(json.dumps(config))
+    x = np.load(ckpt / "x.npy")
+    got = checkpoint_layer_forward(ckpt, 0, x, tp_rank=1, tp_size=2)
+    assert np.max(np.abs(got - np.load(ckpt / "y_partial_rank1.npy"))) < TOL
+    with pytest.raises(kda_tp.CheckpointError, match=r"the KDA layers are \[0\]"):
+        checkpoint_layer_forward(ckpt, 1, x)

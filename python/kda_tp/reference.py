@@ -42,6 +42,7 @@ import numpy as np
 from kda_tp.checkpoint import SafetensorsSource
 from kda_tp.config import CONFIG_NAME, KdaConfig, parse_config
 from kda_tp.errors import CheckpointError, DtypeMismatchError, PlanError, ShapeMismatchError
+from kda_tp.layers import layers_with_kda_tensors
 from kda_tp.layout import decoder_prefix, kda_tensor_name, scale_tensor_name
 from kda_tp.plan import KdaTpPlan
 from kda_tp.quant import dequantize
@@ -216,8 +217,9 @@ def checkpoint_layer_forward(
         float32 array ``(B, T, hidden)``.
 
     Raises:
-        CheckpointError: no config, ``layer`` is not one of the config's KDA layers, or a KDA
-            tensor (or an FP8 block scale) is missing.
+        CheckpointError: no config, ``layer`` is not one of the config's KDA layers (of the
+            layers holding ``A_log`` when the config does not list them), or a KDA tensor (or an
+            FP8 block scale) is missing.
         PlanError: ``tp_size`` other than 1 without ``tp_rank``; a ``tp_rank`` / ``tp_size``
             the plan refuses (heads not divisible, rank out of range).
         ShapeMismatchError: ``x`` is not ``(B, T, hidden)``, or a stored tensor's shape does
@@ -248,15 +250,15 @@ def checkpoint_layer_forward(
             f"x: shape {x.shape}, expected (batch, seq_len, {config.hidden}) (hidden_size of "
             f"{config.source})"
         )
-    if config.kda_layers is None:
-        all_kda: tuple[int, ...] = (int(layer),)
-    else:
-        all_kda = config.kda_layers
-        if layer not in all_kda:
-            raise CheckpointError(
-                f"{config.source}: layer {layer} is not a KDA layer; the KDA layers are "
-                f"{list(all_kda)} (0-based)"
-            )
+    # The config's KDA layers; a config that does not list them: the layers holding A_log.
+    all_kda = config.kda_layers
+    if all_kda is None:
+        all_kda = layers_with_kda_tensors(checkpoint)
+    if layer not in all_kda:
+        raise CheckpointError(
+            f"{config.source}: layer {layer} is not a KDA layer; the KDA layers are "
+            f"{list(all_kda)} (0-based)"
+        )
     plan = KdaTpPlan.from_config(checkpoint, tp_rank, tp_size, qk_multiple=1, layers=[layer])
     view: Any = checkpoint if tp_size == 1 else KdaShardedSource(checkpoint, plan, all_kda)
     return source_layer_forward(
