@@ -249,6 +249,9 @@ def warm(path: Path) -> None:
                     pass
 
 
+# Layer 0's KDA tensors in the synthetic GLM-5.3-Flash checkpoints (transformers' names).
+GLM_PREFIX = "model.language_model.layers.0.self_attn."
+
 # ------------------------------------------------------------------------------------------------
 # section 1: o_proj column slice
 
@@ -256,7 +259,7 @@ def warm(path: Path) -> None:
 def section1(ckpt: Path, reps: int) -> None:
     log(f"section 1: o_proj column slice, best of {reps}")
     source = SafetensorsSource(ckpt)
-    name = "model.layers.0.self_attn.o_proj.weight"
+    name = GLM_PREFIX + "o_proj.weight"
     record = source.get(name)
     rows_, cols = record.shape
     buf = record.data  # read-only uint8 view of the file mapping
@@ -504,7 +507,7 @@ def section2(glm: Path, wide: Path, calls: int, loops: int) -> None:
     g_sh = KdaShardedSource(g_src, KdaTpPlan.from_config(g_src, 1, 4))
     w_src = SafetensorsSource(wide)
     w_sh = KdaShardedSource(w_src, KdaTpPlan.from_config(w_src, 1, 2))
-    L = "model.layers.0.self_attn."
+    L = GLM_PREFIX
     # (group, label, source, mapping owner, name)
     cases = [
         ("plain", "SafetensorsSource.get q_proj", g_src, g_src, L + "q_proj.weight"),
