@@ -72,7 +72,8 @@ class PartDifference:
         expected: the expected value there (after the cast to the parameter's dtype).
         actual: the value the dump holds there.
         equals: what the part's data equals instead, when it equals some other slice (e.g.
-            ``"rank 0's slice of q_proj"``); None when it matches nothing known.
+            ``"rank 0's slice of q_proj"``); for the padding, which rows must be zero. None
+            when it matches nothing known.
     """
 
     part: str
@@ -89,7 +90,9 @@ class PartDifference:
             f"part {self.part} differs at {list(self.index)} (its {list(self.part_index)}; "
             f"expected {self.expected!r}, got {self.actual!r})"
         )
-        return text + (f": equals {self.equals}" if self.equals else "")
+        if self.equals is None:
+            return text
+        return text + (": " if self.part == "padding" else ": equals ") + self.equals
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict of the fields."""
