@@ -491,3 +491,41 @@ def test_random_geometries_pass_and_a_wrong_ranks_part_is_caught(case):
         [diff] = failure.differences
         assert diff.part == region.part
         assert diff.equals == f"rank {other}'s slice of {region.part}"
+
+
+def test_fp8_fused_weight_and_scales_and_a_missing_scale(tmp_path):
+    """vLLM K3 under ModelOpt FP8_PB_WO: the fused weight padded to 128 rows and its fused
+    scale grid pass; a scale grid missing, or a part's scales from another rank, fail."""
+    ckpt = write_small_checkpoint(tmp_path / "k3fp8", hidden=256, heads=4, head_dim=128,
+                                  conv_kernel=4, gate_rank=128, num_layers=1, kda_layers=[0],
+                                  style="k3", fp8=True)
+    prefix = "language_model.model.layers.0.self_attn."
+    state = rank_params(ckpt, "vllm-0.33-k3", 1, 2, prefix)
+    assert state[prefix + "in_proj_qkvgfab.weight"].shape == (1280, 256)  # 1154 rows, padded
+    report = kda_tp.audit(state, ckpt, tp_rank=1, tp_size=2)
+    assert report.passed and report.engine == "vllm-0.33-k3", report.format()
+    assert len(report.params) == 10  # 7 parameters, 3 scale grids (in_proj, f_b, o_proj)
+    rank0 = rank_params(ckpt, "vllm-0.33-k3", 0, 2, prefix)
+    scale = state[prefix + "in_proj_qkvgfab.weight_scale"].copy()
+    scale[2:4] = rank0[prefix + "in_proj_qkvgfab.weight_scale"][2:4]  # k_proj's 2 block rows
+    bad = {**state, prefix + "in_proj_qkvgfab.weight_scale": scale}
+    [failure] = kda_tp.audit(bad, ckpt, tp_rank=1, tp_size=2).failures
+    [diff] = failure.differences
+    assert (diff.part, diff.equals) == ("k_proj.scale", "rank 0's slice of k_proj.scale")
+    del bad[prefix + "in_proj_qkvgfab.weight_scale"]
+    [failure] = kda_tp.audit(bad, ckpt, tp_rank=1, tp_size=2).failures
+    assert failure.status == "missing" and failure.problem == (
+        "missing: vllm-0.33-k3 holds in_proj_qkvgfab.weight_scale [10, 2] here")
+
+
+def test_numpy_input_never_imports_torch():
+    code = (
+        "import sys, kda_tp\n"
+        "from safetensors.numpy import load_file\n"
+        f"t = load_file({str(DATA / 'vllm_k3_tp4_r1.safetensors')!r})\n"
+        f"assert kda_tp.audit(t, {str(DATA / 'ckpt_k3')!r}, tp_rank=1, tp_size=4).passed\n"
+        "assert 'torch' not in sys.modules\n"
+    )
+    import subprocess
+
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -32,6 +32,7 @@ from .engines import LAYOUTS, EngineLayout, EngineParamPlan, get_layout, model_f
 from .errors import CheckpointError, EngineLayoutError, PlanError
 from .layout import kda_layer_indices, kda_tensor_name, scale_tensor_name
 from .plan import KdaTpPlan
+from .shard import ProgressFactory
 from .source import KdaShardedSource, checked_get
 
 __all__ = [
@@ -42,9 +43,6 @@ __all__ = [
     "audit_path",
     "sharded_state_files",
 ]
-
-#: ``progress(total_parameters)`` returns an ``advance(n)`` callable (as for ``verify``).
-ProgressFactory = Callable[[int], Callable[[int], None]]
 
 # vLLM's and SGLang's save_sharded_state file names (vLLM's default pattern, and its pattern
 # with the pipeline stage).
@@ -302,10 +300,11 @@ class _Candidates:
     instead: every rank's slice of every plan tensor (and block-scale grid), and the full
     tensors, read from the checkpoint when first asked for."""
 
-    def __init__(self, shards: Callable[[int], KdaShardedSource], rank: int, layer: int):
-        self.shards, self.rank, self.layer = shards, rank, layer
+    def __init__(self, source: SafetensorsSource, shards: Callable[[int], KdaShardedSource],
+                 rank: int, layer: int):
+        self.source, self.shards, self.rank, self.layer = source, shards, rank, layer
         shard = shards(rank)
-        self.plan, self.prefix, self.source = shard.plan, shard.prefix, shard.source
+        self.plan, self.prefix = shard.plan, shard.prefix
         self.parts = [t.name for t in self.plan.tensors]
         self.parts += [f"{t.name}.scale" for t in self.plan.tensors if t.scale is not None]
 
@@ -442,11 +441,11 @@ def _compare(rank: int, layer: int, name: str, record: Tensor, plan: EngineParam
              expected: np.ndarray, candidates: _Candidates) -> ParamAudit:
     """Compare one dumped parameter with the bytes it must hold; diagnose a difference."""
     if record.dtype != plan.dtype:
-        why = ("fixed by the engine" if plan.dtype not in _CASTABLE or
-               record.dtype not in _CASTABLE else "")
+        # A float parameter is expected in its own dtype (the engine's model dtype) unless the
+        # layout fixes it (F32 A_log, dt_bias, convs) or its parts are FP8.
+        fixed = f" ({plan.layout} holds it in {plan.dtype})" if record.dtype in _CASTABLE else ""
         return ParamAudit(rank, layer, name, "mismatch",
-                          f"dtype {record.dtype}, expected {plan.dtype}"
-                          + (f" ({plan.layout} holds it in {plan.dtype})" if why else ""))
+                          f"dtype {record.dtype}, expected {plan.dtype}{fixed}")
     data = record.array.reshape(-1)
     spans = _spans(plan)
     if tuple(record.shape) != plan.shape:
@@ -455,10 +454,10 @@ def _compare(rank: int, layer: int, name: str, record: Tensor, plan: EngineParam
             return ParamAudit(rank, layer, name, "mismatch", problem + " (the values are right)")
         named = [s for s in spans if s.part != "padding"]
         if len(named) == 1:
-            equals = _identify(data, named[0].part, record.dtype, candidates)
+            instead = _identify(data, named[0].part, record.dtype, candidates)
         else:
-            equals = _part_order(data, spans, expected)
-        return ParamAudit(rank, layer, name, "mismatch", problem, equals=equals)
+            instead = _part_order(data, spans, expected)
+        return ParamAudit(rank, layer, name, "mismatch", problem, equals=instead)
     if _same(data, expected):
         return ParamAudit(rank, layer, name, "exact")
     differences = []
@@ -491,9 +490,8 @@ def _compare(rank: int, layer: int, name: str, record: Tensor, plan: EngineParam
 @dataclass(frozen=True)
 class _Selected:
     """A dump's KDA parameters: ``layers`` maps each layer to ``{suffix: name}``, all under
-    ``prefix``; ``ignored`` counts the other names; ``where`` names the dump in messages."""
+    ``prefix``; ``ignored`` counts the other names."""
 
-    where: str
     prefix: str
     layers: dict[int, dict[str, str]]
     ignored: int
@@ -555,7 +553,7 @@ class _Auditor:
         for n, m in kda:
             if m.group(1) == prefix:
                 layers.setdefault(int(m.group(2)), {})[m.group(3)] = n
-        return _Selected(where, prefix, layers, len(names) - sum(map(len, layers.values())))
+        return _Selected(prefix, layers, len(names) - sum(map(len, layers.values())))
 
     def layout(self, suffixes: Iterable[str], where: str) -> EngineLayout:
         """The layout the names fit (the forced one, if any), checked against the plan.
@@ -590,7 +588,7 @@ class _Auditor:
         params = layout.params_for(self.shard(rank).plan)
         report.ignored += selected.ignored
         for layer in self.layers:
-            candidates = _Candidates(self.shard, rank, layer)
+            candidates = _Candidates(self.source, self.shard, rank, layer)
             found = selected.layers.get(layer, {})
             for param in params:
                 name = found.get(param.suffix,
@@ -604,16 +602,17 @@ class _Auditor:
 
     def param(self, rank: int, layer: int, name: str, value: Any, layout: EngineLayout,
               suffix: str, candidates: _Candidates) -> ParamAudit:
+        """One parameter's verdict. The engine's model dtype is taken to be the dumped
+        parameter's (a float); else (missing, or not a float) the first part's."""
         shard = self.shard(rank)
-        if value is None:
-            parts = layout.param(suffix).parts  # the first part's dtype if they differ
-            plan = shard.param_plan(layout, suffix,
-                                    model_dtype=shard.plan[parts[0]].dtype if parts else None)
+        record = None if value is None else _record(name, value)
+        parts = layout.param(suffix).parts
+        model_dtype = (record.dtype if record is not None and record.dtype in _CASTABLE
+                       else shard.plan[parts[0]].dtype if parts else None)
+        plan = shard.param_plan(layout, suffix, model_dtype=model_dtype)
+        if record is None:
             return ParamAudit(rank, layer, name, "missing",
                               f"missing: {layout.name} holds {suffix} {list(plan.shape)} here")
-        record = _record(name, value)
-        model_dtype = record.dtype if record.dtype in _CASTABLE else None
-        plan = shard.param_plan(layout, suffix, model_dtype=model_dtype)
         expected = shard.build_param(layout, suffix, layer, model_dtype=model_dtype)
         return _compare(rank, layer, name, record, plan, expected.reshape(-1), candidates)
 
