@@ -116,6 +116,9 @@ def test_torch_state_dict():
     meta, tensors, ckpt = fixture("sglang_k3_tp4_r1")
     state = {k: torch.from_numpy(v) for k, v in tensors.items()}
     assert kda_tp.audit(state, ckpt, tp_rank=1, tp_size=4).passed
+    # dict(model.named_parameters()): Parameters (engines subclass them)
+    params = {k: torch.nn.Parameter(v, requires_grad=False) for k, v in state.items()}
+    assert kda_tp.audit(params, ckpt, tp_rank=1, tp_size=4).passed
     # BF16 parameters: the expected F32 values are cast to BF16 the way the engine casts
     state = {k: (v if k.endswith(("A_log", "dt_bias", "conv1d.weight")) else v.bfloat16())
              for k, v in state.items()}
@@ -162,7 +165,7 @@ def test_another_ranks_slice(tmp_path, capsys):
     rank0 = rank_params(ckpt, "vllm-0.33-glm-5.3", 0, 4)
     tensors[PRE + "o_proj.weight"] = rank0[PRE + "o_proj.weight"]
     status, out, doc = audit_file(tmp_path, capsys, "vllm_glm_tp4_r3", tensors)
-    assert status == 1 and not doc["passed"]
+    assert status == 1 and not doc["ok"]
     line = next(line for line in out.splitlines() if "o_proj" in line)
     assert line.startswith(f"rank 3 {PRE}o_proj.weight: values differ in o_proj")
     assert "equals rank 0's slice of o_proj" in line
@@ -351,7 +354,7 @@ def test_sharded_state_directory_passes_only_with_every_rank(tmp_path, capsys, s
     assert "ranks 0, 1, 3 of 4" in text.splitlines()[-1]
     status, text, _ = run(capsys, "audit", ckpt, out, "--tp-size", tp, "--json")
     doc = json.loads(text)
-    assert status == 1 and not doc["passed"] and doc["ranks"] == [0, 1, 3]
+    assert status == 1 and not doc["ok"] and doc["ranks"] == [0, 1, 3]
     assert doc["problems"] and all(p["status"] == "exact" for p in doc["params"])
     # one rank of the directory
     assert run(capsys, "audit", ckpt, out, "--tp-size", tp, "--rank", 3)[0] == 0

@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -82,8 +83,8 @@ class PartDifference:
     equals: str | None = None
 
     def format(self) -> str:
-        """One clause, e.g. ``part q_proj differs at [0, 0] (expected 384.0, got 0.0):
-        equals rank 0's slice of q_proj``."""
+        """One clause, e.g. ``part v_proj differs at [768, 0] (its [0, 0]; expected 20384.0,
+        got 20768.0): equals rank 2's slice of v_proj``."""
         text = (
             f"part {self.part} differs at {list(self.index)} (its {list(self.part_index)}; "
             f"expected {self.expected!r}, got {self.actual!r})"
@@ -112,7 +113,8 @@ class ParamAudit:
             parameter, the name the engine would give it).
         status: ``"exact"``, ``"mismatch"`` (present, but shape, dtype or bytes differ) or
             ``"missing"`` (the engine's layout has it, the dump does not).
-        problem: what is wrong in a few words (shape, dtype, "bytes differ"); None when exact.
+        problem: what is wrong in a few words (``"values differ in q_proj, k_proj"``, a shape,
+            a dtype, ``"missing: ..."``); None when exact.
         differences: per differing part, where and what it equals instead (first differing
             part first).
         equals: what the whole parameter equals instead, when no single part explains it
@@ -133,7 +135,8 @@ class ParamAudit:
         return self.status == "exact"
 
     def format(self) -> str:
-        """One line: ``rank 1 layer 0 model.layers.0.self_attn.A_log: ...``."""
+        """One line: ``rank 1 model.layers.0.self_attn.A_log: <problem>[; equals ...][; part
+        ...]``."""
         if self.passed:
             return f"rank {self.rank} {self.name}: exact"
         text = f"rank {self.rank} {self.name}: {self.problem}"
@@ -204,11 +207,12 @@ class AuditReport:
         return "\n".join([*lines, self.summary()])
 
     def to_dict(self) -> dict[str, Any]:
-        """A JSON-ready dict: ``passed``, ``engine``, ``tp_size``, ``ranks``, ``ignored``,
+        """A JSON-ready dict (what ``kda-tp audit --json`` prints): ``ok`` (:attr:`passed`, under
+        the key every ``kda-tp --json`` document has), ``engine``, ``tp_size``, ``ranks``, ``ignored``,
         ``problems``, ``exact`` (the count) and ``params`` (every parameter's entry, see
         :meth:`ParamAudit.to_dict`)."""
         return {
-            "passed": self.passed, "engine": self.engine, "tp_size": self.tp_size,
+            "ok": self.passed, "engine": self.engine, "tp_size": self.tp_size,
             "ranks": list(self.ranks), "ignored": self.ignored, "problems": list(self.problems),
             "exact": sum(p.passed for p in self.params),
             "params": [p.to_dict() for p in self.params],
@@ -264,8 +268,8 @@ def _rank_of_name(name: str) -> int | None:
 
 def _record(name: str, value: Any) -> Tensor:
     """``value`` (a numpy array, a torch tensor on any device, or a :class:`~kda_tp.Tensor`)
-    as a Tensor record of its raw bytes. torch is only touched for a torch tensor (so it is
-    loaded already).
+    as a Tensor record of its raw bytes. torch is never imported here: a torch tensor means it
+    is loaded already.
 
     Raises:
         CheckpointError: a value of another type, a dtype with no safetensors name, or a torch
@@ -273,7 +277,8 @@ def _record(name: str, value: Any) -> Tensor:
     """
     if isinstance(value, Tensor):
         return value
-    if type(value).__module__.split(".")[0] == "torch":
+    torch = sys.modules.get("torch")  # a torch tensor means torch is imported already
+    if torch is not None and isinstance(value, torch.Tensor):  # engines' Parameter subclasses too
         dtype = next((d for d in _DTYPES if value.dtype == torch_dtype(d)), None)
         if dtype is None:
             raise CheckpointError(f"{name}: torch dtype {value.dtype} is not audited "
