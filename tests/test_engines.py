@@ -335,3 +335,12 @@ def test_docs_examples_run_and_fill_what_vllm_loaded():
     namespace["names_after_self_attn"] = list(dump)
     exec(compile(finder, "doc finder", "exec"), namespace)
     assert namespace["family"] == "kimi-k3"
+
+
+def test_param_location_takes_any_prefix():
+    from kda_tp.engines import param_location
+
+    assert param_location("language_model.model.layers.3.self_attn.in_proj_qkvgfab.weight") == (
+        "language_model.model.layers.", 3, "in_proj_qkvgfab.weight")
+    assert param_location("layers.0.self_attn.A_log") == ("layers.", 0, "A_log")
+    assert param_location("model.layers.0.mlp.gate_up_proj.weight") is None

@@ -44,6 +44,7 @@ buffers or transforms outside the loaded parameters.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -66,6 +67,7 @@ __all__ = [
     "layouts_for",
     "layouts_markdown",
     "model_family",
+    "param_location",
     "recognise",
 ]
 
@@ -115,7 +117,8 @@ class Region:
         row_elems: elements per row (the part's flat ``[rows, row_elems]`` view).
         byte_range: ``(start, stop)`` in bytes of the parameter's buffer, in the parameter's
             dtype.
-        shape: the part's local shape as it sits in the parameter.
+        shape: the part's local shape with its rows on dim 0 (``A_log [1, 1, H/T, 1]`` as its
+            flat ``[H/T, 1]``; a scale grid as ``[rows, column blocks]``).
         source_dtype: the part's dtype in the checkpoint (before the engine's cast).
     """
 
@@ -629,6 +632,23 @@ def layouts_for(family: str | None = None, plan: KdaTpPlan | None = None) -> lis
                 continue
         found.append(layout)
     return found
+
+
+_PARAM_NAME = re.compile(r"^((?:.*\.)?layers\.)(\d+)\.self_attn\.(.+)$")
+
+
+def param_location(name: str) -> tuple[str, int, str] | None:
+    """Split a parameter name of a decoder layer's attention into ``(prefix, layer, suffix)``.
+
+    ``"language_model.model.layers.3.self_attn.in_proj_qkvgfab.weight"`` ->
+    ``("language_model.model.layers.", 3, "in_proj_qkvgfab.weight")``; any model prefix works
+    (``model.``, ``language_model.model.``, none). None for a name outside ``self_attn``.
+    Whether layer 3 is a KDA layer is the config's business, never the name's.
+    """
+    match = _PARAM_NAME.match(name)
+    if match is None:
+        return None
+    return match.group(1), int(match.group(2)), match.group(3)
 
 
 def recognise(suffixes: Iterable[str], family: str | None = None) -> list[EngineLayout]:
