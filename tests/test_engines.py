@@ -134,7 +134,7 @@ from kda_tp import Tensor  # noqa: E402
 from kda_tp import oracle  # noqa: E402
 from kda_tp.engines import EngineParam  # noqa: E402
 
-PROPERTY = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+PROPERTY = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 NUMPY = {"BF16": ml_dtypes.bfloat16, "F16": np.float16, "F32": np.float32,
          "F8_E4M3": ml_dtypes.float8_e4m3fn}
 SCALE_SPELLING = {"vllm": "weight_scale", "sglang": "weight_scale_inv"}
