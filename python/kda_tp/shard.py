@@ -37,7 +37,7 @@ from ._native import __version__
 from .errors import CheckpointError, DtypeMismatchError, KdaTpError, OutputError, PlanError
 from .layers import check_layers, layer_count
 from .checkpoint import INDEX_NAME, SafetensorsSource, Tensor
-from .layout import _location, kda_layer_indices
+from .layout import location, kda_layer_indices
 from .plan import KdaShard, KdaTpPlan
 from .source import KdaShardedSource, checked_get, checked_info, missing_tensor
 
@@ -50,6 +50,7 @@ __all__ = [
     "ShardResult",
     "VerifyReport",
     "finish_command",
+    "prepare_out_dir",
     "rank_dir",
     "shard_checkpoint",
     "unindexed_files",
@@ -206,7 +207,7 @@ def shard_checkpoint(
                 f"{source.file_of(name)}: {name}: dtype {dtype} cannot be copied to the shards "
                 f"(the writer knows {', '.join(DTYPE_BITS)})"
             )
-    _prepare_out_dir(source.root, out, tp_size, ranks, force)
+    prepare_out_dir(source.root, out, tp_size, ranks, force)
     files = _names_by_file(source)
     if kda_only:
         files = kda_only_files(files, shards[0])
@@ -342,10 +343,17 @@ def kda_only_files(
     return {f: names for f, names in kept.items() if names}
 
 
-def _prepare_out_dir(
+def prepare_out_dir(
     root: Path, out: Path, tp_size: int, ranks: tuple[int, ...], force: bool
 ) -> None:
-    """Create ``out`` or check what it holds; remove stale partial directories of ``ranks``."""
+    """Create the output directory ``out`` for ``ranks`` of ``tp_size`` (sharding the
+    checkpoint at ``root``), or check what it already holds; remove stale partial directories of
+    ``ranks``. ``force`` allows replacing finished rank directories.
+
+    Raises:
+        OutputError: ``out`` lies inside the input, holds another world size's or unfinished
+            output that ``force`` does not allow replacing, or cannot be created or listed.
+    """
     resolved, input_root = out.resolve(), root.resolve()
     if resolved == input_root or input_root in resolved.parents:
         raise OutputError(f"{out}: the output directory lies inside the input checkpoint {root}")

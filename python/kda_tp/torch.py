@@ -20,7 +20,6 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -34,16 +33,16 @@ from .equivalence import (
     DEFAULT_ATOL,
     DEFAULT_RTOL,
     EquivalenceReport,
-    _compare,
-    _layer_weights,
+    compare_outputs,
+    layer_weights,
 )
 from .errors import (
     CheckpointError,
-    DtypeMismatchError,
     KdaTpError,
     MissingDependencyError,
     PlanError,
 )
+from .checkpoint import torch_dtype
 from .plan import KdaShard, KdaTpPlan
 from .reference import kda_layer_forward
 from .shard import ShardResult, rank_dir, shard_checkpoint
@@ -83,66 +82,20 @@ __all__ = [
     "rank_dir_metadata",
 ]
 
-# safetensors dtype name -> torch dtype attribute (the ones torch >= 2.5 has).
-_TORCH_DTYPES = {
-    "BF16": "bfloat16",
-    "F16": "float16",
-    "F32": "float32",
-    "F64": "float64",
-    "F8_E4M3": "float8_e4m3fn",
-    "F8_E5M2": "float8_e5m2",
-    "U8": "uint8",
-    "I8": "int8",
-    "I16": "int16",
-    "U16": "uint16",
-    "I32": "int32",
-    "U32": "uint32",
-    "I64": "int64",
-    "U64": "uint64",
-    "C64": "complex64",
-    "BOOL": "bool",
-}
-
 #: How long a collective of a torchrun job waits for the slowest process (a sharding process
 #: writing a large checkpoint can take hours; torchrun ends the job when a process dies).
 TORCHRUN_TIMEOUT = datetime.timedelta(hours=24)
 
 
-def torch_dtype(dtype: str) -> torch.dtype:
-    """The torch dtype of a safetensors dtype name (``"BF16"`` -> ``torch.bfloat16``,
-    ``"F8_E4M3"`` -> ``torch.float8_e4m3fn``, ``"F8_E5M2"`` -> ``torch.float8_e5m2``).
-
-    Raises:
-        DtypeMismatchError: a dtype torch has no equivalent for (packed 4- and 6-bit floats,
-            ``F8_E8M0``).
-    """
-    found: torch.dtype | None = getattr(torch, _TORCH_DTYPES.get(dtype, ""), None)
-    if found is None:
-        raise DtypeMismatchError(f"dtype {dtype} has no torch equivalent")
-    return found
-
-
 def to_torch(tensor: Tensor) -> torch.Tensor:
-    """A :class:`~kda_tp.Tensor` as a CPU ``torch.Tensor`` of its dtype and shape, sharing its
-    memory (no copy): a view of the file mapping for row-sliced and replicated tensors.
-
-    The memory is read-only (a mapped file); torch cannot mark a tensor read-only, so do not
-    write to it (a write to a mapping faults): ``.clone()`` gives a writable copy.
+    """A :class:`~kda_tp.Tensor` as a CPU ``torch.Tensor`` sharing its memory (no copy); the
+    same as :meth:`kda_tp.Tensor.to_torch`, which documents the dtypes and the read-only memory.
 
     Raises:
         DtypeMismatchError: ``tensor.dtype`` has no torch equivalent (see :func:`torch_dtype`).
     """
-    try:
-        dtype = torch_dtype(tensor.dtype)
-    except DtypeMismatchError as e:
-        raise DtypeMismatchError(f"{tensor.name}: {e}") from None
-    if not tensor.nbytes:
-        return torch.empty(tensor.shape, dtype=dtype)
-    with warnings.catch_warnings():
-        # torch warns that it cannot mark the read-only buffer read-only; documented above.
-        warnings.simplefilter("ignore", UserWarning)
-        raw = torch.frombuffer(tensor.data.data, dtype=torch.uint8)
-    return raw.view(dtype).reshape(tensor.shape)
+    result: torch.Tensor = tensor.to_torch()
+    return result
 
 
 def _rank_and_size(
@@ -485,11 +438,11 @@ def check_tp_equivalence_distributed(
         else:
             rank_source = _open(source, r, tp_size, all_kda, qk_multiple, None)
         for i, layer in enumerate(checked):
-            partial[i] += forward(_layer_weights(rank_source, layer, prefix, plan_of(r)))
+            partial[i] += forward(layer_weights(rank_source, layer, prefix, plan_of(r)))
     total = torch.from_numpy(partial)
     dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
     results = [
-        _compare(layer, forward(_layer_weights(source, layer, prefix, plan)), total[i].numpy(),
+        compare_outputs(layer, forward(layer_weights(source, layer, prefix, plan)), total[i].numpy(),
                  atol, rtol)
         for i, layer in enumerate(checked)
     ]
@@ -587,12 +540,12 @@ def _check_before_writing(
 ) -> None:
     """Check the input geometry, then the output directory for all ``ranks`` (refused, or
     cleaned as ``shard_checkpoint`` does)."""
-    from .shard import _prepare_out_dir  # the one-process writer's own check
+    from .shard import prepare_out_dir  # the one-process writer's own check
 
     source = SafetensorsSource(checkpoint, options.get("backend"))
     layers = options.get("layers")
     _open(source, 0, tp_size, layers, options.get("qk_multiple", 256), None)
-    _prepare_out_dir(source.root, Path(out_dir), tp_size, tuple(ranks),
+    prepare_out_dir(source.root, Path(out_dir), tp_size, tuple(ranks),
                      bool(options.get("force")))
 
 
