@@ -354,8 +354,8 @@ class KdaShardedSource:
             )
         if out is None:
             out = np.empty(plan.shape, numpy_dtype(plan.dtype))
-        target = _writable_bytes(suffix, out)
-        _check_out(suffix, plan.dtype, out, target, plan.nbytes)
+        target = writable_bytes(suffix, out)
+        check_out(suffix, plan.dtype, out, target, plan.nbytes)
         for region in plan.regions:
             name = self._part_name(layer, region.part)
             dst = target[region.byte_range[0] : region.byte_range[1]]
