@@ -344,3 +344,15 @@ def test_param_location_takes_any_prefix():
         "language_model.model.layers.", 3, "in_proj_qkvgfab.weight")
     assert param_location("layers.0.self_attn.A_log") == ("layers.", 0, "A_log")
     assert param_location("model.layers.0.mlp.gate_up_proj.weight") is None
+
+
+def test_build_param_refuses_a_wrong_buffer_or_layer():
+    from kda_tp import ShapeMismatchError
+
+    meta, _ = open_dump(DATA / "vllm_k3_tp4_r1.safetensors")
+    shard = adapter(meta)
+    with pytest.raises(ShapeMismatchError, match="in_proj_qkvgfab.weight: the output buffer is "
+                       "100 bytes, this rank's tensor is 430080 bytes"):
+        shard.build_param("vllm-0.33-k3", "in_proj_qkvgfab.weight", 0, np.empty(100, np.uint8))
+    with pytest.raises(EngineLayoutError, match="layer 5 is not a KDA layer"):
+        shard.build_param("vllm-0.33-k3", "A_log", 5)
