@@ -18,6 +18,7 @@ from kda_tp.engines import (
     layouts_for,
     layouts_markdown,
     model_family,
+    param_location,
     recognise,
 )
 
@@ -338,8 +339,6 @@ def test_docs_examples_run_and_fill_what_vllm_loaded():
 
 
 def test_param_location_takes_any_prefix():
-    from kda_tp.engines import param_location
-
     assert param_location("language_model.model.layers.3.self_attn.in_proj_qkvgfab.weight") == (
         "language_model.model.layers.", 3, "in_proj_qkvgfab.weight")
     assert param_location("layers.0.self_attn.A_log") == ("layers.", 0, "A_log")
@@ -356,3 +355,53 @@ def test_build_param_refuses_a_wrong_buffer_or_layer():
         shard.build_param("vllm-0.33-k3", "in_proj_qkvgfab.weight", 0, np.empty(100, np.uint8))
     with pytest.raises(EngineLayoutError, match="layer 5 is not a KDA layer"):
         shard.build_param("vllm-0.33-k3", "A_log", 5)
+
+
+@pytest.mark.parametrize("ckpt", ["ckpt_kl", "ckpt_glm"])
+def test_transformers_tables_match_what_transformers_loads(ckpt, tmp_path):
+    """transformers 5 loads the F32 checkpoint as BF16 (its conversion mapping fuses the convs
+    and moves the forget gate); every KDA parameter of its state_dict equals build_param's with
+    model_dtype BF16, the tensors it keeps F32 included."""
+    model_dtype = "BF16"
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from kda_tp.torch import torch_dtype
+
+    config = transformers.AutoConfig.from_pretrained(DATA / ckpt)
+    text = getattr(config, "text_config", config)
+    small = dict(pad_token_id=None, bos_token_id=None, eos_token_id=None, intermediate_size=32,
+                 moe_intermediate_size=16, num_experts=2, n_routed_experts=2,
+                 num_local_experts=2, num_experts_per_tok=1, n_shared_experts=1)
+    for key, value in small.items():  # the KDA layer as is, everything around it tiny
+        for c in {id(config): config, id(text): text}.values():
+            if hasattr(c, key):
+                setattr(c, key, value)
+    path = DATA / ckpt
+    if ckpt == "ckpt_glm":  # transformers' GLM-5.3 keeps its decoder under model.language_model.
+        from safetensors.torch import load_file, save_file
+
+        tensors = load_file(path / "model.safetensors")
+        save_file({k.replace("model.layers.", "model.language_model.layers."): v
+                   for k, v in tensors.items()}, tmp_path / "model.safetensors")
+        (tmp_path / "config.json").write_bytes((path / "config.json").read_bytes())
+        path = tmp_path
+    model = getattr(transformers, config.architectures[0]).from_pretrained(
+        path, config=config, dtype=torch_dtype(model_dtype))
+    loaded = {}
+    for name, value in model.state_dict().items():
+        found = param_location(name)
+        if found is not None and found[1] == 0:
+            loaded[found[2]] = value
+    src = SafetensorsSource(DATA / ckpt)
+    shard = KdaShardedSource(src, KdaTpPlan.from_config(src, 0, 1))
+    (layout,) = recognise(loaded, model_family(src.config))
+    assert layout.engine == "transformers"
+    params = layout.params_for(shard.plan)
+    assert {p.suffix for p in params} == set(loaded)
+    for p in params:
+        want = loaded[p.suffix]
+        got = shard.build_param(layout, p.suffix, 0, model_dtype=model_dtype)
+        assert want.dtype == torch_dtype(shard.param_plan(layout, p.suffix,
+                                                          model_dtype=model_dtype).dtype)
+        assert tuple(want.shape) == got.shape, p.suffix
+        assert want.contiguous().view(-1).view(torch.uint8).numpy().tobytes() == got.tobytes()

@@ -418,8 +418,10 @@ def _itemsize(dtype: str) -> int:
 
 # ------------------------------------------------------------------------------------------------
 # The tables. Sources are the engines' released wheels (vllm 0.33.0, sglang 0.5.23) and
-# transformers 5.24; every table without FP8 scale grids was checked against parameters the
-# engine's own code loaded (tests/data/engine_ranks).
+# transformers 5.24. The six main vLLM and SGLang tables, unquantized, are checked against
+# parameters the engines' own code loaded (tests/data/engine_ranks), transformers' against what
+# transformers loads; the FP8 scale grids and SGLang's unfused Kimi-Linear path are read from
+# the sources.
 
 _CONV_QKV = ("q_conv1d", "k_conv1d", "v_conv1d")
 _F32 = "F32"
