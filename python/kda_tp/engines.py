@@ -44,6 +44,7 @@ buffers or transforms outside the loaded parameters.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -66,6 +67,7 @@ __all__ = [
     "layouts_for",
     "layouts_markdown",
     "model_family",
+    "param_location",
     "recognise",
 ]
 
@@ -115,7 +117,8 @@ class Region:
         row_elems: elements per row (the part's flat ``[rows, row_elems]`` view).
         byte_range: ``(start, stop)`` in bytes of the parameter's buffer, in the parameter's
             dtype.
-        shape: the part's local shape as it sits in the parameter.
+        shape: the part's local shape with its rows on dim 0 (``A_log [1, 1, H/T, 1]`` as its
+            flat ``[H/T, 1]``; a scale grid as ``[rows, column blocks]``).
         source_dtype: the part's dtype in the checkpoint (before the engine's cast).
     """
 
@@ -415,8 +418,10 @@ def _itemsize(dtype: str) -> int:
 
 # ------------------------------------------------------------------------------------------------
 # The tables. Sources are the engines' released wheels (vllm 0.33.0, sglang 0.5.23) and
-# transformers 5.24; every table without FP8 scale grids was checked against parameters the
-# engine's own code loaded (tests/data/engine_ranks).
+# transformers 5.24. The six main vLLM and SGLang tables, unquantized, are checked against
+# parameters the engines' own code loaded (tests/data/engine_ranks), transformers' against what
+# transformers loads; the FP8 scale grids and SGLang's unfused Kimi-Linear path are read from
+# the sources.
 
 _CONV_QKV = ("q_conv1d", "k_conv1d", "v_conv1d")
 _F32 = "F32"
@@ -631,6 +636,23 @@ def layouts_for(family: str | None = None, plan: KdaTpPlan | None = None) -> lis
     return found
 
 
+_PARAM_NAME = re.compile(r"^((?:.*\.)?layers\.)(\d+)\.self_attn\.(.+)$")
+
+
+def param_location(name: str) -> tuple[str, int, str] | None:
+    """Split a parameter name of a decoder layer's attention into ``(prefix, layer, suffix)``.
+
+    ``"language_model.model.layers.3.self_attn.in_proj_qkvgfab.weight"`` ->
+    ``("language_model.model.layers.", 3, "in_proj_qkvgfab.weight")``; any model prefix works
+    (``model.``, ``language_model.model.``, none). None for a name outside ``self_attn``.
+    Whether layer 3 is a KDA layer is the config's business, never the name's.
+    """
+    match = _PARAM_NAME.match(name)
+    if match is None:
+        return None
+    return match.group(1), int(match.group(2)), match.group(3)
+
+
 def recognise(suffixes: Iterable[str], family: str | None = None) -> list[EngineLayout]:
     """The layouts a set of parameter names fits best; several mean the names cannot tell.
 
@@ -656,34 +678,62 @@ def recognise(suffixes: Iterable[str], family: str | None = None) -> list[Engine
     return [lay for lay in fitting if len(lay.required - names) == fewest]
 
 
+# Each plan tensor's local shape in symbols, for the documentation tables only.
+_SYMBOLS = {
+    "q_proj": ("Cl", "d"), "k_proj": ("Cl", "d"), "v_proj": ("Cl", "d"), "g_proj": ("Cl", "d"),
+    "q_conv1d": ("Cl", "1", "K"), "k_conv1d": ("Cl", "1", "K"), "v_conv1d": ("Cl", "1", "K"),
+    "f_a_proj": ("r", "d"), "g_a_proj": ("r", "d"), "f_b_proj": ("Cl", "r"),
+    "g_b_proj": ("Cl", "r"), "b_proj": ("Hl", "d"), "A_log": ("Hl",), "dt_bias": ("Cl",),
+    "o_norm": ("D",), "o_proj": ("d", "Cl"),
+}
+
+
+def _symbolic_shape(param: EngineParam) -> str:
+    if param.scale_of is not None:
+        return "[Σ parts' block rows, column blocks]"
+    if param.view is not None:
+        return "[" + ", ".join("Hl" if d == -1 else str(d) for d in param.view) + "]"
+    shapes = [_SYMBOLS[p] for p in param.parts]
+    if param.stacked:
+        return f"[{len(shapes)}, {', '.join(shapes[0])}]"
+    terms: list[list[Any]] = []
+    for shape in shapes:  # equal neighbours merged: q, k, v -> 3·Cl
+        if terms and terms[-1][1] == shape[0]:
+            terms[-1][0] += 1
+        else:
+            terms.append([1, shape[0]])
+    rows = " + ".join(f"{n}·{sym}" if n > 1 else sym for n, sym in terms)
+    if param.pad_to > 1:
+        rows = f"pad{param.pad_to}({rows})"
+        if param.pad_to_fp8:
+            rows += f" (FP8: pad{param.pad_to_fp8})"
+    return f"[{', '.join((rows, *shapes[0][1:]))}]"
+
+
 def _join(param: EngineParam) -> str:
     if param.scale_of is not None:
-        return f"scale grids of `{param.scale_of}`'s parts, concatenated `[rows, col blocks]`"
+        return f"the scale grids of `{param.scale_of}`'s parts, concatenated"
     parts = ", ".join(param.parts)
     if param.stacked:
         return f"stack({parts})"
-    if len(param.parts) > 1:
-        text = f"concat({parts})"
-    else:
-        text = parts
-    if param.pad_to > 1:
-        text += f", zero rows to a multiple of {param.pad_to}"
-        if param.pad_to_fp8:
-            text += f" (of {param.pad_to_fp8} when block-FP8)"
-    return text
+    return f"concat({parts})" if len(param.parts) > 1 else parts
 
 
 def layouts_markdown() -> str:
-    """Every layout as Markdown tables (the text of ``docs/engine-layouts.md``'s tables)."""
+    """Every layout as Markdown tables (the tables of ``docs/engine-layouts.md``).
+
+    Shapes use ``Cl`` (this rank's channels, ``Hl * D``), ``Hl`` (its heads), ``D`` (head_dim),
+    ``d`` (hidden), ``r`` (gate rank, ``f_a_proj`` rows), ``K`` (conv kernel); ``padN(x)`` is
+    ``x`` rounded up to a multiple of ``N`` with zero rows.
+    """
     out = []
     for layout in LAYOUTS.values():
-        tp = "" if layout.tensor_parallel else " KDA replicated: tp_size 1 only."
+        tp = "" if layout.tensor_parallel else " KDA is replicated: tp_size 1 only."
         out.append(f"### `{layout.name}`\n\n{layout.source}.{tp}\n")
-        out.append("| parameter | made of | shape | dtype |")
+        out.append("| parameter | made of | local shape | dtype |")
         out.append("| --- | --- | --- | --- |")
         for p in layout.params:
-            view = "" if p.view is None else "[" + ", ".join(
-                "h" if d == -1 else str(d) for d in p.view) + "]"
-            out.append(f"| `{p.suffix}` | {_join(p)} | {view} | {p.dtype or ''} |")
+            dtype = p.dtype or ("F32 (scales)" if p.scale_of else "model")
+            out.append(f"| `{p.suffix}` | {_join(p)} | {_symbolic_shape(p)} | {dtype} |")
         out.append("")
     return "\n".join(out)
