@@ -33,7 +33,6 @@ from .engines import LAYOUTS, EngineLayout, EngineParamPlan, get_layout, model_f
 from .errors import CheckpointError, EngineLayoutError, PlanError
 from .layout import kda_layer_indices, kda_tensor_name, scale_tensor_name
 from .plan import KdaTpPlan
-from .shard import ProgressFactory
 from .source import KdaShardedSource, checked_get
 
 __all__ = [
@@ -716,7 +715,7 @@ def audit_path(
     tp_size: int,
     rank: int | None = None,
     engine: str | None = None,
-    progress: ProgressFactory | None = None,
+    progress: Callable[[int], Callable[[int], None]] | None = None,
 ) -> AuditReport:
     """:func:`audit` on files: a ``save_sharded_state`` directory, or one rank's file.
 
