@@ -328,13 +328,23 @@ class _Candidates:
         """The whole checkpoint tensor ``part``, flat."""
         return checked_get(self.source, self._name(part)).array.reshape(-1)
 
+    def size(self, part: str) -> int:
+        """Elements of one rank's slice of ``part`` (every rank's is the same size)."""
+        entry = self.plan[part.removesuffix(".scale")]
+        if part.endswith(".scale"):
+            assert entry.scale is not None  # listed in `parts` only when it has one
+            entry = entry.scale
+        return int(entry.local_rows * entry.local_row_elems)
+
     def labelled(self, part: str, size: int) -> Iterable[tuple[str, np.ndarray | None]]:
-        """``(what it is, values)`` for every known slice a part ``part`` of ``size`` elements
-        might hold by mistake, most likely first (None: zeros)."""
+        """``(what it is, values)`` for every known slice of ``size`` elements a part ``part``
+        might hold by mistake, most likely first (None: zeros). Slices are read only when their
+        size is ``size``."""
         plan, tp_size = self.plan, self.plan.tp_size
         others = [r for r in range(tp_size) if r != self.rank]
-        for r in others:
-            yield f"rank {r}'s slice of {part}", self.slice(r, part)
+        if part in self.parts and self.size(part) == size:
+            for r in others:
+                yield f"rank {r}'s slice of {part}", self.slice(r, part)
         if part == "A_log" and plan.a_log_len > plan.full_heads and plan.a_log_len % tp_size == 0:
             stored, heads = plan.a_log_len, plan.local_heads
             start = self.rank * (stored // tp_size)
@@ -354,7 +364,7 @@ class _Candidates:
                 self.full(part)[start : start + size],
             )
         for other in self.parts:
-            if other == part:
+            if other == part or self.size(other) != size:
                 continue
             swap = {part, other} == {"f_b_proj", "g_b_proj"}
             yield (f"this rank's slice of {other}: "
