@@ -56,6 +56,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     input, 130 interrupted)."""
     args = _parser().parse_args(argv)
     try:
+        tp_size = getattr(args, "tp_size", None)
+        if isinstance(tp_size, int) and tp_size < 1:
+            raise PlanError(f"--tp-size must be a positive integer, got {tp_size}")
         # Every subcommand's parser sets `run` to its handler (set_defaults).
         run: Callable[[argparse.Namespace], int] = args.run
         return run(args)
@@ -208,10 +211,13 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     if args.input.is_dir() and any(args.input.glob("*.safetensors")):
         source = SafetensorsSource(args.input)
         layers = _selected_layers(source, requested)
-    elif requested is not None:
+    else:
+        # A bare config: its own list of KDA layers (or --layers, checked against it).
         config = load_config(args.input)
-        layers = check_layers(requested, parse_config(config, str(args.input)).kda_layers,
-                              config_layer_count(config))
+        listed = parse_config(config, str(args.input)).kda_layers
+        layers = listed if requested is None else check_layers(
+            requested, listed, config_layer_count(config)
+        )
     plan = KdaTpPlan.from_config(
         args.input, args.rank, args.tp_size, gate_rank=args.gate_rank,
         qk_multiple=args.qk_multiple, layers=layers if source is not None else None,
@@ -233,7 +239,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     elif layers is not None:
         n_layers = len(layers)
     if as_json:
-        print(json.dumps(plan_json(plan, shapes, layers), indent=2))
+        print(json.dumps({"ok": True, **plan_json(plan, shapes, layers)}, indent=2))
     else:
         print(format_plan(plan, shapes, n_layers))
         if source is None:
@@ -269,9 +275,10 @@ def plan_json(
     index on that axis, elements) and ``local_bytes``/``full_bytes``, and for a block-quantized
     weight ``block`` and ``scale`` (the same fields for its scale grid, offsets in blocks);
     ``full_rank_gate`` and ``a_log_len`` (Kimi K3); ``layer_local_bytes`` and
-    ``layer_full_bytes`` per KDA layer; ``kda_layers`` (0-based, None when not known);
-    ``all_reduce`` (whether ``o_proj``'s output is all-reduced). ``shapes`` as for
-    :func:`format_plan`.
+    ``layer_full_bytes`` per KDA layer; ``kda_layers`` (0-based, None when not known) and
+    ``total_local_bytes``/``total_full_bytes`` over them (None when not known); ``all_reduce``
+    (whether ``o_proj``'s output is all-reduced). ``shapes`` as for :func:`format_plan`.
+    ``kda-tp plan --json`` adds ``"ok": true`` (``false`` with ``error`` on a refusal).
     """
     shapes = shapes or {}
 
@@ -298,6 +305,8 @@ def plan_json(
         "full_rank_gate": plan.full_rank_gate, "a_log_len": plan.a_log_len, "tensors": tensors,
         "layer_local_bytes": plan.local_bytes, "layer_full_bytes": plan.full_bytes,
         "kda_layers": None if layers is None else list(layers),
+        "total_local_bytes": None if layers is None else len(layers) * plan.local_bytes,
+        "total_full_bytes": None if layers is None else len(layers) * plan.full_bytes,
         "all_reduce": plan.needs_output_all_reduce,
     }
 

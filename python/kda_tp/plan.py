@@ -14,7 +14,7 @@ from typing import Any
 
 from . import _native
 from .checkpoint import SafetensorsSource, refuse_index_member
-from .config import CONFIG_NAME, load_config, parse_config
+from .config import CONFIG_NAME, load_config, no_config_message, parse_config
 from .errors import CheckpointError, DtypeMismatchError, ShapeMismatchError
 from .layout import check_gate_form, decoder_prefix, kda_layer_indices, kda_tensor_name
 from .quant import FP8_DTYPES, BlockFormat, ModelOptModules, block_format, modelopt_modules
@@ -162,7 +162,7 @@ class KdaTpPlan(_native.KdaTpPlan):
             source, root = config, config.root
             config = source.config
             if config is None:
-                raise CheckpointError(f"{source.root}: no {CONFIG_NAME} beside the weights")
+                raise CheckpointError(no_config_message(source.root))
             where = str(source.root / CONFIG_NAME)
         elif isinstance(config, (str, os.PathLike)):
             path = Path(config)
