@@ -287,8 +287,8 @@ def test_refuses_to_overwrite_without_force(
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--tp-size", "0"], "tp_size must be a positive integer"),
-        (["--tp-size", "-2"], "tp_size must be a positive integer"),
+        (["--tp-size", "0"], "--tp-size must be a positive integer, got 0"),
+        (["--tp-size", "-2"], "--tp-size must be a positive integer, got -2"),
         (["--tp-size", "2", "--ranks", ""], "no ranks"),
         (["--tp-size", "2", "--ranks", "2"], "tp_rank 2 >= tp_size 2"),
         (["--tp-size", "2", "--ranks", "-1"], "tp_rank"),

@@ -430,15 +430,16 @@ def _mib(n: int) -> str:
 
 
 def _progress(
-    quiet: bool, what: str = "shard", unit: str = "B"
+    quiet: bool, what: str = "shard", unit: str = "B", every: float = 2.0
 ) -> Callable[[int], Callable[[int], None]] | None:
     """A progress factory for ``shard_checkpoint``/``verify_shards``: ``None`` when ``quiet``;
-    a tqdm bar on a terminal; else plain lines on stderr (see :class:`_ProgressLines`).
-    ``unit`` is ``"B"`` (bytes) or ``"tensors"``."""
+    a tqdm bar on a terminal; else plain lines on stderr (see :class:`_ProgressLines`), at
+    most one every ``every`` seconds (0: one per step and one at the start).
+    ``unit`` is ``"B"`` (bytes) or a count's unit (``"tensors"``, ``"KDA layers"``)."""
     if quiet:
         return None
     if not sys.stderr.isatty():
-        return lambda total: _ProgressLines(what, total, unit)
+        return lambda total: _ProgressLines(what, total, unit, every)
     from tqdm import tqdm
 
     def start(total: int) -> Callable[[int], None]:
@@ -462,6 +463,18 @@ class _ProgressLines:
         self.done = 0
         self.start = self.last = time.monotonic()
         self.lock = threading.Lock()
+        if every == 0:
+            # Steps are slow (a Kimi K3 layer takes tens of seconds): say what starts now.
+            self._print(self.start)
+
+    def _print(self, now: float) -> None:
+        if self.unit == "B":
+            amount = f"{self.done / 1e9:.2f} of {self.total / 1e9:.2f} GB"
+        else:
+            amount = f"{self.done:,} of {self.total:,} {self.unit}"
+        share = self.done / self.total if self.total else 1.0
+        print(f"{self.what}: {amount} ({share:.0%}), {now - self.start:.1f} s",
+              file=sys.stderr, flush=True)
 
     def __call__(self, n: int) -> None:
         with self.lock:
@@ -470,13 +483,7 @@ class _ProgressLines:
             if self.done < self.total and now - self.last < self.every:
                 return
             self.last = now
-            if self.unit == "B":
-                amount = f"{self.done / 1e9:.2f} of {self.total / 1e9:.2f} GB"
-            else:
-                amount = f"{self.done:,} of {self.total:,} {self.unit}"
-            share = self.done / self.total if self.total else 1.0
-            print(f"{self.what}: {amount} ({share:.0%}), {now - self.start:.1f} s",
-                  file=sys.stderr, flush=True)
+            self._print(now)
 
 
 def _cmd_shard(args: argparse.Namespace) -> int:
@@ -583,7 +590,8 @@ def _allowed_tp_sizes(args: argparse.Namespace, qk_multiple: int) -> list[int] |
 
 
 def _print_verify(report: VerifyReport) -> None:
-    for problem in report.problems[:20]:
+    # One problem is the summary line itself; several are listed above a count.
+    for problem in report.problems[:20] if len(report.problems) > 1 else ():
         print(f"  {problem}")
     if len(report.problems) > 20:
         print(f"  ... and {len(report.problems) - 20} more")
@@ -603,7 +611,9 @@ def _cmd_verify(args: argparse.Namespace) -> int:
               "is not checked", file=sys.stderr)
     report = verify_shards(args.checkpoint, args.out, numeric=args.numeric,
                            seq_len=args.seq_len, seed=args.seed, layers=args.layers,
-                           progress=_progress(args.quiet, "verify", "tensors"))
+                           progress=_progress(args.quiet, "verify", "tensors"),
+                           numeric_progress=_progress(args.quiet, "verify --numeric",
+                                                      "KDA layers", every=0.0))
     if args.json:
         _emit_json(args, verify_json(report, unindexed))
     else:
@@ -682,12 +692,10 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         print()
         result = shard_checkpoint(checkpoint, out, args.tp_size, force=args.keep is not None,
                                   progress=_progress(False))
-        print(f"shard: {_written_line(result)}; input read at "
-              f"{size / result.seconds / 1e9:.2f} GB/s")
-        t0 = time.perf_counter()
+        print(f"shard: {_written_line(result)}")
         report = verify_shards(checkpoint, out, numeric=args.numeric, seq_len=args.seq_len,
-                               seed=args.seed)
-        print(f"verify: {time.perf_counter() - t0:.2f} s")
+                               seed=args.seed, numeric_progress=_progress(
+                                   False, "verify --numeric", "KDA layers", every=0.0))
         _print_verify(report)
         return status if report.ok else 1
 
@@ -752,6 +760,7 @@ def _run_verify(args: argparse.Namespace) -> int:
         state = [report is not None and report.ok, failure]
         dist.broadcast_object_list(state, src=0)
         if state[0] and args.numeric:
+            start = time.perf_counter()
             meta = rank_dir_metadata(args.out)
             numeric = check_tp_equivalence_distributed(
                 args.checkpoint,
@@ -764,6 +773,7 @@ def _run_verify(args: argparse.Namespace) -> int:
             )
             if report is not None:
                 report.numeric = numeric
+                report.numeric_seconds = time.perf_counter() - start
         if process != 0:
             status = [0]
             dist.broadcast_object_list(status, src=0)
