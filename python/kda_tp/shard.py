@@ -240,7 +240,7 @@ def shard_checkpoint(
                 completed.append(r)
                 replaced = f.result()[3]
                 if replaced is not None:
-                    shutil.rmtree(replaced, ignore_errors=True)
+                    _discard(replaced)
         present = {int(m.group(1)) for p in out.iterdir() if (m := _RANK_DIR.match(p.name))}
         remaining = tuple(r for r in range(tp_size) if r not in present)
         raise ShardInterrupted(out, tp_size, tuple(completed), remaining) from None
@@ -265,7 +265,7 @@ def shard_checkpoint(
     for f in futures:
         replaced = f.result()[3]
         if replaced is not None:
-            shutil.rmtree(replaced, ignore_errors=True)
+            _discard(replaced)
     written = sum(f.result()[0] for f in futures)
     return ShardResult(out, tp_size, ranks, written, time.perf_counter() - start)
 
@@ -371,7 +371,7 @@ def _prepare_out_dir(
                 f"{entry} is (or holds) the input checkpoint {root}; choose another --out"
             )
         if partial and int(partial.group(1)) in ranks:
-            shutil.rmtree(entry, ignore_errors=True)  # left by a killed run
+            _discard(entry)  # left by a killed run
         elif final and int(final.group(1)) in ranks and not force:
             found = _rank_tp_size(entry)
             if found is not None and found != tp_size:
@@ -427,7 +427,16 @@ def _remove_dir(path: Path, out: Path) -> None:
     under its own name (the aside name is a partial name, cleaned by a later run)."""
     aside = out / f".{path.name}.partial-removed-{os.getpid()}"
     os.replace(path, aside)
-    shutil.rmtree(aside, ignore_errors=True)
+    _discard(aside)
+
+
+def _discard(path: Path) -> None:
+    """Remove a directory of this output, or, when it is a symbolic link (``rank0`` pointing
+    elsewhere), the link alone: what it points to is never touched."""
+    if path.is_symlink():
+        path.unlink(missing_ok=True)
+    else:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def _write_rank(
@@ -507,8 +516,8 @@ def _write_rank(
         for extra in [] if kda_only else _companion_files(source):
             shutil.copy2(extra, partial / extra.name)
         inode = partial.stat().st_ino
-        if final.exists():
-            # Keep the old directory aside (one rename) until the whole run has succeeded, so a
+        if final.exists() or final.is_symlink():
+            # Keep the old directory (or link) aside (one rename) until the whole run has succeeded, so a
             # failed --force rerun can put it back; its name is a partial name, so a run killed
             # before then leaves it for the next run to clean.
             old = out / f".rank{plan.tp_rank}.partial-old-{os.getpid()}"
