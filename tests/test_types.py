@@ -24,12 +24,6 @@ pytest.importorskip("mypy")
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 
-# The README's loader example runs inside a function in a real loader; these are its inputs.
-README_PRELUDE = """\
-rank: int = 0
-world_size: int = 1
-"""
-
 GOOD = """\
 from typing_extensions import assert_type
 
@@ -87,7 +81,7 @@ def readme_examples() -> str:
         f"def example_{i}() -> None:\n" + textwrap.indent(block, "    ")
         for i, block in enumerate(blocks)
     ]
-    return README_PRELUDE + "\n\n" + "\n\n".join(functions)
+    return "\n\n".join(functions)
 
 
 def test_the_stub_matches_the_native_module(tmp_path: Path) -> None:

@@ -486,14 +486,42 @@ class _ProgressLines:
             self._print(now)
 
 
-def _cmd_shard(args: argparse.Namespace) -> int:
+def _shard_input(
+    args: argparse.Namespace, warn: bool = True
+) -> tuple[list[int] | None, list[Path]]:
+    """``shard``'s checks of its input before anything is written: the ``--layers`` to pass on
+    (see :func:`_shard_layers`) and the files ``--skip-unindexed`` leaves out (a warning each
+    on stderr when ``warn``)."""
     refuse_index_member(args.checkpoint)
     source = SafetensorsSource(args.checkpoint, args.backend)
     layers = _shard_layers(source, args.layers)
     skipped = unindexed_files(source) if args.skip_unindexed else []
-    for path in skipped:
+    for path in skipped if warn else ():
         print(f"kda-tp: warning: {path} is not named by {INDEX_NAME}; it is left out of every "
               "rank (--skip-unindexed)", file=sys.stderr)
+    return layers, skipped
+
+
+def _print_shard(
+    args: argparse.Namespace, result: ShardResult, skipped: Sequence[Path], processes: int = 1
+) -> None:
+    """What ``shard`` wrote: the JSON document with ``--json``, else one line."""
+    if args.json:
+        _emit_json(args, {
+            "ok": True, "out_dir": str(result.out_dir), "tp_size": result.tp_size,
+            "ranks": list(result.ranks),
+            "rank_dirs": [str(rank_dir(result.out_dir, r)) for r in result.ranks],
+            "bytes_written": result.bytes_written, "seconds": result.seconds,
+            "skipped_unindexed": [str(p) for p in skipped], "processes": processes,
+        })
+    elif processes > 1:
+        print(f"{_written_line(result)}; {processes} torchrun processes")
+    else:
+        print(_written_line(result))
+
+
+def _cmd_shard(args: argparse.Namespace) -> int:
+    layers, skipped = _shard_input(args)
     result = shard_checkpoint(
         args.checkpoint,
         args.out,
@@ -508,16 +536,7 @@ def _cmd_shard(args: argparse.Namespace) -> int:
         skip_unindexed=args.skip_unindexed,
         kda_only=args.kda_only,
     )
-    if args.json:
-        _emit_json(args, {
-            "ok": True, "out_dir": str(result.out_dir), "tp_size": result.tp_size,
-            "ranks": list(result.ranks),
-            "rank_dirs": [str(rank_dir(result.out_dir, r)) for r in result.ranks],
-            "bytes_written": result.bytes_written, "seconds": result.seconds,
-            "skipped_unindexed": [str(p) for p in skipped],
-        })
-    else:
-        print(_written_line(result))
+    _print_shard(args, result, skipped)
     return 0
 
 
@@ -718,25 +737,31 @@ def _run_shard(args: argparse.Namespace) -> int:
 
     with torchrun_group() as (process, processes):
         try:
+            # Every process checks its input the same way; process 0 alone says so.
+            layers, skipped = _shard_input(args, warn=process == 0)
             result = shard_checkpoint_distributed(
                 args.checkpoint,
                 args.out,
                 args.tp_size,
                 ranks=args.ranks,
-                layers=_shard_layers(SafetensorsSource(args.checkpoint, args.backend),
-                                     args.layers),
+                layers=layers,
                 qk_multiple=args.qk_multiple,
                 force=args.force,
                 backend=args.backend,
                 progress=_progress(args.quiet) if process == 0 else None,
+                allow_resharding=args.allow_resharding,
+                skip_unindexed=args.skip_unindexed,
                 kda_only=args.kda_only,
             )
         except KdaTpError as e:
             if process == 0:
-                print(f"kda-tp: error: {type(e).__name__}: {e}", file=sys.stderr)
+                message = _with_hints(args, e)
+                print(f"kda-tp: error: {type(e).__name__}: {message}", file=sys.stderr)
+                _emit_json(args, {"ok": False,
+                                  "error": {"type": type(e).__name__, "message": message}})
             return 2
         if process == 0:
-            print(f"{_written_line(result)}; {processes} torchrun processes")
+            _print_shard(args, result, skipped, processes)
         return 0
 
 

@@ -49,6 +49,7 @@ __all__ = [
     "ShardInterrupted",
     "ShardResult",
     "VerifyReport",
+    "check_shard_input",
     "finish_command",
     "rank_dir",
     "shard_checkpoint",
@@ -177,17 +178,7 @@ def shard_checkpoint(
     ranks = tuple(range(tp_size)) if ranks is None else tuple(sorted({int(r) for r in ranks}))
     if not ranks:
         raise PlanError("no ranks to write: --ranks is empty")
-    if not allow_resharding:
-        _refuse_shard_input(source)
-    unindexed = unindexed_files(source)
-    if unindexed and not skip_unindexed:
-        one = len(unindexed) == 1
-        raise CheckpointError(
-            f"{source.root}: {', '.join(p.name for p in unindexed)} "
-            f"{'is' if one else 'are'} not named by {INDEX_NAME}, so no rank would hold "
-            f"{'it' if one else 'them'}; pass --skip-unindexed (skip_unindexed=True) to shard "
-            f"without {'it' if one else 'them'}"
-        )
+    check_shard_input(source, allow_resharding=allow_resharding, skip_unindexed=skip_unindexed)
     shards = [
         KdaShardedSource(
             source, KdaTpPlan.from_config(
@@ -281,15 +272,33 @@ def _shutdown(pool: ThreadPoolExecutor) -> None:
             continue
 
 
-def _refuse_shard_input(source: SafetensorsSource) -> None:
-    """Refuse a rank directory that kda-tp wrote (``tp_rank``/``tp_size`` in its headers)."""
-    for path, meta in source.files():
+def check_shard_input(
+    source: SafetensorsSource, *, allow_resharding: bool = False, skip_unindexed: bool = False
+) -> None:
+    """Refuse an input :func:`shard_checkpoint` refuses before it looks at the geometry: a rank
+    directory kda-tp wrote (``tp_rank``/``tp_size`` in its headers) unless
+    ``allow_resharding``, and ``.safetensors`` files the index does not name
+    (:func:`unindexed_files`) unless ``skip_unindexed``.
+
+    Raises:
+        CheckpointError: either, naming the file(s) and the flag that accepts them.
+    """
+    for path, meta in [] if allow_resharding else source.files():
         if meta and "tp_rank" in meta and "tp_size" in meta:
             raise CheckpointError(
                 f"{path}: already a tensor-parallel shard (rank {meta['tp_rank']} of "
                 f"{meta['tp_size']}, its header says); shard the original checkpoint, or pass "
                 "--allow-resharding (allow_resharding=True) to split this one further"
             )
+    unindexed = unindexed_files(source)
+    if unindexed and not skip_unindexed:
+        one = len(unindexed) == 1
+        raise CheckpointError(
+            f"{source.root}: {', '.join(p.name for p in unindexed)} "
+            f"{'is' if one else 'are'} not named by {INDEX_NAME}, so no rank would hold "
+            f"{'it' if one else 'them'}; pass --skip-unindexed (skip_unindexed=True) to shard "
+            f"without {'it' if one else 'them'}"
+        )
 
 
 def unindexed_files(source: SafetensorsSource) -> list[Path]:
