@@ -695,7 +695,7 @@ def verify_shards(
     Memory: each tensor's mapped pages (input and ranks) are dropped from the process once it
     is checked, and a copy held whole by every rank is compared one rank at a time, so the byte
     check's resident set stays near the largest tensor's size plus its rejoined copy (Kimi K3
-    demo, TP 8: 0.75 GB peak RSS). The numerical check holds one KDA layer's weights as float32
+    demo, TP 8: 0.77 GB peak RSS, 6.2 GB before). The numerical check holds one KDA layer's weights as float32
     at a time (see :func:`~kda_tp.check_tp_equivalence`): on the Kimi K3 demo (1.4 GB input,
     one 0.89 GB BF16 KDA layer, 1.78 GB as float32) ``verify --numeric`` peaks at 2.0 GB RSS
     (7.9 GB before pages were dropped and float32 copies shared).
