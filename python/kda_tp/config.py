@@ -94,7 +94,11 @@ def load_config(path: str | os.PathLike[str]) -> dict[str, Any]:
 
 
 def no_config_message(directory: str | os.PathLike[str]) -> str:
-    """The message for a checkpoint directory without ``config.json``, with the fix."""
+    """The message for a checkpoint directory without ``config.json``, with the fix.
+
+    Args:
+        directory: the checkpoint directory, named at the start of the message.
+    """
     return (f"{directory}: no {CONFIG_NAME} in this directory; kda_tp reads the model's geometry "
             f"and its KDA layers from it: put the model's {CONFIG_NAME} there")
 

@@ -97,6 +97,14 @@ def quantization_config(config: Mapping[str, Any], root: Path | None = None) -> 
     ``hf_quant_config.json`` in ``root`` (its ``quantization`` object, with ``quant_method:
     "modelopt"`` added).
 
+    Args:
+        config: the model config (``config.json`` as a dict).
+        root: the checkpoint directory, where ``hf_quant_config.json`` may lie (None: not
+            looked for).
+
+    Returns:
+        The ``quantization_config`` mapping (``quant_method``, ``quant_algo``, ...), or None.
+
     Raises:
         CheckpointError: an ``hf_quant_config.json`` that is not JSON or has no
             ``quantization`` object.
@@ -217,6 +225,11 @@ def modelopt_modules(
 ) -> ModelOptModules | None:
     """The per-module declarations of a ModelOpt config (see :class:`ModelOptModules`); None
     when the config is not ModelOpt's.
+
+    Args:
+        config: the model config (``config.json`` as a dict).
+        root: the checkpoint directory, for ``hf_quant_config.json`` (as
+            :func:`quantization_config`).
 
     Raises:
         CheckpointError: as :func:`quantization_config`.

@@ -283,6 +283,11 @@ def check_shard_input(
     ``allow_resharding``, and ``.safetensors`` files the index does not name
     (:func:`unindexed_files`) unless ``skip_unindexed``.
 
+    Args:
+        source: the input checkpoint.
+        allow_resharding: accept a rank directory (``--allow-resharding``).
+        skip_unindexed: accept files the index does not name (``--skip-unindexed``).
+
     Raises:
         CheckpointError: either, naming the file(s) and the flag that accepts them.
     """
