@@ -123,6 +123,9 @@ def test_numeric_verify_reports_progress_per_layer_and_each_phase_s_time(ckpt, s
     assert "GB/s" not in out + err  # no rate of one phase's bytes over another's time
     status, _, err = run(capsys, "verify", ckpt, sharded, "--numeric", "--quiet")
     assert status == 0 and err == ""
+    status, out, _ = run(capsys, "verify", ckpt, sharded, "--numeric", "--quiet", "--json")
+    doc = json.loads(out)
+    assert status == 0 and doc["byte_seconds"] > 0 and doc["numeric_seconds"] > 0
 
 
 def test_the_demo_reports_no_input_rate(capsys):

@@ -647,7 +647,8 @@ def verify_json(report: VerifyReport, unindexed: Sequence[Path] = ()) -> dict[st
     bytes), ``problems`` (one string each), ``numeric`` (None when not run, else ``passed``,
     ``seq_len``, ``seed``, ``atol``, ``rtol`` and ``layers``: per layer ``layer``,
     ``max_abs_error``, ``max_rel_error`` (None when infinite), ``y_abs_max``, ``tolerance``,
-    ``passed``), ``unindexed`` (input files the index does not name, unchecked).
+    ``passed``), ``unindexed`` (input files the index does not name, unchecked),
+    ``byte_seconds`` and ``numeric_seconds`` (each phase's wall time; 0 when not run).
     """
     numeric = None
     if report.numeric is not None:
@@ -666,6 +667,7 @@ def verify_json(report: VerifyReport, unindexed: Sequence[Path] = ()) -> dict[st
         "ok": report.ok, "tp_size": report.tp_size, "tensors": report.tensors,
         "bytes_checked": report.bytes_checked, "problems": list(report.problems),
         "numeric": numeric, "unindexed": [str(p) for p in unindexed],
+        "byte_seconds": report.byte_seconds, "numeric_seconds": report.numeric_seconds,
     }
 
 
