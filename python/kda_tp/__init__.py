@@ -5,7 +5,7 @@ adapter that presents one rank's shard, a pure-Python oracle (``kda_tp.oracle``)
 reference forward (``kda_tp.reference``) and the ``kda-tp`` command line.
 """
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import errors
 from ._native import __version__
@@ -23,6 +23,9 @@ from .errors import (
 from .plan import KdaShard, KdaTensorPlan, KdaTpPlan
 from .quant import dequantize
 from .source import KdaShardedSource, SafetensorsSource, Tensor, shard_bytes
+
+if TYPE_CHECKING:  # imported on first use (below), seen here by type checkers and the API docs
+    from .equivalence import check_tp_equivalence
 
 __all__ = [
     "__version__",

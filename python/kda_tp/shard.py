@@ -1,13 +1,15 @@
 """Writing one checkpoint directory per tensor-parallel rank, and verifying them.
 
-Layout written by ``kda-tp shard CHECKPOINT --tp-size T --out OUT``::
+Layout written by ``kda-tp shard CHECKPOINT --tp-size T --out OUT``:
 
-    OUT/rank0/ ... OUT/rank{T-1}/
-        config.json and the input's other small files, unchanged;
-        the input's safetensors file names, each holding the same tensors as in the input
-        (KDA tensors as this rank's slice, with local shapes), ``__metadata__`` carrying
-        ``tp_rank``, ``tp_size``, ``kda_tp_qk_multiple`` and ``kda_tp_layers``;
-        model.safetensors.index.json.
+```text
+OUT/rank0/ ... OUT/rank{T-1}/
+    config.json and the input's other small files, unchanged;
+    the input's safetensors file names, each holding the same tensors as in the input
+    (KDA tensors as this rank's slice, with local shapes), __metadata__ carrying
+    tp_rank, tp_size, kda_tp_qk_multiple and kda_tp_layers;
+    model.safetensors.index.json.
+```
 
 A rank is written into a hidden ``OUT/.rank{r}.partial-<pid>`` directory and renamed to
 ``OUT/rank{r}`` only when every file in it is complete, so a run killed at any point leaves no
@@ -664,7 +666,9 @@ def verify_shards(
     Args:
         checkpoint: the input given to ``shard`` (directory or single file).
         out_dir: the ``--out`` directory holding ``rank{r}/``.
-        numeric, seq_len, seed: the numerical check and its input (tokens, rng seed).
+        numeric: also run the numerical check.
+        seq_len: tokens of the numerical check's random input.
+        seed: seed of that input's random generator.
         layers: 0-based KDA layers to check numerically (default: every KDA layer); the byte
             check always covers every tensor.
         progress: called once with the number of input tensors; returns ``advance(n)``, called
@@ -675,7 +679,8 @@ def verify_shards(
             holds other things but no ``rank{r}`` directory (not a kda-tp output), or was
             sharded from another checkpoint (its headers record a digest of the input's
             tensor names, dtypes, shapes and some data bytes, and it differs).
-        PlanError: ``layers`` refused (see :func:`~kda_tp.layers.check_layers`).
+        PlanError: ``layers`` refused (negative, repeated, out of range or
+            1-based).
     """
     source = SafetensorsSource(checkpoint)
     out = Path(out_dir)

@@ -1,8 +1,8 @@
 """PyTorch and torch.distributed integration: per-rank loading, DTensor, torchrun jobs.
 
-Everything here needs the optional ``torch`` extra (``pip install 'kda_tp[torch]'``, torch
->= 2.5); ``import kda_tp`` does not import torch, and importing this module without torch (or
-with an older one) raises :class:`~kda_tp.errors.MissingDependencyError`.
+Everything here needs the optional ``torch`` extra (``pip install 'kda_tp[torch]'``,
+``torch >= 2.5``); ``import kda_tp`` does not import torch, and importing this module without
+torch (or with an older one) raises :class:`~kda_tp.errors.MissingDependencyError`.
 
 * :func:`load_rank`: one tensor-parallel rank's tensors as ``torch.Tensor``; rank and world size
   default to a torch.distributed process group.
@@ -157,8 +157,10 @@ def load_rank(
     Args:
         checkpoint: a checkpoint directory or ``.safetensors`` file (with ``config.json``), or
             an open :class:`~kda_tp.SafetensorsSource`.
-        tp_rank, tp_size: this rank and the TP world size; each one not given is taken from
-            ``group`` (``torch.distributed.get_rank`` / ``get_world_size``).
+        tp_rank: this rank; taken from ``group`` (``torch.distributed.get_rank``) when not
+            given.
+        tp_size: the TP world size; taken from ``group``
+            (``torch.distributed.get_world_size``) when not given.
         group: the TP process group (default: the default group).
         device: ``"cpu"`` (default): row-sliced and replicated tensors, and non-KDA tensors,
             are zero-copy, read-only views of the file mapping (``backend="mmap"``); ``o_proj``
@@ -310,7 +312,9 @@ def load_dtensors(
         checkpoint: as :func:`load_rank`.
         device_mesh: a 1-D ``torch.distributed.device_mesh.DeviceMesh``; tensors go to its
             device type (``"cpu"`` or ``"cuda"``, the current CUDA device).
-        layers, qk_multiple, backend: as :func:`load_rank`.
+        layers: as :func:`load_rank`.
+        qk_multiple: as :func:`load_rank`.
+        backend: as :func:`load_rank`.
         include_non_kda: also return every other tensor, as ``Replicate()`` DTensors.
 
     Returns:
@@ -399,7 +403,11 @@ def check_tp_equivalence_distributed(
         shard_dir: a ``kda-tp shard`` output to check instead of slicing ``checkpoint``.
         group: the process group (default: the default group).
         layers: 0-based KDA layers to check (default: the config's).
-        seq_len, seed, atol, rtol, qk_multiple: as :func:`~kda_tp.check_tp_equivalence`.
+        seq_len: as :func:`~kda_tp.check_tp_equivalence`.
+        seed: as :func:`~kda_tp.check_tp_equivalence`.
+        atol: as :func:`~kda_tp.check_tp_equivalence`.
+        rtol: as :func:`~kda_tp.check_tp_equivalence`.
+        qk_multiple: as :func:`~kda_tp.check_tp_equivalence`.
 
     Raises:
         PlanError: no initialized process group, or a refused geometry.
@@ -483,7 +491,9 @@ def shard_checkpoint_distributed(
     raises. The files are those a one-process run writes, byte for byte.
 
     Args:
-        checkpoint, out_dir, tp_size: as ``shard_checkpoint``.
+        checkpoint: as :func:`~kda_tp.shard.shard_checkpoint`.
+        out_dir: as :func:`~kda_tp.shard.shard_checkpoint`.
+        tp_size: as :func:`~kda_tp.shard.shard_checkpoint`.
         ranks: the TP ranks to write (default: all).
         group: the process group (default: the default group).
         options: the other keyword arguments of ``shard_checkpoint`` (``layers``,
@@ -494,10 +504,10 @@ def shard_checkpoint_distributed(
         ``seconds`` the slowest process's.
 
     Raises:
-        KdaTpError (the failing process's class): a process failed. Its own error on that
-        process; on the others the first failing process's error, its message prefixed with
-        the process number. A process's completed ranks stay when another process fails
-        (``verify`` rejects the incomplete set).
+        KdaTpError: a process failed (the failing process's class): its own error on that
+            process; on the others the first failing process's error, its message prefixed
+            with the process number. A process's completed ranks stay when another process
+            fails (``verify`` rejects the incomplete set).
         PlanError: no initialized process group, or a bad ``tp_size``/``ranks``.
     """
     if not (dist.is_available() and dist.is_initialized()):
