@@ -409,3 +409,13 @@ def test_transformers_tables_match_what_transformers_loads(ckpt, tmp_path):
                                                           model_dtype=model_dtype).dtype)
         assert tuple(want.shape) == got.shape, p.suffix
         assert want.contiguous().view(-1).view(torch.uint8).numpy().tobytes() == got.tobytes()
+
+
+def test_model_family_needs_a_config():
+    from kda_tp import CheckpointError
+
+    with pytest.raises(CheckpointError, match="no config.json"):
+        model_family(None)
+    assert model_family({"text_config": {"model_type": "glm5_next_text", "hidden_size": 64,
+                                         "linear_head_dim": 128, "linear_num_heads": 12,
+                                         "linear_conv_kernel_dim": 4}}) == "glm-5.3"
