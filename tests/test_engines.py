@@ -43,8 +43,8 @@ def open_dump(path: Path) -> tuple[dict[str, str], dict[str, np.ndarray]]:
         return meta, {k[len(prefix):]: f.get_tensor(k) for k in f.keys()}
 
 
-def adapter(meta: dict[str, str]) -> KdaShardedSource:
-    src = SafetensorsSource(DATA / CKPT[meta["model"]])
+def adapter(meta: dict[str, str], backend: str = "mmap") -> KdaShardedSource:
+    src = SafetensorsSource(DATA / CKPT[meta["model"]], backend=backend)
     plan = KdaTpPlan.from_config(src, int(meta["tp_rank"]), int(meta["tp_size"]))
     return KdaShardedSource(src, plan)
 
@@ -53,10 +53,11 @@ def test_every_engine_dump_is_there():
     assert {p.name.split("_tp")[0] for p in DUMPS} == set(EXPECTED)
 
 
+@pytest.mark.parametrize("backend", ["mmap", "pread"])
 @pytest.mark.parametrize("path", DUMPS, ids=lambda p: p.stem)
-def test_build_param_equals_the_engine_dump(path):
+def test_build_param_equals_the_engine_dump(path, backend):
     meta, dump = open_dump(path)
-    shard = adapter(meta)
+    shard = adapter(meta, backend)
     family = model_family(shard.config)
     assert [lay.name for lay in recognise(dump, family)] == [EXPECTED[path.name.split("_tp")[0]]]
     layout = get_layout(EXPECTED[path.name.split("_tp")[0]])
