@@ -43,8 +43,8 @@ def open_dump(path: Path) -> tuple[dict[str, str], dict[str, np.ndarray]]:
         return meta, {k[len(prefix):]: f.get_tensor(k) for k in f.keys()}
 
 
-def adapter(meta: dict[str, str]) -> KdaShardedSource:
-    src = SafetensorsSource(DATA / CKPT[meta["model"]])
+def adapter(meta: dict[str, str], backend: str = "mmap") -> KdaShardedSource:
+    src = SafetensorsSource(DATA / CKPT[meta["model"]], backend=backend)
     plan = KdaTpPlan.from_config(src, int(meta["tp_rank"]), int(meta["tp_size"]))
     return KdaShardedSource(src, plan)
 
@@ -53,10 +53,11 @@ def test_every_engine_dump_is_there():
     assert {p.name.split("_tp")[0] for p in DUMPS} == set(EXPECTED)
 
 
+@pytest.mark.parametrize("backend", ["mmap", "pread"])
 @pytest.mark.parametrize("path", DUMPS, ids=lambda p: p.stem)
-def test_build_param_equals_the_engine_dump(path):
+def test_build_param_equals_the_engine_dump(path, backend):
     meta, dump = open_dump(path)
-    shard = adapter(meta)
+    shard = adapter(meta, backend)
     family = model_family(shard.config)
     assert [lay.name for lay in recognise(dump, family)] == [EXPECTED[path.name.split("_tp")[0]]]
     layout = get_layout(EXPECTED[path.name.split("_tp")[0]])
@@ -325,17 +326,21 @@ def test_docs_tables_are_the_layouts():
 
 
 def test_docs_examples_run_and_fill_what_vllm_loaded():
+    """The page's torch-only blocks (``py``; tests/test_readme.py runs the ``python`` ones)."""
     torch = pytest.importorskip("torch")
-    loader, finder = re.findall(r"```python\n(.*?)```", DOC.read_text(), flags=re.S)
+    loader, finder = re.findall(r"^```py\n(.*?)^```", DOC.read_text(), flags=re.S | re.M)
     meta, dump = open_dump(DATA / "vllm_k3_tp4_r1.safetensors")
-    namespace: dict = {"rank": int(meta["tp_rank"]), "world_size": int(meta["tp_size"])}
+    namespace: dict = {"rank": int(meta["tp_rank"]), "world_size": int(meta["tp_size"]),
+                       "KdaShardedSource": KdaShardedSource, "KdaTpPlan": KdaTpPlan,
+                       "SafetensorsSource": SafetensorsSource}
     exec(compile(loader.replace("/models/Kimi-K3", str(DATA / "ckpt_k3")), "doc loader", "exec"),
          namespace)
     assert namespace["param"].dtype == torch.float32  # the fixture checkpoint is F32
     assert namespace["param"].numpy().tobytes() == dump["in_proj_qkvgfab.weight"].tobytes()
-    namespace["names_after_self_attn"] = list(dump)
+    namespace.update(state_dict={meta["prefix"] + k: v for k, v in dump.items()},
+                     config=namespace["src"].config, model_family=model_family)
     exec(compile(finder, "doc finder", "exec"), namespace)
-    assert namespace["family"] == "kimi-k3"
+    assert namespace["suffixes"] == set(dump)
 
 
 def test_param_location_takes_any_prefix():
@@ -405,3 +410,13 @@ def test_transformers_tables_match_what_transformers_loads(ckpt, tmp_path):
                                                           model_dtype=model_dtype).dtype)
         assert tuple(want.shape) == got.shape, p.suffix
         assert want.contiguous().view(-1).view(torch.uint8).numpy().tobytes() == got.tobytes()
+
+
+def test_model_family_needs_a_config():
+    from kda_tp import CheckpointError
+
+    with pytest.raises(CheckpointError, match="no config.json"):
+        model_family(None)
+    assert model_family({"text_config": {"model_type": "glm5_next_text", "hidden_size": 64,
+                                         "linear_head_dim": 128, "linear_num_heads": 12,
+                                         "linear_conv_kernel_dim": 4}}) == "glm-5.3"

@@ -524,10 +524,7 @@ class _Auditor:
                  engine: str | None):
         self.source = (checkpoint if isinstance(checkpoint, SafetensorsSource)
                        else SafetensorsSource(checkpoint))
-        config = self.source.config
-        if config is None:
-            raise CheckpointError(f"{self.source.root}: no config.json beside the weights")
-        self.family = model_family(config)
+        self.family = model_family(self.source.config)
         self.tp_size = tp_size
         self.forced = None if engine is None else get_layout(engine)
         self.layers = kda_layer_indices(self.source, None)

@@ -52,7 +52,7 @@ from typing import Any
 
 from .checkpoint import numpy_dtype
 from .config import parse_config
-from .errors import EngineLayoutError
+from .errors import CheckpointError, EngineLayoutError
 from .plan import KdaTensorPlan, KdaTpPlan
 from .quant import FP8_DTYPES
 
@@ -595,15 +595,23 @@ def get_layout(name: str | EngineLayout) -> EngineLayout:
         ) from None
 
 
-def model_family(config: Mapping[str, Any]) -> str:
+def model_family(config: Mapping[str, Any] | None) -> str:
     """The model family of a config, one of :data:`FAMILIES`.
 
     ``"kimi-k3"`` for a full-rank output gate (``use_full_rank_gate``), ``"glm-5.3"`` for a
     ``glm5_next`` ``model_type`` (top level or ``text_config``), else ``"kimi-linear"``.
 
+    Args:
+        config: a parsed ``config.json`` (e.g. ``SafetensorsSource.config``).
+
     Raises:
-        CheckpointError: a config without KDA geometry (from :func:`kda_tp.config.parse_config`).
+        CheckpointError: no config (None: the checkpoint has no ``config.json``), or one
+            without KDA geometry (from :func:`kda_tp.config.parse_config`).
     """
+    if config is None:
+        raise CheckpointError(
+            "no config.json: the model family (and which layers are KDA) comes from the config"
+        )
     if parse_config(config).full_rank_gate:
         return "kimi-k3"
     text = config.get("text_config")

@@ -306,6 +306,14 @@ class KdaShardedSource:
             raise CheckpointError(f"{location(self.source)}: no tensor named {name!r}")
         _native.shard_into(entry, readonly_bytes(record.data), target)
 
+    def release(self, name: str) -> None:
+        """Drop this process's resident pages of the source's tensor ``name`` (see
+        :meth:`SafetensorsSource.release`); a no-op when the wrapped source has no
+        ``release``."""
+        release = getattr(self.source, "release", None)
+        if release is not None:
+            release(name)
+
     def build_param(
         self,
         layout: str | EngineLayout,
