@@ -385,6 +385,9 @@ def test_refused_inputs_exit_2(tmp_path, capsys):
     save_file(load(DATA / "vllm_k3_tp4_r1.safetensors")[1], lone)
     status, _, err = run(capsys, "audit", ckpt, lone, "--tp-size", 4)
     assert status == 2 and "pass --rank" in err
+    # a checkpoint without its config.json (the dump file given in its place)
+    with pytest.raises(CheckpointError, match="config"):
+        kda_tp.audit(load(lone)[1], lone, tp_rank=1, tp_size=4)
     # not a dump of this model
     with pytest.raises(CheckpointError, match="no KDA parameter"):
         kda_tp.audit({"lm_head.weight": np.zeros(2)}, ckpt, tp_rank=0, tp_size=4)
