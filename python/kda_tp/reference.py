@@ -300,28 +300,38 @@ def source_layer_forward(
 
 
 def layer_weights(source: Any, layer: int, prefix: str, plan: Any) -> dict[str, np.ndarray]:
-    """Plan name -> array of ``{prefix}{layer}.self_attn.*`` for every tensor of ``plan``, as
-    ``source`` has it, in the shape :func:`kda_layer_forward` takes; block-quantized (FP8)
-    weights dequantized with their scale grids (:func:`kda_tp.dequantize`).
+    """Plan name -> float32 array of ``{prefix}{layer}.self_attn.*`` for every tensor of
+    ``plan``, as ``source`` has it, in the shape :func:`kda_layer_forward` takes;
+    block-quantized (FP8) weights dequantized with their scale grids (:func:`kda_tp.dequantize`).
+
+    Each tensor is converted as it is read and its mapped pages are then dropped from this
+    process (``source.release``, where the source has it), so the resident memory is the
+    layer's float32 weights, not those plus the mapped input.
 
     Raises:
         CheckpointError: a tensor or a block scale is missing from ``source``.
     """
+    release = getattr(source, "release", None)
     weights = {}
     for entry in plan.tensors:
         key = kda_tensor_name(prefix, layer, entry.name)
         record = source.get(key)
         if record is None:
             raise CheckpointError(f"{key}: missing (KDA layer {layer})")
-        weights[entry.name] = _canonical(record.array, entry)
+        array = _canonical(record.array, entry)
+        read = [key]
         if entry.scale is not None:
             scale_key = scale_tensor_name(source, prefix, layer, entry.name)
             scale = None if scale_key is None else source.get(scale_key)
-            if scale is None:
+            if scale is None or scale_key is None:
                 raise CheckpointError(f"{key}: block scale missing (KDA layer {layer})")
-            weights[entry.name] = dequantize(
-                weights[entry.name], _canonical(scale.array, entry.scale), entry.block
-            )
+            array = dequantize(array, _canonical(scale.array, entry.scale), entry.block)
+            read.append(scale_key)
+        weights[entry.name] = array.astype(np.float32, copy=False)
+        del record, array
+        if release is not None:
+            for name in read:
+                release(name)
     return weights
 
 
@@ -427,7 +437,7 @@ def _checked_weights(
                 f"{name}: shape {a.shape}, expected {wanted} "
                 f"(heads {heads} from b_proj, head_dim {head_dim}, hidden {hidden})"
             )
-        out[name] = a.astype(np.float32)
+        out[name] = a.astype(np.float32, copy=False)  # float32 weights are not copied
     for name in ("q_conv1d", "k_conv1d", "v_conv1d"):
         out[name] = out[name].reshape(channels, kernel)
     out["A_log"] = out["A_log"].reshape(-1)[:heads]
