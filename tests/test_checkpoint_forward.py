@@ -80,10 +80,9 @@ def test_glm_output_uses_its_lower_bound(glm, tmp_path):
     # Independently: the array-level forward with the bound given by hand.
     source = kda_tp.SafetensorsSource(glm)
     prefix = "model.language_model.layers.1.self_attn."
-    weights = {
-        name: source.get(prefix + (name if name in ("A_log", "dt_bias") else f"{name}.weight")).array
-        for name in kda_tp.reference.WEIGHT_NAMES + ("g_a_proj", "g_b_proj")
-    }
+    names = kda_tp.reference.WEIGHT_NAMES + ("g_a_proj", "g_b_proj")
+    suffix = {name: name if name in ("A_log", "dt_bias") else f"{name}.weight" for name in names}
+    weights = {name: source.get(prefix + suffix[name]).array for name in names}
     assert weights["A_log"].shape == (4,) and weights["A_log"].dtype == np.float32
     by_hand = kda_tp.reference.kda_layer_forward(
         weights, x, head_dim=32, rms_norm_eps=1e-5, gate_lower_bound=-5.0
@@ -120,3 +119,15 @@ def test_refusals_name_the_problem(glm):
 def test_the_numeric_check_passes_on_glm(glm):
     report = kda_tp.check_tp_equivalence(glm, 2, seq_len=8, qk_multiple=1)
     assert report.passed and [entry.layer for entry in report.layers] == [1]
+
+
+def test_a_config_without_a_layer_list_uses_the_layers_holding_a_log(tmp_path):
+    ckpt = shutil.copytree(DATA / "kda_small", tmp_path / "ckpt")
+    config = json.loads((ckpt / "config.json").read_text())
+    del config["linear_attn_config"]["kda_layers"]
+    (ckpt / "config.json").write_text(json.dumps(config))
+    x = np.load(ckpt / "x.npy")
+    got = checkpoint_layer_forward(ckpt, 0, x, tp_rank=1, tp_size=2)
+    assert np.max(np.abs(got - np.load(ckpt / "y_partial_rank1.npy"))) < TOL
+    with pytest.raises(kda_tp.CheckpointError, match=r"the KDA layers are \[0\]"):
+        checkpoint_layer_forward(ckpt, 1, x)

@@ -28,7 +28,8 @@ def glm(text: dict[str, Any], flat: bool = False) -> dict[str, Any]:
     """A GLM-5.3-Flash config: transformers' wrapper, or the flat text-only form."""
     if flat:
         return {"model_type": "glm5_next", **TEXT, **text}
-    return {"model_type": "glm5_next", "text_config": {"model_type": "glm5_next_text", **TEXT, **text}}
+    text = {"model_type": "glm5_next_text", **TEXT, **text}
+    return {"model_type": "glm5_next", "text_config": text}
 
 
 # (text fields, expected bound, expected key); each case is checked wrapped and flat.
@@ -83,7 +84,8 @@ def test_glm_layers_come_from_layer_types_not_kda_layers():
     # Without layer_types: index % 4 == 3 is full attention (transformers' default).
     assert parse_config(glm({"num_hidden_layers": 9})).kda_layers == (0, 1, 2, 4, 5, 6, 8)
     # "kda_attention" is no GLM layer type (the Kimi/generic rules accept it).
-    with pytest.raises(CheckpointError, match="no KDA layers: 'layer_types' has no 'linear_attention'"):
+    no_kda = "no KDA layers: 'layer_types' has no 'linear_attention'"
+    with pytest.raises(CheckpointError, match=no_kda):
         parse_config(glm({"layer_types": ["kda_attention"]}))
 
 
@@ -159,8 +161,8 @@ def test_plan_prints_the_gate_and_its_key(capsys):
 
 
 def _engine_bound(path: Path) -> float | None:
-    """The forget-gate bound an engine's layer ended up with (the rank file's ``engine_gate``
-    metadata, e.g. ``lower_bound: None`` or ``lower_bound attrs: {'kda_lower_bound': -5.0, ...}``)."""
+    """The forget-gate bound an engine's layer ended up with: the rank file's ``engine_gate``
+    metadata, e.g. ``lower_bound: None``, ``lower_bound attrs: {'kda_lower_bound': -5.0}``."""
     import kda_tp
 
     gate = kda_tp.SafetensorsSource(path).files()[0][1]["engine_gate"]

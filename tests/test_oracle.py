@@ -806,3 +806,24 @@ def test_the_oracle_uses_the_recorded_layers_when_the_config_lists_none(tmp_path
                  "--quiet"]) == 0
     assert main(["verify", str(ckpt), str(out)]) == 0
     assert oracle.verify(ckpt, out) == []
+
+
+def test_glm_configs_are_read_as_transformers_reads_them():
+    """GLM-5.3-Flash: layer_types (or every index not 3 mod 4), never kda_layers; a
+    linear_attn_config key wins over the flat one; the same as kda_tp.config."""
+    from kda_tp.config import parse_config
+
+    text = {"model_type": "glm5_next_text", "hidden_size": 64, "linear_head_dim": 32,
+            "linear_num_heads": 4, "linear_conv_kernel_dim": 4, "num_hidden_layers": 6,
+            "linear_attn_config": {"num_heads": 8, "kda_layers": [1, 2, 3, 4, 5, 6]}}  # fmt: skip
+    wrapper = {"model_type": "glm5_next", "text_config": text}
+    flat = {**text, "model_type": "glm5_next"}
+    for config in (wrapper, flat):
+        want = oracle.KdaConfig(64, 32, 8, 4, frozenset({0, 1, 2, 4, 5}))
+        assert oracle.read_kda_config(config) == want
+        ours = parse_config(config)
+        assert (ours.hidden, ours.head_dim, ours.heads, ours.conv_kernel) == (64, 32, 8, 4)
+        assert frozenset(ours.kda_layers or ()) == want.kda_layers
+    typed = {**text, "layer_types": ["linear_attention", "indexed_attention"] * 3}
+    read = oracle.read_kda_config({"model_type": "glm5_next", "text_config": typed})
+    assert read.kda_layers == {0, 2, 4}

@@ -1,7 +1,8 @@
 """kda_tp: split the weights of KDA (Kimi Delta Attention) layers across tensor-parallel ranks.
 
 The shard plan and the slicers are a Rust core; this package adds checkpoint sources, the
-adapter that presents one rank's shard, a pure-Python oracle (``kda_tp.oracle``), a numpy
+adapter that presents one rank's shard, serving engines' fused layouts (``kda_tp.engines``) and
+the audit of an engine's loaded weights (:func:`audit`), a pure-Python oracle (``kda_tp.oracle``), a numpy
 reference forward (``kda_tp.reference``) and the ``kda-tp`` command line.
 """
 
@@ -9,10 +10,17 @@ from typing import TYPE_CHECKING, Any
 
 from . import errors
 from ._native import __version__
+
+# `audit` is imported here, not on first use like check_tp_equivalence: the function has the
+# name of its module, and importing the module kda_tp.audit (the CLI does) would otherwise
+# leave `kda_tp.audit` bound to the module. It adds only its own small body: its imports
+# (numpy, the plan, the adapter, the engine tables) are loaded by `import kda_tp` anyway.
+from .audit import AuditReport, audit
 from .errors import (
     BufferLayoutError,
     CheckpointError,
     DtypeMismatchError,
+    EngineLayoutError,
     KdaTpError,
     MissingDependencyError,
     OutputError,
@@ -37,6 +45,7 @@ __all__ = [
     "CheckpointError",
     "OutputError",
     "MissingDependencyError",
+    "EngineLayoutError",
     "KdaShard",
     "KdaTensorPlan",
     "KdaTpPlan",
@@ -46,6 +55,8 @@ __all__ = [
     "shard_bytes",
     "dequantize",
     "check_tp_equivalence",
+    "audit",
+    "AuditReport",
 ]
 
 

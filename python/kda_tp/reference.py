@@ -42,6 +42,7 @@ import numpy as np
 from kda_tp.checkpoint import SafetensorsSource
 from kda_tp.config import CONFIG_NAME, KdaConfig, parse_config
 from kda_tp.errors import CheckpointError, DtypeMismatchError, PlanError, ShapeMismatchError
+from kda_tp.layers import layers_with_kda_tensors
 from kda_tp.layout import decoder_prefix, kda_tensor_name, scale_tensor_name
 from kda_tp.plan import KdaTpPlan
 from kda_tp.quant import dequantize
@@ -216,8 +217,9 @@ def checkpoint_layer_forward(
         float32 array ``(B, T, hidden)``.
 
     Raises:
-        CheckpointError: no config, ``layer`` is not one of the config's KDA layers, or a KDA
-            tensor (or an FP8 block scale) is missing.
+        CheckpointError: no config, ``layer`` is not one of the config's KDA layers (of the
+            layers holding ``A_log`` when the config does not list them), or a KDA tensor (or an
+            FP8 block scale) is missing.
         PlanError: ``tp_size`` other than 1 without ``tp_rank``; a ``tp_rank`` / ``tp_size``
             the plan refuses (heads not divisible, rank out of range).
         ShapeMismatchError: ``x`` is not ``(B, T, hidden)``, or a stored tensor's shape does
@@ -248,15 +250,15 @@ def checkpoint_layer_forward(
             f"x: shape {x.shape}, expected (batch, seq_len, {config.hidden}) (hidden_size of "
             f"{config.source})"
         )
-    if config.kda_layers is None:
-        all_kda: tuple[int, ...] = (int(layer),)
-    else:
-        all_kda = config.kda_layers
-        if layer not in all_kda:
-            raise CheckpointError(
-                f"{config.source}: layer {layer} is not a KDA layer; the KDA layers are "
-                f"{list(all_kda)} (0-based)"
-            )
+    # The config's KDA layers; a config that does not list them: the layers holding A_log.
+    all_kda = config.kda_layers
+    if all_kda is None:
+        all_kda = layers_with_kda_tensors(checkpoint)
+    if layer not in all_kda:
+        raise CheckpointError(
+            f"{config.source}: layer {layer} is not a KDA layer; the KDA layers are "
+            f"{list(all_kda)} (0-based)"
+        )
     plan = KdaTpPlan.from_config(checkpoint, tp_rank, tp_size, qk_multiple=1, layers=[layer])
     view: Any = checkpoint if tp_size == 1 else KdaShardedSource(checkpoint, plan, all_kda)
     return source_layer_forward(
@@ -298,28 +300,38 @@ def source_layer_forward(
 
 
 def layer_weights(source: Any, layer: int, prefix: str, plan: Any) -> dict[str, np.ndarray]:
-    """Plan name -> array of ``{prefix}{layer}.self_attn.*`` for every tensor of ``plan``, as
-    ``source`` has it, in the shape :func:`kda_layer_forward` takes; block-quantized (FP8)
-    weights dequantized with their scale grids (:func:`kda_tp.dequantize`).
+    """Plan name -> float32 array of ``{prefix}{layer}.self_attn.*`` for every tensor of
+    ``plan``, as ``source`` has it, in the shape :func:`kda_layer_forward` takes;
+    block-quantized (FP8) weights dequantized with their scale grids (:func:`kda_tp.dequantize`).
+
+    Each tensor is converted as it is read and its mapped pages are then dropped from this
+    process (``source.release``, where the source has it), so the resident memory is the
+    layer's float32 weights, not those plus the mapped input.
 
     Raises:
         CheckpointError: a tensor or a block scale is missing from ``source``.
     """
+    release = getattr(source, "release", None)
     weights = {}
     for entry in plan.tensors:
         key = kda_tensor_name(prefix, layer, entry.name)
         record = source.get(key)
         if record is None:
             raise CheckpointError(f"{key}: missing (KDA layer {layer})")
-        weights[entry.name] = _canonical(record.array, entry)
+        array = _canonical(record.array, entry)
+        read = [key]
         if entry.scale is not None:
             scale_key = scale_tensor_name(source, prefix, layer, entry.name)
             scale = None if scale_key is None else source.get(scale_key)
-            if scale is None:
+            if scale is None or scale_key is None:
                 raise CheckpointError(f"{key}: block scale missing (KDA layer {layer})")
-            weights[entry.name] = dequantize(
-                weights[entry.name], _canonical(scale.array, entry.scale), entry.block
-            )
+            array = dequantize(array, _canonical(scale.array, entry.scale), entry.block)
+            read.append(scale_key)
+        weights[entry.name] = array.astype(np.float32, copy=False)
+        del record, array
+        if release is not None:
+            for name in read:
+                release(name)
     return weights
 
 
@@ -425,7 +437,7 @@ def _checked_weights(
                 f"{name}: shape {a.shape}, expected {wanted} "
                 f"(heads {heads} from b_proj, head_dim {head_dim}, hidden {hidden})"
             )
-        out[name] = a.astype(np.float32)
+        out[name] = a.astype(np.float32, copy=False)  # float32 weights are not copied
     for name in ("q_conv1d", "k_conv1d", "v_conv1d"):
         out[name] = out[name].reshape(channels, kernel)
     out["A_log"] = out["A_log"].reshape(-1)[:heads]

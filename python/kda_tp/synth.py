@@ -3,7 +3,7 @@
 A checkpoint directory holds ``config.json``, two or more ``model-0000N-of-0000M.safetensors``
 files and ``model.safetensors.index.json``. Weights are random but finite and of a realistic
 scale; there is no MLP/MoE (the sharding code never touches it, and leaving it out keeps files
-small). Two config dialects are produced:
+small). Three config dialects are produced:
 
 ``style="kimi"`` (Kimi-Linear)
     ``linear_attn_config = {head_dim, num_heads, short_conv_kernel_size, kda_layers,
@@ -18,7 +18,6 @@ small). Two config dialects are produced:
     F32; non-KDA layers are MLA (DSA) layers (``q_a_proj``, ``q_a_layernorm``, ``q_b_proj``,
     ``kv_a_proj_with_mqa``, ``kv_a_layernorm``, ``kv_b_proj``, ``o_proj``), whose
     ``self_attn.o_proj`` has the KDA name.
-
 ``style="k3"`` (Kimi K3)
     a wrapper config (``model_type: kimi_k3``) with the Kimi dialect under ``text_config``, plus
     ``use_full_rank_gate: true`` and ``gate_lower_bound: -5.0``; every name under
@@ -242,8 +241,9 @@ def write_small_checkpoint(
             module docstring).
         vocab_size: rows of ``embed_tokens`` and ``lm_head``.
         weight_dtype: ``"BF16"``, ``"F16"`` or ``"F32"`` for every tensor except ``A_log`` and
-            ``dt_bias``, which are always F32.
-        flat_a_log: store ``A_log`` as ``[H]`` instead of ``[1, 1, H, 1]``.
+            ``dt_bias``, which are always F32 (and the convs of ``"k3"`` and ``"glm"``).
+        flat_a_log: store ``A_log`` as ``[H]`` instead of ``[1, 1, H, 1]`` (``"glm"`` always
+            does).
         flat_conv: store the conv weights as ``[C, K]`` instead of ``[C, 1, K]``.
         a_log_len: ``style="k3"`` only: stored ``A_log`` entries P >= H, the entries past the H
             heads zero (default ``max(H, D)``, as K3 pads 96 heads to 128).

@@ -555,8 +555,15 @@ class KdaConfig:
 def read_kda_config(config: Mapping[str, Any], layers: Iterable[int] | None = None) -> KdaConfig:
     """The KDA geometry of a parsed ``config.json``.
 
-    A wrapper config (Kimi K3's ``model_type: kimi_k3``) keeps the language model's keys under
-    ``text_config``; they are read from there when the top level has none. Two layouts are
+    GLM-5.3-Flash (``model_type`` ``glm5_next`` or ``glm5_next_text``, at the top level or in
+    ``text_config``) is read as transformers reads it: its ``text_config`` (or, flat, the top
+    level), ``linear_head_dim`` / ``linear_num_heads`` / ``linear_conv_kernel_dim`` (a
+    ``linear_attn_config`` ``head_dim`` / ``num_heads`` / ``short_conv_kernel_size`` wins;
+    defaults 128, 64, 4, hidden 4096) and the ``"linear_attention"`` entries of ``layer_types``
+    (default: 0-based index not 3 mod 4 of ``num_hidden_layers``, 45); never ``kda_layers``.
+
+    Any other wrapper config (Kimi K3's ``model_type: kimi_k3``) keeps the language model's keys
+    under ``text_config``; they are read from there when the top level has none. Two layouts are
     understood:
 
     * Kimi-Linear / Kimi K3: ``hidden_size`` and ``linear_attn_config`` with ``head_dim``,
@@ -575,9 +582,15 @@ def read_kda_config(config: Mapping[str, Any], layers: Iterable[int] | None = No
         CheckpointError: neither layout is present ("no KDA layers"), no layer is KDA, or a
             value has the wrong type.
     """
+    text = config.get("text_config")
+    model_types = {config.get("model_type")}
+    if isinstance(text, Mapping):
+        model_types.add(text.get("model_type"))
+    if model_types & {"glm5_next", "glm5_next_text"}:
+        return _read_glm_config(text if isinstance(text, Mapping) else config)
     layout_keys = ("linear_attn_config", "linear_key_head_dim", "linear_head_dim")
-    if not any(k in config for k in layout_keys) and isinstance(config.get("text_config"), Mapping):
-        config = config["text_config"]
+    if not any(k in config for k in layout_keys) and isinstance(text, Mapping):
+        config = text
     try:
         if isinstance(config.get("linear_attn_config"), Mapping):
             lac = config["linear_attn_config"]
@@ -623,6 +636,36 @@ def read_kda_config(config: Mapping[str, Any], layers: Iterable[int] | None = No
         raise CheckpointError(f"config.json: KDA geometry is not positive integers: {result}")
     if not result.kda_layers:
         raise CheckpointError("config.json: no KDA layers: the config marks no layer as KDA")
+    return result
+
+
+def _read_glm_config(text: Mapping[str, Any]) -> KdaConfig:
+    """GLM-5.3-Flash's text config as transformers' ``Glm5NextTextConfig`` reads it: a
+    ``linear_attn_config`` key wins over the flat one, then the class default; KDA layers are the
+    ``"linear_attention"`` entries of ``layer_types`` (default: every layer whose 0-based index
+    is not 3 mod 4); ``kda_layers`` is not read."""
+    lac = text.get("linear_attn_config") or {}
+    if not isinstance(lac, Mapping):
+        raise CheckpointError("config.json: linear_attn_config is not an object")
+
+    def get(flat: str, nested: str, default: int) -> Any:
+        return lac[nested] if nested in lac else text.get(flat, default)
+
+    types = text.get("layer_types")
+    if types is None:
+        kda = frozenset(i for i in range(text.get("num_hidden_layers", 45)) if i % 4 != 3)
+    else:
+        kda = frozenset(i for i, t in enumerate(types) if t == "linear_attention")
+    result = KdaConfig(
+        hidden=text.get("hidden_size", 4096),
+        head_dim=get("linear_head_dim", "head_dim", 128),
+        heads=get("linear_num_heads", "num_heads", 64),
+        conv_kernel=get("linear_conv_kernel_dim", "short_conv_kernel_size", 4),
+        kda_layers=kda,
+    )
+    sizes = (result.hidden, result.head_dim, result.heads, result.conv_kernel)
+    if not all(isinstance(v, int) and v > 0 for v in sizes) or not result.kda_layers:
+        raise CheckpointError(f"config.json: GLM-5.3-Flash KDA geometry is not valid: {result}")
     return result
 
 
