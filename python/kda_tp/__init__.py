@@ -3,25 +3,35 @@
 The shard plan and the slicers are a Rust core; this package adds checkpoint sources, the
 adapter that presents one rank's shard, a pure-Python oracle (``kda_tp.oracle``), a numpy
 reference forward (``kda_tp.reference``) and the ``kda-tp`` command line.
+
+``import kda_tp`` imports no other module: each public name below is imported from its module on
+first use (numpy and the Rust core with it), so that the package and the ``kda-tp`` command
+start fast and a Ctrl-C during those imports can be reported cleanly (``kda_tp.__main__``).
 """
 
-from typing import Any
+from __future__ import annotations
 
-from . import errors
-from ._native import __version__
-from .errors import (
-    BufferLayoutError,
-    CheckpointError,
-    DtypeMismatchError,
-    KdaTpError,
-    MissingDependencyError,
-    OutputError,
-    PlanError,
-    ShapeMismatchError,
-)
-from .plan import KdaShard, KdaTensorPlan, KdaTpPlan
-from .quant import dequantize
-from .source import KdaShardedSource, SafetensorsSource, Tensor, shard_bytes
+from importlib import import_module
+
+# typing.TYPE_CHECKING without importing typing (type checkers read any TYPE_CHECKING alike).
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from . import errors
+    from ._native import __version__
+    from .equivalence import check_tp_equivalence
+    from .errors import (
+        BufferLayoutError,
+        CheckpointError,
+        DtypeMismatchError,
+        KdaTpError,
+        MissingDependencyError,
+        OutputError,
+        PlanError,
+        ShapeMismatchError,
+    )
+    from .plan import KdaShard, KdaTensorPlan, KdaTpPlan
+    from .quant import dequantize
+    from .source import KdaShardedSource, SafetensorsSource, Tensor, shard_bytes
 
 __all__ = [
     "__version__",
@@ -45,12 +55,39 @@ __all__ = [
     "check_tp_equivalence",
 ]
 
+#: The module each public name is imported from on first use.
+_LAZY = {
+    "__version__": "_native",
+    "errors": "errors",
+    "KdaTpError": "errors",
+    "PlanError": "errors",
+    "ShapeMismatchError": "errors",
+    "DtypeMismatchError": "errors",
+    "BufferLayoutError": "errors",
+    "CheckpointError": "errors",
+    "OutputError": "errors",
+    "MissingDependencyError": "errors",
+    "KdaShard": "plan",
+    "KdaTensorPlan": "plan",
+    "KdaTpPlan": "plan",
+    "Tensor": "source",
+    "SafetensorsSource": "source",
+    "KdaShardedSource": "source",
+    "shard_bytes": "source",
+    "dequantize": "quant",
+    "check_tp_equivalence": "equivalence",
+}
 
-def __getattr__(name: str) -> Any:
-    # The numeric check pulls in the reference forward and the oracle; import it on first use
-    # so that `import kda_tp` (and every `kda-tp` command) starts faster.
-    if name == "check_tp_equivalence":
-        from .equivalence import check_tp_equivalence  # noqa: PLC0415
 
-        return check_tp_equivalence
-    raise AttributeError(f"module 'kda_tp' has no attribute {name!r}")
+def __getattr__(name: str) -> object:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kda_tp' has no attribute {name!r}")
+    found = import_module(f"{__name__}.{module}")
+    value = found if name == module else getattr(found, name)
+    globals()[name] = value  # later lookups do not come back here
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

@@ -14,29 +14,18 @@ import json
 import math
 import os
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from . import __version__
 from .checkpoint import INDEX_NAME, refuse_index_member
 from .config import load_config, parse_config
-from .errors import CheckpointError, KdaTpError, PlanError
+from .errors import CheckpointError, KdaTpError, PlanError, ShardInterrupted
 from .layers import check_layers, config_layer_count, layer_count, layers_with_kda_tensors
 from .plan import KdaTpPlan
-from .shard import (
-    ShardInterrupted,
-    ShardResult,
-    VerifyReport,
-    finish_command,
-    rank_dir,
-    shard_checkpoint,
-    unindexed_files,
-    verify_shards,
-)
 from .source import (
     SafetensorsSource,
     decoder_prefix,
@@ -44,6 +33,11 @@ from .source import (
     kda_tensor_name,
     scale_tensor_name,
 )
+
+# The writer and the verifier are imported by the commands that use them, so that `kda-tp --help`
+# and `kda-tp plan` start faster.
+if TYPE_CHECKING:
+    from .shard import ShardResult, VerifyReport
 
 __all__ = ["main"]
 
@@ -471,6 +465,8 @@ class _ProgressLines:
 
 
 def _cmd_shard(args: argparse.Namespace) -> int:
+    from .shard import rank_dir, shard_checkpoint, unindexed_files
+
     refuse_index_member(args.checkpoint)
     source = SafetensorsSource(args.checkpoint, args.backend)
     layers = _shard_layers(source, args.layers)
@@ -507,6 +503,8 @@ def _cmd_shard(args: argparse.Namespace) -> int:
 
 def _finish_command(args: argparse.Namespace, ranks: Sequence[int]) -> str:
     """The ``kda-tp shard`` command that writes ``ranks`` with this run's other options."""
+    from .shard import finish_command
+
     command = finish_command(args.checkpoint, args.out, args.tp_size, ranks, args.qk_multiple)
     if args.layers is not None:
         command += f" --layers {','.join(map(str, args.layers))}"
@@ -587,6 +585,8 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     if args.layers is not None and not args.numeric:
         raise PlanError("--layers picks the KDA layers of the numeric check; pass --numeric too "
                         "(the byte check always covers every tensor)")
+    from .shard import unindexed_files, verify_shards
+
     refuse_index_member(args.checkpoint)
     unindexed = unindexed_files(SafetensorsSource(args.checkpoint))
     for path in unindexed:
@@ -646,6 +646,9 @@ def _written_line(result: ShardResult) -> str:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
+    import tempfile
+
+    from .shard import shard_checkpoint, verify_shards
     from .synth import GEOMETRIES, write_checkpoint
 
     g = GEOMETRIES[args.model]
@@ -729,6 +732,7 @@ def _run_verify(args: argparse.Namespace) -> int:
     if _torchrun_processes() == 1:
         return _cmd_verify(args)
     # kda_tp.torch first: without torch it raises MissingDependencyError, a KdaTpError.
+    from .shard import verify_shards
     from .torch import check_tp_equivalence_distributed, rank_dir_metadata, torchrun_group
 
     import torch.distributed as dist
