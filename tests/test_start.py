@@ -87,6 +87,7 @@ sys.meta_path.insert(0, InterruptAt())
 
 @pytest.mark.parametrize("at", [
     "numpy",  # the first import of the command line
+    "datetime",  # imported by numpy's C initialisation, which turns exceptions into ImportError
     "kda_tp._native",  # the Rust core, imported through kda_tp.plan
     "argparse",
     "kda_tp.shard",  # imported by `verify` after its arguments are parsed

@@ -9,8 +9,6 @@ first use (numpy and the Rust core with it), so that the package and the ``kda-t
 start fast and a Ctrl-C during those imports can be reported cleanly (``kda_tp.__main__``).
 """
 
-from __future__ import annotations
-
 from importlib import import_module
 
 # typing.TYPE_CHECKING without importing typing (type checkers read any TYPE_CHECKING alike).
