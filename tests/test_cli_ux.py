@@ -5,23 +5,24 @@ progress lines, ``--json``, messages that point at the fix, re-sharding an outpu
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 from types import SimpleNamespace
 
-import pytest
-
 import kda_tp
+import pytest
 from kda_tp._io import write_safetensors
 from kda_tp.cli import main
 from kda_tp.errors import PlanError
 from kda_tp.layers import check_layers
-from kda_tp.shard import rank_dir, shard_checkpoint
+from kda_tp.shard import rank_dir, shard_checkpoint, verify_shards
 from kda_tp.synth import write_small_checkpoint
 
 from children import kda_tp_child
@@ -426,3 +427,80 @@ def test_an_unindexed_file_is_refused_or_skipped_by_flag(ckpt, tmp_path, capsys)
     status, out_text, err = run(capsys, "verify", ckpt, out, "--json", "--quiet")
     assert status == 0 and json.loads(out_text)["unindexed"] == [str(extra)]
     assert f"warning: {extra} is not named by" in err
+
+
+DATA = Path(__file__).parent / "data"
+
+
+THREE_LAYERS = dict(hidden=96, heads=4, head_dim=64, conv_kernel=4, gate_rank=16, num_layers=3)
+
+
+@pytest.fixture
+def three_layer_ckpt(tmp_path) -> Path:
+    return write_small_checkpoint(tmp_path / "three_layer_ckpt", **THREE_LAYERS, kda_layers=[0, 2], seed=5)
+
+
+def _cli_without_torch(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    """``kda-tp ARGS`` in a subprocess where ``import torch`` fails, with extra environment."""
+    code = textwrap.dedent(f"""
+        import sys
+        sys.modules["torch"] = None
+        from kda_tp.cli import main
+        sys.exit(main({list(args)!r}))
+    """)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env={**os.environ, **env}, timeout=120)
+
+
+def test_verify_under_torchrun_without_torch_is_a_named_error(tmp_path):
+    out = tmp_path / "out"
+    shard_checkpoint(DATA / "k3_small", out, 2)
+    done = _cli_without_torch({"TORCHELASTIC_RUN_ID": "x", "WORLD_SIZE": "2"},
+                              "verify", str(DATA / "k3_small"), str(out))
+    assert done.returncode == 2, done.stderr
+    assert "MissingDependencyError" in done.stderr and "Traceback" not in done.stderr
+    done = _cli_without_torch({"TORCHELASTIC_RUN_ID": "x", "WORLD_SIZE": "abc"},
+                              "verify", str(DATA / "k3_small"), str(out))
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert "WORLD_SIZE='abc' (set by torchrun) is not a positive integer" in done.stderr
+
+
+def test_a_plan_from_the_config_alone_says_its_shapes_are_assumed(capsys):
+    assert main(["plan", str(DATA / "k3_small" / "config.json"), "--tp-size", "2"]) == 0
+    assert "from the config alone: on-disk shapes and dtypes are assumed" in capsys.readouterr().out
+    assert main(["plan", str(DATA / "k3_small"), "--tp-size", "2"]) == 0
+    text = capsys.readouterr().out
+    assert "assumed" not in text and "1 KDA layer: " in text
+
+
+def test_a_closed_pipe_ends_the_cli_without_a_traceback(tmp_path):
+    code = ("import subprocess, sys\n"
+            f"p = subprocess.Popen([sys.executable, '-m', 'kda_tp', 'plan', {str(DATA / 'k3_small')!r},"
+            " '--tp-size', '2', '--json'], stdout=subprocess.PIPE, stderr=subprocess.PIPE)\n"
+            "p.stdout.close()\n"
+            "err = p.stderr.read().decode()\n"
+            "p.wait()\n"
+            "print(err)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert "Traceback" not in done.stdout and "BrokenPipeError" not in done.stdout, done.stdout
+
+
+def test_layers_argument_when_the_config_does_not_list_them(three_layer_ckpt, tmp_path):
+    config = json.loads((three_layer_ckpt / "config.json").read_text())
+    del config["linear_attn_config"]["kda_layers"]
+    (three_layer_ckpt / "config.json").write_text(json.dumps(config))
+    with pytest.raises(kda_tp.CheckpointError, match="pass layers="):
+        shard_checkpoint(three_layer_ckpt, tmp_path / "out", 2)
+    shard_checkpoint(three_layer_ckpt, tmp_path / "out", 2, layers=[0, 2])
+    rank1 = kda_tp.SafetensorsSource(rank_dir(tmp_path / "out", 1))
+    assert rank1.info("model.layers.2.self_attn.q_proj.weight")[1] == (128, 96)
+    assert rank1.info("model.layers.1.self_attn.q_proj.weight")[1] != (128, 96)  # not KDA
+    assert verify_shards(three_layer_ckpt, tmp_path / "out").ok
+
+
+def test_an_empty_kda_layer_list_is_a_named_error(three_layer_ckpt, tmp_path):
+    config = json.loads((three_layer_ckpt / "config.json").read_text())
+    config["linear_attn_config"]["kda_layers"] = []
+    (three_layer_ckpt / "config.json").write_text(json.dumps(config))
+    with pytest.raises(kda_tp.CheckpointError, match="no KDA layer"):
+        shard_checkpoint(three_layer_ckpt, tmp_path / "out", 2)

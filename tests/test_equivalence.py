@@ -11,11 +11,12 @@ import json
 import shutil
 from pathlib import Path
 
+import kda_tp
 import numpy as np
 import pytest
-
-import kda_tp
-from kda_tp import synth
+from kda_tp import oracle, synth
+from kda_tp._io import write_safetensors
+from kda_tp.cli import main
 from kda_tp.equivalence import check_tp_equivalence
 from kda_tp.errors import CheckpointError, PlanError
 
@@ -150,3 +151,42 @@ def test_synthetic_multi_layer_checkpoints_pass(tmp_path, style, flat):
     report = check_tp_equivalence(tmp_path, 2, seq_len=8)
     assert [entry.layer for entry in report.layers] == [0, 2]
     assert report.passed, report.format()
+
+
+DATA = Path(__file__).parent / "data"
+
+
+def _relaid(tmp_path: Path, shapes: dict[str, list[int]]) -> Path:
+    """The k3_small fixture in one file, with some tensors stored under other shapes holding the
+    same bytes in the same order (extra unit axes)."""
+    source = kda_tp.SafetensorsSource(DATA / "k3_small")
+    out = tmp_path / "relaid"
+    out.mkdir()
+    shutil.copy(DATA / "k3_small" / "config.json", out)
+    specs = []
+    for name in source.names():
+        t = source.get(name)
+        assert t is not None
+        data = bytes(np.asarray(t.data))
+        specs.append((name, t.dtype, shapes.get(name, list(t.shape)), len(data), lambda d=data: d))
+    write_safetensors(out / "model.safetensors", specs)
+    return out
+
+
+def test_the_numeric_check_accepts_every_layout_shard_accepts(tmp_path, capsys):
+    kda = "language_model.model.layers.0.self_attn."
+    ckpt = _relaid(tmp_path, {
+        kda + "A_log": [1, 1, 16, 1],          # K3's padded A_log in Kimi-Linear's 4-D layout
+        kda + "q_conv1d.weight": [1, 256, 4],  # a leading unit axis
+        kda + "o_proj.weight": [1, 128, 256],
+        kda + "dt_bias": [1, 256],
+    })
+    out = tmp_path / "out"
+    assert main(["shard", str(ckpt), "--tp-size", "2", "--out", str(out), "--quiet"]) == 0
+    rank1 = kda_tp.SafetensorsSource(out / "rank1")
+    assert rank1.info(kda + "A_log") == ("F32", (1, 1, 2, 1))
+    assert main(["verify", str(ckpt), str(out), "--numeric"]) == 0
+    assert "numerical TP equivalence passes" in capsys.readouterr().out
+    report = kda_tp.check_tp_equivalence(ckpt, 2)
+    assert report.passed and report.layers[0].max_abs_error < 1e-5
+    assert oracle.verify(ckpt, out) == []

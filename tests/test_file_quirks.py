@@ -8,13 +8,19 @@ with kda_tp's own writer, so the bytes are checked independently of the code und
 from __future__ import annotations
 
 import json
+import shutil
 import struct
 from pathlib import Path
 
+import kda_tp
 import malformed
 import pytest
 from kda_tp import SafetensorsSource, cli, oracle
-from kda_tp.shard import shard_checkpoint, verify_shards
+from kda_tp._io import write_index, write_safetensors
+from kda_tp.cli import main
+from kda_tp.errors import CheckpointError
+from kda_tp.shard import rank_dir, shard_checkpoint, verify_shards
+from kda_tp.synth import write_small_checkpoint
 
 # Tensors outside the KDA layers in every dtype the writer sizes by bits, not bytes (plus the
 # one-byte E8M0 block scales MX formats pair with them): name, dtype, shape, bytes.
@@ -136,3 +142,83 @@ def test_a_checkpoint_with_null_metadata_shards(tmp_path: Path) -> None:
     assert cli.main(["verify", str(root), str(out)]) == 0
     metadata = read_raw(out / "rank1" / "model.safetensors")[0]["__metadata__"]
     assert (metadata["tp_rank"], metadata["tp_size"]) == ("1", "2")
+
+
+DATA = Path(__file__).parent / "data"
+
+
+THREE_LAYERS = dict(hidden=96, heads=4, head_dim=64, conv_kernel=4, gate_rank=16, num_layers=3)
+
+
+@pytest.fixture
+def three_layer_ckpt(tmp_path) -> Path:
+    return write_small_checkpoint(tmp_path / "three_layer_ckpt", **THREE_LAYERS, kda_layers=[0, 2], seed=5)
+
+
+def test_one_file_of_an_indexed_checkpoint_is_refused_by_the_api_too():
+    member = DATA / "k3_small" / "model-00002-of-00002.safetensors"
+    for given in (member, kda_tp.SafetensorsSource(member)):
+        with pytest.raises(CheckpointError, match=r"one file of an indexed checkpoint; pass the "
+                                                  r"directory .*k3_small \(it has model"):
+            kda_tp.KdaTpPlan.from_config(given, 0, 2)
+
+
+def _add_tensor(three_layer_ckpt: Path, name: str, shape: tuple[int, ...], data: bytes) -> None:
+    """Add a BF16 tensor in a new file of the checkpoint, and list it in the index."""
+    index_path = three_layer_ckpt / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    write_safetensors(three_layer_ckpt / "extra.safetensors", [(name, "BF16", shape, len(data), lambda: data)])
+    index["weight_map"][name] = "extra.safetensors"
+    write_index(index_path, index["weight_map"], index["metadata"]["total_size"] + len(data))
+
+
+def test_another_stack_with_self_attn_layers_passes_through(three_layer_ckpt, tmp_path):
+    name = "vision_tower.encoder.layers.0.self_attn.q_proj.weight"
+    data = bytes(range(256)) * (256 * 96 * 2 // 256)
+    _add_tensor(three_layer_ckpt, name, (256, 96), data)
+    out = tmp_path / "out"
+    shard_checkpoint(three_layer_ckpt, out, 2)
+    rank0 = kda_tp.SafetensorsSource(rank_dir(out, 0))
+    assert rank0.info(name) == ("BF16", (256, 96))
+    assert bytes(rank0.get(name)) == data
+    assert verify_shards(three_layer_ckpt, out, numeric=True).ok
+    assert oracle.verify(three_layer_ckpt, out) == []
+
+
+def test_a_language_model_prefix_is_found(tmp_path):
+    """KDA layers under `language_model.model.layers.` shard, and the numeric check finds them."""
+    base = write_small_checkpoint(tmp_path / "base", **THREE_LAYERS, kda_layers=[0, 2], seed=5)
+    src = kda_tp.SafetensorsSource(base)
+    renamed = tmp_path / "renamed"
+    renamed.mkdir()
+    specs = [("language_model." + n, *src.info(n), src.get(n).nbytes, lambda n=n: src.get(n).data)
+             for n in src.names()]
+    write_safetensors(renamed / "model.safetensors", specs)
+    shutil.copy(base / "config.json", renamed / "config.json")
+    shard_checkpoint(renamed, tmp_path / "out", 2)
+    rank1 = kda_tp.SafetensorsSource(rank_dir(tmp_path / "out", 1))
+    assert rank1.info("language_model.model.layers.0.self_attn.A_log")[1] == (1, 1, 2, 1)
+    assert verify_shards(renamed, tmp_path / "out", numeric=True).ok
+    assert oracle.verify(renamed, tmp_path / "out") == []
+
+
+def test_config_json_given_as_the_checkpoint(three_layer_ckpt, tmp_path, capsys):
+    assert main(["shard", str(three_layer_ckpt / "config.json"), "--tp-size", "2", "--out",
+                 str(tmp_path / "out"), "--quiet"]) == 2
+    assert "a JSON file; expected a checkpoint directory or a .safetensors file" in (
+        capsys.readouterr().err
+    )
+
+
+def test_hugging_face_cache_layout(tmp_path):
+    """snapshots/<rev>/ holds symlinks into ../../blobs/: followed, not refused."""
+    base = write_small_checkpoint(tmp_path / "base", **THREE_LAYERS, kda_layers=[0, 2], seed=5)
+    blobs, snapshot = tmp_path / "hub/blobs", tmp_path / "hub/snapshots/abc123"
+    blobs.mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    for i, f in enumerate(sorted(base.iterdir())):
+        blob = blobs / f"sha{i}"
+        shutil.copy(f, blob)
+        (snapshot / f.name).symlink_to(Path("../../blobs") / blob.name)
+    shard_checkpoint(snapshot, tmp_path / "out", 2)
+    assert verify_shards(snapshot, tmp_path / "out").ok

@@ -9,18 +9,23 @@ dequantized weights (see its README).
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
+import kda_tp
 import ml_dtypes
 import numpy as np
 import pytest
-
-import kda_tp
 from kda_tp import oracle
 from kda_tp._io import write_safetensors
 from kda_tp.cli import main
-from kda_tp.equivalence import _layer_weights
-from kda_tp.errors import CheckpointError, DtypeMismatchError, PlanError, ShapeMismatchError
+from kda_tp.equivalence import layer_weights
+from kda_tp.errors import (
+    CheckpointError,
+    DtypeMismatchError,
+    PlanError,
+    ShapeMismatchError,
+)
 from kda_tp.reference import kda_layer_forward
 from kda_tp.shard import rank_dir, shard_checkpoint, verify_shards
 from kda_tp.synth import write_checkpoint, write_small_checkpoint
@@ -53,7 +58,7 @@ def test_reference_on_each_ranks_dequantized_slices_matches_the_fixture():
     for rank in range(2):
         plan = kda_tp.KdaTpPlan.from_config(source, rank, 2)
         view = kda_tp.KdaShardedSource(source, plan)
-        local = _layer_weights(view, 0, LAYERS, plan)
+        local = layer_weights(view, 0, LAYERS, plan)
         partial = kda_layer_forward(local, x, head_dim=64, gate_lower_bound=-5.0)
         want = np.load(FIXTURE / f"y_partial_tp2_rank{rank}.npy")
         assert np.max(np.abs(partial - want)) < 1e-5
@@ -149,9 +154,9 @@ def test_other_layouts_give_the_same_weights_per_rank(tmp_path, style):
     fixture = kda_tp.SafetensorsSource(FIXTURE)
     for rank in range(2):
         plan = kda_tp.KdaTpPlan.from_config(fixture, rank, 2)
-        want = _layer_weights(kda_tp.KdaShardedSource(fixture, plan), 0, LAYERS, plan)
+        want = layer_weights(kda_tp.KdaShardedSource(fixture, plan), 0, LAYERS, plan)
         got_source = kda_tp.SafetensorsSource(rank_dir(out, rank))
-        got = _layer_weights(got_source, 0, LAYERS, plan)
+        got = layer_weights(got_source, 0, LAYERS, plan)
         for name in PROJECTIONS:
             assert np.array_equal(got[name], want[name]), name
             assert got_source.get(f"{KDA}{name}.{suffix}").array.ndim == 2
@@ -340,3 +345,49 @@ def test_k3_real_geometry_fp8_tp2_and_tp8(tmp_path, capsys):
             if not name.startswith(KDA):
                 assert np.array_equal(rank.get(name).data, full.get(name).data), name
         capsys.readouterr()
+
+
+DATA = Path(__file__).parent / "data"
+
+
+@pytest.mark.parametrize("text", ["[1, 2]", '{"quantization": "FP8_PB_WO"}', '"x"', "{}"])
+def test_a_malformed_hf_quant_config_is_a_named_error(tmp_path, capsys, text):
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(DATA / "k3_fp8_small", ckpt)
+    config = json.loads((ckpt / "config.json").read_text())
+    del config["quantization_config"]
+    (ckpt / "config.json").write_text(json.dumps(config))
+    (ckpt / "hf_quant_config.json").write_text(text)
+    with pytest.raises(CheckpointError, match=r"hf_quant_config\.json: expected a JSON object"):
+        kda_tp.KdaTpPlan.from_config(ckpt, 0, 2)
+    assert main(["shard", str(ckpt), "--tp-size", "2", "--out", str(tmp_path / "o")]) == 2
+    assert "CheckpointError" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists() or not any((tmp_path / "o").iterdir())
+
+
+@pytest.mark.parametrize("block", [(-1, 128), (128, 2**70), ("a", 128), (128,), 5])
+def test_a_bad_quant_block_is_a_plan_error(block):
+    with pytest.raises(PlanError, match="quant_block"):
+        kda_tp.KdaTpPlan(0, 1, 128, 64, 4, 4, 64, quant_block=block)
+
+
+def test_packed_4bit_weights_under_an_fp8_config_name_the_declared_format(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(DATA / "k3_fp8_small", ckpt)
+    source = kda_tp.SafetensorsSource(ckpt)
+    name = "language_model.model.layers.0.self_attn.q_proj.weight"
+    specs = []
+    for n in source.names():
+        t = source.get(n)
+        assert t is not None
+        data = bytes(np.asarray(t.data))
+        if n == name:
+            specs.append((n + "_packed", "U8", list(t.shape), len(data), lambda d=data: d))
+        else:
+            specs.append((n, t.dtype, list(t.shape), len(data), lambda d=data: d))
+    for p in ckpt.glob("model*"):
+        p.unlink()
+    write_safetensors(ckpt / "model.safetensors", specs)
+    with pytest.raises(CheckpointError, match=r"packed 4-bit KDA weights \(ModelOpt FP8_PB_WO "
+                                              r"\(128x128 blocks\), whose weights are F8"):
+        kda_tp.KdaTpPlan.from_config(ckpt, 0, 2)

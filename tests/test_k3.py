@@ -12,10 +12,9 @@ import pickle
 import shutil
 from pathlib import Path
 
+import kda_tp
 import numpy as np
 import pytest
-
-import kda_tp
 from kda_tp import oracle
 from kda_tp._io import write_safetensors
 from kda_tp.cli import main
@@ -350,3 +349,12 @@ def test_k3_real_geometry_tp2_and_tp8(tmp_path, capsys):
                 assert np.array_equal(rank.get(name).data, full.get(name).data), name
         shutil.rmtree(out)
 
+
+DATA = Path(__file__).parent / "data"
+
+
+def test_a_gate_lower_bound_beyond_float32_is_refused():
+    config = json.loads((DATA / "k3_small" / "config.json").read_text())
+    config["text_config"]["linear_attn_config"]["gate_lower_bound"] = -1e308
+    with pytest.raises(CheckpointError, match="gate_lower_bound' = -1e\\+308 is not a number"):
+        kda_tp.config.parse_config(config)

@@ -74,17 +74,19 @@ def test_verify_accepts_kda_only_output_and_catches_tampering(kda_only_output):
 
 
 def test_the_readme_overlay_example_rebuilds_a_rank(kda_only_output):
-    """README "KDA-only output": the overlay of rank r on the original is rank r's checkpoint."""
+    """docs/sharding.md "KDA-only output": the overlay of rank r on the original is rank r's
+    checkpoint."""
     import re
 
     path, out, tp_size, fixture = kda_only_output
-    readme = (tp_fixtures.DATA.parents[1] / "README.md").read_text()
-    section = readme[readme.index("## KDA-only output"):]
+    page = (tp_fixtures.DATA.parents[1] / "docs" / "sharding.md").read_text()
+    section = page[page.index("## KDA-only output"):]
     code = re.search(r"```py\n(.*?)```", section, flags=re.S).group(1)
-    code = code.replace("/models/Kimi-K3", str(path)).replace("/shards/rank", f"{out}/rank")
     rank = tp_size - 1
-    namespace: dict = {"rank": rank}
-    exec(compile(code, "README overlay example", "exec"), namespace)
+    code = (code.replace("/models/Kimi-K3", str(path)).replace("/shards/rank", f"{out}/rank")
+            .replace("rank = 5 ", f"rank = {rank} "))
+    namespace: dict = {}
+    exec(compile(code, "docs overlay example", "exec"), namespace)
     source = SafetensorsSource(path)
     shard = KdaShardedSource(
         source, KdaTpPlan.from_config(source, rank, tp_size, qk_multiple=fixture.qk_multiple)

@@ -18,9 +18,11 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-
 from kda_tp import oracle
+from kda_tp.cli import main
 from kda_tp.errors import PlanError, ShapeMismatchError
+from kda_tp.shard import shard_checkpoint, verify_shards
+from kda_tp.synth import write_small_checkpoint
 
 FIXTURE = Path(__file__).parent / "data" / "kda_small"
 
@@ -773,3 +775,34 @@ def test_verify_command_line(sharded_pair, tmp_path):
     assert bad.returncode == 1
     assert bad.stdout.count("\n") == 1 and bad.stdout.startswith("FAIL: 1 problem")
     assert "rank0: model.norm.weight: missing" in bad.stderr
+
+
+DATA = Path(__file__).parent / "data"
+
+
+@pytest.mark.parametrize("fixture", ["kda_small", "k3_small", "k3_fp8_small"])
+def test_the_oracle_checks_kda_only_output(tmp_path, fixture):
+    out = tmp_path / "out"
+    shard_checkpoint(DATA / fixture, out, 2, qk_multiple=1, kda_only=True)
+    assert verify_shards(DATA / fixture, out).ok
+    assert oracle.verify(DATA / fixture, out) == []
+    # It still catches a flipped byte of a KDA tensor.
+    path = sorted((out / "rank1").glob("*.safetensors"))[-1]
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF
+    path.write_bytes(bytes(data))
+    assert any("bytes differ" in p for p in oracle.verify(DATA / fixture, out))
+
+
+def test_the_oracle_uses_the_recorded_layers_when_the_config_lists_none(tmp_path):
+    ckpt = write_small_checkpoint(tmp_path / "k3", hidden=128, heads=4, head_dim=64,
+                                  conv_kernel=4, gate_rank=64, num_layers=2, kda_layers=[0],
+                                  style="k3", a_log_len=16)
+    config = json.loads((ckpt / "config.json").read_text())
+    del config["text_config"]["linear_attn_config"]["kda_layers"]
+    (ckpt / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "out"
+    assert main(["shard", str(ckpt), "--tp-size", "2", "--out", str(out), "--layers", "0",
+                 "--quiet"]) == 0
+    assert main(["verify", str(ckpt), str(out)]) == 0
+    assert oracle.verify(ckpt, out) == []

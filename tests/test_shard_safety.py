@@ -26,11 +26,14 @@ import textwrap
 import threading
 from pathlib import Path
 
+import kda_tp
 import numpy as np
 import pytest
 from kda_tp import KdaShardedSource, KdaTpPlan, SafetensorsSource, _io, cli
+from kda_tp._io import write_safetensors
+from kda_tp.cli import main
 from kda_tp.errors import CheckpointError, OutputError
-from kda_tp.shard import shard_checkpoint, verify_shards
+from kda_tp.shard import rank_dir, shard_checkpoint, verify_shards
 from kda_tp.synth import write_small_checkpoint
 
 from children import kda_tp_child
@@ -650,3 +653,94 @@ def test_processes_writing_different_ranks_into_one_directory(
         timeout=120,
     )
     assert run.returncode == 0 and "OK:" in run.stdout, run.stdout + run.stderr
+
+
+DATA = Path(__file__).parent / "data"
+
+
+THREE_LAYERS = dict(hidden=96, heads=4, head_dim=64, conv_kernel=4, gate_rank=16, num_layers=3)
+
+
+@pytest.fixture
+def three_layer_ckpt(tmp_path) -> Path:
+    return write_small_checkpoint(tmp_path / "three_layer_ckpt", **THREE_LAYERS, kda_layers=[0, 2], seed=5)
+
+
+def test_ranks_of_another_world_size_get_the_advice_that_works(tmp_path, capsys):
+    out = tmp_path / "out"
+    shard_checkpoint(DATA / "kda_small", out, 4, qk_multiple=1, ranks=[0, 1])
+    assert main(["shard", str(DATA / "kda_small"), "--tp-size", "2", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "rank0 holds output for tp_size 4, not 2; pass --force to replace it" in err
+    assert "--ranks" not in err
+
+
+def test_a_different_world_size_is_not_mixed_into_one_output(three_layer_ckpt, tmp_path, capsys):
+    out = tmp_path / "out"
+    shard_checkpoint(three_layer_ckpt, out, 4, qk_multiple=128, ranks=[2, 3])
+    with pytest.raises(kda_tp.OutputError, match="holds output for tp_size 4, not 2"):
+        shard_checkpoint(three_layer_ckpt, out, 2)
+    # --force replaces the other world size's ranks instead of leaving them beside the new ones.
+    shard_checkpoint(three_layer_ckpt, out, 2, force=True)
+    assert sorted(p.name for p in out.iterdir()) == ["rank0", "rank1"]
+    assert verify_shards(three_layer_ckpt, out).ok
+
+
+def test_verify_flags_ranks_beyond_tp_size(three_layer_ckpt, tmp_path):
+    out = tmp_path / "out"
+    shard_checkpoint(three_layer_ckpt, out, 2)
+    shutil.copytree(rank_dir(out, 1), rank_dir(out, 2))
+    report = verify_shards(three_layer_ckpt, out)
+    assert not report.ok
+    assert "rank directories [2] beyond tp_size 2" in report.problems[0]
+
+
+def test_verify_on_an_empty_rank0(three_layer_ckpt, tmp_path):
+    out = tmp_path / "out"
+    rank_dir(out, 0).mkdir(parents=True)
+    (rank_dir(out, 0) / "model.safetensors.index.json").write_text('{"weight_map": {}}')
+    report = verify_shards(three_layer_ckpt, out)
+    assert not report.ok and "holds no safetensors file" in report.problems[0]
+
+
+def test_verify_refuses_an_absurd_tp_size_quickly(three_layer_ckpt, tmp_path):
+    out = tmp_path / "out"
+    rank_dir(out, 0).mkdir(parents=True)
+    write_safetensors(rank_dir(out, 0) / "model.safetensors",
+                      [("x", "U8", (1,), 1, lambda: b"\0")], {"tp_size": str(10**9), "tp_rank": "0"})
+    with pytest.raises(kda_tp.PlanError, match="divisible by tp_size"):
+        verify_shards(three_layer_ckpt, out)
+
+
+@pytest.mark.parametrize("name", ["rank5", ".rank0.partial-keep"])
+def test_an_input_inside_the_output_is_never_removed(three_layer_ckpt, tmp_path, name):
+    out = tmp_path / "out"
+    inside = out / name
+    shutil.copytree(three_layer_ckpt, inside)
+    before = sorted(p.name for p in inside.iterdir())
+    for force in (False, True):
+        with pytest.raises(kda_tp.OutputError, match="is \\(or holds\\) the input checkpoint"):
+            shard_checkpoint(inside, out, 2, force=force)
+    assert sorted(p.name for p in inside.iterdir()) == before
+
+
+def test_a_failed_force_rerun_restores_the_previous_output(three_layer_ckpt, tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    shard_checkpoint(three_layer_ckpt, out, 2)
+    before = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    import kda_tp.shard as shard_module
+
+    real = shard_module.write_safetensors
+
+    def fail_on_rank1(path, *args, **kwargs):
+        if ".rank1.partial" in str(path):
+            raise kda_tp.OutputError(f"{path}: write failed: [Errno 28] No space left on device")
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(shard_module, "write_safetensors", fail_on_rank1)
+    with pytest.raises(kda_tp.OutputError, match="No space left"):
+        shard_checkpoint(three_layer_ckpt, out, 2, force=True)
+    after = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    assert after == before
+    assert sorted(p.name for p in out.iterdir()) == ["rank0", "rank1"]
+    assert verify_shards(three_layer_ckpt, out).ok

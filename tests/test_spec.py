@@ -3,13 +3,13 @@ the Python API, with the spec's byte patterns."""
 
 from __future__ import annotations
 
+import copy
 import importlib
 import pickle
 
+import kda_tp
 import numpy as np
 import pytest
-
-import kda_tp
 from kda_tp import KdaShard, KdaTpPlan, shard_bytes
 from kda_tp.source import checkpoint_suffix
 
@@ -148,3 +148,29 @@ def test_error_classes_are_importable_and_picklable():
         glm(5)
     except kda_tp.PlanError as e:  # raised from Rust, caught as the Python class
         assert type(e) is kda_tp.PlanError
+
+
+def test_strided_buffers_are_copied_not_refused():
+    q = kda_tp.KdaTpPlan(1, 2, 4, 64, 4, 2, 4)["q_proj"]
+    full = np.arange(2 * q.full_bytes, dtype=np.uint32).astype(np.uint8)[::2]
+    assert not full.flags.c_contiguous
+    expected = full.tobytes()[q.full_bytes // 2 :]
+    assert bytes(kda_tp.shard_bytes(q, full)) == expected
+    assert bytes(kda_tp.shard_bytes(q, memoryview(full.copy())[::1])) == expected
+
+
+def test_plans_pickle_and_copy():
+    plan = kda_tp.KdaTpPlan(1, 2, 4096, 128, 64, 4, 128, qk_multiple=128, dtypes={"q_conv1d": "F32"})
+    for other in (pickle.loads(pickle.dumps(plan)), copy.deepcopy(plan), copy.copy(plan)):
+        assert type(other) is kda_tp.KdaTpPlan and other == plan
+        assert other["q_conv1d"].dtype == "F32" and other.qk_multiple == 128
+
+
+def test_a_plan_name_typo_lists_the_names():
+    with pytest.raises(KeyError, match="expected one of q_proj, k_proj"):
+        kda_tp.KdaTpPlan(0, 2, 4096, 128, 64, 4, 128)["o_proj.weight"]
+
+
+def test_tp_size_zero_is_named():
+    with pytest.raises(kda_tp.PlanError, match="tp_size is 0"):
+        kda_tp.KdaTpPlan(0, 0, 4096, 128, 64, 4, 128)

@@ -1,7 +1,7 @@
 """Types as a user's type checker sees them: ``_native.pyi`` matches the built module
-(``mypy.stubtest``), ``mypy --strict`` passes on the package and on a typed copy of the README's
-Python examples, and gives the expected errors for code that misuses the types. The signature
-``help(KdaTpPlan)`` shows carries the real ``qk_multiple`` default.
+(``mypy.stubtest``), ``mypy --strict`` passes on the package and on the Python examples of the
+README and the documentation pages, and gives the expected errors for code that misuses the
+types. The signature ``help(KdaTpPlan)`` shows carries the real ``qk_multiple`` default.
 
 mypy runs on the installed package, so in CI it checks the wheel's files and stub.
 """
@@ -22,13 +22,7 @@ import pytest
 pytest.importorskip("mypy")
 
 ROOT = Path(__file__).resolve().parents[1]
-README = ROOT / "README.md"
-
-# The README's loader example runs inside a function in a real loader; these are its inputs.
-README_PRELUDE = """\
-rank: int = 0
-world_size: int = 1
-"""
+EXAMPLE_PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
 GOOD = """\
 from typing_extensions import assert_type
@@ -80,14 +74,17 @@ def mypy(tmp_path: Path, *targets: str) -> tuple[int, str]:
 
 
 def readme_examples() -> str:
-    """The README's Python blocks as one module, each block in its own function."""
-    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
-    assert len(blocks) == 2
+    """The ```` ```python ```` blocks of the README and docs/*.md as one module, each block in its
+    own function (as the code would sit in a loader)."""
+    blocks = [block for page in EXAMPLE_PAGES
+              for block in re.findall(r"^```python\n(.*?)^```", page.read_text(),
+                                      flags=re.S | re.M)]
+    assert len(blocks) >= 3
     functions = [
         f"def example_{i}() -> None:\n" + textwrap.indent(block, "    ")
         for i, block in enumerate(blocks)
     ]
-    return README_PRELUDE + "\n\n" + "\n\n".join(functions)
+    return "\n\n".join(functions)
 
 
 def test_the_stub_matches_the_native_module(tmp_path: Path) -> None:

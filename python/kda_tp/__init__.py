@@ -11,6 +11,7 @@ start fast and a Ctrl-C during those imports can be reported cleanly (``kda_tp._
 
 from importlib import import_module
 
+# Imported on first use (__getattr__ below), seen here by type checkers and the API docs.
 # typing.TYPE_CHECKING without importing typing (type checkers read any TYPE_CHECKING alike).
 TYPE_CHECKING = False
 if TYPE_CHECKING:

@@ -1,9 +1,10 @@
 """Types of the Rust extension module ``kda_tp._native`` (rust/py.rs), for type checkers.
 
 Hand-written; ``tests/test_types.py`` runs ``mypy.stubtest`` against the built module, so a
-class, method or argument added in Rust without a line here fails the tests. The package's
-public docstrings live in ``kda_tp.plan`` and ``kda_tp.source``; sizes are elements unless a
-name says bytes.
+class, method or argument added in Rust without a line here fails the tests. The API reference
+(mkdocstrings) documents ``KdaShard`` and ``KdaTensorPlan`` from the docstrings here;
+``KdaTpPlan`` is documented on its subclass in ``kda_tp.plan``, the readers in
+``kda_tp.checkpoint``. Sizes are elements unless a name says bytes.
 """
 
 import os
@@ -37,53 +38,104 @@ class KdaShard:
     """How one KDA tensor maps onto ranks (an int-valued enum: ``int(KdaShard.HEAD_ROWS) == 1``)."""
 
     REPLICATED: ClassVar[KdaShard]
+    """Every rank holds the whole tensor (``f_a_proj``, ``g_a_proj``, ``o_norm``)."""
     HEAD_ROWS: ClassVar[KdaShard]
+    """The leading dimension is heads; each rank keeps its head range (``b_proj``, ``A_log``)."""
     CHANNEL_ROWS: ClassVar[KdaShard]
+    """The leading dimension is ``heads * head_dim``; each rank keeps its channel range
+    (column-parallel: ``q/k/v_proj``, ``q/k/v_conv1d``, ``f_b_proj``, ``g_b_proj``, ``g_proj``,
+    ``dt_bias``)."""
     CHANNEL_COLS: ClassVar[KdaShard]
+    """The trailing (input) dimension is ``heads * head_dim``; each rank keeps every row's
+    channel range, and its output is a partial sum to all-reduce (row-parallel: ``o_proj``)."""
     @property
-    def name(self) -> str: ...
+    def name(self) -> str:
+        """The member's name, e.g. ``"CHANNEL_COLS"``."""
     def __int__(self) -> int: ...
     def __eq__(self, other: object, /) -> bool: ...
     def __hash__(self) -> int: ...
 
 @final
 class KdaTensorPlan:
-    """One tensor's placement for one rank, as a flat ``[rows, row_elems]`` view."""
+    """One tensor's placement for one rank, in a flat ``[rows, row_elems]`` view of the on-disk
+    tensor (``plan["o_proj"]``, ``plan.tensors``).
+
+    Counts are elements unless the name says bytes. For CHANNEL_COLS the sharded axis is
+    ``row_elems`` (columns); for the row kinds it is ``rows``.
+    """
 
     @property
-    def name(self) -> str: ...
+    def name(self) -> str:
+        """Plan name, e.g. ``"q_proj"``: the checkpoint name without the layer prefix
+        and ``.weight``."""
     @property
-    def kind(self) -> KdaShard: ...
+    def kind(self) -> KdaShard:
+        """How the tensor is split: a :class:`KdaShard`."""
     @property
-    def dtype(self) -> str: ...
+    def dtype(self) -> str:
+        """Safetensors dtype name, e.g. ``"BF16"``."""
     @property
-    def elem_bytes(self) -> int: ...
+    def elem_bytes(self) -> int:
+        """Bytes per element."""
     @property
-    def full_rows(self) -> int: ...
+    def full_rows(self) -> int:
+        """Rows of the full tensor viewed as ``[rows, row_elems]``."""
     @property
-    def full_row_elems(self) -> int: ...
+    def full_row_elems(self) -> int:
+        """Elements per row of the full tensor."""
     @property
-    def local_rows(self) -> int: ...
+    def local_rows(self) -> int:
+        """Rows this rank keeps."""
     @property
-    def local_row_elems(self) -> int: ...
+    def local_row_elems(self) -> int:
+        """Elements per row this rank keeps (fewer than ``full_row_elems`` only for
+        CHANNEL_COLS)."""
     @property
-    def src_row_offset(self) -> int: ...
+    def src_row_offset(self) -> int:
+        """First row of this rank's slice (0 for REPLICATED and CHANNEL_COLS)."""
     @property
-    def src_col_offset(self) -> int: ...
+    def src_col_offset(self) -> int:
+        """First element of this rank's column slice in every row (CHANNEL_COLS only,
+        else 0)."""
     @property
-    def local_bytes(self) -> int: ...
+    def local_bytes(self) -> int:
+        """Bytes of this rank's part."""
     @property
-    def full_bytes(self) -> int: ...
+    def full_bytes(self) -> int:
+        """Bytes of the full tensor (a byte count, not the bytes)."""
     @property
-    def disk_shape(self) -> tuple[int, ...]: ...
+    def disk_shape(self) -> tuple[int, ...]:
+        """The full shape as Kimi-Linear stores it, e.g. ``(1, 1, H, 1)`` for ``A_log``."""
     @property
-    def byte_range(self) -> tuple[int, int] | None: ...
+    def byte_range(self) -> tuple[int, int] | None:
+        """``(start, stop)`` byte range of this rank's part in the full tensor, or None
+        for CHANNEL_COLS (a strided gather, not one range)."""
     @property
-    def block(self) -> tuple[int, int] | None: ...
+    def block(self) -> tuple[int, int] | None:
+        """``(rows, cols)`` block edge in elements when the weight is block-quantized
+        (FP8), else None."""
     @property
-    def scale(self) -> KdaTensorPlan | None: ...
-    def sharded_axis(self, disk_shape: Sequence[int]) -> int | None: ...
-    def local_shape(self, disk_shape: Sequence[int]) -> tuple[int, ...]: ...
+    def scale(self) -> KdaTensorPlan | None:
+        """The plan of a block-quantized weight's F32 scale grid, else None: same kind
+        as the weight, rows and columns counted in blocks, ``src_row_offset`` /
+        ``src_col_offset`` the first block this rank keeps (the blocks covering its
+        range), ``disk_shape`` ``(ob, 1, ib, 1)`` (ModelOpt) or ``(ob, ib)``."""
+    def sharded_axis(self, disk_shape: Sequence[int]) -> int | None:
+        """The on-disk axis sharded in a tensor stored with shape ``disk_shape`` (None when
+        replicated): for the row kinds the first axis of extent ``full_rows`` after only unit
+        axes (``(1, 1, H, 1)`` -> 2, ``(H,)`` -> 0, ``(C, 1, K)`` -> 0), for CHANNEL_COLS the
+        last.
+
+        Raises:
+            ShapeMismatchError: ``disk_shape`` does not hold exactly this tensor.
+        """
+    def local_shape(self, disk_shape: Sequence[int]) -> tuple[int, ...]:
+        """This rank's shape of a tensor stored as ``disk_shape``: the same number of
+        dimensions, with the sharded axis reduced, e.g. ``(8192, 1, 4)`` -> ``(4096, 1, 4)``.
+
+        Raises:
+            ShapeMismatchError: ``disk_shape`` does not hold exactly this tensor.
+        """
     def __eq__(self, other: object, /) -> bool: ...
     __hash__: ClassVar[None]  # type: ignore[assignment]
 

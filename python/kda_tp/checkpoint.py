@@ -10,6 +10,7 @@ bytes, not the shard plan: ``kda_tp.plan`` and ``kda_tp.source`` build on it.
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -18,10 +19,17 @@ import numpy as np
 from . import _native
 from ._io import DTYPE_SIZES
 from .config import load_config
-from .errors import BufferLayoutError, CheckpointError, DtypeMismatchError, ShapeMismatchError
+from .errors import (
+    BufferLayoutError,
+    CheckpointError,
+    DtypeMismatchError,
+    MissingDependencyError,
+    ShapeMismatchError,
+)
 
 __all__ = ["BACKEND_ENV", "INDEX_NAME", "Tensor", "TensorSource", "SafetensorsSource",
-           "numpy_dtype", "refuse_index_member", "shard_bytes"]
+           "check_out", "numpy_dtype", "readonly_bytes", "refuse_index_member", "shard_bytes",
+           "torch_dtype", "writable_bytes"]
 
 #: The index of a sharded Hugging Face checkpoint directory.
 INDEX_NAME = "model.safetensors.index.json"
@@ -81,6 +89,54 @@ def numpy_dtype(dtype: str) -> np.dtype:
         raise DtypeMismatchError(f"dtype {dtype} has no numpy equivalent") from None
 
 
+# safetensors dtype name -> torch dtype attribute (the ones torch >= 2.5 has).
+_TORCH_DTYPES = {
+    "BF16": "bfloat16",
+    "F16": "float16",
+    "F32": "float32",
+    "F64": "float64",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2",
+    "U8": "uint8",
+    "I8": "int8",
+    "I16": "int16",
+    "U16": "uint16",
+    "I32": "int32",
+    "U32": "uint32",
+    "I64": "int64",
+    "U64": "uint64",
+    "C64": "complex64",
+    "BOOL": "bool",
+}
+
+
+def _import_torch() -> Any:
+    """``torch``, imported on first use (the optional ``torch`` extra)."""
+    try:
+        import torch  # noqa: PLC0415 - optional dependency, imported on first use
+    except ImportError as e:
+        raise MissingDependencyError(
+            "kda_tp.torch needs PyTorch (torch >= 2.5), which is not installed: "
+            "pip install 'kda_tp[torch]' (from a source checkout: pip install '.[torch]')"
+        ) from e
+    return torch
+
+
+def torch_dtype(dtype: str) -> Any:
+    """The ``torch.dtype`` of a safetensors dtype name (``"BF16"`` -> ``torch.bfloat16``,
+    ``"F8_E4M3"`` -> ``torch.float8_e4m3fn``, ``"F8_E5M2"`` -> ``torch.float8_e5m2``).
+
+    Raises:
+        MissingDependencyError: torch is not installed (``pip install 'kda_tp[torch]'``).
+        DtypeMismatchError: a dtype torch has no equivalent for (packed 4- and 6-bit floats,
+            ``F8_E8M0``).
+    """
+    found = getattr(_import_torch(), _TORCH_DTYPES.get(dtype, ""), None)
+    if found is None:
+        raise DtypeMismatchError(f"dtype {dtype} has no torch equivalent")
+    return found
+
+
 class Tensor:
     """One tensor: safetensors dtype name, shape, and raw bytes.
 
@@ -123,17 +179,29 @@ class Tensor:
         return self.data.tobytes()
 
     def to_torch(self) -> Any:
-        """This tensor as a ``torch.Tensor`` sharing the memory (no copy), BF16 and FP8 included.
+        """This tensor as a CPU ``torch.Tensor`` of its dtype and shape, sharing its memory (no
+        copy): a view of the file mapping for row-sliced and replicated tensors. BF16 and FP8
+        included (see :func:`torch_dtype`).
 
-        See :func:`kda_tp.torch.to_torch` (dtypes, read-only memory).
+        The memory is read-only (a mapped file); torch cannot mark a tensor read-only, so do not
+        write to it (a write to a mapping faults): ``.clone()`` gives a writable copy.
 
         Raises:
             MissingDependencyError: torch is not installed (``pip install 'kda_tp[torch]'``).
             DtypeMismatchError: a dtype torch has no equivalent for.
         """
-        from .torch import to_torch  # noqa: PLC0415 - optional dependency
-
-        return to_torch(self)
+        torch = _import_torch()
+        try:
+            dtype = torch_dtype(self.dtype)
+        except DtypeMismatchError as e:
+            raise DtypeMismatchError(f"{self.name}: {e}") from None
+        if not self.nbytes:
+            return torch.empty(self.shape, dtype=dtype)
+        with warnings.catch_warnings():
+            # torch warns that it cannot mark the read-only buffer read-only; documented above.
+            warnings.simplefilter("ignore", UserWarning)
+            raw = torch.frombuffer(self.data.data, dtype=torch.uint8)
+        return raw.view(dtype).reshape(self.shape)
 
     def __repr__(self) -> str:
         return f"Tensor({self.name!r}, dtype={self.dtype}, shape={self.shape})"
@@ -147,7 +215,7 @@ class TensorSource(Protocol):
     def get(self, name: str) -> Any: ...
 
 
-def _writable_bytes(name: str, out: Any) -> np.ndarray:
+def writable_bytes(name: str, out: Any) -> np.ndarray:
     """``out`` as a writable 1-D ``uint8`` array sharing its memory (for ``read_into``).
 
     Raises:
@@ -180,8 +248,15 @@ def _writable_bytes(name: str, out: Any) -> np.ndarray:
     return array.reshape(-1).view(np.uint8)
 
 
-def _check_out(name: str, dtype: str, out: Any, target: np.ndarray, expected: int) -> None:
-    """Refuse an output buffer of the wrong byte size or item size (for ``read_into``)."""
+def check_out(name: str, dtype: str, out: Any, target: np.ndarray, expected: int) -> None:
+    """Refuse an output buffer of the wrong byte size or item size (for ``read_into``).
+
+    ``target`` is ``out`` as bytes (:func:`writable_bytes`); ``expected`` the byte count of
+    ``name`` (dtype ``dtype``); ``out``'s item size must be 1 or the dtype's.
+
+    Raises:
+        BufferLayoutError: naming ``name``, the expected and actual sizes.
+    """
     itemsize = out.itemsize if isinstance(out, np.ndarray) else memoryview(out).itemsize
     elem = _itemsize(dtype)
     if itemsize not in (1, elem):
@@ -196,7 +271,9 @@ def _check_out(name: str, dtype: str, out: Any, target: np.ndarray, expected: in
         )
 
 
-def _readonly_bytes(data: Any) -> np.ndarray:
+def readonly_bytes(data: Any) -> np.ndarray:
+    """``data`` (any buffer-protocol object) as a read-only 1-D ``uint8`` array; no copy unless
+    ``data`` is a strided numpy array or memoryview."""
     if isinstance(data, (np.ndarray, memoryview)):
         data = np.ascontiguousarray(data)  # copies only a strided view
     array = np.frombuffer(data, dtype=np.uint8)
@@ -222,7 +299,7 @@ def shard_bytes(tensor_plan: _native.KdaTensorPlan, buffer: Any) -> np.ndarray:
     Raises:
         ShapeMismatchError: ``len(buffer)`` is not ``tensor_plan.full_bytes``.
     """
-    out = _native.shard_bytes(tensor_plan, _readonly_bytes(buffer))
+    out = _native.shard_bytes(tensor_plan, readonly_bytes(buffer))
     out.flags.writeable = False
     return out
 

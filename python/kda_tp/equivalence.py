@@ -39,6 +39,8 @@ __all__ = [
     "EquivalenceReport",
     "LayerEquivalence",
     "check_tp_equivalence",
+    "compare_outputs",
+    "layer_weights",
 ]
 
 #: Absolute part of the pass threshold (output units).
@@ -209,17 +211,17 @@ def check_tp_equivalence(
     prefix = decoder_prefix(source)
     results = []
     for layer in layer_list:
-        y = forward(_layer_weights(source, layer, prefix, plans[0]))
+        y = forward(layer_weights(source, layer, prefix, plans[0]))
         partials = (
-            forward(_layer_weights(s, layer, prefix, plan))
+            forward(layer_weights(s, layer, prefix, plan))
             for s, plan in zip(rank_sources, plans)
         )
         y_sum = functools.reduce(np.add, partials)
-        results.append(_compare(layer, y, y_sum, atol, rtol))
+        results.append(compare_outputs(layer, y, y_sum, atol, rtol))
     return EquivalenceReport(tp_size, int(seq_len), seed, atol, rtol, tuple(results))
 
 
-def _layer_weights(source: Any, layer: int, prefix: str, plan: Any) -> dict[str, np.ndarray]:
+def layer_weights(source: Any, layer: int, prefix: str, plan: Any) -> dict[str, np.ndarray]:
     """Plan name -> array of ``{prefix}{layer}.self_attn.*`` for every tensor of ``plan``, as
     ``source`` has it; block-quantized weights dequantized with their scale grids."""
     weights = {}
@@ -254,7 +256,7 @@ def _canonical(array: np.ndarray, entry: Any) -> np.ndarray:
     return array  # neither: the reference forward names what is wrong with it
 
 
-def _compare(
+def compare_outputs(
     layer: int, y: np.ndarray, y_sum: np.ndarray, atol: float, rtol: float
 ) -> LayerEquivalence:
     """Build the layer's verdict from the full output ``y`` and the sum of partials."""

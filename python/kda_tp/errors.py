@@ -2,7 +2,7 @@
 
 Every error the package raises on purpose derives from :class:`KdaTpError`, so a loader can catch
 the whole family with one ``except``. Errors caused by a bad value the caller passed (a geometry,
-a buffer, a tensor) also derive from :class:`ValueError`. Messages name the tensor (or file) and
+a buffer, a tensor) also derive from ``ValueError``. Messages name the tensor (or file) and
 give the expected and the actual value.
 
 The Rust core raises these same classes (it imports them from this module), so there is one

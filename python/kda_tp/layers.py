@@ -13,7 +13,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from .errors import PlanError
-from .source import decoder_prefix
+from .layout import decoder_prefix
 
 __all__ = ["check_layers", "config_layer_count", "layer_count", "layers_with_kda_tensors"]
 

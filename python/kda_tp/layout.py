@@ -22,16 +22,22 @@ from .errors import CheckpointError
 from .quant import SCALE_SUFFIXES
 
 __all__ = [
+    "BARE_PARAMETERS",
     "DEFAULT_PREFIX",
+    "FULL_RANK_GATE",
+    "LAYER_TENSOR",
+    "LOW_RANK_GATE",
     "check_gate_form",
     "checkpoint_suffix",
     "decoder_prefix",
+    "gate_form_problem",
     "kda_layer_indices",
     "kda_tensor_name",
+    "location",
     "scale_tensor_name",
 ]
 
-def _location(source: Any, name: str | None = None) -> str:
+def location(source: Any, name: str | None = None) -> str:
     """Where ``name`` (or the checkpoint) lives, for error messages: the tensor's file, else the
     source's root directory, else the source's repr."""
     file_of = getattr(source, "file_of", None)
@@ -43,12 +49,12 @@ def _location(source: Any, name: str | None = None) -> str:
     return str(root) if root is not None else repr(source)
 
 
-# After the decoder prefix: `12.self_attn.q_proj.weight` -> ("12", "q_proj.weight").
-_LAYER_TENSOR = re.compile(r"^(\d+)\.self_attn\.(.+)$")
+#: After the decoder prefix: ``12.self_attn.q_proj.weight`` -> ``("12", "q_proj.weight")``.
+LAYER_TENSOR = re.compile(r"^(\d+)\.self_attn\.(.+)$")
 # `model.layers.3.self_attn.A_log` -> "model.layers.": A_log exists only in KDA layers.
 _KDA_MARKER = re.compile(r"^((?:.*\.)?layers\.)\d+\.self_attn\.A_log$")
-# A_log and dt_bias are bare parameters; every other KDA tensor is a module's `.weight`.
-_BARE = {"A_log", "dt_bias"}
+#: A_log and dt_bias are bare parameters; every other KDA tensor is a module's ``.weight``.
+BARE_PARAMETERS = {"A_log", "dt_bias"}
 DEFAULT_PREFIX = "model.layers."
 
 
@@ -66,7 +72,7 @@ def decoder_prefix(source: Any) -> str:
     prefixes = {m.group(1) for n in source.names() if (m := _KDA_MARKER.match(n))}
     if len(prefixes) > 1:
         raise CheckpointError(
-            f"{_location(source)}: KDA tensors (A_log) under several prefixes {sorted(prefixes)}; "
+            f"{location(source)}: KDA tensors (A_log) under several prefixes {sorted(prefixes)}; "
             "cannot tell which stack to shard"
         )
     return prefixes.pop() if prefixes else DEFAULT_PREFIX
@@ -79,11 +85,13 @@ def kda_tensor_name(prefix: str, layer: int, plan_name: str) -> str:
 
 def checkpoint_suffix(plan_name: str) -> str:
     """The name after ``self_attn.`` of a plan tensor: ``q_proj.weight``, but ``A_log``."""
-    return plan_name if plan_name in _BARE else f"{plan_name}.weight"
+    return plan_name if plan_name in BARE_PARAMETERS else f"{plan_name}.weight"
 
 
-_LOW_RANK_GATE = ("g_a_proj.weight", "g_b_proj.weight")
-_FULL_RANK_GATE = ("g_proj.weight",)
+#: Kimi-Linear's low-rank output gate, as names after ``self_attn.``.
+LOW_RANK_GATE = ("g_a_proj.weight", "g_b_proj.weight")
+#: Kimi K3's full-rank output gate (``use_full_rank_gate``), as names after ``self_attn.``.
+FULL_RANK_GATE = ("g_proj.weight",)
 
 
 def check_gate_form(source: Any, prefix: str, layer: int, full_rank_gate: bool) -> None:
@@ -96,16 +104,18 @@ def check_gate_form(source: Any, prefix: str, layer: int, full_rank_gate: bool) 
     Raises:
         CheckpointError: naming the file, the tensor found and the config key.
     """
-    wrong = _LOW_RANK_GATE if full_rank_gate else _FULL_RANK_GATE
+    wrong = LOW_RANK_GATE if full_rank_gate else FULL_RANK_GATE
     for suffix in wrong:
         name = f"{prefix}{layer}.self_attn.{suffix}"
         if name in source.names():
             raise CheckpointError(
-                f"{_location(source, name)}: {name}: {_gate_form_problem(full_rank_gate)}"
+                f"{location(source, name)}: {name}: {gate_form_problem(full_rank_gate)}"
             )
 
 
-def _gate_form_problem(full_rank_gate: bool) -> str:
+def gate_form_problem(full_rank_gate: bool) -> str:
+    """Why a KDA layer's output gate does not match the config (for error messages):
+    ``full_rank_gate`` is what the config says."""
     if full_rank_gate:
         return (
             "the config sets linear_attn_config.use_full_rank_gate (one full-rank g_proj per KDA "

@@ -13,6 +13,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from . import _native
+from ._native import KdaShard, KdaTensorPlan
 from .checkpoint import SafetensorsSource, refuse_index_member
 from .config import CONFIG_NAME, load_config, parse_config
 from .errors import CheckpointError, DtypeMismatchError, ShapeMismatchError
@@ -20,9 +21,6 @@ from .layout import check_gate_form, decoder_prefix, kda_layer_indices, kda_tens
 from .quant import FP8_DTYPES, BlockFormat, block_format
 
 __all__ = ["KdaShard", "KdaTensorPlan", "KdaTpPlan"]
-
-KdaShard = _native.KdaShard
-KdaTensorPlan = _native.KdaTensorPlan
 
 _SUFFIX = {"A_log": "A_log", "dt_bias": "dt_bias"}
 
@@ -37,19 +35,17 @@ class KdaTpPlan(_native.KdaTpPlan):
     Rank ``r`` of ``T`` owns heads ``[r*H/T, (r+1)*H/T)`` and channels ``c = h*head_dim + d`` of
     those heads. Per tensor (plan name; on-disk shape as Kimi-Linear stores it; C = H*head_dim):
 
-    ============================  ====================  ==============  ================
-    tensor                        on-disk shape         kind            local shape
-    ============================  ====================  ==============  ================
-    q_proj, k_proj, v_proj        [C, hidden]           CHANNEL_ROWS    [C/T, hidden]
-    q/k/v_conv1d                  [C, 1, K]             CHANNEL_ROWS    [C/T, 1, K]
-    f_a_proj, g_a_proj            [gate_rank, hidden]   REPLICATED      unchanged
-    f_b_proj, g_b_proj            [C, gate_rank]        CHANNEL_ROWS    [C/T, gate_rank]
-    b_proj                        [H, hidden]           HEAD_ROWS       [H/T, hidden]
-    A_log (F32)                   [1, 1, H, 1]          HEAD_ROWS       [1, 1, H/T, 1]
-    dt_bias (F32)                 [C]                   CHANNEL_ROWS    [C/T]
-    o_norm                        [head_dim]            REPLICATED      unchanged
-    o_proj                        [hidden, C]           CHANNEL_COLS    [hidden, C/T]
-    ============================  ====================  ==============  ================
+    | tensor                 | on-disk shape         | kind           | local shape        |
+    | ---------------------- | --------------------- | -------------- | ------------------ |
+    | q_proj, k_proj, v_proj | [C, hidden]           | CHANNEL_ROWS   | [C/T, hidden]      |
+    | q/k/v_conv1d           | [C, 1, K]             | CHANNEL_ROWS   | [C/T, 1, K]        |
+    | f_a_proj, g_a_proj     | [gate_rank, hidden]   | REPLICATED     | unchanged          |
+    | f_b_proj, g_b_proj     | [C, gate_rank]        | CHANNEL_ROWS   | [C/T, gate_rank]   |
+    | b_proj                 | [H, hidden]           | HEAD_ROWS      | [H/T, hidden]      |
+    | A_log (F32)            | [1, 1, H, 1]          | HEAD_ROWS      | [1, 1, H/T, 1]     |
+    | dt_bias (F32)          | [C]                   | CHANNEL_ROWS   | [C/T]              |
+    | o_norm                 | [head_dim]            | REPLICATED     | unchanged          |
+    | o_proj                 | [hidden, C]           | CHANNEL_COLS   | [hidden, C/T]      |
 
     ``o_proj`` is row-parallel: each rank's output is a partial sum, all-reduced after it.
 
@@ -73,7 +69,7 @@ class KdaTpPlan(_native.KdaTpPlan):
             128 for 96 heads); None (the default) for one entry per head. At least
             ``full_heads``.
         quant_block: ``(rows, cols)`` block edge (elements) of block-quantized FP8 weights
-            (``(128, 128)`` in every published checkpoint; see :mod:`kda_tp.quant`); None for
+            (``(128, 128)`` in every published checkpoint; see ``kda_tp.quant``); None for
             an unquantized block.
         quantized: plan names of the FP8 weights (default with ``quant_block``: every
             projection). Their dtype defaults to ``F8_E4M3`` and each entry's ``.scale`` is
@@ -85,9 +81,17 @@ class KdaTpPlan(_native.KdaTpPlan):
             on it.
 
     Attributes:
-        tp_rank, tp_size, hidden, head_dim, full_heads, local_heads, conv_kernel, gate_rank,
-        qk_multiple, full_rank_gate, a_log_len: the geometry (``a_log_len`` is ``full_heads``
-        when ``A_log`` is not padded).
+        tp_rank: this rank.
+        tp_size: tensor-parallel world size.
+        hidden: hidden size (elements).
+        head_dim: elements per head.
+        full_heads: KDA heads before sharding.
+        local_heads: heads this rank keeps, ``full_heads // tp_size``.
+        conv_kernel: short-convolution kernel width.
+        gate_rank: low-rank width of the gates.
+        qk_multiple: the q|k width rule's multiple (1: off).
+        full_rank_gate: whether the output gate is K3's full-rank ``g_proj``.
+        a_log_len: stored ``A_log`` entries (``full_heads`` when it is not padded).
         tensors: list of :class:`KdaTensorPlan`, one per tensor, in the table's order.
         local_bytes: bytes this rank stores for one KDA block.
         full_bytes: bytes one KDA block occupies on disk.
@@ -126,8 +130,9 @@ class KdaTpPlan(_native.KdaTpPlan):
                 ``use_full_rank_gate``), transformers' native ``kimi_linear`` and Qwen3-Next
                 keys (``linear_key_head_dim``, ``linear_num_key_heads``,
                 ``linear_conv_kernel_dim``), at the top level or under ``text_config``
-                (:mod:`kda_tp.config`).
-            tp_rank, tp_size: this rank and the world size.
+                (``kda_tp.config``).
+            tp_rank: this rank, ``0 <= tp_rank < tp_size``.
+            tp_size: the tensor-parallel world size.
             gate_rank: the gate bottleneck width. With a checkpoint it defaults to the first
                 KDA layer's ``f_a_proj`` row count; with a bare config, to ``head_dim``
                 (Kimi-Linear's choice).

@@ -1,13 +1,15 @@
 """Writing one checkpoint directory per tensor-parallel rank, and verifying them.
 
-Layout written by ``kda-tp shard CHECKPOINT --tp-size T --out OUT``::
+Layout written by ``kda-tp shard CHECKPOINT --tp-size T --out OUT``:
 
-    OUT/rank0/ ... OUT/rank{T-1}/
-        config.json and the input's other small files, unchanged;
-        the input's safetensors file names, each holding the same tensors as in the input
-        (KDA tensors as this rank's slice, with local shapes), ``__metadata__`` carrying
-        ``tp_rank``, ``tp_size``, ``kda_tp_qk_multiple`` and ``kda_tp_layers``;
-        model.safetensors.index.json.
+```text
+OUT/rank0/ ... OUT/rank{T-1}/
+    config.json and the input's other small files, unchanged;
+    the input's safetensors file names, each holding the same tensors as in the input
+    (KDA tensors as this rank's slice, with local shapes), __metadata__ carrying
+    tp_rank, tp_size, kda_tp_qk_multiple and kda_tp_layers;
+    model.safetensors.index.json.
+```
 
 A rank is written into a hidden ``OUT/.rank{r}.partial-<pid>`` directory and renamed to
 ``OUT/rank{r}`` only when every file in it is complete, so a run killed at any point leaves no
@@ -44,7 +46,7 @@ from .errors import (
 )
 from .layers import check_layers, layer_count
 from .checkpoint import INDEX_NAME, SafetensorsSource, Tensor
-from .layout import _location, kda_layer_indices
+from .layout import location, kda_layer_indices
 from .plan import KdaShard, KdaTpPlan
 from .source import KdaShardedSource, checked_get, checked_info, missing_tensor
 
@@ -57,6 +59,7 @@ __all__ = [
     "ShardResult",
     "VerifyReport",
     "finish_command",
+    "prepare_out_dir",
     "rank_dir",
     "shard_checkpoint",
     "unindexed_files",
@@ -185,7 +188,7 @@ def shard_checkpoint(
                 f"{source.file_of(name)}: {name}: dtype {dtype} cannot be copied to the shards "
                 f"(the writer knows {', '.join(DTYPE_BITS)})"
             )
-    _prepare_out_dir(source.root, out, tp_size, ranks, force)
+    prepare_out_dir(source.root, out, tp_size, ranks, force)
     files = _names_by_file(source)
     if kda_only:
         files = kda_only_files(files, shards[0])
@@ -321,10 +324,17 @@ def kda_only_files(
     return {f: names for f, names in kept.items() if names}
 
 
-def _prepare_out_dir(
+def prepare_out_dir(
     root: Path, out: Path, tp_size: int, ranks: tuple[int, ...], force: bool
 ) -> None:
-    """Create ``out`` or check what it holds; remove stale partial directories of ``ranks``."""
+    """Create the output directory ``out`` for ``ranks`` of ``tp_size`` (sharding the
+    checkpoint at ``root``), or check what it already holds; remove stale partial directories of
+    ``ranks``. ``force`` allows replacing finished rank directories.
+
+    Raises:
+        OutputError: ``out`` lies inside the input, holds another world size's or unfinished
+            output that ``force`` does not allow replacing, or cannot be created or listed.
+    """
     resolved, input_root = out.resolve(), root.resolve()
     if resolved == input_root or input_root in resolved.parents:
         raise OutputError(f"{out}: the output directory lies inside the input checkpoint {root}")
@@ -635,7 +645,9 @@ def verify_shards(
     Args:
         checkpoint: the input given to ``shard`` (directory or single file).
         out_dir: the ``--out`` directory holding ``rank{r}/``.
-        numeric, seq_len, seed: the numerical check and its input (tokens, rng seed).
+        numeric: also run the numerical check.
+        seq_len: tokens of the numerical check's random input.
+        seed: seed of that input's random generator.
         layers: 0-based KDA layers to check numerically (default: every KDA layer); the byte
             check always covers every tensor.
         progress: called once with the number of input tensors; returns ``advance(n)``, called
@@ -646,7 +658,8 @@ def verify_shards(
             holds other things but no ``rank{r}`` directory (not a kda-tp output), or was
             sharded from another checkpoint (its headers record a digest of the input's
             tensor names, dtypes, shapes and some data bytes, and it differs).
-        PlanError: ``layers`` refused (see :func:`~kda_tp.layers.check_layers`).
+        PlanError: ``layers`` refused (negative, repeated, out of range or
+            1-based).
     """
     source = SafetensorsSource(checkpoint)
     out = Path(out_dir)

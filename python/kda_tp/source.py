@@ -19,21 +19,21 @@ from .checkpoint import (
     SafetensorsSource,
     Tensor,
     TensorSource,
-    _check_out,
-    _readonly_bytes,
-    _writable_bytes,
+    check_out,
+    readonly_bytes,
+    writable_bytes,
     numpy_dtype,
     shard_bytes,
 )
 from .errors import CheckpointError, DtypeMismatchError, KdaTpError
 from .layout import (
-    _BARE,
-    _FULL_RANK_GATE,
-    _LAYER_TENSOR,
-    _LOW_RANK_GATE,
+    BARE_PARAMETERS,
+    FULL_RANK_GATE,
+    LAYER_TENSOR,
+    LOW_RANK_GATE,
     DEFAULT_PREFIX,
-    _gate_form_problem,
-    _location,
+    gate_form_problem,
+    location,
     check_gate_form,
     checkpoint_suffix,
     decoder_prefix,
@@ -114,33 +114,33 @@ class KdaShardedSource:
         for name in source.names():
             if not name.startswith(self.prefix):
                 continue
-            match = _LAYER_TENSOR.match(name[len(self.prefix) :])
+            match = LAYER_TENSOR.match(name[len(self.prefix) :])
             if match is None:
                 continue
             layer, suffix = int(match.group(1)), match.group(2)
             if layer not in wanted:
-                if suffix in _BARE:
+                if suffix in BARE_PARAMETERS:
                     raise CheckpointError(
-                        f"{_location(source, name)}: {name}: layer {layer} holds a KDA tensor "
+                        f"{location(source, name)}: {name}: layer {layer} holds a KDA tensor "
                         f"but is not a KDA layer (KDA layers: {list(self.layers)})"
                     )
                 continue
             entry = by_suffix.get(suffix)
-            if entry is None and suffix in _LOW_RANK_GATE + _FULL_RANK_GATE:
+            if entry is None and suffix in LOW_RANK_GATE + FULL_RANK_GATE:
                 raise CheckpointError(
-                    f"{_location(source, name)}: {name}: "
-                    f"{_gate_form_problem(plan.full_rank_gate)}"
+                    f"{location(source, name)}: {name}: "
+                    f"{gate_form_problem(plan.full_rank_gate)}"
                 )
             if entry is None and suffix.rsplit(".", 1)[-1] in SCALE_SUFFIXES:
                 weight = suffix.rsplit(".", 1)[0]
                 raise CheckpointError(
-                    f"{_location(source, name)}: {name}: a block scale, but {weight} is not "
+                    f"{location(source, name)}: {name}: a block scale, but {weight} is not "
                     "block-quantized in this checkpoint (its weight is not FP8, or the config "
                     "declares no block-FP8 format)"
                 )
             if entry is None:
                 raise CheckpointError(
-                    f"{_location(source, name)}: {name}: KDA layer {layer} holds a self_attn "
+                    f"{location(source, name)}: {name}: KDA layer {layer} holds a self_attn "
                     f"tensor the plan does not know; it cannot be sharded safely "
                     f"(known: {sorted(by_suffix)})"
                 )
@@ -148,7 +148,7 @@ class KdaShardedSource:
             key = entry.name if entry.name.endswith(".scale") else suffix
             if key in seen[layer]:
                 raise CheckpointError(
-                    f"{_location(source, name)}: {name}: KDA layer {layer} holds both "
+                    f"{location(source, name)}: {name}: KDA layer {layer} holds both "
                     f"{' and '.join(SCALE_SUFFIXES)} for {key.removesuffix('.scale')}"
                 )
             seen[layer].add(key)
@@ -160,7 +160,7 @@ class KdaShardedSource:
                     if m.endswith(".scale") else f"self_attn.{m}"
                     for m in missing
                 )
-                raise CheckpointError(f"{_location(source)}: KDA layer {layer} lacks {lacking}")
+                raise CheckpointError(f"{location(source)}: KDA layer {layer} lacks {lacking}")
         for name, (entry, _) in self._planned.items():
             if entry.name == "A_log" and entry.full_rows > plan.full_heads:
                 self._check_padding(name, entry, plan.full_heads)
@@ -179,7 +179,7 @@ class KdaShardedSource:
         if nonzero.size:
             i = int(nonzero[0])
             raise CheckpointError(
-                f"{_location(self.source, name)}: {name}: padding entry {heads + i} is "
+                f"{location(self.source, name)}: {name}: padding entry {heads + i} is "
                 f"{tail[i].item()!r}, expected 0 (A_log stores {entry.full_rows} entries for "
                 f"{heads} heads; entries {heads}..{entry.full_rows - 1} must be zero padding)"
             )
@@ -194,12 +194,12 @@ class KdaShardedSource:
             dtype, shape = record.dtype, tuple(record.shape)
         if dtype != entry.dtype:
             raise DtypeMismatchError(
-                f"{_location(source, name)}: {name}: dtype {dtype}, expected {entry.dtype}"
+                f"{location(source, name)}: {name}: dtype {dtype}, expected {entry.dtype}"
             )
         try:
             return entry.local_shape(list(shape))
         except KdaTpError as e:
-            raise type(e)(f"{_location(source, name)}: {name}: {e}") from None
+            raise type(e)(f"{location(source, name)}: {name}: {e}") from None
 
     @property
     def config(self) -> dict[str, Any] | None:
@@ -284,26 +284,26 @@ class KdaShardedSource:
                 a buffer.
             CheckpointError: the source has no tensor ``name``, or reading it fails.
         """
-        target = _writable_bytes(name, out)
+        target = writable_bytes(name, out)
         planned = self._planned.get(name)
         if planned is None:
             record = self.source.get(name)
             if record is None:
-                raise CheckpointError(f"{_location(self.source)}: no tensor named {name!r}")
-            data = _readonly_bytes(record.data)
-            _check_out(name, record.dtype, out, target, data.nbytes)
+                raise CheckpointError(f"{location(self.source)}: no tensor named {name!r}")
+            data = readonly_bytes(record.data)
+            check_out(name, record.dtype, out, target, data.nbytes)
             _native.copy_into(data, target)
             return
         entry = planned[0]
-        _check_out(name, entry.dtype, out, target, entry.local_bytes)
+        check_out(name, entry.dtype, out, target, entry.local_bytes)
         read_range = getattr(self.source, "read_range", None)
         if entry.byte_range is not None and read_range is not None:
             _native.copy_into(read_range(name, *entry.byte_range), target)
             return
         record = self.source.get(name)
         if record is None:
-            raise CheckpointError(f"{_location(self.source)}: no tensor named {name!r}")
-        _native.shard_into(entry, _readonly_bytes(record.data), target)
+            raise CheckpointError(f"{location(self.source)}: no tensor named {name!r}")
+        _native.shard_into(entry, readonly_bytes(record.data), target)
 
     def __contains__(self, name: str) -> bool:
         return name in self.names()
@@ -318,7 +318,7 @@ class KdaShardedSource:
 def missing_tensor(source: SafetensorsSource | KdaShardedSource, name: str) -> CheckpointError:
     """The error for a tensor that ``source.names()`` lists but ``source`` cannot find."""
     return CheckpointError(
-        f"{_location(source, name)}: {name}: listed by the checkpoint but not found in it"
+        f"{location(source, name)}: {name}: listed by the checkpoint but not found in it"
     )
 
 

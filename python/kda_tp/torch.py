@@ -1,8 +1,8 @@
 """PyTorch and torch.distributed integration: per-rank loading, DTensor, torchrun jobs.
 
-Everything here needs the optional ``torch`` extra (``pip install 'kda_tp[torch]'``, torch
->= 2.5); ``import kda_tp`` does not import torch, and importing this module without torch (or
-with an older one) raises :class:`~kda_tp.errors.MissingDependencyError`.
+Everything here needs the optional ``torch`` extra (``pip install 'kda_tp[torch]'``,
+``torch >= 2.5``); ``import kda_tp`` does not import torch, and importing this module without
+torch (or with an older one) raises :class:`~kda_tp.errors.MissingDependencyError`.
 
 * :func:`load_rank`: one tensor-parallel rank's tensors as ``torch.Tensor``; rank and world size
   default to a torch.distributed process group.
@@ -20,7 +20,6 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -34,16 +33,16 @@ from .equivalence import (
     DEFAULT_ATOL,
     DEFAULT_RTOL,
     EquivalenceReport,
-    _compare,
-    _layer_weights,
+    compare_outputs,
+    layer_weights,
 )
 from .errors import (
     CheckpointError,
-    DtypeMismatchError,
     KdaTpError,
     MissingDependencyError,
     PlanError,
 )
+from .checkpoint import torch_dtype
 from .plan import KdaShard, KdaTpPlan
 from .reference import kda_layer_forward
 from .shard import ShardResult, rank_dir, shard_checkpoint
@@ -83,66 +82,20 @@ __all__ = [
     "rank_dir_metadata",
 ]
 
-# safetensors dtype name -> torch dtype attribute (the ones torch >= 2.5 has).
-_TORCH_DTYPES = {
-    "BF16": "bfloat16",
-    "F16": "float16",
-    "F32": "float32",
-    "F64": "float64",
-    "F8_E4M3": "float8_e4m3fn",
-    "F8_E5M2": "float8_e5m2",
-    "U8": "uint8",
-    "I8": "int8",
-    "I16": "int16",
-    "U16": "uint16",
-    "I32": "int32",
-    "U32": "uint32",
-    "I64": "int64",
-    "U64": "uint64",
-    "C64": "complex64",
-    "BOOL": "bool",
-}
-
 #: How long a collective of a torchrun job waits for the slowest process (a sharding process
 #: writing a large checkpoint can take hours; torchrun ends the job when a process dies).
 TORCHRUN_TIMEOUT = datetime.timedelta(hours=24)
 
 
-def torch_dtype(dtype: str) -> torch.dtype:
-    """The torch dtype of a safetensors dtype name (``"BF16"`` -> ``torch.bfloat16``,
-    ``"F8_E4M3"`` -> ``torch.float8_e4m3fn``, ``"F8_E5M2"`` -> ``torch.float8_e5m2``).
-
-    Raises:
-        DtypeMismatchError: a dtype torch has no equivalent for (packed 4- and 6-bit floats,
-            ``F8_E8M0``).
-    """
-    found: torch.dtype | None = getattr(torch, _TORCH_DTYPES.get(dtype, ""), None)
-    if found is None:
-        raise DtypeMismatchError(f"dtype {dtype} has no torch equivalent")
-    return found
-
-
 def to_torch(tensor: Tensor) -> torch.Tensor:
-    """A :class:`~kda_tp.Tensor` as a CPU ``torch.Tensor`` of its dtype and shape, sharing its
-    memory (no copy): a view of the file mapping for row-sliced and replicated tensors.
-
-    The memory is read-only (a mapped file); torch cannot mark a tensor read-only, so do not
-    write to it (a write to a mapping faults): ``.clone()`` gives a writable copy.
+    """A :class:`~kda_tp.Tensor` as a CPU ``torch.Tensor`` sharing its memory (no copy); the
+    same as :meth:`kda_tp.Tensor.to_torch`, which documents the dtypes and the read-only memory.
 
     Raises:
         DtypeMismatchError: ``tensor.dtype`` has no torch equivalent (see :func:`torch_dtype`).
     """
-    try:
-        dtype = torch_dtype(tensor.dtype)
-    except DtypeMismatchError as e:
-        raise DtypeMismatchError(f"{tensor.name}: {e}") from None
-    if not tensor.nbytes:
-        return torch.empty(tensor.shape, dtype=dtype)
-    with warnings.catch_warnings():
-        # torch warns that it cannot mark the read-only buffer read-only; documented above.
-        warnings.simplefilter("ignore", UserWarning)
-        raw = torch.frombuffer(tensor.data.data, dtype=torch.uint8)
-    return raw.view(dtype).reshape(tensor.shape)
+    result: torch.Tensor = tensor.to_torch()
+    return result
 
 
 def _rank_and_size(
@@ -204,8 +157,10 @@ def load_rank(
     Args:
         checkpoint: a checkpoint directory or ``.safetensors`` file (with ``config.json``), or
             an open :class:`~kda_tp.SafetensorsSource`.
-        tp_rank, tp_size: this rank and the TP world size; each one not given is taken from
-            ``group`` (``torch.distributed.get_rank`` / ``get_world_size``).
+        tp_rank: this rank; taken from ``group`` (``torch.distributed.get_rank``) when not
+            given.
+        tp_size: the TP world size; taken from ``group``
+            (``torch.distributed.get_world_size``) when not given.
         group: the TP process group (default: the default group).
         device: ``"cpu"`` (default): row-sliced and replicated tensors, and non-KDA tensors,
             are zero-copy, read-only views of the file mapping (``backend="mmap"``); ``o_proj``
@@ -357,7 +312,9 @@ def load_dtensors(
         checkpoint: as :func:`load_rank`.
         device_mesh: a 1-D ``torch.distributed.device_mesh.DeviceMesh``; tensors go to its
             device type (``"cpu"`` or ``"cuda"``, the current CUDA device).
-        layers, qk_multiple, backend: as :func:`load_rank`.
+        layers: as :func:`load_rank`.
+        qk_multiple: as :func:`load_rank`.
+        backend: as :func:`load_rank`.
         include_non_kda: also return every other tensor, as ``Replicate()`` DTensors.
 
     Returns:
@@ -446,7 +403,11 @@ def check_tp_equivalence_distributed(
         shard_dir: a ``kda-tp shard`` output to check instead of slicing ``checkpoint``.
         group: the process group (default: the default group).
         layers: 0-based KDA layers to check (default: the config's).
-        seq_len, seed, atol, rtol, qk_multiple: as :func:`~kda_tp.check_tp_equivalence`.
+        seq_len: as :func:`~kda_tp.check_tp_equivalence`.
+        seed: as :func:`~kda_tp.check_tp_equivalence`.
+        atol: as :func:`~kda_tp.check_tp_equivalence`.
+        rtol: as :func:`~kda_tp.check_tp_equivalence`.
+        qk_multiple: as :func:`~kda_tp.check_tp_equivalence`.
 
     Raises:
         PlanError: no initialized process group, or a refused geometry.
@@ -485,11 +446,11 @@ def check_tp_equivalence_distributed(
         else:
             rank_source = _open(source, r, tp_size, all_kda, qk_multiple, None)
         for i, layer in enumerate(checked):
-            partial[i] += forward(_layer_weights(rank_source, layer, prefix, plan_of(r)))
+            partial[i] += forward(layer_weights(rank_source, layer, prefix, plan_of(r)))
     total = torch.from_numpy(partial)
     dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
     results = [
-        _compare(layer, forward(_layer_weights(source, layer, prefix, plan)), total[i].numpy(),
+        compare_outputs(layer, forward(layer_weights(source, layer, prefix, plan)), total[i].numpy(),
                  atol, rtol)
         for i, layer in enumerate(checked)
     ]
@@ -530,7 +491,9 @@ def shard_checkpoint_distributed(
     raises. The files are those a one-process run writes, byte for byte.
 
     Args:
-        checkpoint, out_dir, tp_size: as ``shard_checkpoint``.
+        checkpoint: as :func:`~kda_tp.shard.shard_checkpoint`.
+        out_dir: as :func:`~kda_tp.shard.shard_checkpoint`.
+        tp_size: as :func:`~kda_tp.shard.shard_checkpoint`.
         ranks: the TP ranks to write (default: all).
         group: the process group (default: the default group).
         options: the other keyword arguments of ``shard_checkpoint`` (``layers``,
@@ -541,10 +504,10 @@ def shard_checkpoint_distributed(
         ``seconds`` the slowest process's.
 
     Raises:
-        KdaTpError (the failing process's class): a process failed. Its own error on that
-        process; on the others the first failing process's error, its message prefixed with
-        the process number. A process's completed ranks stay when another process fails
-        (``verify`` rejects the incomplete set).
+        KdaTpError: a process failed (the failing process's class): its own error on that
+            process; on the others the first failing process's error, its message prefixed
+            with the process number. A process's completed ranks stay when another process
+            fails (``verify`` rejects the incomplete set).
         PlanError: no initialized process group, or a bad ``tp_size``/``ranks``.
     """
     if not (dist.is_available() and dist.is_initialized()):
@@ -587,12 +550,12 @@ def _check_before_writing(
 ) -> None:
     """Check the input geometry, then the output directory for all ``ranks`` (refused, or
     cleaned as ``shard_checkpoint`` does)."""
-    from .shard import _prepare_out_dir  # the one-process writer's own check
+    from .shard import prepare_out_dir  # the one-process writer's own check
 
     source = SafetensorsSource(checkpoint, options.get("backend"))
     layers = options.get("layers")
     _open(source, 0, tp_size, layers, options.get("qk_multiple", 256), None)
-    _prepare_out_dir(source.root, Path(out_dir), tp_size, tuple(ranks),
+    prepare_out_dir(source.root, Path(out_dir), tp_size, tuple(ranks),
                      bool(options.get("force")))
 
 

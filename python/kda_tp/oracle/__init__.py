@@ -4,9 +4,11 @@ This module restates the shard plan of one KDA (Kimi Delta Attention) block from
 spec (``spec/tp.rs`` for the plan, ``spec/tp_bind.rs`` for applying it), without calling the
 Rust core, so the two can be compared. It also carries a verifier that checks a sharded
 checkpoint directory against its source checkpoint, usable in a user's own CI with nothing but
-a Python interpreter::
+a Python interpreter:
 
-    python -m kda_tp.oracle verify CHECKPOINT OUT
+```sh
+python -m kda_tp.oracle verify CHECKPOINT OUT
+```
 
 The plan, in short: rank ``r`` of ``tp_size`` owns the contiguous head range
 ``[r * H/T, (r+1) * H/T)``. Channel ``c = h * head_dim + d``, so that head range is the
@@ -226,7 +228,8 @@ def plan(
     ``KdaTpPlan::new``).
 
     Args:
-        tp_rank, tp_size: this rank and the tensor-parallel world size.
+        tp_rank: this rank, ``0 <= tp_rank < tp_size``.
+        tp_size: the tensor-parallel world size.
         hidden: hidden size of the model (elements).
         head_dim: elements per head; ``C = full_heads * head_dim`` is the channel count.
         full_heads: KDA heads over all ranks.
