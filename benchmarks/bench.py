@@ -20,7 +20,7 @@ baseline measured alongside it; the last columns give the target and PASS/MISS.
 0. Start-up: ``kda-tp --help`` and ``kda-tp plan CONFIG --tp-size 4`` (the GLM-5.3 config of
    section 3) against ``python -c "import numpy"``, best of N interleaved wall times of the
    whole process (target: at most 1.5x numpy's), and ``python -c "import kda_tp"`` for
-   information. Then Ctrl-C: SIGINT half the ``--help`` time (inside the imports), 0.3 s and
+   information. Then Ctrl-C: SIGINT half the ``plan`` time (inside the imports), 0.3 s and
    0.7 s after starting ``kda-tp shard`` on that checkpoint (SIGINT at its default disposition
    in the child, whatever the benchmark inherited): exit status 130 and only ``kda-tp:`` lines,
    no traceback (n/a when the command ended before the signal).
@@ -310,10 +310,11 @@ def section_start(ckpt: Path, scratch: Path, cli: Cli | None, reps: int) -> None
     for key, case in (("help", "kda-tp --help"), ("plan", "kda-tp plan CONFIG --tp-size 4")):
         ratio = best[key] / best["numpy"]
         row(sec, case, ms[key], "ms", f"{ratio:.2f}x numpy", "<= 1.50x", verdict(ratio <= 1.5))
-    # Ctrl-C during the imports (half the start-up of --help) and at the delays, while
-    # `kda-tp shard` writes: exit status 130, "kda-tp: ..." lines, no traceback.
+    # Ctrl-C during the imports (half the time of `plan`, which imports numpy and the Rust core
+    # as shard does) and at the delays, while `kda-tp shard` writes: exit status 130,
+    # "kda-tp: ..." lines, no traceback.
     shard = cli.shard(ckpt, 4, scratch / "o_sigint")
-    for delay in (best["help"] / 2, 0.3, 0.7):
+    for delay in (best["plan"] / 2, 0.3, 0.7):
         running, status, err = _interrupted_after(shard, delay)
         shutil.rmtree(scratch / "o_sigint", ignore_errors=True)
         lines = err.splitlines()

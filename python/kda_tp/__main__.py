@@ -6,41 +6,45 @@ command line inside :func:`main` and ``import kda_tp`` imports nothing (see ``kd
 A SIGINT that the process started ignoring (a background job's, ``nohup``) stays ignored.
 """
 
+import os
 import signal
 import sys
 
 
-class _Interrupted(BaseException):
-    """Ctrl-C during the imports. Not a KeyboardInterrupt: an extension module's initialisation
-    may turn an exception into an ImportError (numpy's does), and a KeyboardInterrupt that C
-    code saw unhandled can make Python end by the signal instead of the exit status."""
-
-
 def main() -> int:
     """Run ``kda-tp`` with ``sys.argv``; returns its exit status (see :func:`kda_tp.cli.main`)."""
-    interrupted = []
+    interrupted: list[int] = []
 
     def on_sigint(signum: int, frame: object) -> None:
         interrupted.append(signum)
-        raise _Interrupted
+        raise KeyboardInterrupt
 
-    # Only where Ctrl-C would raise KeyboardInterrupt anyway (not when SIGINT is ignored).
-    catch = signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    # Only where Ctrl-C raises KeyboardInterrupt anyway (not where SIGINT is ignored): the same,
+    # and noted, because what it interrupts may turn it into another exception (numpy's
+    # initialisation raises ImportError).
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signal.signal(signal.SIGINT, on_sigint)
+    status: int | None = None
     try:
-        try:
-            if catch:
-                signal.signal(signal.SIGINT, on_sigint)
-            from .cli import main as run
-        finally:
-            if catch:
-                signal.signal(signal.SIGINT, signal.default_int_handler)
-        return run()
+        from .cli import main as run
+
+        status = run()
     except BaseException:
-        if not interrupted and not isinstance(sys.exc_info()[1], KeyboardInterrupt):
+        if not interrupted:
             raise
-        # Interrupted outside the command's own handler: imports, argument parsing.
+    if not interrupted:
+        assert status is not None
+        return status
+    if status != 130:  # 128 + SIGINT; the command's own handler says what it stopped
         print("kda-tp: interrupted", file=sys.stderr)
-        return 130  # 128 + SIGINT, as the command's own handler returns (cli.EXIT_INTERRUPTED)
+    # Not a return: where C code saw the KeyboardInterrupt unhandled, Python would end by the
+    # signal instead of this exit status.
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except OSError:  # a closed pipe
+            pass
+    os._exit(130)
 
 
 if __name__ == "__main__":

@@ -21,23 +21,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 from . import __version__
-from .checkpoint import INDEX_NAME, refuse_index_member
 from .config import load_config, parse_config
 from .errors import CheckpointError, KdaTpError, PlanError, ShardInterrupted
-from .layers import check_layers, config_layer_count, layer_count, layers_with_kda_tensors
-from .plan import KdaTpPlan
-from .source import (
-    SafetensorsSource,
-    decoder_prefix,
-    kda_layer_indices,
-    kda_tensor_name,
-    scale_tensor_name,
-)
 
-# The writer and the verifier are imported by the commands that use them, so that `kda-tp --help`
-# and `kda-tp plan` start faster.
+# Each command imports what it uses (numpy with the reader, the writer and verifier only for
+# shard/verify), so that `kda-tp --help` imports no numpy and `kda-tp plan` no writer.
 if TYPE_CHECKING:
+    from .plan import KdaTpPlan
     from .shard import ShardResult, VerifyReport
+    from .source import SafetensorsSource
 
 __all__ = ["main"]
 
@@ -194,6 +186,11 @@ def _int_list(text: str) -> list[int]:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
+    from .checkpoint import refuse_index_member
+    from .layers import check_layers, config_layer_count
+    from .plan import KdaTpPlan
+    from .source import SafetensorsSource, decoder_prefix, kda_tensor_name, scale_tensor_name
+
     # `demo` calls this with a namespace that has no --layers or --json.
     requested, as_json = getattr(args, "layers", None), getattr(args, "json", False)
     refuse_index_member(args.input)
@@ -300,6 +297,9 @@ def _selected_layers(source: SafetensorsSource, requested: list[int] | None) -> 
     """The KDA layers to show or check: ``requested`` (``--layers``, a subset of the config's
     KDA layers, or of the layers holding KDA tensors when the config does not list them), else
     every KDA layer the config lists."""
+    from .layers import check_layers, layer_count, layers_with_kda_tensors
+    from .source import kda_layer_indices
+
     try:
         listed = kda_layer_indices(source, None)
     except CheckpointError:
@@ -320,6 +320,9 @@ def _shard_layers(source: SafetensorsSource, requested: list[int] | None) -> lis
     Raises:
         PlanError: see :func:`~kda_tp.layers.check_layers`, or a list that is not the config's.
     """
+    from .layers import check_layers, layer_count, layers_with_kda_tensors
+    from .source import kda_layer_indices
+
     if requested is None:
         return None
     try:
@@ -465,7 +468,9 @@ class _ProgressLines:
 
 
 def _cmd_shard(args: argparse.Namespace) -> int:
+    from .checkpoint import INDEX_NAME, refuse_index_member
     from .shard import rank_dir, shard_checkpoint, unindexed_files
+    from .source import SafetensorsSource
 
     refuse_index_member(args.checkpoint)
     source = SafetensorsSource(args.checkpoint, args.backend)
@@ -545,6 +550,8 @@ def _with_hints(args: argparse.Namespace, error: KdaTpError) -> str:
 def _allowed_tp_sizes(args: argparse.Namespace, qk_multiple: int) -> list[int] | None:
     """The world sizes the plan accepts for the command's model, or None when its geometry
     cannot be read."""
+    from .plan import KdaTpPlan
+
     if getattr(args, "model", None) is not None:
         from .synth import GEOMETRIES
 
@@ -582,11 +589,13 @@ def _print_verify(report: VerifyReport) -> None:
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
+    from .checkpoint import INDEX_NAME, refuse_index_member
+    from .shard import unindexed_files, verify_shards
+    from .source import SafetensorsSource
+
     if args.layers is not None and not args.numeric:
         raise PlanError("--layers picks the KDA layers of the numeric check; pass --numeric too "
                         "(the byte check always covers every tensor)")
-    from .shard import unindexed_files, verify_shards
-
     refuse_index_member(args.checkpoint)
     unindexed = unindexed_files(SafetensorsSource(args.checkpoint))
     for path in unindexed:
@@ -648,7 +657,9 @@ def _written_line(result: ShardResult) -> str:
 def _cmd_demo(args: argparse.Namespace) -> int:
     import tempfile
 
+    from .plan import KdaTpPlan
     from .shard import shard_checkpoint, verify_shards
+    from .source import SafetensorsSource, kda_layer_indices
     from .synth import GEOMETRIES, write_checkpoint
 
     g = GEOMETRIES[args.model]
@@ -700,6 +711,7 @@ def _run_shard(args: argparse.Namespace) -> int:
     """``shard``; under torchrun with several processes, the ranks are split over them."""
     if _torchrun_processes() == 1:
         return _cmd_shard(args)
+    from .source import SafetensorsSource
     from .torch import shard_checkpoint_distributed, torchrun_group
 
     with torchrun_group() as (process, processes):
