@@ -66,6 +66,12 @@ baseline measured alongside it; the last columns give the target and PASS/MISS.
    ``full_rank_gate=True, a_log_len=128``); (b) ``get()`` then ``np.copyto``; (c) safetensors ``safe_open(..., "pt").get_slice(...)`` then
    ``param.copy_()`` (only when torch is installed); (d) ``np.copyto`` of the same number of
    contiguous bytes of each tensor. GB/s of local bytes.
+6. vLLM's fused K3 parameter: ``in_proj_qkvgfab`` of rank 3 of 8 (q, k, v, g rows of the rank,
+   f_a whole, b the rank's 12 heads, zero rows to a multiple of 16: [6288, 7168] BF16, 90 MB;
+   layout ``vllm-0.33-k3``) built from the section-5 file by ``KdaShardedSource.build_param``
+   into a preallocated, prefaulted buffer, vs ``np.copyto`` of the same number of contiguous
+   bytes of the same mapped file into the same buffer. Best of N, interleaved. Checked first:
+   each part equals the rank's slice, the padding is zero.
 4. (full run only) Peak RSS of ``kda-tp shard`` at TP=4 on a 2-layer and an 8-layer GLM-5.3
    checkpoint; the bound is the largest single tensor + 256 MiB. RssAnon/RssFile peaks are
    sampled from /proc every 10 ms (RSS counts touched pages of file mappings, so a
@@ -559,8 +565,45 @@ def section_k3(scratch: Path, reps: int) -> None:
                 "skipped: torch not installed", ">= 1.20x", "n/a")
         log(f"  TP={tp}: " + ", ".join(f"{k} {v:.2f}" for k, v in gbs.items()) + " GB/s")
         del params
+    section_vllm_fused(src, reps)
     del src
     shutil.rmtree(path.parent)
+
+
+def section_vllm_fused(src: SafetensorsSource, reps: int) -> None:
+    """Section 6: vLLM's fused K3 ``in_proj_qkvgfab`` (q, k, v, g, f_a, b, zero rows to a
+    multiple of 16) for rank 3 of 8, built by ``KdaShardedSource.build_param`` into a
+    preallocated, prefaulted parameter, vs ``np.copyto`` of the same number of contiguous bytes
+    of the same mapped file into the same buffer."""
+    log("section 6: vLLM K3 in_proj_qkvgfab")
+    layout, suffix = "vllm-0.33-k3", "in_proj_qkvgfab.weight"
+    shard = KdaShardedSource(src, k3_plan(3, 8), layers=[0])
+    plan = shard.param_plan(layout, suffix)
+    param = np.ones(plan.nbytes, np.uint8)  # the loader's parameter, faulted in once
+    source = src.get(K3_PREFIX + "q_proj.weight").data  # 176 MiB, mapped and pre-touched
+    assert source.nbytes >= plan.nbytes
+
+    def via_build():
+        shard.build_param(layout, suffix, 0, param)
+
+    def via_memcpy():
+        np.copyto(param, source[: plan.nbytes])
+
+    via_build()  # correctness: each part equals the rank's slice, the padding is zero
+    for region in plan.regions:
+        want = shard.get(K3_PREFIX + f"{region.part}.weight").data
+        assert np.array_equal(param[region.byte_range[0] : region.byte_range[1]], want)
+    assert plan.padding is not None and not param[plan.padding[0] :].any()
+    t = best_interleaved({"build": via_build, "memcpy": via_memcpy}, reps)
+    gbs = {k: plan.nbytes / v / 1e9 for k, v in t.items()}
+    ratio = gbs["build"] / gbs["memcpy"]
+    sec = "6 vLLM K3 TP=8 r3"
+    row(sec, f"in_proj_qkvgfab {list(plan.shape)} BF16 ({plan.nbytes / 1e6:.0f} MB): "
+        "6 parts + 4 zero rows", "", "", "into a preallocated, prefaulted parameter")
+    row(sec, "plain memcpy of the same bytes", f"{gbs['memcpy']:.2f}", "GB/s")
+    row(sec, "KdaShardedSource.build_param", f"{gbs['build']:.2f}", "GB/s",
+        f"build/memcpy {ratio:.2f}x", ">= 0.85x", verdict(ratio >= 0.85))
+    log(f"  build {gbs['build']:.2f}, memcpy {gbs['memcpy']:.2f} GB/s, {ratio:.2f}x")
 
 
 # ------------------------------------------------------------------------------------------------

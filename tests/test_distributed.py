@@ -116,3 +116,49 @@ def test_torchrun_shard_reports_a_refusal_once_and_writes_nothing(tmp_path, tmp_
     assert done.returncode != 0  # each process exits 2; torchrun reports 1
     assert done.stderr.count("kda-tp: error: OutputError") == 1, done.stderr[-4000:]
     assert sorted(p.name for p in out.iterdir()) == ["rank3"]
+
+
+def test_torchrun_shard_takes_allow_resharding_skip_unindexed_and_json(tmp_path,
+                                                                      tmp_path_factory):
+    """The flags of a one-process ``shard`` work under torchrun too: refusals once, in JSON
+    when asked, and the flag that lifts each."""
+    import json
+    import shutil
+
+    fixture = tp_fixtures.FIXTURES["kimi12"]
+    path = tmp_path / "ckpt"
+    shutil.copytree(tp_fixtures.checkpoint(fixture, tmp_path_factory.getbasetemp()), path)
+    extra = path / "mtp.safetensors"  # a file the index does not name
+    shutil.copy(next(path.glob("model-*.safetensors")), extra)
+    common = ["--tp-size", "2", "--qk-multiple", "1", "--quiet", "--json"]
+
+    out = tmp_path / "out"
+    done = _torchrun(2, "shard", str(path), "--out", str(out), *common)
+    assert done.returncode != 0
+    refused = json.loads(done.stdout)  # one document: process 0's
+    assert refused["ok"] is False and "--skip-unindexed" in refused["error"]["message"]
+    assert not out.exists() or list(out.iterdir()) == []
+
+    done = _torchrun(2, "shard", str(path), "--out", str(out), "--skip-unindexed", *common)
+    assert done.returncode == 0, done.stderr[-4000:]
+    written = json.loads(done.stdout)
+    assert written["ok"] is True and written["ranks"] == [0, 1] and written["processes"] == 2
+    assert written["skipped_unindexed"] == [str(extra)]
+    assert done.stderr.count("mtp.safetensors is not named by") == 1, done.stderr[-4000:]
+    assert cli.main(["verify", str(path), str(out), "--quiet"]) == 0
+
+    # A TP 1 output holds the full shapes: with the override it shards like the original.
+    single = tmp_path / "single"
+    assert cli.main(["shard", str(path), "--tp-size", "1", "--out", str(single), "--quiet",
+                     "--skip-unindexed", "--qk-multiple", "1"]) == 0
+    again = tmp_path / "again"
+    done = _torchrun(2, "shard", str(single / "rank0"), "--out", str(again), *common)
+    assert done.returncode != 0
+    assert "already a tensor-parallel shard" in json.loads(done.stdout)["error"]["message"]
+    assert done.stderr.count("kda-tp: error: CheckpointError") == 1, done.stderr[-4000:]
+    assert not again.exists() or list(again.iterdir()) == []
+    done = _torchrun(2, "shard", str(single / "rank0"), "--out", str(again),
+                     "--allow-resharding", *common)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert json.loads(done.stdout)["ranks"] == [0, 1]
+    assert cli.main(["verify", str(single / "rank0"), str(again), "--quiet"]) == 0

@@ -275,11 +275,37 @@ def test_refuses_to_overwrite_without_force(
     assert (other / "notes.txt").read_text() == "mine" and verify_shards(checkpoint, other).ok
 
 
+@pytest.mark.parametrize("target", ["a directory", "nothing"])
+def test_force_over_a_rank_that_is_a_symlink_replaces_the_link_alone(
+    checkpoint: Path, reference: Path, tmp_path: Path, target: str
+) -> None:
+    """``--force`` over ``OUT/rank0 -> elsewhere`` (or a dangling link): the link is replaced
+    by the rank directory, what it pointed to is untouched, and no aside name is left."""
+    elsewhere = tmp_path / "elsewhere"
+    if target == "a directory":
+        elsewhere.mkdir()
+        (elsewhere / "data.txt").write_text("keep")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "rank0").symlink_to(elsewhere)
+    # A link under an aside name a killed run left behind is cleaned as a link, too.
+    (out / ".rank1.partial-old-1").symlink_to(elsewhere)
+    assert cli.main(["shard", str(checkpoint), "--tp-size", "2", "--out", str(out), "--force",
+                     "--quiet"]) == 0
+    assert sorted(os.listdir(out)) == ["rank0", "rank1"]
+    assert not (out / "rank0").is_symlink() and tree(out) == tree(reference)
+    if target == "a directory":
+        assert sorted(os.listdir(elsewhere)) == ["data.txt"]
+        assert (elsewhere / "data.txt").read_text() == "keep"
+    else:
+        assert not elsewhere.exists()
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--tp-size", "0"], "tp_size must be a positive integer"),
-        (["--tp-size", "-2"], "tp_size must be a positive integer"),
+        (["--tp-size", "0"], "--tp-size must be a positive integer, got 0"),
+        (["--tp-size", "-2"], "--tp-size must be a positive integer, got -2"),
         (["--tp-size", "2", "--ranks", ""], "no ranks"),
         (["--tp-size", "2", "--ranks", "2"], "tp_rank 2 >= tp_size 2"),
         (["--tp-size", "2", "--ranks", "-1"], "tp_rank"),

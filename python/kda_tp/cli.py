@@ -42,6 +42,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     input, 130 interrupted)."""
     args = _parser().parse_args(argv)
     try:
+        tp_size = getattr(args, "tp_size", None)
+        if isinstance(tp_size, int) and tp_size < 1:
+            raise PlanError(f"--tp-size must be a positive integer, got {tp_size}")
         # Every subcommand's parser sets `run` to its handler (set_defaults).
         run: Callable[[argparse.Namespace], int] = args.run
         return run(args)
@@ -199,10 +202,13 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     if args.input.is_dir() and any(args.input.glob("*.safetensors")):
         source = SafetensorsSource(args.input)
         layers = _selected_layers(source, requested)
-    elif requested is not None:
+    else:
+        # A bare config: its own list of KDA layers (or --layers, checked against it).
         config = load_config(args.input)
-        layers = check_layers(requested, parse_config(config, str(args.input)).kda_layers,
-                              config_layer_count(config))
+        listed = parse_config(config, str(args.input)).kda_layers
+        layers = listed if requested is None else check_layers(
+            requested, listed, config_layer_count(config)
+        )
     plan = KdaTpPlan.from_config(
         args.input, args.rank, args.tp_size, gate_rank=args.gate_rank,
         qk_multiple=args.qk_multiple, layers=layers if source is not None else None,
@@ -224,7 +230,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     elif layers is not None:
         n_layers = len(layers)
     if as_json:
-        print(json.dumps(plan_json(plan, shapes, layers), indent=2))
+        print(json.dumps({"ok": True, **plan_json(plan, shapes, layers)}, indent=2))
     else:
         print(format_plan(plan, shapes, n_layers))
         if source is None:
@@ -260,9 +266,10 @@ def plan_json(
     index on that axis, elements) and ``local_bytes``/``full_bytes``, and for a block-quantized
     weight ``block`` and ``scale`` (the same fields for its scale grid, offsets in blocks);
     ``full_rank_gate`` and ``a_log_len`` (Kimi K3); ``layer_local_bytes`` and
-    ``layer_full_bytes`` per KDA layer; ``kda_layers`` (0-based, None when not known);
-    ``all_reduce`` (whether ``o_proj``'s output is all-reduced). ``shapes`` as for
-    :func:`format_plan`.
+    ``layer_full_bytes`` per KDA layer; ``kda_layers`` (0-based, None when not known) and
+    ``total_local_bytes``/``total_full_bytes`` over them (None when not known); ``all_reduce``
+    (whether ``o_proj``'s output is all-reduced). ``shapes`` as for :func:`format_plan`.
+    ``kda-tp plan --json`` adds ``"ok": true`` (``false`` with ``error`` on a refusal).
     """
     shapes = shapes or {}
 
@@ -289,6 +296,8 @@ def plan_json(
         "full_rank_gate": plan.full_rank_gate, "a_log_len": plan.a_log_len, "tensors": tensors,
         "layer_local_bytes": plan.local_bytes, "layer_full_bytes": plan.full_bytes,
         "kda_layers": None if layers is None else list(layers),
+        "total_local_bytes": None if layers is None else len(layers) * plan.local_bytes,
+        "total_full_bytes": None if layers is None else len(layers) * plan.full_bytes,
         "all_reduce": plan.needs_output_all_reduce,
     }
 
@@ -418,15 +427,16 @@ def _mib(n: int) -> str:
 
 
 def _progress(
-    quiet: bool, what: str = "shard", unit: str = "B"
+    quiet: bool, what: str = "shard", unit: str = "B", every: float = 2.0
 ) -> Callable[[int], Callable[[int], None]] | None:
     """A progress factory for ``shard_checkpoint``/``verify_shards``: ``None`` when ``quiet``;
-    a tqdm bar on a terminal; else plain lines on stderr (see :class:`_ProgressLines`).
-    ``unit`` is ``"B"`` (bytes) or ``"tensors"``."""
+    a tqdm bar on a terminal; else plain lines on stderr (see :class:`_ProgressLines`), at
+    most one every ``every`` seconds (0: one per step and one at the start).
+    ``unit`` is ``"B"`` (bytes) or a count's unit (``"tensors"``, ``"KDA layers"``)."""
     if quiet:
         return None
     if not sys.stderr.isatty():
-        return lambda total: _ProgressLines(what, total, unit)
+        return lambda total: _ProgressLines(what, total, unit, every)
     from tqdm import tqdm
 
     def start(total: int) -> Callable[[int], None]:
@@ -450,6 +460,18 @@ class _ProgressLines:
         self.done = 0
         self.start = self.last = time.monotonic()
         self.lock = threading.Lock()
+        if every == 0:
+            # Steps are slow (a Kimi K3 layer takes tens of seconds): say what starts now.
+            self._print(self.start)
+
+    def _print(self, now: float) -> None:
+        if self.unit == "B":
+            amount = f"{self.done / 1e9:.2f} of {self.total / 1e9:.2f} GB"
+        else:
+            amount = f"{self.done:,} of {self.total:,} {self.unit}"
+        share = self.done / self.total if self.total else 1.0
+        print(f"{self.what}: {amount} ({share:.0%}), {now - self.start:.1f} s",
+              file=sys.stderr, flush=True)
 
     def __call__(self, n: int) -> None:
         with self.lock:
@@ -458,27 +480,53 @@ class _ProgressLines:
             if self.done < self.total and now - self.last < self.every:
                 return
             self.last = now
-            if self.unit == "B":
-                amount = f"{self.done / 1e9:.2f} of {self.total / 1e9:.2f} GB"
-            else:
-                amount = f"{self.done:,} of {self.total:,} {self.unit}"
-            share = self.done / self.total if self.total else 1.0
-            print(f"{self.what}: {amount} ({share:.0%}), {now - self.start:.1f} s",
-                  file=sys.stderr, flush=True)
+            self._print(now)
 
 
-def _cmd_shard(args: argparse.Namespace) -> int:
+def _shard_input(
+    args: argparse.Namespace, warn: bool = True
+) -> tuple[list[int] | None, list[Path]]:
+    """``shard``'s checks of its input before anything is written: the ``--layers`` to pass on
+    (see :func:`_shard_layers`) and the files ``--skip-unindexed`` leaves out (a warning each
+    on stderr when ``warn``)."""
     from .checkpoint import INDEX_NAME, refuse_index_member
-    from .shard import rank_dir, shard_checkpoint, unindexed_files
+    from .shard import unindexed_files
     from .source import SafetensorsSource
 
     refuse_index_member(args.checkpoint)
     source = SafetensorsSource(args.checkpoint, args.backend)
     layers = _shard_layers(source, args.layers)
     skipped = unindexed_files(source) if args.skip_unindexed else []
-    for path in skipped:
+    for path in skipped if warn else ():
         print(f"kda-tp: warning: {path} is not named by {INDEX_NAME}; it is left out of every "
               "rank (--skip-unindexed)", file=sys.stderr)
+    return layers, skipped
+
+
+def _print_shard(
+    args: argparse.Namespace, result: ShardResult, skipped: Sequence[Path], processes: int = 1
+) -> None:
+    """What ``shard`` wrote: the JSON document with ``--json``, else one line."""
+    from .shard import rank_dir
+
+    if args.json:
+        _emit_json(args, {
+            "ok": True, "out_dir": str(result.out_dir), "tp_size": result.tp_size,
+            "ranks": list(result.ranks),
+            "rank_dirs": [str(rank_dir(result.out_dir, r)) for r in result.ranks],
+            "bytes_written": result.bytes_written, "seconds": result.seconds,
+            "skipped_unindexed": [str(p) for p in skipped], "processes": processes,
+        })
+    elif processes > 1:
+        print(f"{_written_line(result)}; {processes} torchrun processes")
+    else:
+        print(_written_line(result))
+
+
+def _cmd_shard(args: argparse.Namespace) -> int:
+    from .shard import shard_checkpoint
+
+    layers, skipped = _shard_input(args)
     result = shard_checkpoint(
         args.checkpoint,
         args.out,
@@ -493,16 +541,7 @@ def _cmd_shard(args: argparse.Namespace) -> int:
         skip_unindexed=args.skip_unindexed,
         kda_only=args.kda_only,
     )
-    if args.json:
-        _emit_json(args, {
-            "ok": True, "out_dir": str(result.out_dir), "tp_size": result.tp_size,
-            "ranks": list(result.ranks),
-            "rank_dirs": [str(rank_dir(result.out_dir, r)) for r in result.ranks],
-            "bytes_written": result.bytes_written, "seconds": result.seconds,
-            "skipped_unindexed": [str(p) for p in skipped],
-        })
-    else:
-        print(_written_line(result))
+    _print_shard(args, result, skipped)
     return 0
 
 
@@ -579,7 +618,8 @@ def _allowed_tp_sizes(args: argparse.Namespace, qk_multiple: int) -> list[int] |
 
 
 def _print_verify(report: VerifyReport) -> None:
-    for problem in report.problems[:20]:
+    # One problem is the summary line itself; several are listed above a count.
+    for problem in report.problems[:20] if len(report.problems) > 1 else ():
         print(f"  {problem}")
     if len(report.problems) > 20:
         print(f"  ... and {len(report.problems) - 20} more")
@@ -603,7 +643,9 @@ def _cmd_verify(args: argparse.Namespace) -> int:
               "is not checked", file=sys.stderr)
     report = verify_shards(args.checkpoint, args.out, numeric=args.numeric,
                            seq_len=args.seq_len, seed=args.seed, layers=args.layers,
-                           progress=_progress(args.quiet, "verify", "tensors"))
+                           progress=_progress(args.quiet, "verify", "tensors"),
+                           numeric_progress=_progress(args.quiet, "verify --numeric",
+                                                      "KDA layers", every=0.0))
     if args.json:
         _emit_json(args, verify_json(report, unindexed))
     else:
@@ -618,7 +660,8 @@ def verify_json(report: VerifyReport, unindexed: Sequence[Path] = ()) -> dict[st
     bytes), ``problems`` (one string each), ``numeric`` (None when not run, else ``passed``,
     ``seq_len``, ``seed``, ``atol``, ``rtol`` and ``layers``: per layer ``layer``,
     ``max_abs_error``, ``max_rel_error`` (None when infinite), ``y_abs_max``, ``tolerance``,
-    ``passed``), ``unindexed`` (input files the index does not name, unchecked).
+    ``passed``), ``unindexed`` (input files the index does not name, unchecked),
+    ``byte_seconds`` and ``numeric_seconds`` (each phase's wall time; 0 when not run).
     """
     numeric = None
     if report.numeric is not None:
@@ -637,6 +680,7 @@ def verify_json(report: VerifyReport, unindexed: Sequence[Path] = ()) -> dict[st
         "ok": report.ok, "tp_size": report.tp_size, "tensors": report.tensors,
         "bytes_checked": report.bytes_checked, "problems": list(report.problems),
         "numeric": numeric, "unindexed": [str(p) for p in unindexed],
+        "byte_seconds": report.byte_seconds, "numeric_seconds": report.numeric_seconds,
     }
 
 
@@ -687,12 +731,10 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         print()
         result = shard_checkpoint(checkpoint, out, args.tp_size, force=args.keep is not None,
                                   progress=_progress(False))
-        print(f"shard: {_written_line(result)}; input read at "
-              f"{size / result.seconds / 1e9:.2f} GB/s")
-        t0 = time.perf_counter()
+        print(f"shard: {_written_line(result)}")
         report = verify_shards(checkpoint, out, numeric=args.numeric, seq_len=args.seq_len,
-                               seed=args.seed)
-        print(f"verify: {time.perf_counter() - t0:.2f} s")
+                               seed=args.seed, numeric_progress=_progress(
+                                   False, "verify --numeric", "KDA layers", every=0.0))
         _print_verify(report)
         return status if report.ok else 1
 
@@ -716,25 +758,31 @@ def _run_shard(args: argparse.Namespace) -> int:
 
     with torchrun_group() as (process, processes):
         try:
+            # Every process checks its input the same way; process 0 alone says so.
+            layers, skipped = _shard_input(args, warn=process == 0)
             result = shard_checkpoint_distributed(
                 args.checkpoint,
                 args.out,
                 args.tp_size,
                 ranks=args.ranks,
-                layers=_shard_layers(SafetensorsSource(args.checkpoint, args.backend),
-                                     args.layers),
+                layers=layers,
                 qk_multiple=args.qk_multiple,
                 force=args.force,
                 backend=args.backend,
                 progress=_progress(args.quiet) if process == 0 else None,
+                allow_resharding=args.allow_resharding,
+                skip_unindexed=args.skip_unindexed,
                 kda_only=args.kda_only,
             )
         except KdaTpError as e:
             if process == 0:
-                print(f"kda-tp: error: {type(e).__name__}: {e}", file=sys.stderr)
+                message = _with_hints(args, e)
+                print(f"kda-tp: error: {type(e).__name__}: {message}", file=sys.stderr)
+                _emit_json(args, {"ok": False,
+                                  "error": {"type": type(e).__name__, "message": message}})
             return 2
         if process == 0:
-            print(f"{_written_line(result)}; {processes} torchrun processes")
+            _print_shard(args, result, skipped, processes)
         return 0
 
 
@@ -759,6 +807,7 @@ def _run_verify(args: argparse.Namespace) -> int:
         state = [report is not None and report.ok, failure]
         dist.broadcast_object_list(state, src=0)
         if state[0] and args.numeric:
+            start = time.perf_counter()
             meta = rank_dir_metadata(args.out)
             numeric = check_tp_equivalence_distributed(
                 args.checkpoint,
@@ -771,6 +820,7 @@ def _run_verify(args: argparse.Namespace) -> int:
             )
             if report is not None:
                 report.numeric = numeric
+                report.numeric_seconds = time.perf_counter() - start
         if process != 0:
             status = [0]
             dist.broadcast_object_list(status, src=0)

@@ -25,7 +25,7 @@ from typing import Any, Mapping
 
 from .errors import CheckpointError
 
-__all__ = ["KdaConfig", "load_config", "parse_config"]
+__all__ = ["KdaConfig", "load_config", "no_config_message", "parse_config"]
 
 # Larger than any real model dimension; above it a config value is taken as corrupt.
 _MAX_DIM = 2**31
@@ -73,24 +73,46 @@ def load_config(path: str | os.PathLike[str]) -> dict[str, Any]:
     """Read ``config.json`` (or the ``config.json`` inside a checkpoint directory) as a dict.
 
     Raises:
-        CheckpointError: the file is missing, not a regular file, unreadable or not a JSON
-            object.
+        CheckpointError: the file is missing (the message says which: a directory without
+            ``config.json``, a missing directory, or a missing ``.json`` file), not a regular
+            file, unreadable or not a JSON object.
     """
-    path = Path(path)
-    if path.is_dir():
-        path = path / CONFIG_NAME
+    given = Path(path)
+    path = given / CONFIG_NAME if given.is_dir() else given
     if path.exists() and not path.is_file():
         # A FIFO would block read_text() forever; a directory or device is no config either.
         raise CheckpointError(f"{path}: not a regular file")
     try:
         config = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
-        raise CheckpointError(f"{path}: no such config file") from None
+        raise CheckpointError(_not_found(given)) from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{path}: cannot read the config as JSON: {e}") from None
     if not isinstance(config, dict):
         raise CheckpointError(f"{path}: the config is {type(config).__name__}, not a JSON object")
     return config
+
+
+def no_config_message(directory: str | os.PathLike[str]) -> str:
+    """The message for a checkpoint directory without ``config.json``, with the fix.
+
+    Args:
+        directory: the checkpoint directory, named at the start of the message.
+    """
+    return (f"{directory}: no {CONFIG_NAME} in this directory; kda_tp reads the model's geometry "
+            f"and its KDA layers from it: put the model's {CONFIG_NAME} there")
+
+
+def _not_found(given: Path) -> str:
+    """Why ``load_config(given)`` found no file: a directory without a config, a missing
+    directory, or a missing config file."""
+    if given.is_dir():
+        return no_config_message(given)
+    if given.suffix != ".json":
+        return f"{given}: no such directory"
+    if not given.parent.is_dir():
+        return f"{given.parent}: no such directory"
+    return f"{given}: no such config file"
 
 
 def parse_config(config: Mapping[str, Any], source: str = "<dict>") -> KdaConfig:

@@ -27,6 +27,7 @@ __all__ = [
     "CheckpointError",
     "OutputError",
     "MissingDependencyError",
+    "EngineLayoutError",
     "ShardInterrupted",
 ]
 
@@ -95,6 +96,18 @@ class MissingDependencyError(KdaTpError, ImportError):
 
     Example message: ``kda_tp.torch needs PyTorch (torch >= 2.5), which is not installed:
     pip install 'kda_tp[torch]'``.
+    """
+
+
+class EngineLayoutError(KdaTpError, ValueError):
+    """A serving engine's parameter layout (``kda_tp.engines``) that does not fit the request.
+
+    Raised for an unknown layout or parameter name, a layout of another model family than the
+    plan (K3's ``g_proj`` vs ``g_a_proj``/``g_b_proj``), block-FP8 weights in a layout without
+    scale grids, ``tp_size > 1`` for an engine that keeps KDA replicated, or an output buffer
+    of the wrong size for ``KdaShardedSource.build_param``.
+
+    Example message: ``vllm-0.33-k3: no parameter 'in_proj.weight'; its parameters: [...]``.
     """
 
 

@@ -17,7 +17,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from .config import parse_config
+from .config import no_config_message, parse_config
 from .errors import CheckpointError
 from .quant import SCALE_SUFFIXES
 
@@ -142,19 +142,23 @@ def kda_layer_indices(source: Any, layers: Iterable[int] | None) -> tuple[int, .
     """0-based KDA layer indices: ``layers`` if given, else the source config's.
 
     Raises:
-        CheckpointError: neither ``layers`` nor the config says which layers are KDA.
+        CheckpointError: ``layers`` is None and the source has a ``root`` but no config
+            (``config.json`` is missing), or neither ``layers`` nor the config says which layers
+            are KDA.
     """
     if layers is not None:
         return tuple(sorted({int(i) for i in layers}))
     config = getattr(source, "config", None)
+    root = getattr(source, "root", None)
+    if config is None and root is not None:
+        raise CheckpointError(no_config_message(root))
+    where = str(Path(root) / "config.json") if root is not None else repr(source)
     if config is not None:
-        root = getattr(source, "root", None)
-        where = str(Path(root) / "config.json") if root is not None else "config"
         kda_layers = parse_config(config, where).kda_layers
         if kda_layers is not None:
             return kda_layers
     raise CheckpointError(
-        f"{source!r}: the config does not list the KDA layers (linear_attn_config.kda_layers or "
+        f"{where}: the config does not list the KDA layers (linear_attn_config.kda_layers or "
         "layer_types); pass layers=[...] (0-based)"
     )
 

@@ -15,10 +15,10 @@ from typing import Any
 from . import _native
 from ._native import KdaShard, KdaTensorPlan
 from .checkpoint import SafetensorsSource, refuse_index_member
-from .config import CONFIG_NAME, load_config, parse_config
+from .config import CONFIG_NAME, load_config, no_config_message, parse_config
 from .errors import CheckpointError, DtypeMismatchError, ShapeMismatchError
 from .layout import check_gate_form, decoder_prefix, kda_layer_indices, kda_tensor_name
-from .quant import FP8_DTYPES, BlockFormat, block_format
+from .quant import FP8_DTYPES, BlockFormat, ModelOptModules, block_format, modelopt_modules
 
 __all__ = ["KdaShard", "KdaTensorPlan", "KdaTpPlan"]
 
@@ -148,9 +148,13 @@ class KdaTpPlan(_native.KdaTpPlan):
             CheckpointError: one file of an indexed checkpoint (pass the directory), a missing
                 or invalid config, a config with no KDA layers, or a
                 checkpoint whose first KDA layer lacks a tensor or holds the other output-gate
-                form than the config says.
+                form than the config says; a KDA projection (any KDA layer) that contradicts a
+                ModelOpt config's per-module declaration (:class:`~kda_tp.quant.ModelOptModules`:
+                a ``quant_algo`` other than ``FP8_PB_WO``, e.g. ``NVFP4``, named in the message;
+                ``FP8_PB_WO`` but not FP8; FP8 but not listed, or excluded).
             DtypeMismatchError: a first-KDA-layer tensor whose dtype is not BF16, F16, F32 or
-                F64 (or FP8, for a projection of a block-quantized checkpoint).
+                F64 (or FP8, for a projection of a block-quantized checkpoint); an ``F8_E5M2``
+                projection under ModelOpt (whose FP8 is E4M3).
             ShapeMismatchError: a first-KDA-layer ``f_a_proj`` that is not 2-D (when the gate
                 rank is read from it).
             PlanError: a refused geometry (see the class).
@@ -163,7 +167,7 @@ class KdaTpPlan(_native.KdaTpPlan):
             source, root = config, config.root
             config = source.config
             if config is None:
-                raise CheckpointError(f"{source.root}: no {CONFIG_NAME} beside the weights")
+                raise CheckpointError(no_config_message(source.root))
             where = str(source.root / CONFIG_NAME)
         elif isinstance(config, (str, os.PathLike)):
             path = Path(config)
@@ -199,6 +203,14 @@ class KdaTpPlan(_native.KdaTpPlan):
                     f"({_format_name(fmt)}) are not supported; kda_tp slices "
                     "BF16/F16/F32 KDA weights and FP8 block-quantized projections"
                 )
+            # Every KDA layer's projections against what the config declares for them.
+            modules = modelopt_modules(config, root)
+            for index in indices:
+                for name in _native.QUANTIZABLE:
+                    full_name = kda_tensor_name(prefix, index, name)
+                    info = source.info(full_name)
+                    if info is not None:
+                        _check_declared(source, full_name, info[0], fmt, modules)
             headers = {}
             for name in _tensor_names(kda.full_rank_gate):
                 full_name = kda_tensor_name(prefix, layer, name)
@@ -289,6 +301,55 @@ def _check_quantizable(
             f"{where}: an FP8 weight, but the config declares "
             f"{_format_name(fmt)}; supported block-FP8 formats: ModelOpt FP8_PB_WO, "
             "DeepSeek-style fp8 with weight_block_size, compressed-tensors FP8 block"
+        )
+
+
+def _check_declared(
+    source: Any,
+    full_name: str,
+    dtype: str,
+    fmt: BlockFormat | str | None,
+    declared: ModelOptModules | None,
+) -> None:
+    """Refuse a KDA projection whose dtype contradicts the config: an FP8 dtype the format
+    does not use (``F8_E5M2`` under ModelOpt), or, under ModelOpt, a ``quant_algo`` kda_tp
+    cannot slice (e.g. ``NVFP4``), an ``FP8_PB_WO`` module that is not FP8, or an FP8 module
+    that ``quantized_layers`` does not list or ``exclude_modules`` excludes."""
+    where = f"{source.file_of(full_name)}: {full_name}"
+    fp8 = dtype in FP8_DTYPES
+    if fp8 and isinstance(fmt, BlockFormat) and dtype not in fmt.weight_dtypes:
+        raise DtypeMismatchError(
+            f"{where}: dtype {dtype}, but {fmt.name} weights are "
+            f"{' or '.join(fmt.weight_dtypes)} (ModelOpt's FP8 is E4M3 by definition); the "
+            "config and the weights disagree"
+        )
+    if declared is None:
+        return
+    module = full_name.removesuffix(".weight")
+    algo = declared.algo(module)
+    if algo is not None and algo != "FP8_PB_WO":
+        raise CheckpointError(
+            f"{where}: the config's quantized_layers declares {module} as ModelOpt {algo} "
+            f"(on disk: {dtype}); kda_tp slices BF16/F16/F32 KDA weights and ModelOpt "
+            f"FP8_PB_WO (128x128 block FP8) projections, not {algo} ones"
+        )
+    if algo == "FP8_PB_WO" and not fp8:
+        raise CheckpointError(
+            f"{where}: dtype {dtype}, but the config's quantized_layers declares {module} as "
+            "ModelOpt FP8_PB_WO (F8_E4M3 with a block scale); the config and the weights "
+            "disagree"
+        )
+    if algo is None and fp8:
+        pattern = declared.excluded_by(module)
+        if pattern is not None:
+            why = f"its exclude_modules pattern {pattern!r} leaves {module} unquantized"
+        elif declared.quantized_layers is not None:
+            why = f"its quantized_layers does not list {module} (so it is not quantized)"
+        else:
+            return
+        raise CheckpointError(
+            f"{where}: stored as {dtype}, but the config says otherwise: {why}; the config and "
+            "the weights disagree"
         )
 
 

@@ -21,6 +21,13 @@ compressed-tensors``, weights                                    ceil(in/bi)]``
 ``block_structure: [bo, bi]``)
 ==============================  ===============================  ===========================
 
+What the config declares is checked against every KDA projection of every KDA layer
+(``KdaTpPlan.from_config``): ModelOpt's FP8 is E4M3 by definition (an ``F8_E5M2`` weight is
+refused), and a ModelOpt ``MIXED_PRECISION`` config's per-module ``quant_algo``
+(:class:`ModelOptModules`) must be ``FP8_PB_WO`` for an FP8 projection and absent (or
+excluded) for an unquantized one; a KDA module declared ``NVFP4`` (or any other algorithm) is
+refused with a message naming it.
+
 Element ``(i, j)`` of a weight dequantizes as ``weight[i, j] * scale[i // bo, j // bi]``
 (:func:`dequantize`). How a rank's scale grid is cut is the Rust core's rule (``KdaTensorPlan
 .scale``): the blocks covering its weight range.
@@ -34,6 +41,7 @@ shard as usual: those tensors pass through byte for byte.
 
 from __future__ import annotations
 
+import fnmatch
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -44,7 +52,16 @@ import numpy as np
 
 from .errors import CheckpointError, ShapeMismatchError
 
-__all__ = ["BlockFormat", "FP8_DTYPES", "SCALE_SUFFIXES", "block_format", "dequantize"]
+__all__ = [
+    "BlockFormat",
+    "FP8_DTYPES",
+    "ModelOptModules",
+    "SCALE_SUFFIXES",
+    "block_format",
+    "dequantize",
+    "modelopt_modules",
+    "quantization_config",
+]
 
 #: Safetensors dtypes of block-quantized weights.
 FP8_DTYPES = ("F8_E4M3", "F8_E5M2")
@@ -63,29 +80,34 @@ class BlockFormat:
         name: human-readable format name, for messages.
         block: ``(rows, cols)`` block edge in weight elements.
         scale_layout: ``"modelopt"`` (4-D ``[ob, 1, ib, 1]`` grids) or ``"grid"`` (2-D).
+        weight_dtypes: the safetensors dtypes its weights may have (ModelOpt: ``F8_E4M3``
+            only, its FP8 is E4M3 by definition).
     """
 
     name: str
     block: tuple[int, int]
     scale_layout: str
+    weight_dtypes: tuple[str, ...] = FP8_DTYPES
 
 
-def block_format(config: Mapping[str, Any], root: Path | None = None) -> BlockFormat | str | None:
-    """The block-FP8 format a model config declares.
+def quantization_config(config: Mapping[str, Any], root: Path | None = None) -> Mapping[str, Any] | None:
+    """The quantization description a model config declares, or None.
 
-    Looks at ``quantization_config`` at the top level, then under ``text_config``, then at
-    ``hf_quant_config.json`` in ``root``.
+    ``quantization_config`` at the top level, then under ``text_config``, then ModelOpt's
+    ``hf_quant_config.json`` in ``root`` (its ``quantization`` object, with ``quant_method:
+    "modelopt"`` added).
+
+    Args:
+        config: the model config (``config.json`` as a dict).
+        root: the checkpoint directory, where ``hf_quant_config.json`` may lie (None: not
+            looked for).
 
     Returns:
-        A :class:`BlockFormat`; or a string naming a quantization format kda_tp cannot slice
-        KDA weights in (e.g. ``"NVFP4 (compressed-tensors nvfp4-pack-quantized)"``), to be
-        used in a refusal if the KDA layers turn out to be quantized; or None when the config
-        declares no quantization.
+        The ``quantization_config`` mapping (``quant_method``, ``quant_algo``, ...), or None.
 
     Raises:
-        CheckpointError: a block-FP8 config whose block size is missing or not two positive
-            integers; an ``hf_quant_config.json`` that is not JSON or has no ``quantization``
-            object.
+        CheckpointError: an ``hf_quant_config.json`` that is not JSON or has no
+            ``quantization`` object.
     """
     quant = config.get("quantization_config")
     if not isinstance(quant, Mapping) and isinstance(config.get("text_config"), Mapping):
@@ -102,7 +124,27 @@ def block_format(config: Mapping[str, Any], root: Path | None = None) -> BlockFo
                 f"object (ModelOpt's layout), got {json.dumps(hf)[:80]}"
             )
         quant = {"quant_method": "modelopt", **body}
-    if not isinstance(quant, Mapping):
+    return quant if isinstance(quant, Mapping) else None
+
+
+def block_format(config: Mapping[str, Any], root: Path | None = None) -> BlockFormat | str | None:
+    """The block-FP8 format a model config declares.
+
+    Reads :func:`quantization_config`.
+
+    Returns:
+        A :class:`BlockFormat`; or a string naming a quantization format kda_tp cannot slice
+        KDA weights in (e.g. ``"NVFP4 (compressed-tensors nvfp4-pack-quantized)"``), to be
+        used in a refusal if the KDA layers turn out to be quantized; or None when the config
+        declares no quantization.
+
+    Raises:
+        CheckpointError: a block-FP8 config whose block size is missing or not two positive
+            integers; an ``hf_quant_config.json`` that is not JSON or has no ``quantization``
+            object.
+    """
+    quant = quantization_config(config, root)
+    if quant is None:
         return None
     method = str(quant.get("quant_method", "")).lower()
     if method in ("modelopt", "modelopt_mixed"):
@@ -111,7 +153,9 @@ def block_format(config: Mapping[str, Any], root: Path | None = None) -> BlockFo
         if isinstance(layers, Mapping):
             algos |= {str(v.get("quant_algo", "")) for v in layers.values() if isinstance(v, Mapping)}
         if "FP8_PB_WO" in algos:
-            return BlockFormat("ModelOpt FP8_PB_WO (128x128 blocks)", _MODELOPT_BLOCK, "modelopt")
+            # ModelOpt's FP8 is E4M3 by definition (the ``fp8`` of its recipes is (4, 3) bits).
+            return BlockFormat("ModelOpt FP8_PB_WO (128x128 blocks)", _MODELOPT_BLOCK, "modelopt",
+                               ("F8_E4M3",))
         return f"ModelOpt {'/'.join(sorted(a for a in algos if a)) or 'unknown'}"
     if method == "fp8":
         block = quant.get("weight_block_size")
@@ -133,6 +177,90 @@ def block_format(config: Mapping[str, Any], root: Path | None = None) -> BlockFo
         }
         return f"{names.get(fmt, 'unsupported')} (compressed-tensors {fmt or 'format unknown'})"
     return f"quant_method {method or 'unknown'!r}"
+
+
+@dataclass(frozen=True)
+class ModelOptModules:
+    """What a ModelOpt config says about individual modules.
+
+    ModelOpt's ``MIXED_PRECISION`` configs (``quant_method: modelopt_mixed``, or
+    ``hf_quant_config.json`` with ``quant_algo: MIXED_PRECISION``) list every quantized module
+    in ``quantized_layers`` with its own ``quant_algo`` (``FP8_PB_WO``, ``NVFP4``, ``FP8``,
+    ``MXFP8``, ...); a module not listed is not quantized. Every ModelOpt config may list
+    ``exclude_modules``, fnmatch patterns of modules left unquantized. Module names are
+    checkpoint names without ``.weight``; NVIDIA's Kimi K3 export lists each one in several
+    spellings (``language_model.model.layers.N...``, ``model.layers.N...``,
+    ``layers.N...``), and any of them counts.
+
+    Attributes:
+        quantized_layers: module -> ``quant_algo``; None when the config is not
+            ``MIXED_PRECISION`` (then the top-level ``quant_algo`` applies to every module
+            not excluded).
+        exclude_modules: the fnmatch patterns.
+    """
+
+    quantized_layers: Mapping[str, str] | None
+    exclude_modules: tuple[str, ...]
+
+    def algo(self, module: str) -> str | None:
+        """The ``quant_algo`` ``quantized_layers`` gives ``module`` under any of its spellings;
+        None when not listed (or when the config is not ``MIXED_PRECISION``)."""
+        if self.quantized_layers is None:
+            return None
+        for alias in _module_aliases(module):
+            if alias in self.quantized_layers:
+                return self.quantized_layers[alias]
+        return None
+
+    def excluded_by(self, module: str) -> str | None:
+        """The ``exclude_modules`` pattern that matches ``module`` (any spelling), or None."""
+        for pattern in self.exclude_modules:
+            if any(fnmatch.fnmatchcase(alias, pattern) for alias in _module_aliases(module)):
+                return pattern
+        return None
+
+
+def modelopt_modules(
+    config: Mapping[str, Any], root: Path | None = None
+) -> ModelOptModules | None:
+    """The per-module declarations of a ModelOpt config (see :class:`ModelOptModules`); None
+    when the config is not ModelOpt's.
+
+    Args:
+        config: the model config (``config.json`` as a dict).
+        root: the checkpoint directory, for ``hf_quant_config.json`` (as
+            :func:`quantization_config`).
+
+    Raises:
+        CheckpointError: as :func:`quantization_config`.
+    """
+    quant = quantization_config(config, root)
+    if quant is None or str(quant.get("quant_method", "")).lower() not in (
+        "modelopt", "modelopt_mixed"
+    ):
+        return None
+    listed = None
+    mixed = str(quant.get("quant_method")).lower() == "modelopt_mixed"
+    if mixed or quant.get("quant_algo") == "MIXED_PRECISION":
+        layers = quant.get("quantized_layers")
+        listed = {
+            str(module): str(entry.get("quant_algo", ""))
+            for module, entry in (layers.items() if isinstance(layers, Mapping) else ())
+            if isinstance(entry, Mapping)
+        }
+    excluded = quant.get("exclude_modules")
+    patterns = tuple(str(p) for p in excluded) if isinstance(excluded, list) else ()
+    return ModelOptModules(listed, patterns)
+
+
+def _module_aliases(module: str) -> list[str]:
+    """``module`` and the spellings ModelOpt's Kimi K3 export also lists it under: without
+    ``language_model.``, and without ``language_model.model.``."""
+    names = [module]
+    for prefix in ("language_model.", "language_model.model."):
+        if module.startswith(prefix):
+            names.append(module[len(prefix):])
+    return names
 
 
 def _block(value: Any, key: str) -> tuple[int, int]:

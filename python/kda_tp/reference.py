@@ -251,7 +251,7 @@ def _checked_weights(
                 f"{name}: shape {a.shape}, expected {wanted} "
                 f"(heads {heads} from b_proj, head_dim {head_dim}, hidden {hidden})"
             )
-        out[name] = a.astype(np.float32)
+        out[name] = a.astype(np.float32, copy=False)  # float32 weights are not copied
     for name in ("q_conv1d", "k_conv1d", "v_conv1d"):
         out[name] = out[name].reshape(channels, kernel)
     out["A_log"] = out["A_log"].reshape(-1)[:heads]

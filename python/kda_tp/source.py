@@ -25,7 +25,8 @@ from .checkpoint import (
     numpy_dtype,
     shard_bytes,
 )
-from .errors import CheckpointError, DtypeMismatchError, KdaTpError
+from .engines import EngineLayout, EngineParamPlan, get_layout
+from .errors import CheckpointError, DtypeMismatchError, EngineLayoutError, KdaTpError
 from .layout import (
     BARE_PARAMETERS,
     FULL_RANK_GATE,
@@ -304,6 +305,99 @@ class KdaShardedSource:
         if record is None:
             raise CheckpointError(f"{location(self.source)}: no tensor named {name!r}")
         _native.shard_into(entry, readonly_bytes(record.data), target)
+
+    def release(self, name: str) -> None:
+        """Drop this process's resident pages of the source's tensor ``name`` (see
+        :meth:`SafetensorsSource.release`); a no-op when the wrapped source has no
+        ``release``."""
+        release = getattr(self.source, "release", None)
+        if release is not None:
+            release(name)
+
+    def build_param(
+        self,
+        layout: str | EngineLayout,
+        suffix: str,
+        layer: int,
+        out: Any = None,
+        *,
+        model_dtype: str | None = None,
+    ) -> Any:
+        """Fill one fused engine parameter of KDA layer ``layer`` for this rank, in one call.
+
+        The parameter is described by ``layout`` (:mod:`kda_tp.engines`, e.g.
+        ``"vllm-0.33-k3"``, ``"in_proj_qkvgfab.weight"``): each part (this rank's slice of a
+        plan tensor, or of its FP8 block-scale grid) is copied with :meth:`read_into` straight
+        into its region of the buffer, cast first where the engine casts (e.g. BF16 conv
+        weights to F32), and the padding rows are zeroed. The bytes equal what the engine's
+        own loader leaves in the parameter.
+
+        Args:
+            layout: an :class:`~kda_tp.engines.EngineLayout` or its name.
+            suffix: the parameter's name after ``self_attn.``.
+            layer: a 0-based KDA layer index (one of :attr:`layers`).
+            out: None to allocate a new numpy array of the parameter's local shape and dtype;
+                or a writable C-contiguous buffer of exactly ``param_plan(...).nbytes`` bytes
+                (a numpy array of any shape with item size 1 or the parameter dtype's, a
+                ``bytearray``; for a CPU torch parameter ``p.view(-1).view(torch.uint8)
+                .numpy()``), every byte of which is overwritten.
+            model_dtype: the engine's model dtype for parameters it casts to it (None: the
+                checkpoint's dtype; see :meth:`~kda_tp.engines.EngineLayout.param_plan`).
+
+        Returns:
+            ``out``, or the new array.
+
+        Raises:
+            EngineLayoutError: unknown layout or parameter, a layout that does not fit this
+                plan, or ``layer`` is not a KDA layer.
+            ShapeMismatchError: ``out`` is not the parameter's size in bytes, or its item size
+                is neither 1 nor the parameter dtype's.
+            BufferLayoutError: ``out`` is read-only, not C-contiguous, or not a buffer.
+        """
+        plan = self.param_plan(layout, suffix, model_dtype=model_dtype)
+        if layer not in self.layers:
+            raise EngineLayoutError(
+                f"{plan.layout}: {suffix}: layer {layer} is not a KDA layer of this checkpoint "
+                f"(KDA layers: {list(self.layers)})"
+            )
+        if out is None:
+            out = np.empty(plan.shape, numpy_dtype(plan.dtype))
+        target = writable_bytes(suffix, out)
+        check_out(suffix, plan.dtype, out, target, plan.nbytes)
+        for region in plan.regions:
+            name = self._part_name(layer, region.part)
+            dst = target[region.byte_range[0] : region.byte_range[1]]
+            if region.source_dtype == plan.dtype:
+                self.read_into(name, dst)
+            else:
+                raw = np.empty(self._planned[name][0].local_bytes, np.uint8)
+                self.read_into(name, raw)
+                np.copyto(dst.view(numpy_dtype(plan.dtype)),
+                          raw.view(numpy_dtype(region.source_dtype)), casting="unsafe")
+        if plan.padding is not None:
+            target[plan.padding[0] : plan.padding[1]] = 0
+        return out
+
+    def param_plan(
+        self, layout: str | EngineLayout, suffix: str, *, model_dtype: str | None = None
+    ) -> EngineParamPlan:
+        """:meth:`EngineLayout.param_plan <kda_tp.engines.EngineLayout.param_plan>` for this
+        rank's plan: the parameter's local shape, dtype and part regions.
+
+        Raises:
+            EngineLayoutError: as there.
+        """
+        return get_layout(layout).param_plan(suffix, self.plan, model_dtype)
+
+    def _part_name(self, layer: int, part: str) -> str:
+        """The checkpoint name of a part (``"q_proj"``, or ``"q_proj.scale"``: its block scale
+        grid under whichever spelling the checkpoint uses) in KDA layer ``layer``."""
+        if not part.endswith(".scale"):
+            return kda_tensor_name(self.prefix, layer, part)
+        weight = part.removesuffix(".scale")
+        # The adapter checked that every quantized weight has exactly one of the spellings.
+        spellings = (f"{self.prefix}{layer}.self_attn.{weight}.{s}" for s in SCALE_SUFFIXES)
+        return next(name for name in spellings if name in self._planned)
 
     def __contains__(self, name: str) -> bool:
         return name in self.names()

@@ -45,7 +45,7 @@ from .errors import (
 from .checkpoint import torch_dtype
 from .plan import KdaShard, KdaTpPlan
 from .reference import kda_layer_forward
-from .shard import ShardResult, rank_dir, shard_checkpoint
+from .shard import ShardResult, check_shard_input, rank_dir, shard_checkpoint
 from .source import (
     KdaShardedSource,
     SafetensorsSource,
@@ -497,7 +497,10 @@ def shard_checkpoint_distributed(
         ranks: the TP ranks to write (default: all).
         group: the process group (default: the default group).
         options: the other keyword arguments of ``shard_checkpoint`` (``layers``,
-            ``qk_multiple``, ``force``, ``backend``, ``progress``, ``kda_only``).
+            ``qk_multiple``, ``force``, ``backend``, ``progress``, ``allow_resharding``,
+            ``skip_unindexed``, ``kda_only``); an input refused for want of
+            ``allow_resharding`` or ``skip_unindexed`` is refused on every process before
+            any writes.
 
     Returns:
         A :class:`~kda_tp.shard.ShardResult` for all the ranks: ``bytes_written`` summed,
@@ -553,6 +556,8 @@ def _check_before_writing(
     from .shard import prepare_out_dir  # the one-process writer's own check
 
     source = SafetensorsSource(checkpoint, options.get("backend"))
+    check_shard_input(source, allow_resharding=bool(options.get("allow_resharding")),
+                      skip_unindexed=bool(options.get("skip_unindexed")))
     layers = options.get("layers")
     _open(source, 0, tp_size, layers, options.get("qk_multiple", 256), None)
     prepare_out_dir(source.root, Path(out_dir), tp_size, tuple(ranks),

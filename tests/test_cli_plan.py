@@ -1,0 +1,92 @@
+"""``kda-tp plan`` on a checkpoint directory, a bare ``config.json`` and paths that are not
+there: the same layers and totals either way, a JSON verdict, and advice that works."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kda_tp.cli import main
+from kda_tp.synth import write_small_checkpoint
+
+# 4 decoder layers, 0-based 0 and 2 KDA; TP 1 and 2 pass the 256-channel rule.
+SMALL = dict(hidden=96, heads=4, head_dim=64, conv_kernel=4, gate_rank=64, num_layers=4)
+
+
+@pytest.fixture
+def ckpt(tmp_path) -> Path:
+    return write_small_checkpoint(tmp_path / "ckpt", **SMALL, kda_layers=[0, 2], seed=1)
+
+
+def run(capsys, *args: object) -> tuple[int, str, str]:
+    status = main([str(a) for a in args])
+    captured = capsys.readouterr()
+    return status, captured.out, captured.err
+
+
+def test_a_bare_config_gives_the_config_s_layers_and_totals(ckpt, capsys):
+    status, out, _ = run(capsys, "plan", ckpt, "--tp-size", 2, "--json")
+    from_dir = json.loads(out)
+    status_c, out_c, _ = run(capsys, "plan", ckpt / "config.json", "--tp-size", 2, "--json")
+    from_config = json.loads(out_c)
+    assert status == status_c == 0
+    assert from_dir["ok"] is from_config["ok"] is True
+    assert from_dir["kda_layers"] == from_config["kda_layers"] == [0, 2]
+    layer = from_config["layer_local_bytes"]
+    assert from_config["total_local_bytes"] == 2 * layer
+    assert from_config["total_full_bytes"] == 2 * from_config["layer_full_bytes"]
+    assert from_dir["total_local_bytes"] == 2 * from_dir["layer_local_bytes"]
+    # The text form has the same total line.
+    status, text, _ = run(capsys, "plan", ckpt / "config.json", "--tp-size", 2)
+    mib = f"{2 * layer / 2**20:,.2f} MiB"
+    assert status == 0 and f"2 KDA layers: {mib} per rank of" in text
+    status, text, _ = run(capsys, "plan", ckpt / "config.json", "--tp-size", 2, "--layers", "2")
+    assert status == 0 and "1 KDA layer:" in text
+
+
+def test_a_refusal_in_json_says_not_ok(ckpt, capsys):
+    status, out, _ = run(capsys, "plan", ckpt, "--tp-size", 3, "--json")
+    doc = json.loads(out)
+    assert status == 2 and doc["ok"] is False and doc["error"]["type"] == "PlanError"
+
+
+@pytest.mark.parametrize("tp_size", [-2, 0])
+def test_a_tp_size_below_one_is_named_positive(ckpt, capsys, tp_size):
+    for command in (["plan", ckpt], ["shard", ckpt, "--out", ckpt.parent / "out"], ["demo"]):
+        status, _, err = run(capsys, *command, "--tp-size", tp_size)
+        assert status == 2, command
+        assert f"--tp-size must be a positive integer, got {tp_size}" in err
+        assert "non-negative" not in err
+    assert not (ckpt.parent / "out").exists()
+
+
+def test_a_directory_without_config_json_is_told_to_add_it(ckpt, tmp_path, capsys):
+    """Not to pass --layers: without the config the geometry is unknown, so that fails too."""
+    bare = tmp_path / "weights"
+    bare.mkdir()
+    for path in ckpt.glob("*.safetensors*"):
+        (bare / path.name).write_bytes(path.read_bytes())
+    fix = "no config.json in this directory; kda_tp reads the model's geometry"
+    for args in (["plan", bare, "--tp-size", 2], ["plan", bare, "--tp-size", 2, "--layers", "0"],
+                 ["shard", bare, "--tp-size", 2, "--out", tmp_path / "out"],
+                 ["shard", bare, "--tp-size", 2, "--out", tmp_path / "out", "--layers", "0,2"]):
+        status, _, err = run(capsys, *args)
+        assert status == 2 and fix in err and "put the model's config.json there" in err, args
+        assert "--layers" not in err, args
+    # Following the advice works.
+    (bare / "config.json").write_bytes((ckpt / "config.json").read_bytes())
+    assert run(capsys, "plan", bare, "--tp-size", 2)[0] == 0
+
+
+def test_missing_paths_are_named_for_what_is_missing(tmp_path, capsys):
+    status, _, err = run(capsys, "plan", tmp_path / "nowhere", "--tp-size", 2)
+    assert status == 2 and f"{tmp_path / 'nowhere'}: no such directory" in err
+    status, _, err = run(capsys, "plan", tmp_path / "nowhere" / "config.json", "--tp-size", 2)
+    assert status == 2 and f"{tmp_path / 'nowhere'}: no such directory" in err
+    status, _, err = run(capsys, "plan", tmp_path / "config.json", "--tp-size", 2)
+    assert status == 2 and f"{tmp_path / 'config.json'}: no such config file" in err
+    (tmp_path / "empty").mkdir()
+    status, _, err = run(capsys, "plan", tmp_path / "empty", "--tp-size", 2)
+    assert status == 2 and f"{tmp_path / 'empty'}: no config.json in this directory" in err
