@@ -52,6 +52,10 @@ def test_import_kda_tp_loads_neither_numpy_nor_the_rust_users():
     code = "import kda_tp; print(kda_tp.KdaTpPlan.__module__, kda_tp.check_tp_equivalence.__name__)"
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert run.stdout == "kda_tp.plan check_tp_equivalence\n"
+    # `audit` stays the function when its module is imported first (as the CLI does).
+    code = "import kda_tp.audit, kda_tp; print(callable(kda_tp.audit), kda_tp.audit.__module__)"
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert run.stdout == "True kda_tp.audit\n"
 
 
 def test_help_and_plan_import_nothing_heavy():

@@ -1,7 +1,8 @@
 """kda_tp: split the weights of KDA (Kimi Delta Attention) layers across tensor-parallel ranks.
 
 The shard plan and the slicers are a Rust core; this package adds checkpoint sources, the
-adapter that presents one rank's shard, a pure-Python oracle (``kda_tp.oracle``), a numpy
+adapter that presents one rank's shard, serving engines' fused layouts (``kda_tp.engines``) and
+the audit of an engine's loaded weights (:func:`audit`), a pure-Python oracle (``kda_tp.oracle``), a numpy
 reference forward (``kda_tp.reference``) and the ``kda-tp`` command line.
 
 ``import kda_tp`` imports no other module: each public name below is imported from its module on
@@ -9,7 +10,9 @@ first use (numpy and the Rust core with it), so that the package and the ``kda-t
 start fast and a Ctrl-C during those imports can be reported cleanly (``kda_tp.__main__``).
 """
 
+import sys
 from importlib import import_module
+from types import ModuleType
 
 # Imported on first use (__getattr__ below), seen here by type checkers and the API docs.
 # typing.TYPE_CHECKING without importing typing (type checkers read any TYPE_CHECKING alike).
@@ -17,6 +20,7 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from . import errors
     from ._native import __version__
+    from .audit import AuditReport, audit
     from .equivalence import check_tp_equivalence
     from .errors import (
         BufferLayoutError,
@@ -54,6 +58,8 @@ __all__ = [
     "shard_bytes",
     "dequantize",
     "check_tp_equivalence",
+    "audit",
+    "AuditReport",
 ]
 
 #: The module each public name is imported from on first use.
@@ -78,6 +84,8 @@ _LAZY = {
     "shard_bytes": "source",
     "dequantize": "quant",
     "check_tp_equivalence": "equivalence",
+    "audit": "audit",
+    "AuditReport": "audit",
 }
 
 
@@ -86,10 +94,23 @@ def __getattr__(name: str) -> object:
     if module is None:
         raise AttributeError(f"module 'kda_tp' has no attribute {name!r}")
     found = import_module(f"{__name__}.{module}")
-    value = found if name == module else getattr(found, name)
+    value = getattr(found, name, found)  # `errors` is the module itself
     globals()[name] = value  # later lookups do not come back here
     return value
 
 
 def __dir__() -> list[str]:
     return sorted({*globals(), *__all__})
+
+
+class _Package(ModuleType):
+    """``kda_tp`` itself. Importing the submodule ``kda_tp.audit`` (the CLI does) would bind the
+    package's ``audit`` to that module; the name stays the function, as ``__all__`` says."""
+
+    def __setattr__(self, name: str, value: object) -> None:
+        if name == "audit" and isinstance(value, ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package

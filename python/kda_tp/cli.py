@@ -2,9 +2,10 @@
 
 Subcommands: ``plan`` (the shard table), ``shard`` (write one checkpoint per rank), ``verify``
 (rejoin the ranks and compare with the input), ``demo`` (all three on a generated checkpoint of
-a real model's geometry). Exit status: 0 success, 1 verification failed, 2 refused input,
-130 interrupted (Ctrl-C). ``--json`` (plan, shard, verify) prints one JSON document on stdout
-instead of the text; progress and errors go to stderr.
+a real model's geometry), ``audit`` (check the KDA weights a serving engine loaded). Exit status:
+0 success, 1 verification or audit failed, 2 refused input, 130 interrupted (Ctrl-C).
+``--json`` (plan, shard, verify, audit) prints one JSON document on stdout instead of the text;
+progress and errors go to stderr.
 """
 
 from __future__ import annotations
@@ -136,6 +137,22 @@ def _parser() -> argparse.ArgumentParser:
     _add_quiet(p)
     _add_json(p, "what was checked and the verdict")
     p.set_defaults(run=_run_verify)
+
+    p = sub.add_parser("audit", help="check the KDA weights a serving engine loaded, rank by "
+                       "rank (a save_sharded_state dump or a state_dict file)")
+    p.add_argument("checkpoint", type=Path, help="the checkpoint the engine loaded")
+    p.add_argument("path", type=Path, help="a save_sharded_state directory "
+                   "(model-rank-{r}-part-{p}.safetensors, model-pp-{pp}-tp-{r}-part-{p}"
+                   ".safetensors; every rank must be there), or one rank's .safetensors file")
+    p.add_argument("--tp-size", type=int, required=True, help="the engine's tensor-parallel "
+                   "world size")
+    p.add_argument("--rank", type=int, help="the rank of a single file (default: from its name, "
+                   "else its tp_rank metadata); with a directory, audit only this rank")
+    p.add_argument("--engine", help="the engine layout to audit against (default: recognised "
+                   "from the parameter names)")
+    _add_quiet(p)
+    _add_json(p, "every KDA parameter's verdict")
+    p.set_defaults(run=_cmd_audit)
 
     p = sub.add_parser("demo", help="plan, shard and verify a generated real-geometry checkpoint")
     p.add_argument("--tp-size", type=int, default=4, help="world size (default 4)")
@@ -696,6 +713,18 @@ def _written_line(result: ShardResult) -> str:
         f"{result.bytes_written / 1e9:.3f} GB of tensors in {result.seconds:.2f} s "
         f"({rate:.2f} GB/s written)"
     )
+
+
+def _cmd_audit(args: argparse.Namespace) -> int:
+    from .audit import audit_path
+
+    report = audit_path(args.checkpoint, args.path, tp_size=args.tp_size, rank=args.rank,
+                        engine=args.engine, progress=_progress(args.quiet, "audit", "parameters"))
+    if args.json:
+        _emit_json(args, report.to_dict())
+    else:
+        print(report.format())
+    return 0 if report.passed else 1
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:

@@ -1,0 +1,537 @@
+"""kda_tp.audit and `kda-tp audit` (issue 16): the vLLM and SGLang fixture dumps pass, each bug
+class made by editing one fails with the parameter named and what it equals instead, a
+sharded_state directory passes only with every rank, and random geometries built from the
+engine tables pass while a part taken from a wrong rank is caught."""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+import kda_tp
+from kda_tp import EngineLayoutError, KdaShardedSource, KdaTpPlan, SafetensorsSource
+from kda_tp.audit import audit_path, sharded_state_files
+from kda_tp.cli import main
+from kda_tp.engines import LAYOUTS, get_layout
+from kda_tp.errors import CheckpointError, PlanError
+from kda_tp.synth import write_small_checkpoint
+
+DATA = Path(__file__).parent / "data" / "engine_ranks"
+CKPT = {"k3": DATA / "ckpt_k3", "kimi_linear": DATA / "ckpt_kl", "glm": DATA / "ckpt_glm"}
+DUMPS = sorted(DATA.glob("*_tp*_r*.safetensors"))
+PRE = "model.layers.0.self_attn."
+
+
+def load(path: Path) -> tuple[dict[str, str], dict[str, np.ndarray]]:
+    """A fixture dump's metadata and its tensors (full names)."""
+    with safe_open(path, "np") as f:
+        return f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+
+
+def fixture(stem: str) -> tuple[dict[str, str], dict[str, np.ndarray], Path]:
+    meta, tensors = load(DATA / f"{stem}.safetensors")
+    return meta, tensors, CKPT[meta["model"]]
+
+
+def run(capsys, *args: object) -> tuple[int, str, str]:
+    status = main([str(a) for a in args])
+    out = capsys.readouterr()
+    return status, out.out, out.err
+
+
+def rank_params(checkpoint: Path, layout: str, rank: int, tp_size: int,
+                prefix: str = PRE) -> dict[str, np.ndarray]:
+    """Every KDA parameter of layer 0 of ``rank`` as ``layout`` holds it, built by the engines'
+    build API (what the engine's loader leaves in them)."""
+    source = SafetensorsSource(checkpoint)
+    shard = KdaShardedSource(source, KdaTpPlan.from_config(source, rank, tp_size, qk_multiple=1))
+    lay = get_layout(layout)
+    return {prefix + p.suffix: shard.build_param(lay, p.suffix, 0)
+            for p in lay.params_for(shard.plan)}
+
+
+# ------------------------------------------------------------------------------------------
+# The fixture dumps, as vLLM 0.33.0 and SGLang 0.5.23 loaded them
+
+
+@pytest.mark.parametrize("path", DUMPS, ids=lambda p: p.stem)
+def test_every_fixture_dump_passes(path, capsys):
+    meta, tensors = load(path)
+    ckpt = CKPT[meta["model"]]
+    rank, tp_size = int(meta["tp_rank"]), int(meta["tp_size"])
+    report = kda_tp.audit(tensors, ckpt, tp_rank=rank, tp_size=tp_size)
+    assert report.passed, report.format()
+    assert report.ranks == (rank,) and len(report.params) == len(tensors)
+    assert all(p.status == "exact" for p in report.params)
+    status, out, err = run(capsys, "audit", ckpt, path, "--tp-size", tp_size, "--rank", rank)
+    assert status == 0, out + err
+    assert out.startswith(f"OK: {len(tensors)} of {len(tensors)} KDA parameters exact on rank "
+                          f"{rank} of {tp_size} ({report.engine})")
+    # the rank is also read from the file's tp_rank metadata
+    assert run(capsys, "audit", ckpt, path, "--tp-size", tp_size)[0] == 0
+
+
+def test_engine_recognised_per_fixture():
+    engines = {}
+    for path in DUMPS:
+        meta, tensors = load(path)
+        report = kda_tp.audit(tensors, CKPT[meta["model"]], tp_rank=int(meta["tp_rank"]),
+                              tp_size=int(meta["tp_size"]))
+        engines[path.stem] = report.engine
+    assert engines == {
+        "sglang_glm_tp4_r3": "sglang-0.5.23-glm-5.3", "sglang_k3_tp4_r1": "sglang-0.5.23-k3",
+        "sglang_kimi_linear_tp4_r2": "sglang-0.5.23-kimi-linear",
+        "vllm_glm_tp4_r3": "vllm-0.33-glm-5.3", "vllm_k3_tp4_r1": "vllm-0.33-k3",
+        "vllm_kimi_linear_tp4_r2": "vllm-0.33-kimi-linear",
+    }
+
+
+def test_any_prefix_non_kda_counted_and_torch_free_inputs():
+    meta, tensors, ckpt = fixture("vllm_k3_tp4_r1")
+    # a multimodal wrapper's prefix, plus non-KDA parameters (an MLA layer's self_attn, the
+    # embedding, a vision tower's layer 0 with KDA-looking names)
+    renamed = {k.replace("model.", "language_model.model.", 1): v for k, v in tensors.items()}
+    renamed["language_model.model.embed_tokens.weight"] = np.zeros((4, 64), np.float32)
+    renamed["language_model.model.layers.1.self_attn.o_proj.weight"] = np.zeros(3, np.float32)
+    renamed["vision_tower.encoder.layers.0.self_attn.o_proj.weight"] = np.zeros(3, np.float32)
+    records = {k: kda_tp.Tensor(k, "F32", v.shape, v.reshape(-1).view(np.uint8))
+               for k, v in renamed.items()}
+    for state in (renamed, records):
+        report = kda_tp.audit(state, ckpt, tp_rank=1, tp_size=4)
+        assert report.passed and report.ignored == 3 and len(report.params) == 7
+        assert report.params[0].name.startswith("language_model.model.layers.0.self_attn.")
+
+
+def test_torch_state_dict():
+    torch = pytest.importorskip("torch")
+    meta, tensors, ckpt = fixture("sglang_k3_tp4_r1")
+    state = {k: torch.from_numpy(v) for k, v in tensors.items()}
+    assert kda_tp.audit(state, ckpt, tp_rank=1, tp_size=4).passed
+    # dict(model.named_parameters()): Parameters (engines subclass them)
+    params = {k: torch.nn.Parameter(v, requires_grad=False) for k, v in state.items()}
+    assert kda_tp.audit(params, ckpt, tp_rank=1, tp_size=4).passed
+    # BF16 parameters: the expected F32 values are cast to BF16 the way the engine casts
+    state = {k: (v if k.endswith(("A_log", "dt_bias", "conv1d.weight")) else v.bfloat16())
+             for k, v in state.items()}
+    report = kda_tp.audit(state, ckpt, tp_rank=1, tp_size=4)
+    assert report.passed, report.format()
+    state[PRE + "A_log"] = state[PRE + "A_log"].bfloat16()
+    [bad] = kda_tp.audit(state, ckpt, tp_rank=1, tp_size=4).failures
+    assert bad.problem == "dtype BF16, expected F32 (sglang-0.5.23-k3 holds it in F32)"
+
+
+def test_bf16_dump_compared_after_the_engines_cast():
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    meta, tensors, ckpt = fixture("vllm_kimi_linear_tp4_r2")
+    fixed = {"A_log", "dt_bias", "conv1d.weight"}  # F32 in every vLLM layout
+    cast = {k: v if k.removeprefix(PRE) in fixed else v.astype(ml_dtypes.bfloat16)
+            for k, v in tensors.items()}
+    assert kda_tp.audit(cast, ckpt, tp_rank=2, tp_size=4).passed
+
+
+# ------------------------------------------------------------------------------------------
+# Bug classes, each made by editing a fixture dump: exit 1, the parameter and what it equals
+
+
+def audit_file(tmp_path, capsys, stem: str, tensors: dict[str, np.ndarray], *extra: object
+               ) -> tuple[int, str, dict]:
+    """Save an edited dump as rank file and run `kda-tp audit` on it (text, then --json)."""
+    meta, _, ckpt = fixture(stem)
+    path = tmp_path / f"model-rank-{meta['tp_rank']}-part-0.safetensors"
+    save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, path)
+    status, out, _ = run(capsys, "audit", ckpt, path, "--tp-size", meta["tp_size"], *extra)
+    json_status, json_out, _ = run(capsys, "audit", ckpt, path, "--tp-size", meta["tp_size"],
+                                   "--json", "--quiet")
+    assert json_status == status
+    return status, out, json.loads(json_out)
+
+
+def only_failure(document: dict) -> dict:
+    [failure] = [p for p in document["params"] if p["status"] != "exact"]
+    return failure
+
+
+def test_another_ranks_slice(tmp_path, capsys):
+    meta, tensors, ckpt = fixture("vllm_glm_tp4_r3")
+    rank0 = rank_params(ckpt, "vllm-0.33-glm-5.3", 0, 4)
+    tensors[PRE + "o_proj.weight"] = rank0[PRE + "o_proj.weight"]
+    status, out, doc = audit_file(tmp_path, capsys, "vllm_glm_tp4_r3", tensors)
+    assert status == 1 and not doc["ok"]
+    line = next(line for line in out.splitlines() if "o_proj" in line)
+    assert line.startswith(f"rank 3 {PRE}o_proj.weight: values differ in o_proj")
+    assert "equals rank 0's slice of o_proj" in line
+    failure = only_failure(doc)
+    assert failure["name"] == PRE + "o_proj.weight"
+    [diff] = failure["differences"]
+    # column j of o_proj holds 110000 + j: rank 3 starts at column 1152, rank 0 at 0
+    assert diff == {"part": "o_proj", "index": [0, 0], "part_index": [0, 0],
+                    "expected": 111152.0, "actual": 110000.0,
+                    "equals": "rank 0's slice of o_proj"}
+    assert out.splitlines()[-1].startswith("FAIL: 1 KDA parameter(s) wrong; 9 of 10")
+
+
+def test_another_ranks_part_inside_a_fused_parameter(tmp_path, capsys):
+    meta, tensors, ckpt = fixture("vllm_k3_tp4_r1")
+    rank2 = rank_params(ckpt, "vllm-0.33-k3", 2, 4)
+    name = PRE + "in_proj_qkvgfab.weight"
+    w = tensors[name].copy()
+    w[768:1152] = rank2[name][768:1152]  # v_proj's rows, from rank 2
+    tensors[name] = w
+    status, out, doc = audit_file(tmp_path, capsys, "vllm_k3_tp4_r1", tensors)
+    assert status == 1
+    [diff] = only_failure(doc)["differences"]
+    assert (diff["part"], diff["index"], diff["equals"]) == (
+        "v_proj", [768, 0], "rank 2's slice of v_proj")
+    assert "part v_proj differs at [768, 0]" in out
+
+
+def test_even_split_of_a_padded_a_log(tmp_path, capsys):
+    meta, tensors, ckpt = fixture("vllm_k3_tp4_r1")
+    full = SafetensorsSource(ckpt).get(PRE + "A_log").array  # 128 stored, 12 heads
+    # the [h] parameter narrowed at rank x 128/4 = 32 instead of rank x 12/4 = 3
+    tensors[PRE + "A_log"] = full[32:35].copy()
+    status, out, doc = audit_file(tmp_path, capsys, "vllm_k3_tp4_r1", tensors)
+    assert status == 1
+    failure = only_failure(doc)
+    assert failure["name"] == PRE + "A_log"
+    assert failure["differences"][0]["equals"].startswith(
+        "the even split of the padded A_log: entries 32..34 of the 128 stored")
+    # the even split by shape: 128/4 = 32 entries per rank
+    tensors[PRE + "A_log"] = full[32:64].copy()
+    status, out, doc = audit_file(tmp_path, capsys, "vllm_k3_tp4_r1", tensors)
+    failure = only_failure(doc)
+    assert status == 1 and failure["problem"] == "shape [32], expected [3]"
+    assert failure["equals"].startswith("the even split of the padded A_log: entries 32..63")
+    assert f"rank 1 {PRE}A_log: shape [32], expected [3]; equals the even split" in out
+
+
+def test_dt_bias_at_the_head_offset(tmp_path, capsys):
+    meta, tensors, ckpt = fixture("sglang_kimi_linear_tp4_r2")
+    full = SafetensorsSource(ckpt).get(PRE + "dt_bias").array
+    tensors[PRE + "dt_bias"] = full[6 : 6 + 384].copy()  # rank 2 x 3 heads, not x 384 channels
+    status, out, doc = audit_file(tmp_path, capsys, "sglang_kimi_linear_tp4_r2", tensors)
+    assert status == 1
+    [diff] = only_failure(doc)["differences"]
+    assert diff["part"] == "dt_bias" and diff["index"] == [0]
+    assert diff["equals"] == ("dt_bias[6:390]: sliced at the head offset rank x H/T = 6 "
+                              "instead of the channel offset rank x C/T = 768")
+
+
+def test_parts_in_another_order(tmp_path, capsys):
+    meta, tensors, ckpt = fixture("sglang_glm_tp4_r3")
+    name = PRE + "fused_qkvbfg_a_proj.weight"  # q, k, v (384 rows each), b (3), f_a, g_a (128)
+    w = tensors[name]
+    q, k, v, b, f_a, g_a = np.split(w, [384, 768, 1152, 1155, 1283])
+    tensors[name] = np.concatenate([q, k, v, f_a, g_a, b])  # b last: the sizes differ
+    status, out, doc = audit_file(tmp_path, capsys, "sglang_glm_tp4_r3", tensors)
+    assert status == 1
+    failure = only_failure(doc)
+    assert failure["equals"] == ("its parts in another order: q_proj, k_proj, v_proj, f_a_proj, "
+                                 "g_a_proj, b_proj (expected q_proj, k_proj, v_proj, b_proj, "
+                                 "f_a_proj, g_a_proj)")
+    assert [d["part"] for d in failure["differences"]] == ["b_proj", "f_a_proj", "g_a_proj"]
+    # same-size parts swapped: each part says whose slice it holds
+    tensors[name] = np.concatenate([k, q, v, b, f_a, g_a])
+    status, out, doc = audit_file(tmp_path, capsys, "sglang_glm_tp4_r3", tensors)
+    diffs = only_failure(doc)["differences"]
+    assert [(d["part"], d["equals"]) for d in diffs] == [
+        ("q_proj", "this rank's slice of k_proj: parts in another order"),
+        ("k_proj", "this rank's slice of q_proj: parts in another order"),
+    ]
+
+
+def test_f_b_and_g_b_swapped(tmp_path, capsys):
+    for stem, names in (("sglang_kimi_linear_tp4_r2", None),
+                        ("vllm_kimi_linear_tp4_r2", ("f_b_proj.weight", "g_b_proj.weight"))):
+        meta, tensors, ckpt = fixture(stem)
+        if names is None:  # SGLang: stack(f_b, g_b)
+            tensors[PRE + "fused_fg_b_proj.weight"] = tensors[PRE + "fused_fg_b_proj.weight"][::-1]
+            wrong = [PRE + "fused_fg_b_proj.weight"]
+        else:  # vLLM: two parameters
+            f, g = (PRE + n for n in names)
+            tensors[f], tensors[g] = tensors[g], tensors[f]
+            wrong = [f, g]
+        status, out, doc = audit_file(tmp_path, capsys, stem, tensors)
+        assert status == 1
+        failures = [p for p in doc["params"] if p["status"] != "exact"]
+        assert [p["name"] for p in failures] == wrong
+        equals = [d["equals"] for p in failures for d in p["differences"]]
+        assert equals == ["this rank's slice of g_b_proj: f_b and g_b swapped",
+                          "this rank's slice of f_b_proj: f_b and g_b swapped"]
+
+
+def test_non_zero_padding_rows(tmp_path, capsys):
+    meta, tensors, ckpt = fixture("vllm_k3_tp4_r1")
+    name = PRE + "in_proj_qkvgfab.weight"
+    w = tensors[name].copy()
+    w[1670, 5] = 7.0  # rows 1667..1679 pad q,k,v,g,f_a,b to a multiple of 16
+    tensors[name] = w
+    status, out, doc = audit_file(tmp_path, capsys, "vllm_k3_tp4_r1", tensors)
+    assert status == 1
+    [diff] = only_failure(doc)["differences"]
+    assert diff == {"part": "padding", "index": [1670, 5], "part_index": [3, 5],
+                    "expected": 0.0, "actual": 7.0,
+                    "equals": "non-zero padding: rows 1667..1679 must be zero, row 1670 is not"}
+    assert "part padding differs at [1670, 5]" in out
+
+
+def test_missing_parameter_and_zeros(tmp_path, capsys):
+    meta, tensors, ckpt = fixture("sglang_k3_tp4_r1")
+    del tensors[PRE + "f_b_proj.weight"]
+    tensors[PRE + "dt_bias"] = np.zeros_like(tensors[PRE + "dt_bias"])
+    status, out, doc = audit_file(tmp_path, capsys, "sglang_k3_tp4_r1", tensors)
+    assert status == 1
+    by_name = {p["name"]: p for p in doc["params"] if p["status"] != "exact"}
+    assert by_name[PRE + "f_b_proj.weight"]["status"] == "missing"
+    assert by_name[PRE + "f_b_proj.weight"]["problem"] == (
+        "missing: sglang-0.5.23-k3 holds f_b_proj.weight [384, 128] here")
+    assert by_name[PRE + "dt_bias"]["differences"][0]["equals"] == "zeros (never loaded?)"
+    assert f"rank 1 {PRE}f_b_proj.weight: missing" in out
+
+
+def test_a_value_that_matches_nothing_known(tmp_path, capsys):
+    meta, tensors, ckpt = fixture("vllm_kimi_linear_tp4_r2")
+    a = tensors[PRE + "o_norm.weight"].copy()
+    a[5] += 0.5
+    tensors[PRE + "o_norm.weight"] = a
+    status, out, doc = audit_file(tmp_path, capsys, "vllm_kimi_linear_tp4_r2", tensors)
+    [diff] = only_failure(doc)["differences"]
+    assert status == 1 and diff["index"] == [5] and diff["equals"] is None
+    assert (diff["expected"], diff["actual"]) == (5.0, 5.5)
+
+
+# ------------------------------------------------------------------------------------------
+# sharded_state directories
+
+
+def sharded_state(tmp_path: Path, stem: str, pattern: str = "model-rank-{r}-part-{p}",
+                  parts: int = 1) -> tuple[Path, Path, int]:
+    """A save_sharded_state directory: the fixture's rank as the engine loaded it, the other
+    ranks built with the engines' build API, each rank split into ``parts`` files."""
+    meta, tensors, ckpt = fixture(stem)
+    tp_size, layout = int(meta["tp_size"]), kda_tp.audit(
+        tensors, ckpt, tp_rank=int(meta["tp_rank"]), tp_size=int(meta["tp_size"])).engine
+    out = tmp_path / "dump"
+    out.mkdir()
+    (out / "config.json").write_text((ckpt / "config.json").read_text())
+    for r in range(tp_size):
+        state = tensors if r == int(meta["tp_rank"]) else rank_params(ckpt, layout, r, tp_size)
+        state = {**state, "model.embed_tokens.weight": np.zeros((16, 64), np.float32)}
+        names = sorted(state)
+        for p in range(parts):
+            chunk = {n: np.ascontiguousarray(state[n]) for n in names[p::parts]}
+            save_file(chunk, out / (pattern.format(r=r, p=p) + ".safetensors"))
+    return out, ckpt, tp_size
+
+
+@pytest.mark.parametrize("stem", ["vllm_k3_tp4_r1", "sglang_glm_tp4_r3"])
+def test_sharded_state_directory_passes_only_with_every_rank(tmp_path, capsys, stem):
+    out, ckpt, tp = sharded_state(tmp_path, stem, parts=2)
+    assert sorted(sharded_state_files(out)) == [0, 1, 2, 3]
+    status, text, err = run(capsys, "audit", ckpt, out, "--tp-size", tp)
+    assert status == 0, text
+    assert "on ranks 0, 1, 2, 3 of 4" in text and "4 other parameters ignored" in text
+    assert "audit: " in err  # progress lines, as verify prints them
+    report = audit_path(ckpt, out, tp_size=tp)
+    assert report.passed and report.ranks == (0, 1, 2, 3)
+    # a rank missing: the others are audited, the whole does not pass
+    for f in out.glob("model-rank-2-part-*.safetensors"):
+        f.unlink()
+    status, text, _ = run(capsys, "audit", ckpt, out, "--tp-size", tp)
+    assert status == 1
+    assert text.splitlines()[0] == (
+        f"{out}: rank 2 of 4 is missing (no model-rank-2-part-*.safetensors or "
+        "model-pp-*-tp-2-part-*.safetensors)")
+    assert "ranks 0, 1, 3 of 4" in text.splitlines()[-1]
+    status, text, _ = run(capsys, "audit", ckpt, out, "--tp-size", tp, "--json")
+    doc = json.loads(text)
+    assert status == 1 and not doc["ok"] and doc["ranks"] == [0, 1, 3]
+    assert doc["problems"] and all(p["status"] == "exact" for p in doc["params"])
+    # one rank of the directory
+    assert run(capsys, "audit", ckpt, out, "--tp-size", tp, "--rank", 3)[0] == 0
+
+
+def test_vllm_pipeline_stage_names(tmp_path, capsys):
+    out, ckpt, tp = sharded_state(tmp_path, "vllm_kimi_linear_tp4_r2",
+                                  pattern="model-pp-0-tp-{r}-part-{p}")
+    assert run(capsys, "audit", ckpt, out, "--tp-size", tp)[0] == 0
+
+
+def test_refused_inputs_exit_2(tmp_path, capsys):
+    out, ckpt, tp = sharded_state(tmp_path, "vllm_k3_tp4_r1")
+    status, _, err = run(capsys, "audit", ckpt, out, "--tp-size", 2)
+    assert status == 2 and "holds the files of ranks [0, 1, 2, 3], but tp_size is 2" in err
+    status, _, err = run(capsys, "audit", ckpt, tmp_path, "--tp-size", 4)
+    assert status == 2 and "no sharded_state file" in err
+    status, _, err = run(capsys, "audit", ckpt, out, "--tp-size", 4, "--rank", 4)
+    assert status == 2 and "rank 4 is not a rank of tp_size 4" in err
+    # a layout of another family, forced
+    status, _, err = run(capsys, "audit", ckpt, out, "--tp-size", 4,
+                         "--engine", "sglang-0.5.23-glm-5.3")
+    assert status == 2 and "EngineLayoutError" in err and "g_proj" in err
+    status, _, err = run(capsys, "audit", ckpt, out, "--tp-size", 4, "--engine", "vllm-9")
+    assert status == 2 and "no engine layout 'vllm-9'" in err
+    # one file without a rank in its name or metadata
+    lone = tmp_path / "rank.safetensors"
+    save_file(load(DATA / "vllm_k3_tp4_r1.safetensors")[1], lone)
+    status, _, err = run(capsys, "audit", ckpt, lone, "--tp-size", 4)
+    assert status == 2 and "pass --rank" in err
+    # a checkpoint without its config.json (the dump file given in its place)
+    with pytest.raises(CheckpointError, match="config"):
+        kda_tp.audit(load(lone)[1], lone, tp_rank=1, tp_size=4)
+    # not a dump of this model
+    with pytest.raises(CheckpointError, match="no KDA parameter"):
+        kda_tp.audit({"lm_head.weight": np.zeros(2)}, ckpt, tp_rank=0, tp_size=4)
+    with pytest.raises(PlanError):
+        kda_tp.audit(load(lone)[1], ckpt, tp_rank=0, tp_size=5)
+
+
+def test_names_no_layout_or_several_layouts_fit(monkeypatch):
+    meta, tensors, ckpt = fixture("sglang_kimi_linear_tp4_r2")
+    # SGLang's Kimi-Linear names against a Kimi K3 checkpoint: no K3 layout has them
+    with pytest.raises(EngineLayoutError, match="no kimi-k3 engine layout has the parameter "
+                       r"names \['A_log', 'dt_bias', 'fused_fg_b_proj.weight'"):
+        kda_tp.audit(tensors, CKPT["k3"], tp_rank=2, tp_size=4)
+    # With the model family known, no two tables of this release tie on any set of names;
+    # were a new table to, the refusal names both.
+    module = sys.modules["kda_tp.audit"]  # the attribute kda_tp.audit is the function
+    monkeypatch.setattr(module, "recognise", lambda names, family: [
+        LAYOUTS["sglang-0.5.23-kimi-linear"], LAYOUTS["sglang-0.5.23-kimi-linear-unfused"]])
+    with pytest.raises(EngineLayoutError, match="fit several engine layouts: "
+                       "sglang-0.5.23-kimi-linear, sglang-0.5.23-kimi-linear-unfused; pass "
+                       r"--engine \(engine=\)"):
+        kda_tp.audit(tensors, ckpt, tp_rank=2, tp_size=4)
+    assert kda_tp.audit(tensors, ckpt, tp_rank=2, tp_size=4,
+                        engine="sglang-0.5.23-kimi-linear").passed
+    # forcing the unfused layout: its parameters are missing, the fused ones ignored
+    report = kda_tp.audit(tensors, ckpt, tp_rank=2, tp_size=4,
+                          engine="sglang-0.5.23-kimi-linear-unfused")
+    assert report.ignored == 2
+    assert {p.name.removeprefix(PRE) for p in report.failures if p.status == "missing"} == {
+        "qkv_proj.weight", "f_a_proj.weight", "f_b_proj.weight", "b_proj.weight",
+        "g_a_proj.weight", "g_b_proj.weight"}
+
+
+# ------------------------------------------------------------------------------------------
+# Random geometries: parameters built from the tables pass; a part from a wrong rank is caught
+
+PROPERTY = settings(max_examples=40, deadline=None, suppress_health_check=[
+    HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+TP_LAYOUTS = sorted(n for n, lay in LAYOUTS.items() if lay.tensor_parallel)
+
+
+@st.composite
+def audit_cases(draw):
+    layout = draw(st.sampled_from(TP_LAYOUTS))
+    tp = draw(st.sampled_from([1, 2, 3, 4]))
+    k3 = LAYOUTS[layout].family == "kimi-k3"
+    heads = tp * draw(st.integers(1, 3))
+    head_dim = draw(st.sampled_from([2, 4, 8]))
+    geometry = dict(hidden=draw(st.integers(1, 12)), heads=heads, head_dim=head_dim,
+                    conv_kernel=draw(st.integers(1, 4)), gate_rank=draw(st.integers(1, 6)),
+                    num_layers=2, kda_layers=draw(st.sampled_from([[0], [1], [0, 1]])),
+                    seed=draw(st.integers(0, 1000)), style="k3" if k3 else "kimi",
+                    weight_dtype=draw(st.sampled_from(["BF16", "F32"])))
+    if k3:
+        geometry["a_log_len"] = heads + draw(st.integers(0, 4))
+    return (layout, geometry, draw(st.integers(0, tp - 1)), tp,
+            draw(st.sampled_from([None, "F32"])), draw(st.sampled_from(["model.", "x.model."])),
+            draw(st.randoms(use_true_random=False)))
+
+
+@PROPERTY
+@given(audit_cases())
+def test_random_geometries_pass_and_a_wrong_ranks_part_is_caught(case):
+    layout_name, geometry, rank, tp, model_dtype, prefix, rnd = case
+    layout = LAYOUTS[layout_name]
+    with tempfile.TemporaryDirectory() as tmp:
+        ckpt = write_small_checkpoint(Path(tmp) / "ckpt", **geometry)
+        if layout.family == "glm-5.3":  # a Kimi-Linear config, GLM-5.3-Flash's model type
+            config = json.loads((ckpt / "config.json").read_text())
+            (ckpt / "config.json").write_text(json.dumps({**config, "model_type": "glm5_next"}))
+        source = SafetensorsSource(ckpt)
+        shards = [KdaShardedSource(source, KdaTpPlan.from_config(source, r, tp, qk_multiple=1))
+                  for r in range(tp)]
+        params = {r: {(layer, p.suffix): shards[r].build_param(layout, p.suffix, layer,
+                                                              model_dtype=model_dtype)
+                      for layer in shards[r].layers for p in layout.params_for(shards[r].plan)}
+                  for r in range(tp)}
+        name = f"{prefix}layers.{{}}.self_attn.{{}}"
+        state = {name.format(*key): value for key, value in params[rank].items()}
+        state[f"{prefix}embed_tokens.weight"] = np.zeros(3, np.float32)
+        report = kda_tp.audit(state, source, tp_rank=rank, tp_size=tp)
+        assert report.passed, report.format()
+        assert report.engine == layout_name and report.ignored == 1
+        assert len(report.params) == len(params[rank])
+        if tp == 1:
+            return
+        # one part of one parameter taken from another rank
+        other = rnd.choice([r for r in range(tp) if r != rank])
+        choices = []
+        for (layer, suffix), value in params[rank].items():
+            plan = shards[rank].param_plan(layout, suffix, model_dtype=model_dtype)
+            theirs = params[other][layer, suffix].view(np.uint8).reshape(-1)
+            mine = value.view(np.uint8).reshape(-1)
+            for region in plan.regions:
+                a, b = region.byte_range
+                if mine[a:b].tobytes() != theirs[a:b].tobytes():  # not a replicated part
+                    choices.append((layer, suffix, region, a, b))
+        layer, suffix, region, a, b = rnd.choice(choices)
+        bad = params[rank][layer, suffix].copy()
+        bad.view(np.uint8).reshape(-1)[a:b] = params[other][layer, suffix].view(
+            np.uint8).reshape(-1)[a:b]
+        state[name.format(layer, suffix)] = bad
+        report = kda_tp.audit(state, source, tp_rank=rank, tp_size=tp)
+        assert not report.passed
+        [failure] = report.failures
+        assert failure.name == name.format(layer, suffix) and failure.layer == layer
+        [diff] = failure.differences
+        assert diff.part == region.part
+        assert diff.equals == f"rank {other}'s slice of {region.part}"
+
+
+def test_fp8_fused_weight_and_scales_and_a_missing_scale(tmp_path):
+    """vLLM K3 under ModelOpt FP8_PB_WO: the fused weight padded to 128 rows and its fused
+    scale grid pass; a scale grid missing, or a part's scales from another rank, fail."""
+    ckpt = write_small_checkpoint(tmp_path / "k3fp8", hidden=256, heads=4, head_dim=128,
+                                  conv_kernel=4, gate_rank=128, num_layers=1, kda_layers=[0],
+                                  style="k3", fp8=True)
+    prefix = "language_model.model.layers.0.self_attn."
+    state = rank_params(ckpt, "vllm-0.33-k3", 1, 2, prefix)
+    assert state[prefix + "in_proj_qkvgfab.weight"].shape == (1280, 256)  # 1154 rows, padded
+    report = kda_tp.audit(state, ckpt, tp_rank=1, tp_size=2)
+    assert report.passed and report.engine == "vllm-0.33-k3", report.format()
+    assert len(report.params) == 10  # 7 parameters, 3 scale grids (in_proj, f_b, o_proj)
+    rank0 = rank_params(ckpt, "vllm-0.33-k3", 0, 2, prefix)
+    scale = state[prefix + "in_proj_qkvgfab.weight_scale"].copy()
+    scale[2:4] = rank0[prefix + "in_proj_qkvgfab.weight_scale"][2:4]  # k_proj's 2 block rows
+    bad = {**state, prefix + "in_proj_qkvgfab.weight_scale": scale}
+    [failure] = kda_tp.audit(bad, ckpt, tp_rank=1, tp_size=2).failures
+    [diff] = failure.differences
+    assert (diff.part, diff.equals) == ("k_proj.scale", "rank 0's slice of k_proj.scale")
+    del bad[prefix + "in_proj_qkvgfab.weight_scale"]
+    [failure] = kda_tp.audit(bad, ckpt, tp_rank=1, tp_size=2).failures
+    assert failure.status == "missing" and failure.problem == (
+        "missing: vllm-0.33-k3 holds in_proj_qkvgfab.weight_scale [10, 2] here")
+
+
+def test_numpy_input_never_imports_torch():
+    code = (
+        "import sys, kda_tp\n"
+        "from safetensors.numpy import load_file\n"
+        f"t = load_file({str(DATA / 'vllm_k3_tp4_r1.safetensors')!r})\n"
+        f"assert kda_tp.audit(t, {str(DATA / 'ckpt_k3')!r}, tp_rank=1, tp_size=4).passed\n"
+        "assert 'torch' not in sys.modules\n"
+    )
+    import subprocess
+
+    subprocess.run([sys.executable, "-c", code], check=True)
