@@ -17,6 +17,13 @@ Progress goes to stderr; stdout gets the machine description and ONE table. Ever
 table is measured in the same run, on the same buffers, and compared as a ratio against a
 baseline measured alongside it; the last columns give the target and PASS/MISS.
 
+0. Start-up: ``kda-tp --help`` and ``kda-tp plan CONFIG --tp-size 4`` (the GLM-5.3 config of
+   section 3) against ``python -c "import numpy"``, best of N interleaved wall times of the
+   whole process (target: at most 1.5x numpy's), and ``python -c "import kda_tp"`` for
+   information. Then Ctrl-C: SIGINT half the ``plan`` time (inside the imports), 0.3 s and
+   0.7 s after starting ``kda-tp shard`` on that checkpoint (SIGINT at its default disposition
+   in the child, whatever the benchmark inherited): exit status 130 and only ``kda-tp:`` lines,
+   no traceback (n/a when the command ended before the signal).
 1. ``o_proj`` column slice (CHANNEL_COLS), GLM-5.3 geometry [4096, 8192] BF16 (64 MiB), at
    TP = 2, 4, 8 (rank tp//2). The input is the tensor's bytes in the read-only mapping of a
    generated checkpoint file (warm page cache, pages pre-touched). Timed, best of N, interleaved
@@ -85,6 +92,7 @@ import platform
 import resource
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -257,6 +265,77 @@ def warm(path: Path) -> None:
 
 # Layer 0's KDA tensors in the synthetic GLM-5.3-Flash checkpoints (transformers' names).
 GLM_PREFIX = "model.language_model.layers.0.self_attn."
+
+# ------------------------------------------------------------------------------------------------
+# section 0: start-up and Ctrl-C
+
+
+def _sigint_default() -> None:
+    """In the child before exec: Ctrl-C as in a terminal, also when this benchmark runs as a
+    background job (the shell starts those with SIGINT ignored, and children inherit that)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def _interrupted_after(cmd: list[str], delay: float) -> tuple[bool, int, str]:
+    """Start ``cmd``, send SIGINT ``delay`` s later: (still running when sent, exit status,
+    stderr)."""
+    err_file = tempfile.TemporaryFile()
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err_file,
+                            preexec_fn=_sigint_default)  # noqa: PLW1509 - no threads yet
+    time.sleep(delay)
+    running = proc.poll() is None
+    if running:
+        proc.send_signal(signal.SIGINT)
+    proc.wait()
+    err_file.seek(0)
+    return running, proc.returncode, err_file.read().decode(errors="replace")
+
+
+def section_start(ckpt: Path, scratch: Path, cli: Cli | None, reps: int) -> None:
+    """``kda-tp --help`` and ``kda-tp plan CONFIG`` against ``python -c "import numpy"`` (the
+    target: at most 1.5x), and SIGINT at fixed delays after starting ``kda-tp shard``."""
+    sec = "0 start"
+    if cli is None:
+        row(sec, "kda-tp --help, plan, Ctrl-C", "n/a", "", "CLI not available", "<= 1.50x", "n/a")
+        return
+    log(f"section 0: start-up, best of {reps}; SIGINT after a delay")
+    config = ckpt / "config.json"
+    jobs = {
+        "numpy": [sys.executable, "-c", "import numpy"],
+        "import": [sys.executable, "-c", "import kda_tp"],
+        "help": cli.cmd + ["--help"],
+        "plan": cli.cmd + ["plan", str(config), "--tp-size", "4"],
+    }
+    best = {key: float("inf") for key in jobs}
+    for _ in range(reps):
+        for key, cmd in jobs.items():
+            t0 = time.perf_counter()
+            subprocess.run(cmd, stdout=subprocess.DEVNULL, check=True)
+            best[key] = min(best[key], time.perf_counter() - t0)
+    ms = {key: f"{1000 * t:.0f}" for key, t in best.items()}
+    row(sec, 'python -c "import numpy" (baseline)', ms["numpy"], "ms", f"best of {reps}")
+    row(sec, 'python -c "import kda_tp"', ms["import"], "ms",
+        f"{best['import'] / best['numpy']:.2f}x numpy")
+    for key, case in (("help", "kda-tp --help"), ("plan", "kda-tp plan CONFIG --tp-size 4")):
+        ratio = best[key] / best["numpy"]
+        row(sec, case, ms[key], "ms", f"{ratio:.2f}x numpy", "<= 1.50x", verdict(ratio <= 1.5))
+    # Ctrl-C during the imports (half the time of `plan`, which imports numpy and the Rust core
+    # as shard does) and at the issue's delays, while `kda-tp shard` writes: exit status 130,
+    # "kda-tp: ..." lines, no traceback.
+    shard = cli.shard(ckpt, 4, scratch / "o_sigint")
+    for delay in (best["plan"] / 2, 0.3, 0.7):
+        running, status, err = _interrupted_after(shard, delay)
+        shutil.rmtree(scratch / "o_sigint", ignore_errors=True)
+        lines = err.splitlines()
+        clean = status == 130 and bool(lines) and all(line.startswith("kda-tp:") for line in lines)
+        detail = (f"exit {status}, {len(lines)} line(s)" + (", traceback" if "Traceback" in err
+                                                                else ", no traceback"))
+        if not running:
+            detail, clean = f"exited ({status}) before the signal", None
+        row(sec, f"SIGINT {delay:.2f} s after starting kda-tp shard", "", "", detail,
+            "130, no traceback", verdict(clean))
+        log(f"  SIGINT after {delay:.2f} s: {detail}; stderr: {err.strip()[-300:]!r}")
+
 
 # ------------------------------------------------------------------------------------------------
 # section 1: o_proj column slice
@@ -893,6 +972,7 @@ def main(argv: list[str] | None = None) -> int:
         warm(glm)
         warm(wide)
         cli = kda_cli(args)
+        section_start(glm, scratch, cli, 2 * reps)
         section1(glm, reps)
         section2(glm, wide, calls, loops)
         shutil.rmtree(wide)

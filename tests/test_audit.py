@@ -1,4 +1,4 @@
-"""kda_tp.audit and `kda-tp audit` (issue 16): the vLLM and SGLang fixture dumps pass, each bug
+"""kda_tp.audit (kda_tp.engine_audit) and `kda-tp audit` (issue 16): the vLLM and SGLang fixture dumps pass, each bug
 class made by editing one fails with the parameter named and what it equals instead, a
 sharded_state directory passes only with every rank, and random geometries built from the
 engine tables pass while a part taken from a wrong rank is caught."""
@@ -19,7 +19,7 @@ from safetensors.numpy import save_file
 
 import kda_tp
 from kda_tp import EngineLayoutError, KdaShardedSource, KdaTpPlan, SafetensorsSource
-from kda_tp.audit import audit_path, sharded_state_files
+from kda_tp.engine_audit import audit_path, sharded_state_files
 from kda_tp.cli import main
 from kda_tp.engines import LAYOUTS, get_layout
 from kda_tp.errors import CheckpointError, PlanError
@@ -403,7 +403,7 @@ def test_names_no_layout_or_several_layouts_fit(monkeypatch):
         kda_tp.audit(tensors, CKPT["k3"], tp_rank=2, tp_size=4)
     # With the model family known, no two tables of this release tie on any set of names;
     # were a new table to, the refusal names both.
-    module = sys.modules["kda_tp.audit"]  # the attribute kda_tp.audit is the function
+    module = sys.modules["kda_tp.engine_audit"]
     monkeypatch.setattr(module, "recognise", lambda names, family: [
         LAYOUTS["sglang-0.5.23-kimi-linear"], LAYOUTS["sglang-0.5.23-kimi-linear-unfused"]])
     with pytest.raises(EngineLayoutError, match="fit several engine layouts: "

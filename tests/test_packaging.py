@@ -1,5 +1,6 @@
 """What an index and a user's installer see: the installed distribution's metadata (license
-expression and files, Python versions, operating systems, URLs) and the release workflow.
+expression and files, Python versions, operating systems, the console script, URLs) and the
+release workflow.
 
 In CI (``.ci/run``) the installed distribution is the manylinux abi3 wheel built from the sdist;
 ``.ci/run`` itself checks that wheel's tag with ``auditwheel show`` and its symbols with
@@ -51,6 +52,13 @@ def test_python_versions_and_operating_systems() -> None:
         "Operating System :: Microsoft :: Windows",
         "Typing :: Typed",
     } <= classifiers
+
+
+def test_the_console_script_is_the_interruptible_entry_point() -> None:
+    """``kda-tp`` runs ``kda_tp.__main__:main``, which imports the command line inside its own
+    Ctrl-C handler (tests/test_start.py runs it as ``python -m kda_tp``)."""
+    scripts = importlib.metadata.entry_points(group="console_scripts", name="kda-tp")
+    assert [e.value for e in scripts] == ["kda_tp.__main__:main"]
 
 
 def test_project_urls() -> None:

@@ -24,7 +24,6 @@ import subprocess
 import sys
 import textwrap
 import threading
-import time
 from pathlib import Path
 
 import kda_tp
@@ -36,6 +35,8 @@ from kda_tp.cli import main
 from kda_tp.errors import CheckpointError, OutputError
 from kda_tp.shard import rank_dir, shard_checkpoint, verify_shards
 from kda_tp.synth import write_small_checkpoint
+
+from children import kda_tp_child
 
 GEOMETRY = dict(
     hidden=64, heads=4, head_dim=64, conv_kernel=4, gate_rank=16, num_layers=2, kda_layers=[0, 1]
@@ -84,90 +85,80 @@ def assert_complete_or_absent(out: Path, reference: Path) -> list[int]:
 # ----------------------------------------------------------------------------------------------
 # killed runs
 
-# Runs the CLI with every safetensors write slowed down and the ranks written one after the
-# other, so that a kill lands inside the write of a file, between files, between ranks, and
-# around the renames, at the delays the test picks.
-_SLOW_CLI = textwrap.dedent(
-    """
-    import os, sys, time
-    from kda_tp import _io, cli
-    write = _io._checked_write
-    def slow(f, path, data):
-        time.sleep(0.003)
-        write(f, path, data)
-    _io._checked_write = slow
-    os.cpu_count = lambda: 1
-    sys.exit(cli.main(sys.argv[1:]))
-    """
-)
+# Runs the CLI with one writer thread (the ranks one after the other, always in the same order)
+# and counts its output events: each write and copy_file_range into a file, each rename
+# (os.replace) and each directory removal (shutil.rmtree). With KILL_AT > 0 it SIGKILLs itself
+# just before event KILL_AT, so that a test kills a run inside the write of a file, between
+# files, between ranks and around the renames, on any machine; with 0 it runs to the end and
+# writes its events (kind and file name, one per line) to TRACE.
+_COUNTING_CLI = """
+import os, shutil, signal, sys
+from pathlib import Path
+from kda_tp import _io
+trace, kill_at = Path(sys.argv.pop(1)), int(sys.argv.pop(1))
+events = []
+def counted(kind, function, arg):
+    def call(*args, **kwargs):
+        events.append(f"{kind} {Path(args[arg]).name}")
+        if len(events) == kill_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return function(*args, **kwargs)
+    return call
+_io._checked_write = counted("write", _io._checked_write, 1)
+_io._copy_file_range = counted("copy", _io._copy_file_range, 1)
+os.replace = counted("rename", os.replace, 0)
+shutil.rmtree = counted("remove", shutil.rmtree, 0)
+os.cpu_count = lambda: 1
+if not kill_at:
+    import atexit
+    atexit.register(lambda: trace.write_text("\\n".join(events)))
+"""
 
 
-def _shard_cmd(checkpoint: Path, out: Path, *extra: str) -> list[str]:
-    return [
-        sys.executable,
-        "-c",
-        _SLOW_CLI,
-        "shard",
-        str(checkpoint),
-        "--tp-size",
-        "2",
-        "--out",
-        str(out),
-        "--quiet",
-        *extra,
-    ]
+def _shard_cmd(checkpoint: Path, out: Path, trace: Path, kill_at: int, *extra: str) -> list[str]:
+    return kda_tp_child(_COUNTING_CLI, trace, kill_at, "shard", checkpoint, "--tp-size", 2,
+                        "--out", out, "--quiet", *extra)
 
 
-def _kill_after(cmd: list[str], delay: float, until: Path | None = None) -> int:
-    """Start ``cmd``, SIGKILL it after ``delay`` s (or as soon as ``until`` exists); returns the
-    exit status (negative: killed)."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + delay
-    try:
-        while proc.poll() is None and time.monotonic() < deadline:
-            if until is not None and (until.exists() or any(until.parent.glob(until.name))):
-                break
-            time.sleep(0.0005)
-        proc.send_signal(signal.SIGKILL)
-    finally:
-        proc.wait()
-    return proc.returncode
+def _events(checkpoint: Path, out: Path, *extra: str) -> list[str]:
+    """The events of a whole run (see _COUNTING_CLI) that writes ``out``."""
+    trace = out.parent / f"{out.name}.events"
+    subprocess.run(_shard_cmd(checkpoint, out, trace, 0, *extra), timeout=120, check=True)
+    return trace.read_text().splitlines()
+
+
+def _kill_at(checkpoint: Path, out: Path, event: int, *extra: str) -> None:
+    """Run the command and SIGKILL it just before its ``event``-th event (1-based)."""
+    run = subprocess.run(_shard_cmd(checkpoint, out, Path(os.devnull), event, *extra),
+                         timeout=120)
+    assert run.returncode == -signal.SIGKILL, (event, run.returncode)
 
 
 def test_kill_at_any_point_leaves_no_incomplete_rank(
     checkpoint: Path, reference: Path, tmp_path: Path
 ) -> None:
     before = tree(checkpoint)
-    # A full slowed run, to place the kills.
-    out = tmp_path / "timing"
-    t0 = time.monotonic()
-    assert subprocess.run(_shard_cmd(checkpoint, out), timeout=120).returncode == 0
-    full = time.monotonic() - t0
-    assert tree(out) == tree(reference)
-
-    rng = random.Random(0)
-    # Kills spread over the run (the child spends its first part starting Python), a few at
-    # random, and event-triggered ones: the first partial directory, the first complete rank,
-    # the second rank's partial directory.
-    triggers: list[tuple[float, str | None]] = [
-        (full * f, None) for f in (0.3, 0.5, 0.65, 0.8, 0.9)
-    ] + [(rng.uniform(0.3 * full, full), None) for _ in range(2)]
-    triggers += [
-        (full * 2, ".rank0.partial-*"),
-        (full * 2, "rank0"),
-        (full * 2, ".rank1.partial-*"),
-    ]
-    outcomes = []
-    for i, (delay, trigger) in enumerate(triggers):
+    events = _events(checkpoint, tmp_path / "whole")
+    assert tree(tmp_path / "whole") == tree(reference)
+    # Before every write, rename and removal, and before the first and every tenth copy into a
+    # file: inside each file, between files, between ranks, around the renames.
+    copies = [e.startswith("copy") for e in events]
+    kills = [i for i, copy in enumerate(copies, 1)
+             if not copy or i == 1 or not copies[i - 2] or i % 10 == 0]
+    assert len(kills) >= 20 and any(copies)
+    for i in kills:
         out = tmp_path / f"killed{i}"
-        status = _kill_after(_shard_cmd(checkpoint, out), delay, out / trigger if trigger else None)
+        _kill_at(checkpoint, out, i)
         present = assert_complete_or_absent(out, reference)
         report = verify_shards(checkpoint, out) if out.exists() else None
         accepted = report is not None and report.ok
         # verify accepts the output only if every rank was renamed into place.
-        assert accepted == (present == [0, 1]), (i, status, present, report and report.problems)
-        if status == -signal.SIGKILL:
-            outcomes.append((present, bool(hidden_entries(out))))
+        assert accepted == (present == [0, 1]), (i, events[i - 1], present, report)
+        # Rank 0 is there exactly when the kill came after its rename into place; the partial
+        # directory of the rank being written is left behind.
+        renamed = any(e.startswith("rename .rank0.partial-") for e in events[: i - 1])
+        assert present == ([0] if renamed else []), (i, events[i - 1], present)
+        assert hidden_entries(out), (i, events[i - 1])
 
         # Re-running the same command (in-process here, for speed): refused only where a
         # complete rank is already there...
@@ -181,29 +172,26 @@ def test_kill_at_any_point_leaves_no_incomplete_rank(
         assert hidden_entries(out) == []
         assert verify_shards(checkpoint, out).ok
     assert tree(checkpoint) == before
-    # The kills landed at different stages: before any rank, mid-way (one rank), with partial
-    # files on disk.
-    assert any(not present for present, _ in outcomes)
-    assert any(present == [0] for present, _ in outcomes)
-    assert any(leftover for _, leftover in outcomes)
 
 
 def test_kill_during_a_forced_overwrite_never_half_deletes_a_rank(
     checkpoint: Path, reference: Path, tmp_path: Path
 ) -> None:
     """With --force an existing rank is moved aside in one rename, never deleted in place: kills
-    around the renames (as soon as the new rank0, then rank1, is in place, and at the end)."""
-    t0 = time.monotonic()
-    subprocess.run(_shard_cmd(checkpoint, tmp_path / "timing"), timeout=120, check=True)
-    full = time.monotonic() - t0
-    for i, trigger in enumerate((".rank0.partial-old-*", ".rank1.partial-old-*", None)):
+    before and after every rename and removal of a directory."""
+    whole = tmp_path / "whole"
+    shutil.copytree(reference, whole)
+    events = _events(checkpoint, whole, "--force")
+    assert tree(whole) == tree(reference) and hidden_entries(whole) == []
+    around = [i for i, e in enumerate(events, 1)
+              if e.split()[0] in ("rename", "remove") and not e.split()[1].endswith(".partial")]
+    kills = sorted({k for i in around for k in (i, i + 1) if k <= len(events)})
+    # rank0 and rank1 moved aside, the new ones renamed in, the old ones removed.
+    assert len(around) >= 6, events
+    for i in kills:
         out = tmp_path / f"forced{i}"
         shutil.copytree(reference, out)
-        _kill_after(
-            _shard_cmd(checkpoint, out, "--force"),
-            full * (2 if trigger else 0.97),
-            out / trigger if trigger else None,
-        )
+        _kill_at(checkpoint, out, i, "--force")
         assert_complete_or_absent(out, reference)
         shard_checkpoint(checkpoint, out, 2, force=True)
         assert tree(out) == tree(reference) and hidden_entries(out) == []

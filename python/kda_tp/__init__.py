@@ -4,35 +4,36 @@ The shard plan and the slicers are a Rust core; this package adds checkpoint sou
 adapter that presents one rank's shard, serving engines' fused layouts (``kda_tp.engines``) and
 the audit of an engine's loaded weights (:func:`audit`), a pure-Python oracle (``kda_tp.oracle``), a numpy
 reference forward (``kda_tp.reference``) and the ``kda-tp`` command line.
+
+``import kda_tp`` imports no other module: each public name below is imported from its module on
+first use (numpy and the Rust core with it), so that the package and the ``kda-tp`` command
+start fast and a Ctrl-C during those imports can be reported cleanly (``kda_tp.__main__``).
 """
 
-from typing import TYPE_CHECKING, Any
+from importlib import import_module
 
-from . import errors
-from ._native import __version__
-
-# `audit` is imported here, not on first use like check_tp_equivalence: the function has the
-# name of its module, and importing the module kda_tp.audit (the CLI does) would otherwise
-# leave `kda_tp.audit` bound to the module. It adds only its own small body: its imports
-# (numpy, the plan, the adapter, the engine tables) are loaded by `import kda_tp` anyway.
-from .audit import AuditReport, audit
-from .errors import (
-    BufferLayoutError,
-    CheckpointError,
-    DtypeMismatchError,
-    EngineLayoutError,
-    KdaTpError,
-    MissingDependencyError,
-    OutputError,
-    PlanError,
-    ShapeMismatchError,
-)
-from .plan import KdaShard, KdaTensorPlan, KdaTpPlan
-from .quant import dequantize
-from .source import KdaShardedSource, SafetensorsSource, Tensor, shard_bytes
-
-if TYPE_CHECKING:  # imported on first use (below), seen here by type checkers and the API docs
+# Imported on first use (__getattr__ below), seen here by type checkers and the API docs.
+# typing.TYPE_CHECKING without importing typing (type checkers read any TYPE_CHECKING alike).
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from . import errors
+    from ._native import __version__
+    from .engine_audit import AuditReport, audit
     from .equivalence import check_tp_equivalence
+    from .errors import (
+        BufferLayoutError,
+        CheckpointError,
+        DtypeMismatchError,
+        EngineLayoutError,
+        KdaTpError,
+        MissingDependencyError,
+        OutputError,
+        PlanError,
+        ShapeMismatchError,
+    )
+    from .plan import KdaShard, KdaTensorPlan, KdaTpPlan
+    from .quant import dequantize
+    from .source import KdaShardedSource, SafetensorsSource, Tensor, shard_bytes
 
 __all__ = [
     "__version__",
@@ -59,12 +60,42 @@ __all__ = [
     "AuditReport",
 ]
 
+#: The module each public name is imported from on first use.
+_LAZY = {
+    "__version__": "_native",
+    "errors": "errors",
+    "KdaTpError": "errors",
+    "PlanError": "errors",
+    "ShapeMismatchError": "errors",
+    "DtypeMismatchError": "errors",
+    "BufferLayoutError": "errors",
+    "CheckpointError": "errors",
+    "OutputError": "errors",
+    "MissingDependencyError": "errors",
+    "EngineLayoutError": "errors",
+    "KdaShard": "plan",
+    "KdaTensorPlan": "plan",
+    "KdaTpPlan": "plan",
+    "Tensor": "source",
+    "SafetensorsSource": "source",
+    "KdaShardedSource": "source",
+    "shard_bytes": "source",
+    "dequantize": "quant",
+    "check_tp_equivalence": "equivalence",
+    "audit": "engine_audit",
+    "AuditReport": "engine_audit",
+}
 
-def __getattr__(name: str) -> Any:
-    # The numeric check pulls in the reference forward and the oracle; import it on first use
-    # so that `import kda_tp` (and every `kda-tp` command) starts faster.
-    if name == "check_tp_equivalence":
-        from .equivalence import check_tp_equivalence  # noqa: PLC0415
 
-        return check_tp_equivalence
-    raise AttributeError(f"module 'kda_tp' has no attribute {name!r}")
+def __getattr__(name: str) -> object:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kda_tp' has no attribute {name!r}")
+    found = import_module(f"{__name__}.{module}")
+    value = getattr(found, name, found)  # `errors` is the module itself
+    globals()[name] = value  # later lookups do not come back here
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

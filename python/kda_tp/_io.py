@@ -24,7 +24,6 @@ import errno
 import io
 import json
 import os
-import secrets
 import struct
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -374,7 +373,7 @@ def _atomic_write(
     propagates; OS errors of the file operations themselves become :class:`OutputError`, while
     exceptions raised inside ``write_body`` pass through as they are.
     """
-    temp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.partial")
+    temp = path.with_name(f".{path.name}.{os.urandom(6).hex()}.partial")
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0)
     try:
         fd = os.open(temp, flags, 0o666)

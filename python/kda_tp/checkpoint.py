@@ -14,10 +14,10 @@ import warnings
 from pathlib import Path
 from typing import Any, Protocol
 
-import ml_dtypes
 import numpy as np
 
 from . import _native
+from ._io import DTYPE_SIZES
 from .config import load_config
 from .errors import (
     BufferLayoutError,
@@ -59,7 +59,6 @@ _NUMPY_DTYPES: dict[str, Any] = {
     "I16": np.int16,
     "U16": np.uint16,
     "F16": np.float16,
-    "BF16": ml_dtypes.bfloat16,
     "I32": np.int32,
     "U32": np.uint32,
     "F32": np.float32,
@@ -67,9 +66,11 @@ _NUMPY_DTYPES: dict[str, Any] = {
     "I64": np.int64,
     "U64": np.uint64,
     "C64": np.complex64,
-    "F8_E4M3": ml_dtypes.float8_e4m3fn,
-    "F8_E5M2": ml_dtypes.float8_e5m2,
 }
+
+#: The dtypes numpy has through ``ml_dtypes`` (its attribute names). ``ml_dtypes`` takes longer
+#: to import than numpy itself, so it is imported when the first such array is typed.
+_ML_DTYPES = {"BF16": "bfloat16", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
 
 
 def numpy_dtype(dtype: str) -> np.dtype:
@@ -78,6 +79,10 @@ def numpy_dtype(dtype: str) -> np.dtype:
     Raises:
         DtypeMismatchError: a dtype with no numpy equivalent (packed 4- and 6-bit floats).
     """
+    if dtype in _ML_DTYPES:
+        import ml_dtypes  # noqa: PLC0415 - start-up time (see _ML_DTYPES)
+
+        return np.dtype(getattr(ml_dtypes, _ML_DTYPES[dtype]))
     try:
         return np.dtype(_NUMPY_DTYPES[dtype])
     except KeyError:
@@ -483,7 +488,5 @@ class SafetensorsSource:
 
 
 def _itemsize(dtype: str) -> int:
-    try:
-        return numpy_dtype(dtype).itemsize
-    except DtypeMismatchError:
-        return 1
+    # 1 for the packed sub-byte floats (F4, F6): their tensors are handled as bytes.
+    return DTYPE_SIZES.get(dtype, 1)

@@ -15,37 +15,23 @@ import json
 import math
 import os
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from . import __version__
-from .audit import audit_path
-from .checkpoint import INDEX_NAME, refuse_index_member
-from .config import KdaConfig, load_config, parse_config
-from .errors import CheckpointError, KdaTpError, PlanError
-from .layers import check_layers, config_layer_count, layer_count, layers_with_kda_tensors
-from .plan import KdaTpPlan
-from .shard import (
-    ShardInterrupted,
-    ShardResult,
-    VerifyReport,
-    finish_command,
-    rank_dir,
-    shard_checkpoint,
-    unindexed_files,
-    verify_shards,
-)
-from .source import (
-    SafetensorsSource,
-    decoder_prefix,
-    kda_layer_indices,
-    kda_tensor_name,
-    scale_tensor_name,
-)
+from .config import load_config, parse_config
+from .errors import CheckpointError, KdaTpError, PlanError, ShardInterrupted
+
+# Each command imports what it uses (numpy with the reader, the writer and verifier only for
+# shard/verify), so that `kda-tp --help` imports no numpy and `kda-tp plan` no writer.
+if TYPE_CHECKING:
+    from .config import KdaConfig
+    from .plan import KdaTpPlan
+    from .shard import ShardResult, VerifyReport
+    from .source import SafetensorsSource
 
 __all__ = ["main"]
 
@@ -221,6 +207,11 @@ def _int_list(text: str) -> list[int]:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
+    from .checkpoint import refuse_index_member
+    from .layers import check_layers, config_layer_count
+    from .plan import KdaTpPlan
+    from .source import SafetensorsSource, decoder_prefix, kda_tensor_name, scale_tensor_name
+
     # `demo` calls this with a namespace that has no --layers or --json.
     requested, as_json = getattr(args, "layers", None), getattr(args, "json", False)
     refuse_index_member(args.input)
@@ -354,6 +345,9 @@ def _selected_layers(source: SafetensorsSource, requested: list[int] | None) -> 
     """The KDA layers to show or check: ``requested`` (``--layers``, a subset of the config's
     KDA layers, or of the layers holding KDA tensors when the config does not list them), else
     every KDA layer the config lists."""
+    from .layers import check_layers, layer_count, layers_with_kda_tensors
+    from .source import kda_layer_indices
+
     try:
         listed = kda_layer_indices(source, None)
     except CheckpointError:
@@ -374,6 +368,9 @@ def _shard_layers(source: SafetensorsSource, requested: list[int] | None) -> lis
     Raises:
         PlanError: see :func:`~kda_tp.layers.check_layers`, or a list that is not the config's.
     """
+    from .layers import check_layers, layer_count, layers_with_kda_tensors
+    from .source import kda_layer_indices
+
     if requested is None:
         return None
     try:
@@ -531,6 +528,10 @@ def _shard_input(
     """``shard``'s checks of its input before anything is written: the ``--layers`` to pass on
     (see :func:`_shard_layers`) and the files ``--skip-unindexed`` leaves out (a warning each
     on stderr when ``warn``)."""
+    from .checkpoint import INDEX_NAME, refuse_index_member
+    from .shard import unindexed_files
+    from .source import SafetensorsSource
+
     refuse_index_member(args.checkpoint)
     source = SafetensorsSource(args.checkpoint, args.backend)
     layers = _shard_layers(source, args.layers)
@@ -545,6 +546,8 @@ def _print_shard(
     args: argparse.Namespace, result: ShardResult, skipped: Sequence[Path], processes: int = 1
 ) -> None:
     """What ``shard`` wrote: the JSON document with ``--json``, else one line."""
+    from .shard import rank_dir
+
     if args.json:
         _emit_json(args, {
             "ok": True, "out_dir": str(result.out_dir), "tp_size": result.tp_size,
@@ -560,6 +563,8 @@ def _print_shard(
 
 
 def _cmd_shard(args: argparse.Namespace) -> int:
+    from .shard import shard_checkpoint
+
     layers, skipped = _shard_input(args)
     result = shard_checkpoint(
         args.checkpoint,
@@ -581,6 +586,8 @@ def _cmd_shard(args: argparse.Namespace) -> int:
 
 def _finish_command(args: argparse.Namespace, ranks: Sequence[int]) -> str:
     """The ``kda-tp shard`` command that writes ``ranks`` with this run's other options."""
+    from .shard import finish_command
+
     command = finish_command(args.checkpoint, args.out, args.tp_size, ranks, args.qk_multiple)
     if args.layers is not None:
         command += f" --layers {','.join(map(str, args.layers))}"
@@ -621,6 +628,8 @@ def _with_hints(args: argparse.Namespace, error: KdaTpError) -> str:
 def _allowed_tp_sizes(args: argparse.Namespace, qk_multiple: int) -> list[int] | None:
     """The world sizes the plan accepts for the command's model, or None when its geometry
     cannot be read."""
+    from .plan import KdaTpPlan
+
     if getattr(args, "model", None) is not None:
         from .synth import GEOMETRIES
 
@@ -658,6 +667,10 @@ def _print_verify(report: VerifyReport) -> None:
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
+    from .checkpoint import INDEX_NAME, refuse_index_member
+    from .shard import unindexed_files, verify_shards
+    from .source import SafetensorsSource
+
     if args.layers is not None and not args.numeric:
         raise PlanError("--layers picks the KDA layers of the numeric check; pass --numeric too "
                         "(the byte check always covers every tensor)")
@@ -724,6 +737,8 @@ def _written_line(result: ShardResult) -> str:
 
 
 def _cmd_audit(args: argparse.Namespace) -> int:
+    from .engine_audit import audit_path
+
     report = audit_path(args.checkpoint, args.path, tp_size=args.tp_size, rank=args.rank,
                         engine=args.engine, progress=_progress(args.quiet, "audit", "parameters"))
     if args.json:
@@ -734,6 +749,11 @@ def _cmd_audit(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
+    import tempfile
+
+    from .plan import KdaTpPlan
+    from .shard import shard_checkpoint, verify_shards
+    from .source import SafetensorsSource, kda_layer_indices
     from .synth import GEOMETRIES, write_checkpoint
 
     g = GEOMETRIES[args.model]
@@ -821,6 +841,7 @@ def _run_verify(args: argparse.Namespace) -> int:
     if _torchrun_processes() == 1:
         return _cmd_verify(args)
     # kda_tp.torch first: without torch it raises MissingDependencyError, a KdaTpError.
+    from .shard import verify_shards
     from .torch import check_tp_equivalence_distributed, rank_dir_metadata, torchrun_group
 
     import torch.distributed as dist

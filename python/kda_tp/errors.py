@@ -6,10 +6,17 @@ a buffer, a tensor) also derive from ``ValueError``. Messages name the tensor (o
 give the expected and the actual value.
 
 The Rust core raises these same classes (it imports them from this module), so there is one
-definition of each.
+definition of each. :class:`ShardInterrupted` (Ctrl-C during ``shard_checkpoint``) is a
+``KeyboardInterrupt``, not an error; it lives here so that the command line can catch it without
+importing the writer.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pathlib import Path
 
 __all__ = [
     "KdaTpError",
@@ -21,6 +28,7 @@ __all__ = [
     "OutputError",
     "MissingDependencyError",
     "EngineLayoutError",
+    "ShardInterrupted",
 ]
 
 
@@ -101,3 +109,31 @@ class EngineLayoutError(KdaTpError, ValueError):
 
     Example message: ``vllm-0.33-k3: no parameter 'in_proj.weight'; its parameters: [...]``.
     """
+
+
+class ShardInterrupted(KeyboardInterrupt):
+    """Ctrl-C (SIGINT) stopped :func:`kda_tp.shard.shard_checkpoint`.
+
+    A ``KeyboardInterrupt``, so code that does not expect it still stops. When it is raised the
+    writer threads have stopped and this run's partial directories are removed; the ranks in
+    ``completed`` were renamed into place before the interrupt and are complete.
+
+    Attributes:
+        out_dir: the output directory.
+        tp_size: the world size of the run.
+        completed: ranks this run wrote completely, sorted.
+        remaining: ranks of ``0..tp_size-1`` that ``out_dir`` still lacks, sorted (the
+            ``--ranks`` that would finish the job).
+    """
+
+    def __init__(
+        self, out_dir: Path, tp_size: int, completed: tuple[int, ...], remaining: tuple[int, ...]
+    ):
+        super().__init__(
+            f"interrupted: ranks {list(completed)} of {tp_size} complete in {out_dir}, "
+            f"{list(remaining)} missing"
+        )
+        self.out_dir = out_dir
+        self.tp_size = tp_size
+        self.completed = completed
+        self.remaining = remaining

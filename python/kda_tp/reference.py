@@ -36,7 +36,6 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 
 from kda_tp.checkpoint import SafetensorsSource
@@ -69,9 +68,17 @@ _LOW_RANK_GATE = ("g_a_proj", "g_b_proj")
 #: Epsilon of the per-head q/k L2 normalisation (fla ``l2norm``; fixed, not a config value).
 L2NORM_EPS = 1e-6
 
-_FLOAT_DTYPES = frozenset(
-    np.dtype(t) for t in (ml_dtypes.bfloat16, np.float16, np.float32, np.float64)
-)
+_FLOAT_DTYPES = frozenset(np.dtype(t) for t in (np.float16, np.float32, np.float64))
+
+
+def _is_float(dtype: np.dtype) -> bool:
+    """F16, F32, F64, or ``ml_dtypes.bfloat16`` (imported only for a dtype outside the first
+    three: it takes longer to import than numpy)."""
+    if dtype in _FLOAT_DTYPES:
+        return True
+    import ml_dtypes  # noqa: PLC0415 - start-up time
+
+    return bool(dtype == np.dtype(ml_dtypes.bfloat16))
 
 
 def kda_layer_forward(
@@ -371,7 +378,7 @@ def _checked_weights(
     arrays = {}
     for name in names:
         a = np.asarray(weights[name])
-        if a.dtype not in _FLOAT_DTYPES:
+        if not _is_float(a.dtype):
             raise DtypeMismatchError(
                 f"{name}: dtype {a.dtype}, expected bfloat16, float16, float32 or float64"
             )

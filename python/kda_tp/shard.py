@@ -36,10 +36,17 @@ import numpy as np
 
 from ._io import DTYPE_BITS, FileRange, tensor_nbytes, write_index, write_safetensors
 from ._native import __version__
-from .errors import CheckpointError, DtypeMismatchError, KdaTpError, OutputError, PlanError
+from .errors import (
+    CheckpointError,
+    DtypeMismatchError,
+    KdaTpError,
+    OutputError,
+    PlanError,
+    ShardInterrupted,
+)
 from .layers import check_layers, layer_count
 from .checkpoint import INDEX_NAME, SafetensorsSource, Tensor
-from .layout import location, kda_layer_indices
+from .layout import kda_layer_indices
 from .plan import KdaShard, KdaTpPlan
 from .source import KdaShardedSource, checked_get, checked_info, missing_tensor
 
@@ -70,34 +77,6 @@ ProgressFactory = Callable[[int], Callable[[int], None]]
 def rank_dir(out_dir: str | os.PathLike[str], tp_rank: int) -> Path:
     """The directory holding rank ``tp_rank``'s checkpoint under ``out_dir``."""
     return Path(out_dir) / f"rank{tp_rank}"
-
-
-class ShardInterrupted(KeyboardInterrupt):
-    """Ctrl-C (SIGINT) stopped :func:`shard_checkpoint`.
-
-    A ``KeyboardInterrupt``, so code that does not expect it still stops. When it is raised the
-    writer threads have stopped and this run's partial directories are removed; the ranks in
-    ``completed`` were renamed into place before the interrupt and are complete.
-
-    Attributes:
-        out_dir: the output directory.
-        tp_size: the world size of the run.
-        completed: ranks this run wrote completely, sorted.
-        remaining: ranks of ``0..tp_size-1`` that ``out_dir`` still lacks, sorted (the
-            ``--ranks`` that would finish the job).
-    """
-
-    def __init__(
-        self, out_dir: Path, tp_size: int, completed: tuple[int, ...], remaining: tuple[int, ...]
-    ):
-        super().__init__(
-            f"interrupted: ranks {list(completed)} of {tp_size} complete in {out_dir}, "
-            f"{list(remaining)} missing"
-        )
-        self.out_dir = out_dir
-        self.tp_size = tp_size
-        self.completed = completed
-        self.remaining = remaining
 
 
 class _Stopped(Exception):

@@ -68,7 +68,6 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
@@ -725,6 +724,8 @@ def _encode(values: np.ndarray, dtype: str) -> np.ndarray:
     bit, i.e. round to nearest, ties to even (valid for the finite values generated here).
     """
     if dtype == "F8_E4M3":
+        import ml_dtypes  # noqa: PLC0415 - start-up time: only FP8 checkpoints need it
+
         return values.astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
     if dtype == "BF16":
         bits = values.astype("<f4", copy=False).view("<u4")
