@@ -166,3 +166,21 @@ def test_check_tp_equivalence_reports_progress_per_layer(ckpt):
 
     report = kda_tp.check_tp_equivalence(ckpt, 2, qk_multiple=1, progress=factory)
     assert report.passed and steps == [(3, 0), (3, 1), (3, 2), (3, 3)]
+
+
+def test_a_failing_numeric_check_is_a_failed_summary_though_the_bytes_match():
+    from kda_tp.equivalence import EquivalenceReport, LayerEquivalence
+    from kda_tp.shard import VerifyReport
+
+    def report(passed: bool) -> VerifyReport:
+        layer = LayerEquivalence(layer=0, max_abs_error=0.5 if not passed else 1e-7,
+                                 max_rel_error=0.6, y_abs_max=0.8, tolerance=9e-5, passed=passed)
+        numeric = EquivalenceReport(tp_size=2, seq_len=16, seed=0, atol=1e-5, rtol=1e-4,
+                                    layers=(layer,))
+        return VerifyReport(tp_size=2, tensors=30, bytes_checked=10**6, numeric=numeric)
+
+    failed = report(False)
+    assert not failed.ok
+    assert failed.summary().startswith("FAIL: 30 tensors x 2 ranks rejoin to the input byte for byte")
+    assert "numerical TP equivalence FAILS (1 KDA layer in" in failed.summary()
+    assert report(True).summary().startswith("OK: 30 tensors x 2 ranks")

@@ -638,8 +638,10 @@ class VerifyReport:
             return f"FAIL: {self.problems[0]}"
         if self.problems:
             return f"FAIL: {len(self.problems)} problems"
+        # The bytes match; the verdict is the numeric check's when it ran and failed.
         line = (
-            f"OK: {self.tensors} tensors x {self.tp_size} ranks rejoin to the input byte for "
+            f"{'OK' if self.ok else 'FAIL'}: {self.tensors} tensors x {self.tp_size} ranks "
+            "rejoin to the input byte for "
             f"byte ({self.bytes_checked / 1e9:.3f} GB checked in {self.byte_seconds:.1f} s)"
         )
         if self.numeric is not None:
