@@ -203,15 +203,24 @@ def test_even_split_of_a_padded_a_log(tmp_path, capsys):
     assert status == 1
     failure = only_failure(doc)
     assert failure["name"] == PRE + "A_log"
-    assert failure["differences"][0]["equals"].startswith(
-        "the even split of the padded A_log: entries 32..34 of the 128 stored")
+    # entries 32..34 are padding: zero, like a parameter never loaded; both are said
+    assert failure["differences"][0]["equals"] == (
+        "zeros (never loaded?), or the even split of the padded A_log: entries 32..34 of the "
+        "128 stored (padding included, 32 per rank), instead of heads 3..5 of 12: both are "
+        "all zero")
     # the even split by shape: 128/4 = 32 entries per rank
     tensors[PRE + "A_log"] = full[32:64].copy()
     status, out, doc = audit_file(tmp_path, capsys, "vllm_k3_tp4_r1", tensors)
     failure = only_failure(doc)
     assert status == 1 and failure["problem"] == "shape [32], expected [3]"
-    assert failure["equals"].startswith("the even split of the padded A_log: entries 32..63")
-    assert f"rank 1 {PRE}A_log: shape [32], expected [3]; equals the even split" in out
+    assert failure["equals"].startswith(
+        "zeros (never loaded?), or the even split of the padded A_log: entries 32..63")
+    assert f"rank 1 {PRE}A_log: shape [32], expected [3]; equals zeros (never loaded?), or " \
+           "the even split" in out
+    # rank 0's even split holds real heads (entries 0..31: heads 0..11, then padding)
+    tensors[PRE + "A_log"] = full[0:32].copy()
+    status, out, doc = audit_file(tmp_path, capsys, "vllm_k3_tp4_r1", tensors)
+    assert only_failure(doc)["equals"] is None  # not rank 1's even split: no diagnosis
 
 
 def test_dt_bias_at_the_head_offset(tmp_path, capsys):
@@ -397,10 +406,18 @@ def test_refused_inputs_exit_2(tmp_path, capsys):
 
 def test_names_no_layout_or_several_layouts_fit(monkeypatch):
     meta, tensors, ckpt = fixture("sglang_kimi_linear_tp4_r2")
-    # SGLang's Kimi-Linear names against a Kimi K3 checkpoint: no K3 layout has them
+    # SGLang's Kimi-Linear names against a Kimi K3 checkpoint: the layouts of another family
+    # have them, so the checkpoint is the wrong one
+    with pytest.raises(EngineLayoutError) as caught:
+        kda_tp.audit(tensors, CKPT["k3"], tp_rank=2, tp_size=4)
+    assert str(caught.value) == (
+        "state_dict: these names are sglang-0.5.23-kimi-linear or sglang-0.5.23-glm-5.3's; is "
+        f"{CKPT['k3']} the checkpoint this dump was loaded from? its config is Kimi K3")
+    # names of two engines mixed: no layout of any family has them
+    mixed = {**tensors, PRE + "in_proj_qkvgfab.weight": np.zeros(3, np.float32)}
     with pytest.raises(EngineLayoutError, match="no kimi-k3 engine layout has the parameter "
                        r"names \['A_log', 'dt_bias', 'fused_fg_b_proj.weight'"):
-        kda_tp.audit(tensors, CKPT["k3"], tp_rank=2, tp_size=4)
+        kda_tp.audit(mixed, CKPT["k3"], tp_rank=2, tp_size=4)
     # With the model family known, no two tables of this release tie on any set of names;
     # were a new table to, the refusal names both.
     module = sys.modules["kda_tp.engine_audit"]
