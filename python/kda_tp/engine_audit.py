@@ -764,12 +764,16 @@ def audit(
 
     Raises:
         CheckpointError: the checkpoint cannot be read or has no config; ``state_dict`` holds
-            no KDA parameter, KDA parameters under several prefixes, or a value that is not an
-            array.
-        EngineLayoutError: no layout, or several, fit the names (the message lists them); an
+            no KDA parameter, KDA parameters under several prefixes, a key that is not a
+            ``str``, or a value that is not an array.
+        ShapeMismatchError: a :class:`~kda_tp.Tensor` record whose data is not its shape's
+            size in bytes.
+        EngineLayoutError: no layout, or several, fit the names (the message lists them; names
+            of another model family's layout mean the checkpoint is likely the wrong one); an
             unknown ``engine``; a layout that does not fit the checkpoint (e.g. another
             output-gate form).
-        PlanError: ``tp_size`` does not divide the heads, or ``tp_rank`` is out of range.
+        PlanError: ``tp_size`` or ``tp_rank`` is not an integer (a bool included), ``tp_size``
+            does not divide the heads, or ``tp_rank`` is out of range.
     """
     tp_size, tp_rank = _whole("tp_size", tp_size, 1), _whole("tp_rank", tp_rank, 0)
     names = list(state_dict.keys())
@@ -882,9 +886,12 @@ def audit_path(
     ``model-pp-{pp}-tp-{r}-part-{p}.safetensors`` (vLLM with pipeline stages) files; a rank's
     files together are its state dict. Every rank ``0..tp_size-1`` is audited and must be
     there: a missing rank is a problem in the report (it does not pass), not a refusal, so the
-    ranks that are there are still audited. With ``rank``, only that rank is audited (and only
-    it must be there). A single ``.safetensors`` file is one rank's whole state dict; its rank
-    is ``rank``, else the one in its name, else its header's ``tp_rank`` metadata.
+    ranks that are there are still audited; a rank whose files hold no KDA parameter has them
+    all ``"missing"``. With ``rank``, only that rank is audited (and only it must be there). A
+    single ``.safetensors`` file is one rank's whole state dict; its rank is ``rank``, else the
+    one in its name, else its header's ``tp_rank`` metadata. Where the files' header metadata
+    has ``tp_size``/``tp_rank``, they must agree with ``tp_size`` and the rank; a ``model`` of
+    another family than the checkpoint's is a problem in the report.
 
     Args:
         checkpoint: the checkpoint the engine loaded.
@@ -898,9 +905,11 @@ def audit_path(
     Raises:
         CheckpointError: ``path`` does not exist, is a directory without ``sharded_state``
             files, holds files of ranks ``>= tp_size`` (the message lists the ranks found: the
-            world size is another), or a file's rank is not known; and as :func:`audit`.
-        EngineLayoutError, PlanError: as :func:`audit`; also when ranks fit different
-            layouts.
+            world size is another), no rank's files hold a KDA parameter, or a file's rank is
+            not known (its metadata's ``tp_rank`` not ASCII digits); and as :func:`audit`.
+        EngineLayoutError: as :func:`audit`; also when ranks fit different layouts.
+        PlanError: as :func:`audit`; also when the files' ``tp_size``/``tp_rank`` metadata
+            disagree with ``tp_size`` or the rank.
     """
     root = Path(path)
     tp_size = _whole("tp_size", tp_size, 1)
