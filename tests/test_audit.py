@@ -729,3 +729,11 @@ def test_a_dump_against_the_checkpoint_of_another_model(capsys):
     assert status == 1
     assert text.splitlines()[0] == (f"{path}: the dump's metadata says model 'kimi_linear'; "
                                     "the checkpoint's config is GLM-5.3-Flash")
+    # names that a layout of the checkpoint's family holds only in part (here with g_a and g_b
+    # missing), but another family's layout holds whole: named first, in the report
+    meta, tensors, _ = fixture("vllm_k3_tp4_r1")
+    report = kda_tp.audit(tensors, CKPT["kimi_linear"], tp_rank=1, tp_size=4)
+    assert not report.passed and report.problems == [
+        f"state_dict: these names are vllm-0.33-k3's; is {CKPT['kimi_linear']} the checkpoint "
+        "this dump was loaded from? its config is Kimi-Linear"]
+    assert report.format().splitlines()[0] == report.problems[0]

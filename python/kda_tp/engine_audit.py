@@ -680,6 +680,20 @@ class _Auditor:
         layout.params_for(self.shard(0).plan)
         return layout
 
+    def elsewhere(self, suffixes: set[str], layout: EngineLayout, where: str) -> str | None:
+        """When ``layout`` (recognised, not forced) lacks some of the names' parameters while a
+        layout of another model family has them all, the note that the checkpoint is likely
+        not the one the dump was loaded from."""
+        if self.forced is not None or not layout.required - suffixes:
+            return None
+        others = [lay.name for lay in recognise(suffixes, None)
+                  if lay.family != self.family and not lay.required - suffixes]
+        if not others:
+            return None
+        return (f"{where}: these names are {' or '.join(others)}'s; is {self.source.path} the "
+                "checkpoint this dump was loaded from? its config is "
+                f"{_FAMILY_NAMES[self.family]}")
+
     def run(self, records: Mapping[str, Any], rank: int, selected: _Selected,
             layout: EngineLayout, report: AuditReport,
             advance: Callable[[int], None] | None) -> None:
@@ -787,6 +801,8 @@ def audit(
         raise auditor.no_kda("state_dict")
     layout = auditor.layout(_suffixes(selected), "state_dict")
     report = AuditReport(layout.name, tp_size, (tp_rank,))
+    note = auditor.elsewhere(_suffixes(selected), layout, "state_dict")
+    report.problems += [note] if note else []
     auditor.run(state_dict, tp_rank, selected, layout, report, None)
     return report
 
@@ -935,6 +951,7 @@ def audit_path(
         if not 0 <= r < tp_size:
             raise PlanError(f"rank {r} is not a rank of tp_size {tp_size} (0..{tp_size - 1})")
     report = AuditReport("", tp_size)
+    noted = False  # the dump's model metadata named another family (said once, first)
     dumps: list[tuple[int, _RankFiles, _Selected | None]] = []
     for r in wanted:
         if r not in files:
@@ -945,8 +962,9 @@ def audit_path(
             continue
         records = _RankFiles(files[r])
         note = records.check(r, tp_size, how, auditor.family)
-        if note is not None and note not in report.problems:
+        if note is not None and not noted:
             report.problems.insert(0, note)
+            noted = True
         where = str(files[r][0]) if len(files[r]) == 1 else f"{root} rank {r}"
         dumps.append((r, records, auditor.select(list(records), where)))
     present = [(r, selected) for r, _, selected in dumps if selected is not None]
@@ -959,6 +977,8 @@ def audit_path(
         return report
     layout = _common_layout(auditor, root, present, report.problems)
     report.engine = layout.name
+    note = auditor.elsewhere(set().union(*(_suffixes(s) for _, s in present)), layout, str(root))
+    report.problems += [note] if note else []
     total = sum(len(layout.params_for(auditor.shard(r).plan)) * len(auditor.layers)
                 for r, *_ in dumps)
     advance = progress(total) if progress else None
