@@ -660,11 +660,7 @@ class _Auditor:
             elsewhere = [] if found else [
                 lay.name for lay in recognise(suffixes, None) if lay.family != self.family]
             if elsewhere:
-                raise EngineLayoutError(
-                    f"{where}: these names are {' or '.join(elsewhere)}'s; is "
-                    f"{self.source.path} the checkpoint this dump was loaded from? its config "
-                    f"is {_FAMILY_NAMES[self.family]}"
-                )
+                raise EngineLayoutError(self.wrong_checkpoint(where, elsewhere))
             if not found:
                 raise EngineLayoutError(
                     f"{where}: no {self.family} engine layout has the parameter names "
@@ -688,9 +684,11 @@ class _Auditor:
             return None
         others = [lay.name for lay in recognise(suffixes, None)
                   if lay.family != self.family and not lay.required - suffixes]
-        if not others:
-            return None
-        return (f"{where}: these names are {' or '.join(others)}'s; is {self.source.path} the "
+        return self.wrong_checkpoint(where, others) if others else None
+
+    def wrong_checkpoint(self, where: str, layouts: Sequence[str]) -> str:
+        """The message for names that are those of ``layouts``, of another model family."""
+        return (f"{where}: these names are {' or '.join(layouts)}'s; is {self.source.path} the "
                 "checkpoint this dump was loaded from? its config is "
                 f"{_FAMILY_NAMES[self.family]}")
 
