@@ -6,8 +6,11 @@ engine tables pass while a part taken from a wrong rank is caught."""
 from __future__ import annotations
 
 import json
+import math
+import re
 import sys
 import tempfile
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -22,7 +25,7 @@ from kda_tp import EngineLayoutError, KdaShardedSource, KdaTpPlan, SafetensorsSo
 from kda_tp.engine_audit import audit_path, sharded_state_files
 from kda_tp.cli import main
 from kda_tp.engines import LAYOUTS, get_layout
-from kda_tp.errors import CheckpointError, PlanError
+from kda_tp.errors import CheckpointError, PlanError, ShapeMismatchError
 from kda_tp.synth import write_small_checkpoint
 
 DATA = Path(__file__).parent / "data" / "engine_ranks"
@@ -203,15 +206,24 @@ def test_even_split_of_a_padded_a_log(tmp_path, capsys):
     assert status == 1
     failure = only_failure(doc)
     assert failure["name"] == PRE + "A_log"
-    assert failure["differences"][0]["equals"].startswith(
-        "the even split of the padded A_log: entries 32..34 of the 128 stored")
+    # entries 32..34 are padding: zero, like a parameter never loaded; both are said
+    assert failure["differences"][0]["equals"] == (
+        "zeros (never loaded?), or the even split of the padded A_log: entries 32..34 of the "
+        "128 stored (padding included, 32 per rank), instead of heads 3..5 of 12: both are "
+        "all zero")
     # the even split by shape: 128/4 = 32 entries per rank
     tensors[PRE + "A_log"] = full[32:64].copy()
     status, out, doc = audit_file(tmp_path, capsys, "vllm_k3_tp4_r1", tensors)
     failure = only_failure(doc)
     assert status == 1 and failure["problem"] == "shape [32], expected [3]"
-    assert failure["equals"].startswith("the even split of the padded A_log: entries 32..63")
-    assert f"rank 1 {PRE}A_log: shape [32], expected [3]; equals the even split" in out
+    assert failure["equals"].startswith(
+        "zeros (never loaded?), or the even split of the padded A_log: entries 32..63")
+    assert f"rank 1 {PRE}A_log: shape [32], expected [3]; equals zeros (never loaded?), or " \
+           "the even split" in out
+    # rank 0's even split holds real heads (entries 0..31: heads 0..11, then padding)
+    tensors[PRE + "A_log"] = full[0:32].copy()
+    status, out, doc = audit_file(tmp_path, capsys, "vllm_k3_tp4_r1", tensors)
+    assert only_failure(doc)["equals"] is None  # not rank 1's even split: no diagnosis
 
 
 def test_dt_bias_at_the_head_offset(tmp_path, capsys):
@@ -397,10 +409,18 @@ def test_refused_inputs_exit_2(tmp_path, capsys):
 
 def test_names_no_layout_or_several_layouts_fit(monkeypatch):
     meta, tensors, ckpt = fixture("sglang_kimi_linear_tp4_r2")
-    # SGLang's Kimi-Linear names against a Kimi K3 checkpoint: no K3 layout has them
+    # SGLang's Kimi-Linear names against a Kimi K3 checkpoint: the layouts of another family
+    # have them, so the checkpoint is the wrong one
+    with pytest.raises(EngineLayoutError) as caught:
+        kda_tp.audit(tensors, CKPT["k3"], tp_rank=2, tp_size=4)
+    assert str(caught.value) == (
+        "state_dict: these names are sglang-0.5.23-kimi-linear or sglang-0.5.23-glm-5.3's; is "
+        f"{CKPT['k3']} the checkpoint this dump was loaded from? its config is Kimi K3")
+    # names of two engines mixed: no layout of any family has them
+    mixed = {**tensors, PRE + "in_proj_qkvgfab.weight": np.zeros(3, np.float32)}
     with pytest.raises(EngineLayoutError, match="no kimi-k3 engine layout has the parameter "
                        r"names \['A_log', 'dt_bias', 'fused_fg_b_proj.weight'"):
-        kda_tp.audit(tensors, CKPT["k3"], tp_rank=2, tp_size=4)
+        kda_tp.audit(mixed, CKPT["k3"], tp_rank=2, tp_size=4)
     # With the model family known, no two tables of this release tie on any set of names;
     # were a new table to, the refusal names both.
     module = sys.modules["kda_tp.engine_audit"]
@@ -534,3 +554,186 @@ def test_numpy_input_never_imports_torch():
     import subprocess
 
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# ------------------------------------------------------------------------------------------
+# Findings of an adversarial review: NaN, overflowing casts, wrong world size or checkpoint,
+# single-part parameters, zeros, malformed input
+
+
+def checkpoint_copy(tmp_path: Path, model: str, edit) -> Path:
+    """A copy of the fixture checkpoint of ``model`` (a ``CKPT`` key) with ``edit(tensors)``
+    applied."""
+    out = tmp_path / model
+    out.mkdir()
+    (out / "config.json").write_text((CKPT[model] / "config.json").read_text())
+    tensors = load(CKPT[model] / "model.safetensors")[1]
+    edit(tensors)
+    save_file(tensors, out / "model.safetensors")
+    return out
+
+
+def test_nan_matches_any_nan_and_negative_zero_is_caught(tmp_path):
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+
+    def nan(tensors):
+        tensors[PRE + "q_proj.weight"][2 * 384 + 5, 3] = np.nan  # rank 2's q_proj row 5
+    ckpt = checkpoint_copy(tmp_path, "kimi_linear", nan)
+    meta, tensors, _ = fixture("vllm_kimi_linear_tp4_r2")
+    name = PRE + "in_proj_qkvgfab.weight"
+    w = tensors[name].copy()
+    w.view(np.uint32)[5, 3] = 0x7FC00001  # a NaN with another payload
+    tensors[name] = w
+    assert kda_tp.audit(tensors, ckpt, tp_rank=2, tp_size=4).passed
+    # a BF16 dump: ml_dtypes casts the NaN to 0x7FC0, torch to another pattern; any NaN matches
+    fixed = {"A_log", "dt_bias", "conv1d.weight"}
+    bf16 = {k: v if k.removeprefix(PRE) in fixed else v.astype(ml_dtypes.bfloat16)
+            for k, v in tensors.items()}
+    for bits in (0x7FC0, 0xFFC0, 0x7F81):
+        bf16[name].view(np.uint16)[5, 3] = bits
+        assert kda_tp.audit(bf16, ckpt, tp_rank=2, tp_size=4).passed, hex(bits)
+    # a number where the checkpoint has NaN is still a difference
+    bf16[name][5, 3] = 5.0
+    [failure] = kda_tp.audit(bf16, ckpt, tp_rank=2, tp_size=4).failures
+    [diff] = failure.differences
+    assert (diff.part, diff.index, math.isnan(diff.expected), diff.actual) == (
+        "q_proj", (5, 3), True, 5.0)
+    # -0.0 is not 0.0: a sign bit in vLLM K3's zero padding rows is caught
+    meta, tensors, ckpt = fixture("vllm_k3_tp4_r1")
+    name = PRE + "in_proj_qkvgfab.weight"
+    tensors[name] = tensors[name].copy()
+    tensors[name][1679, 0] = -0.0
+    [failure] = kda_tp.audit(tensors, ckpt, tp_rank=1, tp_size=4).failures
+    assert failure.differences[0].equals == (
+        "non-zero padding: rows 1667..1679 must be zero, row 1679 is not")
+
+
+def test_a_cast_that_overflows_never_passes():
+    meta, tensors, ckpt = fixture("vllm_k3_tp4_r1")
+    fixed = {"A_log", "dt_bias", "conv1d.weight"}
+    with np.errstate(over="ignore"):
+        f16 = {k: v if k.removeprefix(PRE) in fixed else v.astype(np.float16)
+               for k, v in tensors.items()}
+        # o_proj's columns hold 110000 + j: every rank's slice is inf in F16
+        f16_rank0 = rank_params(ckpt, "vllm-0.33-k3", 0, 4)[PRE + "o_proj.weight"].astype(
+            np.float16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # numpy's RuntimeWarning does not leak
+        for o_proj in (f16[PRE + "o_proj.weight"], f16_rank0):
+            report = kda_tp.audit({**f16, PRE + "o_proj.weight": o_proj}, ckpt, tp_rank=1,
+                                  tp_size=4)
+            assert not report.passed
+            by_name = {p.name.removeprefix(PRE): p for p in report.failures}
+            assert sorted(by_name) == ["in_proj_qkvgfab.weight", "o_proj.weight"]
+            assert by_name["o_proj.weight"].problem == (
+                "the cast from F32 to F16 overflows: o_proj's 110384.0 (its [0, 0]) becomes "
+                "inf, as do 24576 of its 24576 values; F16 cannot hold this checkpoint's "
+                "weights, and the bytes cannot tell which slice was loaded")
+            assert by_name["in_proj_qkvgfab.weight"].problem.startswith(
+                "the cast from F32 to F16 overflows: b_proj's 80003.0 (its [0, 0]) becomes inf")
+
+
+def test_wrong_world_size(tmp_path, capsys):
+    out, ckpt, tp = sharded_state(tmp_path, "vllm_k3_tp4_r1")  # no header metadata
+    status, text, _ = run(capsys, "audit", ckpt, out, "--tp-size", 6, "--quiet")
+    assert status == 1
+    # rank 0's dt_bias: head offset 0 = channel offset 0, so no head-offset diagnosis
+    assert f"rank 0 {PRE}dt_bias: shape [384], expected [256]\n" in text
+    assert "head offset" not in text
+    # the fixture file's metadata says tp_size 4 and tp_rank 1: said first, refused
+    path = DATA / "vllm_k3_tp4_r1.safetensors"
+    status, _, err = run(capsys, "audit", ckpt, path, "--tp-size", 6)
+    assert status == 2 and err.strip() == (
+        f"kda-tp: error: PlanError: {path}: the dump's metadata says tp_size 4; pass "
+        "--tp-size 4 (tp_size=), not 6")
+    status, _, err = run(capsys, "audit", ckpt, path, "--tp-size", 4, "--rank", 2)
+    assert status == 2 and err.strip() == (
+        f"kda-tp: error: PlanError: {path}: the dump's metadata says tp_rank 1, --rank "
+        "(rank=) says rank 2; pass --rank 1 (rank=)")
+
+
+def test_a_single_part_parameter_holding_another_tensor(tmp_path, capsys):
+    meta, tensors, ckpt = fixture("vllm_kimi_linear_tp4_r2")
+    # g_a_proj [128, 64] given f_a_proj's rows (the last 128 of in_proj_qkvgfab)
+    tensors[PRE + "g_a_proj.weight"] = tensors[PRE + "in_proj_qkvgfab.weight"][-128:].copy()
+    status, out, doc = audit_file(tmp_path, capsys, "vllm_kimi_linear_tp4_r2", tensors)
+    assert status == 1
+    [diff] = only_failure(doc)["differences"]
+    assert diff["equals"] == "this rank's slice of f_a_proj: the wrong tensor was loaded"
+
+
+def test_an_empty_parameter_is_a_shape_problem_only(tmp_path, capsys):
+    meta, tensors, ckpt = fixture("vllm_kimi_linear_tp4_r2")
+    tensors[PRE + "o_norm.weight"] = np.zeros(0, np.float32)
+    status, out, doc = audit_file(tmp_path, capsys, "vllm_kimi_linear_tp4_r2", tensors)
+    failure = only_failure(doc)
+    assert status == 1 and failure["problem"] == "shape [0], expected [128]"
+    assert failure["equals"] is None and failure["differences"] == []
+
+
+def test_malformed_input_raises_named_errors(tmp_path, capsys):
+    meta, tensors, ckpt = fixture("vllm_k3_tp4_r1")
+    # a header tp_rank that str.isdigit() accepts and int() refuses
+    path = tmp_path / "rank.safetensors"
+    save_file(tensors, path, metadata={"tp_rank": "²"})
+    status, _, err = run(capsys, "audit", ckpt, path, "--tp-size", 4)
+    assert status == 2 and err.strip() == (
+        f"kda-tp: error: CheckpointError: {path}: its metadata's tp_rank '²' is not a rank "
+        "(0, 1, ...); pass --rank (rank=)")
+    short = kda_tp.Tensor(PRE + "A_log", "F32", (3,), np.zeros(8, np.uint8))
+    with pytest.raises(ShapeMismatchError, match=re.escape(
+            f"{PRE}A_log: a kda_tp.Tensor of shape [3] x F32 needs 12 bytes of data, it has "
+            "8 bytes")):
+        kda_tp.audit({**tensors, PRE + "A_log": short}, ckpt, tp_rank=1, tp_size=4)
+    with pytest.raises(CheckpointError, match=re.escape(
+            "state_dict: the key 5 (int) is not a parameter name (a str)")):
+        kda_tp.audit({**tensors, 5: np.zeros(3)}, ckpt, tp_rank=1, tp_size=4)
+    with pytest.raises(PlanError, match="tp_rank must be an integer >= 0, got True"):
+        kda_tp.audit(tensors, ckpt, tp_rank=True, tp_size=4)
+    with pytest.raises(PlanError, match="tp_size must be an integer >= 1, got 4.0"):
+        kda_tp.audit(tensors, ckpt, tp_rank=1, tp_size=4.0)
+    assert kda_tp.audit(tensors, ckpt, tp_rank=np.int64(1), tp_size=4).passed
+
+
+def test_a_rank_without_kda_parameters_is_all_missing(tmp_path, capsys):
+    out, ckpt, tp = sharded_state(tmp_path, "vllm_k3_tp4_r1")
+    other = {"model.embed_tokens.weight": np.zeros((16, 64), np.float32)}
+    save_file(other, out / "model-rank-2-part-0.safetensors")
+    status, text, _ = run(capsys, "audit", ckpt, out, "--tp-size", 4, "--quiet")
+    assert status == 1
+    lines = text.splitlines()
+    assert lines[0] == (f"rank 2 {PRE}in_proj_qkvgfab.weight: missing: vllm-0.33-k3 holds "
+                        "in_proj_qkvgfab.weight [1680, 64] here")
+    assert [line.split()[1] for line in lines[:-1]] == ["2"] * 7
+    assert lines[-1] == ("FAIL: 7 KDA parameter(s) wrong; 21 of 28 KDA parameters exact on "
+                         "ranks 0, 1, 2, 3 of 4 (vllm-0.33-k3); 4 other parameters ignored")
+    for r in range(4):  # no rank has one: not a dump of this model
+        save_file(other, out / f"model-rank-{r}-part-0.safetensors")
+    status, _, err = run(capsys, "audit", ckpt, out, "--tp-size", 4)
+    assert status == 2 and "no KDA parameter of the checkpoint's KDA layers [0]" in err
+
+
+def test_a_dump_against_the_checkpoint_of_another_model(capsys):
+    glm = CKPT["glm"]
+    path = DATA / "vllm_kimi_linear_tp4_r2.safetensors"
+    status, _, err = run(capsys, "audit", glm, path, "--tp-size", 4)
+    assert status == 2 and err.strip() == (
+        f"kda-tp: error: EngineLayoutError: {path}: these names are vllm-0.33-kimi-linear's; "
+        f"is {glm} the checkpoint this dump was loaded from? its config is GLM-5.3-Flash; "
+        f"{path}: the dump's metadata says model 'kimi_linear'; the checkpoint's config is "
+        "GLM-5.3-Flash")
+    # SGLang holds Kimi-Linear and GLM under the same names (and the fixtures' values agree):
+    # the metadata's model is what tells
+    path = DATA / "sglang_kimi_linear_tp4_r2.safetensors"
+    status, text, _ = run(capsys, "audit", glm, path, "--tp-size", 4)
+    assert status == 1
+    assert text.splitlines()[0] == (f"{path}: the dump's metadata says model 'kimi_linear'; "
+                                    "the checkpoint's config is GLM-5.3-Flash")
+    # names that a layout of the checkpoint's family holds only in part (here with g_a and g_b
+    # missing), but another family's layout holds whole: named first, in the report
+    meta, tensors, _ = fixture("vllm_k3_tp4_r1")
+    report = kda_tp.audit(tensors, CKPT["kimi_linear"], tp_rank=1, tp_size=4)
+    assert not report.passed and report.problems == [
+        f"state_dict: these names are vllm-0.33-k3's; is {CKPT['kimi_linear']} the checkpoint "
+        "this dump was loaded from? its config is Kimi-Linear"]
+    assert report.format().splitlines()[0] == report.problems[0]

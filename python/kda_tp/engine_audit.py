@@ -30,7 +30,7 @@ import numpy as np
 
 from .checkpoint import SafetensorsSource, Tensor, numpy_dtype, torch_dtype
 from .engines import LAYOUTS, EngineLayout, EngineParamPlan, get_layout, model_family, recognise
-from .errors import CheckpointError, EngineLayoutError, PlanError
+from .errors import CheckpointError, EngineLayoutError, PlanError, ShapeMismatchError
 from .layout import kda_layer_indices, kda_tensor_name, scale_tensor_name
 from .plan import KdaTpPlan
 from .source import KdaShardedSource, checked_get
@@ -50,6 +50,10 @@ _RANK_FILE = re.compile(r"^model-rank-(\d+)-part-(\d+)\.safetensors$")
 _PP_TP_FILE = re.compile(r"^model-pp-(\d+)-tp-(\d+)-part-(\d+)\.safetensors$")
 # `language_model.model.layers.3.self_attn.A_log` -> ("language_model.model.layers.", 3, "A_log")
 _KDA_PARAM = re.compile(r"^(.*?layers\.)(\d+)\.self_attn\.(.+)$")
+# A rank or size in a file header's metadata.
+_ASCII_INT = re.compile(r"[0-9]+")
+# The model families' names in messages.
+_FAMILY_NAMES = {"kimi-k3": "Kimi K3", "kimi-linear": "Kimi-Linear", "glm-5.3": "GLM-5.3-Flash"}
 
 # The float dtypes an engine casts between (torch's `copy_`, round to nearest even); FP8 and
 # integer parameters are compared as stored.
@@ -273,9 +277,21 @@ def _record(name: str, value: Any) -> Tensor:
     Raises:
         CheckpointError: a value of another type, a dtype with no safetensors name, or a torch
             tensor without data (``meta`` device).
+        ShapeMismatchError: a Tensor record whose data is not its shape's size in bytes.
     """
     if isinstance(value, Tensor):
-        return value
+        if value.dtype not in _DTYPES:  # reported as a dtype mismatch
+            return value
+        data = value.data
+        need = math.prod(value.shape) * numpy_dtype(value.dtype).itemsize
+        if not isinstance(data, np.ndarray) or data.nbytes != need:
+            got = f"{data.nbytes} bytes" if isinstance(data, np.ndarray) else type(data).__name__
+            raise ShapeMismatchError(
+                f"{name}: a kda_tp.Tensor of shape {list(value.shape)} x {value.dtype} needs "
+                f"{need} bytes of data, it has {got}"
+            )
+        flat = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+        return Tensor(name, value.dtype, value.shape, flat)
     torch = sys.modules.get("torch")  # a torch tensor means torch is imported already
     if torch is not None and isinstance(value, torch.Tensor):  # engines' Parameter subclasses too
         dtype = next((d for d in _DTYPES if value.dtype == torch_dtype(d)), None)
@@ -336,10 +352,12 @@ class _Candidates:
             entry = entry.scale
         return int(entry.local_rows * entry.local_row_elems)
 
-    def labelled(self, part: str, size: int) -> Iterable[tuple[str, np.ndarray | None]]:
+    def labelled(self, part: str, size: int, single: bool
+                 ) -> Iterable[tuple[str, np.ndarray | None]]:
         """``(what it is, values)`` for every known slice of ``size`` elements a part ``part``
         might hold by mistake, most likely first (None: zeros). Slices are read only when their
-        size is ``size``."""
+        size is ``size``. ``single``: the part is the whole parameter (no other part to swap
+        with: another tensor's slice means the wrong tensor was loaded)."""
         plan, tp_size = self.plan, self.plan.tp_size
         others = [r for r in range(tp_size) if r != self.rank]
         if part in self.parts and self.size(part) == size:
@@ -355,21 +373,21 @@ class _Candidates:
                 f"{plan.full_heads}",
                 self.full(part)[start : start + size],
             )
-        if part == "dt_bias":
-            start = self.rank * plan.local_heads
+        start, channels = self.rank * plan.local_heads, self.rank * plan.local_heads * plan.head_dim
+        if part == "dt_bias" and start != channels and size == self.size(part):
             yield (
                 f"dt_bias[{start}:{start + size}]: sliced at the head offset rank x H/T = {start} "
-                f"instead of the channel offset rank x C/T = "
-                f"{self.rank * plan.local_heads * plan.head_dim}",
+                f"instead of the channel offset rank x C/T = {channels}",
                 self.full(part)[start : start + size],
             )
         for other in self.parts:
             if other == part or self.size(other) != size:
                 continue
-            swap = {part, other} == {"f_b_proj", "g_b_proj"}
-            yield (f"this rank's slice of {other}: "
-                   f"{'f_b and g_b swapped' if swap else 'parts in another order'}",
-                   self.slice(self.rank, other))
+            if {part, other} == {"f_b_proj", "g_b_proj"}:
+                why = "f_b and g_b swapped"
+            else:
+                why = "the wrong tensor was loaded" if single else "parts in another order"
+            yield f"this rank's slice of {other}: {why}", self.slice(self.rank, other)
             for r in others:
                 yield f"rank {r}'s slice of {other}", self.slice(r, other)
         yield "zeros (never loaded?)", None
@@ -383,31 +401,55 @@ def _cast(values: np.ndarray, dtype: str) -> np.ndarray:
 
 
 def _same(a: np.ndarray, b: np.ndarray) -> bool:
-    """Whether two flat arrays of one dtype hold the same bytes (NaNs compare by payload)."""
+    """Whether two flat arrays of one dtype hold the same values: the same bits, except that a
+    NaN matches a NaN of any bit pattern (torch and ml_dtypes cast a NaN to different ones);
+    ``-0.0`` and ``0.0`` differ."""
     if a.shape != b.shape:
         return False
     x, y = a.view(np.uint8), b.view(np.uint8)
     # Compared as the widest integers that tile the bytes: fewer, larger elements (2.4x faster
     # than bytes on 112 MB).
     word = next(w for w in (8, 4, 2, 1) if x.size % w == 0)
-    return np.array_equal(x.view(f"<u{word}"), y.view(f"<u{word}"))
+    if np.array_equal(x.view(f"<u{word}"), y.view(f"<u{word}")):
+        return True
+    return not _differing(a, b).any()
+
+
+def _differing(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Per element of flat arrays ``a`` and ``b`` (one dtype, one size): whether they differ
+    (other bits, unless both are NaN)."""
+    width = a.dtype.itemsize
+    bits: np.ndarray = (
+        a.view(np.uint8).reshape(-1, width) != b.view(np.uint8).reshape(-1, width)).any(1)
+    if a.dtype.kind not in "iub":  # every other audited dtype is a float (ml_dtypes' too)
+        bits &= ~(np.isnan(a) & np.isnan(b))
+    return bits
 
 
 def _first_difference(a: np.ndarray, b: np.ndarray) -> int:
-    """The first element index where flat arrays ``a`` and ``b`` (one dtype, one size) differ."""
-    width = a.dtype.itemsize
-    rows = (a.view(np.uint8).reshape(-1, width) != b.view(np.uint8).reshape(-1, width)).any(1)
-    return int(np.flatnonzero(rows)[0])
+    """The first element index where flat arrays ``a`` and ``b`` (one dtype, one size) differ
+    (see :func:`_same`)."""
+    return int(np.flatnonzero(_differing(a, b))[0])
 
 
-def _identify(data: np.ndarray, part: str, dtype: str, candidates: _Candidates) -> str | None:
-    """What ``data`` (a part's elements, in the dump's ``dtype``) equals instead, if anything."""
-    for label, values in candidates.labelled(part, data.size):
+def _identify(data: np.ndarray, part: str, dtype: str, candidates: _Candidates,
+              single: bool) -> str | None:
+    """What ``data`` (a part's elements, in the dump's ``dtype``) equals instead, if anything
+    (nothing for no elements: that is a shape problem only). ``single``: see
+    :meth:`_Candidates.labelled`."""
+    if not data.size:
+        return None
+    zeros = not data.view(np.uint8).any()
+    for label, values in candidates.labelled(part, data.size, single):
         if values is None:
-            if not data.view(np.uint8).any():
+            if zeros:
                 return label
-        elif values.size == data.size and _same(data, _cast(values, dtype)):
-            return label
+            continue
+        with np.errstate(over="ignore", invalid="ignore"):  # an overflow is reported elsewhere
+            same = values.size == data.size and _same(data, _cast(values, dtype))
+        if same:
+            # An all-zero slice (e.g. padding) cannot be told from a parameter never loaded.
+            return f"zeros (never loaded?), or {label}: both are all zero" if zeros else label
     return None
 
 
@@ -457,6 +499,32 @@ def _part_order(data: np.ndarray, spans: Sequence[_Span], expected: np.ndarray) 
     return f"its parts in another order: {', '.join(order)} (expected {', '.join(names)})"
 
 
+def _overflow(plan: EngineParamPlan, expected: np.ndarray, candidates: _Candidates
+              ) -> str | None:
+    """When casting a part to the parameter's dtype turns a finite checkpoint value into an
+    infinity (e.g. 70000.0 to F16), what overflows, else None."""
+    size = numpy_dtype(plan.dtype).itemsize
+    for region in plan.regions:
+        if region.source_dtype == plan.dtype:
+            continue
+        cast = expected[region.byte_range[0] // size : region.byte_range[1] // size]
+        infinite = np.isinf(cast)
+        if not infinite.any():
+            continue
+        values = candidates.slice(candidates.rank, region.part)
+        overflowed = np.flatnonzero(infinite & np.isfinite(values))
+        if overflowed.size:
+            i = int(overflowed[0])
+            at = [int(x) for x in np.unravel_index(i, region.shape)]
+            return (
+                f"the cast from {region.source_dtype} to {plan.dtype} overflows: "
+                f"{region.part}'s {float(values[i])!r} (its {at}) becomes inf, as do "
+                f"{overflowed.size} of its {values.size} values; {plan.dtype} cannot hold this "
+                "checkpoint's weights, and the bytes cannot tell which slice was loaded"
+            )
+    return None
+
+
 def _compare(rank: int, layer: int, name: str, record: Tensor, plan: EngineParamPlan,
              expected: np.ndarray, candidates: _Candidates) -> ParamAudit:
     """Compare one dumped parameter with the bytes it must hold; diagnose a difference."""
@@ -474,13 +542,14 @@ def _compare(rank: int, layer: int, name: str, record: Tensor, plan: EngineParam
             return ParamAudit(rank, layer, name, "mismatch", problem + " (the values are right)")
         named = [s for s in spans if s.part != "padding"]
         if len(named) == 1:
-            instead = _identify(data, named[0].part, record.dtype, candidates)
+            instead = _identify(data, named[0].part, record.dtype, candidates, True)
         else:
             instead = _part_order(data, spans, expected)
         return ParamAudit(rank, layer, name, "mismatch", problem, equals=instead)
     if _same(data, expected):
         return ParamAudit(rank, layer, name, "exact")
     differences = []
+    single = sum(s.part != "padding" for s in spans) == 1
     for span in spans:
         got, want = data[span.start : span.stop], expected[span.start : span.stop]
         if _same(got, want):
@@ -495,7 +564,7 @@ def _compare(rank: int, layer: int, name: str, record: Tensor, plan: EngineParam
                 f"{index[0]} is not"
             )
         else:
-            equals = _identify(got, span.part, record.dtype, candidates)
+            equals = _identify(got, span.part, record.dtype, candidates, single)
         differences.append(
             PartDifference(span.part, index, part_index, float(want[i]), float(got[i]), equals)
         )
@@ -541,13 +610,13 @@ class _Auditor:
             self._shards[rank] = KdaShardedSource(self.source, plan)
         return self._shards[rank]
 
-    def select(self, names: Sequence[str], where: str) -> _Selected:
+    def select(self, names: Sequence[str], where: str) -> _Selected | None:
         """The dump's KDA parameters: those under the prefix where ``A_log``/``dt_bias`` lie
         (else any name a layout knows) in the checkpoint's KDA layers; every other name is
-        counted as ignored.
+        counted as ignored. None when it has no KDA parameter.
 
         Raises:
-            CheckpointError: no KDA parameter, or KDA parameters under several prefixes.
+            CheckpointError: KDA parameters under several prefixes.
         """
         parsed = [(n, m) for n in names if (m := _KDA_PARAM.match(n))]
         kda = [(n, m) for n, m in parsed
@@ -555,11 +624,7 @@ class _Auditor:
         prefixes = {m.group(1) for _, m in kda if m.group(3) in self.markers}
         prefixes = prefixes or {m.group(1) for _, m in kda}
         if not prefixes:
-            raise CheckpointError(
-                f"{where}: no KDA parameter of the checkpoint's KDA layers "
-                f"{list(self.layers)} (no ...layers.{{i}}.self_attn.A_log or other name an "
-                "engine layout knows); is it a dump of this model?"
-            )
+            return None
         if len(prefixes) > 1:
             raise CheckpointError(
                 f"{where}: KDA parameters under several prefixes {sorted(prefixes)}; "
@@ -572,6 +637,14 @@ class _Auditor:
                 layers.setdefault(int(m.group(2)), {})[m.group(3)] = n
         return _Selected(prefix, layers, len(names) - sum(map(len, layers.values())))
 
+    def no_kda(self, where: str) -> CheckpointError:
+        """The refusal of a dump without any KDA parameter."""
+        return CheckpointError(
+            f"{where}: no KDA parameter of the checkpoint's KDA layers {list(self.layers)} "
+            "(no ...layers.{i}.self_attn.A_log or other name an engine layout knows); is it a "
+            f"dump of this model ({_FAMILY_NAMES[self.family]}, {self.source.path})?"
+        )
+
     def layout(self, suffixes: Iterable[str], where: str) -> EngineLayout:
         """The layout the names fit (the forced one, if any), checked against the plan.
 
@@ -582,7 +655,12 @@ class _Auditor:
         if self.forced is not None:
             layout = self.forced
         else:
+            suffixes = set(suffixes)
             found = recognise(suffixes, self.family)
+            elsewhere = [] if found else [
+                lay.name for lay in recognise(suffixes, None) if lay.family != self.family]
+            if elsewhere:
+                raise EngineLayoutError(self.wrong_checkpoint(where, elsewhere))
             if not found:
                 raise EngineLayoutError(
                     f"{where}: no {self.family} engine layout has the parameter names "
@@ -597,6 +675,22 @@ class _Auditor:
             (layout,) = found
         layout.params_for(self.shard(0).plan)
         return layout
+
+    def elsewhere(self, suffixes: set[str], layout: EngineLayout, where: str) -> str | None:
+        """When ``layout`` (recognised, not forced) lacks some of the names' parameters while a
+        layout of another model family has them all, the note that the checkpoint is likely
+        not the one the dump was loaded from."""
+        if self.forced is not None or not layout.required - suffixes:
+            return None
+        others = [lay.name for lay in recognise(suffixes, None)
+                  if lay.family != self.family and not lay.required - suffixes]
+        return self.wrong_checkpoint(where, others) if others else None
+
+    def wrong_checkpoint(self, where: str, layouts: Sequence[str]) -> str:
+        """The message for names that are those of ``layouts``, of another model family."""
+        return (f"{where}: these names are {' or '.join(layouts)}'s; is {self.source.path} the "
+                "checkpoint this dump was loaded from? its config is "
+                f"{_FAMILY_NAMES[self.family]}")
 
     def run(self, records: Mapping[str, Any], rank: int, selected: _Selected,
             layout: EngineLayout, report: AuditReport,
@@ -630,8 +724,16 @@ class _Auditor:
         if record is None:
             return ParamAudit(rank, layer, name, "missing",
                               f"missing: {layout.name} holds {suffix} {list(plan.shape)} here")
-        expected = shard.build_param(layout, suffix, layer, model_dtype=model_dtype)
-        return _compare(rank, layer, name, record, plan, expected.reshape(-1), candidates)
+        with np.errstate(over="ignore", invalid="ignore"):  # an overflow is reported below
+            expected = shard.build_param(layout, suffix, layer, model_dtype=model_dtype)
+        result = _compare(rank, layer, name, record, plan, expected.reshape(-1), candidates)
+        overflow = _overflow(plan, expected.reshape(-1), candidates)
+        if overflow is None:
+            return result
+        # Every rank's slice may cast to the same infinities: the bytes prove nothing.
+        problem = overflow if result.passed else f"{overflow}; {result.problem}"
+        return ParamAudit(rank, layer, name, "mismatch", problem, result.differences,
+                          result.equals)
 
 
 def audit(
@@ -674,24 +776,62 @@ def audit(
 
     Raises:
         CheckpointError: the checkpoint cannot be read or has no config; ``state_dict`` holds
-            no KDA parameter, KDA parameters under several prefixes, or a value that is not an
-            array.
-        EngineLayoutError: no layout, or several, fit the names (the message lists them); an
+            no KDA parameter, KDA parameters under several prefixes, a key that is not a
+            ``str``, or a value that is not an array.
+        ShapeMismatchError: a :class:`~kda_tp.Tensor` record whose data is not its shape's
+            size in bytes.
+        EngineLayoutError: no layout, or several, fit the names (the message lists them; names
+            of another model family's layout mean the checkpoint is likely the wrong one); an
             unknown ``engine``; a layout that does not fit the checkpoint (e.g. another
             output-gate form).
-        PlanError: ``tp_size`` does not divide the heads, or ``tp_rank`` is out of range.
+        PlanError: ``tp_size`` or ``tp_rank`` is not an integer (a bool included), ``tp_size``
+            does not divide the heads, or ``tp_rank`` is out of range.
     """
-    auditor = _Auditor(checkpoint, tp_size, engine)
+    tp_size, tp_rank = _whole("tp_size", tp_size, 1), _whole("tp_rank", tp_rank, 0)
     names = list(state_dict.keys())
+    for name in names:
+        if not isinstance(name, str):
+            raise CheckpointError(f"state_dict: the key {name!r} ({type(name).__name__}) is not a "
+                                  "parameter name (a str)")
+    auditor = _Auditor(checkpoint, tp_size, engine)
     selected = auditor.select(names, "state_dict")
+    if selected is None:
+        raise auditor.no_kda("state_dict")
     layout = auditor.layout(_suffixes(selected), "state_dict")
     report = AuditReport(layout.name, tp_size, (tp_rank,))
+    note = auditor.elsewhere(_suffixes(selected), layout, "state_dict")
+    report.problems += [note] if note else []
     auditor.run(state_dict, tp_rank, selected, layout, report, None)
     return report
 
 
 def _suffixes(selected: _Selected) -> set[str]:
     return {s for names in selected.layers.values() for s in names}
+
+
+def _whole(what: str, value: Any, low: int) -> int:
+    """``value`` as an int ``>= low``.
+
+    Raises:
+        PlanError: a bool, not an integer, or below ``low``.
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
+        raise PlanError(f"{what} must be an integer >= {low}, got {value!r}")
+    return int(value)
+
+
+def _meta_int(meta: Mapping[str, Any], key: str) -> int | None:
+    """A file header's metadata ``key`` as a rank or size; None when absent or not ASCII
+    digits (``str.isdigit`` is also true for ``"²"``, which ``int`` refuses)."""
+    value = meta.get(key)
+    return int(value) if isinstance(value, str) and _ASCII_INT.fullmatch(value) else None
+
+
+def _same_family(model: str, family: str) -> bool:
+    """Whether a dump's ``model`` metadata (``"kimi_linear"``, ``"GLM-5.3-Flash"``, ``"k3"``)
+    names ``family`` (one of the words of either holds all the other's)."""
+    a, b = (set(re.split(r"[-_ ]+", x.lower())) for x in (model, family))
+    return a <= b or b <= a
 
 
 class _RankFiles(Mapping[str, Tensor]):
@@ -720,6 +860,30 @@ class _RankFiles(Mapping[str, Tensor]):
     def __len__(self) -> int:
         return len(self.where)
 
+    def check(self, rank: int, tp_size: int, how: str, family: str) -> str | None:
+        """Compare the files' header metadata (``tp_size``, ``tp_rank``, ``model``, where an
+        engine or tool wrote them) with the audit's world size, ``rank`` (taken ``how``) and
+        the checkpoint's ``family``; returns the note on a ``model`` of another family.
+
+        Raises:
+            PlanError: the metadata's ``tp_size`` or ``tp_rank`` disagrees.
+        """
+        note = None
+        for source in self.sources:
+            meta = source.files()[0][1] or {}
+            size, found = _meta_int(meta, "tp_size"), _meta_int(meta, "tp_rank")
+            if size is not None and size != tp_size:
+                raise PlanError(f"{source.path}: the dump's metadata says tp_size {size}; pass "
+                                f"--tp-size {size} (tp_size=), not {tp_size}")
+            if found is not None and found != rank:
+                raise PlanError(f"{source.path}: the dump's metadata says tp_rank {found}, "
+                                f"{how} says rank {rank}; pass --rank {found} (rank=)")
+            model = meta.get("model")
+            if note is None and isinstance(model, str) and not _same_family(model, family):
+                note = (f"{source.path}: the dump's metadata says model {model!r}; the "
+                        f"checkpoint's config is {_FAMILY_NAMES[family]}")
+        return note
+
 
 def audit_path(
     checkpoint: str | os.PathLike[str],
@@ -736,9 +900,12 @@ def audit_path(
     ``model-pp-{pp}-tp-{r}-part-{p}.safetensors`` (vLLM with pipeline stages) files; a rank's
     files together are its state dict. Every rank ``0..tp_size-1`` is audited and must be
     there: a missing rank is a problem in the report (it does not pass), not a refusal, so the
-    ranks that are there are still audited. With ``rank``, only that rank is audited (and only
-    it must be there). A single ``.safetensors`` file is one rank's whole state dict; its rank
-    is ``rank``, else the one in its name, else its header's ``tp_rank`` metadata.
+    ranks that are there are still audited; a rank whose files hold no KDA parameter has them
+    all ``"missing"``. With ``rank``, only that rank is audited (and only it must be there). A
+    single ``.safetensors`` file is one rank's whole state dict; its rank is ``rank``, else the
+    one in its name, else its header's ``tp_rank`` metadata. Where the files' header metadata
+    has ``tp_size``/``tp_rank``, they must agree with ``tp_size`` and the rank; a ``model`` of
+    another family than the checkpoint's is a problem in the report.
 
     Args:
         checkpoint: the checkpoint the engine loaded.
@@ -752,11 +919,15 @@ def audit_path(
     Raises:
         CheckpointError: ``path`` does not exist, is a directory without ``sharded_state``
             files, holds files of ranks ``>= tp_size`` (the message lists the ranks found: the
-            world size is another), or a file's rank is not known; and as :func:`audit`.
-        EngineLayoutError, PlanError: as :func:`audit`; also when ranks fit different
-            layouts.
+            world size is another), no rank's files hold a KDA parameter, or a file's rank is
+            not known (its metadata's ``tp_rank`` not ASCII digits); and as :func:`audit`.
+        EngineLayoutError: as :func:`audit`; also when ranks fit different layouts.
+        PlanError: as :func:`audit`; also when the files' ``tp_size``/``tp_rank`` metadata
+            disagree with ``tp_size`` or the rank.
     """
     root = Path(path)
+    tp_size = _whole("tp_size", tp_size, 1)
+    rank = None if rank is None else _whole("rank", rank, 0)
     auditor = _Auditor(checkpoint, tp_size, engine)
     if root.is_dir():
         files = sharded_state_files(root)
@@ -767,16 +938,19 @@ def audit_path(
                 "pass the world size the engine ran with"
             )
         wanted = list(range(tp_size)) if rank is None else [rank]
+        how = "its name"
     elif root.is_file():
         found = rank if rank is not None else _rank_of_file(root)
         files, wanted = {found: [root]}, [found]
+        how = "--rank (rank=)" if rank is not None else "its name"
     else:
         raise CheckpointError(f"{root}: no such file or directory")
     for r in wanted:
         if not 0 <= r < tp_size:
             raise PlanError(f"rank {r} is not a rank of tp_size {tp_size} (0..{tp_size - 1})")
     report = AuditReport("", tp_size)
-    dumps = []
+    noted = False  # the dump's model metadata named another family (said once, first)
+    dumps: list[tuple[int, _RankFiles, _Selected | None]] = []
     for r in wanted:
         if r not in files:
             report.problems.append(
@@ -785,24 +959,54 @@ def audit_path(
             )
             continue
         records = _RankFiles(files[r])
+        note = records.check(r, tp_size, how, auditor.family)
+        if note is not None and not noted:
+            report.problems.insert(0, note)
+            noted = True
         where = str(files[r][0]) if len(files[r]) == 1 else f"{root} rank {r}"
-        selected = auditor.select(list(records), where)
-        dumps.append((r, records, selected, auditor.layout(_suffixes(selected), where)))
-    layouts = {layout.name for *_, layout in dumps}
-    if len(layouts) > 1:
-        raise EngineLayoutError(
-            f"{root}: the ranks' parameter names fit different layouts "
-            f"({', '.join(f'rank {r}: {lay.name}' for r, _, _, lay in dumps)}); pass --engine "
-            "(engine=) to audit every rank against one"
-        )
-    report.engine = layouts.pop() if layouts else (engine or "-")
+        dumps.append((r, records, auditor.select(list(records), where)))
+    present = [(r, selected) for r, _, selected in dumps if selected is not None]
+    if dumps and not present:
+        error = auditor.no_kda(str(root))
+        raise CheckpointError("; ".join([str(error), *report.problems])) from None
     report.ranks = tuple(r for r, *_ in dumps)
-    total = sum(len(lay.params_for(auditor.shard(r).plan)) * len(auditor.layers)
-                for r, _, _, lay in dumps)
+    if not present:  # every wanted rank is missing
+        report.engine = engine or "-"
+        return report
+    layout = _common_layout(auditor, root, present, report.problems)
+    report.engine = layout.name
+    note = auditor.elsewhere(set().union(*(_suffixes(s) for _, s in present)), layout, str(root))
+    report.problems += [note] if note else []
+    total = sum(len(layout.params_for(auditor.shard(r).plan)) * len(auditor.layers)
+                for r, *_ in dumps)
     advance = progress(total) if progress else None
-    for r, records, selected, layout in dumps:
+    for r, records, selected in dumps:
+        if selected is None:  # this rank's KDA parameters are all missing
+            selected = _Selected(present[0][1].prefix, {}, len(records))
         auditor.run(records, r, selected, layout, report, advance)
     return report
+
+
+def _common_layout(auditor: _Auditor, root: Path, present: Sequence[tuple[int, _Selected]],
+                   notes: Sequence[str]) -> EngineLayout:
+    """The one layout every rank's KDA parameter names fit (together).
+
+    Raises:
+        EngineLayoutError: no layout or several fit (``notes``, e.g. the dump's ``model``
+            metadata, appended), or the ranks fit different layouts.
+    """
+    try:
+        return auditor.layout(set().union(*(_suffixes(s) for _, s in present)), str(root))
+    except EngineLayoutError as error:
+        if len(present) > 1:  # which ranks disagree
+            layouts = [(r, auditor.layout(_suffixes(s), f"{root} rank {r}")) for r, s in present]
+            if len({lay.name for _, lay in layouts}) > 1:
+                raise EngineLayoutError(
+                    f"{root}: the ranks' parameter names fit different layouts "
+                    f"({', '.join(f'rank {r}: {lay.name}' for r, lay in layouts)}); pass "
+                    "--engine (engine=) to audit every rank against one"
+                ) from None
+        raise EngineLayoutError("; ".join([str(error), *notes])) from None
 
 
 def _rank_of_file(path: Path) -> int:
@@ -810,14 +1014,20 @@ def _rank_of_file(path: Path) -> int:
     ``tp_rank`` metadata.
 
     Raises:
-        CheckpointError: neither says.
+        CheckpointError: neither says, or the metadata's ``tp_rank`` is not a rank.
     """
     found = _rank_of_name(path.name)
     if found is not None:
         return found
     meta = SafetensorsSource(path).files()[0][1] or {}
-    if str(meta.get("tp_rank", "")).isdigit():
-        return int(meta["tp_rank"])
+    found = _meta_int(meta, "tp_rank")
+    if found is not None:
+        return found
+    if "tp_rank" in meta:
+        raise CheckpointError(
+            f"{path}: its metadata's tp_rank {meta['tp_rank']!r} is not a rank (0, 1, ...); "
+            "pass --rank (rank=)"
+        )
     raise CheckpointError(
         f"{path}: its rank is not in its name (model-rank-{{r}}-part-{{p}}.safetensors) nor in "
         "its metadata (tp_rank); pass --rank (rank=)"
