@@ -640,6 +640,11 @@ def test_verify_accepts_the_fixture_at_every_tp_size(tmp_path):
     for tp_size in (1, 2, 4):
         out = tmp_path / f"tp{tp_size}"
         write_sharded(out, config, shard_checkpoint_by_hand(tensors, {0}, tp_size))
+        # Each rank holds the input's other files byte for byte, as shard copies them.
+        for rank in range(tp_size):
+            for extra in FIXTURE.iterdir():
+                if extra.suffix != ".safetensors":
+                    shutil.copy(extra, out / f"rank{rank}" / extra.name)
         assert oracle.verify(FIXTURE, out) == [], tp_size
 
 

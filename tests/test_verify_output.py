@@ -79,6 +79,50 @@ def test_a_damaged_rank_file_fails_verification_like_the_oracle(
     assert status == 1 and doc["ok"] is False and "rank 1 cannot be read" in doc["problems"][0]
 
 
+def _corrupt(path: Path) -> None:
+    path.write_text("{not json")
+
+
+def _edit(path: Path) -> None:
+    # Same size, one digit changed: what a hand edit of a value looks like.
+    text = path.read_text()
+    at = next(i for i, c in enumerate(text) if c.isdigit())
+    path.write_text(text[:at] + str((int(text[at]) + 1) % 10) + text[at + 1:])
+
+
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        (_corrupt, "{copy}: rank 1's {name} differs from the input's {original}"),
+        (_edit, "{copy}: rank 1's {name} differs from the input's {original}"),
+        (Path.unlink,
+         "{copy}: rank 1 lacks {name} (shard copies the input's {original} into every rank)"),
+    ],
+    ids=["corrupt", "edited", "missing"],
+)
+@pytest.mark.parametrize("name", ["config.json", "tokenizer_config.json"])
+def test_a_rank_s_companion_file_must_equal_the_input_s(ckpt, tmp_path, capsys, damage, message,
+                                                         name):
+    """config.json and every other file shard copies into each rank, byte for byte."""
+    (ckpt / "tokenizer_config.json").write_text('{"model_max_length": 4096}')
+    out = tmp_path / "out"
+    shard_checkpoint(ckpt, out, 2, qk_multiple=1)
+    assert verify_shards(ckpt, out).ok and oracle.verify(ckpt, out) == []
+    copy, original = rank_dir(out, 1) / name, ckpt / name
+    damage(copy)
+    if damage is _edit:
+        assert copy.stat().st_size == original.stat().st_size
+    want = message.format(copy=copy, name=name, original=original)
+    report = verify_shards(ckpt, out)
+    assert report.problems == [want]
+    status, text, err = run(capsys, "verify", ckpt, out)
+    assert (status, text.splitlines()[-1]) == (1, f"FAIL: {want}")
+    assert "Traceback" not in err
+    # The oracle fails it too (a config.json it cannot parse, in its own words).
+    problems = oracle.verify(ckpt, out)
+    assert len(problems) == 1 and problems[0].startswith("rank1: ") and name in problems[0]
+
+
 def test_a_damaged_first_rank_still_fails_rather_than_refuses(ckpt, sharded, capsys):
     """The world size is read from the first rank that can be read."""
     _garble_header(sorted(rank_dir(sharded, 0).glob("*.safetensors"))[0])

@@ -990,6 +990,30 @@ def verify(checkpoint_dir: str | Path, out_dir: str | Path) -> list[str]:
         problems += _check_rank(
             source, sharded, rank_plan, geometry.kda_layers, decoder, kda_only
         )
+        if not kda_only:
+            problems += _companion_problems(checkpoint_dir, rank, rank_dir)
+    return problems
+
+
+def _companion_problems(checkpoint: Path, rank: int, rank_dir: Path) -> list[str]:
+    """Each of the input's other files (``config.json``, tokenizer files: not ``*.safetensors``,
+    not the index, not hidden; for a single-file input, its ``config.json``) must be in the
+    rank directory, byte for byte."""
+    if checkpoint.is_dir():
+        files = [
+            p for p in sorted(checkpoint.iterdir())
+            if p.is_file() and not p.name.startswith(".")
+            and not p.name.endswith(".safetensors") and p.name != "model.safetensors.index.json"
+        ]
+    else:
+        files = [p for p in [checkpoint.parent / "config.json"] if p.is_file()]
+    problems = []
+    for original in files:
+        copy = rank_dir / original.name
+        if not copy.is_file():
+            problems.append(f"rank{rank}: {original.name} is missing")
+        elif copy.read_bytes() != original.read_bytes():
+            problems.append(f"rank{rank}: {original.name} differs from the input's")
     return problems
 
 
