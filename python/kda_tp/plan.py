@@ -17,6 +17,7 @@ from ._native import KdaShard, KdaTensorPlan
 from .checkpoint import SafetensorsSource, refuse_index_member
 from .config import CONFIG_NAME, load_config, no_config_message, parse_config
 from .errors import CheckpointError, DtypeMismatchError, ShapeMismatchError
+from .layers import check_layers, config_layer_count, layer_count, layers_with_kda_tensors
 from .layout import check_gate_form, decoder_prefix, kda_layer_indices, kda_tensor_name
 from .quant import FP8_DTYPES, BlockFormat, ModelOptModules, block_format, modelopt_modules
 
@@ -137,8 +138,13 @@ class KdaTpPlan(_native.KdaTpPlan):
                 KDA layer's ``f_a_proj`` row count; with a bare config, to ``head_dim``
                 (Kimi-Linear's choice).
             qk_multiple: see the class.
-            layers: 0-based KDA layer indices, for a checkpoint whose config does not list them;
-                the first one is read for dtypes and the gate rank.
+            layers: 0-based KDA layer indices, checked as ``--layers`` is
+                (:func:`~kda_tp.layers.check_layers`: each a KDA layer of the config, or of
+                the checkpoint's tensors when the config lists none, within
+                ``num_hidden_layers``; a 1-based list is refused with the 0-based one to use).
+                With a checkpoint, the first is read for dtypes and the gate rank and each is
+                checked against a ModelOpt config; the plan is the same for every KDA layer,
+                so a bare config only checks them.
 
         With a checkpoint, each tensor's dtype (and so its element size) and the stored length
         of ``A_log`` (``a_log_len``, for K3's zero-padded one) are read from the first KDA
@@ -157,7 +163,8 @@ class KdaTpPlan(_native.KdaTpPlan):
                 projection under ModelOpt (whose FP8 is E4M3).
             ShapeMismatchError: a first-KDA-layer ``f_a_proj`` that is not 2-D (when the gate
                 rank is read from it).
-            PlanError: a refused geometry (see the class).
+            PlanError: a refused geometry (see the class); ``layers`` refused (empty,
+                negative, repeated, 1-based, out of range or not a KDA layer).
         """
 
         source, root = None, None
@@ -181,6 +188,16 @@ class KdaTpPlan(_native.KdaTpPlan):
             root = path if path.is_dir() else path.parent
             where = str(path / CONFIG_NAME if path.is_dir() else path)
         kda = parse_config(config, where)
+        if layers is not None:
+            # The same checks as the command line's --layers (1-based, non-KDA, out of range).
+            known = kda.kda_layers
+            if known is None and source is not None:
+                known = layers_with_kda_tensors(source) or None
+            layers = check_layers(
+                layers, known,
+                layer_count(source) if source is not None else config_layer_count(config),
+                option="layers",
+            )
         fmt = block_format(config, root)
         quant: dict[str, Any] = {}
         if isinstance(fmt, BlockFormat):
