@@ -127,7 +127,8 @@ def kimi_layers(lac: dict[str, Any], **top: Any) -> dict[str, Any]:
 
 
 def test_kimi_kda_layers_are_listed_once_and_within_the_model():
-    assert parse_config(kimi_layers({"kda_layers": [1, 2, 3]}, num_hidden_layers=4)).kda_layers == (0, 1, 2)
+    config = kimi_layers({"kda_layers": [1, 2, 3]}, num_hidden_layers=4)
+    assert parse_config(config).kda_layers == (0, 1, 2)
     with pytest.raises(CheckpointError, match=re.escape(
         "<dict>: 'linear_attn_config.kda_layers' = [1, 1] lists layer 1 more than once; "
         "list each KDA layer once (1-based)"

@@ -209,7 +209,7 @@ def _int_list(text: str) -> list[int]:
 def _cmd_plan(args: argparse.Namespace) -> int:
     from .checkpoint import refuse_index_member
     from .layers import check_layers, config_layer_count
-    from .plan import KdaTpPlan
+    from .plan import KdaTpPlan, assumed_layout
     from .source import SafetensorsSource, decoder_prefix, kda_tensor_name, scale_tensor_name
 
     # `demo` calls this with a namespace that has no --layers or --json.
@@ -248,13 +248,15 @@ def _cmd_plan(args: argparse.Namespace) -> int:
                 shapes[t.scale.name] = _disk_shape(source, scale, layers[0])
     elif layers is not None:
         n_layers = len(layers)
+    if source is None:
+        _, shapes, family = assumed_layout(kda)
     if as_json:
         print(json.dumps({"ok": True, **plan_json(plan, shapes, layers, kda)}, indent=2))
     else:
         print(format_plan(plan, shapes, n_layers))
         print(kda.describe_gate())
         if source is None:
-            print("(from the config alone: on-disk shapes and dtypes are assumed, Kimi-Linear's "
+            print(f"(from the config alone: on-disk shapes and dtypes are assumed, {family} "
                   "defaults; pass the checkpoint directory to read its own, e.g. Kimi K3's "
                   "padded A_log and F32 convs)")
     return 0

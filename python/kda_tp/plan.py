@@ -15,15 +15,42 @@ from typing import Any
 from . import _native
 from ._native import KdaShard, KdaTensorPlan
 from .checkpoint import SafetensorsSource, refuse_index_member
-from .config import CONFIG_NAME, load_config, no_config_message, parse_config
+from .config import (
+    CONFIG_NAME, RULES_GLM, KdaConfig, load_config, no_config_message, parse_config,
+)
 from .errors import CheckpointError, DtypeMismatchError, ShapeMismatchError
 from .layers import check_layers, config_layer_count, layer_count, layers_with_kda_tensors
 from .layout import check_gate_form, decoder_prefix, kda_layer_indices, kda_tensor_name
 from .quant import FP8_DTYPES, BlockFormat, ModelOptModules, block_format, modelopt_modules
 
-__all__ = ["KdaShard", "KdaTensorPlan", "KdaTpPlan"]
+__all__ = ["KdaShard", "KdaTensorPlan", "KdaTpPlan", "assumed_layout"]
 
 _SUFFIX = {"A_log": "A_log", "dt_bias": "dt_bias"}
+
+
+def assumed_layout(
+    config: KdaConfig,
+) -> tuple[dict[str, str] | None, dict[str, tuple[int, ...]], str]:
+    """What a bare config's plan assumes of the checkpoint it does not see: the stored dtypes
+    and on-disk shapes of its model family's checkpoints.
+
+    GLM-5.3-Flash (:data:`~kda_tp.config.RULES_GLM`): transformers' ``modeling_glm5_next.py``
+    creates the convs, ``A_log`` (1-D ``[H]``) and ``dt_bias`` in float32, so its checkpoints
+    store them as F32. Kimi-Linear and any other family: the plan's defaults (BF16 except the
+    F32 ``A_log [1, 1, H, 1]`` and ``dt_bias``, Kimi-Linear's checkpoints).
+
+    Args:
+        config: the parsed config.
+
+    Returns:
+        ``(dtypes, shapes, family)``: the dtypes by plan name for :class:`KdaTpPlan` (None:
+        the plan's defaults), on-disk shapes by plan name that differ from the plan's
+        (elements), and whose defaults they are, for people (``"GLM-5.3-Flash's"``).
+    """
+    if config.rules == RULES_GLM:
+        f32 = ("q_conv1d", "k_conv1d", "v_conv1d", "A_log", "dt_bias")
+        return dict.fromkeys(f32, "F32"), {"A_log": (config.heads,)}, "GLM-5.3-Flash's"
+    return None, {}, "Kimi-Linear's"
 
 
 class KdaTpPlan(_native.KdaTpPlan):
@@ -146,9 +173,10 @@ class KdaTpPlan(_native.KdaTpPlan):
                 checked against a ModelOpt config; the plan is the same for every KDA layer,
                 so a bare config only checks them.
 
-        With a checkpoint, each tensor's dtype (and so its element size) and the stored length
-        of ``A_log`` (``a_log_len``, for K3's zero-padded one) are read from the first KDA
-        layer's header; ``full_rank_gate`` always comes from the config.
+        With a bare config, the dtypes are what the family's checkpoints store
+        (:func:`assumed_layout`: F32 convs for GLM-5.3-Flash). With a checkpoint, each tensor's
+        dtype (and so its element size) and the stored length of ``A_log`` (``a_log_len``, for
+        K3's zero-padded one) are read from the first KDA layer's header; ``full_rank_gate`` always comes from the config.
 
         Raises:
             CheckpointError: one file of an indexed checkpoint (pass the directory), a missing
@@ -204,7 +232,8 @@ class KdaTpPlan(_native.KdaTpPlan):
             # A bare config: every projection (a checkpoint below says which are FP8).
             quant = {"quant_block": fmt.block, "scale_layout": fmt.scale_layout}
 
-        dtypes, a_log_len = None, None
+        # A bare config: what its family's checkpoints store (a checkpoint below says).
+        dtypes, a_log_len = assumed_layout(kda)[0], None
         if source is not None:
             indices = kda_layer_indices(source, layers)
             if not indices:

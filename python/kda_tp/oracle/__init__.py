@@ -644,7 +644,9 @@ def _kimi_kda_layers(numbers: Any, count: Any) -> frozenset[int]:
     ``num_hidden_layers`` (transformers' ``KimiLinearConfig`` sets ``layer_types[n - 1]``)."""
     numbers = list(numbers)
     if len(set(numbers)) != len(numbers):
-        raise CheckpointError(f"config.json: linear_attn_config.kda_layers {numbers} repeats a layer")
+        raise CheckpointError(
+            f"config.json: linear_attn_config.kda_layers {numbers} repeats a layer"
+        )
     if isinstance(count, int) and any(isinstance(n, int) and n > count for n in numbers):
         raise CheckpointError(
             f"config.json: linear_attn_config.kda_layers {numbers} goes beyond "
