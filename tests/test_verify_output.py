@@ -8,6 +8,7 @@ verification (exit 1), as the oracle says, never refused input (exit 2).
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 
 import pytest
@@ -228,3 +229,30 @@ def test_a_failing_numeric_check_is_a_failed_summary_though_the_bytes_match():
     assert failed.summary().startswith("FAIL: 30 tensors x 2 ranks rejoin to the input byte for byte")
     assert "numerical TP equivalence FAILS (1 KDA layer in" in failed.summary()
     assert report(True).summary().startswith("OK: 30 tensors x 2 ranks")
+
+
+def test_a_non_finite_reference_output_is_named_without_numpy_warnings(tmp_path, capsys):
+    """engine_ranks' index-coded weights (A_log ~ 90000) overflow float32 in exp(A_log): the
+    full weights' output is NaN, which verify --numeric names, with no numpy RuntimeWarning."""
+    ckpt = Path(__file__).parent / "data" / "engine_ranks" / "ckpt_kl"
+    out = tmp_path / "out"
+    shard_checkpoint(ckpt, out, 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a numpy RuntimeWarning would raise
+        report = verify_shards(ckpt, out, numeric=True)
+        assert report.problems == [] and report.numeric is not None
+        assert [(e.layer, e.passed, e.non_finite) for e in report.numeric.layers] == [
+            (0, False, "full")
+        ]
+        status, text, err = run(capsys, "verify", ckpt, out, "--numeric", "--quiet")
+        assert status == 1
+        assert text.splitlines()[0] == (
+            "layer 0: the reference output of the full weights is not finite (NaN or inf), so "
+            "TP equivalence cannot be judged: the stored weights overflow float32 or hold "
+            "NaN/inf (e.g. a large A_log, whose exp is inf); check the input checkpoint FAIL"
+        )
+        assert "numerical TP equivalence FAILS (1 KDA layer in" in text.splitlines()[1]
+        assert err == ""
+        status, text, _ = run(capsys, "verify", ckpt, out, "--numeric", "--quiet", "--json")
+        layer = json.loads(text)["numeric"]["layers"][0]
+        assert (status, layer["passed"], layer["non_finite"]) == (1, False, "full")

@@ -700,7 +700,8 @@ def verify_json(report: VerifyReport, unindexed: Sequence[Path] = ()) -> dict[st
     bytes), ``problems`` (one string each), ``numeric`` (None when not run, else ``passed``,
     ``seq_len``, ``seed``, ``atol``, ``rtol`` and ``layers``: per layer ``layer``,
     ``max_abs_error``, ``max_rel_error`` (None when infinite), ``y_abs_max``, ``tolerance``,
-    ``passed``), ``unindexed`` (input files the index does not name, unchecked),
+    ``passed``, ``non_finite``: ``"full"`` when the full weights' reference output holds NaN
+    or inf, ``"ranks"`` when only the ranks' summed output does, else None), ``unindexed`` (input files the index does not name, unchecked),
     ``byte_seconds`` and ``numeric_seconds`` (each phase's wall time; 0 when not run).
     """
     numeric = None
@@ -712,7 +713,8 @@ def verify_json(report: VerifyReport, unindexed: Sequence[Path] = ()) -> dict[st
             "layers": [
                 {"layer": e.layer, "max_abs_error": _finite(e.max_abs_error),
                  "max_rel_error": _finite(e.max_rel_error), "y_abs_max": _finite(e.y_abs_max),
-                 "tolerance": _finite(e.tolerance), "passed": e.passed}
+                 "tolerance": _finite(e.tolerance), "passed": e.passed,
+                 "non_finite": e.non_finite}
                 for e in n.layers
             ],
         }
