@@ -1,7 +1,8 @@
 """The README and the documentation site (docs/, mkdocs.yml) stay true.
 
 * Every ```` ```python ```` block of the README and of docs/*.md runs as written, on a small
-  generated checkpoint standing in for ``/models/Kimi-Linear-48B-A3B``. Blocks that need torch, a
+  generated checkpoint standing in for ``/models/Kimi-Linear-48B-A3B`` (``tests/data/`` paths
+  taken from the clone's root, wherever the tests run from). Blocks that need torch, a
   GPU, a process group or a real model are marked ```` ```py ```` and are only shown.
 * The README is a landing page: at most 200 lines, linking every page of the site's nav; every
   relative link in it and in the docs names a file that exists.
@@ -43,7 +44,8 @@ def ckpt(tmp_path_factory) -> Path:
 
 def run_block(code: str, ckpt: Path, where: str) -> dict:
     namespace: dict = {}
-    exec(compile(code.replace(MODEL, str(ckpt)), where, "exec"), namespace)
+    code = code.replace(MODEL, str(ckpt)).replace('"tests/data/', f'"{ROOT}/tests/data/')
+    exec(compile(code, where, "exec"), namespace)
     return namespace
 
 

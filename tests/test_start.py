@@ -114,3 +114,20 @@ def test_ctrl_c_ignored_by_the_parent_stays_ignored():
     run = subprocess.run(kda_tp_child(ignored, "numpy", "plan", CONFIG, "--tp-size", 2),
                          capture_output=True, text=True, check=False)
     assert run.returncode == 0 and "KDA tensor-parallel plan" in run.stdout, run.stderr
+
+
+def test_ctrl_c_after_the_command_finished_changes_nothing():
+    """A SIGINT once the command has returned (its output printed) keeps its exit status."""
+    code = (
+        "import os, signal, sys\n"
+        "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
+        "import kda_tp.__main__ as entry, kda_tp.cli as cli\n"
+        "cli.main = lambda: print('done') or 0\n"
+        "status = entry.main()\n"
+        "os.kill(os.getpid(), signal.SIGINT)\n"
+        "print('status', status)\n"
+        "sys.exit(status)\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=False, timeout=120)
+    assert (run.returncode, run.stdout, run.stderr) == (0, "done\nstatus 0\n", "")

@@ -3,7 +3,9 @@
 A Ctrl-C at any moment exits 130 with one line, no traceback: also while numpy, the Rust core
 and the command's modules are still being imported, which is why this entry point imports the
 command line inside :func:`main` and ``import kda_tp`` imports nothing (see ``kda_tp.__init__``).
-A SIGINT that the process started ignoring (a background job's, ``nohup``) stays ignored.
+A SIGINT that the process started ignoring (a background job's, ``nohup``) stays ignored, and
+one that arrives after the command has finished changes nothing. Python's own start-up (before
+this module runs, about 20-30 ms) is out of reach: a Ctrl-C there ends Python its own way.
 """
 
 import os
@@ -14,8 +16,11 @@ import sys
 def main() -> int:
     """Run ``kda-tp`` with ``sys.argv``; returns its exit status (see :func:`kda_tp.cli.main`)."""
     interrupted: list[int] = []
+    finished: list[int] = []
 
     def on_sigint(signum: int, frame: object) -> None:
+        if finished:  # the command has finished and said so: its exit status stands
+            return
         interrupted.append(signum)
         raise KeyboardInterrupt
 
@@ -29,6 +34,7 @@ def main() -> int:
         from .cli import main as run
 
         status = run()
+        finished.append(status)
     except BaseException:
         if not interrupted:
             raise

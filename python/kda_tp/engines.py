@@ -607,7 +607,7 @@ def model_family(config: Mapping[str, Any] | None) -> str:
 
     Raises:
         CheckpointError: no config (None: the checkpoint has no ``config.json``), or one
-            without KDA geometry (from :func:`kda_tp.config.parse_config`).
+            without KDA geometry (from ``kda_tp.config.parse_config``).
     """
     if config is None:
         raise CheckpointError(

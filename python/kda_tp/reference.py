@@ -214,7 +214,9 @@ def checkpoint_layer_forward(
 
     Args:
         checkpoint: a checkpoint directory or ``.safetensors`` file with ``config.json`` beside
-            it, or a :class:`kda_tp.SafetensorsSource`.
+            it, or a :class:`kda_tp.SafetensorsSource`. A ``kda-tp shard`` rank directory holds
+            only that rank's slices: run on it without ``tp_rank``, the result is that rank's
+            partial sum (what the rank computes from the files it was given).
         layer: 0-based index of a KDA layer (``model.layers.{layer}``).
         x: input activations ``(B, T, hidden)``, any float dtype (converted to float32).
         tp_rank: the rank whose partial sum to return; None for the whole layer.

@@ -633,7 +633,7 @@ class VerifyReport:
 
     def summary(self) -> str:
         """One line: what was checked and the verdict. A single problem is given in full;
-        several are counted (they are in :attr:`problems`)."""
+        several are counted (they are in ``problems``)."""
         if len(self.problems) == 1:
             return f"FAIL: {self.problems[0]}"
         if self.problems:

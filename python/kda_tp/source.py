@@ -335,7 +335,7 @@ class KdaShardedSource:
         Args:
             layout: an :class:`~kda_tp.engines.EngineLayout` or its name.
             suffix: the parameter's name after ``self_attn.``.
-            layer: a 0-based KDA layer index (one of :attr:`layers`).
+            layer: a 0-based KDA layer index (one of ``layers``).
             out: None to allocate a new numpy array of the parameter's local shape and dtype;
                 or a writable C-contiguous buffer of exactly ``param_plan(...).nbytes`` bytes
                 (a numpy array of any shape with item size 1 or the parameter dtype's, a
