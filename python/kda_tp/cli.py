@@ -701,7 +701,8 @@ def verify_json(report: VerifyReport, unindexed: Sequence[Path] = ()) -> dict[st
     ``seq_len``, ``seed``, ``atol``, ``rtol`` and ``layers``: per layer ``layer``,
     ``max_abs_error``, ``max_rel_error`` (None when infinite), ``y_abs_max``, ``tolerance``,
     ``passed``, ``non_finite``: ``"full"`` when the full weights' reference output holds NaN
-    or inf, ``"ranks"`` when only the ranks' summed output does, else None), ``unindexed`` (input files the index does not name, unchecked),
+    or inf, ``"ranks"`` when only the ranks' summed output does, else None), ``unindexed``
+    (input files the index does not name, unchecked),
     ``byte_seconds`` and ``numeric_seconds`` (each phase's wall time; 0 when not run).
     """
     numeric = None

@@ -176,7 +176,8 @@ class KdaTpPlan(_native.KdaTpPlan):
         With a bare config, the dtypes are what the family's checkpoints store
         (:func:`assumed_layout`: F32 convs for GLM-5.3-Flash). With a checkpoint, each tensor's
         dtype (and so its element size) and the stored length of ``A_log`` (``a_log_len``, for
-        K3's zero-padded one) are read from the first KDA layer's header; ``full_rank_gate`` always comes from the config.
+        K3's zero-padded one) are read from the first KDA layer's header; ``full_rank_gate``
+        always comes from the config.
 
         Raises:
             CheckpointError: one file of an indexed checkpoint (pass the directory), a missing
