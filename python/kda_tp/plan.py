@@ -166,7 +166,7 @@ class KdaTpPlan(_native.KdaTpPlan):
                 (Kimi-Linear's choice).
             qk_multiple: see the class.
             layers: 0-based KDA layer indices, checked as ``--layers`` is
-                (:func:`~kda_tp.layers.check_layers`: each a KDA layer of the config, or of
+                (``kda_tp.layers.check_layers``: each a KDA layer of the config, or of
                 the checkpoint's tensors when the config lists none, within
                 ``num_hidden_layers``; a 1-based list is refused with the 0-based one to use).
                 With a checkpoint, the first is read for dtypes and the gate rank and each is
@@ -174,10 +174,10 @@ class KdaTpPlan(_native.KdaTpPlan):
                 so a bare config only checks them.
 
         With a bare config, the dtypes are what the family's checkpoints store
-        (:func:`assumed_layout`: F32 convs for GLM-5.3-Flash). With a checkpoint, each tensor's
-        dtype (and so its element size) and the stored length of ``A_log`` (``a_log_len``, for
-        K3's zero-padded one) are read from the first KDA layer's header; ``full_rank_gate``
-        always comes from the config.
+        (``kda_tp.plan.assumed_layout``: F32 convs for GLM-5.3-Flash). With a checkpoint, each
+        tensor's dtype (and so its element size) and the stored length of ``A_log``
+        (``a_log_len``, for K3's zero-padded one) are read from the first KDA layer's header;
+        ``full_rank_gate`` always comes from the config.
 
         Raises:
             CheckpointError: one file of an indexed checkpoint (pass the directory), a missing
