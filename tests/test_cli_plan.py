@@ -90,3 +90,33 @@ def test_missing_paths_are_named_for_what_is_missing(tmp_path, capsys):
     (tmp_path / "empty").mkdir()
     status, _, err = run(capsys, "plan", tmp_path / "empty", "--tp-size", 2)
     assert status == 2 and f"{tmp_path / 'empty'}: no config.json in this directory" in err
+
+
+@pytest.mark.parametrize(("style", "family"),
+                         [("glm", "GLM-5.3-Flash's"), ("kimi", "Kimi-Linear's")])
+def test_a_bare_config_assumes_what_its_family_s_checkpoints_store(tmp_path, capsys, style,
+                                                                    family):
+    """GLM-5.3-Flash checkpoints (transformers' glm5_next, and synth's style="glm") store F32
+    convs, a 1-D F32 A_log [H] and F32 dt_bias: the plan of the bare config says so, and agrees
+    with the plan of the checkpoint tensor for tensor."""
+    ckpt = write_small_checkpoint(tmp_path / "ckpt", **SMALL, kda_layers=[0, 2], seed=1,
+                                  style=style)
+    docs = []
+    for src in (ckpt, ckpt / "config.json"):
+        status, out, _ = run(capsys, "plan", src, "--tp-size", 2, "--json")
+        assert status == 0
+        docs.append({t["name"]: (t["dtype"], t["full_shape"], t["local_shape"], t["local_bytes"])
+                     for t in json.loads(out)["tensors"]})
+    assert docs[0] == docs[1]
+    conv = "F32" if style == "glm" else "BF16"
+    a_log = [4] if style == "glm" else [1, 1, 4, 1]
+    conv_bytes = 128 * 4 * (4 if conv == "F32" else 2)
+    assert docs[1]["q_conv1d"] == (conv, [256, 1, 4], [128, 1, 4], conv_bytes)
+    assert docs[1]["A_log"] == ("F32", a_log, [2 if n == 4 else n for n in a_log], 8)
+    assert docs[1]["dt_bias"] == ("F32", [256], [128], 512)
+    status, text, _ = run(capsys, "plan", ckpt / "config.json", "--tp-size", 2)
+    assert status == 0 and text.splitlines()[-1] == (
+        f"(from the config alone: on-disk shapes and dtypes are assumed, {family} defaults; "
+        "pass the checkpoint directory to read its own, e.g. Kimi K3's padded A_log and F32 "
+        "convs)"
+    )

@@ -85,7 +85,8 @@ def test_check_layers_refuses_with_the_layer_count():
         ([1, 1], ["1 given more than once", "the model has 4 layers"]),
         ([7], ["7 out of range", "the model has 4 layers, 0..3"]),
         ([0, 3], ["3 not a KDA layer", "0,1,2"]),
-        ([3], ["1-based", "--layers 2"]),  # MLA layer 3 read as Kimi's 1-based 3
+        # MLA layer 3: not a KDA layer, or Kimi's 1-based 3.
+        ([3], ["3 not a KDA layer", "1-based", "--layers 2"]),
         ([1, 2, 3], ["1-based", "--layers 0,1,2"]),
         ([1, 4], ["4 out of range", "the model has 4 layers"]),
         ([], ["empty"]),
@@ -97,6 +98,29 @@ def test_check_layers_refuses_with_the_layer_count():
     # Every layer KDA: 1..4 is out of range as 0-based, and recognised as 1-based.
     with pytest.raises(PlanError, match="1-based.*--layers 0,1,2,3"):
         check_layers([1, 2, 3, 4], (0, 1, 2, 3), 4)
+
+
+def test_plan_from_config_checks_layers_as_the_command_line_does(ckpt):
+    """``KdaTpPlan.from_config(..., layers=)`` refuses what ``--layers`` refuses, in the API's
+    words, for a checkpoint and for its bare config (4 layers, KDA 0..2, MLA 3)."""
+    for src in (ckpt, ckpt / "config.json"):
+        for bad, message in [
+            ([1, 2, 3], "layers=[1, 2, 3]: 3 not a KDA layer (the KDA layers, 0-based, are "
+                        "0,1,2); the list looks 1-based (each entry is one more than a KDA "
+                        "layer, as in Kimi-Linear's config.json), and layers takes 0-based "
+                        "indices: layers=[0, 1, 2]"),
+            # The MLA layer: not "KDA layer 3 lacks ...k_proj.weight".
+            ([3], "layers=[3]: 3 not a KDA layer (the KDA layers, 0-based, are 0,1,2); the "
+                  "list looks 1-based"),
+            ([0, 3], "layers: 3 not a KDA layer (the KDA layers, 0-based, are 0,1,2)"),
+            ([0, 9], "layers: 9 out of range (the model has 4 layers, 0..3)"),
+            ([-1], "layers: -1 is negative; layers are 0-based indices"),
+            ([], "layers is empty"),
+        ]:
+            with pytest.raises(PlanError, match=re.escape(message)):
+                kda_tp.KdaTpPlan.from_config(src, 0, 2, layers=bad)
+        plan = kda_tp.KdaTpPlan.from_config(src, 1, 2, layers=[2, 0])
+        assert plan == kda_tp.KdaTpPlan.from_config(src, 1, 2)
 
 
 def test_shard_layers_is_only_an_override(ckpt, tmp_path, capsys):

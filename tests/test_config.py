@@ -83,10 +83,70 @@ def test_glm_layers_come_from_layer_types_not_kda_layers():
     assert config.kda_layers == (0, 2)
     # Without layer_types: index % 4 == 3 is full attention (transformers' default).
     assert parse_config(glm({"num_hidden_layers": 9})).kda_layers == (0, 1, 2, 4, 5, 6, 8)
-    # "kda_attention" is no GLM layer type (the Kimi/generic rules accept it).
-    no_kda = "no KDA layers: 'layer_types' has no 'linear_attention'"
-    with pytest.raises(CheckpointError, match=no_kda):
-        parse_config(glm({"layer_types": ["kda_attention"]}))
+    no_kda = "no KDA layers: 'text_config.layer_types' has no 'linear_attention' entry"
+    with pytest.raises(CheckpointError, match=re.escape(no_kda)):
+        parse_config(glm({"layer_types": ["full_attention"] * 4}))
+    # transformers' legacy names are remapped first: "mamba" is "linear_attention".
+    legacy = glm({"layer_types": ["mamba", "attention", "linear_attention", "full_attention"]})
+    assert parse_config(legacy).kda_layers == (0, 2)
+
+
+GLM_BAD_LAYER_TYPES = [
+    # One entry per layer (transformers' validate_layer_type).
+    (["linear_attention"] * 6,
+     "'text_config.layer_types' has 6 entries but text_config.num_hidden_layers is 4: "
+     "transformers requires one entry per layer"),
+    (["linear_attention"] * 2,
+     "'text_config.layer_types' has 2 entries but text_config.num_hidden_layers is 4"),
+    # "kda_attention" is no GLM layer type (the Kimi/generic rules accept it); nor is an MLP type.
+    (["linear_attention", "kda_attention", "linear_attention", "full_attention"],
+     "'text_config.layer_types' has 'kda_attention': transformers refuses GLM-5.3-Flash layer "
+     "types outside full_attention, sliding_attention, "),
+    (["linear_attention", "dense", "linear_attention", "full_attention"],
+     "'text_config.layer_types' has 'dense': transformers refuses"),
+]
+
+
+@pytest.mark.parametrize(("types", "message"), GLM_BAD_LAYER_TYPES)
+def test_glm_layer_types_are_refused_as_transformers_refuses_them(types, message):
+    with pytest.raises(CheckpointError, match=re.escape(message)):
+        parse_config(glm({"layer_types": types}))
+    flat = message.replace("text_config.", "")
+    with pytest.raises(CheckpointError, match=re.escape(flat)):
+        parse_config(glm({"layer_types": types}, flat=True))
+    transformers = pytest.importorskip("transformers")
+    from huggingface_hub.errors import StrictDataclassClassValidationError
+
+    with pytest.raises(StrictDataclassClassValidationError, match="layer_types"):
+        transformers.Glm5NextConfig(**{**TEXT, "layer_types": types})
+
+
+def kimi_layers(lac: dict[str, Any], **top: Any) -> dict[str, Any]:
+    return {"model_type": "kimi_linear", "hidden_size": 64, **top, "linear_attn_config": {
+        "head_dim": 16, "num_heads": 4, "short_conv_kernel_size": 4, **lac}}
+
+
+def test_kimi_kda_layers_are_listed_once_and_within_the_model():
+    config = kimi_layers({"kda_layers": [1, 2, 3]}, num_hidden_layers=4)
+    assert parse_config(config).kda_layers == (0, 1, 2)
+    with pytest.raises(CheckpointError, match=re.escape(
+        "<dict>: 'linear_attn_config.kda_layers' = [1, 1] lists layer 1 more than once; "
+        "list each KDA layer once (1-based)"
+    )):
+        parse_config(kimi_layers({"kda_layers": [1, 1]}))
+    with pytest.raises(CheckpointError, match=re.escape(
+        "<dict>: 'linear_attn_config.kda_layers' = [1, 9]: 9 beyond num_hidden_layers = 4 "
+        "(kda_layers are 1-based: 1..4)"
+    )):
+        parse_config(kimi_layers({"kda_layers": [1, 9]}, num_hidden_layers=4))
+    # Without num_hidden_layers the config does not say how many layers there are.
+    assert parse_config(kimi_layers({"kda_layers": [1, 9]})).kda_layers == (0, 8)
+    k3 = {"model_type": "kimi_k3", "text_config": kimi_layers({"kda_layers": [2, 3, 2]})}
+    with pytest.raises(CheckpointError, match=re.escape(
+        "<dict>:text_config: 'text_config.linear_attn_config.kda_layers' = [2, 3, 2] lists "
+        "layer 2 more than once"
+    )):
+        parse_config(k3)
 
 
 def test_glm_geometry_prefers_linear_attn_config():

@@ -120,7 +120,8 @@ def test_bad_arguments():
         check_tp_equivalence(FIXTURE, 0)
     with pytest.raises(CheckpointError, match="no KDA layer"):
         check_tp_equivalence(FIXTURE, 2, layers=[])
-    with pytest.raises(CheckpointError):
+    # Checked as --layers is (KdaTpPlan.from_config), not "KDA layer 5 lacks ...".
+    with pytest.raises(PlanError, match=r"layers: 5 out of range \(the model has 1 layers, 0..0\)"):
         check_tp_equivalence(FIXTURE, 2, layers=[5])
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 import struct
 import subprocess
@@ -20,7 +21,7 @@ from pathlib import Path
 import pytest
 from kda_tp import oracle
 from kda_tp.cli import main
-from kda_tp.errors import PlanError, ShapeMismatchError
+from kda_tp.errors import CheckpointError, PlanError, ShapeMismatchError
 from kda_tp.shard import shard_checkpoint, verify_shards
 from kda_tp.synth import write_small_checkpoint
 
@@ -639,6 +640,11 @@ def test_verify_accepts_the_fixture_at_every_tp_size(tmp_path):
     for tp_size in (1, 2, 4):
         out = tmp_path / f"tp{tp_size}"
         write_sharded(out, config, shard_checkpoint_by_hand(tensors, {0}, tp_size))
+        # Each rank holds the input's other files byte for byte, as shard copies them.
+        for rank in range(tp_size):
+            for extra in FIXTURE.iterdir():
+                if extra.suffix != ".safetensors":
+                    shutil.copy(extra, out / f"rank{rank}" / extra.name)
         assert oracle.verify(FIXTURE, out) == [], tp_size
 
 
@@ -827,3 +833,29 @@ def test_glm_configs_are_read_as_transformers_reads_them():
     typed = {**text, "layer_types": ["linear_attention", "indexed_attention"] * 3}
     read = oracle.read_kda_config({"model_type": "glm5_next", "text_config": typed})
     assert read.kda_layers == {0, 2, 4}
+
+
+def test_the_oracle_refuses_the_configs_transformers_refuses():
+    """Kimi kda_layers listed twice or beyond num_hidden_layers; a GLM layer_types of the wrong
+    length or with a type transformers does not know. kda_tp.config refuses them too."""
+    from kda_tp.config import parse_config
+
+    lac = {"head_dim": 16, "num_heads": 4, "short_conv_kernel_size": 4}
+    kimi = {"model_type": "kimi_linear", "hidden_size": 64, "num_hidden_layers": 4}
+    text = {"model_type": "glm5_next_text", "hidden_size": 64, "num_hidden_layers": 4}
+    bad = [
+        ({**kimi, "linear_attn_config": {**lac, "kda_layers": [1, 1]}}, "repeats a layer"),
+        ({**kimi, "linear_attn_config": {**lac, "kda_layers": [1, 5]}},
+         "goes beyond num_hidden_layers 4"),
+        ({"model_type": "glm5_next", "text_config": {**text, "layer_types": ["mamba"] * 3}},
+         "layer_types has 3 entries, num_hidden_layers is 4"),
+        ({**text, "layer_types": ["linear_attention", "kda_attention"] * 2},
+         "layer_types has ['kda_attention', 'kda_attention']: transformers allows only"),
+    ]
+    for config, needle in bad:
+        with pytest.raises(oracle.CheckpointError, match=re.escape(needle)):
+            oracle.read_kda_config(config)
+        with pytest.raises(CheckpointError):
+            parse_config(config)
+    legacy = {**text, "layer_types": ["mamba", "attention", "mamba", "full_attention"]}
+    assert oracle.read_kda_config(legacy).kda_layers == {0, 2}

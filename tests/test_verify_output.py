@@ -8,6 +8,7 @@ verification (exit 1), as the oracle says, never refused input (exit 2).
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 
 import pytest
@@ -77,6 +78,50 @@ def test_a_damaged_rank_file_fails_verification_like_the_oracle(
     status, out, _ = run(capsys, "verify", ckpt, sharded, "--json")
     doc = json.loads(out)
     assert status == 1 and doc["ok"] is False and "rank 1 cannot be read" in doc["problems"][0]
+
+
+def _corrupt(path: Path) -> None:
+    path.write_text("{not json")
+
+
+def _edit(path: Path) -> None:
+    # Same size, one digit changed: what a hand edit of a value looks like.
+    text = path.read_text()
+    at = next(i for i, c in enumerate(text) if c.isdigit())
+    path.write_text(text[:at] + str((int(text[at]) + 1) % 10) + text[at + 1:])
+
+
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        (_corrupt, "{copy}: rank 1's {name} differs from the input's {original}"),
+        (_edit, "{copy}: rank 1's {name} differs from the input's {original}"),
+        (Path.unlink,
+         "{copy}: rank 1 lacks {name} (shard copies the input's {original} into every rank)"),
+    ],
+    ids=["corrupt", "edited", "missing"],
+)
+@pytest.mark.parametrize("name", ["config.json", "tokenizer_config.json"])
+def test_a_rank_s_companion_file_must_equal_the_input_s(ckpt, tmp_path, capsys, damage, message,
+                                                         name):
+    """config.json and every other file shard copies into each rank, byte for byte."""
+    (ckpt / "tokenizer_config.json").write_text('{"model_max_length": 4096}')
+    out = tmp_path / "out"
+    shard_checkpoint(ckpt, out, 2, qk_multiple=1)
+    assert verify_shards(ckpt, out).ok and oracle.verify(ckpt, out) == []
+    copy, original = rank_dir(out, 1) / name, ckpt / name
+    damage(copy)
+    if damage is _edit:
+        assert copy.stat().st_size == original.stat().st_size
+    want = message.format(copy=copy, name=name, original=original)
+    report = verify_shards(ckpt, out)
+    assert report.problems == [want]
+    status, text, err = run(capsys, "verify", ckpt, out)
+    assert (status, text.splitlines()[-1]) == (1, f"FAIL: {want}")
+    assert "Traceback" not in err
+    # The oracle fails it too (a config.json it cannot parse, in its own words).
+    problems = oracle.verify(ckpt, out)
+    assert len(problems) == 1 and problems[0].startswith("rank1: ") and name in problems[0]
 
 
 def test_a_damaged_first_rank_still_fails_rather_than_refuses(ckpt, sharded, capsys):
@@ -184,3 +229,30 @@ def test_a_failing_numeric_check_is_a_failed_summary_though_the_bytes_match():
     assert failed.summary().startswith("FAIL: 30 tensors x 2 ranks rejoin to the input byte for byte")
     assert "numerical TP equivalence FAILS (1 KDA layer in" in failed.summary()
     assert report(True).summary().startswith("OK: 30 tensors x 2 ranks")
+
+
+def test_a_non_finite_reference_output_is_named_without_numpy_warnings(tmp_path, capsys):
+    """engine_ranks' index-coded weights (A_log ~ 90000) overflow float32 in exp(A_log): the
+    full weights' output is NaN, which verify --numeric names, with no numpy RuntimeWarning."""
+    ckpt = Path(__file__).parent / "data" / "engine_ranks" / "ckpt_kl"
+    out = tmp_path / "out"
+    shard_checkpoint(ckpt, out, 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a numpy RuntimeWarning would raise
+        report = verify_shards(ckpt, out, numeric=True)
+        assert report.problems == [] and report.numeric is not None
+        assert [(e.layer, e.passed, e.non_finite) for e in report.numeric.layers] == [
+            (0, False, "full")
+        ]
+        status, text, err = run(capsys, "verify", ckpt, out, "--numeric", "--quiet")
+        assert status == 1
+        assert text.splitlines()[0] == (
+            "layer 0: the reference output of the full weights is not finite (NaN or inf), so "
+            "TP equivalence cannot be judged: the stored weights overflow float32 or hold "
+            "NaN/inf (e.g. a large A_log, whose exp is inf); check the input checkpoint FAIL"
+        )
+        assert "numerical TP equivalence FAILS (1 KDA layer in" in text.splitlines()[1]
+        assert err == ""
+        status, text, _ = run(capsys, "verify", ckpt, out, "--numeric", "--quiet", "--json")
+        layer = json.loads(text)["numeric"]["layers"][0]
+        assert (status, layer["passed"], layer["non_finite"]) == (1, False, "full")

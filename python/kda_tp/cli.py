@@ -209,7 +209,7 @@ def _int_list(text: str) -> list[int]:
 def _cmd_plan(args: argparse.Namespace) -> int:
     from .checkpoint import refuse_index_member
     from .layers import check_layers, config_layer_count
-    from .plan import KdaTpPlan
+    from .plan import KdaTpPlan, assumed_layout
     from .source import SafetensorsSource, decoder_prefix, kda_tensor_name, scale_tensor_name
 
     # `demo` calls this with a namespace that has no --layers or --json.
@@ -248,13 +248,15 @@ def _cmd_plan(args: argparse.Namespace) -> int:
                 shapes[t.scale.name] = _disk_shape(source, scale, layers[0])
     elif layers is not None:
         n_layers = len(layers)
+    if source is None:
+        _, shapes, family = assumed_layout(kda)
     if as_json:
         print(json.dumps({"ok": True, **plan_json(plan, shapes, layers, kda)}, indent=2))
     else:
         print(format_plan(plan, shapes, n_layers))
         print(kda.describe_gate())
         if source is None:
-            print("(from the config alone: on-disk shapes and dtypes are assumed, Kimi-Linear's "
+            print(f"(from the config alone: on-disk shapes and dtypes are assumed, {family} "
                   "defaults; pass the checkpoint directory to read its own, e.g. Kimi K3's "
                   "padded A_log and F32 convs)")
     return 0
@@ -698,7 +700,9 @@ def verify_json(report: VerifyReport, unindexed: Sequence[Path] = ()) -> dict[st
     bytes), ``problems`` (one string each), ``numeric`` (None when not run, else ``passed``,
     ``seq_len``, ``seed``, ``atol``, ``rtol`` and ``layers``: per layer ``layer``,
     ``max_abs_error``, ``max_rel_error`` (None when infinite), ``y_abs_max``, ``tolerance``,
-    ``passed``), ``unindexed`` (input files the index does not name, unchecked),
+    ``passed``, ``non_finite``: ``"full"`` when the full weights' reference output holds NaN
+    or inf, ``"ranks"`` when only the ranks' summed output does, else None), ``unindexed``
+    (input files the index does not name, unchecked),
     ``byte_seconds`` and ``numeric_seconds`` (each phase's wall time; 0 when not run).
     """
     numeric = None
@@ -710,7 +714,8 @@ def verify_json(report: VerifyReport, unindexed: Sequence[Path] = ()) -> dict[st
             "layers": [
                 {"layer": e.layer, "max_abs_error": _finite(e.max_abs_error),
                  "max_rel_error": _finite(e.max_rel_error), "y_abs_max": _finite(e.y_abs_max),
-                 "tolerance": _finite(e.tolerance), "passed": e.passed}
+                 "tolerance": _finite(e.tolerance), "passed": e.passed,
+                 "non_finite": e.non_finite}
                 for e in n.layers
             ],
         }

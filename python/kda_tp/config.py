@@ -94,6 +94,20 @@ _GLM_DEFAULTS = {
     "num_hidden_layers": 45,
     "linear_lower_bound": -5.0,
 }
+# transformers configuration_utils.py: ALLOWED_ATTN_LAYER_TYPES, which validate_layer_type checks
+# a GLM-5.3-Flash layer_types against, and _LEGACY_LAYER_TYPE_REMAP, applied before the check.
+_GLM_LAYER_TYPES = (
+    "full_attention", "sliding_attention", "chunked_attention", "window_attention",
+    "indexed_attention", "compressed_sparse_attention", "heavily_compressed_attention",
+    "minimax_m3_sparse", "conv", "moe", "hybrid", "hybrid_sliding",
+    "reference_sliding_attention", "linear_attention",
+)
+_LEGACY_LAYER_TYPES = {
+    "mamba": "linear_attention",
+    "attention": "full_attention",
+    "deepseek_sparse_attention": "indexed_attention",
+    "qwen_sparse_attention": "indexed_attention",
+}
 # vLLM (kda.py) and SGLang assert -5 <= gate_lower_bound < 0 for Kimi models.
 _KIMI_BOUND_MIN = -5.0
 
@@ -249,12 +263,7 @@ def parse_config(config: Mapping[str, Any], source: str = "<dict>") -> KdaConfig
             # that may have no kda_layers (configuration_kimi_linear.py, __post_init__).
             kda_layers = _layer_types(config, KDA_LAYER_TYPES, source)
         elif isinstance(layers, list):
-            # Kimi-Linear numbers layers from 1.
-            kda_layers = tuple(
-                _int_in_range(n, f"{lac}kda_layers", source, low=1) - 1 for n in layers
-            )
-            if not kda_layers:
-                raise CheckpointError(f"{source}: no KDA layers: '{lac}kda_layers' is empty")
+            kda_layers = _kimi_kda_layers(config, layers, f"{where}{lac}kda_layers", source)
         else:
             raise CheckpointError(f"{source}: '{lac}kda_layers' is not a list")
         full_rank_gate = linear.get("use_full_rank_gate", False)
@@ -345,14 +354,14 @@ def _parse_glm(config: Mapping[str, Any], source: str) -> KdaConfig:
 
     # Glm5NextTextConfig.__post_init__: layer_types, "full_attention" read as
     # "indexed_attention"; without it index % 4 == 3 is full attention. kda_layers is not read.
+    count = dim("num_hidden_layers")
     if config.get("layer_types") is None:
-        count = dim("num_hidden_layers")
         kda_layers: tuple[int, ...] | None = tuple(i for i in range(count) if i % 4 != 3)
         if not kda_layers:
             raise CheckpointError(f"{source}: no KDA layers: '{where}num_hidden_layers' = {count}")
     else:
         # Glm5NextTextDecoderLayer builds KDA for "linear_attention" only.
-        kda_layers = _layer_types(config, ("linear_attention",), source)
+        kda_layers = _glm_layer_types(config, count, where, source)
     return KdaConfig(
         hidden=dim("hidden_size"),
         head_dim=dim("linear_head_dim", "head_dim"),
@@ -365,6 +374,66 @@ def _parse_glm(config: Mapping[str, Any], source: str) -> KdaConfig:
         gate_bound_key=key if lower_bound is not None else f"{key} = null",
         rules=RULES_GLM,
     )
+
+
+def _kimi_kda_layers(
+    config: Mapping[str, Any], layers: list[Any], key: str, source: str
+) -> tuple[int, ...]:
+    """0-based KDA layers from Kimi-Linear's 1-based ``linear_attn_config.kda_layers``.
+
+    transformers' ``KimiLinearConfig`` writes ``layer_types[n - 1]`` for each ``n``, so a
+    repeated number names one layer twice (kda_tp would plan and check it twice) and a number
+    beyond ``num_hidden_layers`` fails there with an IndexError: both are refused here.
+    """
+    numbers = [_int_in_range(n, key, source, low=1) for n in layers]
+    if not numbers:
+        raise CheckpointError(f"{source}: no KDA layers: '{key}' is empty")
+    repeated = sorted({n for n in numbers if numbers.count(n) > 1})
+    if repeated:
+        raise CheckpointError(
+            f"{source}: '{key}' = {layers!r} lists layer {', '.join(map(str, repeated))} more "
+            "than once; list each KDA layer once (1-based)"
+        )
+    count = config.get("num_hidden_layers")
+    if isinstance(count, int) and not isinstance(count, bool):
+        beyond = [n for n in numbers if n > count]
+        if beyond:
+            raise CheckpointError(
+                f"{source}: '{key}' = {layers!r}: {', '.join(map(str, beyond))} beyond "
+                f"num_hidden_layers = {count} (kda_layers are 1-based: 1..{count})"
+            )
+    return tuple(n - 1 for n in numbers)
+
+
+def _glm_layer_types(
+    config: Mapping[str, Any], count: int, where: str, source: str
+) -> tuple[int, ...]:
+    """0-based KDA layers (``"linear_attention"``) of a GLM-5.3-Flash ``layer_types``, checked
+    as transformers checks it: legacy names remapped (``configuration_utils.py``,
+    ``remap_legacy_layer_types``), every entry in ``ALLOWED_ATTN_LAYER_TYPES`` and one entry per
+    layer (``PreTrainedConfig.validate_layer_type``)."""
+    types = config["layer_types"]
+    key = f"{where}layer_types"
+    if not isinstance(types, list):
+        raise CheckpointError(f"{source}: '{key}' is not a list")
+    # Glm5NextTextConfig.__post_init__ reads "full_attention" as "indexed_attention".
+    remapped = [_LEGACY_LAYER_TYPES.get(t, t) if isinstance(t, str) else t for t in types]
+    unknown = [t for t in remapped if t not in _GLM_LAYER_TYPES]
+    if unknown:
+        raise CheckpointError(
+            f"{source}: '{key}' has {', '.join(map(repr, unknown))}: transformers refuses "
+            f"GLM-5.3-Flash layer types outside {', '.join(_GLM_LAYER_TYPES)} (KDA layers are "
+            "'linear_attention')"
+        )
+    if len(types) != count:
+        raise CheckpointError(
+            f"{source}: '{key}' has {len(types)} entries but {where}num_hidden_layers is "
+            f"{count}: transformers requires one entry per layer"
+        )
+    kda_layers = tuple(i for i, t in enumerate(remapped) if t == "linear_attention")
+    if not kda_layers:
+        raise CheckpointError(f"{source}: no KDA layers: '{key}' has no 'linear_attention' entry")
+    return kda_layers
 
 
 def _bound(value: Any, key: str, source: str, rules: str) -> float | None:

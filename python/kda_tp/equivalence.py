@@ -56,7 +56,11 @@ class LayerEquivalence:
         max_rel_error: ``max_abs_error / max|y|`` (0 when both are 0, inf when only ``y`` is 0).
         y_abs_max: ``max|y|`` of the full-weight output.
         tolerance: the threshold applied, ``atol + rtol * y_abs_max``.
-        passed: ``max_abs_error <= tolerance`` (False if any output is NaN).
+        passed: ``max_abs_error <= tolerance`` (False if any output is NaN or infinite).
+        non_finite: which output holds NaN or inf, failing the layer: ``"full"``, the reference
+            output of the full weights (the weights themselves overflow float32, e.g. a large
+            ``A_log`` whose ``exp`` is inf, so the split cannot be judged), or ``"ranks"``, the
+            sum of the ranks' partial outputs only; None when both are finite.
     """
 
     layer: int
@@ -65,12 +69,27 @@ class LayerEquivalence:
     y_abs_max: float
     tolerance: float
     passed: bool
+    non_finite: str | None = None
 
     def format(self) -> str:
         """One line, e.g.
 
-        ``layer 0: max abs err 4.2e-07, rel 5.0e-07 (max|y| 0.843, tol 9.43e-05) ok``.
+        ``layer 0: max abs err 4.2e-07, rel 5.0e-07 (max|y| 0.843, tol 9.43e-05) ok``, or for
+        non-finite outputs ``layer 0: the reference output of the full weights is not finite
+        (NaN or inf): ... FAIL``.
         """
+        if self.non_finite == "full":
+            return (
+                f"layer {self.layer}: the reference output of the full weights is not finite "
+                "(NaN or inf), so TP equivalence cannot be judged: the stored weights overflow "
+                "float32 or hold NaN/inf (e.g. a large A_log, whose exp is inf); check the "
+                "input checkpoint FAIL"
+            )
+        if self.non_finite == "ranks":
+            return (
+                f"layer {self.layer}: the sum of the ranks' partial outputs is not finite (NaN "
+                f"or inf), the full weights' output is (max|y| {self.y_abs_max:.3g}) FAIL"
+            )
         verdict = "ok" if self.passed else "FAIL"
         return (
             f"layer {self.layer}: max abs err {self.max_abs_error:.2e}, "
@@ -170,7 +189,7 @@ def check_tp_equivalence(
             given), no layer to check, or a KDA tensor missing from the checkpoint or from a
             rank's view.
         PlanError: ``tp_size`` is not a positive integer, or ``KdaTpPlan.from_config`` refuses
-            the geometry for it.
+            the geometry for it or ``layers`` (out of range, not KDA layers, 1-based).
         ShapeMismatchError: a tensor (full or local) whose shape does not fit the others; the
             reference forward names it.
         ValueError: ``seq_len`` is not a positive integer.
@@ -212,13 +231,17 @@ def check_tp_equivalence(
     results = []
     advance = progress(len(layer_list)) if progress else None
     for layer in layer_list:
-        y = source_layer_forward(source, layer, x, plan=plans[0], config=config, prefix=prefix)
-        partials = (
-            source_layer_forward(s, layer, x, plan=plan, config=config, prefix=prefix)
-            for s, plan in zip(rank_sources, plans)
-        )
-        y_sum = functools.reduce(np.add, partials)
-        results.append(compare_outputs(layer, y, y_sum, atol, rtol))
+        # Weights that overflow float32 give NaN or inf; compare_outputs reports that, so
+        # numpy's RuntimeWarnings would only repeat it (on stderr, mid-output).
+        with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+            y = source_layer_forward(source, layer, x, plan=plans[0], config=config,
+                                     prefix=prefix)
+            partials = (
+                source_layer_forward(s, layer, x, plan=plan, config=config, prefix=prefix)
+                for s, plan in zip(rank_sources, plans)
+            )
+            y_sum = functools.reduce(np.add, partials)
+            results.append(compare_outputs(layer, y, y_sum, atol, rtol))
         if advance:
             advance(1)
     return EquivalenceReport(tp_size, int(seq_len), seed, atol, rtol, tuple(results))
@@ -227,7 +250,11 @@ def check_tp_equivalence(
 def compare_outputs(
     layer: int, y: np.ndarray, y_sum: np.ndarray, atol: float, rtol: float
 ) -> LayerEquivalence:
-    """Build the layer's verdict from the full output ``y`` and the sum of partials."""
+    """Build the layer's verdict from the full output ``y`` and the sum of partials; a NaN or
+    inf in either fails it (:attr:`LayerEquivalence.non_finite`)."""
+    non_finite = (
+        "full" if not np.isfinite(y).all() else "ranks" if not np.isfinite(y_sum).all() else None
+    )
     abs_err = float(np.max(np.abs(y_sum - y)))
     y_max = float(np.max(np.abs(y)))
     if y_max > 0:
@@ -235,4 +262,5 @@ def compare_outputs(
     else:
         rel_err = 0.0 if abs_err == 0 else float("inf")
     tolerance = atol + rtol * y_max
-    return LayerEquivalence(layer, abs_err, rel_err, y_max, tolerance, bool(abs_err <= tolerance))
+    passed = non_finite is None and bool(abs_err <= tolerance)
+    return LayerEquivalence(layer, abs_err, rel_err, y_max, tolerance, passed, non_finite)

@@ -21,7 +21,11 @@ _LAYER = re.compile(r"^(\d+)\.")
 
 
 def check_layers(
-    requested: Iterable[int], kda_layers: Sequence[int] | None, num_layers: int | None
+    requested: Iterable[int],
+    kda_layers: Sequence[int] | None,
+    num_layers: int | None,
+    *,
+    option: str = "--layers",
 ) -> tuple[int, ...]:
     """Check ``requested`` 0-based layer indices; return them sorted.
 
@@ -30,6 +34,9 @@ def check_layers(
         kda_layers: the model's KDA layers (0-based), or None when unknown. When known, every
             requested index must be one of them.
         num_layers: the model's decoder layer count, or None when unknown.
+        option: how the messages name the list: a command-line option (``"--layers"``, shown
+            as ``--layers 0,1``) or a Python argument (``"layers"``, shown as
+            ``layers=[0, 1]``).
 
     Raises:
         PlanError: an empty list; a negative or repeated index; a list in which every index is
@@ -40,35 +47,37 @@ def check_layers(
     given = [int(i) for i in requested]
     count = f"the model has {num_layers} layers, 0..{num_layers - 1}" if num_layers else None
     if not given:
-        raise PlanError("--layers is empty")
+        raise PlanError(f"{option} is empty")
     for i in given:
         if i < 0:
             raise PlanError(
-                f"--layers: {i} is negative; layers are 0-based indices"
+                f"{option}: {i} is negative; layers are 0-based indices"
                 + (f" ({count})" if count else "")
             )
     repeated = sorted({i for i in given if given.count(i) > 1})
     if repeated:
         raise PlanError(
-            f"--layers: {_csv(repeated)} given more than once"
+            f"{option}: {_csv(repeated)} given more than once"
             + (f" ({count})" if count else "")
         )
     kda = set(kda_layers) if kda_layers is not None else None
     if kda is not None and all(i - 1 in kda for i in given) and not set(given) <= kda:
+        other = [i for i in given if i not in kda]
         raise PlanError(
-            f"--layers {_csv(given)} looks 1-based (each entry is one more than a KDA layer, as "
-            f"in Kimi-Linear's config.json); --layers takes 0-based indices: "
-            f"--layers {_csv(i - 1 for i in given)}"
+            f"{_show(option, given)}: {_csv(other)} not a KDA layer (the KDA layers, 0-based, "
+            f"are {_csv(sorted(kda))}); the list looks 1-based (each entry is one more than a "
+            f"KDA layer, as in Kimi-Linear's config.json), and {option} takes 0-based indices: "
+            f"{_show(option, [i - 1 for i in given])}"
         )
     if num_layers is not None:
         beyond = [i for i in given if i >= num_layers]
         if beyond:
-            raise PlanError(f"--layers: {_csv(beyond)} out of range ({count})")
+            raise PlanError(f"{option}: {_csv(beyond)} out of range ({count})")
     if kda is not None:
         other = [i for i in given if i not in kda]
         if other:
             raise PlanError(
-                f"--layers: {_csv(other)} not a KDA layer (the KDA layers, 0-based, are "
+                f"{option}: {_csv(other)} not a KDA layer (the KDA layers, 0-based, are "
                 f"{_csv(sorted(kda))})"
             )
     return tuple(sorted(given))
@@ -105,6 +114,11 @@ def _indices(source: Any, tail: str) -> set[int]:
             if match:
                 found.add(int(match.group(1)))
     return found
+
+
+def _show(option: str, values: list[int]) -> str:
+    """``--layers 0,1`` for a command-line option, ``layers=[0, 1]`` for a Python argument."""
+    return f"{option} {_csv(values)}" if option.startswith("-") else f"{option}={values}"
 
 
 def _csv(values: Iterable[int]) -> str:

@@ -15,14 +15,42 @@ from typing import Any
 from . import _native
 from ._native import KdaShard, KdaTensorPlan
 from .checkpoint import SafetensorsSource, refuse_index_member
-from .config import CONFIG_NAME, load_config, no_config_message, parse_config
+from .config import (
+    CONFIG_NAME, RULES_GLM, KdaConfig, load_config, no_config_message, parse_config,
+)
 from .errors import CheckpointError, DtypeMismatchError, ShapeMismatchError
+from .layers import check_layers, config_layer_count, layer_count, layers_with_kda_tensors
 from .layout import check_gate_form, decoder_prefix, kda_layer_indices, kda_tensor_name
 from .quant import FP8_DTYPES, BlockFormat, ModelOptModules, block_format, modelopt_modules
 
-__all__ = ["KdaShard", "KdaTensorPlan", "KdaTpPlan"]
+__all__ = ["KdaShard", "KdaTensorPlan", "KdaTpPlan", "assumed_layout"]
 
 _SUFFIX = {"A_log": "A_log", "dt_bias": "dt_bias"}
+
+
+def assumed_layout(
+    config: KdaConfig,
+) -> tuple[dict[str, str] | None, dict[str, tuple[int, ...]], str]:
+    """What a bare config's plan assumes of the checkpoint it does not see: the stored dtypes
+    and on-disk shapes of its model family's checkpoints.
+
+    GLM-5.3-Flash (:data:`~kda_tp.config.RULES_GLM`): transformers' ``modeling_glm5_next.py``
+    creates the convs, ``A_log`` (1-D ``[H]``) and ``dt_bias`` in float32, so its checkpoints
+    store them as F32. Kimi-Linear and any other family: the plan's defaults (BF16 except the
+    F32 ``A_log [1, 1, H, 1]`` and ``dt_bias``, Kimi-Linear's checkpoints).
+
+    Args:
+        config: the parsed config.
+
+    Returns:
+        ``(dtypes, shapes, family)``: the dtypes by plan name for :class:`KdaTpPlan` (None:
+        the plan's defaults), on-disk shapes by plan name that differ from the plan's
+        (elements), and whose defaults they are, for people (``"GLM-5.3-Flash's"``).
+    """
+    if config.rules == RULES_GLM:
+        f32 = ("q_conv1d", "k_conv1d", "v_conv1d", "A_log", "dt_bias")
+        return dict.fromkeys(f32, "F32"), {"A_log": (config.heads,)}, "GLM-5.3-Flash's"
+    return None, {}, "Kimi-Linear's"
 
 
 class KdaTpPlan(_native.KdaTpPlan):
@@ -137,12 +165,19 @@ class KdaTpPlan(_native.KdaTpPlan):
                 KDA layer's ``f_a_proj`` row count; with a bare config, to ``head_dim``
                 (Kimi-Linear's choice).
             qk_multiple: see the class.
-            layers: 0-based KDA layer indices, for a checkpoint whose config does not list them;
-                the first one is read for dtypes and the gate rank.
+            layers: 0-based KDA layer indices, checked as ``--layers`` is
+                (``kda_tp.layers.check_layers``: each a KDA layer of the config, or of
+                the checkpoint's tensors when the config lists none, within
+                ``num_hidden_layers``; a 1-based list is refused with the 0-based one to use).
+                With a checkpoint, the first is read for dtypes and the gate rank and each is
+                checked against a ModelOpt config; the plan is the same for every KDA layer,
+                so a bare config only checks them.
 
-        With a checkpoint, each tensor's dtype (and so its element size) and the stored length
-        of ``A_log`` (``a_log_len``, for K3's zero-padded one) are read from the first KDA
-        layer's header; ``full_rank_gate`` always comes from the config.
+        With a bare config, the dtypes are what the family's checkpoints store
+        (``kda_tp.plan.assumed_layout``: F32 convs for GLM-5.3-Flash). With a checkpoint, each
+        tensor's dtype (and so its element size) and the stored length of ``A_log``
+        (``a_log_len``, for K3's zero-padded one) are read from the first KDA layer's header;
+        ``full_rank_gate`` always comes from the config.
 
         Raises:
             CheckpointError: one file of an indexed checkpoint (pass the directory), a missing
@@ -157,7 +192,8 @@ class KdaTpPlan(_native.KdaTpPlan):
                 projection under ModelOpt (whose FP8 is E4M3).
             ShapeMismatchError: a first-KDA-layer ``f_a_proj`` that is not 2-D (when the gate
                 rank is read from it).
-            PlanError: a refused geometry (see the class).
+            PlanError: a refused geometry (see the class); ``layers`` refused (empty,
+                negative, repeated, 1-based, out of range or not a KDA layer).
         """
 
         source, root = None, None
@@ -181,13 +217,24 @@ class KdaTpPlan(_native.KdaTpPlan):
             root = path if path.is_dir() else path.parent
             where = str(path / CONFIG_NAME if path.is_dir() else path)
         kda = parse_config(config, where)
+        if layers is not None:
+            # The same checks as the command line's --layers (1-based, non-KDA, out of range).
+            known = kda.kda_layers
+            if known is None and source is not None:
+                known = layers_with_kda_tensors(source) or None
+            layers = check_layers(
+                layers, known,
+                layer_count(source) if source is not None else config_layer_count(config),
+                option="layers",
+            )
         fmt = block_format(config, root)
         quant: dict[str, Any] = {}
         if isinstance(fmt, BlockFormat):
             # A bare config: every projection (a checkpoint below says which are FP8).
             quant = {"quant_block": fmt.block, "scale_layout": fmt.scale_layout}
 
-        dtypes, a_log_len = None, None
+        # A bare config: what its family's checkpoints store (a checkpoint below says).
+        dtypes, a_log_len = assumed_layout(kda)[0], None
         if source is not None:
             indices = kda_layer_indices(source, layers)
             if not indices:

@@ -672,8 +672,11 @@ def verify_shards(
     tensor is identical on every rank. Every rank ``0..tp_size-1`` must be present and complete,
     with matching ``tp_rank``/``tp_size`` metadata, and no rank may hold extra tensors. A
     problem names the tensor and the rank(s) whose bytes differ.
+    Each rank must hold the input's companion files (``config.json``, tokenizer files: every
+    file ``shard`` copies) byte for byte; one missing or different is a problem naming the rank
+    and the file.
     ``--kda-only`` output (``kda_tp_kda_only`` in its metadata) is checked on the KDA tensors
-    alone, and a rank holding any other tensor fails.
+    alone (it holds no companion file), and a rank holding any other tensor fails.
 
     With ``numeric``, also runs :func:`~kda_tp.check_tp_equivalence` on the rank directories:
     each KDA layer's full output against the sum of the ranks' partial outputs.
@@ -800,6 +803,9 @@ def verify_shards(
                 f"{rank.root}: {len(unexpected)} tensor(s) not in {what}, e.g. {unexpected[0]}"
             )
 
+    if not kda_only:
+        report.problems += _companion_problems(source, out, tp_size)
+
     advance = progress(len(names)) if progress else None
     for name in names:
         full = checked_get(source, name)
@@ -834,6 +840,25 @@ def verify_shards(
         )
         report.numeric_seconds = time.perf_counter() - start
     return report
+
+
+def _companion_problems(source: SafetensorsSource, out: Path, tp_size: int) -> list[str]:
+    """One line per rank whose copy of an input companion file (:func:`_companion_files`:
+    ``config.json``, tokenizer files) is missing or differs from the input's, byte for byte."""
+    problems = []
+    for r in range(tp_size):
+        for original in _companion_files(source):
+            copy = rank_dir(out, r) / original.name
+            if not copy.is_file():
+                problems.append(
+                    f"{copy}: rank {r} lacks {original.name} (shard copies the input's "
+                    f"{original} into every rank)"
+                )
+            elif original.read_bytes() != copy.read_bytes():
+                problems.append(
+                    f"{copy}: rank {r}'s {original.name} differs from the input's {original}"
+                )
+    return problems
 
 
 def _listdir(path: Path) -> list[Path]:

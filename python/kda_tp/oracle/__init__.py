@@ -600,7 +600,7 @@ def read_kda_config(config: Mapping[str, Any], layers: Iterable[int] | None = No
                 heads=lac["num_heads"],
                 conv_kernel=lac["short_conv_kernel_size"],
                 kda_layers=(
-                    frozenset(n - 1 for n in lac["kda_layers"])
+                    _kimi_kda_layers(lac["kda_layers"], config.get("num_hidden_layers"))
                     if "kda_layers" in lac or layers is None
                     else frozenset(layers)
                 ),
@@ -639,6 +639,37 @@ def read_kda_config(config: Mapping[str, Any], layers: Iterable[int] | None = No
     return result
 
 
+def _kimi_kda_layers(numbers: Any, count: Any) -> frozenset[int]:
+    """0-based layers from Kimi-Linear's 1-based ``kda_layers``: each listed once, none beyond
+    ``num_hidden_layers`` (transformers' ``KimiLinearConfig`` sets ``layer_types[n - 1]``)."""
+    numbers = list(numbers)
+    if len(set(numbers)) != len(numbers):
+        raise CheckpointError(
+            f"config.json: linear_attn_config.kda_layers {numbers} repeats a layer"
+        )
+    if isinstance(count, int) and any(isinstance(n, int) and n > count for n in numbers):
+        raise CheckpointError(
+            f"config.json: linear_attn_config.kda_layers {numbers} goes beyond "
+            f"num_hidden_layers {count}"
+        )
+    return frozenset(n - 1 for n in numbers)
+
+
+# transformers configuration_utils.py: ALLOWED_ATTN_LAYER_TYPES and _LEGACY_LAYER_TYPE_REMAP.
+_ATTN_LAYER_TYPES = (
+    "full_attention", "sliding_attention", "chunked_attention", "window_attention",
+    "indexed_attention", "compressed_sparse_attention", "heavily_compressed_attention",
+    "minimax_m3_sparse", "conv", "moe", "hybrid", "hybrid_sliding",
+    "reference_sliding_attention", "linear_attention",
+)
+_LEGACY_LAYER_TYPES = {
+    "mamba": "linear_attention",
+    "attention": "full_attention",
+    "deepseek_sparse_attention": "indexed_attention",
+    "qwen_sparse_attention": "indexed_attention",
+}
+
+
 def _read_glm_config(text: Mapping[str, Any]) -> KdaConfig:
     """GLM-5.3-Flash's text config as transformers' ``Glm5NextTextConfig`` reads it: a
     ``linear_attn_config`` key wins over the flat one, then the class default; KDA layers are the
@@ -652,9 +683,22 @@ def _read_glm_config(text: Mapping[str, Any]) -> KdaConfig:
         return lac[nested] if nested in lac else text.get(flat, default)
 
     types = text.get("layer_types")
+    count = text.get("num_hidden_layers", 45)
     if types is None:
-        kda = frozenset(i for i in range(text.get("num_hidden_layers", 45)) if i % 4 != 3)
+        kda = frozenset(i for i in range(count) if i % 4 != 3)
     else:
+        # transformers: legacy names remapped, then PreTrainedConfig.validate_layer_type.
+        types = [_LEGACY_LAYER_TYPES.get(t, t) for t in types]
+        unknown = [t for t in types if t not in _ATTN_LAYER_TYPES]
+        if unknown:
+            raise CheckpointError(
+                f"config.json: layer_types has {unknown}: transformers allows only "
+                f"{_ATTN_LAYER_TYPES} for GLM-5.3-Flash"
+            )
+        if len(types) != count:
+            raise CheckpointError(
+                f"config.json: layer_types has {len(types)} entries, num_hidden_layers is {count}"
+            )
         kda = frozenset(i for i, t in enumerate(types) if t == "linear_attention")
     result = KdaConfig(
         hidden=text.get("hidden_size", 4096),
@@ -948,6 +992,30 @@ def verify(checkpoint_dir: str | Path, out_dir: str | Path) -> list[str]:
         problems += _check_rank(
             source, sharded, rank_plan, geometry.kda_layers, decoder, kda_only
         )
+        if not kda_only:
+            problems += _companion_problems(checkpoint_dir, rank, rank_dir)
+    return problems
+
+
+def _companion_problems(checkpoint: Path, rank: int, rank_dir: Path) -> list[str]:
+    """Each of the input's other files (``config.json``, tokenizer files: not ``*.safetensors``,
+    not the index, not hidden; for a single-file input, its ``config.json``) must be in the
+    rank directory, byte for byte."""
+    if checkpoint.is_dir():
+        files = [
+            p for p in sorted(checkpoint.iterdir())
+            if p.is_file() and not p.name.startswith(".")
+            and not p.name.endswith(".safetensors") and p.name != "model.safetensors.index.json"
+        ]
+    else:
+        files = [p for p in [checkpoint.parent / "config.json"] if p.is_file()]
+    problems = []
+    for original in files:
+        copy = rank_dir / original.name
+        if not copy.is_file():
+            problems.append(f"rank{rank}: {original.name} is missing")
+        elif copy.read_bytes() != original.read_bytes():
+            problems.append(f"rank{rank}: {original.name} differs from the input's")
     return problems
 
 
