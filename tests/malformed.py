@@ -590,7 +590,8 @@ def config_kda_layer_out_of_range(root: Path) -> Case:
         "config_kda_layer_out_of_range",
         target,
         CheckpointError,
-        (str(target), "KDA layer 8", "self_attn.q_proj.weight"),
+        (str(target), "'linear_attn_config.kda_layers' = [1, 2, 9]",
+         "9 beyond num_hidden_layers = 2"),
         "shard",
     )
 
