@@ -448,6 +448,15 @@ def _single(name: str, scales: str | None = None) -> tuple[EngineParam, ...]:
     return weight, EngineParam(f"{name}.{scales}", scale_of=weight.suffix)
 
 
+# SGLang 0.5.23 fuses Kimi-Linear's and GLM-5.3-Flash's low-rank-gate KDA layers alike.
+_SGLANG_FUSED_LOW_RANK_GATE = (
+    EngineParam("fused_qkvbfg_a_proj.weight",
+                ("q_proj", "k_proj", "v_proj", "b_proj", "f_a_proj", "g_a_proj")),
+    EngineParam("fused_fg_b_proj.weight", ("f_b_proj", "g_b_proj"), stacked=True),
+    EngineParam("qkv_conv1d.weight", _CONV_QKV, dtype=_F32),
+    *_common((1, 1, -1, 1)),
+)
+
 _VLLM = "vllm/models/kimi_k3/nvidia/kda.py"
 _TABLES = (
     EngineLayout(
@@ -506,13 +515,7 @@ _TABLES = (
     ),
     EngineLayout(
         "sglang-0.5.23-kimi-linear", "sglang", "0.5.23", "kimi-linear",
-        (
-            EngineParam("fused_qkvbfg_a_proj.weight",
-                        ("q_proj", "k_proj", "v_proj", "b_proj", "f_a_proj", "g_a_proj")),
-            EngineParam("fused_fg_b_proj.weight", ("f_b_proj", "g_b_proj"), stacked=True),
-            EngineParam("qkv_conv1d.weight", _CONV_QKV, dtype=_F32),
-            *_common((1, 1, -1, 1)),
-        ),
+        _SGLANG_FUSED_LOW_RANK_GATE,
         "sglang 0.5.23 python/sglang/srt/models/kimi_linear.py: KimiDeltaAttention, fused path "
         "(no quantization_config)",
     ),
@@ -530,13 +533,7 @@ _TABLES = (
     ),
     EngineLayout(
         "sglang-0.5.23-glm-5.3", "sglang", "0.5.23", "glm-5.3",
-        (
-            EngineParam("fused_qkvbfg_a_proj.weight",
-                        ("q_proj", "k_proj", "v_proj", "b_proj", "f_a_proj", "g_a_proj")),
-            EngineParam("fused_fg_b_proj.weight", ("f_b_proj", "g_b_proj"), stacked=True),
-            EngineParam("qkv_conv1d.weight", _CONV_QKV, dtype=_F32),
-            *_common((1, 1, -1, 1)),
-        ),
+        _SGLANG_FUSED_LOW_RANK_GATE,
         "sglang 0.5.23 python/sglang/srt/models/glm5_next.py: Glm5NextLinearAttention, fused "
         "path (KDA projections unquantized, as in GLM-5.3-Flash's FP8 release)",
     ),
