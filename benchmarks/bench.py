@@ -20,10 +20,11 @@ baseline measured alongside it; the last columns give the target and PASS/MISS.
 0. Start-up: ``kda-tp --help`` and ``kda-tp plan CONFIG --tp-size 4`` (the GLM-5.3 config of
    section 3) against ``python -c "import numpy"``, best of N interleaved wall times of the
    whole process (target: at most 1.5x numpy's), and ``python -c "import kda_tp"`` for
-   information. Then Ctrl-C: SIGINT half the ``plan`` time (inside the imports), 0.3 s and
-   0.7 s after starting ``kda-tp shard`` on that checkpoint (SIGINT at its default disposition
-   in the child, whatever the benchmark inherited): exit status 130 and only ``kda-tp:`` lines,
-   no traceback (n/a when the command ended before the signal).
+   information. Then Ctrl-C: SIGINT half the ``plan`` time (inside the imports) and 0.3 s
+   after starting ``kda-tp shard`` on that checkpoint, and 0.3 s and 0.7 s after starting
+   ``kda-tp demo`` (SIGINT at its default disposition in the child, whatever the benchmark
+   inherited): exit status 130 and only ``kda-tp:`` lines, no traceback (n/a when the command
+   ended before the signal).
 1. ``o_proj`` column slice (CHANNEL_COLS), GLM-5.3 geometry [4096, 8192] BF16 (64 MiB), at
    TP = 2, 4, 8 (rank tp//2). The input is the tensor's bytes in the read-only mapping of a
    generated checkpoint file (warm page cache, pages pre-touched). Timed, best of N, interleaved
@@ -322,9 +323,13 @@ def section_start(ckpt: Path, scratch: Path, cli: Cli | None, reps: int) -> None
     # Ctrl-C during the imports (half the time of `plan`, which imports numpy and the Rust core
     # as shard does) and at the delays, while `kda-tp shard` writes: exit status 130,
     # "kda-tp: ..." lines, no traceback.
+    # `demo` (generate, shard, verify: seconds) is still running at 0.7 s where `shard` of this
+    # checkpoint may already have finished on a fast machine.
     shard = cli.shard(ckpt, 4, scratch / "o_sigint")
-    for delay in (best["plan"] / 2, 0.3, 0.7):
-        running, status, err = _interrupted_after(shard, delay)
+    demo = cli.cmd + ["demo", "--tp-size", "4", "--model", "kimi-linear"]
+    for name, cmd, delay in (("shard", shard, best["plan"] / 2), ("shard", shard, 0.3),
+                             ("demo", demo, 0.3), ("demo", demo, 0.7)):
+        running, status, err = _interrupted_after(cmd, delay)
         shutil.rmtree(scratch / "o_sigint", ignore_errors=True)
         lines = err.splitlines()
         clean = status == 130 and bool(lines) and all(line.startswith("kda-tp:") for line in lines)
@@ -332,7 +337,7 @@ def section_start(ckpt: Path, scratch: Path, cli: Cli | None, reps: int) -> None
                                                                 else ", no traceback"))
         if not running:
             detail, clean = f"exited ({status}) before the signal", None
-        row(sec, f"SIGINT {delay:.2f} s after starting kda-tp shard", "", "", detail,
+        row(sec, f"SIGINT {delay:.2f} s after starting kda-tp {name}", "", "", detail,
             "130, no traceback", verdict(clean))
         log(f"  SIGINT after {delay:.2f} s: {detail}; stderr: {err.strip()[-300:]!r}")
 
