@@ -29,7 +29,15 @@ from typing import Any
 import numpy as np
 
 from .checkpoint import SafetensorsSource, Tensor, numpy_dtype, torch_dtype
-from .engines import LAYOUTS, EngineLayout, EngineParamPlan, get_layout, model_family, recognise
+from .engines import (
+    LAYOUTS,
+    EngineLayout,
+    EngineParamPlan,
+    get_layout,
+    model_family,
+    param_location,
+    recognise,
+)
 from .errors import CheckpointError, EngineLayoutError, PlanError, ShapeMismatchError
 from .layout import kda_layer_indices, kda_tensor_name, scale_tensor_name
 from .plan import KdaTpPlan
@@ -48,8 +56,6 @@ __all__ = [
 # with the pipeline stage).
 _RANK_FILE = re.compile(r"^model-rank-(\d+)-part-(\d+)\.safetensors$")
 _PP_TP_FILE = re.compile(r"^model-pp-(\d+)-tp-(\d+)-part-(\d+)\.safetensors$")
-# `language_model.model.layers.3.self_attn.A_log` -> ("language_model.model.layers.", 3, "A_log")
-_KDA_PARAM = re.compile(r"^(.*?layers\.)(\d+)\.self_attn\.(.+)$")
 # A rank or size in a file header's metadata.
 _ASCII_INT = re.compile(r"[0-9]+")
 # The model families' names in messages.
@@ -618,11 +624,11 @@ class _Auditor:
         Raises:
             CheckpointError: KDA parameters under several prefixes.
         """
-        parsed = [(n, m) for n in names if (m := _KDA_PARAM.match(n))]
-        kda = [(n, m) for n, m in parsed
-               if int(m.group(2)) in self.layers and m.group(3) in self.known]
-        prefixes = {m.group(1) for _, m in kda if m.group(3) in self.markers}
-        prefixes = prefixes or {m.group(1) for _, m in kda}
+        parsed = [(n, loc) for n in names if (loc := param_location(n))]
+        kda = [(n, (prefix, layer, suffix)) for n, (prefix, layer, suffix) in parsed
+               if layer in self.layers and suffix in self.known]
+        prefixes = {prefix for _, (prefix, _, suffix) in kda if suffix in self.markers}
+        prefixes = prefixes or {prefix for _, (prefix, _, _) in kda}
         if not prefixes:
             return None
         if len(prefixes) > 1:
@@ -632,9 +638,9 @@ class _Auditor:
             )
         (prefix,) = prefixes
         layers: dict[int, dict[str, str]] = {}
-        for n, m in kda:
-            if m.group(1) == prefix:
-                layers.setdefault(int(m.group(2)), {})[m.group(3)] = n
+        for n, (found, layer, suffix) in kda:
+            if found == prefix:
+                layers.setdefault(layer, {})[suffix] = n
         return _Selected(prefix, layers, len(names) - sum(map(len, layers.values())))
 
     def no_kda(self, where: str) -> CheckpointError:
