@@ -351,6 +351,10 @@ def test_verify_against_another_checkpoint(ckpt, sharded, tmp_path, capsys):
 def test_verify_a_directory_that_is_not_an_output(ckpt, tmp_path, capsys):
     status, _, err = run(capsys, "verify", ckpt, ckpt)
     assert status == 2 and "not a kda-tp shard output" in err
+    shard_checkpoint(ckpt, tmp_path / "out", 2)
+    status, _, err = run(capsys, "verify", ckpt, tmp_path / "out" / "rank0")
+    assert status == 2 and err.rstrip().endswith(
+        f"it is one rank of an output: pass its parent directory {tmp_path / 'out'}")
     (tmp_path / "empty").mkdir()
     assert run(capsys, "verify", ckpt, tmp_path / "empty")[0] == 1  # nothing written yet
 

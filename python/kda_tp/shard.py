@@ -722,7 +722,11 @@ def verify_shards(
             # Empty, or only what a killed run leaves: an output not yet complete.
             report.problems.append(f"{out}: no rank directory yet (incomplete run?)")
             return report
-        raise CheckpointError(f"{out}: not a kda-tp shard output (no rank{{r}} directory in it)")
+        hint = (f"; it is one rank of an output: pass its parent directory {out.parent}"
+                if _RANK_DIR.match(out.name) else "")
+        raise CheckpointError(
+            f"{out}: not a kda-tp shard output (no rank{{r}} directory in it){hint}"
+        )
     start = time.perf_counter()
     # A rank that cannot be read is damaged output: a failed verification, not refused input.
     opened: dict[int, SafetensorsSource] = {}
