@@ -19,16 +19,16 @@ import pytest
 from kda_tp import oracle
 from kda_tp._io import write_safetensors
 from kda_tp.cli import main
-from kda_tp.reference import layer_weights
 from kda_tp.errors import (
     CheckpointError,
     DtypeMismatchError,
     PlanError,
     ShapeMismatchError,
 )
-from kda_tp.reference import kda_layer_forward
+from kda_tp.reference import kda_layer_forward, layer_weights
 from kda_tp.shard import rank_dir, shard_checkpoint, verify_shards
 from kda_tp.synth import write_checkpoint, write_small_checkpoint
+from tp_fixtures import write_one_file
 
 FIXTURE = Path(__file__).parent / "data" / "k3_fp8_small"
 LAYERS = "language_model.model.layers."
@@ -94,26 +94,6 @@ def _arrays(directory: Path) -> dict[str, np.ndarray]:
     return {name: source.get(name).array for name in source.names()}
 
 
-_DTYPE_NAMES = {
-    np.dtype(ml_dtypes.bfloat16): "BF16",
-    np.dtype(ml_dtypes.float8_e4m3fn): "F8_E4M3",
-    np.dtype(np.float32): "F32",
-    np.dtype(np.uint8): "U8",
-}
-
-
-def _write(out: Path, arrays: dict[str, np.ndarray], config: dict) -> Path:
-    """A one-file checkpoint of ``arrays`` with ``config``."""
-    out.mkdir(parents=True)
-    write_safetensors(
-        out / "model.safetensors",
-        [(n, _DTYPE_NAMES[a.dtype], a.shape, a.nbytes, lambda a=a: np.ascontiguousarray(a))
-         for n, a in arrays.items()],
-    )
-    (out / "config.json").write_text(json.dumps(config))
-    return out
-
-
 def _fixture_config() -> dict:
     return json.loads((FIXTURE / "config.json").read_text())
 
@@ -139,7 +119,7 @@ def _relayout(tmp_path: Path, style: str) -> Path:
             "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
                 "num_bits": 8, "type": "float", "strategy": "block",
                 "block_structure": [128, 128]}}}}
-    return _write(tmp_path / style, arrays, config)
+    return write_one_file(tmp_path / style, arrays, config)
 
 
 @pytest.mark.parametrize("style", ["deepseek", "compressed-tensors"])
@@ -280,7 +260,7 @@ def _plain_config() -> dict:
 def test_refusals_name_the_problem_and_leave_no_output(
     tmp_path, capsys, arrays, config, error, message
 ):
-    ckpt = _write(tmp_path / "ckpt", arrays, config or _fixture_config())
+    ckpt = write_one_file(tmp_path / "ckpt", arrays, config or _fixture_config())
     out = tmp_path / "out"
     with pytest.raises(error, match=message):
         shard_checkpoint(ckpt, out, 2)

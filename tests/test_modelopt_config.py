@@ -14,27 +14,18 @@ import json
 import re
 from pathlib import Path
 
+import kda_tp
 import ml_dtypes
 import numpy as np
 import pytest
-
-import kda_tp
-from kda_tp._io import write_safetensors
 from kda_tp.cli import main
 from kda_tp.errors import CheckpointError, DtypeMismatchError
 from kda_tp.shard import shard_checkpoint, verify_shards
 from kda_tp.synth import write_small_checkpoint
+from tp_fixtures import write_one_file
 
 FIXTURE = Path(__file__).parent / "data" / "k3_fp8_small"
 KDA = "language_model.model.layers.0.self_attn."
-
-_DTYPE_NAMES = {
-    np.dtype(ml_dtypes.bfloat16): "BF16",
-    np.dtype(ml_dtypes.float8_e4m3fn): "F8_E4M3",
-    np.dtype(ml_dtypes.float8_e5m2): "F8_E5M2",
-    np.dtype(np.float32): "F32",
-    np.dtype(np.uint8): "U8",
-}
 
 
 def _arrays() -> dict[str, np.ndarray]:
@@ -44,17 +35,6 @@ def _arrays() -> dict[str, np.ndarray]:
 
 def _config() -> dict:
     return json.loads((FIXTURE / "config.json").read_text())
-
-
-def _write(out: Path, arrays: dict[str, np.ndarray], config: dict) -> Path:
-    out.mkdir(parents=True)
-    write_safetensors(
-        out / "model.safetensors",
-        [(n, _DTYPE_NAMES[a.dtype], a.shape, a.nbytes, lambda a=a: np.ascontiguousarray(a))
-         for n, a in arrays.items()],
-    )
-    (out / "config.json").write_text(json.dumps(config))
-    return out
 
 
 def _declare(config: dict, module: str, algo: str | None) -> dict:
@@ -121,7 +101,7 @@ def _excluding(pattern: str) -> dict:
 def test_a_kda_tensor_that_contradicts_its_modelopt_declaration_is_refused(
     tmp_path, capsys, arrays, config, error, message
 ):
-    ckpt = _write(tmp_path / "ckpt", arrays, config)
+    ckpt = write_one_file(tmp_path / "ckpt", arrays, config)
     with pytest.raises(error, match=message):
         kda_tp.KdaTpPlan.from_config(ckpt, 0, 2)
     out = tmp_path / "out"
@@ -136,7 +116,7 @@ def test_the_mixed_nvfp4_message_also_comes_from_hf_quant_config_json(tmp_path):
     config = _declare(_config(), KDA + "q_proj", "NVFP4")
     body = config.pop("quantization_config")
     del body["quant_method"]
-    ckpt = _write(tmp_path / "ckpt", _nvfp4_q_proj(), config)
+    ckpt = write_one_file(tmp_path / "ckpt", _nvfp4_q_proj(), config)
     (ckpt / "hf_quant_config.json").write_text(json.dumps({"quantization": body}))
     with pytest.raises(CheckpointError, match=r"as ModelOpt NVFP4 \(on disk: U8\)"):
         kda_tp.KdaTpPlan.from_config(ckpt, 0, 2)

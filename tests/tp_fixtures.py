@@ -3,9 +3,13 @@ can split into. A new fixture (e.g. a Kimi K3 one) is one more entry in :data:`F
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
+import ml_dtypes
+import numpy as np
+from kda_tp._io import write_safetensors
 from kda_tp.synth import write_small_checkpoint
 
 DATA = Path(__file__).parent / "data"
@@ -61,4 +65,26 @@ def checkpoint(fixture: Fixture, tmp_root: Path) -> Path:
             seed=7,
             max_file_bytes=64 << 10,
         )
+    return out
+
+
+#: numpy dtype -> safetensors dtype name, for the arrays tests write.
+DTYPE_NAMES = {
+    np.dtype(ml_dtypes.bfloat16): "BF16",
+    np.dtype(ml_dtypes.float8_e4m3fn): "F8_E4M3",
+    np.dtype(ml_dtypes.float8_e5m2): "F8_E5M2",
+    np.dtype(np.float32): "F32",
+    np.dtype(np.uint8): "U8",
+}
+
+
+def write_one_file(out: Path, arrays: dict[str, np.ndarray], config: dict) -> Path:
+    """A one-file checkpoint ``out/model.safetensors`` of ``arrays`` with ``config``."""
+    out.mkdir(parents=True)
+    write_safetensors(
+        out / "model.safetensors",
+        [(n, DTYPE_NAMES[a.dtype], a.shape, a.nbytes, lambda a=a: np.ascontiguousarray(a))
+         for n, a in arrays.items()],
+    )
+    (out / "config.json").write_text(json.dumps(config))
     return out
