@@ -343,3 +343,11 @@ def test_audit_llm_reports_every_worker(vc):
     (wrong,) = [p for p in reports[1]["report"]["params"] if p["status"] != "exact"]
     assert wrong["name"] == f"{ATTN}o_proj.weight"
     assert wrong["differences"][0]["equals"].startswith("zeros (never loaded?)")
+
+
+def test_a_modelopt_block_scale_is_checked_in_the_shape_vllm_squeezes_it_to(vc):
+    from kda_tp.vllm_plugin import _as_processed
+    loaded = torch.arange(6, dtype=torch.float32).reshape(2, 1, 3, 1)  # [ob, 1, ib, 1]
+    out = _as_processed(f"{ATTN}o_proj.weight_scale", loaded)
+    assert out.shape == (2, 3) and out.data_ptr() == loaded.data_ptr()
+    assert _as_processed(f"{ATTN}A_log", loaded) is loaded

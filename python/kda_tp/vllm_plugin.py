@@ -211,7 +211,7 @@ def guard_model(model: Any, model_config: Any, *, loader: str = "",
     """
     if (guard_mode or mode()) == "off" or loader in _UNCHECKED_LOADERS:
         return None
-    params = dict(model.named_parameters())
+    params = {n: _as_processed(n, p) for n, p in model.named_parameters()}
     if not holds_kda(params):
         return None
     from vllm.distributed import parallel_state
@@ -241,6 +241,17 @@ def guard_model(model: Any, model_config: Any, *, loader: str = "",
     return check(params, checkpoint, tp_rank=rank, tp_size=size, derived=derived,
                  where=where, layers=_stage_layers(params, parallel_state),
                  guard_mode=guard_mode)
+
+
+def _as_processed(name: str, param: Any) -> Any:
+    """``param`` as the layouts describe it: a ModelOpt ``FP8_PB_WO`` block scale is loaded
+    ``[ob, 1, ib, 1]`` and squeezed to ``[ob, ib]`` only by ``process_weights_after_loading``
+    (vLLM's ``KFp8Block128.process``), which runs after the guard; the squeezed view holds the
+    same bytes. Every other parameter as it is."""
+    shape = tuple(getattr(param, "shape", ()))
+    if name.endswith(".weight_scale") and len(shape) == 4 and shape[1] == shape[3] == 1:
+        return param.squeeze(3).squeeze(1)
+    return param
 
 
 def _stage_layers(names: Iterable[str], parallel_state: Any) -> list[int] | None:
