@@ -124,7 +124,9 @@ def _ranks_of(
 
             def build(shard: KdaShardedSource = shard, suffix: str = param.suffix,
                       layer: int = layer) -> np.ndarray:
-                return shard.build_param(layout, suffix, layer, model_dtype=model_dtype)
+                built: np.ndarray = shard.build_param(layout, suffix, layer,
+                                                      model_dtype=model_dtype)
+                return built
 
             params.append(_Param(param_name(prefix, layer, param.suffix), plan, build))
         out.append((r, params))
@@ -271,4 +273,4 @@ def _digests(by_rank: list[tuple[int, list[_Param]]]) -> Iterator[tuple[str, str
     for r, params in by_rank:
         for p in params:
             data = np.ascontiguousarray(p.build()).reshape(-1).view(np.uint8)
-            yield DIGEST_KEY.format(rank=r, name=p.name), hashlib.sha256(data).hexdigest()
+            yield DIGEST_KEY.format(rank=r, name=p.name), hashlib.sha256(data.data).hexdigest()
