@@ -280,3 +280,14 @@ def test_the_audits_enumeration_is_the_dumps(tmp_path):
         with safe_open(dump.files[0], "np") as f:
             assert sorted(f.keys()) == sorted(p.name for p in report.params)
         assert report.passed and report.ignored == 0 and dump.params == len(report.params)
+
+
+def test_a_block_fp8_dump_holds_the_scale_grids_and_passes(tmp_path):
+    ckpt = Path(__file__).parent / "data" / "k3_fp8_small"
+    dump = kda_tp.write_engine_dump(ckpt, tmp_path, engine="sglang-0.5.23-k3", tp_size=2)
+    _, meta = header(dump.files[1])  # numpy cannot hold FP8: the header says the dtypes
+    pre = "language_model.model.layers.0.self_attn."
+    assert meta[pre + "fused_qkvg_proj.weight"]["dtype"] == "F8_E4M3"  # as stored, never cast
+    assert meta[pre + "fused_qkvg_proj.weight_scale_inv"]["dtype"] == "F32"
+    assert meta[pre + "o_proj.weight_scale_inv"]["dtype"] == "F32"
+    assert audit_path(ckpt, tmp_path, tp_size=2).passed
