@@ -173,6 +173,11 @@ def test_dump_refusals(tmp_path, capsys):
     with pytest.raises(PlanError, match=r"rank 4 is not a rank of tp_size 4: the ranks are 0\.\.3"):
         kda_tp.write_engine_dump(ckpt, tmp_path / "x", engine="vllm-0.33-kimi-linear",
                                  tp_size=4, ranks=[4])
+    with pytest.raises(PlanError, match=r"ranks \[1, 1\] name a rank twice"):
+        kda_tp.engine_digests(ckpt, engine="vllm-0.33-kimi-linear", tp_size=2, ranks=[1, 1])
+    # A world size is checked against the heads before anything is sized by it.
+    with pytest.raises(PlanError, match=r"divisible by tp_size \(1000000000\)"):
+        kda_tp.engine_digests(ckpt, engine="vllm-0.33-kimi-linear", tp_size=10**9)
     with pytest.raises(EngineLayoutError, match="this layout is for kimi-k3"):
         kda_tp.write_engine_dump(ckpt, tmp_path / "x", engine="vllm-0.33-k3", tp_size=2)
     status, _, err = run(capsys, "dump", ckpt, "--engine", "vllm-9", "--tp-size", 2,

@@ -102,19 +102,21 @@ def _ranks_of(
     """
     if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
         raise PlanError(f"tp_size must be a positive integer, got {tp_size!r}")
+    source = (checkpoint if isinstance(checkpoint, SafetensorsSource)
+              else SafetensorsSource(checkpoint))
+    layout = get_layout(engine)
+    # Any split the heads allow (no q|k width rule: the engine chose the world size); checked
+    # before anything is sized by tp_size.
+    KdaTpPlan.from_config(source, 0, tp_size, qk_multiple=1)
     wanted = list(range(tp_size)) if ranks is None else list(ranks)
     for r in wanted:
         if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < tp_size:
             raise PlanError(f"rank {r!r} is not a rank of tp_size {tp_size}: the ranks are "
                             f"0..{tp_size - 1}")
     if len(set(wanted)) != len(wanted):
-        raise PlanError(f"ranks {wanted} name a rank twice")
-    source = (checkpoint if isinstance(checkpoint, SafetensorsSource)
-              else SafetensorsSource(checkpoint))
-    layout = get_layout(engine)
+        raise PlanError(f"ranks {sorted(wanted)} name a rank twice; pass each rank once")
     out = []
     for r in sorted(wanted):
-        # Any split the heads allow (no q|k width rule): the engine chose the world size.
         shard = KdaShardedSource(source, KdaTpPlan.from_config(source, r, tp_size,
                                                                qk_multiple=1))
         prefix = layout.state_dict_prefix(shard.prefix)
