@@ -248,9 +248,12 @@ def engine_digests(
     vLLM rewrites after loading.
 
     Args:
-        checkpoint, tp_size, ranks, model_dtype: as for :func:`write_engine_dump`.
+        checkpoint: the checkpoint the engine loads (as for :func:`write_engine_dump`).
         engine: a vLLM layout or its name (``"vllm-0.33-k3"``, ``"vllm-0.33-kimi-linear"``,
             ``"vllm-0.33-glm-5.3"``).
+        tp_size: the engine's tensor-parallel world size.
+        ranks: the ranks (default: all).
+        model_dtype: the engine's model dtype, as for :func:`write_engine_dump`.
 
     Returns:
         ``{key: hex digest}``, ranks in order, then layers, then the layout's parameters.

@@ -188,7 +188,7 @@ class EngineLayout:
         ``"language_model.layers."``, ``"model.language_model.layers."``).
 
         A flat checkpoint's layers are ``model.layers.`` in every engine; a wrapped one's
-        (its prefix holds ``language_model``) are :attr:`wrapped_prefix`, where the engine's
+        (its prefix holds ``language_model``) are ``wrapped_prefix``, where the engine's
         weight-name mapper puts them: vLLM 0.33's ``KimiK3ForConditionalGeneration`` and
         ``Glm5NextForConditionalGeneration`` and SGLang 0.5.23's K3 model hold
         ``language_model.model.layers.``, SGLang's GLM-5.3 ``model.layers.``, transformers'

@@ -380,7 +380,7 @@ class KdaShardedSource:
 
     def engine_params(self, layout: str | EngineLayout) -> list[tuple[int, EngineParam]]:
         """Every engine parameter this rank holds for the KDA layers: ``(layer, parameter)``
-        for each KDA layer (:attr:`layers`, in order) and each parameter of ``layout`` for
+        for each KDA layer (``layers``, in order) and each parameter of ``layout`` for
         this plan (:meth:`EngineLayout.params_for <kda_tp.engines.EngineLayout.params_for>`:
         scale grids only where the weights are block-FP8), in the layout's order.
 
