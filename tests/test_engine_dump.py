@@ -296,3 +296,19 @@ def test_a_block_fp8_dump_holds_the_scale_grids_and_passes(tmp_path):
     assert meta[pre + "fused_qkvg_proj.weight_scale_inv"]["dtype"] == "F32"
     assert meta[pre + "o_proj.weight_scale_inv"]["dtype"] == "F32"
     assert audit_path(ckpt, tmp_path, tp_size=2).passed
+
+
+def test_dtype_flag_takes_the_engines_spelling_too(capsys):
+    ckpt = CKPTS["kimi-linear"]
+    want = kda_tp.engine_digests(ckpt, engine="vllm-0.33-kimi-linear", tp_size=2,
+                                 model_dtype="BF16")
+    assert want != kda_tp.engine_digests(ckpt, engine="vllm-0.33-kimi-linear", tp_size=2)
+    for spelling in ("bfloat16", "BF16", "bf16"):
+        status, out, _ = run(capsys, "digests", ckpt, "--engine", "vllm-0.33-kimi-linear",
+                             "--tp-size", 2, "--dtype", spelling, "--json")
+        assert status == 0 and json.loads(out)["checksums"] == want
+    with pytest.raises(SystemExit) as exit_info:
+        main(["digests", str(ckpt), "--engine", "vllm-0.33-kimi-linear", "--tp-size", "2",
+              "--dtype", "int8"])
+    assert exit_info.value.code == 2
+    assert "argument --dtype: invalid choice: 'INT8'" in capsys.readouterr().err
