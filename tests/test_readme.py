@@ -4,6 +4,8 @@
   generated checkpoint standing in for ``/models/Kimi-Linear-48B-A3B`` (``tests/data/`` paths
   taken from the clone's root, wherever the tests run from). Blocks that need torch, a
   GPU, a process group or a real model are marked ```` ```py ```` and are only shown.
+* The README's "Try it in one minute" commands (the same in docs/getting-started.md) run
+  verbatim, one after the other, in a fresh directory.
 * The README is a landing page: at most 200 lines, linking every page of the site's nav; every
   relative link in it and in the docs names a file that exists.
 * docs/cli.md lists every command and every flag of ``kda-tp``, and its flag tables list none that
@@ -15,6 +17,9 @@
 from __future__ import annotations
 
 import re
+import shlex
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -74,6 +79,36 @@ def test_docs_python_examples_run(page, index, code, ckpt):
         assert namespace["local"].nbytes == namespace["o"].local_bytes == 4096 * 4096 * 2
     if "report" in namespace:  # the numeric check
         assert namespace["report"].passed and len(namespace["report"].layers) == 2
+
+
+def try_it_block(path: Path) -> list[str]:
+    """The commands of a page's "Try it in one minute" section (its one ```sh block)."""
+    section = path.read_text().split("## Try it in one minute", 1)[1].split("\n## ", 1)[0]
+    (block,) = re.findall(r"^```sh\n(.*?)^```", section, flags=re.S | re.M)
+    return block.splitlines()
+
+
+@pytest.mark.slow  # a 2-layer checkpoint of Kimi-Linear's real geometry (0.17 GB)
+def test_the_try_it_path_runs_verbatim(tmp_path):
+    """README's "Try it in one minute", as a newcomer runs it after the README's install
+    command (the same commands as Getting started's), from a fresh directory."""
+    commands = try_it_block(README)
+    assert try_it_block(DOCS / "getting-started.md") == commands
+    outputs = []
+    for line in commands:
+        argv = shlex.split(line)
+        assert argv[0] == ".venv/bin/kda-tp", line  # the README's install command's venv
+        done = subprocess.run([sys.executable, "-m", "kda_tp", *argv[1:]], cwd=tmp_path,
+                              capture_output=True, text=True, timeout=600, check=False)
+        assert done.returncode == 0, f"{line}\n{done.stdout}\n{done.stderr}"
+        outputs.append(done.stdout)
+    names = [shlex.split(line)[1] for line in commands]
+    assert names == ["demo", "plan", "shard", "verify", "dump", "audit"]
+    assert "per KDA layer: 19.69 MiB per rank of 75.38 MiB" in outputs[1]
+    assert "numerical TP equivalence passes (2 KDA layers" in outputs[3]
+    assert outputs[5].splitlines()[-1] == (
+        "OK: 72 of 72 KDA parameters exact on ranks 0, 1, 2, 3 of 4 (vllm-0.33-kimi-linear); "
+        "0 other parameters ignored")
 
 
 def test_docs_examples_are_found():

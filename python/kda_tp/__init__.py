@@ -1,9 +1,11 @@
 """kda_tp: split the weights of KDA (Kimi Delta Attention) layers across tensor-parallel ranks.
 
 The shard plan and the slicers are a Rust core; this package adds checkpoint sources, the
-adapter that presents one rank's shard, serving engines' fused layouts (``kda_tp.engines``) and
-the audit of an engine's loaded weights (:func:`audit`), a pure-Python oracle (``kda_tp.oracle``), a numpy
-reference forward (``kda_tp.reference``) and the ``kda-tp`` command line.
+adapter that presents one rank's shard, serving engines' fused layouts (``kda_tp.engines``), the
+audit of an engine's loaded weights (:func:`audit`) and what an engine must hold, as a dump or as
+vLLM's weight digests (:func:`write_engine_dump`, :func:`engine_digests`), a pure-Python oracle
+(``kda_tp.oracle``), a numpy reference forward (``kda_tp.reference``) and the ``kda-tp`` command
+line.
 
 ``import kda_tp`` imports no other module: each public name below is imported from its module on
 first use (numpy and the Rust core with it), so that the package and the ``kda-tp`` command
@@ -19,6 +21,7 @@ if TYPE_CHECKING:
     from . import errors
     from ._native import __version__
     from .engine_audit import AuditReport, audit
+    from .engine_dump import engine_digests, write_engine_dump
     from .equivalence import check_tp_equivalence
     from .errors import (
         BufferLayoutError,
@@ -60,6 +63,8 @@ __all__ = [
     "check_tp_equivalence",
     "audit",
     "AuditReport",
+    "write_engine_dump",
+    "engine_digests",
 ]
 
 #: The module each public name is imported from on first use.
@@ -87,6 +92,8 @@ _LAZY = {
     "check_tp_equivalence": "equivalence",
     "audit": "engine_audit",
     "AuditReport": "engine_audit",
+    "write_engine_dump": "engine_dump",
+    "engine_digests": "engine_dump",
 }
 
 

@@ -2,10 +2,11 @@
 
 Subcommands: ``plan`` (the shard table), ``shard`` (write one checkpoint per rank), ``verify``
 (rejoin the ranks and compare with the input), ``demo`` (all three on a generated checkpoint of
-a real model's geometry), ``audit`` (check the KDA weights a serving engine loaded). Exit status:
+a real model's geometry), ``audit`` (check the KDA weights a serving engine loaded), ``dump``
+and ``digests`` (what an engine's ranks must hold, as files or as vLLM's checksums). Exit status:
 0 success, 1 verification or audit failed, 2 refused input, 130 interrupted (Ctrl-C).
-``--json`` (plan, shard, verify, audit) prints one JSON document on stdout instead of the text;
-progress and errors go to stderr.
+``--json`` (plan, shard, verify, audit, dump, digests) prints one JSON document on stdout
+instead of the text; progress and errors go to stderr.
 """
 
 from __future__ import annotations
@@ -155,6 +156,23 @@ def _parser() -> argparse.ArgumentParser:
     _add_json(p, "every KDA parameter's verdict")
     p.set_defaults(run=_cmd_audit)
 
+    p = sub.add_parser("dump", help="write the KDA parameters an engine's ranks must hold, as "
+                       "its save_sharded_state would (model-rank-{r}-part-0.safetensors)")
+    p.add_argument("checkpoint", type=Path)
+    _add_engine_output(p)
+    p.add_argument("--out", type=Path, required=True, help="output directory")
+    p.add_argument("--force", action="store_true",
+                   help="replace dump files of these ranks already in the output directory")
+    _add_json(p, "what was written")
+    p.set_defaults(run=_cmd_dump)
+
+    p = sub.add_parser("digests", help="print the SHA-256 of every rank's expected KDA "
+                       "parameters, keyed as vLLM's weight checksums (dp0:pp0:pcp0:tp{r}:name)")
+    p.add_argument("checkpoint", type=Path)
+    _add_engine_output(p)
+    _add_json(p, "the digests (under checksums, as vLLM's /weight_checker returns them)")
+    p.set_defaults(run=_cmd_digests)
+
     p = sub.add_parser("demo", help="plan, shard and verify a generated real-geometry checkpoint")
     p.add_argument("--tp-size", type=int, default=4, help="world size (default 4)")
     p.add_argument("--model", choices=["kimi-linear", "glm-5.3-flash", "kimi-k3"],
@@ -166,6 +184,24 @@ def _parser() -> argparse.ArgumentParser:
     _add_numeric(p, default_on=True)
     p.set_defaults(run=_cmd_demo)
     return parser
+
+
+def _add_engine_output(p: argparse.ArgumentParser) -> None:
+    """``dump``'s and ``digests``' flags: the engine layout, world size, ranks and dtype."""
+    p.add_argument("--engine", required=True, help="the engine layout (kda_tp.engines.LAYOUTS, "
+                   "e.g. vllm-0.33-kimi-linear; docs/engine-layouts.md)")
+    p.add_argument("--tp-size", type=int, required=True, help="tensor-parallel world size")
+    p.add_argument("--ranks", type=_int_list, help="comma-separated ranks (default: all)")
+    p.add_argument("--dtype", type=_model_dtype, choices=["BF16", "F16", "F32"],
+                   help="the engine's model dtype (its --dtype: bfloat16, float16, float32) "
+                   "for the parameters it casts to it (default: the checkpoint's)")
+
+
+def _model_dtype(text: str) -> str:
+    """A model dtype as safetensors names it (``bfloat16`` -> ``BF16``)."""
+    names = {"bfloat16": "BF16", "float16": "F16", "half": "F16", "float32": "F32",
+             "float": "F32"}
+    return names.get(text.lower(), text.upper())
 
 
 def _add_qk_multiple(p: argparse.ArgumentParser) -> None:
@@ -751,6 +787,43 @@ def _cmd_audit(args: argparse.Namespace) -> int:
     else:
         print(report.format())
     return 0 if report.passed else 1
+
+
+def _cmd_dump(args: argparse.Namespace) -> int:
+    from .engine_dump import write_engine_dump
+
+    result = write_engine_dump(args.checkpoint, args.out, engine=args.engine,
+                               tp_size=args.tp_size, ranks=args.ranks, model_dtype=args.dtype,
+                               force=args.force)
+    if args.json:
+        _emit_json(args, {
+            "ok": True, "out_dir": str(result.out_dir), "engine": result.engine,
+            "tp_size": result.tp_size, "ranks": list(result.ranks),
+            "files": [str(f) for f in result.files], "params": result.params,
+            "bytes_written": result.bytes_written, "seconds": result.seconds,
+        })
+    else:
+        print(f"wrote {result.params} KDA parameters of ranks {list(result.ranks)} of "
+              f"{result.tp_size} ({result.engine}, {result.bytes_written / 1e9:.3f} GB) to "
+              f"{result.out_dir} in {result.seconds:.2f} s; check it with: kda-tp audit "
+              f"{args.checkpoint} {result.out_dir} --tp-size {result.tp_size}"
+              + ("" if args.ranks is None else f" --rank R (R in {list(result.ranks)})"))
+    return 0
+
+
+def _cmd_digests(args: argparse.Namespace) -> int:
+    from .engine_dump import engine_digests
+
+    digests = engine_digests(args.checkpoint, engine=args.engine, tp_size=args.tp_size,
+                             ranks=args.ranks, model_dtype=args.dtype)
+    if args.json:
+        ranks = sorted(range(args.tp_size) if args.ranks is None else args.ranks)
+        _emit_json(args, {"ok": True, "engine": args.engine, "tp_size": args.tp_size,
+                          "ranks": ranks, "checksums": digests})
+    else:
+        for key, digest in digests.items():
+            print(f"{digest}  {key}")
+    return 0
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:

@@ -36,6 +36,7 @@ from .engines import (
     get_layout,
     model_family,
     param_location,
+    param_name,
     recognise,
 )
 from .errors import CheckpointError, EngineLayoutError, PlanError, ShapeMismatchError
@@ -743,20 +744,22 @@ class _Auditor:
             layout: EngineLayout, report: AuditReport,
             advance: Callable[[int], None] | None) -> None:
         """Audit every KDA parameter of every KDA layer of one rank into ``report``."""
-        params = layout.params_for(self.shard(rank).plan)
         report.ignored += selected.ignored
-        for layer in self.layers:
-            candidates = _Candidates(self.source, self.shard, rank, layer)
-            found = selected.layers.get(layer, {})
-            for param in params:
-                name = found.get(param.suffix,
-                                 f"{selected.prefix}{layer}.self_attn.{param.suffix}")
-                report.params.append(self.param(rank, layer, name, records.get(name), layout,
-                                                param.suffix, candidates))
-                if advance:
-                    advance(1)
-            # Names of another quantization form (scale grids of unquantized weights).
-            report.ignored += len(set(found) - {p.suffix for p in params})
+        candidates: _Candidates | None = None
+        expected: dict[int, set[str]] = {}
+        for layer, param in self.shard(rank).engine_params(layout):
+            if candidates is None or candidates.layer != layer:
+                candidates = _Candidates(self.source, self.shard, rank, layer)
+            expected.setdefault(layer, set()).add(param.suffix)
+            name = selected.layers.get(layer, {}).get(
+                param.suffix, param_name(selected.prefix, layer, param.suffix))
+            report.params.append(self.param(rank, layer, name, records.get(name), layout,
+                                            param.suffix, candidates))
+            if advance:
+                advance(1)
+        # Names of another quantization form (scale grids of unquantized weights).
+        report.ignored += sum(len(set(selected.layers.get(layer, {})) - suffixes)
+                              for layer, suffixes in expected.items())
 
     def param(self, rank: int, layer: int, name: str, value: Any, layout: EngineLayout,
               suffix: str, candidates: _Candidates) -> ParamAudit:
@@ -1030,8 +1033,7 @@ def audit_path(
     report.engine = layout.name
     note = auditor.elsewhere(set().union(*(_suffixes(s) for _, s in present)), layout, str(root))
     report.problems += [note] if note else []
-    total = sum(len(layout.params_for(auditor.shard(r).plan)) * len(auditor.layers)
-                for r, *_ in dumps)
+    total = sum(len(auditor.shard(r).engine_params(layout)) for r, *_ in dumps)
     advance = progress(total) if progress else None
     for r, records, selected in dumps:
         if selected is None:  # this rank's KDA parameters are all missing

@@ -68,6 +68,7 @@ __all__ = [
     "layouts_markdown",
     "model_family",
     "param_location",
+    "param_name",
     "recognise",
 ]
 
@@ -167,6 +168,9 @@ class EngineLayout:
         source: where the layout comes from (engine file and class), for people checking it.
         tensor_parallel: False when the engine keeps KDA replicated (transformers' TP plan has
             no KDA entries): the layout then holds only at ``tp_size == 1``.
+        wrapped_prefix: the engine's name prefix of the decoder layers (up to the layer index)
+            for a checkpoint that nests them in a multimodal wrapper (``language_model``); a
+            flat checkpoint's are ``model.layers.`` everywhere (see :meth:`state_dict_prefix`).
     """
 
     name: str
@@ -176,6 +180,22 @@ class EngineLayout:
     params: tuple[EngineParam, ...]
     source: str
     tensor_parallel: bool = True
+    wrapped_prefix: str = "language_model.model.layers."
+
+    def state_dict_prefix(self, checkpoint_prefix: str) -> str:
+        """The prefix (up to the layer index) of this engine's names for the KDA layers of a
+        checkpoint whose layers lie under ``checkpoint_prefix`` (``"model.layers."``,
+        ``"language_model.layers."``, ``"model.language_model.layers."``).
+
+        A flat checkpoint's layers are ``model.layers.`` in every engine; a wrapped one's
+        (its prefix holds ``language_model``) are ``wrapped_prefix``, where the engine's
+        weight-name mapper puts them: vLLM 0.33's ``KimiK3ForConditionalGeneration`` and
+        ``Glm5NextForConditionalGeneration`` and SGLang 0.5.23's K3 model hold
+        ``language_model.model.layers.``, SGLang's GLM-5.3 ``model.layers.``, transformers'
+        GLM-5.3 ``model.language_model.layers.``. These are the names of the engine's
+        ``state_dict()``, of its ``save_sharded_state`` files and of vLLM's weight checksums.
+        """
+        return self.wrapped_prefix if "language_model" in checkpoint_prefix else "model.layers."
 
     @property
     def suffixes(self) -> frozenset[str]:
@@ -536,6 +556,7 @@ _TABLES = (
         _SGLANG_FUSED_LOW_RANK_GATE,
         "sglang 0.5.23 python/sglang/srt/models/glm5_next.py: Glm5NextLinearAttention, fused "
         "path (KDA projections unquantized, as in GLM-5.3-Flash's FP8 release)",
+        wrapped_prefix="model.layers.",  # its mapper: model.language_model. -> model.
     ),
     EngineLayout(
         "transformers-5-kimi-linear", "transformers", "5", "kimi-linear",
@@ -569,6 +590,7 @@ _TABLES = (
         "transformers 5.24 models/glm5_next/modeling_glm5_next.py: Glm5NextTextLinearAttention "
         "(F32 conv1d and forget-gate A_log/dt_bias)",
         tensor_parallel=False,
+        wrapped_prefix="model.language_model.layers.",
     ),
 )
 
@@ -640,6 +662,12 @@ def layouts_for(family: str | None = None, plan: KdaTpPlan | None = None) -> lis
 
 
 _PARAM_NAME = re.compile(r"^((?:.*\.)?layers\.)(\d+)\.self_attn\.(.+)$")
+
+
+def param_name(prefix: str, layer: int, suffix: str) -> str:
+    """A KDA layer's parameter name, the inverse of :func:`param_location`:
+    ``param_name("model.layers.", 3, "A_log")`` -> ``"model.layers.3.self_attn.A_log"``."""
+    return f"{prefix}{layer}.self_attn.{suffix}"
 
 
 def param_location(name: str) -> tuple[str, int, str] | None:

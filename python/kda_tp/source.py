@@ -25,7 +25,7 @@ from .checkpoint import (
     numpy_dtype,
     shard_bytes,
 )
-from .engines import EngineLayout, EngineParamPlan, get_layout
+from .engines import EngineLayout, EngineParam, EngineParamPlan, get_layout
 from .errors import CheckpointError, DtypeMismatchError, EngineLayoutError, KdaTpError
 from .layout import (
     BARE_PARAMETERS,
@@ -377,6 +377,23 @@ class KdaShardedSource:
         if plan.padding is not None:
             target[plan.padding[0] : plan.padding[1]] = 0
         return out
+
+    def engine_params(self, layout: str | EngineLayout) -> list[tuple[int, EngineParam]]:
+        """Every engine parameter this rank holds for the KDA layers: ``(layer, parameter)``
+        for each KDA layer (``layers``, in order) and each parameter of ``layout`` for
+        this plan (:meth:`EngineLayout.params_for <kda_tp.engines.EngineLayout.params_for>`:
+        scale grids only where the weights are block-FP8), in the layout's order.
+
+        This is the list ``kda_tp.audit`` checks, ``kda_tp.write_engine_dump`` writes and
+        ``kda_tp.engine_digests`` hashes; the parameter's name in the engine is
+        ``kda_tp.engines.param_name(layout.state_dict_prefix(self.prefix), layer,
+        param.suffix)``, its bytes :meth:`build_param`.
+
+        Raises:
+            EngineLayoutError: an unknown layout, or one that does not fit this plan.
+        """
+        params = get_layout(layout).params_for(self.plan)
+        return [(layer, param) for layer in self.layers for param in params]
 
     def param_plan(
         self, layout: str | EngineLayout, suffix: str, *, model_dtype: str | None = None

@@ -1,0 +1,281 @@
+"""What a serving engine must hold for a checkpoint's KDA layers, as files or as digests.
+
+Both functions walk the same list, the one ``kda_tp.audit`` checks: for every rank, every KDA
+layer and every parameter of an engine layout (:mod:`kda_tp.engines`;
+``KdaShardedSource.engine_params``), the parameter's bytes as the engine's own loader leaves
+them (``KdaShardedSource.build_param``), under the name the engine's ``state_dict()`` gives it
+(``EngineLayout.state_dict_prefix``: ``model.layers.{i}.self_attn.<param>``, or
+``language_model.model.layers.`` for a checkpoint in a multimodal wrapper). One parameter is
+built at a time.
+
+* :func:`write_engine_dump` writes them as an engine's ``save_sharded_state`` would
+  (``model-rank-{r}-part-0.safetensors``, one file per rank): a dump to try ``kda-tp audit``
+  on without an engine, or to compare with a real one.
+* :func:`engine_digests` hashes them as vLLM's ``Worker.compute_weight_checksums`` does: the
+  SHA-256 of each parameter's raw bytes, keyed ``dp0:pp0:pcp0:tp{r}:<name>``, to compare with
+  the checksums a running vLLM reports (``POST /weight_checker`` with ``"action":
+  "checksum"``) with nothing installed in the engine.
+
+Only the KDA parameters are produced: the engine's other parameters (embeddings, MLP,
+full-attention layers, norms outside ``self_attn``) are not.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ._io import write_safetensors
+from .checkpoint import SafetensorsSource
+from .engines import LAYOUTS, EngineLayout, EngineParamPlan, get_layout, param_name
+from .errors import EngineLayoutError, OutputError, PlanError
+from .plan import KdaTpPlan
+from .source import KdaShardedSource
+
+__all__ = ["DIGEST_KEY", "DumpResult", "engine_digests", "write_engine_dump"]
+
+#: vLLM 0.33's key of one parameter's checksum (``Worker._weight_checksum_prefix`` + the
+#: parameter's name): data-parallel index, pipeline, prefill-context-parallel and
+#: tensor-parallel rank. A KDA model served with tensor parallelism alone has ``dp0:pp0:pcp0``.
+DIGEST_KEY = "dp0:pp0:pcp0:tp{rank}:{name}"
+
+# save_sharded_state's file of one rank (vLLM's and SGLang's default pattern, part 0).
+_DUMP_FILE = "model-rank-{rank}-part-0.safetensors"
+_ANY_DUMP_FILE = re.compile(r"^model-(?:rank-(\d+)|pp-\d+-tp-(\d+))-part-\d+\.safetensors$")
+
+
+@dataclass(frozen=True)
+class DumpResult:
+    """What :func:`write_engine_dump` wrote.
+
+    Attributes:
+        out_dir: the output directory.
+        engine: the layout's name (a ``kda_tp.engines.LAYOUTS`` key).
+        tp_size: the tensor-parallel world size.
+        ranks: the ranks written, sorted.
+        files: one file per rank, in ``ranks`` order.
+        params: KDA parameters written, over all ranks.
+        bytes_written: their data in bytes (headers not counted).
+        seconds: wall time.
+    """
+
+    out_dir: Path
+    engine: str
+    tp_size: int
+    ranks: tuple[int, ...]
+    files: tuple[Path, ...]
+    params: int
+    bytes_written: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class _Param:
+    """One expected parameter of one rank: its engine name, plan, and how to build it."""
+
+    name: str
+    plan: EngineParamPlan
+    build: Callable[[], np.ndarray]
+
+
+def _ranks_of(
+    checkpoint: str | os.PathLike[str] | SafetensorsSource,
+    engine: str | EngineLayout,
+    tp_size: int,
+    ranks: Sequence[int] | None,
+    model_dtype: str | None,
+) -> tuple[EngineLayout, list[tuple[int, list[_Param]]]]:
+    """The layout and, per rank, its expected KDA parameters in order (nothing built yet).
+
+    Raises:
+        PlanError: ``tp_size`` not a positive integer or not a split the heads allow; a rank
+            out of range or repeated.
+        EngineLayoutError: an unknown layout, or one that does not fit the checkpoint.
+        CheckpointError: the checkpoint cannot be read or has no config.
+    """
+    if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
+        raise PlanError(f"tp_size must be a positive integer, got {tp_size!r}")
+    source = (checkpoint if isinstance(checkpoint, SafetensorsSource)
+              else SafetensorsSource(checkpoint))
+    layout = get_layout(engine)
+    # Any split the heads allow (no q|k width rule: the engine chose the world size); checked
+    # before anything is sized by tp_size.
+    KdaTpPlan.from_config(source, 0, tp_size, qk_multiple=1)
+    wanted = list(range(tp_size)) if ranks is None else list(ranks)
+    for r in wanted:
+        if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < tp_size:
+            raise PlanError(f"rank {r!r} is not a rank of tp_size {tp_size}: the ranks are "
+                            f"0..{tp_size - 1}")
+    if len(set(wanted)) != len(wanted):
+        raise PlanError(f"ranks {sorted(wanted)} name a rank twice; pass each rank once")
+    out = []
+    for r in sorted(wanted):
+        shard = KdaShardedSource(source, KdaTpPlan.from_config(source, r, tp_size,
+                                                               qk_multiple=1))
+        prefix = layout.state_dict_prefix(shard.prefix)
+        params = []
+        for layer, param in shard.engine_params(layout):
+            plan = shard.param_plan(layout, param.suffix, model_dtype=model_dtype)
+
+            def build(shard: KdaShardedSource = shard, suffix: str = param.suffix,
+                      layer: int = layer) -> np.ndarray:
+                built: np.ndarray = shard.build_param(layout, suffix, layer,
+                                                      model_dtype=model_dtype)
+                return built
+
+            params.append(_Param(param_name(prefix, layer, param.suffix), plan, build))
+        out.append((r, params))
+    return layout, out
+
+
+def write_engine_dump(
+    checkpoint: str | os.PathLike[str] | SafetensorsSource,
+    out: str | os.PathLike[str],
+    *,
+    engine: str | EngineLayout,
+    tp_size: int,
+    ranks: Sequence[int] | None = None,
+    model_dtype: str | None = None,
+    force: bool = False,
+) -> DumpResult:
+    """Write the KDA parameters an engine's ranks must hold, as its ``save_sharded_state`` would.
+
+    For each rank ``r`` in ``ranks``, ``out/model-rank-{r}-part-0.safetensors`` holds every KDA
+    parameter of every KDA layer in ``engine``'s layout, named as the engine's ``state_dict()``
+    names it (``model.layers.{i}.self_attn.in_proj_qkvgfab.weight``; a wrapped checkpoint's
+    under ``language_model.model.layers.``), with the bytes the engine's loader leaves in it
+    (``KdaShardedSource.build_param``: the rank's slices in the layout's order, zero padding
+    rows, the engine's casts). Nothing else is written: no embeddings, MLP or full-attention
+    parameters. The header metadata carries ``tp_size``, ``tp_rank`` and ``engine``, which
+    ``kda-tp audit`` checks. ``kda-tp audit checkpoint out --tp-size T`` passes on it; a
+    dump whose bytes are then changed fails there, naming the parameter.
+
+    Each file is written to a hidden temporary file and renamed into place (a reader never
+    sees half a file; two writers of one file leave one whole file), one parameter's bytes in
+    memory at a time.
+
+    Args:
+        checkpoint: the checkpoint (directory or ``.safetensors`` file, with ``config.json``).
+        out: the output directory (created if missing).
+        engine: an engine layout or its name (``kda_tp.engines.LAYOUTS``, e.g.
+            ``"vllm-0.33-kimi-linear"``).
+        tp_size: the tensor-parallel world size.
+        ranks: the ranks to write (default: all).
+        model_dtype: the engine's model dtype (``"BF16"``, ``"F16"``, ``"F32"``) for the
+            parameters it casts to it; None keeps the checkpoint's (see
+            ``EngineLayout.param_plan``). Parameters with a fixed dtype (F32 ``A_log``) and
+            FP8 weights are unaffected.
+        force: replace dump files of these ranks already in ``out`` (otherwise refused: it
+            may be a real engine's dump).
+
+    Returns:
+        A :class:`DumpResult`.
+
+    Raises:
+        OutputError: ``out`` lies inside the checkpoint, holds dump files of another world
+            size (a rank ``>= tp_size``), or already holds a file of a rank being written
+            (without ``force``); a write fails (the message names the file and the OS error).
+        PlanError: ``tp_size`` or a rank is not valid for the model (range, repeats).
+        EngineLayoutError: an unknown layout, one that does not fit the checkpoint, or parts
+            of several dtypes where the engine casts to its model dtype and ``model_dtype``
+            is None.
+        CheckpointError: the checkpoint cannot be read or has no config.
+    """
+    start = time.perf_counter()
+    layout, by_rank = _ranks_of(checkpoint, engine, tp_size, ranks, model_dtype)
+    root = Path(out)
+    source_root = Path(checkpoint.path if isinstance(checkpoint, SafetensorsSource)
+                       else checkpoint)
+    source_dir = source_root if source_root.is_dir() else source_root.parent
+    resolved = root.resolve()
+    if resolved == source_dir.resolve() or source_dir.resolve() in resolved.parents:
+        raise OutputError(f"{root}: the output directory lies inside the checkpoint "
+                          f"{source_dir}; choose another --out (out=)")
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        entries = sorted(p.name for p in root.iterdir())
+    except OSError as e:
+        raise OutputError(f"{root}: cannot create or list the output directory: {e}") from e
+    found = [(int(m.group(1) or m.group(2)), entry) for entry in entries
+             if (m := _ANY_DUMP_FILE.match(entry))]
+    for rank, entry in found:
+        if rank >= tp_size:
+            raise OutputError(f"{root / entry}: a dump file of rank {rank}, so of another world "
+                              f"size than tp_size {tp_size}; choose another --out (out=)")
+    written = {r for r, _ in by_rank}
+    for rank, entry in found:
+        if rank in written and not force:
+            raise OutputError(f"{root / entry} already exists (it may be an engine's own dump); "
+                              "pass --force (force=True) to replace it, or choose another --out")
+    files, total, count = [], 0, 0
+    for r, params in by_rank:
+        path = root / _DUMP_FILE.format(rank=r)
+        meta = {"tp_size": str(tp_size), "tp_rank": str(r), "engine": layout.name}
+        specs = [(p.name, p.plan.dtype, p.plan.shape, p.plan.nbytes, p.build) for p in params]
+        total += write_safetensors(path, specs, meta, sync=False)
+        files.append(path)
+        count += len(params)
+    return DumpResult(root, layout.name, tp_size, tuple(r for r, _ in by_rank), tuple(files),
+                      count, total, time.perf_counter() - start)
+
+
+def engine_digests(
+    checkpoint: str | os.PathLike[str] | SafetensorsSource,
+    *,
+    engine: str | EngineLayout,
+    tp_size: int,
+    ranks: Sequence[int] | None = None,
+    model_dtype: str | None = None,
+) -> dict[str, str]:
+    """The SHA-256 of every KDA parameter an engine's ranks must hold, keyed as vLLM keys its
+    weight checksums.
+
+    vLLM 0.33's ``Worker.compute_weight_checksums`` returns, for every parameter of the model
+    (``named_parameters()``; buffers are not included), ``sha256(p.detach().cpu().contiguous()
+    .view(-1).view(torch.uint8).numpy()).hexdigest()`` (``vllm/model_executor/model_loader/
+    weight_checksum.py``: ``compute_tensor_digests``), keyed ``dp{dp}:pp{pp}:pcp{pcp}:tp{tp}:``
+    + the name. This computes the same for the parameters of :func:`write_engine_dump`: the
+    hash of the row-major raw bytes, in the parameter's dtype, of what the engine's loader
+    leaves in each KDA parameter, keyed with :data:`DIGEST_KEY`. A digest can only match
+    where the engine keeps the parameter as loaded: see ``docs/audit.md`` for the parameters
+    vLLM rewrites after loading.
+
+    Args:
+        checkpoint: the checkpoint the engine loads (as for :func:`write_engine_dump`).
+        engine: a vLLM layout or its name (``"vllm-0.33-k3"``, ``"vllm-0.33-kimi-linear"``,
+            ``"vllm-0.33-glm-5.3"``).
+        tp_size: the engine's tensor-parallel world size.
+        ranks: the ranks (default: all).
+        model_dtype: the engine's model dtype, as for :func:`write_engine_dump`.
+
+    Returns:
+        ``{key: hex digest}``, ranks in order, then layers, then the layout's parameters.
+
+    Raises:
+        EngineLayoutError: a layout of another engine than vLLM (its checksums, where it has
+            any, are keyed otherwise), and as :func:`write_engine_dump`.
+        PlanError, CheckpointError: as :func:`write_engine_dump`.
+    """
+    layout = get_layout(engine)
+    if layout.engine != "vllm":
+        vllm = ", ".join(n for n, lay in LAYOUTS.items() if lay.engine == "vllm")
+        raise EngineLayoutError(
+            f"{layout.name}: digests are vLLM's weight checksums (compute_weight_checksums); "
+            f"{layout.engine} computes none of its own keyed so. Pass a vLLM layout: {vllm}"
+        )
+    _, by_rank = _ranks_of(checkpoint, layout, tp_size, ranks, model_dtype)
+    return dict(_digests(by_rank))
+
+
+def _digests(by_rank: list[tuple[int, list[_Param]]]) -> Iterator[tuple[str, str]]:
+    for r, params in by_rank:
+        for p in params:
+            data = np.ascontiguousarray(p.build()).reshape(-1).view(np.uint8)
+            yield DIGEST_KEY.format(rank=r, name=p.name), hashlib.sha256(data.data).hexdigest()
