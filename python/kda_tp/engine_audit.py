@@ -32,6 +32,7 @@ from .checkpoint import SafetensorsSource, Tensor, numpy_dtype, torch_dtype
 from .engines import (
     LAYOUTS,
     EngineLayout,
+    EngineParam,
     EngineParamPlan,
     get_layout,
     model_family,
@@ -740,6 +741,11 @@ class _Auditor:
                 "checkpoint this dump was loaded from? its config is "
                 f"{_FAMILY_NAMES[self.family]}")
 
+    def engine_params(self, rank: int, layout: EngineLayout) -> list[tuple[int, EngineParam]]:
+        """The rank's engine parameters in the audited layers (a pipeline stage's only)."""
+        return [(layer, param) for layer, param in self.shard(rank).engine_params(layout)
+                if layer in self.layers]
+
     def run(self, records: Mapping[str, Any], rank: int, selected: _Selected,
             layout: EngineLayout, report: AuditReport,
             advance: Callable[[int], None] | None) -> None:
@@ -747,7 +753,7 @@ class _Auditor:
         report.ignored += selected.ignored
         candidates: _Candidates | None = None
         expected: dict[int, set[str]] = {}
-        for layer, param in self.shard(rank).engine_params(layout):
+        for layer, param in self.engine_params(rank, layout):
             if candidates is None or candidates.layer != layer:
                 candidates = _Candidates(self.source, self.shard, rank, layer)
             expected.setdefault(layer, set()).add(param.suffix)
@@ -1033,7 +1039,7 @@ def audit_path(
     report.engine = layout.name
     note = auditor.elsewhere(set().union(*(_suffixes(s) for _, s in present)), layout, str(root))
     report.problems += [note] if note else []
-    total = sum(len(auditor.shard(r).engine_params(layout)) for r, *_ in dumps)
+    total = sum(len(auditor.engine_params(r, layout)) for r, *_ in dumps)
     advance = progress(total) if progress else None
     for r, records, selected in dumps:
         if selected is None:  # this rank's KDA parameters are all missing
