@@ -50,6 +50,7 @@ __all__ = [
     "RULES_GENERIC",
     "RULES_GLM",
     "RULES_KIMI",
+    "describes_kda",
     "load_config",
     "no_config_message",
     "parse_config",
@@ -294,6 +295,19 @@ def parse_config(config: Mapping[str, Any], source: str = "<dict>") -> KdaConfig
         gate_bound_key=gate_bound_key,
         rules=rules,
     )
+
+
+def describes_kda(config: Any) -> bool:
+    """Whether a parsed ``config.json`` describes KDA layers at all (cheap: keys only, nothing
+    validated): a GLM-5.3-Flash config (``glm5_next``), or KDA geometry keys
+    (``linear_attn_config``, ``linear_head_dim``, ...) at the top level or in ``text_config``.
+    False for a non-KDA model (Llama, DeepSeek, a draft model's own config); a True config may
+    still be refused by :func:`parse_config`."""
+    if not isinstance(config, Mapping):
+        return False
+    text = config.get("text_config")
+    return (_rules(config) == RULES_GLM or _has_kda_keys(config)
+            or (isinstance(text, Mapping) and _has_kda_keys(text)))
 
 
 def _rules(config: Mapping[str, Any]) -> str:

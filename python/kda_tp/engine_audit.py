@@ -596,13 +596,21 @@ class _Auditor:
     """Audits ranks of one engine's dump against one checkpoint at one world size."""
 
     def __init__(self, checkpoint: str | os.PathLike[str] | SafetensorsSource, tp_size: int,
-                 engine: str | None):
+                 engine: str | None, layers: Iterable[int] | None = None):
         self.source = (checkpoint if isinstance(checkpoint, SafetensorsSource)
                        else SafetensorsSource(checkpoint))
         self.family = model_family(self.source.config)
         self.tp_size = tp_size
         self.forced = None if engine is None else get_layout(engine)
         self.layers = kda_layer_indices(self.source, None)
+        if layers is not None:  # a pipeline stage's KDA layers
+            wanted = set(layers)
+            if not wanted <= set(self.layers):
+                raise CheckpointError(
+                    f"layers {sorted(wanted - set(self.layers))} are not KDA layers of "
+                    f"{self.source.path} (its KDA layers: {list(self.layers)})"
+                )
+            self.layers = tuple(sorted(wanted))
         self._shards: dict[int, KdaShardedSource] = {}
         # The names any layout knows, and those only a KDA layer has.
         self.known = frozenset().union(*(lay.suffixes for lay in LAYOUTS.values()))
@@ -749,6 +757,7 @@ def audit(
     tp_rank: int,
     tp_size: int,
     engine: str | None = None,
+    layers: Iterable[int] | None = None,
 ) -> AuditReport:
     """Check every KDA parameter one rank of a serving engine holds against the checkpoint.
 
@@ -775,15 +784,18 @@ def audit(
         tp_size: the engine's tensor-parallel world size.
         engine: a layout name (:data:`kda_tp.engines.LAYOUTS`, e.g. ``"vllm-0.33-k3"``);
             None recognises it from the parameter names and the checkpoint's model family.
+        layers: the 0-based KDA layers this rank holds (a pipeline-parallel stage's), each a
+            KDA layer of the checkpoint; None: every KDA layer of the checkpoint.
 
     Returns:
         The report: ``passed``, and one :class:`ParamAudit` per KDA parameter of every KDA
         layer (a parameter the layout has and ``state_dict`` lacks is ``"missing"``).
 
     Raises:
-        CheckpointError: the checkpoint cannot be read or has no config; ``state_dict`` holds
-            no KDA parameter, KDA parameters under several prefixes, a key that is not a
-            ``str``, or a value that is not an array.
+        CheckpointError: the checkpoint cannot be read or has no config; ``layers`` names a
+            layer that is not a KDA layer; ``state_dict`` holds no KDA parameter, KDA
+            parameters under several prefixes, a key that is not a ``str``, or a value that
+            is not an array.
         ShapeMismatchError: a :class:`~kda_tp.Tensor` record whose data is not its shape's
             size in bytes.
         EngineLayoutError: no layout, or several, fit the names (the message lists them; names
@@ -799,7 +811,7 @@ def audit(
         if not isinstance(name, str):
             raise CheckpointError(f"state_dict: the key {name!r} ({type(name).__name__}) is not a "
                                   "parameter name (a str)")
-    auditor = _Auditor(checkpoint, tp_size, engine)
+    auditor = _Auditor(checkpoint, tp_size, engine, layers)
     selected = auditor.select(names, "state_dict")
     if selected is None:
         raise auditor.no_kda("state_dict")

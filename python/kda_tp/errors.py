@@ -13,7 +13,7 @@ importing the writer.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -28,6 +28,8 @@ __all__ = [
     "OutputError",
     "MissingDependencyError",
     "EngineLayoutError",
+    "GuardError",
+    "GuardModeError",
     "ShardInterrupted",
 ]
 
@@ -108,6 +110,36 @@ class EngineLayoutError(KdaTpError, ValueError):
     of the wrong size for ``KdaShardedSource.build_param``.
 
     Example message: ``vllm-0.33-k3: no parameter 'in_proj.weight'; its parameters: [...]``.
+    """
+
+
+class GuardError(KdaTpError, RuntimeError):
+    """The guard (``kda_tp.guard``) found a rank's loaded KDA weights wrong: start-up stops.
+
+    Raised by ``kda_tp.guard.check`` in mode ``fail`` (the default of ``KDA_TP_GUARD``) when a
+    KDA parameter a serving engine loaded differs from the checkpoint's slice for its rank, or
+    when the loaded parameters cannot be audited at all (no engine layout fits their names).
+    The message is the audit's diagnosis: layer, parameter, part, and what the part holds
+    instead (e.g. another rank's slice).
+
+    Attributes:
+        report: the ``kda_tp.engine_audit.AuditReport`` of the rank, or None when the audit
+            could not run (the message says why).
+
+    Example message: ``kda_tp guard: vllm worker 1: tp rank 1/4: KDA weights differ from
+    /models/k3 ... rank 1 model.layers.0.self_attn.o_proj.weight: values differ in o_proj; ...``.
+    """
+
+    def __init__(self, message: str, report: Any = None):
+        super().__init__(message)
+        self.report = report
+
+
+class GuardModeError(GuardError, ValueError):
+    """An invalid value of the guard's mode variable ``KDA_TP_GUARD``.
+
+    Example message: ``KDA_TP_GUARD='strict' is not a guard mode; use fail (the default), warn
+    or off``.
     """
 
 

@@ -1,0 +1,320 @@
+"""The guard: check a serving engine's KDA weights on every tensor-parallel rank as they load.
+
+An engine plugin (``kda_tp.vllm_plugin``, ``kda_tp.sglang_plugin``) calls :func:`check` on each
+rank right after the weights load, with the rank's parameters, the checkpoint it loaded, and
+the rank and world size of the engine's own tensor-parallel group. :func:`check` is
+:func:`kda_tp.audit` (the same comparison, byte for byte, and the same diagnosis) behind a mode
+switch, the environment variable ``KDA_TP_GUARD`` (:data:`MODE_ENV`):
+
+* ``fail`` (the default): a wrong KDA parameter raises :class:`~kda_tp.GuardError` carrying the
+  audit's diagnosis (layer, parameter, part, what it holds instead), which stops the engine's
+  start-up;
+* ``warn``: the diagnosis is logged at WARNING on the logger ``kda_tp.guard`` and the engine
+  goes on;
+* ``off``: nothing is checked.
+
+On a pass, one INFO line per rank goes to the logger ``kda_tp.guard``:
+``kda_tp guard: <where>: tp rank 1/4: 9 KDA parameters, 1179648 bytes, 0.004 s: OK``.
+
+Nothing is checked, at no measurable cost, for a model without KDA parameters (no
+``...self_attn.A_log`` or ``...self_attn.dt_bias`` name: any non-KDA model, a draft or MTP
+model) or a checkpoint whose config describes no KDA layer. A checkpoint that is not a local
+path (a remote streamer, ``s3://...``) is one warning, not a check.
+
+This module imports no engine and no torch; torch tensors are read only when torch is imported
+already (they come from an engine).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+import warnings
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .config import describes_kda, load_config
+from .engine_audit import AuditReport, audit
+from .engines import param_location
+from .errors import GuardError, GuardModeError, KdaTpError
+
+__all__ = ["CHECKPOINT_ENV", "DERIVED", "MODES", "MODE_ENV", "GuardResult", "check", "holds_kda",
+           "mode"]
+
+#: The environment variable that sets the guard's mode.
+MODE_ENV = "KDA_TP_GUARD"
+#: The environment variable an engine plugin reads for the checkpoint to check against when
+#: the engine's own model path is not it: a ``sharded_state`` directory (it holds the ranks'
+#: dumps, not the checkpoint they came from), or a model the engine streams from elsewhere
+#: while a local copy exists.
+CHECKPOINT_ENV = "KDA_TP_GUARD_CHECKPOINT"
+#: The guard's modes; the first is the default.
+MODES = ("fail", "warn", "off")
+
+logger = logging.getLogger("kda_tp.guard")
+
+# Parameter names only a KDA layer has (every engine layout holds A_log and dt_bias; other
+# linear-attention layers such as Qwen3-Next's hold theirs under `linear_attn.`).
+_MARKERS = (".A_log", ".dt_bias")
+
+
+def _conv_decode(conv1d: np.ndarray) -> np.ndarray:
+    """vLLM K3's ``decode_conv1d_weight`` from its ``conv1d.weight`` ``[3 * Cl, 1, K]``:
+    ``[3, K, Cl]``, each of q, k, v transposed (``_make_decode_conv1d_weight_loader``)."""
+    cl3, _, k = conv1d.shape
+    return np.ascontiguousarray(conv1d.reshape(3, cl3 // 3, k).transpose(0, 2, 1))
+
+
+def _norm_decode(o_norm: np.ndarray) -> np.ndarray:
+    """vLLM K3's ``decode_norm_weight`` from its ``o_norm.weight`` ``[D]``: the same values in
+    F32 (``_make_decode_norm_weight_loader`` copies the loaded parameter into an F32 buffer)."""
+    return o_norm.astype(np.float32)
+
+
+#: The derived copies an engine keeps outside ``state_dict()``, by layout name: the copy's
+#: name after ``...self_attn.`` -> (the parameter it is derived from, the derivation). A copy
+#: is checked against the derivation of its parameter once that parameter is exact.
+#: Source: vllm 0.33.0 ``vllm/models/kimi_k3/nvidia/kda.py`` (``KimiK3DeltaAttention``: the
+#: buffers exist only with a non-Triton decode backend).
+DERIVED: Mapping[str, Mapping[str, tuple[str, Callable[[np.ndarray], np.ndarray]]]] = {
+    "vllm-0.33-k3": {
+        "decode_conv1d_weight": ("conv1d.weight", _conv_decode),
+        "decode_norm_weight": ("o_norm.weight", _norm_decode),
+    },
+}
+
+
+def holds_kda(names: Iterable[str]) -> bool:
+    """Whether parameter names include a KDA layer's (``...self_attn.A_log`` or
+    ``...self_attn.dt_bias``, any prefix): the cheap test :func:`check` skips on, for plugins
+    that must decide before they know the checkpoint. One pass over the names, no I/O."""
+    return any(n.endswith(_MARKERS) and ".self_attn." in n for n in names)
+
+
+def mode() -> str:
+    """The guard's mode from ``KDA_TP_GUARD``: ``"fail"`` when unset or empty, else its value
+    (case and surrounding spaces ignored).
+
+    Raises:
+        GuardModeError: a value that is not one of :data:`MODES`.
+    """
+    value = os.environ.get(MODE_ENV, "").strip().lower()
+    if not value:
+        return MODES[0]
+    if value not in MODES:
+        raise GuardModeError(
+            f"{MODE_ENV}={os.environ[MODE_ENV]!r} is not a guard mode; use fail (the default), "
+            "warn or off"
+        )
+    return value
+
+
+@dataclass(frozen=True)
+class GuardResult:
+    """What :func:`check` found on one rank.
+
+    Attributes:
+        report: the audit's report (``kda_tp.engine_audit.AuditReport``), the derived copies'
+            verdicts in its ``problems``.
+        tp_rank: the rank checked.
+        tp_size: the tensor-parallel world size.
+        engine: the engine layout checked against (a ``kda_tp.engines.LAYOUTS`` name).
+        params: KDA parameters (and derived copies) checked.
+        bytes: their size on the rank, in bytes.
+        seconds: wall time of the check, in seconds.
+        where: the caller's label (``"vllm worker 3"``), or ``""``.
+    """
+
+    report: AuditReport
+    tp_rank: int
+    tp_size: int
+    engine: str
+    params: int
+    bytes: int
+    seconds: float
+    where: str = ""
+
+    @property
+    def passed(self) -> bool:
+        """True when every KDA parameter and derived copy is exactly right."""
+        return self.report.passed
+
+    def line(self) -> str:
+        """The one-line verdict: ``kda_tp guard: <where>: tp rank r/T: N KDA parameters, B
+        bytes, S s: OK`` (``FAIL`` when some parameter is wrong)."""
+        where = f"{self.where}: " if self.where else ""
+        verdict = "OK" if self.passed else f"FAIL ({len(self.report.failures)} wrong)"
+        return (f"kda_tp guard: {where}tp rank {self.tp_rank}/{self.tp_size}: {self.params} KDA "
+                f"parameters ({self.engine}), {self.bytes} bytes, {self.seconds:.3f} s: {verdict}")
+
+
+def _nbytes(value: Any) -> int:
+    """Bytes of an array, a torch tensor or a ``kda_tp.Tensor`` (all have ``nbytes``)."""
+    found = getattr(value, "nbytes", 0)
+    return int(found) if isinstance(found, (int, np.integer)) else 0
+
+
+def _array(value: Any) -> np.ndarray | None:
+    """A numpy array of ``value``'s values (numpy, ``kda_tp.Tensor`` or torch on any device);
+    None for anything else. A BF16 torch tensor is read as F32 (the derivations need the
+    values, not the dtype)."""
+    if isinstance(value, np.ndarray):
+        return value
+    torch = sys.modules.get("torch")  # a torch tensor means torch is imported already
+    if torch is not None and isinstance(value, torch.Tensor):
+        t = value.detach().to("cpu")
+        if t.dtype not in (torch.float32, torch.float64, torch.float16):
+            t = t.float()
+        return np.asarray(t.numpy())
+    array = getattr(value, "array", None)
+    return array if isinstance(array, np.ndarray) else None
+
+
+def _is_local(checkpoint: Any) -> bool:
+    """Whether ``checkpoint`` is a path on this machine (a directory or a file)."""
+    if not isinstance(checkpoint, (str, os.PathLike)):
+        return False
+    text = os.fspath(checkpoint)
+    return "://" not in str(text) and os.path.exists(text)
+
+
+def check(
+    params: Mapping[str, Any] | Iterable[tuple[str, Any]],
+    checkpoint: str | os.PathLike[str],
+    *,
+    tp_rank: int,
+    tp_size: int,
+    engine: str | None = None,
+    derived: Mapping[str, Any] | None = None,
+    where: str = "",
+    layers: Iterable[int] | None = None,
+) -> GuardResult | None:
+    """Check one rank's loaded KDA parameters against the checkpoint, as the mode says.
+
+    Every KDA parameter of every KDA layer of the checkpoint (its config says which layers) is
+    compared byte for byte with this rank's slices, fused as the engine's layout says
+    (:func:`kda_tp.audit`, reading only this rank's bytes of the checkpoint); each derived copy
+    in ``derived`` (:data:`DERIVED`) with what its parameter makes of it.
+
+    Args:
+        params: the rank's parameters, as ``model.named_parameters()`` gives them (a mapping
+            or ``(name, tensor)`` pairs): torch tensors on any device, numpy arrays or
+            ``kda_tp.Tensor`` records; names with any model prefix.
+        checkpoint: the local checkpoint directory (or ``.safetensors`` file) the engine
+            loaded, with its ``config.json``.
+        tp_rank: the rank, from the engine's own tensor-parallel group.
+        tp_size: the engine's tensor-parallel world size.
+        engine: a layout name (``kda_tp.engines.LAYOUTS``), or None to recognise it from the
+            names.
+        derived: the engine's copies of KDA parameters outside ``params``
+            (``...self_attn.decode_conv1d_weight``), by full name; names :data:`DERIVED` does
+            not know for the layout are ignored.
+        where: a label for the messages (``"vllm worker 3"``).
+        layers: the 0-based KDA layers this rank holds, under pipeline parallelism (its
+            stage's); None: every KDA layer of the checkpoint.
+
+    Returns:
+        None without checking anything when the mode is ``off``, ``params`` has no KDA
+        parameter name, the config describes no KDA layer, or ``checkpoint`` is not a local
+        path (then one ``RuntimeWarning`` says so); else the :class:`GuardResult` (in mode
+        ``warn`` also when it failed). The result's :meth:`~GuardResult.line` is logged at
+        INFO on a pass, the diagnosis at WARNING on a failure in mode ``warn``.
+
+    Raises:
+        GuardError: mode ``fail``, and some KDA parameter (or derived copy) is wrong or missing,
+            or the parameters cannot be audited (no engine layout fits their names, a config
+            the audit refuses); the message is the audit's diagnosis, ``.report`` the report
+            (None when the audit could not run).
+        GuardModeError: ``KDA_TP_GUARD`` holds another value than ``fail``, ``warn``, ``off``.
+    """
+    chosen = mode()
+    if chosen == "off":
+        return None
+    named = params if isinstance(params, Mapping) else dict(params)
+    if not holds_kda(named):
+        return None
+    label = f"{where}: " if where else ""
+    if not _is_local(checkpoint):
+        warnings.warn(
+            f"kda_tp guard: {label}the checkpoint {checkpoint!r} is not a local path (a remote "
+            f"or streamed load?); the KDA weights of tp rank {tp_rank}/{tp_size} are not "
+            f"checked (set {MODE_ENV}=off to silence this)",
+            RuntimeWarning, stacklevel=2,
+        )
+        return None
+    root = Path(checkpoint)
+    root = root if root.is_dir() else root.parent
+    try:
+        if not describes_kda(load_config(root)):
+            return None
+    except KdaTpError:
+        pass  # no or a broken config.json: the audit below says so
+    start = time.perf_counter()
+    try:
+        report = audit(named, checkpoint, tp_rank=tp_rank, tp_size=tp_size, engine=engine,
+                       layers=layers)
+    except KdaTpError as error:
+        text = (f"kda_tp guard: {label}tp rank {tp_rank}/{tp_size}: cannot check the KDA "
+                f"weights against {os.fspath(checkpoint)}: {error}")
+        if chosen == "fail":
+            raise GuardError(text + f" (set {MODE_ENV}=warn to start anyway)") from error
+        logger.warning("%s", text)
+        return None
+    checked = [p for p in report.params if p.status != "missing"]
+    nbytes = sum(_nbytes(named[p.name]) for p in checked)
+    count = len(report.params)
+    for name, value in (derived or {}).items():
+        problem = _check_derived(name, value, named, report)
+        if problem is not False:
+            count += 1
+            nbytes += _nbytes(value)
+            if problem:
+                report.problems.append(f"rank {tp_rank} {name}: {problem}")
+    result = GuardResult(report, tp_rank, tp_size, report.engine, count, nbytes,
+                         time.perf_counter() - start, where)
+    if result.passed:
+        logger.info("%s", result.line())
+        return result
+    text = (f"{result.line()}\nthe KDA weights this rank loaded differ from "
+            f"{os.fspath(checkpoint)}:\n{report.format()}")
+    if chosen == "fail":
+        raise GuardError(text + f"\n(set {MODE_ENV}=warn to start anyway)", report)
+    logger.warning("%s", text)
+    return result
+
+
+def _check_derived(name: str, value: Any, named: Mapping[str, Any],
+                   report: AuditReport) -> str | None | bool:
+    """The verdict on one derived copy: None (exact), a problem, or False when the layout
+    keeps no such copy (not checked). Checked against its parameter only when that parameter
+    is exact (else the parameter's failure says it all)."""
+    known = DERIVED.get(report.engine, {})
+    location = param_location(name)
+    if location is None or location[2] not in known:
+        return False
+    prefix, layer, suffix = location
+    source, derive = known[suffix]
+    verdicts = {p.name: p for p in report.params}
+    origin = f"{prefix}{layer}.self_attn.{source}"
+    if origin not in verdicts or not verdicts[origin].passed:
+        return None if origin in verdicts else f"its parameter {origin} was not checked"
+    got, base = _array(value), _array(named[origin])
+    if got is None or base is None:
+        return f"a {type(value).__name__}, not an array"
+    want = derive(base)
+    if got.shape != want.shape or got.dtype != want.dtype:
+        return (f"shape {list(got.shape)} x {got.dtype}, expected {list(want.shape)} x "
+                f"{want.dtype} (derived from {source})")
+    if np.array_equal(got.view(np.uint8), want.view(np.uint8)):
+        return None
+    first = int(np.flatnonzero((got != want).reshape(-1))[0]) if got.size else 0
+    index = [int(i) for i in np.unravel_index(first, got.shape)]
+    return (f"differs from what {source} makes of it at {index} (expected "
+            f"{float(want.reshape(-1)[first])!r}, got {float(got.reshape(-1)[first])!r}): the "
+            "engine's decode copy is stale or was filled from another slice")

@@ -1,0 +1,210 @@
+"""kda_tp.guard (issue 20), with no engine: the fixture ranks vLLM 0.33.0 and SGLang 0.5.23
+loaded pass with one log line; a rank holding another rank's slices stops with GuardError naming
+the parameter and the slice; the modes (KDA_TP_GUARD) fail, warn, off; non-KDA parameters, a
+non-KDA config and a remote checkpoint are skipped; vLLM K3's derived decode copies are
+checked."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors import safe_open
+
+from kda_tp import GuardError, KdaShardedSource, KdaTpError, KdaTpPlan, SafetensorsSource
+from kda_tp.engines import get_layout
+from kda_tp.errors import GuardModeError
+from kda_tp.guard import MODE_ENV, GuardResult, check, mode
+
+DATA = Path(__file__).parent / "data" / "engine_ranks"
+CKPT = {"k3": DATA / "ckpt_k3", "kimi_linear": DATA / "ckpt_kl", "glm": DATA / "ckpt_glm"}
+DUMPS = sorted(DATA.glob("*_tp*_r*.safetensors"))
+PRE = "model.layers.0.self_attn."
+
+
+def load(path: Path) -> tuple[dict[str, str], dict[str, np.ndarray]]:
+    with safe_open(path, "np") as f:
+        return f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+
+
+def built(checkpoint: Path, layout: str, rank: int, tp_size: int) -> dict[str, np.ndarray]:
+    """Layer 0's KDA parameters of ``rank`` as ``layout`` holds them (the build API)."""
+    source = SafetensorsSource(checkpoint)
+    shard = KdaShardedSource(source, KdaTpPlan.from_config(source, rank, tp_size, qk_multiple=1))
+    lay = get_layout(layout)
+    return {PRE + p.suffix: shard.build_param(lay, p.suffix, 0) for p in lay.params_for(shard.plan)}
+
+
+@pytest.fixture(autouse=True)
+def _default_mode(monkeypatch):
+    monkeypatch.delenv(MODE_ENV, raising=False)
+
+
+@pytest.mark.parametrize("path", DUMPS, ids=lambda p: p.stem)
+def test_every_engine_fixture_rank_passes_with_one_log_line(path, caplog):
+    meta, tensors = load(path)
+    rank, tp_size = int(meta["tp_rank"]), int(meta["tp_size"])
+    with caplog.at_level(logging.INFO, logger="kda_tp.guard"):
+        result = check(tensors, CKPT[meta["model"]], tp_rank=rank, tp_size=tp_size,
+                       where="test worker")
+    assert isinstance(result, GuardResult) and result.passed
+    assert (result.tp_rank, result.tp_size) == (rank, tp_size)
+    assert result.engine.startswith(meta["engine"] + "-")
+    assert result.params == len(tensors)
+    assert result.bytes == sum(t.nbytes for t in tensors.values())
+    assert [r.getMessage() for r in caplog.records] == [result.line()]
+    assert result.line() == (
+        f"kda_tp guard: test worker: tp rank {rank}/{tp_size}: {len(tensors)} KDA parameters "
+        f"({result.engine}), {result.bytes} bytes, {result.seconds:.3f} s: OK")
+
+
+def test_every_rank_of_every_layout_built_passes_and_pairs_are_accepted():
+    for layout, ckpt in (("vllm-0.33-k3", "k3"), ("vllm-0.33-kimi-linear", "kimi_linear"),
+                         ("vllm-0.33-glm-5.3", "glm")):
+        for tp_size in (2, 4):
+            for rank in range(tp_size):
+                params = built(CKPT[ckpt], layout, rank, tp_size)
+                result = check(iter(params.items()), CKPT[ckpt], tp_rank=rank, tp_size=tp_size)
+                assert result is not None and result.passed and result.engine == layout
+
+
+def test_rank_0s_slices_on_rank_2_stop_with_the_parameter_and_the_slice_named():
+    params = built(CKPT["k3"], "vllm-0.33-k3", 0, 4)
+    with pytest.raises(GuardError) as caught:
+        check(params, CKPT["k3"], tp_rank=2, tp_size=4, where="vllm worker 2")
+    error = caught.value
+    assert isinstance(error, KdaTpError) and isinstance(error, RuntimeError)
+    text = str(error)
+    assert text.startswith("kda_tp guard: vllm worker 2: tp rank 2/4: ")
+    assert f"rank 2 {PRE}o_proj.weight: values differ in o_proj" in text
+    assert "equals rank 0's slice of o_proj" in text
+    assert f"rank 2 {PRE}in_proj_qkvgfab.weight: values differ in q_proj" in text
+    assert f"(set {MODE_ENV}=warn to start anyway)" in text
+    assert error.report is not None and not error.report.passed
+    assert f"{PRE}o_proj.weight" in {p.name for p in error.report.failures}
+
+
+def test_warn_logs_the_diagnosis_and_returns_the_result(monkeypatch, caplog):
+    monkeypatch.setenv(MODE_ENV, "warn")
+    params = built(CKPT["glm"], "vllm-0.33-glm-5.3", 1, 2)
+    with caplog.at_level(logging.INFO, logger="kda_tp.guard"):
+        result = check(params, CKPT["glm"], tp_rank=0, tp_size=2)
+    assert result is not None and not result.passed
+    (record,) = caplog.records
+    assert record.levelno == logging.WARNING
+    assert "FAIL" in record.getMessage() and "equals rank 1's slice of o_proj" in record.getMessage()
+
+
+def test_off_checks_nothing(monkeypatch):
+    monkeypatch.setenv(MODE_ENV, " OFF ")
+    assert mode() == "off"
+    params = built(CKPT["glm"], "vllm-0.33-glm-5.3", 1, 2)
+    assert check(params, CKPT["glm"], tp_rank=0, tp_size=2) is None
+    assert check(params, "s3://bucket/model", tp_rank=0, tp_size=2) is None  # no warning
+
+
+def test_a_bad_mode_is_refused_with_the_variable_and_the_choices(monkeypatch):
+    monkeypatch.setenv(MODE_ENV, "strict")
+    with pytest.raises(GuardModeError) as caught:
+        mode()
+    assert isinstance(caught.value, ValueError) and isinstance(caught.value, GuardError)
+    assert str(caught.value) == (
+        "KDA_TP_GUARD='strict' is not a guard mode; use fail (the default), warn or off")
+    monkeypatch.setenv(MODE_ENV, "")
+    assert mode() == "fail"
+
+
+def test_non_kda_parameters_are_skipped_without_touching_the_checkpoint():
+    params = {f"model.layers.{i}.self_attn.{n}.weight": np.zeros(1, np.float32)
+              for i in range(64) for n in ("q_proj", "k_proj", "v_proj", "o_proj")}
+    params |= {f"model.layers.{i}.linear_attn.A_log": np.zeros(1) for i in range(8)}  # Qwen3-Next
+    start = time.perf_counter()
+    assert check(params, "/no/such/checkpoint", tp_rank=0, tp_size=8) is None
+    assert time.perf_counter() - start < 1.0  # the bound on the cost is benchmarks/bench.py's
+
+
+def test_a_config_without_kda_layers_is_skipped(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"model_type": "deepseek_v3", "hidden_size": 64, "num_hidden_layers": 2}))
+    params = {f"model.layers.0.self_attn.{n}": np.zeros(4, np.float32) for n in ("A_log", "dt_bias")}
+    assert check(params, tmp_path, tp_rank=0, tp_size=2) is None
+
+
+def test_a_remote_checkpoint_is_one_warning_not_a_crash():
+    params = built(CKPT["k3"], "vllm-0.33-k3", 0, 2)
+    with pytest.warns(RuntimeWarning, match=r"s3://bucket/k3.* is not a local path") as seen:
+        assert check(params, "s3://bucket/k3", tp_rank=0, tp_size=2, where="w0") is None
+    assert len(seen) == 1
+
+
+def test_parameters_of_another_family_stop_with_the_wrong_checkpoint_named():
+    params = built(CKPT["k3"], "vllm-0.33-k3", 0, 2)
+    with pytest.raises(GuardError) as caught:
+        check(params, CKPT["kimi_linear"], tp_rank=0, tp_size=2)
+    assert caught.value.report is not None
+    assert "these names are vllm-0.33-k3's; is " in str(caught.value)
+
+
+def test_parameters_no_layout_fits_stop_with_the_audits_refusal():
+    params = built(CKPT["k3"], "vllm-0.33-k3", 0, 2)
+    with pytest.raises(GuardError) as caught:
+        check(params, CKPT["k3"], tp_rank=0, tp_size=2, engine="vllm-9-k3")
+    assert caught.value.report is None
+    assert str(caught.value).startswith(
+        "kda_tp guard: tp rank 0/2: cannot check the KDA weights against ")
+    assert "no engine layout 'vllm-9-k3'" in str(caught.value)
+
+
+def _decode_copies(params: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """vLLM K3's decode buffers as its loaders fill them (written from vLLM's loader code: the
+    conv's q, k, v shards each [Cl, 1, K] -> [K, Cl]; o_norm upcast to F32)."""
+    conv = params[PRE + "conv1d.weight"]
+    cl = conv.shape[0] // 3
+    stacked = np.stack([conv[i * cl:(i + 1) * cl, 0, :].T for i in range(3)])
+    return {PRE + "decode_conv1d_weight": np.ascontiguousarray(stacked),
+            PRE + "decode_norm_weight": params[PRE + "o_norm.weight"].astype(np.float32)}
+
+
+def test_vllm_k3_decode_copies_are_checked():
+    params = built(CKPT["k3"], "vllm-0.33-k3", 1, 4)
+    derived = _decode_copies(params)
+    result = check(params, CKPT["k3"], tp_rank=1, tp_size=4, derived=derived)
+    assert result is not None and result.passed and result.params == len(params) + 2
+    assert result.bytes == sum(a.nbytes for a in (*params.values(), *derived.values()))
+    stale = dict(derived)
+    other = _decode_copies(built(CKPT["k3"], "vllm-0.33-k3", 2, 4))
+    stale[PRE + "decode_conv1d_weight"] = other[PRE + "decode_conv1d_weight"]
+    with pytest.raises(GuardError) as caught:
+        check(params, CKPT["k3"], tp_rank=1, tp_size=4, derived=stale)
+    assert f"rank 1 {PRE}decode_conv1d_weight: differs from what conv1d.weight makes of it at " \
+           "[0, 0, 0] (expected 384.0, got 768.0)" in str(caught.value)
+
+
+def test_a_pipeline_stage_checks_only_its_layers(tmp_path):
+    from safetensors.numpy import save_file
+    with safe_open(CKPT["glm"] / "model.safetensors", "np") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    # Two KDA layers, 0 and 1; this stage holds layer 1 only.
+    tensors |= {k.replace("layers.0.", "layers.1."): v for k, v in tensors.items()}
+    config = json.loads((CKPT["glm"] / "config.json").read_text())
+    config["text_config"] |= {"num_hidden_layers": 2,
+                              "layer_types": ["linear_attention", "linear_attention"]}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    params = {k.replace("layers.0.", "layers.1."): v
+              for k, v in built(tmp_path, "vllm-0.33-glm-5.3", 1, 2).items()}
+    with pytest.raises(GuardError, match="missing"):
+        check(params, tmp_path, tp_rank=1, tp_size=2)
+    result = check(params, tmp_path, tp_rank=1, tp_size=2, layers=[1])
+    assert result is not None and result.passed and result.params == len(params)
+
+
+def test_holds_kda_looks_at_names_only():
+    from kda_tp.guard import holds_kda
+    assert holds_kda(["language_model.model.layers.3.self_attn.A_log"])
+    assert holds_kda(iter(["layers.0.self_attn.forget_gate.dt_bias"]))
+    assert not holds_kda(["model.layers.0.linear_attn.A_log", "model.layers.0.self_attn.o_proj.weight"])
