@@ -155,9 +155,12 @@ def _label() -> str:
     parallel = get_parallel()
     label = "sglang"
     for what in ("attn_dp", "pp"):
-        size = getattr(parallel, f"{what}_size", 1)
+        try:
+            size, rank = getattr(parallel, f"{what}_size"), getattr(parallel, f"{what}_rank")
+        except (AttributeError, ValueError):  # a context without that group published
+            continue
         if isinstance(size, int) and size > 1:
-            label += f" {what} rank {getattr(parallel, f'{what}_rank')}"
+            label += f" {what} rank {rank}"
     return label
 
 
