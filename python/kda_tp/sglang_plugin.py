@@ -78,7 +78,10 @@ def register() -> None:
     SGLang's ``load_plugins()`` calls it once per process and then applies the hooks
     (``HookRegistry.apply_hooks``); nothing is checked until a model runner loads weights.
     """
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+    from sglang.srt.plugins.hook_registry import (  # type: ignore[import-untyped, import-not-found, unused-ignore]
+        HookRegistry,
+        HookType,
+    )
 
     load, finalize, update, rpc = TARGETS
     HookRegistry.register(load, _after_load_model, HookType.AFTER)
@@ -139,20 +142,25 @@ def _around_rpc(original: Callable[..., Any], scheduler: Any, recv_req: Any,
 # The check of one model runner
 
 
+def _parallel() -> Any:
+    """SGLang's parallel context (``get_parallel()``) of this process."""
+    from sglang.srt.runtime_context import (  # type: ignore[import-untyped, import-not-found, unused-ignore]
+        get_parallel,
+    )
+
+    return get_parallel()
+
+
 def rank_and_size() -> tuple[int, int]:
     """``(attn_tp_rank, attn_tp_size)`` of this process, from SGLang's ``get_parallel()``:
     the group SGLang's KDA layers shard their heads over (the TP group without DP attention)."""
-    from sglang.srt.runtime_context import get_parallel
-
-    parallel = get_parallel()
+    parallel = _parallel()
     return int(parallel.attn_tp_rank), int(parallel.attn_tp_size)
 
 
 def _label() -> str:
     """``"sglang"``, with the DP-attention and pipeline ranks when there are several."""
-    from sglang.srt.runtime_context import get_parallel
-
-    parallel = get_parallel()
+    parallel = _parallel()
     label = "sglang"
     for what in ("attn_dp", "pp"):
         try:
