@@ -208,3 +208,16 @@ def test_holds_kda_looks_at_names_only():
     assert holds_kda(["language_model.model.layers.3.self_attn.A_log"])
     assert holds_kda(iter(["layers.0.self_attn.forget_gate.dt_bias"]))
     assert not holds_kda(["model.layers.0.linear_attn.A_log", "model.layers.0.self_attn.o_proj.weight"])
+
+
+def test_the_vllm_plugin_is_an_entry_point_and_imports_no_engine():
+    import subprocess
+    import sys
+    from importlib.metadata import entry_points
+    (found,) = [e for e in entry_points(group="vllm.general_plugins") if e.name == "kda_tp_guard"]
+    assert found.value == "kda_tp.vllm_plugin:register"
+    code = ("import sys, kda_tp, kda_tp.guard, kda_tp.vllm_plugin; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('vllm', 'torch', 'sglang')))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"

@@ -194,6 +194,7 @@ def check(
     derived: Mapping[str, Any] | None = None,
     where: str = "",
     layers: Iterable[int] | None = None,
+    guard_mode: str | None = None,
 ) -> GuardResult | None:
     """Check one rank's loaded KDA parameters against the checkpoint, as the mode says.
 
@@ -218,6 +219,8 @@ def check(
         where: a label for the messages (``"vllm worker 3"``).
         layers: the 0-based KDA layers this rank holds, under pipeline parallelism (its
             stage's); None: every KDA layer of the checkpoint.
+        guard_mode: one of :data:`MODES` instead of ``KDA_TP_GUARD``'s (e.g. ``"warn"`` to
+            report on a running engine without raising); None: the variable's.
 
     Returns:
         None without checking anything when the mode is ``off``, ``params`` has no KDA
@@ -231,9 +234,13 @@ def check(
             or the parameters cannot be audited (no engine layout fits their names, a config
             the audit refuses); the message is the audit's diagnosis, ``.report`` the report
             (None when the audit could not run).
-        GuardModeError: ``KDA_TP_GUARD`` holds another value than ``fail``, ``warn``, ``off``.
+        GuardModeError: ``KDA_TP_GUARD`` (or ``guard_mode``) holds another value than
+            ``fail``, ``warn``, ``off``.
     """
-    chosen = mode()
+    chosen = mode() if guard_mode is None else guard_mode
+    if chosen not in MODES:
+        raise GuardModeError(f"guard_mode={guard_mode!r} is not a guard mode; use one of "
+                             f"{', '.join(MODES)}")
     if chosen == "off":
         return None
     named = params if isinstance(params, Mapping) else dict(params)

@@ -1,0 +1,345 @@
+"""The guard inside vLLM 0.33.0 (issue 20), on CPU: installed by vLLM's own
+``load_general_plugins()`` from kda_tp's ``vllm.general_plugins`` entry point, run by vLLM's own
+loader classes (``DefaultModelLoader``, ``ShardedStateLoader``) and ``reload_weights`` around
+the real KDA layer classes and their model class's ``load_weights``.
+
+As in the fixtures' recipe (tests/data/engine_ranks/make/vllm_rank.py): the tensor-parallel
+group is faked (``parallel_state._TP`` holding ``world_size`` and ``rank_in_group``), and a
+stand-in module holding only ``layers.0.self_attn`` goes through the model class's
+``load_weights`` (vLLM's full model constructors need CUDA). Every loading bug below is made
+with vLLM's own classes or by wrapping one of its weight loaders, and stops the load with the
+parameter named."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import types
+import warnings
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.engines
+
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")  # vLLM's own import-time deprecations
+    vllm = pytest.importorskip("vllm")
+    import torch
+    import vllm.distributed.parallel_state as ps
+    from safetensors.torch import save_file
+    from vllm.config import LoadConfig, VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.linear import ColumnParallelLinear
+    from vllm.model_executor.model_loader import get_model_loader
+    from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+    from vllm.model_executor.model_loader.reload import inplace
+    from vllm.model_executor.model_loader.sharded_state_loader import ShardedStateLoader
+    from vllm.plugins import load_general_plugins
+    from vllm.v1.worker.worker_base import WorkerBase
+
+from kda_tp import GuardError
+from kda_tp.guard import CHECKPOINT_ENV, MODE_ENV
+from kda_tp.vllm_plugin import WORKER_METHOD, audit_llm
+
+DATA = Path(__file__).parent / "data" / "engine_ranks"
+CKPT = {"k3": DATA / "ckpt_k3", "kimi_linear": DATA / "ckpt_kl", "glm": DATA / "ckpt_glm"}
+H, D, K, HIDDEN = 12, 128, 4, 64  # the fixtures' geometry (make/make_ckpt.py)
+ATTN = "model.layers.0.self_attn."
+
+
+def fake_group(world_size: int, rank: int) -> types.SimpleNamespace:
+    return types.SimpleNamespace(world_size=world_size, rank_in_group=rank, rank=rank,
+                                 local_rank=0, device_group=None, cpu_group=None,
+                                 ranks=list(range(world_size)))
+
+
+def set_rank(tp_size: int, rank: int) -> None:
+    ps._TP = fake_group(tp_size, rank)
+    ps._PP = fake_group(1, 0)
+
+
+@pytest.fixture(scope="module")
+def vc():
+    """vLLM's config as the fixtures' recipe sets it, the plugins loaded by vLLM itself."""
+    load_general_plugins()
+    config = VllmConfig()
+    config.model_config = types.SimpleNamespace(dtype=torch.float32, hf_config=None)
+    return config
+
+
+@pytest.fixture(autouse=True)
+def _fail_mode(monkeypatch):
+    monkeypatch.delenv(MODE_ENV, raising=False)
+    monkeypatch.delenv(CHECKPOINT_ENV, raising=False)
+
+
+def model_config(path: Path) -> types.SimpleNamespace:
+    """The ModelConfig fields vLLM's loaders read."""
+    return types.SimpleNamespace(
+        model=str(path), model_weights="", revision=None, quantization=None,
+        dtype=torch.float32, multimodal_config=None, is_moe=False, get_num_experts=lambda: 0)
+
+
+def build(vc, kind: str, tp_size: int, rank: int, *, o_proj_rows: bool = False) -> torch.nn.Module:
+    """A stand-in model (``model.layers.0.self_attn``: vLLM's KDA layer of ``kind`` for
+    ``rank`` of ``tp_size``), whose ``load_weights`` is the model class's."""
+    set_rank(tp_size, rank)
+    vc.compilation_config.static_forward_context.clear()
+    with set_current_vllm_config(vc):
+        if kind in ("k3", "kimi_linear"):
+            from vllm.models.kimi_k3.nvidia.model import KimiLinearModel as Model
+            from vllm.transformers_utils.configs.kimi_linear import KimiLinearConfig
+
+            lac = dict(head_dim=D, num_heads=H, short_conv_kernel_size=K, kda_layers=[1],
+                       full_attn_layers=[])
+            if kind == "k3":
+                lac.update(use_full_rank_gate=True, gate_lower_bound=-5.0)
+                from vllm.models.kimi_k3.nvidia.kda import KimiK3DeltaAttention as Layer
+            else:
+                from vllm.model_executor.layers.mamba.gdn.kimi_gdn_linear_attn import (
+                    KimiGatedDeltaNetAttention as Layer)
+            cfg = KimiLinearConfig(hidden_size=HIDDEN, num_hidden_layers=1, vocab_size=16,
+                                   linear_attn_config=lac, hidden_act="silu", rms_norm_eps=1e-5)
+        else:
+            from transformers import Glm5NextTextConfig
+            from vllm.models.glm5next.common.kda import Glm5NextLinearAttention as Layer
+            from vllm.models.glm5next.common.model import Glm5NextModel as Model
+
+            cfg = Glm5NextTextConfig(
+                hidden_size=HIDDEN, num_hidden_layers=1, vocab_size=16,
+                linear_attn_config=dict(head_dim=D, num_heads=H, short_conv_kernel_size=K),
+                layer_types=["linear_attention"], q_lora_rank=64, qk_rope_head_dim=0,
+                num_attention_heads=4, num_key_value_heads=4, mla_use_nope=False)
+        layer = Layer(cfg, vc, prefix="model.layers.0.self_attn")
+        if o_proj_rows:  # the bug: o_proj built column-parallel, its rows split across ranks
+            layer.o_proj = ColumnParallelLinear(H * D, HIDDEN, bias=False,
+                                                prefix="model.layers.0.self_attn.o_proj")
+    inner = torch.nn.Module()
+    inner.config = cfg
+    inner.is_fused_shared_expert_enabled = False
+    inner.layers = torch.nn.ModuleList([torch.nn.Module()])
+    inner.layers[0].self_attn = layer
+    outer = torch.nn.Module()
+    outer.model = inner
+
+    def load_weights(weights):
+        with set_current_vllm_config(vc):
+            loaded = Model.load_weights(inner, ((n.removeprefix("model."), w) for n, w in weights))
+        return {"model." + n for n in loaded}  # names of the stand-in's parameters
+
+    outer.load_weights = load_weights
+    return outer
+
+
+def default_load(vc, model, path: Path) -> None:
+    with set_current_vllm_config(vc):
+        DefaultModelLoader(LoadConfig()).load_weights(model, model_config(path))
+
+
+def loading_as(model, tp_size: int, rank: int) -> None:
+    """The bug of vllm-gguf-plugin #103 and kin: the weight loaders see rank ``rank`` while the
+    worker is another rank of the group."""
+    real = model.load_weights
+
+    def load_weights(weights):
+        group = ps._TP
+        ps._TP = fake_group(tp_size, rank)
+        try:
+            return real(weights)
+        finally:
+            ps._TP = group
+
+    model.load_weights = load_weights
+
+
+# ------------------------------------------------------------------------------------------
+
+
+def test_vllms_own_plugin_loader_installs_the_guard(vc):
+    assert getattr(DefaultModelLoader.load_weights, "__kda_tp_guard__", False)
+    assert getattr(ShardedStateLoader.load_weights, "__kda_tp_guard__", False)
+    assert getattr(inplace.reload_weights, "__kda_tp_guard__", False)
+    assert callable(getattr(WorkerBase, WORKER_METHOD))
+
+
+@pytest.mark.parametrize("kind", ["k3", "kimi_linear", "glm"])
+def test_every_family_passes_on_several_ranks_of_tp_2_and_4(vc, kind, caplog):
+    for tp_size, ranks in ((2, (0, 1)), (4, (1, 3))):
+        for rank in ranks:
+            model = build(vc, kind, tp_size, rank)
+            caplog.clear()
+            with caplog.at_level(logging.INFO, logger="kda_tp.guard"):
+                default_load(vc, model, CKPT[kind])
+            lines = [r.getMessage() for r in caplog.records if r.name == "kda_tp.guard"]
+            assert len(lines) == 1, lines
+            assert lines[0].startswith(
+                f"kda_tp guard: vllm DefaultModelLoader: tp rank {rank}/{tp_size}: ")
+            assert lines[0].endswith(" s: OK")
+            print(lines[0])
+
+
+def test_o_proj_row_sliced_stops_the_load(vc):
+    model = build(vc, "k3", 4, 1, o_proj_rows=True)
+    with pytest.raises(GuardError) as caught:
+        default_load(vc, model, CKPT["k3"])
+    assert f"rank 1 {ATTN}o_proj.weight: shape [16, 1536], expected [64, 384]" in str(caught.value)
+    print(caught.value)
+
+
+def test_every_rank_loading_rank_0s_slice_stops_the_load(vc):
+    for rank in (1, 2, 3):
+        model = build(vc, "kimi_linear", 4, 0)
+        set_rank(4, rank)
+        loading_as(model, 4, 0)
+        with pytest.raises(GuardError) as caught:
+            default_load(vc, model, CKPT["kimi_linear"])
+        text = str(caught.value)
+        assert f"rank {rank} {ATTN}in_proj_qkvgfab.weight: values differ in q_proj" in text
+        assert "equals rank 0's slice of q_proj" in text
+        assert f"rank {rank} {ATTN}o_proj.weight" in text
+    print(text)
+
+
+def test_two_ranks_swapped_stop_the_load(vc):
+    for rank, other in ((1, 2), (2, 1)):
+        model = build(vc, "glm", 4, other)
+        set_rank(4, rank)
+        loading_as(model, 4, other)
+        with pytest.raises(GuardError) as caught:
+            default_load(vc, model, CKPT["glm"])
+        text = str(caught.value)
+        assert f"rank {rank} {ATTN}in_proj_qkvbfg_a.weight" in text
+        assert f"equals rank {other}'s slice of v_proj" in text
+        assert f"rank {rank} {ATTN}q_conv1d.weight" in text
+
+
+def test_a_fused_sub_block_shifted_by_a_head_stops_the_load(vc):
+    model = build(vc, "k3", 2, 1)
+    param = model.model.layers[0].self_attn.in_proj_qkvgfab.weight
+    original = param.weight_loader
+
+    def shifted(p, loaded, shard_id=None):  # k_proj's rows taken one head late
+        if shard_id == 1:
+            loaded = torch.roll(loaded, -D, 0)
+        return original(p, loaded, shard_id)
+
+    param.weight_loader = shifted
+    with pytest.raises(GuardError) as caught:
+        default_load(vc, model, CKPT["k3"])
+    text = str(caught.value)
+    assert f"rank 1 {ATTN}in_proj_qkvgfab.weight: values differ in k_proj" in text
+    assert "(its [0, 0]; expected 10768.0, got 10896.0)" in text
+    print(text)
+
+
+def sharded_state(vc, kind: str, tp_size: int, out: Path) -> None:
+    """``save_sharded_state`` of each rank (its ``state_dict()``), as vLLM writes it."""
+    out.mkdir()
+    shutil.copy(CKPT[kind] / "config.json", out)
+    for rank in range(tp_size):
+        model = build(vc, kind, tp_size, rank)
+        default_load(vc, model, CKPT[kind])
+        save_file({k: v.contiguous() for k, v in model.state_dict().items()},
+                  str(out / f"model-rank-{rank}-part-0.safetensors"))
+
+
+def sharded_load(vc, kind: str, tp_size: int, rank: int, path: Path) -> None:
+    model = build(vc, kind, tp_size, rank)
+    with set_current_vllm_config(vc):
+        ShardedStateLoader(LoadConfig(load_format="sharded_state")).load_weights(
+            model, model_config(path))
+
+
+def test_sharded_state_checked_against_the_checkpoint_and_a_part_of_another_rank_stops_it(
+        vc, tmp_path, monkeypatch, caplog):
+    sharded_state(vc, "k3", 2, tmp_path / "dump")
+    with pytest.warns(RuntimeWarning, match=f"set {CHECKPOINT_ENV} to the checkpoint"):
+        sharded_load(vc, "k3", 2, 1, tmp_path / "dump")
+    monkeypatch.setenv(CHECKPOINT_ENV, str(CKPT["k3"]))
+    with caplog.at_level(logging.INFO, logger="kda_tp.guard"):
+        sharded_load(vc, "k3", 2, 1, tmp_path / "dump")
+    assert caplog.records[-1].getMessage().startswith(
+        "kda_tp guard: vllm ShardedStateLoader: tp rank 1/2: 7 KDA parameters (vllm-0.33-k3)")
+    os.replace(tmp_path / "dump" / "model-rank-0-part-0.safetensors",
+               tmp_path / "dump" / "model-rank-1-part-0.safetensors")
+    with pytest.raises(GuardError) as caught:
+        sharded_load(vc, "k3", 2, 1, tmp_path / "dump")
+    assert "equals rank 0's slice of dt_bias" in str(caught.value)
+    assert f"rank 1 {ATTN}dt_bias: values differ in dt_bias" in str(caught.value)
+
+
+def test_warn_logs_and_loads_off_checks_nothing(vc, monkeypatch, caplog):
+    monkeypatch.setenv(MODE_ENV, "warn")
+    model = build(vc, "k3", 2, 0)
+    set_rank(2, 1)
+    loading_as(model, 2, 0)
+    with caplog.at_level(logging.INFO, logger="kda_tp.guard"):
+        default_load(vc, model, CKPT["k3"])
+    (record,) = [r for r in caplog.records if r.name == "kda_tp.guard"]
+    assert record.levelno == logging.WARNING and "equals rank 0's slice" in record.getMessage()
+    monkeypatch.setenv(MODE_ENV, "off")
+    caplog.clear()
+    model = build(vc, "k3", 2, 0)
+    set_rank(2, 1)
+    loading_as(model, 2, 0)
+    with caplog.at_level(logging.INFO, logger="kda_tp.guard"):
+        default_load(vc, model, CKPT["k3"])
+    assert not [r for r in caplog.records if r.name == "kda_tp.guard"]
+
+
+def test_a_reload_from_disk_is_checked_against_the_new_checkpoint(vc, tmp_path, caplog):
+    from safetensors.torch import load_file
+    from vllm.model_executor.model_loader.reload import record_metadata_for_reloading
+    model = build(vc, "kimi_linear", 2, 1)
+    record_metadata_for_reloading(model)  # as vLLM's initialize_model does
+    default_load(vc, model, CKPT["kimi_linear"])
+    # The "new" checkpoint, elsewhere: the same weights.
+    new = tmp_path / "new"
+    new.mkdir()
+    shutil.copy(CKPT["kimi_linear"] / "config.json", new)
+    save_file(load_file(str(CKPT["kimi_linear"] / "model.safetensors")), str(new / "model.safetensors"))
+    config = VllmConfig()
+    config.model_config = model_config(CKPT["kimi_linear"])
+    config.load_config = LoadConfig()
+    assert isinstance(get_model_loader(config.load_config), DefaultModelLoader)
+    with caplog.at_level(logging.INFO, logger="kda_tp.guard"), set_current_vllm_config(vc):
+        inplace.reload_weights(config, model, None, str(new), True)  # the worker's call
+    assert config.model_config.model == str(new)
+    (line,) = [r.getMessage() for r in caplog.records if r.name == "kda_tp.guard"]
+    assert line.startswith("kda_tp guard: vllm reload_weights: tp rank 1/2: ") and line.endswith("OK")
+    loading_as(model, 2, 0)  # now the reload loads rank 0's slices
+    with pytest.raises(GuardError) as caught, set_current_vllm_config(vc):
+        inplace.reload_weights(config, model, None, str(new), True)
+    assert f"differ from {new}:" in str(caught.value)
+    assert "equals rank 0's slice of " in str(caught.value)  # the loaders asking the group
+    print(caught.value)
+
+
+def test_audit_llm_reports_every_worker(vc):
+    workers = []
+    for rank in range(2):
+        model = build(vc, "glm", 2, rank)
+        default_load(vc, model, CKPT["glm"])
+        config = types.SimpleNamespace(model_config=model_config(CKPT["glm"]),
+                                       speculative_config=None)
+        workers.append((rank, types.SimpleNamespace(
+            model_runner=types.SimpleNamespace(get_model=lambda m=model: m), vllm_config=config)))
+    with torch.no_grad():  # rank 1's o_proj overwritten after start-up
+        workers[1][1].model_runner.get_model().model.layers[0].self_attn.o_proj.weight.zero_()
+
+    def collective_rpc(method):
+        out = []
+        for rank, worker in workers:
+            set_rank(2, rank)
+            out.append(getattr(WorkerBase, method)(worker))
+        return out
+
+    reports = audit_llm(types.SimpleNamespace(collective_rpc=collective_rpc))
+    assert [r["tp_rank"] for r in reports] == [0, 1]
+    assert reports[0]["ok"] is True and reports[0]["line"].endswith(": OK")
+    assert reports[1]["ok"] is False and reports[1]["report"]["ok"] is False
+    (wrong,) = [p for p in reports[1]["report"]["params"] if p["status"] != "exact"]
+    assert wrong["name"] == f"{ATTN}o_proj.weight"
+    assert wrong["differences"][0]["equals"].startswith("zeros (never loaded?)")
