@@ -29,8 +29,8 @@ by the guard's own name test.
 
 The checkpoint is the runner's ``model_config.model_path`` (a Hugging Face repository id is
 resolved to its local cache, never downloaded); ``KDA_TP_GUARD_CHECKPOINT``
-(:data:`CHECKPOINT_ENV`) overrides it, which a ``--load-format sharded_state`` start needs (its
-directory holds the ranks' dumps, not the checkpoint they came from).
+(``kda_tp.guard.CHECKPOINT_ENV``) overrides it, which a ``--load-format sharded_state`` start
+needs (its directory holds the ranks' dumps, not the checkpoint they came from).
 
 This module imports SGLang only inside the functions SGLang calls; ``import kda_tp`` imports
 neither it nor SGLang.
@@ -48,13 +48,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["CHECKPOINT_ENV", "RPC_METHOD", "TARGETS", "audit_engine", "audit_runner", "register"]
+from .guard import CHECKPOINT_ENV, holds_kda
+
+__all__ = ["RPC_METHOD", "TARGETS", "audit_engine", "audit_runner", "checkpoint_of",
+           "guard_runner", "rank_and_size", "register"]
 
 logger = logging.getLogger("kda_tp.guard")
-
-#: The environment variable naming the checkpoint to check against, instead of the one SGLang
-#: loaded (needed with ``--load-format sharded_state``).
-CHECKPOINT_ENV = "KDA_TP_GUARD_CHECKPOINT"
 
 #: The scheduler method :func:`audit_engine` calls through ``Engine.collective_rpc``.
 RPC_METHOD = "kda_tp_guard_audit"
@@ -78,10 +77,7 @@ def register() -> None:
     SGLang's ``load_plugins()`` calls it once per process and then applies the hooks
     (``HookRegistry.apply_hooks``); nothing is checked until a model runner loads weights.
     """
-    from sglang.srt.plugins.hook_registry import (  # type: ignore[import-untyped, import-not-found, unused-ignore]
-        HookRegistry,
-        HookType,
-    )
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     load, finalize, update, rpc = TARGETS
     HookRegistry.register(load, _after_load_model, HookType.AFTER)
@@ -144,9 +140,7 @@ def _around_rpc(original: Callable[..., Any], scheduler: Any, recv_req: Any,
 
 def _parallel() -> Any:
     """SGLang's parallel context (``get_parallel()``) of this process."""
-    from sglang.srt.runtime_context import (  # type: ignore[import-untyped, import-not-found, unused-ignore]
-        get_parallel,
-    )
+    from sglang.srt.runtime_context import get_parallel
 
     return get_parallel()
 
@@ -173,10 +167,10 @@ def _label() -> str:
 
 
 def checkpoint_of(runner: Any) -> str | None:
-    """The local checkpoint a model runner loaded: :data:`CHECKPOINT_ENV` if set, else
+    """The local checkpoint a model runner loaded: ``KDA_TP_GUARD_CHECKPOINT`` if set, else
     ``runner.model_config.model_path`` (a Hugging Face repository id: its local snapshot, if
     cached). None, after one warning, for a ``sharded_state`` load without
-    :data:`CHECKPOINT_ENV` (its directory holds the dumps, not the checkpoint)."""
+    ``KDA_TP_GUARD_CHECKPOINT`` (its directory holds the dumps, not the checkpoint)."""
     chosen = os.environ.get(CHECKPOINT_ENV, "").strip()
     if chosen:
         return chosen
@@ -259,7 +253,7 @@ def audit_runner(runner: Any, checkpoint: str | None = None) -> dict[str, Any]:
         return out
     start = time.perf_counter()
     params = dict(runner.model.named_parameters())
-    if not any(n.endswith((".A_log", ".dt_bias")) and ".self_attn." in n for n in params):
+    if not holds_kda(params):
         out["skipped"] = "no KDA parameter"
         return out
     report = audit(params, path, tp_rank=tp_rank, tp_size=tp_size)
