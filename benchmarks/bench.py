@@ -4,6 +4,7 @@ Run by hand (not part of the test suite), from the repository root::
 
     python benchmarks/bench.py            # full run (about 3-5 minutes on a 2-vCPU VM)
     python benchmarks/bench.py --quick    # 3 repetitions, skips section 4 (about 40 s)
+    python benchmarks/bench.py --only-guard   # section 7 alone (about 10 s)
 
 Options: ``--tmp DIR`` (scratch root, default /tmp; about 4.5 GB needed for the full run),
 ``--kda-tp CMD`` (command that runs the CLI, default the ``kda-tp`` console script beside the
@@ -73,6 +74,14 @@ baseline measured alongside it; the last columns give the target and PASS/MISS.
    into a preallocated, prefaulted buffer, vs ``np.copyto`` of the same number of contiguous
    bytes of the same mapped file into the same buffer. Best of N, interleaved. Checked first:
    each part equals the rank's slice, the padding is zero.
+7. The guard (``kda_tp.guard.check``, what the vLLM and SGLang plugins run on every rank after
+   the weights load): rank 3 of 8 of one Kimi K3 KDA layer (``synth.write_checkpoint(...,
+   "kimi-k3", 1)``: K3's geometry, the layer's 7 ``vllm-0.33-k3`` parameters, 113 MB, as numpy
+   arrays a loader filled) against ``np.copyto`` of the same number of contiguous bytes of the
+   mapped checkpoint into a prefaulted buffer (single thread), best of N interleaved (target:
+   the guard within 2x the memcpy); and its cost on a non-KDA model's parameters (an 80-layer
+   Llama's 723 names), time per call (target: under 1 ms). ``--only-guard`` runs this section
+   alone.
 4. (full run only) Peak RSS of ``kda-tp shard`` at TP=4 on a 2-layer and an 8-layer GLM-5.3
    checkpoint; the bound is the largest single tensor + 256 MiB. RssAnon/RssFile peaks are
    sampled from /proc every 10 ms (RSS counts touched pages of file mappings, so a
@@ -578,6 +587,68 @@ def section_k3(scratch: Path, reps: int) -> None:
     shutil.rmtree(path.parent)
 
 
+def section_guard(scratch: Path, reps: int, calls: int, loops: int) -> None:
+    """Section 7: the guard on one K3 rank (TP 8, one layer) vs a single-thread memcpy of the
+    same bytes; the guard on a non-KDA model's parameters."""
+    import logging
+
+    from kda_tp.engines import get_layout
+    from kda_tp.guard import check
+
+    log("section 7: the guard")
+    logging.getLogger("kda_tp.guard").setLevel(logging.WARNING)  # no pass line per call
+    ckpt = scratch / "k3-guard"
+    write_checkpoint(ckpt, "kimi-k3", 1)
+    warm(ckpt)
+    src = SafetensorsSource(ckpt)
+    for name in src.names():
+        int(src.get(name).data[::4096].sum())  # map every page into this process
+    rank, tp = 3, 8
+    shard = KdaShardedSource(src, KdaTpPlan.from_config(src, rank, tp, qk_multiple=1))
+    layout = get_layout("vllm-0.33-k3")
+    prefix = next(n for n in src.names() if n.endswith("self_attn.A_log"))[: -len("A_log")]
+    # What a loader left in the rank's parameters.
+    params = {prefix + p.suffix: shard.build_param(layout, p.suffix, 0)
+              for p in layout.params_for(shard.plan)}
+    nbytes = sum(a.nbytes for a in params.values())
+    source = np.concatenate([src.get(n).data.reshape(-1).view(np.uint8)
+                             for n in src.names() if ".self_attn." in n])[:nbytes]
+    dst = np.ones(nbytes, np.uint8)  # prefaulted
+    result = check(params, ckpt, tp_rank=rank, tp_size=tp)
+    assert result is not None and result.passed, result
+
+    def via_guard():
+        check(params, ckpt, tp_rank=rank, tp_size=tp)
+
+    def via_memcpy():
+        np.copyto(dst, source)
+
+    t = best_interleaved({"guard": via_guard, "memcpy": via_memcpy}, reps)
+    ratio = t["guard"] / t["memcpy"]
+    sec = f"7 guard K3 TP={tp} r{rank}"
+    row(sec, f"one K3 KDA layer, rank {rank} of {tp}: {len(params)} vllm-0.33-k3 parameters, "
+        f"{nbytes / 1e6:.0f} MB", "", "", "numpy parameters, checkpoint mapped and warm")
+    row(sec, "single-thread memcpy of the same bytes", f"{t['memcpy'] * 1e3:.1f}", "ms")
+    row(sec, "kda_tp.guard.check (mode fail, passes)", f"{t['guard'] * 1e3:.1f}", "ms",
+        f"guard/memcpy {ratio:.2f}x", "<= 2.00x", verdict(ratio <= 2.0))
+    log(f"  guard {t['guard'] * 1e3:.1f} ms, memcpy {t['memcpy'] * 1e3:.1f} ms, {ratio:.2f}x")
+    del params, source, dst, src
+    shutil.rmtree(ckpt)
+    # A non-KDA model: an 80-layer Llama's parameter names (the values are never read).
+    names = ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"]
+    for i in range(80):
+        names += [f"model.layers.{i}.{n}.weight" for n in (
+            "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+            "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "input_layernorm",
+            "post_attention_layernorm")]
+    llama = {n: np.zeros(1, np.float32) for n in names}
+    us = per_call_us(lambda: check(llama, "/nonexistent/llama", tp_rank=0, tp_size=8), calls,
+                     loops)
+    row("7 guard non-KDA", f"kda_tp.guard.check on a non-KDA model ({len(llama)} parameters)",
+        f"{us:.1f}", "us", "skipped: no KDA parameter name", "< 1000 us", verdict(us < 1000))
+    log(f"  non-KDA: {us:.1f} us per call")
+
+
 def section_vllm_fused(src: SafetensorsSource, reps: int) -> None:
     """Section 6: vLLM's fused K3 ``in_proj_qkvgfab`` (q, k, v, g, f_a, b, zero rows to a
     multiple of 16) for rank 3 of 8, built by ``KdaShardedSource.build_param`` into a
@@ -941,6 +1012,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tmp", default="/tmp", help="scratch root (default /tmp)")
     parser.add_argument("--kda-tp", default=None, help="command that runs the kda-tp CLI")
     parser.add_argument("--keep", action="store_true", help="keep the scratch directory")
+    parser.add_argument("--only-guard", action="store_true",
+                        help="run section 7 (the guard) alone")
     parser.add_argument(
         "--fresh-pages", action="store_true",
         help=f"re-run under {FRESH_ENV}={FRESH_VALUE}: every allocation >= 1 MiB (kda_tp's, "
@@ -963,10 +1036,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"malloc: {FRESH_ENV}={malloc} (outputs of that size or more on fresh pages)")
     else:
         print("malloc: glibc default (np.empty may reuse already-faulted heap memory)")
-    print(f"mode: {'quick' if args.quick else 'full'} (section 1 best of {reps}; section 3 best "
-          f"of {rounds}; section 4 {'skipped' if args.quick else 'run'})", flush=True)
+    if args.only_guard:
+        print(f"mode: section 7 only (best of {reps})", flush=True)
+    else:
+        print(f"mode: {'quick' if args.quick else 'full'} (section 1 best of {reps}; section 3 "
+              f"best of {rounds}; section 4 {'skipped' if args.quick else 'run'})", flush=True)
     scratch = Path(tempfile.mkdtemp(prefix="kda_tp_bench.", dir=args.tmp))
     try:
+        if args.only_guard:
+            section_guard(scratch, reps, calls, loops)
+            return finish(t_start, cpu0)
         glm = scratch / "glm4"
         log("writing 4-layer GLM-5.3 checkpoint")
         write_checkpoint(glm, "glm-5.3-flash", 4)
@@ -984,6 +1063,7 @@ def main(argv: list[str] | None = None) -> int:
         section3(glm, scratch, cli, rounds, args.quick)
         shutil.rmtree(glm)
         section_k3(scratch, reps)
+        section_guard(scratch, reps, calls, loops)
         if not args.quick:
             section4(scratch, cli)
     finally:
@@ -991,6 +1071,11 @@ def main(argv: list[str] | None = None) -> int:
             log(f"kept {scratch}")
         else:
             shutil.rmtree(scratch, ignore_errors=True)
+    return finish(t_start, cpu0)
+
+
+def finish(t_start: float, cpu0: tuple[float, float]) -> int:
+    """Print the table and the run's CPU and wall time."""
     print_table()
     print(foreign_cpu_line(cpu0, time.perf_counter() - t_start))
     print(f"total bench time {time.perf_counter() - t_start:.0f} s")

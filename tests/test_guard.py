@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 from pathlib import Path
 
 import numpy as np
@@ -122,9 +121,8 @@ def test_non_kda_parameters_are_skipped_without_touching_the_checkpoint():
     params = {f"model.layers.{i}.self_attn.{n}.weight": np.zeros(1, np.float32)
               for i in range(64) for n in ("q_proj", "k_proj", "v_proj", "o_proj")}
     params |= {f"model.layers.{i}.linear_attn.A_log": np.zeros(1) for i in range(8)}  # Qwen3-Next
-    start = time.perf_counter()
+    # No checkpoint read, no warning (a missing path would warn); its cost: benchmarks/bench.py.
     assert check(params, "/no/such/checkpoint", tp_rank=0, tp_size=8) is None
-    assert time.perf_counter() - start < 1.0  # the bound on the cost is benchmarks/bench.py's
 
 
 def test_a_config_without_kda_layers_is_skipped(tmp_path):

@@ -82,9 +82,12 @@ def model_config(path: Path) -> types.SimpleNamespace:
         dtype=torch.float32, multimodal_config=None, is_moe=False, get_num_experts=lambda: 0)
 
 
-def build(vc, kind: str, tp_size: int, rank: int, *, o_proj_rows: bool = False) -> torch.nn.Module:
+def build(vc, kind: str, tp_size: int, rank: int, *, o_proj_rows: bool = False,
+          decode_copies: bool = False) -> torch.nn.Module:
     """A stand-in model (``model.layers.0.self_attn``: vLLM's KDA layer of ``kind`` for
-    ``rank`` of ``tp_size``), whose ``load_weights`` is the model class's."""
+    ``rank`` of ``tp_size``), whose ``load_weights`` is the model class's. ``decode_copies``:
+    K3's layer as the native decode backend builds it, with ``decode_conv1d_weight`` and
+    ``decode_norm_weight`` (on CPU the Triton backend has none)."""
     set_rank(tp_size, rank)
     vc.compilation_config.static_forward_context.clear()
     with set_current_vllm_config(vc):
@@ -112,7 +115,13 @@ def build(vc, kind: str, tp_size: int, rank: int, *, o_proj_rows: bool = False) 
                 linear_attn_config=dict(head_dim=D, num_heads=H, short_conv_kernel_size=K),
                 layer_types=["linear_attention"], q_lora_rank=64, qk_rope_head_dim=0,
                 num_attention_heads=4, num_key_value_heads=4, mla_use_nope=False)
-        layer = Layer(cfg, vc, prefix="model.layers.0.self_attn")
+        if decode_copies:  # the native fused decode backend (CUDA) keeps K3's decode copies
+            import vllm.models.kimi_k3.nvidia.kda as k3_kda
+            from unittest import mock
+            with mock.patch.object(k3_kda, "is_fused_kda_decode_supported", lambda *a: True):
+                layer = Layer(cfg, vc, prefix="model.layers.0.self_attn")
+        else:
+            layer = Layer(cfg, vc, prefix="model.layers.0.self_attn")
         if o_proj_rows:  # the bug: o_proj built column-parallel, its rows split across ranks
             layer.o_proj = ColumnParallelLinear(H * D, HIDDEN, bias=False,
                                                 prefix="model.layers.0.self_attn.o_proj")
@@ -343,3 +352,54 @@ def test_audit_llm_reports_every_worker(vc):
     (wrong,) = [p for p in reports[1]["report"]["params"] if p["status"] != "exact"]
     assert wrong["name"] == f"{ATTN}o_proj.weight"
     assert wrong["differences"][0]["equals"].startswith("zeros (never loaded?)")
+
+
+def test_a_modelopt_block_scale_is_checked_in_the_shape_vllm_squeezes_it_to(vc):
+    from kda_tp.vllm_plugin import _as_processed
+    loaded = torch.arange(6, dtype=torch.float32).reshape(2, 1, 3, 1)  # [ob, 1, ib, 1]
+    out = _as_processed(f"{ATTN}o_proj.weight_scale", loaded)
+    assert out.shape == (2, 3) and out.data_ptr() == loaded.data_ptr()
+    assert _as_processed(f"{ATTN}A_log", loaded) is loaded
+
+
+def test_k3s_decode_copies_are_checked_and_a_stale_one_stops_the_guard(vc, caplog):
+    from kda_tp.vllm_plugin import guard_model
+    model = build(vc, "k3", 4, 2, decode_copies=True)
+    layer = model.model.layers[0].self_attn
+    assert layer.decode_conv1d_weight is not None and layer.decode_norm_weight is not None
+    with caplog.at_level(logging.INFO, logger="kda_tp.guard"):
+        default_load(vc, model, CKPT["k3"])
+    (line,) = [r.getMessage() for r in caplog.records if r.name == "kda_tp.guard"]
+    assert "tp rank 2/4: 9 KDA parameters (vllm-0.33-k3)" in line and line.endswith("OK")
+    other = build(vc, "k3", 4, 1, decode_copies=True)
+    default_load(vc, other, CKPT["k3"])
+    with torch.no_grad():  # rank 2 keeps rank 1's decode conv copy (e.g. a reload that skips it)
+        layer.decode_conv1d_weight.copy_(other.model.layers[0].self_attn.decode_conv1d_weight)
+    set_rank(4, 2)
+    with pytest.raises(GuardError) as caught, set_current_vllm_config(vc):
+        guard_model(model, model_config(CKPT["k3"]))
+    assert (f"rank 2 {ATTN}decode_conv1d_weight: differs from what conv1d.weight makes of it "
+            "at [0, 0, 0] (expected 768.0, got 384.0)") in str(caught.value)
+
+
+def test_register_imports_nothing_and_installs_when_vllm_imports_its_loaders():
+    import subprocess
+    import sys
+    code = """
+import sys, warnings
+warnings.simplefilter("ignore")
+from vllm.plugins import load_general_plugins
+load_general_plugins()
+late = [m for m in ("vllm.model_executor.model_loader", "vllm.v1.worker.worker_base") if m in sys.modules]
+from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+from vllm.model_executor.model_loader.sharded_state_loader import ShardedStateLoader
+from vllm.model_executor.model_loader.reload import inplace
+from vllm.v1.worker.worker_base import WorkerBase
+print(late, [getattr(f, "__kda_tp_guard__", False) for f in (
+    DefaultModelLoader.load_weights, ShardedStateLoader.load_weights, inplace.reload_weights)],
+    hasattr(WorkerBase, "kda_tp_audit"))
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "VLLM_TARGET_DEVICE": "cpu"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == "[] [True, True, True] True"

@@ -6,7 +6,7 @@ the rank and world size of the engine's own tensor-parallel group. :func:`check`
 :func:`kda_tp.audit` (the same comparison, byte for byte, and the same diagnosis) behind a mode
 switch, the environment variable ``KDA_TP_GUARD`` (:data:`MODE_ENV`):
 
-* ``fail`` (the default): a wrong KDA parameter raises :class:`~kda_tp.GuardError` carrying the
+* ``fail`` (the default): a wrong KDA parameter raises :class:`~kda_tp.errors.GuardError` carrying the
   audit's diagnosis (layer, parameter, part, what it holds instead), which stops the engine's
   start-up;
 * ``warn``: the diagnosis is logged at WARNING on the logger ``kda_tp.guard`` and the engine

@@ -32,6 +32,8 @@ Importing this module imports no vLLM; :func:`register` and the wrapped function
 from __future__ import annotations
 
 import functools
+import importlib.abc
+import importlib.util
 import inspect
 import logging
 import os
@@ -61,40 +63,88 @@ _installed = False
 
 def register() -> None:
     """vLLM's entry point (``vllm.general_plugins``): install the guard on the model-loading
-    path of this process. vLLM may call it several times per process; it installs once.
+    path of this process. vLLM may call it several times per process; it installs once, and
+    imports nothing of vLLM itself.
 
-    Wraps the ``load_weights`` of every ``BaseModelLoader`` subclass vLLM defines when this
-    runs (and those defined later through ``register_model_loader``, which wraps them too),
-    vLLM's in-place ``reload_weights``, and adds the worker method ``kda_tp_audit``. In a
-    process without vLLM's model loader (none is importable), it does nothing.
+    Wraps the ``load_weights`` of every ``BaseModelLoader`` subclass vLLM defines (and of
+    those later given to ``register_model_loader``), vLLM's in-place ``reload_weights``, and
+    adds the worker method ``kda_tp_audit`` to ``WorkerBase``: at once for the modules this
+    process has imported already, else as soon as it imports them (an import hook), so that a
+    process that never loads a model (vLLM's API server) pays nothing.
     """
     global _installed
     if _installed:
         return
-    from vllm.model_executor import model_loader
+    _installed = True
+    pending = {name: install for name, install in _INSTALLERS.items()
+               if not _apply(name, install)}
+    if pending:
+        sys.meta_path.insert(0, _AfterImport(pending))
+
+
+def _apply(name: str, install: Callable[[Any], None]) -> bool:
+    """Run ``install`` on module ``name`` if it is imported (fully); whether it was."""
+    module = sys.modules.get(name)
+    spec = getattr(module, "__spec__", None)
+    if module is None or getattr(spec, "_initializing", False):
+        return False
+    install(module)
+    return True
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Runs an installer right after one of vLLM's modules is imported (it finds nothing
+    itself: it wraps the loader that the other finders return)."""
+
+    def __init__(self, pending: dict[str, Callable[[Any], None]]):
+        self.pending = pending
+
+    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
+        install = self.pending.pop(name, None)
+        if install is None:
+            return None
+        spec = importlib.util.find_spec(name)  # the other finders (this one no longer has it)
+        loader = getattr(spec, "loader", None)
+        execute = getattr(loader, "exec_module", None)
+        if spec is None or execute is None:
+            return spec
+
+        def exec_module(module: Any) -> None:
+            execute(module)
+            install(module)
+
+        loader.exec_module = exec_module  # type: ignore[union-attr]
+        return spec
+
+
+def _install_loaders(model_loader: Any) -> None:
+    """Wrap every loader class's ``load_weights`` and ``register_model_loader``
+    (``vllm.model_executor.model_loader``, which imports every loader class)."""
     from vllm.model_executor.model_loader.base_loader import BaseModelLoader
-    from vllm.model_executor.model_loader.reload import inplace
-    from vllm.v1.worker.worker_base import WorkerBase
 
     for cls in _subclasses(BaseModelLoader):
         _wrap_loader(cls)
     original_register = model_loader.register_model_loader
-    if not getattr(original_register, _WRAPPED, False):
-        @functools.wraps(original_register)
-        def register_model_loader(load_format: str) -> Callable[[type], type]:
-            decorate = original_register(load_format)
+    if getattr(original_register, _WRAPPED, False):
+        return
 
-            def wrap(cls: type) -> type:
-                out: type = decorate(cls)
-                for sub in (cls, *_subclasses(cls)):
-                    _wrap_loader(sub)
-                return out
-            return wrap
-        setattr(register_model_loader, _WRAPPED, True)
-        model_loader.register_model_loader = register_model_loader
-    _wrap_reload(inplace)
-    setattr(WorkerBase, WORKER_METHOD, _worker_audit)
-    _installed = True
+    @functools.wraps(original_register)
+    def register_model_loader(load_format: str) -> Callable[[type], type]:
+        decorate = original_register(load_format)
+
+        def wrap(cls: type) -> type:
+            out: type = decorate(cls)
+            for sub in (cls, *_subclasses(cls)):
+                _wrap_loader(sub)
+            return out
+        return wrap
+
+    setattr(register_model_loader, _WRAPPED, True)
+    model_loader.register_model_loader = register_model_loader
+
+
+def _add_worker_method(worker_base: Any) -> None:
+    setattr(worker_base.WorkerBase, WORKER_METHOD, _worker_audit)
 
 
 def _subclasses(cls: type) -> list[type]:
@@ -129,7 +179,7 @@ def _wrap_loader(cls: type) -> None:
     cls.load_weights = load_weights  # type: ignore[attr-defined]
 
 
-def _wrap_reload(inplace: Any) -> None:
+def _wrap_reload(inplace: Any) -> None:  # vllm.model_executor.model_loader.reload.inplace
     """Wrap vLLM's in-place ``reload_weights`` (and rebind it where vLLM imported it already)
     so that a reload from disk is checked against the new checkpoint."""
     original = inplace.reload_weights
@@ -152,6 +202,14 @@ def _wrap_reload(inplace: Any) -> None:
     for name, module in list(sys.modules.items()):  # `from ... import reload_weights`
         if name.startswith("vllm.") and getattr(module, "reload_weights", None) is original:
             setattr(module, "reload_weights", reload_weights)
+
+
+# What register() installs, by the vLLM module it patches.
+_INSTALLERS: dict[str, Callable[[Any], None]] = {
+    "vllm.model_executor.model_loader": _install_loaders,
+    "vllm.model_executor.model_loader.reload.inplace": _wrap_reload,
+    "vllm.v1.worker.worker_base": _add_worker_method,
+}
 
 
 def _checkpoint(model_config: Any, loader: str) -> str | None:
@@ -211,7 +269,7 @@ def guard_model(model: Any, model_config: Any, *, loader: str = "",
     """
     if (guard_mode or mode()) == "off" or loader in _UNCHECKED_LOADERS:
         return None
-    params = dict(model.named_parameters())
+    params = {n: _as_processed(n, p) for n, p in model.named_parameters()}
     if not holds_kda(params):
         return None
     from vllm.distributed import parallel_state
@@ -241,6 +299,17 @@ def guard_model(model: Any, model_config: Any, *, loader: str = "",
     return check(params, checkpoint, tp_rank=rank, tp_size=size, derived=derived,
                  where=where, layers=_stage_layers(params, parallel_state),
                  guard_mode=guard_mode)
+
+
+def _as_processed(name: str, param: Any) -> Any:
+    """``param`` as the layouts describe it: a ModelOpt ``FP8_PB_WO`` block scale is loaded
+    ``[ob, 1, ib, 1]`` and squeezed to ``[ob, ib]`` only by ``process_weights_after_loading``
+    (vLLM's ``KFp8Block128.process``), which runs after the guard; the squeezed view holds the
+    same bytes. Every other parameter as it is."""
+    shape = tuple(getattr(param, "shape", ()))
+    if name.endswith(".weight_scale") and len(shape) == 4 and shape[1] == shape[3] == 1:
+        return param.squeeze(3).squeeze(1)
+    return param
 
 
 def _stage_layers(names: Iterable[str], parallel_state: Any) -> list[int] | None:
