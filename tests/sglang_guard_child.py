@@ -366,7 +366,7 @@ class _RpcSocket:
 engine = object.__new__(Engine)
 engine.send_to_rpc = _RpcSocket()
 reports = sglang_plugin.audit_engine(engine, report_dir=os.path.join(WORK, "reports"))
-out["rpc"] = [{k: r[k] for k in ("tp_rank", "tp_size", "passed", "engine", "summary", "text",
-                                 "skipped")} for r in reports]
+out["rpc"] = [{k: r[k] for k in ("tp_rank", "tp_size", "ok", "line", "engine", "summary",
+                                 "text", "skipped")} for r in reports]
 out["rpc_files"] = sorted(os.listdir(os.path.join(WORK, "reports")))
 print(json.dumps(out))

@@ -152,9 +152,10 @@ def test_update_weights_from_disk_is_checked_on_the_new_checkpoint(
 
 def test_audit_engine_returns_every_ranks_report(outcome: dict[str, Any]) -> None:
     first, second = outcome["rpc"]
-    assert (first["tp_rank"], first["tp_size"], first["passed"]) == (0, 2, True)
+    assert (first["tp_rank"], first["tp_size"], first["ok"]) == (0, 2, True)
     assert first["engine"] == "sglang-0.5.23-kimi-linear"
-    assert (second["tp_rank"], second["passed"]) == (1, False)
+    assert (second["tp_rank"], second["ok"]) == (1, False)
     assert second["summary"].startswith("FAIL: 6 KDA parameter(s) wrong")
+    assert second["line"].startswith("kda_tp guard: sglang: tp rank 1/2: FAIL: 6 KDA ")
     assert "equals rank 0's slice of q_proj" in second["text"]
     assert outcome["rpc_files"] == ["kda_tp-guard-tp0.json", "kda_tp-guard-tp1.json"]

@@ -232,34 +232,37 @@ def audit_runner(runner: Any, checkpoint: str | None = None) -> dict[str, Any]:
     """One rank's audit of one SGLang ``ModelRunner``, whatever the guard's mode, as a dict
     (what :func:`audit_engine` returns per rank).
 
-    Keys: ``tp_rank``, ``tp_size`` (SGLang's attention TP group), ``where``, ``checkpoint``,
-    ``passed`` (True, False, or None when nothing was checked), ``skipped`` (why not, or
-    None), ``engine`` (the layout), ``seconds``, ``summary`` and ``text`` (the audit's one-line
-    summary and full diagnosis), ``report`` (``AuditReport.to_dict()``).
+    Keys: ``ok`` (True, False, or None when nothing was checked), ``line`` (the one-line
+    verdict), ``tp_rank``, ``tp_size`` (SGLang's attention TP group), ``where``,
+    ``checkpoint``, ``skipped`` (why nothing was checked, or None), ``engine`` (the layout),
+    ``seconds``, ``summary`` and ``text`` (the audit's summary and full diagnosis), ``report``
+    (``AuditReport.to_dict()``, as ``kda-tp audit --json``).
     """
     from .engine_audit import audit
 
     tp_rank, tp_size = rank_and_size()
-    out: dict[str, Any] = {"tp_rank": tp_rank, "tp_size": tp_size, "where": _label(),
-                           "checkpoint": None, "passed": None, "skipped": None, "engine": None,
-                           "seconds": 0.0, "summary": "", "text": "", "report": None}
+    out: dict[str, Any] = {"ok": None, "line": "", "tp_rank": tp_rank, "tp_size": tp_size,
+                           "where": _label(), "checkpoint": None, "skipped": None,
+                           "engine": None, "seconds": 0.0, "summary": "", "text": "",
+                           "report": None}
+    path = None if getattr(runner, "is_draft_worker", False) else (
+        checkpoint or checkpoint_of(runner))
+    out["checkpoint"] = path
+    params = {} if path is None else dict(runner.model.named_parameters())
+    start = time.perf_counter()
     if getattr(runner, "is_draft_worker", False):
         out["skipped"] = "a draft model runner"
-        return out
-    path = checkpoint or checkpoint_of(runner)
-    out["checkpoint"] = path
-    if path is None or "://" in path or not os.path.exists(path):
+    elif path is None or "://" in path or not os.path.exists(path):
         out["skipped"] = f"no local checkpoint ({path!r})"
-        return out
-    start = time.perf_counter()
-    params = dict(runner.model.named_parameters())
-    if not holds_kda(params):
+    elif not holds_kda(params):
         out["skipped"] = "no KDA parameter"
-        return out
-    report = audit(params, path, tp_rank=tp_rank, tp_size=tp_size)
-    out.update(passed=report.passed, engine=report.engine,
-               seconds=time.perf_counter() - start, summary=report.summary(),
-               text=report.format(), report=report.to_dict())
+    else:
+        report = audit(params, path, tp_rank=tp_rank, tp_size=tp_size)
+        out.update(ok=report.passed, engine=report.engine,
+                   seconds=time.perf_counter() - start, summary=report.summary(),
+                   text=report.format(), report=report.to_dict())
+    out["line"] = (f"kda_tp guard: {out['where']}: tp rank {tp_rank}/{tp_size}: "
+                   f"{out['summary'] or 'not checked: ' + str(out['skipped'])}")
     return out
 
 
@@ -269,9 +272,7 @@ def _scheduler_audit(scheduler: Any, report_dir: str = "", checkpoint: str = "")
     ``-pp{p}`` when those groups have several ranks)."""
     runner = scheduler.tp_worker.model_runner
     result = audit_runner(runner, checkpoint or None)
-    line = (f"kda_tp guard: {result['where']}: tp rank {result['tp_rank']}/{result['tp_size']}: "
-            + (result["summary"] or f"not checked: {result['skipped']}"))
-    logger.info("%s", line)
+    logger.info("%s", result["line"])
     if report_dir:
         name = "kda_tp-guard" + result["where"].removeprefix("sglang").replace(" rank ", "")
         name = name.replace(" ", "-") + f"-tp{result['tp_rank']}.json"
