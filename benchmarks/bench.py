@@ -4,6 +4,7 @@ Run by hand (not part of the test suite), from the repository root::
 
     python benchmarks/bench.py            # full run (about 3-5 minutes on a 2-vCPU VM)
     python benchmarks/bench.py --quick    # 3 repetitions, skips section 4 (about 40 s)
+    python benchmarks/bench.py --only gather   # section 1 alone (about 40 s)
 
 Options: ``--tmp DIR`` (scratch root, default /tmp; about 4.5 GB needed for the full run),
 ``--kda-tp CMD`` (command that runs the CLI, default the ``kda-tp`` console script beside the
@@ -32,8 +33,11 @@ baseline measured alongside it; the last columns give the target and PASS/MISS.
    pages costs more than the copy:
    * fresh memory: ``KdaShardedSource.read_into`` (the gather) and ``np.copyto`` of the same
      number of contiguous bytes (the memory-bandwidth limit), each into a new private anonymous
-     mapping (4 KiB pages the copy must fault in; created and unmapped every call). For
-     information, the memcpy into a new mapping advised ``MADV_HUGEPAGE``, and
+     mapping (4 KiB pages the copy must fault in; created and unmapped every call), the
+     median of 15 interleaved calls (5 with ``--quick``), with the gather's thread count
+     (rayon's pool) against memcpy's one thread. For information, the memcpy into a new
+     ``MAP_POPULATE`` mapping (faulted in by mmap, as the gather prefaults its output) and
+     into a new mapping advised ``MADV_HUGEPAGE``, and
      ``kda_tp.shard_bytes(plan["o_proj"], buf)``, whose output is a new numpy array (glibc may
      hand back heap memory an earlier call already faulted in; kda_tp advises huge pages on it);
    * prefaulted memory: ``read_into`` and ``np.copyto`` into the same reused buffer;
