@@ -4,7 +4,8 @@ Run by hand (not part of the test suite), from the repository root::
 
     python benchmarks/bench.py            # full run (about 3-5 minutes on a 2-vCPU VM)
     python benchmarks/bench.py --quick    # 3 repetitions, skips section 4 (about 40 s)
-    python benchmarks/bench.py --only-guard   # section 7 alone (about 10 s)
+    python benchmarks/bench.py --only gather   # section 1 alone (about 40 s)
+    python benchmarks/bench.py --only guard    # section 7 alone (about 10 s)
 
 Options: ``--tmp DIR`` (scratch root, default /tmp; about 4.5 GB needed for the full run),
 ``--kda-tp CMD`` (command that runs the CLI, default the ``kda-tp`` console script beside the
@@ -33,8 +34,11 @@ baseline measured alongside it; the last columns give the target and PASS/MISS.
    pages costs more than the copy:
    * fresh memory: ``KdaShardedSource.read_into`` (the gather) and ``np.copyto`` of the same
      number of contiguous bytes (the memory-bandwidth limit), each into a new private anonymous
-     mapping (4 KiB pages the copy must fault in; created and unmapped every call). For
-     information, the memcpy into a new mapping advised ``MADV_HUGEPAGE``, and
+     mapping (4 KiB pages the copy must fault in; created and unmapped every call), the
+     median of 15 interleaved calls (5 with ``--quick``), with the gather's thread count
+     (rayon's pool) against memcpy's one thread. For information, the memcpy into a new
+     ``MAP_POPULATE`` mapping (faulted in by mmap, as the gather prefaults its output) and
+     into a new mapping advised ``MADV_HUGEPAGE``, and
      ``kda_tp.shard_bytes(plan["o_proj"], buf)``, whose output is a new numpy array (glibc may
      hand back heap memory an earlier call already faulted in; kda_tp advises huge pages on it);
    * prefaulted memory: ``read_into`` and ``np.copyto`` into the same reused buffer;
@@ -80,7 +84,7 @@ baseline measured alongside it; the last columns give the target and PASS/MISS.
    arrays a loader filled) against ``np.copyto`` of the same number of contiguous bytes of the
    mapped checkpoint into a prefaulted buffer (single thread), best of N interleaved (target:
    the guard within 2x the memcpy); and its cost on a non-KDA model's parameters (an 80-layer
-   Llama's 723 names), time per call (target: under 1 ms). ``--only-guard`` runs this section
+   Llama's 723 names), time per call (target: under 1 ms). ``--only guard`` runs this section
    alone.
 4. (full run only) Peak RSS of ``kda-tp shard`` at TP=4 on a 2-layer and an 8-layer GLM-5.3
    checkpoint; the bound is the largest single tensor + 256 MiB. RssAnon/RssFile peaks are
@@ -126,6 +130,9 @@ except ImportError:  # optional
 HERE = Path(__file__).resolve().parent
 BASELINE = HERE / "safetensors_baseline.py"
 MIB = 2**20
+# --only: the sections by name (numbers as in the module docstring)
+SECTIONS = {"start": "0", "gather": "1", "get": "2", "shard": "3", "k3": "5, 6", "guard": "7",
+            "rss": "4"}
 ROWS: list[tuple] = []  # (section, case, value, unit, ratio text, target, verdict)
 
 
@@ -234,14 +241,10 @@ def llc_bytes() -> int:
     return max(sizes, default=32 * MIB)
 
 
-def best_interleaved(funcs: dict, reps: int) -> dict[str, float]:
-    """Best wall time per function; one call of each per round, rounds repeated ``reps`` times.
-
-    Caches are evicted before every call: a checkpoint's bytes are read once, from DRAM, and a
-    small source left in L3 by the previous repetition would favour plain copies (a column
-    slice's 16 KiB-strided rows map to few cache sets and do not stay resident).
-    """
-    best = {k: float("inf") for k in funcs}
+def interleaved(funcs: dict, reps: int) -> dict[str, list[float]]:
+    """Every wall time per function, one call of each per round, ``reps`` rounds, caches
+    evicted before every call (see best_interleaved)."""
+    times: dict[str, list[float]] = {k: [] for k in funcs}
     for _ in range(reps):
         for name, fn in funcs.items():
             evict_caches()
@@ -249,8 +252,18 @@ def best_interleaved(funcs: dict, reps: int) -> dict[str, float]:
             out = fn()
             t1 = time.perf_counter()
             del out
-            best[name] = min(best[name], t1 - t0)
-    return best
+            times[name].append(t1 - t0)
+    return times
+
+
+def best_interleaved(funcs: dict, reps: int) -> dict[str, float]:
+    """Best wall time per function; one call of each per round, rounds repeated ``reps`` times.
+
+    Caches are evicted before every call: a checkpoint's bytes are read once, from DRAM, and a
+    small source left in L3 by the previous repetition would favour plain copies (a column
+    slice's 16 KiB-strided rows map to few cache sets and do not stay resident).
+    """
+    return {k: min(v) for k, v in interleaved(funcs, reps).items()}
 
 
 def per_call_us(fn, calls: int, loops: int) -> float:
@@ -355,8 +368,8 @@ def section_start(ckpt: Path, scratch: Path, cli: Cli | None, reps: int) -> None
 # section 1: o_proj column slice
 
 
-def section1(ckpt: Path, reps: int) -> None:
-    log(f"section 1: o_proj column slice, best of {reps}")
+def section1(ckpt: Path, reps: int, fresh_reps: int) -> None:
+    log(f"section 1: o_proj column slice, best of {reps}; into fresh memory median of {fresh_reps}")
     source = SafetensorsSource(ckpt)
     name = GLM_PREFIX + "o_proj.weight"
     record = source.get(name)
@@ -385,12 +398,17 @@ def section1(ckpt: Path, reps: int) -> None:
             "kda": lambda: shard_bytes(entry, buf),
             "kda_get": lambda: sharded.get(name).data,
             "read_into": lambda: sharded.read_into(name, prefaulted),
-            "read_into_fresh": lambda: fresh_pages(n, lambda out: sharded.read_into(name, out)),
             "numpy": lambda: a[:, lo:hi].copy(),
             "safetensors": lambda: st_file.get_slice(name)[:, lo:hi],
-            "memcpy": lambda: fresh_pages(n, lambda out: np.copyto(out, buf[:n])),
-            "memcpy_huge": lambda: fresh_pages(n, lambda out: np.copyto(out, buf[:n]), True),
             "memcpy_prefaulted": lambda: np.copyto(prefaulted, buf[:n]),
+        }
+        # into fresh memory: every call writes a new private anonymous mapping (4 KiB pages)
+        fresh = {
+            "read_into_fresh": lambda: fresh_pages(n, lambda out: sharded.read_into(name, out)),
+            "memcpy": lambda: fresh_pages(n, lambda out: np.copyto(out, buf[:n])),
+            "memcpy_populate": lambda: fresh_pages(n, lambda out: np.copyto(out, buf[:n]),
+                                                   populate=True),
+            "memcpy_huge": lambda: fresh_pages(n, lambda out: np.copyto(out, buf[:n]), True),
         }
         if tbuf is not None:
             funcs["torch"] = lambda: tbuf.narrow(1, lo, w).contiguous()
@@ -400,29 +418,24 @@ def section1(ckpt: Path, reps: int) -> None:
         assert np.array_equal(funcs["kda_get"](), ref), "get != numpy"
         funcs["read_into"]()
         assert np.array_equal(prefaulted, ref), "read_into != numpy"
-        assert np.array_equal(funcs["read_into_fresh"](), ref), "read_into (fresh) != numpy"
+        assert np.array_equal(fresh["read_into_fresh"](), ref), "read_into (fresh) != numpy"
         st = funcs["safetensors"]()
         assert np.array_equal(st.view(np.uint16).reshape(-1).view(np.uint8), ref), "safetensors"
         if tbuf is not None:
             tt = funcs["torch"]()
             assert np.array_equal(tt.view(torch.int16).numpy().reshape(-1).view(np.uint8), ref)
         del ref, st
-        t = best_interleaved(funcs, reps)
+        times = interleaved(fresh, fresh_reps)
+        t = {k: min(v) for k, v in interleaved(funcs, reps).items()}
+        t["memcpy"] = min(times["memcpy"])
         del prefaulted
         gbs = {k: n / v / 1e9 for k, v in t.items()}
+        med = {k: n / float(np.median(v)) / 1e9 for k, v in times.items()}
         sec = f"1 TP={tp} r{rank}"
         shape = f"[{rows_},{w}] {n / MIB:.0f} MiB"
-        # fresh memory: both write a new private anonymous mapping (4 KiB pages, faulted in)
-        row(sec, f"memcpy into fresh memory (new 4 KiB-page mapping) {n / MIB:.0f} MiB",
-            f"{gbs['memcpy']:.2f}", "GB/s")
-        r_fresh = gbs["read_into_fresh"] / gbs["memcpy"]
-        row(sec, "o_proj gather into fresh memory (read_into the same kind of mapping)",
-            f"{gbs['read_into_fresh']:.2f}", "GB/s", f"gather/memcpy fresh {r_fresh:.2f}x",
-            ">= 0.85x", verdict(r_fresh >= 0.85))
-        row(sec, "  (info) memcpy into fresh huge-page memory (MADV_HUGEPAGE)",
-            f"{gbs['memcpy_huge']:.2f}", "GB/s")
+        fresh_gather_rows(sec, f"GLM-5.3 o_proj {shape}", med, len(times["memcpy"]))
         row(sec, "kda_tp.shard_bytes (new numpy array, huge pages advised)", f"{gbs['kda']:.2f}",
-            "GB/s", f"shard_bytes/memcpy fresh {gbs['kda'] / gbs['memcpy']:.2f}x")
+            "GB/s", f"shard_bytes/memcpy fresh (best) {gbs['kda'] / gbs['memcpy']:.2f}x")
         # prefaulted memory
         row(sec, "memcpy into prefaulted memory", f"{gbs['memcpy_prefaulted']:.2f}", "GB/s")
         r_pre = gbs["read_into"] / gbs["memcpy_prefaulted"]
@@ -445,16 +458,49 @@ def section1(ckpt: Path, reps: int) -> None:
         else:
             row(sec, "", "", "", f"kda/safetensors {r_st:.2f}x")
         row(sec, "KdaShardedSource.get (same file)", f"{gbs['kda_get']:.2f}", "GB/s",
-            f"get/memcpy fresh {gbs['kda_get'] / gbs['memcpy']:.2f}x")
-        log(f"  TP={tp}: " + ", ".join(f"{k} {v:.2f}" for k, v in gbs.items()) + " GB/s")
+            f"get/memcpy fresh (best) {gbs['kda_get'] / gbs['memcpy']:.2f}x")
+        log(f"  TP={tp}: best " + ", ".join(f"{k} {v:.2f}" for k, v in gbs.items()) + " GB/s; "
+            "fresh, median " + ", ".join(f"{k} {v:.2f}" for k, v in med.items()) + " GB/s")
     del st_file
 
 
-def fresh_pages(n: int, fill, huge: bool = False) -> np.ndarray:
+def fresh_gather_rows(sec: str, what: str, med: dict[str, float], runs: int) -> None:
+    """The rows of one gather into fresh memory: the target (the gather against a plain
+    single-threaded memcpy of the same bytes into the same kind of new mapping, medians of
+    ``runs`` interleaved calls) and, for information, the memcpy with its mapping populated
+    up front and into huge pages."""
+    threads = gather_threads()
+    row(sec, f"memcpy (np.copyto, 1 thread) into fresh memory (new 4 KiB-page mapping), {what}",
+        f"{med['memcpy']:.2f}", "GB/s", f"median of {runs}")
+    r_fresh = med["read_into_fresh"] / med["memcpy"]
+    row(sec, f"o_proj gather (read_into, {threads} threads) into the same kind of mapping",
+        f"{med['read_into_fresh']:.2f}", "GB/s", f"gather/memcpy fresh {r_fresh:.2f}x",
+        ">= 0.90x", verdict(r_fresh >= 0.90))
+    row(sec, "  (info) memcpy, 1 thread, into a fresh MAP_POPULATE mapping (prefaulted in mmap)",
+        f"{med['memcpy_populate']:.2f}", "GB/s",
+        f"gather/this {med['read_into_fresh'] / med['memcpy_populate']:.2f}x")
+    row(sec, "  (info) memcpy, 1 thread, into fresh huge-page memory (MADV_HUGEPAGE)",
+        f"{med['memcpy_huge']:.2f}", "GB/s")
+
+
+def gather_threads() -> int:
+    """The threads of kda_tp's rayon pool: RAYON_NUM_THREADS, else the cores this process may
+    use (rayon's default, short of a cgroup CPU quota)."""
+    env = os.environ.get("RAYON_NUM_THREADS", "")
+    if env.isdigit() and int(env) > 0:
+        return int(env)
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+
+
+def fresh_pages(n: int, fill, huge: bool = False, populate: bool = False) -> np.ndarray:
     """``fill`` a new private anonymous mapping of ``n`` bytes (pages the copy must fault in;
-    with ``huge``, advised to use transparent huge pages) and return it as a uint8 array (the
-    mapping is unmapped when the array is freed, after the timing)."""
-    m = mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    with ``huge``, advised to use transparent huge pages; with ``populate``, faulted in by
+    mmap itself, ``MAP_POPULATE``) and return it as a uint8 array (the mapping is unmapped
+    when the array is freed, after the timing)."""
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+    if populate:
+        flags |= getattr(mmap, "MAP_POPULATE", 0)
+    m = mmap.mmap(-1, n, flags=flags)
     if huge and hasattr(mmap, "MADV_HUGEPAGE"):
         m.madvise(mmap.MADV_HUGEPAGE)
     out = np.frombuffer(m, np.uint8)
@@ -1012,20 +1058,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tmp", default="/tmp", help="scratch root (default /tmp)")
     parser.add_argument("--kda-tp", default=None, help="command that runs the kda-tp CLI")
     parser.add_argument("--keep", action="store_true", help="keep the scratch directory")
-    parser.add_argument("--only-guard", action="store_true",
-                        help="run section 7 (the guard) alone")
     parser.add_argument(
         "--fresh-pages", action="store_true",
         help=f"re-run under {FRESH_ENV}={FRESH_VALUE}: every allocation >= 1 MiB (kda_tp's, "
         "numpy's and memcpy's outputs alike) is a fresh mmap whose pages the copy faults in",
     )
+    parser.add_argument(
+        "--only", default=",".join(SECTIONS), metavar="NAMES",
+        help="comma-separated sections to run: " + ", ".join(
+            f"{k} ({v})" for k, v in SECTIONS.items()) + " (default: all)",
+    )
     args = parser.parse_args(argv)
+    only = set(args.only.split(","))
+    if not only <= set(SECTIONS):
+        parser.error(f"--only: unknown section(s) {', '.join(sorted(only - set(SECTIONS)))}; "
+                     f"choose from {', '.join(SECTIONS)}")
     if args.fresh_pages and os.environ.get(FRESH_ENV) != FRESH_VALUE:
         argv = sys.argv[1:] if argv is None else argv
         env = dict(os.environ, **{FRESH_ENV: FRESH_VALUE})
         os.execve(sys.executable, [sys.executable, str(Path(__file__).resolve()), *argv], env)
 
     reps = 3 if args.quick else 10
+    fresh_reps = 5 if args.quick else 15
     calls, loops = (2000, 3) if args.quick else (5000, 5)
     rounds = 1 if args.quick else 2
     t_start = time.perf_counter()
@@ -1036,35 +1090,38 @@ def main(argv: list[str] | None = None) -> int:
         print(f"malloc: {FRESH_ENV}={malloc} (outputs of that size or more on fresh pages)")
     else:
         print("malloc: glibc default (np.empty may reuse already-faulted heap memory)")
-    if args.only_guard:
-        print(f"mode: section 7 only (best of {reps})", flush=True)
-    else:
-        print(f"mode: {'quick' if args.quick else 'full'} (section 1 best of {reps}; section 3 "
-              f"best of {rounds}; section 4 {'skipped' if args.quick else 'run'})", flush=True)
+    print(f"mode: {'quick' if args.quick else 'full'} (section 1 best of {reps}, into fresh "
+          f"memory median of {fresh_reps}; section 3 best of {rounds}; section 4 "
+          f"{'skipped' if args.quick else 'run'}); sections {','.join(s for s in SECTIONS if s in only)}",
+          flush=True)
     scratch = Path(tempfile.mkdtemp(prefix="kda_tp_bench.", dir=args.tmp))
     try:
-        if args.only_guard:
-            section_guard(scratch, reps, calls, loops)
-            return finish(t_start, cpu0)
         glm = scratch / "glm4"
-        log("writing 4-layer GLM-5.3 checkpoint")
-        write_checkpoint(glm, "glm-5.3-flash", 4)
-        wide = scratch / "wide"
-        # one KDA layer whose replicated f_a_proj/g_a_proj are [4096, 8192] BF16 = 64 MiB
-        write_small_checkpoint(wide, hidden=8192, heads=2, head_dim=128, conv_kernel=4,
-                               gate_rank=4096, num_layers=1, kda_layers=[0], style="glm")
-        warm(glm)
-        warm(wide)
         cli = kda_cli(args)
-        section_start(glm, scratch, cli, 2 * reps)
-        section1(glm, reps)
-        section2(glm, wide, calls, loops)
-        shutil.rmtree(wide)
-        section3(glm, scratch, cli, rounds, args.quick)
-        shutil.rmtree(glm)
-        section_k3(scratch, reps)
-        section_guard(scratch, reps, calls, loops)
-        if not args.quick:
+        if only & {"start", "gather", "get", "shard"}:
+            log("writing 4-layer GLM-5.3 checkpoint")
+            write_checkpoint(glm, "glm-5.3-flash", 4)
+            warm(glm)
+        if "start" in only:
+            section_start(glm, scratch, cli, 2 * reps)
+        if "gather" in only:
+            section1(glm, reps, fresh_reps)
+        if "get" in only:
+            wide = scratch / "wide"
+            # one KDA layer whose replicated f_a_proj/g_a_proj are [4096, 8192] BF16 = 64 MiB
+            write_small_checkpoint(wide, hidden=8192, heads=2, head_dim=128, conv_kernel=4,
+                                   gate_rank=4096, num_layers=1, kda_layers=[0], style="glm")
+            warm(wide)
+            section2(glm, wide, calls, loops)
+            shutil.rmtree(wide)
+        if "shard" in only:
+            section3(glm, scratch, cli, rounds, args.quick)
+        shutil.rmtree(glm, ignore_errors=True)
+        if "k3" in only:
+            section_k3(scratch, reps)
+        if "guard" in only:
+            section_guard(scratch, reps, calls, loops)
+        if "rss" in only and not args.quick:
             section4(scratch, cli)
     finally:
         if args.keep:

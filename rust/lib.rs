@@ -4,6 +4,7 @@
 //! * [`quant`]: which part of a block-quantized (FP8) weight's scale grid a rank keeps.
 //! * [`slice`]: applying a plan entry to a tensor's bytes (contiguous row ranges, strided
 //!   column gather).
+//! * [`pages`]: prefaulting and huge-page hints for the memory a large copy writes.
 //! * [`checkpoint`]: validated safetensors files and sharded checkpoint directories.
 //! * [`error`]: the one error type.
 //!
@@ -12,6 +13,7 @@
 
 pub mod checkpoint;
 pub mod error;
+pub mod pages;
 pub mod plan;
 pub mod quant;
 pub mod slice;
