@@ -497,8 +497,11 @@ def test_sizes_before_writing_are_what_is_written(
 
 
 def _decimal(n: int) -> str:
-    """The CLI's byte format, restated: 3 significant digits in decimal units."""
+    """The CLI's byte format, restated: 3 significant digits (2 decimals under 10, 1 under
+    100) in decimal units."""
     for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
         if n >= scale:
-            return f"{n / scale:.3g} {unit}" if n < 100 * scale else f"{n / scale:.0f} {unit}"
+            x = n / scale
+            digits = 2 if x < 10 else 1 if x < 100 else 0
+            return f"{x:.{digits}f} {unit}"
     return f"{n} B"

@@ -586,10 +586,12 @@ def format_sizes(sizes: ShardSizes) -> str:
 
 
 def _bytes(n: int) -> str:
-    """``n`` bytes in decimal units: ``512 B``, ``12.3 kB``, ``4.60 GB``."""
+    """``n`` bytes in decimal units, 3 significant digits: ``512 B``, ``12.3 kB``, ``4.60 GB``."""
     for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
         if n >= scale:
-            return f"{n / scale:.3g} {unit}" if n < 100 * scale else f"{n / scale:.0f} {unit}"
+            x = n / scale
+            digits = 2 if x < 10 else 1 if x < 100 else 0
+            return f"{x:.{digits}f} {unit}"
     return f"{n} B"
 
 
