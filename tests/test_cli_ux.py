@@ -240,7 +240,8 @@ def test_ctrl_c_in_process_leaves_no_partial(ckpt, tmp_path, monkeypatch):
     assert calls["n"] == 1
     e = info.value
     assert isinstance(e, KeyboardInterrupt) and e.tp_size == 2
-    present = sorted(p.name for p in out.iterdir())
+    # The output directory this run created stays only if a rank was completed in it.
+    present = sorted(p.name for p in out.iterdir()) if out.exists() else []
     assert present == [f"rank{r}" for r in e.completed]
     assert e.remaining == tuple(r for r in range(2) if r not in e.completed)
 
@@ -277,7 +278,12 @@ def test_progress_lines_when_not_a_terminal(ckpt, tmp_path, capsys, monkeypatch)
     monkeypatch.setattr(cli, "time", SimpleNamespace(monotonic=lambda: 0.0))
     out = tmp_path / "out"
     status, _, err = run(capsys, "shard", ckpt, "--tp-size", 2, "--out", out)
-    assert status == 0 and re.fullmatch(r"shard: [\d.]+ of [\d.]+ GB \(100%\), 0\.0 s\n", err)
+    # After what it will write (and the --kda-only hint: tests/test_shard_sizes.py), the
+    # progress line.
+    lines = err.splitlines(keepends=True)
+    assert status == 0 and lines[0].startswith("shard: writing ") and len(lines) == 3
+    assert lines[1].startswith("shard: hint: ")
+    assert re.fullmatch(r"shard: [\d.]+ of [\d.]+ GB \(100%\), 0\.0 s\n", lines[2])
     status, _, err = run(capsys, "verify", ckpt, out)
     n = len(kda_tp.SafetensorsSource(ckpt).names())
     assert status == 0 and f"verify: {n} of {n} tensors (100%)" in err

@@ -162,3 +162,40 @@ def test_torchrun_shard_takes_allow_resharding_skip_unindexed_and_json(tmp_path,
     assert done.returncode == 0, done.stderr[-4000:]
     assert json.loads(done.stdout)["ranks"] == [0, 1]
     assert cli.main(["verify", str(single / "rank0"), str(again), "--quiet"]) == 0
+
+
+def test_torchrun_shard_respects_a_live_writers_lock_and_reports_sizes(tmp_path,
+                                                                        tmp_path_factory):
+    """A rank another process is writing (its lock held) refuses the whole job once, naming
+    the holder, before any process writes; then the job writes, and ``--json`` carries the
+    sizes of all the ranks (process 0's report)."""
+    import fcntl
+    import json
+
+    fixture = tp_fixtures.FIXTURES["kimi12"]
+    path = tp_fixtures.checkpoint(fixture, tmp_path_factory.getbasetemp())
+    out = tmp_path / "out"
+    out.mkdir()
+    common = ["--tp-size", "4", "--qk-multiple", "1", "--quiet", "--json"]
+    with open(out / ".rank3.lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        held.write("pid 4242 on node7, started 2026-01-02T03:04:05Z\n")
+        held.flush()
+        done = _torchrun(2, "shard", str(path), "--out", str(out), *common)
+        assert done.returncode != 0
+        assert done.stderr.count("kda-tp: error: OutputError") == 1, done.stderr[-4000:]
+        assert ("rank 3 is being written by another kda-tp shard (held by pid 4242 on node7, "
+                "started 2026-01-02T03:04:05Z;") in done.stderr
+        assert sorted(p.name for p in out.iterdir()) == [".rank3.lock"]
+    done = _torchrun(2, "shard", str(path), "--out", str(out), *common)
+    assert done.returncode == 0, done.stderr[-4000:]
+    written = json.loads(done.stdout)
+    sizes = written["sizes"]
+    assert sizes["ranks"] == [0, 1, 2, 3] and sizes["total_bytes"] == written["bytes_written"]
+    assert sizes["rank_bytes"] == [
+        sum(p.stat().st_size for p in (out / f"rank{r}").glob("*.safetensors")) - headers
+        for r, headers in enumerate(
+            sum(8 + int.from_bytes(p.read_bytes()[:8], "little")
+                for p in (out / f"rank{r}").glob("*.safetensors")) for r in range(4))
+    ]
+    assert sorted(p.name for p in out.iterdir()) == ["rank0", "rank1", "rank2", "rank3"]

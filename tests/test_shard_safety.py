@@ -388,10 +388,9 @@ def test_full_disk_on_a_small_tmpfs(checkpoint: Path, reference: Path, tmp_path:
         with pytest.raises(OutputError, match="No space left on device") as info:
             shard_checkpoint(checkpoint, out, 2)
         assert str(out) in str(info.value)
-        assert hidden_entries(out) == []
-        assert assert_complete_or_absent(out, reference) == []
-        assert not verify_shards(checkpoint, out).ok
-        # Everything was removed: the space is free again.
+        # Everything this run created was removed, the output directory included.
+        assert not out.exists()
+        # The space is free again.
         usage = shutil.disk_usage(disk)
         assert usage.used <= 8192, usage
         # The CLI says so too, exit status 2.
@@ -413,7 +412,7 @@ def test_full_disk_on_a_small_tmpfs(checkpoint: Path, reference: Path, tmp_path:
             timeout=120,
         )
         assert run.returncode == 2 and "OutputError" in run.stderr and "No space left" in run.stderr
-        assert hidden_entries(out) == []
+        assert not out.exists() and list(disk.iterdir()) == []
     finally:
         subprocess.run(["umount", str(disk)], check=False)
 
@@ -459,9 +458,8 @@ def test_injected_enospc_on_write(
     with pytest.raises(OutputError, match="No space left on device") as info:
         shard_checkpoint(checkpoint, out, 2)
     assert str(out) in str(info.value)
-    assert hidden_entries(out) == []
-    assert assert_complete_or_absent(out, reference) == []  # even a rank that fitted is removed
-    assert not verify_shards(checkpoint, out).ok
+    # Even a rank that fitted is removed, and so is the output directory this run created.
+    assert not out.exists()
     monkeypatch.undo()
     shard_checkpoint(checkpoint, out, 2, force=True)  # and the disk freed, a re-run finishes
     assert tree(out) == tree(reference)
@@ -473,7 +471,7 @@ def test_injected_enospc_on_flush_and_on_copying_the_config(
     monkeypatch.setattr(_io, "open", _FullDisk(0, at="flush"), raising=False)
     with pytest.raises(OutputError, match="No space left on device"):
         shard_checkpoint(checkpoint, tmp_path / "a", 2)
-    assert hidden_entries(tmp_path / "a") == [] and not list((tmp_path / "a").glob("rank*"))
+    assert not (tmp_path / "a").exists()
     monkeypatch.undo()
 
     def copy2(*_args, **_kwargs):
@@ -482,7 +480,7 @@ def test_injected_enospc_on_flush_and_on_copying_the_config(
     monkeypatch.setattr("kda_tp.shard.shutil.copy2", copy2)
     with pytest.raises(OutputError, match="writing rank .* failed: .*No space left on device"):
         shard_checkpoint(checkpoint, tmp_path / "b", 2)
-    assert hidden_entries(tmp_path / "b") == [] and not list((tmp_path / "b").glob("rank*"))
+    assert not (tmp_path / "b").exists()
 
 
 # ----------------------------------------------------------------------------------------------

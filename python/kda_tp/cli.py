@@ -31,7 +31,7 @@ from .errors import CheckpointError, KdaTpError, PlanError, ShardInterrupted
 if TYPE_CHECKING:
     from .config import KdaConfig
     from .plan import KdaTpPlan
-    from .shard import ShardResult, VerifyReport
+    from .shard import ShardResult, ShardSizes, VerifyReport
     from .source import SafetensorsSource
 
 __all__ = ["main"]
@@ -125,6 +125,9 @@ def _parser() -> argparse.ArgumentParser:
                    "name (they are left out of every rank)")
     p.add_argument("--kda-only", action="store_true",
                    help="write only the sliced KDA tensors (an overlay on the input checkpoint)")
+    p.add_argument("--wait", action="store_true",
+                   help="when another kda-tp shard is writing some of these ranks into --out, "
+                   "wait for it to finish instead of refusing")
     _add_quiet(p)
     _add_qk_multiple(p)
     _add_json(p, "what was written")
@@ -580,8 +583,60 @@ def _shard_input(
     return layers, skipped
 
 
+def _size_reporter(
+    args: argparse.Namespace, seen: list[ShardSizes]
+) -> Callable[[ShardSizes], None]:
+    """``shard``'s ``report_sizes``: keeps the sizes (for ``--json``) and, unless ``--quiet``,
+    prints them on stderr before anything is written (:func:`format_sizes`)."""
+
+    def report(sizes: ShardSizes) -> None:
+        seen.append(sizes)
+        if not args.quiet:
+            print(format_sizes(sizes), file=sys.stderr, flush=True)
+
+    return report
+
+
+def format_sizes(sizes: ShardSizes) -> str:
+    """What ``shard`` will write, e.g. ``shard: writing 4.60 GB of tensors for 8 ranks (0.58 GB
+    per rank: 0.11 GB of KDA slices, 0.46 GB of other tensors) from a 1.30 GB input``, and a
+    second line suggesting ``--kda-only`` when the other tensors, copied whole into every rank,
+    outweigh the KDA slices."""
+    per_rank = sorted(set(sizes.rank_bytes))
+    each = _bytes(per_rank[0]) if len(per_rank) == 1 else (
+        f"{_bytes(per_rank[0])} to {_bytes(per_rank[-1])}")
+    n = len(sizes.ranks)
+    line = (
+        f"shard: writing {_bytes(sizes.total_bytes)} of tensors for {n} rank{'s' * (n != 1)} "
+        f"({each} per rank: {_bytes(sum(sizes.kda_bytes) // n)} of KDA slices, "
+        f"{_bytes(sum(sizes.other_bytes) // n)} of other tensors) from a "
+        f"{_bytes(sizes.input_bytes)} input"
+    )
+    if sizes.suggest_kda_only:
+        line += (
+            f"\nshard: hint: {_bytes(sum(sizes.other_bytes))} of it is non-KDA tensors copied "
+            f"whole into every rank; --kda-only writes only the KDA slices "
+            f"({_bytes(sum(sizes.kda_bytes))}), an overlay on the input checkpoint"
+        )
+    return line
+
+
+def _bytes(n: int) -> str:
+    """``n`` bytes in decimal units, 3 significant digits: ``512 B``, ``12.3 kB``, ``4.60 GB``."""
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            x = n / scale
+            digits = 2 if x < 10 else 1 if x < 100 else 0
+            return f"{x:.{digits}f} {unit}"
+    return f"{n} B"
+
+
 def _print_shard(
-    args: argparse.Namespace, result: ShardResult, skipped: Sequence[Path], processes: int = 1
+    args: argparse.Namespace,
+    result: ShardResult,
+    skipped: Sequence[Path],
+    processes: int = 1,
+    sizes: Sequence[ShardSizes] = (),
 ) -> None:
     """What ``shard`` wrote: the JSON document with ``--json``, else one line."""
     from .shard import rank_dir
@@ -593,6 +648,7 @@ def _print_shard(
             "rank_dirs": [str(rank_dir(result.out_dir, r)) for r in result.ranks],
             "bytes_written": result.bytes_written, "seconds": result.seconds,
             "skipped_unindexed": [str(p) for p in skipped], "processes": processes,
+            "sizes": sizes[0].to_dict() if sizes else None,
         })
     elif processes > 1:
         print(f"{_written_line(result)}; {processes} torchrun processes")
@@ -604,6 +660,7 @@ def _cmd_shard(args: argparse.Namespace) -> int:
     from .shard import shard_checkpoint
 
     layers, skipped = _shard_input(args)
+    sizes: list[ShardSizes] = []
     result = shard_checkpoint(
         args.checkpoint,
         args.out,
@@ -617,8 +674,10 @@ def _cmd_shard(args: argparse.Namespace) -> int:
         allow_resharding=args.allow_resharding,
         skip_unindexed=args.skip_unindexed,
         kda_only=args.kda_only,
+        wait=args.wait,
+        report_sizes=_size_reporter(args, sizes),
     )
-    _print_shard(args, result, skipped)
+    _print_shard(args, result, skipped, sizes=sizes)
     return 0
 
 
@@ -887,6 +946,7 @@ def _run_shard(args: argparse.Namespace) -> int:
         try:
             # Every process checks its input the same way; process 0 alone says so.
             layers, skipped = _shard_input(args, warn=process == 0)
+            sizes: list[ShardSizes] = []
             result = shard_checkpoint_distributed(
                 args.checkpoint,
                 args.out,
@@ -900,6 +960,8 @@ def _run_shard(args: argparse.Namespace) -> int:
                 allow_resharding=args.allow_resharding,
                 skip_unindexed=args.skip_unindexed,
                 kda_only=args.kda_only,
+                wait=args.wait,
+                report_sizes=_size_reporter(args, sizes) if process == 0 else None,
             )
         except KdaTpError as e:
             if process == 0:
@@ -909,7 +971,7 @@ def _run_shard(args: argparse.Namespace) -> int:
                                   "error": {"type": type(e).__name__, "message": message}})
             return 2
         if process == 0:
-            _print_shard(args, result, skipped, processes)
+            _print_shard(args, result, skipped, processes, sizes)
         return 0
 
 

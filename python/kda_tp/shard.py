@@ -13,17 +13,23 @@ OUT/rank0/ ... OUT/rank{T-1}/
 
 A rank is written into a hidden ``OUT/.rank{r}.partial-<pid>`` directory and renamed to
 ``OUT/rank{r}`` only when every file in it is complete, so a run killed at any point leaves no
-incomplete ``rank{r}``. Several processes may write different ranks into one ``OUT`` at once.
+incomplete ``rank{r}``. A writer holds an exclusive lock (``flock``) on ``OUT/.rank{r}.lock``
+for each rank it writes, from before it looks at ``OUT`` until it is done, so a second writer of
+a rank is refused (or waits) instead of removing the first's partial directory; the kernel
+releases the lock when the process dies, so a partial directory of a rank whose lock is free is
+stale. Several processes may write different ranks into one ``OUT`` at once.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
 import re
 import shlex
 import shutil
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -57,18 +63,23 @@ if TYPE_CHECKING:
 __all__ = [
     "ShardInterrupted",
     "ShardResult",
+    "ShardSizes",
     "VerifyReport",
     "check_shard_input",
     "finish_command",
     "prepare_out_dir",
     "rank_dir",
     "shard_checkpoint",
+    "shard_sizes",
     "unindexed_files",
     "verify_shards",
 ]
 
 _RANK_DIR = re.compile(r"^rank(\d+)$")
 _PARTIAL_DIR = re.compile(r"^\.rank(\d+)\.partial-")
+_LOCK_FILE = re.compile(r"^\.rank(\d+)\.lock$")
+#: Bytes of a lock file's holder line read back for a refusal message.
+_HOLDER_BYTES = 512
 
 #: ``progress(total_bytes)`` returns an ``advance(nbytes)`` callable.
 ProgressFactory = Callable[[int], Callable[[int], None]]
@@ -95,6 +106,56 @@ class ShardResult:
     seconds: float
 
 
+@dataclass(frozen=True)
+class ShardSizes:
+    """The tensor bytes (headers excluded) a :func:`shard_checkpoint` run writes, per rank.
+
+    Attributes:
+        input_bytes: tensor bytes of the input checkpoint (every tensor its index names).
+        ranks: the ranks written, sorted.
+        kda_bytes: per rank of ``ranks``, its slices of the KDA tensors.
+        other_bytes: per rank of ``ranks``, the other tensors, copied whole into every rank
+            (0 with ``kda_only``).
+        kda_only: whether the run writes only the KDA tensors.
+    """
+
+    input_bytes: int
+    ranks: tuple[int, ...]
+    kda_bytes: tuple[int, ...]
+    other_bytes: tuple[int, ...]
+    kda_only: bool = False
+
+    @property
+    def rank_bytes(self) -> tuple[int, ...]:
+        """Per rank of ``ranks``: all its tensor bytes."""
+        return tuple(k + o for k, o in zip(self.kda_bytes, self.other_bytes))
+
+    @property
+    def total_bytes(self) -> int:
+        """Tensor bytes written over all of ``ranks``."""
+        return sum(self.rank_bytes)
+
+    @property
+    def suggest_kda_only(self) -> bool:
+        """True when the tensors copied whole into every rank outweigh the KDA slices (then
+        ``kda_only`` would write far less: an overlay on the input)."""
+        return not self.kda_only and sum(self.other_bytes) > sum(self.kda_bytes)
+
+    def to_dict(self) -> dict[str, object]:
+        """The sizes as JSON-ready values (what ``kda-tp shard --json`` prints under
+        ``sizes``): the attributes, ``rank_bytes``, ``total_bytes`` and ``suggest_kda_only``."""
+        return {
+            "input_bytes": self.input_bytes,
+            "ranks": list(self.ranks),
+            "kda_bytes": list(self.kda_bytes),
+            "other_bytes": list(self.other_bytes),
+            "rank_bytes": list(self.rank_bytes),
+            "total_bytes": self.total_bytes,
+            "kda_only": self.kda_only,
+            "suggest_kda_only": self.suggest_kda_only,
+        }
+
+
 def shard_checkpoint(
     checkpoint: str | os.PathLike[str],
     out_dir: str | os.PathLike[str],
@@ -109,6 +170,8 @@ def shard_checkpoint(
     allow_resharding: bool = False,
     skip_unindexed: bool = False,
     kda_only: bool = False,
+    wait: bool = False,
+    report_sizes: Callable[[ShardSizes], None] | None = None,
 ) -> ShardResult:
     """Write one checkpoint directory per rank (layout in the module docstring).
 
@@ -139,13 +202,24 @@ def shard_checkpoint(
         kda_only: write only the sliced KDA tensors (an overlay on the input checkpoint, see
             :func:`kda_only_files`): no other tensor and no companion file; each header's
             ``__metadata__`` adds ``kda_tp_kda_only`` and ``kda_tp_source`` (the input path).
+        wait: when another process holds the lock of one of ``ranks`` (it is writing them
+            into ``out_dir``), wait until it is done instead of refusing (``--wait``). Each
+            rank's lock is ``out_dir/.rank{r}.lock``, taken with ``flock`` before ``out_dir``
+            is looked at and released (the file removed) when this run is done; the kernel
+            releases it when a process dies, so a partial directory of a rank whose lock is
+            free is stale and removed.
+        report_sizes: called once, after every check and before the first byte is written,
+            with the :class:`ShardSizes` this run will write.
 
     Raises:
         CheckpointError, PlanError, DtypeMismatchError, ShapeMismatchError: bad input (also:
             an input that is already a shard, unindexed files); nothing is written.
-        OutputError: the output directory is refused, or a write fails (e.g. a full disk);
-            nothing of this run is left behind: the ranks it completed are removed again and
-            rank directories it replaced under ``force`` are put back (a run killed outright may
+        OutputError: the output directory is refused, another live process is writing one
+            of ``ranks`` into it (the message names its pid, host and start time; see
+            ``wait``), or a write fails (e.g. a full disk);
+            nothing of this run is left behind: the ranks it completed are removed again,
+            rank directories it replaced under ``force`` are put back, and ``out_dir`` and
+            the parents it created are removed where empty (a run killed outright may
             leave complete ``rank{r}`` directories, never incomplete ones, and ``verify``
             rejects the set until every rank is there).
         ShardInterrupted: Ctrl-C; the writers stop at their next tensor, this run's partial
@@ -154,12 +228,7 @@ def shard_checkpoint(
     start = time.perf_counter()
     source = SafetensorsSource(checkpoint, backend)
     out = Path(out_dir)
-    if isinstance(tp_size, bool) or not isinstance(tp_size, (int, np.integer)) or tp_size < 1:
-        raise PlanError(f"tp_size must be a positive integer, got {tp_size!r}")
-    tp_size = int(tp_size)
-    ranks = tuple(range(tp_size)) if ranks is None else tuple(sorted({int(r) for r in ranks}))
-    if not ranks:
-        raise PlanError("no ranks to write: --ranks is empty")
+    tp_size, ranks = _checked_ranks(tp_size, ranks)
     check_shard_input(source, allow_resharding=allow_resharding, skip_unindexed=skip_unindexed)
     shards = [
         KdaShardedSource(
@@ -179,14 +248,52 @@ def shard_checkpoint(
                 f"{source.file_of(name)}: {name}: dtype {dtype} cannot be copied to the shards "
                 f"(the writer knows {', '.join(DTYPE_BITS)})"
             )
-    prepare_out_dir(source.root, out, tp_size, ranks, force)
     files = _names_by_file(source)
     if kda_only:
         files = kda_only_files(files, shards[0])
-    total = sum(
-        _nbytes(*checked_info(s, name)) for s in shards for names in files.values() for name in names
-    )
-    report = progress(total) if progress else None
+    sizes = _sizes(source, shards, files, kda_only)
+    for companion in [] if kda_only else _companion_files(source):
+        try:
+            with open(companion, "rb"):
+                pass
+        except OSError as e:
+            raise CheckpointError(
+                f"{companion}: cannot be read ({e}); shard copies it into every rank"
+            ) from e
+    _check_out_location(source.root, out, ranks)
+    created = _make_dirs(out)
+    try:
+        # Held from before OUT is looked at until this run's ranks are in place (or removed).
+        locks = _lock_ranks(out, ranks, wait)
+        try:
+            _check_out_dir(source.root, out, tp_size, ranks, force, locks)
+            if report_sizes:
+                report_sizes(sizes)
+            return _write_ranks(source, shards, files, out, tp_size, ranks, sizes, kda_only,
+                                progress, start)
+        finally:
+            locks.release()
+    except BaseException:
+        # A refused or failed run removes the directories it created, where nothing else is
+        # left in them (an interrupted run's completed ranks stay, and so does OUT then).
+        _remove_created(created)
+        raise
+
+
+def _write_ranks(
+    source: SafetensorsSource,
+    shards: list[KdaShardedSource],
+    files: dict[str, list[str]],
+    out: Path,
+    tp_size: int,
+    ranks: tuple[int, ...],
+    sizes: ShardSizes,
+    kda_only: bool,
+    progress: ProgressFactory | None,
+    start: float,
+) -> ShardResult:
+    """:func:`shard_checkpoint`'s writing, with ``out`` checked and ``ranks`` locked."""
+    report = progress(sizes.total_bytes) if progress else None
     stop = threading.Event()
 
     def advance(nbytes: int) -> None:
@@ -241,6 +348,75 @@ def shard_checkpoint(
             _discard(replaced)
     written = sum(f.result()[0] for f in futures)
     return ShardResult(out, tp_size, ranks, written, time.perf_counter() - start)
+
+
+def shard_sizes(
+    checkpoint: str | os.PathLike[str],
+    tp_size: int,
+    *,
+    ranks: Iterable[int] | None = None,
+    layers: Iterable[int] | None = None,
+    qk_multiple: int = 256,
+    kda_only: bool = False,
+    backend: str | None = None,
+) -> ShardSizes:
+    """The bytes :func:`shard_checkpoint` with these arguments writes, from the headers alone
+    (nothing is read or written). The arguments are :func:`shard_checkpoint`'s.
+
+    Raises:
+        CheckpointError, PlanError, DtypeMismatchError, ShapeMismatchError: as
+            :func:`shard_checkpoint` for bad input.
+    """
+    source = SafetensorsSource(checkpoint, backend)
+    tp_size, wanted = _checked_ranks(tp_size, ranks)
+    shards = [
+        KdaShardedSource(
+            source, KdaTpPlan.from_config(source, r, tp_size, qk_multiple=qk_multiple,
+                                          layers=layers), layers
+        )
+        for r in wanted
+    ]
+    files = _names_by_file(source)
+    return _sizes(source, shards, kda_only_files(files, shards[0]) if kda_only else files,
+                  kda_only)
+
+
+def _checked_ranks(tp_size: int, ranks: Iterable[int] | None) -> tuple[int, tuple[int, ...]]:
+    """``tp_size`` as an int and ``ranks`` sorted (default: all).
+
+    Raises:
+        PlanError: ``tp_size`` not a positive integer, or no ranks.
+    """
+    if isinstance(tp_size, bool) or not isinstance(tp_size, (int, np.integer)) or tp_size < 1:
+        raise PlanError(f"tp_size must be a positive integer, got {tp_size!r}")
+    tp_size = int(tp_size)
+    wanted = tuple(range(tp_size)) if ranks is None else tuple(sorted({int(r) for r in ranks}))
+    if not wanted:
+        raise PlanError("no ranks to write: --ranks is empty")
+    return tp_size, wanted
+
+
+def _sizes(
+    source: SafetensorsSource,
+    shards: list[KdaShardedSource],
+    files: dict[str, list[str]],
+    kda_only: bool,
+) -> ShardSizes:
+    """The tensor bytes writing ``files`` for ``shards`` takes, KDA slices and the rest apart."""
+    names = [name for names in files.values() for name in names]
+    kda, other = [], []
+    for s in shards:
+        sliced = [_nbytes(*checked_info(s, n)) for n in names if s.is_sharded(n)]
+        whole = [_nbytes(*checked_info(s, n)) for n in names if not s.is_sharded(n)]
+        kda.append(sum(sliced))
+        other.append(sum(whole))
+    return ShardSizes(
+        input_bytes=sum(_nbytes(*checked_info(source, n)) for n in source.names()),
+        ranks=tuple(s.plan.tp_rank for s in shards),
+        kda_bytes=tuple(kda),
+        other_bytes=tuple(other),
+        kda_only=kda_only,
+    )
 
 
 def _shutdown(pool: ThreadPoolExecutor) -> None:
@@ -339,16 +515,55 @@ def kda_only_files(
 
 
 def prepare_out_dir(
-    root: Path, out: Path, tp_size: int, ranks: tuple[int, ...], force: bool
-) -> None:
+    root: Path,
+    out: Path,
+    tp_size: int,
+    ranks: tuple[int, ...],
+    force: bool,
+    *,
+    wait: bool = False,
+) -> list[Path]:
     """Create the output directory ``out`` for ``ranks`` of ``tp_size`` (sharding the
     checkpoint at ``root``), or check what it already holds; remove stale partial directories of
     ``ranks``. ``force`` allows replacing finished rank directories.
 
+    The ranks' locks (``OUT/.rank{r}.lock``, see :func:`shard_checkpoint`) are held while
+    ``out`` is checked and cleaned, and released on return; a partial directory is removed only
+    while its rank's lock is held, so only a dead writer's.
+
+    Args:
+        root: the input checkpoint's directory.
+        out: the output directory.
+        tp_size: the world size.
+        ranks: the ranks to be written.
+        force: allow replacing finished rank directories and other files in ``out``.
+        wait: wait for another writer's lock on one of ``ranks`` instead of refusing.
+
+    Returns:
+        The directories this call created (``out`` and missing parents), deepest first; empty
+        when ``out`` existed. On an error they are removed again.
+
     Raises:
         OutputError: ``out`` lies inside the input, holds another world size's or unfinished
-            output that ``force`` does not allow replacing, or cannot be created or listed.
+            output that ``force`` does not allow replacing, cannot be created or listed, or
+            another live process holds the lock of one of ``ranks`` (without ``wait``).
     """
+    _check_out_location(root, out, ranks)
+    created = _make_dirs(out)
+    try:
+        locks = _lock_ranks(out, ranks, wait)
+        try:
+            _check_out_dir(root, out, tp_size, ranks, force, locks)
+        finally:
+            locks.release()
+    except BaseException:
+        _remove_created(created)
+        raise
+    return created
+
+
+def _check_out_location(root: Path, out: Path, ranks: tuple[int, ...]) -> None:
+    """Refuse an ``out`` inside the input, or one whose rank directories hold the input."""
     resolved, input_root = out.resolve(), root.resolve()
     if resolved == input_root or input_root in resolved.parents:
         raise OutputError(f"{out}: the output directory lies inside the input checkpoint {root}")
@@ -360,13 +575,150 @@ def prepare_out_dir(
                 f"{rank_dir(out, r)}: this rank's output directory is (or holds) the input "
                 f"checkpoint {root}; choose another --out"
             )
+
+
+def _make_dirs(out: Path) -> list[Path]:
+    """``out.mkdir(parents=True)``, returning the directories created, deepest first (a
+    directory another process creates meanwhile is not counted)."""
+    missing = []
+    for path in (out, *out.parents):
+        if path.is_dir():
+            break
+        missing.append(path)
+    created: list[Path] = []
+    for path in reversed(missing):
+        try:
+            path.mkdir()
+        except FileExistsError:
+            if path.is_dir():
+                continue
+            _remove_created(created[::-1])
+            raise OutputError(
+                f"{out}: cannot create the output directory: {path} exists and is not a directory"
+            ) from None
+        except OSError as e:
+            _remove_created(created[::-1])
+            raise OutputError(f"{out}: cannot create the output directory: {e}") from e
+        created.append(path)
+    return created[::-1]
+
+
+def _remove_created(created: list[Path]) -> None:
+    """Remove the directories a run created (deepest first) where they are empty again; one
+    that is not (another process wrote into it) stays, and so do its parents."""
+    for path in created:
+        try:
+            path.rmdir()
+        except OSError:
+            return
+
+
+class _RankLocks:
+    """The lock files (path, descriptor) a writer holds, one per rank, each under ``flock``."""
+
+    def __init__(self) -> None:
+        self.held: dict[int, tuple[Path, int]] = {}
+
+    def release(self) -> None:
+        """Remove each lock file while still holding its lock, then unlock it (by closing). A
+        process that opened the file before it was removed and then gets the lock sees that its
+        file is no longer at that path, and locks the new one (:func:`_lock_rank`)."""
+        for path, fd in self.held.values():
+            try:
+                path.unlink(missing_ok=True)
+            except OSError:
+                pass  # e.g. the directory became read-only: the lock is released all the same
+            os.close(fd)
+        self.held.clear()
+
+
+def _lock_ranks(out: Path, ranks: Iterable[int], wait: bool) -> _RankLocks:
+    """Lock ``OUT/.rank{r}.lock`` for each rank, in rank order (so that waiting writers never
+    deadlock); on any failure the locks taken so far are released."""
+    locks = _RankLocks()
     try:
-        out.mkdir(parents=True, exist_ok=True)
+        for r in sorted(ranks):
+            locks.held[r] = _lock_rank(out, r, wait)
+    except BaseException:
+        locks.release()
+        raise
+    return locks
+
+
+def _lock_rank(out: Path, rank: int, wait: bool) -> tuple[Path, int]:
+    """Take the exclusive ``flock`` of rank ``rank``'s lock file, then record this process
+    (pid, host, start time, UTC) in it for the message of a writer it refuses.
+
+    Raises:
+        OutputError: another process holds the lock (without ``wait``), or the lock file
+            cannot be created or locked.
+    """
+    path = out / f".rank{rank}.lock"
+    while True:
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as e:
+            raise OutputError(f"{path}: cannot create the lock file of rank {rank}: {e}") from e
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+            except BlockingIOError:
+                raise OutputError(
+                    f"{out}: rank {rank} is being written by another kda-tp shard "
+                    f"({_holder(fd)}; lock file {path.name}); pass --wait (wait=True) to wait "
+                    "for it, or choose another --out"
+                ) from None
+            except OSError as e:
+                raise OutputError(f"{path}: cannot lock rank {rank}'s lock file: {e}") from e
+            try:
+                current = os.stat(path)
+            except FileNotFoundError:
+                current = None
+            mine = os.fstat(fd)
+            if current is not None and (current.st_dev, current.st_ino) == (
+                mine.st_dev, mine.st_ino
+            ):
+                started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+                line = f"pid {os.getpid()} on {socket.gethostname()}, started {started}\n"
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, line.encode(), 0)
+                return path, fd
+        except BaseException:
+            os.close(fd)
+            raise
+        # The previous holder removed the file before unlocking it: lock the one now there.
+        os.close(fd)
+
+
+def _holder(fd: int) -> str:
+    """The holder line of a lock file, as one printable line."""
+    try:
+        text = os.pread(fd, _HOLDER_BYTES, 0).decode("utf-8", "replace")
+    except OSError:
+        text = ""
+    text = "".join(c if c.isprintable() else " " for c in text).strip()
+    return f"held by {text}" if text else "held by a writer that is just starting"
+
+
+def _check_out_dir(
+    root: Path,
+    out: Path,
+    tp_size: int,
+    ranks: tuple[int, ...],
+    force: bool,
+    locks: _RankLocks,
+) -> None:
+    """:func:`prepare_out_dir`'s check and clean-up of ``out``, with ``ranks`` locked in
+    ``locks`` (and any other rank whose directory ``force`` removes added to them)."""
+    input_root = root.resolve()
+    try:
         entries = sorted(out.iterdir())
     except OSError as e:
-        raise OutputError(f"{out}: cannot create or list the output directory: {e}") from e
+        raise OutputError(f"{out}: cannot list the output directory: {e}") from e
     existing: list[Path] = []
     for entry in entries:
+        if _LOCK_FILE.match(entry.name):
+            continue  # a writer's lock (ours, or another rank's writer)
         partial, final = _PARTIAL_DIR.match(entry.name), _RANK_DIR.match(entry.name)
         if (partial or final) and (entry.resolve() == input_root or _holds(entry, input_root)):
             # Never remove or replace the input, whatever its name.
@@ -392,6 +744,11 @@ def prepare_out_dir(
                         f"{entry} holds output for tp_size {found or 'unknown'}, not {tp_size}; "
                         "pass --force to replace it"
                     )
+                # Another rank: removed only while no live writer holds it (never waiting
+                # here: the ranks' locks are taken in order, and this one is out of order).
+                r = int(final.group(1))
+                if r not in locks.held:
+                    locks.held[r] = _lock_rank(out, r, wait=False)
                 _remove_dir(entry, out)
         elif not (partial or final) and not force:
             raise OutputError(
@@ -435,9 +792,10 @@ def _remove_dir(path: Path, out: Path) -> None:
 
 def _discard(path: Path) -> None:
     """Remove a directory of this output, or, when it is a symbolic link (``rank0`` pointing
-    elsewhere), the link alone: what it points to is never touched."""
-    if path.is_symlink():
-        path.unlink(missing_ok=True)
+    elsewhere) or a plain file, the link or file alone: what a link points to is never
+    touched."""
+    if path.is_symlink() or not path.is_dir():
+        path.unlink(missing_ok=True)  # a link, or a plain file named rank{r} that --force replaced
     else:
         shutil.rmtree(path, ignore_errors=True)
 
@@ -670,8 +1028,9 @@ def verify_shards(
     ``o_proj`` column slices side by side, replicated tensors equal on every rank; a zero-padded
     ``A_log`` rejoins to its heads, its padding checked to be zero); every other
     tensor is identical on every rank. Every rank ``0..tp_size-1`` must be present and complete,
-    with matching ``tp_rank``/``tp_size`` metadata, and no rank may hold extra tensors. A
-    problem names the tensor and the rank(s) whose bytes differ.
+    with matching ``tp_rank``/``tp_size`` metadata, and no rank may hold extra tensors, nor
+    any file ``shard`` does not write (an extra ``.safetensors`` no index names, a stray file:
+    a problem naming the file). A problem names the tensor and the rank(s) whose bytes differ.
     Each rank must hold the input's companion files (``config.json``, tokenizer files: every
     file ``shard`` copies) byte for byte; one missing or different is a problem naming the rank
     and the file.
@@ -718,7 +1077,7 @@ def verify_shards(
     entries = _listdir(out)
     present = {int(m.group(1)) for p in entries if (m := _RANK_DIR.match(p.name))}
     if not present:
-        if all(_PARTIAL_DIR.match(p.name) for p in entries):
+        if all(_PARTIAL_DIR.match(p.name) or _LOCK_FILE.match(p.name) for p in entries):
             # Empty, or only what a killed run leaves: an output not yet complete.
             report.problems.append(f"{out}: no rank directory yet (incomplete run?)")
             return report
@@ -795,7 +1154,19 @@ def verify_shards(
     # A --kda-only output holds the KDA tensors and nothing else.
     kda_only = meta.get("kda_tp_kda_only") == "1"
     names = [n for n in source.names() if not kda_only or shards[0].is_sharded(n)]
+    # The files shard writes into every rank; anything else in a rank directory (an extra
+    # .safetensors no index names, a stray file) is not the output shard made.
+    files = _names_by_file(source)
+    written = {INDEX_NAME, *(kda_only_files(files, shards[0]) if kda_only else files)}
+    if not kda_only:
+        written.update(p.name for p in _companion_files(source))
     for r, rank in enumerate(ranks):
+        for entry in sorted(_listdir(rank_dir(out, r))):
+            if entry.name not in written:
+                report.problems.append(
+                    f"{entry}: rank {r} holds {entry.name}, which shard does not write (the "
+                    f"input has no such file); remove it, or shard again"
+                )
         for path, file_meta in rank.files():
             got = (file_meta or {}).get("tp_rank"), (file_meta or {}).get("tp_size")
             if got != (str(r), str(tp_size)):
@@ -858,7 +1229,17 @@ def _companion_problems(source: SafetensorsSource, out: Path, tp_size: int) -> l
                     f"{copy}: rank {r} lacks {original.name} (shard copies the input's "
                     f"{original} into every rank)"
                 )
-            elif original.read_bytes() != copy.read_bytes():
+                continue
+            try:
+                want = original.read_bytes()
+            except OSError as e:
+                raise CheckpointError(f"{original}: the input's file cannot be read: {e}") from e
+            try:
+                same = want == copy.read_bytes()
+            except OSError as e:
+                problems.append(f"{copy}: rank {r}'s {original.name} cannot be read: {e}")
+                continue
+            if not same:
                 problems.append(
                     f"{copy}: rank {r}'s {original.name} differs from the input's {original}"
                 )

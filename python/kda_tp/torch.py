@@ -44,7 +44,7 @@ from .errors import (
 from .checkpoint import torch_dtype
 from .plan import KdaShard, KdaTpPlan
 from .reference import source_layer_forward
-from .shard import ShardResult, check_shard_input, rank_dir, shard_checkpoint
+from .shard import ShardResult, check_shard_input, rank_dir, shard_checkpoint, shard_sizes
 from .source import (
     KdaShardedSource,
     SafetensorsSource,
@@ -500,7 +500,8 @@ def shard_checkpoint_distributed(
         group: the process group (default: the default group).
         options: the other keyword arguments of ``shard_checkpoint`` (``layers``,
             ``qk_multiple``, ``force``, ``backend``, ``progress``, ``allow_resharding``,
-            ``skip_unindexed``, ``kda_only``); an input refused for want of
+            ``skip_unindexed``, ``kda_only``, ``wait``, ``report_sizes``: called on process
+            0 alone, with the sizes of all ``ranks``); an input refused for want of
             ``allow_resharding`` or ``skip_unindexed`` is refused on every process before
             any writes.
 
@@ -526,8 +527,20 @@ def shard_checkpoint_distributed(
     # Phase 1, process 0 alone: the geometry, and the output directory for every rank (refused,
     # or cleaned of stale partial and other-world-size ranks), before any process writes; so a
     # refused output leaves nothing behind and the processes never race to clean it.
-    _agree(group, processes, process == 0, lambda: _check_before_writing(
-        checkpoint, out_dir, tp_size, wanted, options))
+    report_sizes = options.pop("report_sizes", None)
+    sizes: list[Any] = []
+
+    def check() -> None:
+        _check_before_writing(checkpoint, out_dir, tp_size, wanted, options)
+        if report_sizes is not None:
+            sizes.append(shard_sizes(
+                checkpoint, tp_size, ranks=wanted, layers=options.get("layers"),
+                qk_multiple=options.get("qk_multiple", 256),
+                kda_only=bool(options.get("kda_only"))))
+
+    _agree(group, processes, process == 0, check)
+    if sizes:  # process 0, all ranks' sizes, before any process writes
+        report_sizes(sizes[0])
     # Phase 2: every process writes its share.
     mine = wanted[process::processes]
     totals: list[Any] = []
@@ -563,7 +576,7 @@ def _check_before_writing(
     layers = options.get("layers")
     _open(source, 0, tp_size, layers, options.get("qk_multiple", 256), None)
     prepare_out_dir(source.root, Path(out_dir), tp_size, tuple(ranks),
-                     bool(options.get("force")))
+                    bool(options.get("force")), wait=bool(options.get("wait")))
 
 
 def _agree(
