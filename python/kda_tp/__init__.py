@@ -30,6 +30,7 @@ if TYPE_CHECKING:
         OutputError,
         PlanError,
         ShapeMismatchError,
+        UsageError,
     )
     from .plan import KdaShard, KdaTensorPlan, KdaTpPlan
     from .quant import dequantize
@@ -47,6 +48,7 @@ __all__ = [
     "OutputError",
     "MissingDependencyError",
     "EngineLayoutError",
+    "UsageError",
     "KdaShard",
     "KdaTensorPlan",
     "KdaTpPlan",
@@ -73,6 +75,7 @@ _LAZY = {
     "OutputError": "errors",
     "MissingDependencyError": "errors",
     "EngineLayoutError": "errors",
+    "UsageError": "errors",
     "KdaShard": "plan",
     "KdaTensorPlan": "plan",
     "KdaTpPlan": "plan",

@@ -28,6 +28,7 @@ __all__ = [
     "OutputError",
     "MissingDependencyError",
     "EngineLayoutError",
+    "UsageError",
     "ShardInterrupted",
 ]
 
@@ -108,6 +109,17 @@ class EngineLayoutError(KdaTpError, ValueError):
     of the wrong size for ``KdaShardedSource.build_param``.
 
     Example message: ``vllm-0.33-k3: no parameter 'in_proj.weight'; its parameters: [...]``.
+    """
+
+
+class UsageError(KdaTpError, ValueError):
+    """An argument or setting outside what the function takes, where no other class applies.
+
+    Raised for a read backend other than ``"mmap"`` or ``"pread"`` (the ``backend`` argument or
+    ``$KDA_TP_BACKEND``), and a byte offset of ``SafetensorsSource.read_range`` that is
+    negative, ``>= 2**64``, a bool or not an integer. (A bad geometry is a :class:`PlanError`.)
+
+    Example message: ``KDA_TP_BACKEND='bogus': the read backend must be "mmap" or "pread"``.
     """
 
 

@@ -44,6 +44,7 @@ from .errors import (
     PlanError,
     ShardInterrupted,
 )
+from .config import parse_json, parse_metadata_int
 from .layers import check_layers, layer_count
 from .checkpoint import INDEX_NAME, SafetensorsSource, Tensor
 from .layout import kda_layer_indices
@@ -67,8 +68,8 @@ __all__ = [
     "verify_shards",
 ]
 
-_RANK_DIR = re.compile(r"^rank(\d+)$")
-_PARTIAL_DIR = re.compile(r"^\.rank(\d+)\.partial-")
+_RANK_DIR = re.compile(r"^rank([0-9]{1,10})$")
+_PARTIAL_DIR = re.compile(r"^\.rank([0-9]{1,10})\.partial-")
 
 #: ``progress(total_bytes)`` returns an ``advance(nbytes)`` callable.
 ProgressFactory = Callable[[int], Callable[[int], None]]
@@ -420,7 +421,8 @@ def _rank_tp_size(path: Path) -> int | None:
     """The ``tp_size`` recorded in a rank directory's first file, or None if unreadable."""
     try:
         files = SafetensorsSource(path).files()
-        return int((files[0][1] or {})["tp_size"]) if files else None
+        return (parse_metadata_int((files[0][1] or {})["tp_size"], "tp_size", str(path))
+                if files else None)
     except (KdaTpError, KeyError, ValueError, OSError):
         return None
 
@@ -744,9 +746,11 @@ def verify_shards(
     first = rank_dir(out, min(opened))
     meta = opened[min(opened)].files()[0][1] or {}
     try:
-        tp_size = int(meta["tp_size"])
-        qk_multiple = int(meta.get("kda_tp_qk_multiple", 256))
-        kda_layers = json.loads(meta["kda_tp_layers"]) if "kda_tp_layers" in meta else None
+        tp_size = parse_metadata_int(meta["tp_size"], "tp_size", str(first))
+        qk_multiple = parse_metadata_int(meta.get("kda_tp_qk_multiple", "256"),
+                                         "kda_tp_qk_multiple", str(first))
+        kda_layers = (parse_json(meta["kda_tp_layers"], f"{first}: metadata kda_tp_layers")
+                      if "kda_tp_layers" in meta else None)
         if tp_size < 1:
             raise ValueError(f"tp_size {tp_size} is not positive")
         if kda_layers is not None and not (
