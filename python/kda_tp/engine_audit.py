@@ -944,6 +944,9 @@ def audit_path(
     tp_size = _whole("tp_size", tp_size, 1)
     rank = None if rank is None else _whole("rank", rank, 0)
     auditor = _Auditor(checkpoint, tp_size, engine)
+    # The plan refuses a tp_size the checkpoint's heads cannot split (so tp_size <= heads)
+    # before anything is listed or reported per rank.
+    auditor.shard(0)
     if root.is_dir():
         files = sharded_state_files(root)
         beyond = [r for r in files if r >= tp_size]

@@ -158,18 +158,21 @@ def shard_checkpoint(
     if isinstance(tp_size, bool) or not isinstance(tp_size, (int, np.integer)) or tp_size < 1:
         raise PlanError(f"tp_size must be a positive integer, got {tp_size!r}")
     tp_size = int(tp_size)
-    ranks = tuple(range(tp_size)) if ranks is None else tuple(sorted({int(r) for r in ranks}))
-    if not ranks:
+    chosen = None if ranks is None else tuple(sorted({int(r) for r in ranks}))
+    if chosen == ():
         raise PlanError("no ranks to write: --ranks is empty")
     check_shard_input(source, allow_resharding=allow_resharding, skip_unindexed=skip_unindexed)
-    shards = [
-        KdaShardedSource(
-            source, KdaTpPlan.from_config(
-                source, r, tp_size, qk_multiple=qk_multiple, layers=layers
-            ), layers
-        )
-        for r in ranks
-    ]
+
+    def shard(r: int) -> KdaShardedSource:
+        plan = KdaTpPlan.from_config(source, r, tp_size, qk_multiple=qk_multiple, layers=layers)
+        return KdaShardedSource(source, plan, layers)
+
+    # Rank 0's plan and view first: the plan refuses a tp_size the heads cannot split, and the
+    # view checks the heads against the tensors on disk, so tp_size is bounded by the
+    # checkpoint before anything is made per rank.
+    first = shard(0)
+    ranks = tuple(range(tp_size)) if chosen is None else chosen
+    shards = [first if r == 0 else shard(r) for r in ranks]
     # Tensors outside the KDA layers are copied through whatever their dtype, packed sub-byte
     # floats (F4, F6) included; a dtype the writer cannot size is refused before anything is
     # written (the header reader and the writer know the same dtypes, so this guards upgrades).
