@@ -6,6 +6,7 @@ input is never modified."""
 from __future__ import annotations
 
 import hashlib
+import os
 import subprocess
 import sys
 import textwrap
@@ -167,3 +168,40 @@ def test_the_script_dumps_the_corpus(tmp_path: Path) -> None:
     assert f"{len(malformed.KINDS)} kinds written" in run.stdout
     for kind in malformed.KINDS:
         assert (tmp_path / "corpus" / kind).is_dir(), kind
+
+
+# A refusal's bounds (issue 21): 5 s and 600 MB are the acceptance bounds; each case takes well
+# under 1 s here, so a loaded single core still fits.
+TIME_BOUND_S = 5.0
+MEMORY_BOUND_MB = 600
+_CHILD = (
+    "import resource, subprocess, sys, time\n"
+    "t = time.monotonic()\n"
+    "done = subprocess.run(sys.argv[1:], capture_output=True, text=True, timeout=60)\n"
+    "seconds = time.monotonic() - t\n"
+    "peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024\n"
+    "sys.stderr.write(done.stderr)\n"
+    "print(done.returncode, f'{seconds:.3f}', f'{peak:.0f}')\n"
+)
+
+
+@pytest.mark.parametrize("kind", list(malformed.CLI_KINDS))
+def test_hostile_command_lines_are_refused_fast_in_one_line(
+    corpus_root: Path, kind: str
+) -> None:
+    """Each hostile command line, in its own process: exit 2, exactly one ``kda-tp: error:``
+    line holding the expected words, no traceback, within the time and memory bounds (the
+    child's peak RSS, measured by a parent of its own so that nothing else is counted)."""
+    case = malformed.CLI_KINDS[kind](corpus_root)
+    env = {**os.environ, **case.env}
+    run = subprocess.run(
+        [sys.executable, "-c", _CHILD, sys.executable, "-m", "kda_tp", *case.argv],
+        capture_output=True, text=True, timeout=120, env=env,
+    )
+    status, seconds, peak_mb = run.stdout.split()
+    errors = [line for line in run.stderr.splitlines() if line.startswith("kda-tp: error:")]
+    assert int(status) == 2, run.stderr
+    assert len(errors) == 1 and case.contains in errors[0], run.stderr
+    assert "Traceback" not in run.stderr
+    assert float(seconds) < TIME_BOUND_S, f"{kind}: {seconds} s"
+    assert float(peak_mb) < MEMORY_BOUND_MB, f"{kind}: {peak_mb} MB"
