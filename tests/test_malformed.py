@@ -205,3 +205,40 @@ def test_hostile_command_lines_are_refused_fast_in_one_line(
     assert "Traceback" not in run.stderr
     assert float(seconds) < TIME_BOUND_S, f"{kind}: {seconds} s"
     assert float(peak_mb) < MEMORY_BOUND_MB, f"{kind}: {peak_mb} MB"
+
+
+def test_the_api_refuses_bools_bad_offsets_backends_and_plans(corpus_root: Path) -> None:
+    """Issue 21, class 5: every refusal a KdaTpError subclass (a ValueError), or a TypeError."""
+    from kda_tp import KdaShardedSource, KdaTpPlan
+    from kda_tp.errors import PlanError, UsageError
+    from kda_tp.layers import check_layers
+
+    base = malformed.base_checkpoint(corpus_root)
+    source = SafetensorsSource(base)
+    with pytest.raises(PlanError, match="tp_rank must be a non-negative integer .* got True"):
+        KdaTpPlan.from_config(source, True, 2)
+    with pytest.raises(PlanError, match="tp_size .* got False"):
+        KdaTpPlan(0, False, 64, 64, 4, 4, 16)
+    with pytest.raises(PlanError, match="True is not a layer index"):
+        check_layers([True], None, None)
+    name = source.names()[0]
+    for start, stop in [(-5, 10), (True, 10), (0, 2**70), (0, 1.5)]:
+        with pytest.raises(UsageError, match="must be a byte offset"):
+            source.read_range(name, start, stop)  # type: ignore[arg-type]
+    with pytest.raises(UsageError, match="backend='bogus'") as info:
+        SafetensorsSource(base, backend="bogus")
+    assert isinstance(info.value, ValueError)
+    with pytest.raises(TypeError, match="plan must be a KdaTpPlan .* got NoneType"):
+        KdaShardedSource(source, None)  # type: ignore[arg-type]
+
+
+def test_a_deep_or_huge_config_is_refused_in_the_api(corpus_root: Path) -> None:
+    from kda_tp.config import load_config, parse_config
+    from kda_tp.errors import CheckpointError
+
+    case = malformed.CLI_KINDS["cli_config_deep"](corpus_root)
+    with pytest.raises(CheckpointError, match="MAX_JSON_DEPTH = 64"):
+        load_config(Path(case.argv[1]))
+    with pytest.raises(CheckpointError, match="more than 32 digits"):
+        parse_config({"hidden_size": 10**5000, "linear_attn_config": {
+            "head_dim": 64, "num_heads": 4, "short_conv_kernel_size": 4, "kda_layers": [1]}})

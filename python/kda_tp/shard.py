@@ -865,11 +865,27 @@ def _companion_problems(source: SafetensorsSource, out: Path, tp_size: int) -> l
                     f"{copy}: rank {r} lacks {original.name} (shard copies the input's "
                     f"{original} into every rank)"
                 )
-            elif original.read_bytes() != copy.read_bytes():
+            elif _read_companion(original) != _read_companion(copy, r):
                 problems.append(
                     f"{copy}: rank {r}'s {original.name} differs from the input's {original}"
                 )
     return problems
+
+
+def _read_companion(path: Path, rank: int | None = None) -> bytes:
+    """A companion file's bytes: an input's unreadable one is refused input, a rank's a
+    damaged output (its bytes then compare unequal, a problem of the report).
+
+    Raises:
+        CheckpointError: the input's ``path`` cannot be read (``rank`` is None).
+    """
+    try:
+        return path.read_bytes()
+    except OSError as e:
+        if rank is None:
+            raise CheckpointError(f"{path}: cannot read this companion file of the input: {e}") \
+                from None
+        return f"unreadable: {e}".encode()
 
 
 def _listdir(path: Path) -> list[Path]:
