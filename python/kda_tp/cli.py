@@ -114,10 +114,10 @@ class _Parser(argparse.ArgumentParser):
             # named before any "required" complaint they may cause.
             given = list(sys.argv[1:] if args is None else args)
             self._refuse_unknown(given)
-            namespace, extras = super().parse_known_args(given, namespace)
+            parsed, extras = super().parse_known_args(given, namespace)
             if extras:
                 self.error(f"unrecognized arguments: {' '.join(extras)}")
-            return namespace, extras
+            return parsed, extras
         return super().parse_known_args(args, namespace)
 
     def _refuse_unknown(self, given: list[str]) -> None:
@@ -129,7 +129,8 @@ class _Parser(argparse.ArgumentParser):
             if not flag.startswith("--") or any(k.startswith(flag) for k in known):
                 continue
             close = difflib.get_close_matches(flag, known, n=1, cutoff=0.6)
-            hint = f"; did you mean {close[0]}?" if close else f" (see kda-tp {self.prog.split()[-1]} --help)"
+            command = self.prog.split()[-1]
+            hint = f"; did you mean {close[0]}?" if close else f" (see kda-tp {command} --help)"
             self.error(f"unrecognized argument {flag}{hint}")
 
 
