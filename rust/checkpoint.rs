@@ -486,46 +486,27 @@ impl Checkpoint {
             path: index_path.to_path_buf(),
             reason,
         };
-        let mut text = Vec::new();
-        open_regular_file(index_path)?
-            .read_to_end(&mut text)
-            .map_err(|source| Error::Io {
-                path: index_path.to_path_buf(),
-                source,
-            })?;
-        let json: serde_json::Value =
-            serde_json::from_slice(&text).map_err(|e| bad(format!("not JSON: {e}")))?;
-        let weight_map = json
-            .get("weight_map")
-            .and_then(serde_json::Value::as_object)
-            .ok_or_else(|| bad("no \"weight_map\" object".into()))?;
-        let mut file_names: Vec<&str> = Vec::new();
-        let mut wanted: BTreeMap<&str, &str> = BTreeMap::new();
-        // File name -> the first tensor the index maps to it (named in errors about the file).
-        let mut first_tensor: HashMap<&str, &str> = HashMap::new();
-        for (tensor, file) in weight_map {
-            let file = file
-                .as_str()
-                .ok_or_else(|| bad(format!("weight_map[{tensor:?}] is not a file name")))?;
-            let relative = Path::new(file);
-            if file.is_empty()
-                || !relative
-                    .components()
-                    .all(|c| matches!(c, Component::Normal(_)))
-            {
-                return Err(bad(format!(
-                    "weight_map[{tensor:?}] = {file:?} is not a plain relative path inside the \
-                     checkpoint directory"
-                )));
-            }
-            if !file_names.contains(&file) {
-                file_names.push(file);
-                first_tensor.insert(file, tensor.as_str());
-            }
-            wanted.insert(tensor, file);
+        let io = |source| Error::Io {
+            path: index_path.to_path_buf(),
+            source,
+        };
+        let file = open_regular_file(index_path)?;
+        let len = file.metadata().map_err(io)?.len();
+        if len > MAX_INDEX_BYTES {
+            return Err(bad(format!(
+                "the index is {len} bytes, more than the {MAX_INDEX_BYTES} bytes kda_tp reads \
+                 (a safetensors header's own limit); not a checkpoint index"
+            )));
         }
-        file_names.sort_unstable();
-
+        let mut text = Vec::new();
+        file.take(MAX_INDEX_BYTES + 1)
+            .read_to_end(&mut text)
+            .map_err(io)?;
+        let WeightMap {
+            file_names,
+            wanted,
+            first_tensor,
+        } = parse_index(index_path, &text)?;
         let mut files = Vec::with_capacity(file_names.len());
         for file in &file_names {
             let full = root.join(file);
@@ -534,7 +515,7 @@ impl Checkpoint {
             if !full.exists() {
                 return Err(bad(format!(
                     "weight_map[{:?}] = {file:?}, which does not exist ({})",
-                    first_tensor.get(file).copied().unwrap_or("?"),
+                    first_tensor.get(file).map_or("?", String::as_str),
                     full.display()
                 )));
             }
@@ -553,7 +534,9 @@ impl Checkpoint {
                 if wanted.get(tensor.as_str()) != Some(file_name) {
                     return Err(bad(format!(
                         "{file_name} holds tensor {tensor:?}, which the index maps to {}",
-                        wanted.get(tensor.as_str()).copied().unwrap_or("no file")
+                        wanted
+                            .get(tensor.as_str())
+                            .map_or("no file", String::as_str)
                     )));
                 }
             }
@@ -792,6 +775,71 @@ pub fn parse_header(path: &Path, header: &[u8], data_len: u64) -> Result<Metadat
 }
 
 const METADATA_KEY: &str = "__metadata__";
+
+/// Largest `model.safetensors.index.json` read, in bytes: 100 MB, the safetensors crate's limit
+/// on one header (a real index of 100,000 tensors is about 10 MB).
+pub const MAX_INDEX_BYTES: u64 = 100_000_000;
+
+/// The `weight_map` of a `model.safetensors.index.json`, checked (see [`parse_index`]).
+#[derive(Debug)]
+pub struct WeightMap {
+    /// The distinct file names, sorted.
+    pub file_names: Vec<String>,
+    /// Tensor name -> file name.
+    pub wanted: BTreeMap<String, String>,
+    /// File name -> the first tensor (in document order) mapped to it, named in errors.
+    pub first_tensor: HashMap<String, String>,
+}
+
+/// Parses and checks a `model.safetensors.index.json` from memory (no file I/O): JSON (nested
+/// at most serde_json's 128 levels), a `"weight_map"` object whose every value is a plain
+/// relative file name (no `..`, no root, not empty). Linear in the document: each file name is
+/// looked up in a hash map, not in the list of names seen. Public so that fuzzers can drive
+/// it; [`Checkpoint::open`] then checks the files against it.
+///
+/// # Errors
+/// [`Error::Checkpoint`] naming `index_path`, for each refusal above.
+pub fn parse_index(index_path: &Path, text: &[u8]) -> Result<WeightMap> {
+    let bad = |reason: String| Error::Checkpoint {
+        path: index_path.to_path_buf(),
+        reason,
+    };
+    let json: serde_json::Value =
+        serde_json::from_slice(text).map_err(|e| bad(format!("not JSON: {e}")))?;
+    let weight_map = json
+        .get("weight_map")
+        .and_then(serde_json::Value::as_object)
+        .ok_or_else(|| bad("no \"weight_map\" object".into()))?;
+    let mut first_tensor: HashMap<String, String> = HashMap::new();
+    let mut wanted = BTreeMap::new();
+    for (tensor, file) in weight_map {
+        let file = file
+            .as_str()
+            .ok_or_else(|| bad(format!("weight_map[{tensor:?}] is not a file name")))?;
+        let relative = Path::new(file);
+        if file.is_empty()
+            || !relative
+                .components()
+                .all(|c| matches!(c, Component::Normal(_)))
+        {
+            return Err(bad(format!(
+                "weight_map[{tensor:?}] = {file:?} is not a plain relative path inside the \
+                 checkpoint directory"
+            )));
+        }
+        first_tensor
+            .entry(file.to_string())
+            .or_insert_with(|| tensor.clone());
+        wanted.insert(tensor.clone(), file.to_string());
+    }
+    let mut file_names: Vec<String> = first_tensor.keys().cloned().collect();
+    file_names.sort_unstable();
+    Ok(WeightMap {
+        file_names,
+        wanted,
+        first_tensor,
+    })
+}
 
 /// Opens `path` for reading if it is a regular file. Anything else (a directory, a FIFO, a
 /// socket, a device) is refused before it is opened: opening a FIFO would block forever.

@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use numpy::{PyArray1, PyArrayMethods, PyReadonlyArray1, PyReadwriteArray1};
 use pyo3::exceptions::{PyKeyError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PySlice, PyTuple};
+use pyo3::types::{PyBool, PyDict, PySlice, PyTuple};
 use safetensors::Dtype;
 
 use crate::checkpoint::{Backend, Checkpoint, TensorData};
@@ -225,14 +225,19 @@ impl PyTensorPlan {
     }
 }
 
-/// A non-negative integer argument; anything else is a `PlanError` naming the field.
+/// A non-negative integer argument; anything else (a bool included: Python's `True` is an
+/// int, and `tp_rank=True` is a bug, not rank 1) is a `PlanError` naming the field.
 fn size_arg(value: &Bound<'_, PyAny>, field: &str) -> PyResult<usize> {
-    value.extract::<usize>().map_err(|_| {
+    let refused = || {
         PlanError::new_err(format!(
             "{field} must be a non-negative integer that fits in 64 bits, got {}",
             value.repr().map_or_else(|_| "?".into(), |r| r.to_string())
         ))
-    })
+    };
+    if value.is_instance_of::<PyBool>() {
+        return Err(refused());
+    }
+    value.extract::<usize>().map_err(|_| refused())
 }
 
 fn parse_dtype(tensor: &str, dtype: &str) -> PyResult<Dtype> {

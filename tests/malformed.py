@@ -42,7 +42,7 @@ from kda_tp.errors import (
     ShapeMismatchError,
 )
 
-__all__ = ["KINDS", "Case", "build", "build_all", "base_checkpoint", "pack", "write_raw"]
+__all__ = ["CLI_KINDS", "CliCase", "KINDS", "Case", "build", "build_all", "base_checkpoint", "pack", "write_raw"]
 
 INDEX = "model.safetensors.index.json"
 GEOMETRY = dict(
@@ -820,6 +820,207 @@ KINDS: dict[str, Callable[[Path], Case]] = {
         kda_scalar_gate,
         kda_wrong_size,
         kda_sub_byte_dtype,
+    ]
+}
+
+
+# ----------------------------------------------------------------------------------------------
+# hostile input for the command line (issue 21): each is one `kda-tp` command line, refused with
+# exit 2 and one `kda-tp: error:` line, fast and in little memory (tests/test_malformed.py runs
+# each in a subprocess under a time and a memory bound).
+
+
+@dataclass(frozen=True)
+class CliCase:
+    """One hostile command line: ``argv`` after ``kda-tp``, extra environment ``env``, and a
+    substring the error line must contain."""
+
+    kind: str
+    argv: tuple[str, ...]
+    contains: str
+    env: dict[str, str] = field(default_factory=dict, compare=False)
+
+
+def _config_text(root: Path, kind: str, text: str) -> Path:
+    target = _copy_base(root, kind)
+    (target / "config.json").write_text(text)
+    return target
+
+
+def _shard(target: Path, *extra: str) -> tuple[str, ...]:
+    return ("shard", str(target), "--tp-size", "2", "--out", str(target.parent / f"{target.name}-out"),
+            "--quiet", *extra)
+
+
+def _sharded(root: Path) -> Path:
+    """A real 2-rank output of the base checkpoint (written once per root)."""
+    out = root / "_base-tp2"
+    if not (out / "rank1").is_dir():
+        from kda_tp.shard import shard_checkpoint
+        shard_checkpoint(base_checkpoint(root), out, 2)
+    return out
+
+
+def _rank_meta(root: Path, kind: str, **meta: str) -> tuple[Path, Path]:
+    """The 2-rank output with rank0's first file's metadata updated by ``meta``."""
+    out = root / kind
+    if out.exists():
+        shutil.rmtree(out)
+    shutil.copytree(_sharded(root), out)
+    first = sorted((out / "rank0").glob("*.safetensors"))[0]
+    raw = first.read_bytes()
+    (length,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8 : 8 + length])
+    header["__metadata__"].update(meta)
+    tensors = sorted(((n, i) for n, i in header.items() if n != "__metadata__"),
+                     key=lambda kv: kv[1]["data_offsets"])
+    data = raw[8 + length:]
+    packed, body = pack([(n, i["dtype"], i["shape"], data[i["data_offsets"][0]:i["data_offsets"][1]])
+                         for n, i in tensors], header["__metadata__"])
+    write_raw(first, packed, body)
+    return base_checkpoint(root), out
+
+
+def cli_config_deep(root: Path) -> CliCase:
+    t = _config_text(root, "cli_config_deep", "[" * 200_000 + "]" * 200_000)
+    return CliCase("cli_config_deep", _shard(t), "MAX_JSON_DEPTH")
+
+
+def cli_config_digits(root: Path) -> CliCase:
+    config = json.loads((base_checkpoint(root) / "config.json").read_text())
+    text = json.dumps(config).replace('"hidden_size": 64', '"hidden_size": ' + "7" * 5000)
+    t = _config_text(root, "cli_config_digits", text)
+    return CliCase("cli_config_digits", _shard(t), "MAX_INT_DIGITS")
+
+
+def cli_config_huge(root: Path) -> CliCase:
+    t = _config_text(root, "cli_config_huge", '{"pad": "' + "x" * (17 * 2**20) + '"}')
+    return CliCase("cli_config_huge", _shard(t), "MAX_JSON_BYTES")
+
+
+def cli_quant_config_deep(root: Path) -> CliCase:
+    t = _copy_base(root, "cli_quant_config_deep")
+    (t / "hf_quant_config.json").write_text('{"quantization": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    return CliCase("cli_quant_config_deep", _shard(t), "MAX_JSON_DEPTH")
+
+
+def cli_kda_layers_repeated(root: Path) -> CliCase:
+    """690 KB of kda_layers: checked in linear time."""
+    t = _edit_config(root, "cli_kda_layers_repeated",
+                     lambda c: c["linear_attn_config"].update(kda_layers=[1, 2] * 80_000))
+    return CliCase("cli_kda_layers_repeated", _shard(t), "more than once")
+
+
+def cli_glm_layers_huge(root: Path) -> CliCase:
+    def edit(c: dict) -> None:
+        c.clear()
+        c.update(model_type="glm5_next", num_hidden_layers=2147483647)
+
+    t = _edit_config(root, "cli_glm_layers_huge", edit)
+    return CliCase("cli_glm_layers_huge", _shard(t), "MAX_LAYERS")
+
+
+def cli_index_many_files(root: Path) -> CliCase:
+    """100,000 distinct file names in the index: parsed in linear time, then the first missing
+    file named."""
+    t, _ = _edit_index(root, "cli_index_many_files", lambda i: i["weight_map"].update(
+        {f"extra.{n}": f"missing-{n}.safetensors" for n in range(100_000)}))
+    return CliCase("cli_index_many_files", _shard(t), "does not exist")
+
+
+def cli_arabic_layer_number(root: Path) -> CliCase:
+    name = ATTN.format(1) + "q_proj.weight"
+    arabic = name.replace(".1.", ".\u0661.")
+    t = _rewritten(root, "cli_arabic_layer_number",
+                   lambda ts: [(arabic if n == name else n, d, sh, b) for n, d, sh, b in ts])
+    return CliCase("cli_arabic_layer_number", _shard(t), "not written in ASCII digits")
+
+
+def cli_tp_size_2_64(root: Path) -> CliCase:
+    return CliCase("cli_tp_size_2_64", _shard(base_checkpoint(root))[:3]
+                   + ("18446744073709551616", "--out", str(root / "x")), "more than 2147483647")
+
+
+def cli_tp_size_2_40(root: Path) -> CliCase:
+    return CliCase("cli_tp_size_2_40", ("audit", str(base_checkpoint(root)), str(root / "x"),
+                   "--tp-size", "1099511627776"), "more than 2147483647")
+
+
+def cli_shard_tp_size_1e8(root: Path) -> CliCase:
+    return CliCase("cli_shard_tp_size_1e8", ("shard", str(base_checkpoint(root)), "--tp-size",
+                   "100000000", "--out", str(root / "x"), "--quiet"), "divisible")
+
+
+def cli_audit_tp_size_3e7(root: Path) -> CliCase:
+    return CliCase("cli_audit_tp_size_3e7", ("audit", str(base_checkpoint(root)),
+                   str(_sharded(root) / "rank0"), "--tp-size", "30000000"), "divisible")
+
+
+def cli_tp_size_zero(root: Path) -> CliCase:
+    return CliCase("cli_tp_size_zero", ("plan", str(base_checkpoint(root)), "--tp-size", "0"),
+                   "must be a positive integer, got 0")
+
+
+def cli_rank_out_of_range(root: Path) -> CliCase:
+    return CliCase("cli_rank_out_of_range", ("plan", str(base_checkpoint(root)), "--tp-size", "2",
+                   "--rank", "2"), "valid ranks are 0..1")
+
+
+def _verify(root: Path, *extra: str) -> tuple[str, ...]:
+    return ("verify", str(base_checkpoint(root)), str(_sharded(root)), *extra)
+
+
+def cli_seq_len_zero(root: Path) -> CliCase:
+    return CliCase("cli_seq_len_zero", _verify(root, "--numeric", "--seq-len", "0"),
+                   "--seq-len: must be a positive integer")
+
+
+def cli_seq_len_negative(root: Path) -> CliCase:
+    return CliCase("cli_seq_len_negative", _verify(root, "--numeric", "--seq-len", "-3"),
+                   "--seq-len: must be a positive integer")
+
+
+def cli_seed_negative(root: Path) -> CliCase:
+    return CliCase("cli_seed_negative", _verify(root, "--numeric", "--seed", "-1"),
+                   "--seed: must be an integer >= 0")
+
+
+def cli_demo_seq_len_zero(root: Path) -> CliCase:
+    return CliCase("cli_demo_seq_len_zero", ("demo", "--seq-len", "0"), "--seq-len")
+
+
+def cli_backend_bogus(root: Path) -> CliCase:
+    return CliCase("cli_backend_bogus", ("plan", str(base_checkpoint(root)), "--tp-size", "2"),
+                   "UsageError: KDA_TP_BACKEND='bogus'", env={"KDA_TP_BACKEND": "bogus"})
+
+
+def cli_header_tp_size_digits(root: Path) -> CliCase:
+    checkpoint, out = _rank_meta(root, "cli_header_tp_size_digits", tp_size="7" * 5000)
+    return CliCase("cli_header_tp_size_digits", ("verify", str(checkpoint), str(out)),
+                   "MAX_INT_DIGITS")
+
+
+def cli_header_layers_deep(root: Path) -> CliCase:
+    checkpoint, out = _rank_meta(root, "cli_header_layers_deep",
+                                 kda_tp_layers="[" * 100_000 + "]" * 100_000)
+    return CliCase("cli_header_layers_deep", ("verify", str(checkpoint), str(out)),
+                   "MAX_JSON_DEPTH")
+
+
+def cli_misspelt_flag(root: Path) -> CliCase:
+    return CliCase("cli_misspelt_flag", ("plan", str(base_checkpoint(root)), "--tp-szie", "4"),
+                   "unrecognized argument --tp-szie; did you mean --tp-size?")
+
+
+CLI_KINDS: dict[str, Callable[[Path], CliCase]] = {
+    f.__name__: f
+    for f in [
+        cli_config_deep, cli_config_digits, cli_config_huge, cli_quant_config_deep,
+        cli_kda_layers_repeated, cli_glm_layers_huge, cli_index_many_files,
+        cli_arabic_layer_number, cli_tp_size_2_64, cli_tp_size_2_40, cli_shard_tp_size_1e8,
+        cli_audit_tp_size_3e7, cli_tp_size_zero, cli_rank_out_of_range, cli_seq_len_zero,
+        cli_seq_len_negative, cli_seed_negative, cli_demo_seq_len_zero, cli_backend_bogus,
+        cli_header_tp_size_digits, cli_header_layers_deep, cli_misspelt_flag,
     ]
 }
 

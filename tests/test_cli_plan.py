@@ -55,9 +55,11 @@ def test_a_refusal_in_json_says_not_ok(ckpt, capsys):
 @pytest.mark.parametrize("tp_size", [-2, 0])
 def test_a_tp_size_below_one_is_named_positive(ckpt, capsys, tp_size):
     for command in (["plan", ckpt], ["shard", ckpt, "--out", ckpt.parent / "out"], ["demo"]):
-        status, _, err = run(capsys, *command, "--tp-size", tp_size)
-        assert status == 2, command
-        assert f"--tp-size must be a positive integer, got {tp_size}" in err
+        with pytest.raises(SystemExit) as exit_info:
+            run(capsys, *command, "--tp-size", tp_size)
+        err = capsys.readouterr().err
+        assert exit_info.value.code == 2, command
+        assert f"argument --tp-size: must be a positive integer, got {tp_size}" in err
         assert "non-negative" not in err
     assert not (ckpt.parent / "out").exists()
 

@@ -538,3 +538,46 @@ def test_an_empty_kda_layer_list_is_a_named_error(three_layer_ckpt, tmp_path):
     (three_layer_ckpt / "config.json").write_text(json.dumps(config))
     with pytest.raises(kda_tp.CheckpointError, match="no KDA layer"):
         shard_checkpoint(three_layer_ckpt, tmp_path / "out", 2)
+
+
+def test_a_misspelt_flag_is_named_with_the_closest_real_one(ckpt, capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["plan", str(ckpt), "--tp-szie", "4"])
+    err = capsys.readouterr().err
+    assert info.value.code == 2
+    assert "kda-tp: error: plan: unrecognized argument --tp-szie; did you mean --tp-size?" in err
+    assert "required" not in err
+
+
+def test_a_subcommand_s_bad_flag_prints_that_subcommand_s_usage(ckpt, sharded, capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["verify", str(ckpt), str(sharded), "--numerc"])
+    err = capsys.readouterr().err
+    assert info.value.code == 2
+    assert err.startswith("usage: kda-tp verify ")
+    assert err.splitlines()[-1] == ("kda-tp: error: verify: unrecognized argument --numerc; "
+                                    "did you mean --numeric?")
+    assert sum(line.startswith("kda-tp: error:") for line in err.splitlines()) == 1
+
+
+def test_an_out_of_range_rank_gives_the_valid_ranks(ckpt, capsys):
+    assert main(["plan", str(ckpt), "--tp-size", "2", "--rank", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "rank 2 is out of range for --tp-size 2: valid ranks are 0..1" in err
+
+
+def test_an_unreadable_input_companion_under_verify_is_a_named_error(
+    ckpt, sharded, capsys, monkeypatch
+):
+    """Root reads any file, so the PermissionError is simulated for the input's config."""
+    real = Path.read_bytes
+
+    def read_bytes(self: Path) -> bytes:
+        if self == ckpt / "config.json":
+            raise PermissionError(13, "Permission denied", str(self))
+        return real(self)
+
+    monkeypatch.setattr(Path, "read_bytes", read_bytes)
+    assert main(["verify", str(ckpt), str(sharded), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kda-tp: error: CheckpointError: ") and "Permission denied" in err

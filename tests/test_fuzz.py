@@ -461,3 +461,66 @@ def test_regression_a_config_that_is_not_a_mapping(config: Any) -> None:
     AttributeError ('NoneType' object has no attribute 'get'). (A str is a path: wrapped.)"""
     with pytest.raises(CheckpointError, match="not a JSON object"):
         KdaTpPlan.from_config([config] if isinstance(config, str) else config, 0, 1)
+
+
+# JSON as kda_tp reads it (config.json, hf_quant_config.json, kda_tp_layers): any document,
+# nested or not, with big integers, or bytes of JSON mutated.
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=4), inner,
+                                                               max_size=4),
+    max_leaves=40,
+)
+
+
+def _depth(value: Any) -> int:
+    if isinstance(value, list):
+        return 1 + max(map(_depth, value), default=0)
+    if isinstance(value, dict):
+        return 1 + max(map(_depth, value.values()), default=0)
+    return 0
+
+
+@FUZZ
+@given(value=_JSON, wrap=st.integers(0, 80), junk=st.text(max_size=6), at=st.integers(0, 200))
+def test_parse_json_agrees_with_json_or_refuses_by_name(
+    value: Any, wrap: int, junk: str, at: int
+) -> None:
+    """``parse_json`` returns what ``json.loads`` does, or raises CheckpointError: for depth
+    past MAX_JSON_DEPTH, integers past MAX_INT_DIGITS digits, or text that is not JSON."""
+    from kda_tp.config import MAX_INT_DIGITS, MAX_JSON_DEPTH, parse_json
+
+    text = "[" * wrap + json.dumps(value) + "]" * wrap
+    text = text if at > len(text) else text[:at] + junk + text[at:]
+    try:
+        expected: Any = json.loads(text)
+    except ValueError:
+        expected = ValueError
+    try:
+        got = parse_json(text, "fuzz")
+    except CheckpointError as e:
+        assert expected is ValueError or _depth(expected) > MAX_JSON_DEPTH or (
+            "MAX_INT_DIGITS" in str(e) and MAX_INT_DIGITS < len(text)), (text, e)
+        return
+    assert expected is not ValueError and got == expected
+    assert _depth(got) <= MAX_JSON_DEPTH
+
+
+@FUZZ
+@given(names=st.lists(st.text(min_size=1, max_size=6), max_size=30))
+def test_random_index_file_names_never_crash(scratch: Path, names: list[str]) -> None:
+    """An index naming random files (absolute, ``..``, empty, unicode) is refused with a
+    CheckpointError, never another exception."""
+    base = malformed.base_checkpoint(scratch)
+    target = scratch / "index-names"
+    shutil.rmtree(target, ignore_errors=True)
+    shutil.copytree(base, target)
+    index = json.loads((target / malformed.INDEX).read_text())
+    for i, name in enumerate(names):
+        index["weight_map"][f"extra.{i}"] = name
+    (target / malformed.INDEX).write_text(json.dumps(index))
+    try:
+        SafetensorsSource(target)
+    except CheckpointError:
+        return
+    assert not names

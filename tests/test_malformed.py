@@ -6,6 +6,7 @@ input is never modified."""
 from __future__ import annotations
 
 import hashlib
+import os
 import subprocess
 import sys
 import textwrap
@@ -167,3 +168,77 @@ def test_the_script_dumps_the_corpus(tmp_path: Path) -> None:
     assert f"{len(malformed.KINDS)} kinds written" in run.stdout
     for kind in malformed.KINDS:
         assert (tmp_path / "corpus" / kind).is_dir(), kind
+
+
+# A refusal's bounds (issue 21): 5 s and 600 MB are the acceptance bounds; each case takes well
+# under 1 s here, so a loaded single core still fits.
+TIME_BOUND_S = 5.0
+MEMORY_BOUND_MB = 600
+_CHILD = (
+    "import resource, subprocess, sys, time\n"
+    "t = time.monotonic()\n"
+    "done = subprocess.run(sys.argv[1:], capture_output=True, text=True, timeout=60)\n"
+    "seconds = time.monotonic() - t\n"
+    "peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024\n"
+    "sys.stderr.write(done.stderr)\n"
+    "print(done.returncode, f'{seconds:.3f}', f'{peak:.0f}')\n"
+)
+
+
+@pytest.mark.parametrize("kind", list(malformed.CLI_KINDS))
+def test_hostile_command_lines_are_refused_fast_in_one_line(
+    corpus_root: Path, kind: str
+) -> None:
+    """Each hostile command line, in its own process: exit 2, exactly one ``kda-tp: error:``
+    line holding the expected words, no traceback, within the time and memory bounds (the
+    child's peak RSS, measured by a parent of its own so that nothing else is counted)."""
+    case = malformed.CLI_KINDS[kind](corpus_root)
+    env = {**os.environ, **case.env}
+    run = subprocess.run(
+        [sys.executable, "-c", _CHILD, sys.executable, "-m", "kda_tp", *case.argv],
+        capture_output=True, text=True, timeout=120, env=env,
+    )
+    status, seconds, peak_mb = run.stdout.split()
+    errors = [line for line in run.stderr.splitlines() if line.startswith("kda-tp: error:")]
+    assert int(status) == 2, run.stderr
+    assert len(errors) == 1 and case.contains in errors[0], run.stderr
+    assert "Traceback" not in run.stderr
+    assert float(seconds) < TIME_BOUND_S, f"{kind}: {seconds} s"
+    assert float(peak_mb) < MEMORY_BOUND_MB, f"{kind}: {peak_mb} MB"
+
+
+def test_the_api_refuses_bools_bad_offsets_backends_and_plans(corpus_root: Path) -> None:
+    """Issue 21, class 5: every refusal a KdaTpError subclass (a ValueError), or a TypeError."""
+    from kda_tp import KdaShardedSource, KdaTpPlan
+    from kda_tp.errors import PlanError, UsageError
+    from kda_tp.layers import check_layers
+
+    base = malformed.base_checkpoint(corpus_root)
+    source = SafetensorsSource(base)
+    with pytest.raises(PlanError, match="tp_rank must be a non-negative integer .* got True"):
+        KdaTpPlan.from_config(source, True, 2)
+    with pytest.raises(PlanError, match="tp_size .* got False"):
+        KdaTpPlan(0, False, 64, 64, 4, 4, 16)
+    with pytest.raises(PlanError, match="True is not a layer index"):
+        check_layers([True], None, None)
+    name = source.names()[0]
+    for start, stop in [(-5, 10), (True, 10), (0, 2**70), (0, 1.5)]:
+        with pytest.raises(UsageError, match="must be a byte offset"):
+            source.read_range(name, start, stop)  # type: ignore[arg-type]
+    with pytest.raises(UsageError, match="backend='bogus'") as info:
+        SafetensorsSource(base, backend="bogus")
+    assert isinstance(info.value, ValueError)
+    with pytest.raises(TypeError, match="plan must be a KdaTpPlan .* got NoneType"):
+        KdaShardedSource(source, None)  # type: ignore[arg-type]
+
+
+def test_a_deep_or_huge_config_is_refused_in_the_api(corpus_root: Path) -> None:
+    from kda_tp.config import load_config, parse_config
+    from kda_tp.errors import CheckpointError
+
+    case = malformed.CLI_KINDS["cli_config_deep"](corpus_root)
+    with pytest.raises(CheckpointError, match="MAX_JSON_DEPTH = 64"):
+        load_config(Path(case.argv[1]))
+    with pytest.raises(CheckpointError, match="more than 32 digits"):
+        parse_config({"hidden_size": 10**5000, "linear_attn_config": {
+            "head_dim": 64, "num_heads": 4, "short_conv_kernel_size": 4, "kda_layers": [1]}})

@@ -34,6 +34,7 @@ if TYPE_CHECKING:
         OutputError,
         PlanError,
         ShapeMismatchError,
+        UsageError,
     )
     from .plan import KdaShard, KdaTensorPlan, KdaTpPlan
     from .quant import dequantize
@@ -52,6 +53,7 @@ __all__ = [
     "MissingDependencyError",
     "EngineLayoutError",
     "GuardError",
+    "UsageError",
     "KdaShard",
     "KdaTensorPlan",
     "KdaTpPlan",
@@ -81,6 +83,7 @@ _LAZY = {
     "MissingDependencyError": "errors",
     "EngineLayoutError": "errors",
     "GuardError": "errors",
+    "UsageError": "errors",
     "KdaShard": "plan",
     "KdaTensorPlan": "plan",
     "KdaTpPlan": "plan",

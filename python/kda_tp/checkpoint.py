@@ -25,9 +25,10 @@ from .errors import (
     DtypeMismatchError,
     MissingDependencyError,
     ShapeMismatchError,
+    UsageError,
 )
 
-__all__ = ["BACKEND_ENV", "INDEX_NAME", "Tensor", "TensorSource", "SafetensorsSource",
+__all__ = ["BACKEND_ENV", "BACKENDS", "INDEX_NAME", "Tensor", "TensorSource", "SafetensorsSource",
            "check_out", "numpy_dtype", "readonly_bytes", "refuse_index_member", "shard_bytes",
            "torch_dtype", "writable_bytes"]
 
@@ -51,6 +52,8 @@ def refuse_index_member(path: str | os.PathLike[str]) -> None:
         )
 
 BACKEND_ENV = "KDA_TP_BACKEND"
+#: The read backends of :class:`SafetensorsSource`.
+BACKENDS = ("mmap", "pread")
 
 _NUMPY_DTYPES: dict[str, Any] = {
     "BOOL": np.bool_,
@@ -320,10 +323,19 @@ class SafetensorsSource:
 
     Raises:
         CheckpointError: a missing, corrupt or inconsistent file or index.
+        UsageError: a ``backend`` (or ``$KDA_TP_BACKEND``) other than ``"mmap"`` or
+            ``"pread"``.
     """
 
     def __init__(self, path: str | os.PathLike[str], backend: str | None = None):
+        given = backend
         backend = backend or os.environ.get(BACKEND_ENV) or "mmap"
+        if backend not in BACKENDS:
+            where = f"backend={backend!r}" if given else f"{BACKEND_ENV}={backend!r}"
+            raise UsageError(
+                f"{where}: the read backend must be {' or '.join(map(repr, BACKENDS))}"
+                + ("" if given else f" (unset {BACKEND_ENV} for the default, mmap)")
+            )
         self.path = Path(path)
         if self.path.suffix == ".json" and self.path.is_file():
             raise CheckpointError(
@@ -396,12 +408,21 @@ class SafetensorsSource:
         rank's row slice is ``1/tp_size`` of the tensor).
 
         Raises:
-            CheckpointError: no such tensor, or ``start`` past its end.
+            CheckpointError: no such tensor, or ``start`` past its end or past ``stop``.
+            UsageError: ``start`` or ``stop`` negative, ``>= 2**64``, a bool or not an integer.
         """
+        for what, value in (("start", start), ("stop", stop)):
+            if (isinstance(value, bool) or not isinstance(value, (int, np.integer))
+                    or not 0 <= value < 2**64):
+                shown = "an integer of more than 64 bits" if isinstance(value, int) else repr(value)
+                raise UsageError(
+                    f"read_range({name!r}, ...): {what} must be a byte offset (an integer in "
+                    f"[0, 2**64)), got {shown}"
+                )
         found = self._checkpoint.info(name)
         if found is None:
             raise CheckpointError(f"{self.root}: no tensor named {name!r}")
-        return self._read(name, found[0], start, stop)
+        return self._read(name, found[0], int(start), int(stop))
 
     def read_columns(self, name: str, tensor_plan: _native.KdaTensorPlan) -> np.ndarray:
         """This rank's column block of a ``CHANNEL_COLS`` tensor (``o_proj``), as a new read-only

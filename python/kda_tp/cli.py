@@ -12,15 +12,17 @@ instead of the text; progress and errors go to stderr.
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import math
 import os
+import re
 import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, NoReturn, cast
 
 from . import __version__
 from .config import load_config, parse_config
@@ -45,9 +47,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     input, 130 interrupted)."""
     args = _parser().parse_args(argv)
     try:
-        tp_size = getattr(args, "tp_size", None)
-        if isinstance(tp_size, int) and tp_size < 1:
-            raise PlanError(f"--tp-size must be a positive integer, got {tp_size}")
+        tp_size, rank = getattr(args, "tp_size", None), getattr(args, "rank", None)
+        if isinstance(tp_size, int) and isinstance(rank, int) and rank >= tp_size:
+            raise PlanError(_rank_message(rank, tp_size))
         # Every subcommand's parser sets `run` to its handler (set_defaults).
         run: Callable[[argparse.Namespace], int] = args.run
         return run(args)
@@ -84,24 +86,67 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
 
 
+def _rank_message(rank: int, tp_size: int) -> str:
+    """The refusal of a rank outside ``0..tp_size-1``, with the range and the fix."""
+    return (f"rank {rank} is out of range for --tp-size {tp_size}: valid ranks are "
+            f"0..{tp_size - 1}; pass one of them, or the --tp-size the rank belongs to")
+
+
 def _emit_json(args: argparse.Namespace, document: dict[str, Any]) -> None:
     """Print ``document`` as the command's one JSON document, when ``--json`` was given."""
     if getattr(args, "json", False):
         print(json.dumps(document, indent=2))
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with kda-tp's refusals: one ``kda-tp: error:`` line after the usage of the
+    (sub)command that refused, and a misspelt flag named with the closest real one."""
+
+    def error(self, message: str) -> NoReturn:
+        self.print_usage(sys.stderr)
+        command = self.prog.removeprefix("kda-tp").strip()
+        self.exit(2, f"kda-tp: error: {command + ': ' if command else ''}{message}\n")
+
+    def parse_known_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        if self.prog != "kda-tp":
+            # A subcommand: its own unknown flags are its own error (with its usage), and are
+            # named before any "required" complaint they may cause.
+            given = list(sys.argv[1:] if args is None else args)
+            self._refuse_unknown(given)
+            parsed, extras = super().parse_known_args(given, namespace)
+            if extras:
+                self.error(f"unrecognized arguments: {' '.join(extras)}")
+            return parsed, extras
+        return super().parse_known_args(args, namespace)
+
+    def _refuse_unknown(self, given: list[str]) -> None:
+        known = [o for o in self._option_string_actions if o.startswith("--")]
+        for token in given:
+            if token == "--":
+                return
+            flag = token.split("=", 1)[0]
+            if not flag.startswith("--") or any(k.startswith(flag) for k in known):
+                continue
+            close = difflib.get_close_matches(flag, known, n=1, cutoff=0.6)
+            command = self.prog.split()[-1]
+            hint = f"; did you mean {close[0]}?" if close else f" (see kda-tp {command} --help)"
+            self.error(f"unrecognized argument {flag}{hint}")
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="kda-tp",
         description="Split KDA (Kimi Delta Attention) weights across tensor-parallel ranks.",
     )
     parser.add_argument("--version", action="version", version=f"kda-tp {__version__}")
-    sub = parser.add_subparsers(required=True, metavar="COMMAND")
+    sub = parser.add_subparsers(required=True, metavar="COMMAND", parser_class=_Parser)
 
     p = sub.add_parser("plan", help="print the shard table for one rank")
     p.add_argument("input", type=Path, help="checkpoint directory or config.json")
-    p.add_argument("--tp-size", type=int, required=True, help="tensor-parallel world size")
-    p.add_argument("--rank", type=int, default=0, help="rank whose offsets to show (default 0)")
+    p.add_argument("--tp-size", type=_tp_size, required=True, help="tensor-parallel world size")
+    p.add_argument("--rank", type=_rank, default=0, help="rank whose offsets to show (default 0)")
     p.add_argument("--gate-rank", type=int, help="gate bottleneck width (bare config only)")
     p.add_argument("--layers", type=_int_list, help="0-based KDA layers to count and take the "
                    "shapes from (default: every KDA layer the config lists)")
@@ -111,7 +156,7 @@ def _parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("shard", help="write one checkpoint directory per rank")
     p.add_argument("checkpoint", type=Path)
-    p.add_argument("--tp-size", type=int, required=True, help="tensor-parallel world size")
+    p.add_argument("--tp-size", type=_tp_size, required=True, help="tensor-parallel world size")
     p.add_argument("--out", type=Path, required=True, help="output directory (OUT/rank{r}/)")
     p.add_argument("--ranks", type=_int_list, help="comma-separated ranks (default: all)")
     p.add_argument("--layers", type=_int_list, help="only for a config that does not list its "
@@ -149,9 +194,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("path", type=Path, help="a save_sharded_state directory "
                    "(model-rank-{r}-part-{p}.safetensors, model-pp-{pp}-tp-{r}-part-{p}"
                    ".safetensors; every rank must be there), or one rank's .safetensors file")
-    p.add_argument("--tp-size", type=int, required=True, help="the engine's tensor-parallel "
+    p.add_argument("--tp-size", type=_tp_size, required=True, help="the engine's tensor-parallel "
                    "world size")
-    p.add_argument("--rank", type=int, help="the rank of a single file (default: from its name, "
+    p.add_argument("--rank", type=_rank, help="the rank of a single file (default: from its name, "
                    "else its tp_rank metadata); with a directory, audit only this rank")
     p.add_argument("--engine", help="the engine layout to audit against (default: recognised "
                    "from the parameter names)")
@@ -177,7 +222,7 @@ def _parser() -> argparse.ArgumentParser:
     p.set_defaults(run=_cmd_digests)
 
     p = sub.add_parser("demo", help="plan, shard and verify a generated real-geometry checkpoint")
-    p.add_argument("--tp-size", type=int, default=4, help="world size (default 4)")
+    p.add_argument("--tp-size", type=_tp_size, default=4, help="world size (default 4)")
     p.add_argument("--model", choices=["kimi-linear", "glm-5.3-flash", "kimi-k3"],
                    default="kimi-linear")
     p.add_argument("--num-layers", type=int,
@@ -234,8 +279,47 @@ def _add_numeric(p: argparse.ArgumentParser, default_on: bool = False) -> None:
         p.add_argument("--numeric", action="store_true",
                        help="also check numerically that the ranks' partial outputs sum to "
                        "the full layer's output")
-    p.add_argument("--seq-len", type=int, default=16, help="tokens for --numeric (default 16)")
-    p.add_argument("--seed", type=int, default=0, help="input seed for --numeric")
+    p.add_argument("--seq-len", type=_seq_len, default=16, help="tokens for --numeric (default 16)")
+    p.add_argument("--seed", type=_seed, default=0, help="input seed for --numeric")
+
+
+#: The largest --tp-size: a world size divides the KDA head count, which kda_tp reads as an
+#: integer below 2**31 (kda_tp.config); a larger one cannot be valid for any checkpoint.
+MAX_TP_SIZE = 2**31 - 1
+#: The largest --seq-len of the numeric check (tokens): its activations grow with it.
+MAX_SEQ_LEN = 2**20
+
+
+def _bounded_int(text: str, low: int, high: int, what: str) -> int:
+    """``text`` as an integer in ``[low, high]``, or an argparse error saying which."""
+    digits = text.strip().removeprefix("-").removeprefix("+")
+    if not digits.isascii() or not digits.isdigit() or len(digits) > 32:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text[:40]!r}")
+    value = int(text)
+    if value < low:
+        raise argparse.ArgumentTypeError(
+            f"must be {'a positive integer' if low == 1 else f'an integer >= {low}'}, got {value}"
+        )
+    if value > high:
+        raise argparse.ArgumentTypeError(f"{value} is more than {high}: {what}")
+    return value
+
+
+def _tp_size(text: str) -> int:
+    return _bounded_int(text, 1, MAX_TP_SIZE, "a world size divides the KDA head count, which is "
+                        "below 2**31")
+
+
+def _rank(text: str) -> int:
+    return _bounded_int(text, 0, MAX_TP_SIZE - 1, "a rank is below --tp-size")
+
+
+def _seq_len(text: str) -> int:
+    return _bounded_int(text, 1, MAX_SEQ_LEN, f"--seq-len is at most {MAX_SEQ_LEN} tokens")
+
+
+def _seed(text: str) -> int:
+    return _bounded_int(text, 0, 2**32 - 1, "a seed is below 2**32")
 
 
 def _int_list(text: str) -> list[int]:
@@ -701,6 +785,8 @@ def _with_hints(args: argparse.Namespace, error: KdaTpError) -> str:
     plan refusal lists the TP sizes this model allows when the requested one is not among
     them."""
     message = str(error).replace("pass layers=[...] (0-based)", "pass --layers (0-based)")
+    if m := re.fullmatch(r"tp_rank ([0-9]+) >= tp_size ([0-9]+)", message):
+        message += f": {_rank_message(int(m.group(1)), int(m.group(2)))}"
     if not isinstance(error, PlanError) or not isinstance(getattr(args, "tp_size", None), int):
         return message
     message = message.replace("pass qk_multiple=1", "pass --qk-multiple 1")

@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from .config import parse_metadata_int
 from .checkpoint import SafetensorsSource, Tensor, numpy_dtype, torch_dtype
 from .engines import (
     LAYOUTS,
@@ -56,8 +57,9 @@ __all__ = [
 
 # vLLM's and SGLang's save_sharded_state file names (vLLM's default pattern, and its pattern
 # with the pipeline stage).
-_RANK_FILE = re.compile(r"^model-rank-(\d+)-part-(\d+)\.safetensors$")
-_PP_TP_FILE = re.compile(r"^model-pp-(\d+)-tp-(\d+)-part-(\d+)\.safetensors$")
+# ASCII digits only: \d also matches other scripts' digits, which int() reads.
+_RANK_FILE = re.compile(r"^model-rank-([0-9]+)-part-([0-9]+)\.safetensors$")
+_PP_TP_FILE = re.compile(r"^model-pp-([0-9]+)-tp-([0-9]+)-part-([0-9]+)\.safetensors$")
 # A rank or size in a file header's metadata.
 _ASCII_INT = re.compile(r"[0-9]+")
 # The model families' names in messages.
@@ -271,9 +273,9 @@ def sharded_state_files(path: str | os.PathLike[str]) -> dict[int, list[Path]]:
 def _rank_of_name(name: str) -> int | None:
     """The tensor-parallel rank a ``save_sharded_state`` file name carries, or None."""
     if m := _RANK_FILE.match(name):
-        return int(m.group(1))
+        return parse_metadata_int(m.group(1), "rank in the file name", name)
     if m := _PP_TP_FILE.match(name):
-        return int(m.group(2))
+        return parse_metadata_int(m.group(2), "rank in the file name", name)
     return None
 
 
@@ -882,11 +884,17 @@ def _whole(what: str, value: Any, low: int) -> int:
     return int(value)
 
 
-def _meta_int(meta: Mapping[str, Any], key: str) -> int | None:
+def _meta_int(meta: Mapping[str, Any], key: str, path: Path) -> int | None:
     """A file header's metadata ``key`` as a rank or size; None when absent or not ASCII
-    digits (``str.isdigit`` is also true for ``"²"``, which ``int`` refuses)."""
+    digits (``str.isdigit`` is also true for ``"²"``, which ``int`` refuses).
+
+    Raises:
+        CheckpointError: ASCII digits, but more than ``kda_tp.config.MAX_INT_DIGITS``.
+    """
     value = meta.get(key)
-    return int(value) if isinstance(value, str) and _ASCII_INT.fullmatch(value) else None
+    if isinstance(value, str) and _ASCII_INT.fullmatch(value):
+        return parse_metadata_int(value, key, str(path))
+    return None
 
 
 def _same_family(model: str, family: str) -> bool:
@@ -933,7 +941,8 @@ class _RankFiles(Mapping[str, Tensor]):
         note = None
         for source in self.sources:
             meta = source.files()[0][1] or {}
-            size, found = _meta_int(meta, "tp_size"), _meta_int(meta, "tp_rank")
+            size = _meta_int(meta, "tp_size", source.path)
+            found = _meta_int(meta, "tp_rank", source.path)
             if size is not None and size != tp_size:
                 raise PlanError(f"{source.path}: the dump's metadata says tp_size {size}; pass "
                                 f"--tp-size {size} (tp_size=), not {tp_size}")
@@ -991,6 +1000,9 @@ def audit_path(
     tp_size = _whole("tp_size", tp_size, 1)
     rank = None if rank is None else _whole("rank", rank, 0)
     auditor = _Auditor(checkpoint, tp_size, engine)
+    # The plan refuses a tp_size the checkpoint's heads cannot split (so tp_size <= heads)
+    # before anything is listed or reported per rank.
+    auditor.shard(0)
     if root.is_dir():
         files = sharded_state_files(root)
         beyond = [r for r in files if r >= tp_size]
@@ -1081,7 +1093,7 @@ def _rank_of_file(path: Path) -> int:
     if found is not None:
         return found
     meta = SafetensorsSource(path).files()[0][1] or {}
-    found = _meta_int(meta, "tp_rank")
+    found = _meta_int(meta, "tp_rank", path)
     if found is not None:
         return found
     if "tp_rank" in meta:

@@ -661,7 +661,8 @@ def layouts_for(family: str | None = None, plan: KdaTpPlan | None = None) -> lis
     return found
 
 
-_PARAM_NAME = re.compile(r"^((?:.*\.)?layers\.)(\d+)\.self_attn\.(.+)$")
+# ASCII digits (\d matches other scripts' digits), at most 10: a layer index is below 2**31.
+_PARAM_NAME = re.compile(r"^((?:.*\.)?layers\.)([0-9]{1,10})\.self_attn\.(.+)$")
 
 
 def param_name(prefix: str, layer: int, suffix: str) -> str:

@@ -30,6 +30,7 @@ __all__ = [
     "EngineLayoutError",
     "GuardError",
     "GuardModeError",
+    "UsageError",
     "ShardInterrupted",
 ]
 
@@ -140,6 +141,17 @@ class GuardModeError(GuardError, ValueError):
 
     Example message: ``KDA_TP_GUARD='strict' is not a guard mode; use fail (the default), warn
     or off``.
+    """
+
+
+class UsageError(KdaTpError, ValueError):
+    """An argument or setting outside what the function takes, where no other class applies.
+
+    Raised for a read backend other than ``"mmap"`` or ``"pread"`` (the ``backend`` argument or
+    ``$KDA_TP_BACKEND``), and a byte offset of ``SafetensorsSource.read_range`` that is
+    negative, ``>= 2**64``, a bool or not an integer. (A bad geometry is a :class:`PlanError`.)
+
+    Example message: ``KDA_TP_BACKEND='bogus': the read backend must be "mmap" or "pread"``.
     """
 
 

@@ -8,7 +8,9 @@ out-of-range index, with a message that gives the model's layer count and the li
 
 from __future__ import annotations
 
+import numbers
 import re
+from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -17,7 +19,7 @@ from .layout import decoder_prefix
 
 __all__ = ["check_layers", "config_layer_count", "layer_count", "layers_with_kda_tensors"]
 
-_LAYER = re.compile(r"^(\d+)\.")
+_LAYER = re.compile(r"^([0-9]{1,10})\.")  # ASCII: \d matches other scripts' digits
 
 
 def check_layers(
@@ -39,12 +41,18 @@ def check_layers(
             ``layers=[0, 1]``).
 
     Raises:
-        PlanError: an empty list; a negative or repeated index; a list in which every index is
+        PlanError: an empty list; an entry that is not an integer (a bool, a float, a
+            string); a negative or repeated index; a list in which every index is
             one more than a KDA layer but some index is not a KDA layer (a 1-based list: the
             message says "1-based" and gives the 0-based list); an index ``>= num_layers``; an
             index that is not a KDA layer.
     """
-    given = [int(i) for i in requested]
+    given = list(requested)
+    for i in given:
+        # int() would also take True (layer 1), 1.7 and "3".
+        if isinstance(i, bool) or not isinstance(i, numbers.Integral):
+            raise PlanError(f"{option}: {i!r} is not a layer index (an integer)")
+    given = [int(i) for i in given]
     count = f"the model has {num_layers} layers, 0..{num_layers - 1}" if num_layers else None
     if not given:
         raise PlanError(f"{option} is empty")
@@ -54,7 +62,7 @@ def check_layers(
                 f"{option}: {i} is negative; layers are 0-based indices"
                 + (f" ({count})" if count else "")
             )
-    repeated = sorted({i for i in given if given.count(i) > 1})
+    repeated = sorted(i for i, times in Counter(given).items() if times > 1)
     if repeated:
         raise PlanError(
             f"{option}: {_csv(repeated)} given more than once"

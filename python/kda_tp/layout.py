@@ -26,6 +26,7 @@ __all__ = [
     "DEFAULT_PREFIX",
     "FULL_RANK_GATE",
     "LAYER_TENSOR",
+    "layer_number_problem",
     "LOW_RANK_GATE",
     "check_gate_form",
     "checkpoint_suffix",
@@ -50,12 +51,35 @@ def location(source: Any, name: str | None = None) -> str:
 
 
 #: After the decoder prefix: ``12.self_attn.q_proj.weight`` -> ``("12", "q_proj.weight")``.
-LAYER_TENSOR = re.compile(r"^(\d+)\.self_attn\.(.+)$")
+#: ASCII digits, at most 10 (a layer index is below ``2**31``): ``\d`` would also match other
+#: scripts' digits (``"١"``), which ``int`` reads but no loader does.
+LAYER_TENSOR = re.compile(r"^([0-9]{1,10})\.self_attn\.(.+)$")
+# After the decoder prefix, a layer number as Python's \d reads it (any script's digits, any
+# length): a name this matches but _ASCII_LAYER does not is refused (layer_number_problem).
+_ANY_DIGITS = re.compile(r"^(\d+)\.")
+_ASCII_LAYER = re.compile(r"^[0-9]{1,10}\.")
 # `model.layers.3.self_attn.A_log` -> "model.layers.": A_log exists only in KDA layers.
-_KDA_MARKER = re.compile(r"^((?:.*\.)?layers\.)\d+\.self_attn\.A_log$")
+_KDA_MARKER = re.compile(r"^((?:.*\.)?layers\.)[0-9]{1,10}\.self_attn\.A_log$")
 #: A_log and dt_bias are bare parameters; every other KDA tensor is a module's ``.weight``.
 BARE_PARAMETERS = {"A_log", "dt_bias"}
 DEFAULT_PREFIX = "model.layers."
+
+
+def layer_number_problem(rest: str) -> str | None:
+    """Why the layer number at the start of ``rest`` (a tensor name after the decoder prefix,
+    ``"3.self_attn.q_proj.weight"``) cannot be a layer, or None when it can or there is none.
+
+    ``"١.self_attn.q_proj.weight"`` (Arabic-Indic digits): ``int`` reads 1, no loader does; a
+    number of more than 10 digits is no layer index (they are below ``2**31``).
+    """
+    match = _ANY_DIGITS.match(rest)
+    if match is None or _ASCII_LAYER.match(rest):
+        return None
+    digits = match.group(1)
+    if not digits.isascii():
+        return (f"its layer number {digits[:12]!r} is not written in ASCII digits 0-9; "
+                "loaders read layer numbers as ASCII, so no layer holds this tensor: rename it")
+    return f"its layer number has {len(digits)} digits; a layer index is below 2**31"
 
 
 def decoder_prefix(source: Any) -> str:

@@ -50,6 +50,7 @@ from typing import Any
 
 import numpy as np
 
+from .config import read_json
 from .errors import CheckpointError, ShapeMismatchError
 
 __all__ = [
@@ -106,7 +107,8 @@ def quantization_config(config: Mapping[str, Any], root: Path | None = None) -> 
         The ``quantization_config`` mapping (``quant_method``, ``quant_algo``, ...), or None.
 
     Raises:
-        CheckpointError: an ``hf_quant_config.json`` that is not JSON or has no
+        CheckpointError: an ``hf_quant_config.json`` that is unreadable, not JSON, beyond
+            the bounds of ``kda_tp.config.read_json`` (size, depth, digits) or has no
             ``quantization`` object.
     """
     quant = config.get("quantization_config")
@@ -114,9 +116,9 @@ def quantization_config(config: Mapping[str, Any], root: Path | None = None) -> 
         quant = config["text_config"].get("quantization_config")
     if not isinstance(quant, Mapping) and root is not None and (root / HF_QUANT_CONFIG).is_file():
         try:
-            hf = json.loads((root / HF_QUANT_CONFIG).read_text(encoding="utf-8"))
-        except (OSError, ValueError) as e:
-            raise CheckpointError(f"{root / HF_QUANT_CONFIG}: cannot read it as JSON: {e}") from e
+            hf = read_json(root / HF_QUANT_CONFIG)
+        except FileNotFoundError as e:  # removed since is_file() said it was there
+            raise CheckpointError(f"{root / HF_QUANT_CONFIG}: cannot read it: {e}") from None
         body = hf.get("quantization") if isinstance(hf, Mapping) else None
         if not isinstance(body, Mapping):
             raise CheckpointError(

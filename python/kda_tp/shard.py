@@ -50,6 +50,7 @@ from .errors import (
     PlanError,
     ShardInterrupted,
 )
+from .config import parse_json, parse_metadata_int
 from .layers import check_layers, layer_count
 from .checkpoint import INDEX_NAME, SafetensorsSource, Tensor
 from .layout import kda_layer_indices
@@ -75,9 +76,9 @@ __all__ = [
     "verify_shards",
 ]
 
-_RANK_DIR = re.compile(r"^rank(\d+)$")
-_PARTIAL_DIR = re.compile(r"^\.rank(\d+)\.partial-")
-_LOCK_FILE = re.compile(r"^\.rank(\d+)\.lock$")
+_RANK_DIR = re.compile(r"^rank([0-9]{1,10})$")
+_PARTIAL_DIR = re.compile(r"^\.rank([0-9]{1,10})\.partial-")
+_LOCK_FILE = re.compile(r"^\.rank([0-9]{1,10})\.lock$")
 #: Bytes of a lock file's holder line read back for a refusal message.
 _HOLDER_BYTES = 512
 
@@ -228,16 +229,10 @@ def shard_checkpoint(
     start = time.perf_counter()
     source = SafetensorsSource(checkpoint, backend)
     out = Path(out_dir)
-    tp_size, ranks = _checked_ranks(tp_size, ranks)
+    tp_size, chosen = _checked_ranks(tp_size, ranks)
     check_shard_input(source, allow_resharding=allow_resharding, skip_unindexed=skip_unindexed)
-    shards = [
-        KdaShardedSource(
-            source, KdaTpPlan.from_config(
-                source, r, tp_size, qk_multiple=qk_multiple, layers=layers
-            ), layers
-        )
-        for r in ranks
-    ]
+    shards = _rank_views(source, tp_size, chosen, qk_multiple, layers)
+    ranks = tuple(s.plan.tp_rank for s in shards)
     # Tensors outside the KDA layers are copied through whatever their dtype, packed sub-byte
     # floats (F4, F6) included; a dtype the writer cannot size is refused before anything is
     # written (the header reader and the writer know the same dtypes, so this guards upgrades).
@@ -368,21 +363,16 @@ def shard_sizes(
             :func:`shard_checkpoint` for bad input.
     """
     source = SafetensorsSource(checkpoint, backend)
-    tp_size, wanted = _checked_ranks(tp_size, ranks)
-    shards = [
-        KdaShardedSource(
-            source, KdaTpPlan.from_config(source, r, tp_size, qk_multiple=qk_multiple,
-                                          layers=layers), layers
-        )
-        for r in wanted
-    ]
+    tp_size, chosen = _checked_ranks(tp_size, ranks)
+    shards = _rank_views(source, tp_size, chosen, qk_multiple, layers)
     files = _names_by_file(source)
     return _sizes(source, shards, kda_only_files(files, shards[0]) if kda_only else files,
                   kda_only)
 
 
-def _checked_ranks(tp_size: int, ranks: Iterable[int] | None) -> tuple[int, tuple[int, ...]]:
-    """``tp_size`` as an int and ``ranks`` sorted (default: all).
+def _checked_ranks(tp_size: int, ranks: Iterable[int] | None) -> tuple[int, tuple[int, ...] | None]:
+    """``tp_size`` as an int and ``ranks`` sorted (None: all, expanded by :func:`_rank_views`
+    once the checkpoint has bounded ``tp_size``).
 
     Raises:
         PlanError: ``tp_size`` not a positive integer, or no ranks.
@@ -390,10 +380,31 @@ def _checked_ranks(tp_size: int, ranks: Iterable[int] | None) -> tuple[int, tupl
     if isinstance(tp_size, bool) or not isinstance(tp_size, (int, np.integer)) or tp_size < 1:
         raise PlanError(f"tp_size must be a positive integer, got {tp_size!r}")
     tp_size = int(tp_size)
-    wanted = tuple(range(tp_size)) if ranks is None else tuple(sorted({int(r) for r in ranks}))
+    if ranks is None:
+        return tp_size, None
+    wanted = tuple(sorted({int(r) for r in ranks}))
     if not wanted:
         raise PlanError("no ranks to write: --ranks is empty")
     return tp_size, wanted
+
+
+def _rank_views(
+    source: SafetensorsSource,
+    tp_size: int,
+    ranks: tuple[int, ...] | None,
+    qk_multiple: int,
+    layers: Iterable[int] | None,
+) -> list[KdaShardedSource]:
+    """One view per rank of ``ranks`` (None: all). Rank 0's plan and view come first: the plan
+    refuses a tp_size the heads cannot split and the view checks the heads against the tensors
+    on disk, so tp_size is bounded by the checkpoint before anything is made per rank."""
+
+    def view(r: int) -> KdaShardedSource:
+        plan = KdaTpPlan.from_config(source, r, tp_size, qk_multiple=qk_multiple, layers=layers)
+        return KdaShardedSource(source, plan, layers)
+
+    first = view(0)
+    return [first if r == 0 else view(r) for r in (range(tp_size) if ranks is None else ranks)]
 
 
 def _sizes(
@@ -777,7 +788,8 @@ def _rank_tp_size(path: Path) -> int | None:
     """The ``tp_size`` recorded in a rank directory's first file, or None if unreadable."""
     try:
         files = SafetensorsSource(path).files()
-        return int((files[0][1] or {})["tp_size"]) if files else None
+        return (parse_metadata_int((files[0][1] or {})["tp_size"], "tp_size", str(path))
+                if files else None)
     except (KdaTpError, KeyError, ValueError, OSError):
         return None
 
@@ -1103,9 +1115,11 @@ def verify_shards(
     first = rank_dir(out, min(opened))
     meta = opened[min(opened)].files()[0][1] or {}
     try:
-        tp_size = int(meta["tp_size"])
-        qk_multiple = int(meta.get("kda_tp_qk_multiple", 256))
-        kda_layers = json.loads(meta["kda_tp_layers"]) if "kda_tp_layers" in meta else None
+        tp_size = parse_metadata_int(meta["tp_size"], "tp_size", str(first))
+        qk_multiple = parse_metadata_int(meta.get("kda_tp_qk_multiple", "256"),
+                                         "kda_tp_qk_multiple", str(first))
+        kda_layers = (parse_json(meta["kda_tp_layers"], f"{first}: metadata kda_tp_layers")
+                      if "kda_tp_layers" in meta else None)
         if tp_size < 1:
             raise ValueError(f"tp_size {tp_size} is not positive")
         if kda_layers is not None and not (

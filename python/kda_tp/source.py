@@ -31,6 +31,7 @@ from .layout import (
     BARE_PARAMETERS,
     FULL_RANK_GATE,
     LAYER_TENSOR,
+    layer_number_problem,
     LOW_RANK_GATE,
     DEFAULT_PREFIX,
     gate_form_problem,
@@ -94,9 +95,15 @@ class KdaShardedSource:
             entry past the heads (the message gives the tensor, the index and the value).
         DtypeMismatchError: a KDA tensor's dtype is not the plan's.
         ShapeMismatchError: a KDA tensor's shape does not hold the plan's tensor.
+        TypeError: ``plan`` is not a :class:`KdaTpPlan`.
     """
 
     def __init__(self, source: TensorSource, plan: KdaTpPlan, layers: Iterable[int] | None = None):
+        if not isinstance(plan, _native.KdaTpPlan):
+            raise TypeError(
+                f"KdaShardedSource(source, plan): plan must be a KdaTpPlan (from "
+                f"KdaTpPlan.from_config(source, tp_rank, tp_size)), got {type(plan).__name__}"
+            )
         self.source = source
         self.plan = plan
         self.layers = kda_layer_indices(source, layers)
@@ -117,6 +124,9 @@ class KdaShardedSource:
                 continue
             match = LAYER_TENSOR.match(name[len(self.prefix) :])
             if match is None:
+                problem = layer_number_problem(name[len(self.prefix) :])
+                if problem is not None:
+                    raise CheckpointError(f"{location(source, name)}: {name}: {problem}")
                 continue
             layer, suffix = int(match.group(1)), match.group(2)
             if layer not in wanted:

@@ -18,7 +18,6 @@ torch (or with an older one) raises :class:`~kda_tp.errors.MissingDependencyErro
 from __future__ import annotations
 
 import datetime
-import json
 import os
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -28,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from . import errors
-from .config import parse_config
+from .config import parse_config, parse_json, parse_metadata_int
 from .equivalence import (
     DEFAULT_ATOL,
     DEFAULT_RTOL,
@@ -622,9 +621,11 @@ def rank_dir_metadata(out_dir: str | os.PathLike[str]) -> dict[str, Any]:
     meta = (files[0][1] if files else None) or {}
     try:
         return {
-            "tp_size": int(meta["tp_size"]),
-            "qk_multiple": int(meta.get("kda_tp_qk_multiple", 256)),
-            "layers": json.loads(meta["kda_tp_layers"]) if "kda_tp_layers" in meta else None,
+            "tp_size": parse_metadata_int(meta["tp_size"], "tp_size", str(first)),
+            "qk_multiple": parse_metadata_int(meta.get("kda_tp_qk_multiple", "256"),
+                                              "kda_tp_qk_multiple", str(first)),
+            "layers": (parse_json(meta["kda_tp_layers"], f"{first}: metadata kda_tp_layers")
+                       if "kda_tp_layers" in meta else None),
         }
-    except (KeyError, ValueError) as e:
+    except KeyError as e:
         raise CheckpointError(f"{first}: no valid kda-tp metadata ({e})") from None

@@ -1130,3 +1130,29 @@ proptest::proptest! {
         }
     }
 }
+
+#[test]
+fn parse_index_lists_each_file_once_in_linear_time() {
+    // 20,000 tensors over 20,000 distinct files: a list lookup per name was quadratic.
+    let map: serde_json::Map<String, serde_json::Value> = (0..20_000)
+        .map(|i| (format!("t{i}"), json!(format!("f{i}.safetensors"))))
+        .collect();
+    let text = json!({ "weight_map": map }).to_string();
+    let parsed = parse_index(Path::new("index.json"), text.as_bytes()).unwrap();
+    assert_eq!(parsed.file_names.len(), 20_000);
+    assert!(parsed.file_names.windows(2).all(|w| w[0] < w[1]));
+    assert_eq!(parsed.wanted["t7"], "f7.safetensors");
+    assert_eq!(parsed.first_tensor["f7.safetensors"], "t7");
+}
+
+#[test]
+fn refuses_an_index_nested_too_deep_or_too_large() {
+    let deep = format!("{}{}", "[".repeat(100_000), "]".repeat(100_000));
+    let err = parse_index(Path::new("index.json"), deep.as_bytes()).unwrap_err();
+    assert_contains(&err.to_string(), "recursion limit");
+    let dir = TempDir::new("index-huge");
+    two_shards(&dir);
+    let file = File::create(dir.path().join(INDEX_NAME)).unwrap();
+    file.set_len(MAX_INDEX_BYTES + 1).unwrap();
+    assert_contains(&index_err(&dir), "more than the 100000000 bytes");
+}
