@@ -170,7 +170,7 @@ def test_dump_refusals(tmp_path, capsys):
     with pytest.raises(OutputError, match="lies inside the checkpoint"):
         kda_tp.write_engine_dump(ckpt, ckpt / "dump", engine="vllm-0.33-kimi-linear", tp_size=2)
     assert not (ckpt / "dump").exists()
-    with pytest.raises(PlanError, match=r"rank 4 is not a rank of tp_size 4: the ranks are 0\.\.3"):
+    with pytest.raises(PlanError, match=r"rank 4 is out of range for tp_size 4: valid ranks are 0\.\.3"):
         kda_tp.write_engine_dump(ckpt, tmp_path / "x", engine="vllm-0.33-kimi-linear",
                                  tp_size=4, ranks=[4])
     with pytest.raises(PlanError, match=r"ranks \[1, 1\] name a rank twice"):

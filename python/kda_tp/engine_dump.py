@@ -111,8 +111,8 @@ def _ranks_of(
     wanted = list(range(tp_size)) if ranks is None else list(ranks)
     for r in wanted:
         if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < tp_size:
-            raise PlanError(f"rank {r!r} is not a rank of tp_size {tp_size}: the ranks are "
-                            f"0..{tp_size - 1}")
+            raise PlanError(f"rank {r!r} is out of range for tp_size {tp_size}: valid ranks "
+                            f"are 0..{tp_size - 1}; pass ranks of that world size")
     if len(set(wanted)) != len(wanted):
         raise PlanError(f"ranks {sorted(wanted)} name a rank twice; pass each rank once")
     out = []
