@@ -381,9 +381,16 @@ def section1(ckpt: Path, reps: int, fresh_reps: int) -> None:
     st_file = safe_open(source.file_of(name), framework="np")
     st_file.get_slice(name)[:, :1]  # warm its own mapping (touches a page column only)
     st_file.get_tensor(name)  # touch all of it
-    tbuf = torch.frombuffer(memoryview(buf), dtype=torch.uint8).view(torch.bfloat16).reshape(
-        rows_, cols
-    ) if torch is not None else None
+    tbuf = None
+    if torch is not None:
+        # torch's own mapping of the file (private, so writable: torch.frombuffer on the
+        # read-only mapping above would warn that it cannot mark the tensor read-only).
+        _, begin, end = source.file_range(name)
+        path = source.file_of(name)
+        tfile = torch.from_file(str(path), shared=False, size=path.stat().st_size,
+                                dtype=torch.uint8)
+        tbuf = tfile[begin:end].view(torch.bfloat16).reshape(rows_, cols)
+        int(tbuf.view(torch.int16)[:, :: 2048].sum())  # touch its pages in this process
 
     for tp in (2, 4, 8):
         rank = tp // 2

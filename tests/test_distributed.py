@@ -7,6 +7,7 @@ import filecmp
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -45,6 +46,21 @@ def test_gloo_ranks_load_all_reduce_and_rejoin(fixture, world, tmp_path, tmp_pat
     path = tp_fixtures.checkpoint(fixture, tmp_path_factory.getbasetemp())
     _spawn(dist_workers.load_rank_allreduce_and_dtensors, world, str(tmp_path / "store"),
            str(path), fixture.qk_multiple)
+
+
+@pytest.fixture(autouse=True)
+def _children_keep_out_of_tmp(tmp_path, monkeypatch):
+    """torchrun's launcher makes a ``torchelastic_*`` log directory with ``tempfile`` and leaves
+    it behind: every child of these tests gets a TMPDIR inside the test's own ``tmp_path``, and
+    the test fails if a new ``torchelastic_*`` appears in the real temporary directory."""
+    real = Path(tempfile.gettempdir())
+    before = {p.name for p in real.glob("torchelastic_*")}
+    children = tmp_path / "tmpdir"
+    children.mkdir()
+    monkeypatch.setenv("TMPDIR", str(children))
+    yield
+    left = sorted({p.name for p in real.glob("torchelastic_*")} - before)
+    assert not left, f"left in {real}: {left}"
 
 
 def _torchrun(nproc: int, *args: str) -> subprocess.CompletedProcess:
