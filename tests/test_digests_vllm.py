@@ -32,7 +32,7 @@ CASES = {  # kind -> (checkpoint, layout, (tp_size, rank) pairs)
     "glm": (DATA / "ckpt_glm", "vllm-0.33-glm-5.3", [(2, 0), (4, 3)]),
 }
 
-# Runs in its own interpreter: argv = kind, checkpoint, geometry JSON, "T:R,T:R,...".
+# Runs in its own interpreter: argv = kind, checkpoint, geometry JSON, "T:R,T:R,...", tests/.
 ENGINE = r"""
 import json, os, sys, types
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
@@ -43,6 +43,8 @@ from vllm.config import VllmConfig, set_current_vllm_config
 from vllm.v1.worker import gpu_worker
 
 kind, ckpt, geometry, runs = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), sys.argv[4]
+sys.path.insert(0, sys.argv[5])
+from vllm_layers import kda_classes
 H, D, K, hidden = geometry["heads"], geometry["head_dim"], geometry["kernel"], geometry["hidden"]
 weights = [(n.replace("model.", "", 1), w)
            for n, w in load_file(os.path.join(ckpt, "model.safetensors")).items()]
@@ -55,28 +57,7 @@ for run in runs.split(","):
     vc = VllmConfig()
     vc.model_config = types.SimpleNamespace(dtype=torch.float32, hf_config=None)
     with set_current_vllm_config(vc):
-        if kind in ("k3", "kimi_linear"):
-            from vllm.transformers_utils.configs.kimi_linear import KimiLinearConfig
-            lac = dict(head_dim=D, num_heads=H, short_conv_kernel_size=K, kda_layers=[1],
-                       full_attn_layers=[])
-            if kind == "k3":
-                lac.update(use_full_rank_gate=True, gate_lower_bound=-5.0)
-                from vllm.models.kimi_k3.nvidia.kda import KimiK3DeltaAttention as Layer
-            else:
-                from vllm.model_executor.layers.mamba.gdn.kimi_gdn_linear_attn import (
-                    KimiGatedDeltaNetAttention as Layer)
-            cfg = KimiLinearConfig(hidden_size=hidden, num_hidden_layers=1, vocab_size=16,
-                                   linear_attn_config=lac, hidden_act="silu", rms_norm_eps=1e-5)
-            from vllm.models.kimi_k3.nvidia.model import KimiLinearModel as Model
-        else:
-            from transformers import Glm5NextTextConfig
-            cfg = Glm5NextTextConfig(
-                hidden_size=hidden, num_hidden_layers=1, vocab_size=16,
-                linear_attn_config=dict(head_dim=D, num_heads=H, short_conv_kernel_size=K),
-                layer_types=["linear_attention"], q_lora_rank=64, qk_rope_head_dim=0,
-                num_attention_heads=4, num_key_value_heads=4, mla_use_nope=False)
-            from vllm.models.glm5next.common.kda import Glm5NextLinearAttention as Layer
-            from vllm.models.glm5next.common.model import Glm5NextModel as Model
+        cfg, Layer, Model = kda_classes(kind, heads=H, head_dim=D, kernel=K, hidden=hidden)
         layer = Layer(cfg, vc, prefix="model.layers.0.self_attn")
         stack = torch.nn.Module()  # the decoder model, holding only layer 0's attention
         stack.config = cfg
@@ -107,7 +88,7 @@ def vllm_checksums(kind: str) -> dict[str, dict[str, str]]:
                 "hidden": kda.hidden}
     proc = subprocess.run(
         [sys.executable, "-c", ENGINE, kind, str(ckpt), json.dumps(geometry),
-         ",".join(f"{t}:{r}" for t, r in runs)],
+         ",".join(f"{t}:{r}" for t, r in runs), str(Path(__file__).parent)],
         capture_output=True, text=True, timeout=600, check=False)
     assert proc.returncode == 0, proc.stderr[-4000:]
     (line,) = [x for x in proc.stdout.splitlines() if x.startswith("DIGESTS ")]

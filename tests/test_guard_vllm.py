@@ -43,6 +43,8 @@ from kda_tp import GuardError
 from kda_tp.guard import CHECKPOINT_ENV, MODE_ENV
 from kda_tp.vllm_plugin import WORKER_METHOD, audit_llm
 
+from vllm_layers import kda_classes
+
 DATA = Path(__file__).parent / "data" / "engine_ranks"
 CKPT = {"k3": DATA / "ckpt_k3", "kimi_linear": DATA / "ckpt_kl", "glm": DATA / "ckpt_glm"}
 H, D, K, HIDDEN = 12, 128, 4, 64  # the fixtures' geometry (make/make_ckpt.py)
@@ -91,30 +93,7 @@ def build(vc, kind: str, tp_size: int, rank: int, *, o_proj_rows: bool = False,
     set_rank(tp_size, rank)
     vc.compilation_config.static_forward_context.clear()
     with set_current_vllm_config(vc):
-        if kind in ("k3", "kimi_linear"):
-            from vllm.models.kimi_k3.nvidia.model import KimiLinearModel as Model
-            from vllm.transformers_utils.configs.kimi_linear import KimiLinearConfig
-
-            lac = dict(head_dim=D, num_heads=H, short_conv_kernel_size=K, kda_layers=[1],
-                       full_attn_layers=[])
-            if kind == "k3":
-                lac.update(use_full_rank_gate=True, gate_lower_bound=-5.0)
-                from vllm.models.kimi_k3.nvidia.kda import KimiK3DeltaAttention as Layer
-            else:
-                from vllm.model_executor.layers.mamba.gdn.kimi_gdn_linear_attn import (
-                    KimiGatedDeltaNetAttention as Layer)
-            cfg = KimiLinearConfig(hidden_size=HIDDEN, num_hidden_layers=1, vocab_size=16,
-                                   linear_attn_config=lac, hidden_act="silu", rms_norm_eps=1e-5)
-        else:
-            from transformers import Glm5NextTextConfig
-            from vllm.models.glm5next.common.kda import Glm5NextLinearAttention as Layer
-            from vllm.models.glm5next.common.model import Glm5NextModel as Model
-
-            cfg = Glm5NextTextConfig(
-                hidden_size=HIDDEN, num_hidden_layers=1, vocab_size=16,
-                linear_attn_config=dict(head_dim=D, num_heads=H, short_conv_kernel_size=K),
-                layer_types=["linear_attention"], q_lora_rank=64, qk_rope_head_dim=0,
-                num_attention_heads=4, num_key_value_heads=4, mla_use_nope=False)
+        cfg, Layer, Model = kda_classes(kind, heads=H, head_dim=D, kernel=K, hidden=HIDDEN)
         if decode_copies:  # the native fused decode backend (CUDA) keeps K3's decode copies
             import vllm.models.kimi_k3.nvidia.kda as k3_kda
             from unittest import mock

@@ -37,16 +37,9 @@ from kda_tp.shard import rank_dir, shard_checkpoint, verify_shards
 from kda_tp.synth import write_small_checkpoint
 
 from children import kda_tp_child
+from tp_fixtures import shard_checkpoint_fixture, tree  # noqa: F401
 
-GEOMETRY = dict(
-    hidden=64, heads=4, head_dim=64, conv_kernel=4, gate_rank=16, num_layers=2, kda_layers=[0, 1]
-)
 INDEX = "model.safetensors.index.json"
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_small_checkpoint(tmp_path_factory.mktemp("ckpt") / "ckpt", **GEOMETRY, seed=3)
 
 
 @pytest.fixture(scope="module")
@@ -56,15 +49,6 @@ def reference(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Pat
     shard_checkpoint(checkpoint, out, 2)
     assert verify_shards(checkpoint, out).ok
     return out
-
-
-def tree(path: Path) -> dict[str, str]:
-    """Relative path -> sha256 of every file under ``path`` (hidden ones included)."""
-    return {
-        str(p.relative_to(path)): hashlib.sha256(p.read_bytes()).hexdigest()
-        for p in sorted(path.rglob("*"))
-        if p.is_file()
-    }
 
 
 def hidden_entries(out: Path) -> list[str]:

@@ -18,7 +18,6 @@
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import os
 import select
@@ -36,17 +35,10 @@ from kda_tp.shard import ShardSizes, shard_checkpoint, shard_sizes, verify_shard
 from kda_tp.synth import write_small_checkpoint
 
 from children import kda_tp_child
+from tp_fixtures import SHARD_GEOMETRY, shard_checkpoint_fixture, tree  # noqa: F401
 
-GEOMETRY = dict(
-    hidden=64, heads=4, head_dim=64, conv_kernel=4, gate_rank=16, num_layers=2, kda_layers=[0, 1]
-)
 #: How long any one child may take on a loaded 2-core machine (a bound, not a synchronisation).
 BOUND = 120
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_small_checkpoint(tmp_path_factory.mktemp("ckpt") / "ckpt", **GEOMETRY, seed=3)
 
 
 @pytest.fixture(scope="module")
@@ -54,15 +46,6 @@ def reference(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Pat
     out = tmp_path_factory.mktemp("reference") / "out"
     shard_checkpoint(checkpoint, out, 2)
     return out
-
-
-def tree(path: Path) -> dict[str, str]:
-    """Relative path -> sha256 of every file under ``path`` (hidden ones included)."""
-    return {
-        str(p.relative_to(path)): hashlib.sha256(p.read_bytes()).hexdigest()
-        for p in sorted(path.rglob("*"))
-        if p.is_file()
-    }
 
 
 def everything(path: Path) -> list[str]:
@@ -447,7 +430,7 @@ def _dir_bytes(path: Path) -> dict[str, int]:
     return {n: b for f in sorted(path.glob("*.safetensors")) for n, b in _span_bytes(f).items()}
 
 
-# Per KDA layer of GEOMETRY (BF16 but A_log/dt_bias F32): sliced over the ranks q/k/v
+# Per KDA layer of SHARD_GEOMETRY (BF16 but A_log/dt_bias F32): sliced over the ranks q/k/v
 # 3*256*64*2, convs 3*256*4*2, f_b/g_b 2*256*16*2, b_proj 4*64*2, A_log 4*4, dt_bias 256*4,
 # o_proj 64*256*2 = 155152 bytes; whole on every rank f_a/g_a 2*16*64*2 and o_norm 64*2 = 4224.
 SLICED, REPLICATED = 155152, 4224
@@ -457,7 +440,7 @@ SLICED, REPLICATED = 155152, 4224
 def test_sizes_before_writing_are_what_is_written(
     tmp_path: Path, capsys, vocab: int, tp: int
 ) -> None:
-    ckpt = write_small_checkpoint(tmp_path / "ckpt", **GEOMETRY, vocab_size=vocab, seed=1)
+    ckpt = write_small_checkpoint(tmp_path / "ckpt", **SHARD_GEOMETRY, vocab_size=vocab, seed=1)
     # Not KDA: embed_tokens and lm_head (vocab x 64 BF16), the norms (5 x 64 BF16).
     other = 2 * vocab * 64 * 2 + 5 * 64 * 2
     kda = 2 * (SLICED // tp + REPLICATED)

@@ -3,12 +3,14 @@ can split into. A new fixture (e.g. a Kimi K3 one) is one more entry in :data:`F
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import ml_dtypes
 import numpy as np
+import pytest
 from kda_tp._io import write_safetensors
 from kda_tp.synth import write_small_checkpoint
 
@@ -88,3 +90,28 @@ def write_one_file(out: Path, arrays: dict[str, np.ndarray], config: dict) -> Pa
     )
     (out / "config.json").write_text(json.dumps(config))
     return out
+
+
+#: The small two-layer Kimi-Linear geometry of the shard writer and safety tests
+#: (tests/test_shard_writers.py, tests/test_shard_safety.py), for ``write_small_checkpoint``.
+SHARD_GEOMETRY = dict(
+    hidden=64, heads=4, head_dim=64, conv_kernel=4, gate_rank=16, num_layers=2, kda_layers=[0, 1]
+)
+
+
+@pytest.fixture(scope="module", name="checkpoint")
+def shard_checkpoint_fixture(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The ``checkpoint`` fixture of those tests (imported there): a checkpoint of
+    :data:`SHARD_GEOMETRY`, written once per test module."""
+    return write_small_checkpoint(
+        tmp_path_factory.mktemp("ckpt") / "ckpt", **SHARD_GEOMETRY, seed=3
+    )
+
+
+def tree(path: Path) -> dict[str, str]:
+    """Relative path -> sha256 of every file under ``path`` (hidden ones included)."""
+    return {
+        str(p.relative_to(path)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(path.rglob("*"))
+        if p.is_file()
+    }
