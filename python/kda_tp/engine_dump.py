@@ -209,17 +209,24 @@ def write_engine_dump(
             ``EngineLayout.param_plan``). Parameters with a fixed dtype (F32 ``A_log``) and
             FP8 weights are unaffected.
         force: replace dump files of these ranks already in ``out`` (otherwise refused: it
-            may be a real engine's dump).
+            may be a real engine's dump): every file of those ranks, in both of
+            ``save_sharded_state``'s name patterns (``sharded_state_files``), is removed, and
+            so are another world size's dump files.
 
     Returns:
         A :class:`DumpResult`.
 
     Raises:
-        OutputError: ``out`` lies inside the checkpoint, holds dump files of another world
-            size (a rank ``>= tp_size``), or already holds a file of a rank being written
-            (without ``force``); a write fails (the message names the file and the OS error).
-        PlanError: ``tp_size`` or a rank is not valid for the model (range, repeats).
-        EngineLayoutError: an unknown layout, one that does not fit the checkpoint, or parts
+        OutputError: ``out`` is empty, cannot be resolved (a symlink loop) or lies inside the
+            checkpoint; without ``force``, it holds dump files of another world size (a rank
+            ``>= tp_size``, or other ``tp_size`` metadata) or a file of a rank being written;
+            a write fails (the message names the file and the OS error).
+        DtypeMismatchError: casting a parameter to ``model_dtype`` overflows (a finite value
+            becomes inf; ``kda_tp.engine_audit.cast_overflow``): the message names the rank,
+            the parameter and the value; no file of this call is left.
+        PlanError: ``tp_size`` or a rank is not valid for the model (range, repeats), or
+            ``ranks`` is empty.
+        EngineLayoutError: an unknown layout, one of another model family, one that does not fit the checkpoint, or parts
             of several dtypes where the engine casts to its model dtype and ``model_dtype``
             is None.
         CheckpointError: the checkpoint cannot be read or has no config.
@@ -339,7 +346,7 @@ def engine_digests(
     Raises:
         EngineLayoutError: a layout of another engine than vLLM (its checksums, where it has
             any, are keyed otherwise), and as :func:`write_engine_dump`.
-        PlanError, CheckpointError: as :func:`write_engine_dump`.
+        PlanError, CheckpointError, DtypeMismatchError: as :func:`write_engine_dump`.
     """
     layout = get_layout(engine)
     if layout.engine != "vllm":
