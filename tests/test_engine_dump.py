@@ -20,7 +20,7 @@ from kda_tp.cli import main
 from kda_tp.engine_audit import audit_path
 from kda_tp.engine_dump import DIGEST_KEY
 from kda_tp.engines import LAYOUTS, get_layout, layouts_for, model_family
-from kda_tp.errors import EngineLayoutError, OutputError, PlanError
+from kda_tp.errors import DtypeMismatchError, EngineLayoutError, OutputError, PlanError
 from kda_tp.synth import write_small_checkpoint
 
 DATA = Path(__file__).parent / "data" / "engine_ranks"
@@ -165,7 +165,8 @@ def test_dump_refusals(tmp_path, capsys):
     assert run(capsys, "dump", ckpt, *engine, "--tp-size", 2, "--out", tmp_path, "--ranks", "1",
                "--force")[0] == 0
     # Another world size's files in the directory.
-    with pytest.raises(OutputError, match="model-rank-1-part-0.safetensors: a dump file of rank 1"):
+    with pytest.raises(OutputError, match=r"model-rank-0-part-0.safetensors: a dump file of tp_size 2 "
+                       r"\(its metadata\), so of another world size than tp_size 1 \(and 1 more\)"):
         kda_tp.write_engine_dump(ckpt, tmp_path, engine="vllm-0.33-kimi-linear", tp_size=1)
     with pytest.raises(OutputError, match="lies inside the checkpoint"):
         kda_tp.write_engine_dump(ckpt, ckpt / "dump", engine="vllm-0.33-kimi-linear", tp_size=2)
@@ -312,3 +313,118 @@ def test_dtype_flag_takes_the_engines_spelling_too(capsys):
               "--dtype", "int8"])
     assert exit_info.value.code == 2
     assert "argument --dtype: invalid choice: 'INT8'" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------
+# refusals found by a hostile tester
+
+
+def test_an_output_path_in_a_symlink_loop_is_one_error_line(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "loop").symlink_to("loop")
+    ckpt = CKPTS["kimi-linear"]
+    for command in (["dump", ckpt, "--engine", "vllm-0.33-kimi-linear"], ["shard", ckpt]):
+        status, out, err = run(capsys, *command, "--tp-size", 2, "--out", "loop")
+        assert status == 2 and out == "", err
+        assert err.startswith("kda-tp: error: OutputError: loop: cannot resolve the output path")
+        assert len(err.splitlines()) == 1 and "Traceback" not in err
+    status, _, err = run(capsys, "dump", ckpt, "--engine", "vllm-0.33-kimi-linear",
+                         "--tp-size", 2, "--out", tmp_path / "loop" / "sub")
+    assert status == 2 and "OutputError" in err and len(err.splitlines()) == 1
+
+
+@pytest.mark.parametrize("command", ["dump", "digests"])
+def test_a_layout_of_another_model_family_is_refused(command, tmp_path, capsys):
+    out = ["--out", tmp_path / "d"] if command == "dump" else []
+    status, _, err = run(capsys, command, CKPTS["kimi-linear"], "--engine", "vllm-0.33-glm-5.3",
+                         "--tp-size", 2, *out)
+    assert status == 2 and len(err.splitlines()) == 1
+    assert err.startswith("kda-tp: error: EngineLayoutError: vllm-0.33-glm-5.3: this layout is "
+                          "for glm-5.3, but the checkpoint ")
+    assert ("is kimi-linear; layouts that fit it: vllm-0.33-kimi-linear, "
+            "sglang-0.5.23-kimi-linear") in err
+    status, _, err = run(capsys, command, CKPTS["glm-5.3"], "--engine", "vllm-0.33-kimi-linear",
+                         "--tp-size", 2, *out)
+    assert status == 2 and "this layout is for kimi-linear" in err and "is glm-5.3" in err
+    assert "vllm-0.33-glm-5.3" in err and "sglang-0.5.23-glm-5.3" in err
+    assert not (tmp_path / "d").exists() or not any((tmp_path / "d").iterdir())
+
+
+def test_an_overflowing_dtype_is_refused_naming_the_parameter(tmp_path, capsys):
+    ckpt = CKPTS["kimi-linear"]
+    engine = ("--engine", "vllm-0.33-kimi-linear", "--tp-size", 2, "--dtype", "F16")
+    status, out, err = run(capsys, "dump", ckpt, *engine, "--out", tmp_path / "d")
+    assert status == 2 and out == "", err
+    assert len(err.splitlines()) == 1 and "RuntimeWarning" not in err
+    assert err.startswith("kda-tp: error: DtypeMismatchError: rank 0 model.layers.")
+    assert ("self_attn.in_proj_qkvgfab.weight: the cast from F32 to F16 overflows: b_proj's "
+            "80000.0 (its [0, 0]) becomes inf, as do 384 of its 384 values") in err
+    assert list((tmp_path / "d").iterdir()) == []  # no file, no temporary file
+    status, out, err2 = run(capsys, "digests", ckpt, *engine)
+    assert status == 2 and out == "" and err2 == err
+    # The audit's rule, in its words (one function: cast_overflow).
+    with pytest.raises(DtypeMismatchError, match="the cast from F32 to F16 overflows"):
+        kda_tp.engine_digests(ckpt, engine="vllm-0.33-kimi-linear", tp_size=1,
+                              model_dtype="F16")
+
+
+def test_another_world_sizes_files_are_refused_and_force_removes_them(tmp_path, capsys):
+    ckpt = CKPTS["kimi-linear"]
+    engine = ("--engine", "vllm-0.33-kimi-linear")
+    assert run(capsys, "dump", ckpt, *engine, "--tp-size", 2, "--out", tmp_path)[0] == 0
+    status, _, err = run(capsys, "dump", ckpt, *engine, "--tp-size", 4, "--ranks", "2,3",
+                         "--out", tmp_path)
+    assert status == 2 and len(err.splitlines()) == 1
+    assert ("model-rank-0-part-0.safetensors: a dump file of tp_size 2 (its metadata), so of "
+            "another world size than tp_size 4 (and 1 more); pass --force") in err
+    assert run(capsys, "dump", ckpt, *engine, "--tp-size", 4, "--ranks", "2,3", "--out",
+               tmp_path, "--force")[0] == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "model-rank-2-part-0.safetensors", "model-rank-3-part-0.safetensors"]
+
+
+def test_force_removes_every_file_of_the_ranks_written(tmp_path, capsys):
+    ckpt = CKPTS["kimi-linear"]
+    kda_tp.write_engine_dump(ckpt, tmp_path, engine="vllm-0.33-kimi-linear", tp_size=2)
+    stale = ["model-rank-0-part-1.safetensors", "model-pp-0-tp-0-part-0.safetensors",
+             "model-pp-1-tp-0-part-3.safetensors"]
+    for name in stale:
+        (tmp_path / name).write_bytes(b"old")
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(OutputError, match="already exists"):
+        kda_tp.write_engine_dump(ckpt, tmp_path, engine="vllm-0.33-kimi-linear", tp_size=2,
+                                 ranks=[0])
+    kda_tp.write_engine_dump(ckpt, tmp_path, engine="vllm-0.33-kimi-linear", tp_size=2,
+                             ranks=[0], force=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "config.json", "model-rank-0-part-0.safetensors", "model-rank-1-part-0.safetensors"]
+    assert audit_path(ckpt, tmp_path, tp_size=2).passed
+
+
+def test_an_empty_rank_list_or_output_path_is_refused(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    ckpt = CKPTS["kimi-linear"]
+    engine = ("--engine", "vllm-0.33-kimi-linear", "--tp-size", 2)
+    for command in (["dump", ckpt, *engine, "--out", "d"], ["digests", ckpt, *engine]):
+        status, out, err = run(capsys, *command, "--ranks", ",")
+        assert status == 2 and out == ""
+        assert err.startswith("kda-tp: error: PlanError: no ranks to write: --ranks is empty")
+    assert not (tmp_path / "d").exists()
+    with pytest.raises(SystemExit) as exit_info:
+        main(["dump", str(ckpt), *map(str, engine), "--out", ""])
+    assert exit_info.value.code == 2
+    assert "argument --out: empty path" in capsys.readouterr().err
+    with pytest.raises(OutputError, match="an empty path"):
+        kda_tp.write_engine_dump(ckpt, "", engine="vllm-0.33-kimi-linear", tp_size=2)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("command", ["audit", "dump", "digests"])
+def test_a_tp_size_hint_names_only_the_commands_flags(command, tmp_path, capsys):
+    ckpt = CKPTS["kimi-linear"]
+    args = {"audit": [tmp_path], "dump": ["--engine", "vllm-0.33-kimi-linear", "--out", tmp_path],
+            "digests": ["--engine", "vllm-0.33-kimi-linear"]}[command]
+    status, _, err = run(capsys, command, ckpt, *args, "--tp-size", 5)
+    assert status == 2 and err.startswith("kda-tp: error: PlanError: ")
+    assert "--qk-multiple" not in err and "qk_multiple" not in err
+    assert "1, 2, 3, 4, 6, 12" in err

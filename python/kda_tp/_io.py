@@ -434,3 +434,14 @@ def _fsync_directory(path: Path) -> None:
             os.close(dir_fd)
     except OSError as exc:
         raise OutputError(f"{path}: written, but syncing its directory failed: {exc}") from exc
+
+
+def resolve_out(path: Path) -> Path:
+    """``path.resolve()`` for an output path the user gave, or an :class:`OutputError` naming it
+    when it cannot be resolved (a symlink loop: ``RuntimeError`` on Python 3.11-3.12,
+    ``OSError`` later; a path too long)."""
+    try:
+        return path.resolve()
+    except (OSError, RuntimeError) as e:
+        raise OutputError(f"{path}: cannot resolve the output path ({e}); a symlink loop? "
+                          "choose another --out") from e

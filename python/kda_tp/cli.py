@@ -208,9 +208,10 @@ def _parser() -> argparse.ArgumentParser:
                        "its save_sharded_state would (model-rank-{r}-part-0.safetensors)")
     p.add_argument("checkpoint", type=Path)
     _add_engine_output(p)
-    p.add_argument("--out", type=Path, required=True, help="output directory")
+    p.add_argument("--out", type=_nonempty_path, required=True, help="output directory")
     p.add_argument("--force", action="store_true",
-                   help="replace dump files of these ranks already in the output directory")
+                   help="replace dump files of these ranks already in the output directory, "
+                   "and remove another world size's")
     _add_json(p, "what was written")
     p.set_defaults(run=_cmd_dump)
 
@@ -243,6 +244,13 @@ def _add_engine_output(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", type=_model_dtype, choices=["BF16", "F16", "F32"],
                    help="the engine's model dtype (its --dtype: bfloat16, float16, float32) "
                    "for the parameters it casts to it (default: the checkpoint's)")
+
+
+def _nonempty_path(text: str) -> Path:
+    """A path, refusing the empty one (``Path("")`` is the current directory)."""
+    if not text:
+        raise argparse.ArgumentTypeError("empty path; pass a directory ('.' for the current one)")
+    return Path(text)
 
 
 def _model_dtype(text: str) -> str:
@@ -790,12 +798,18 @@ def _with_hints(args: argparse.Namespace, error: KdaTpError) -> str:
     if not isinstance(error, PlanError) or not isinstance(getattr(args, "tp_size", None), int):
         return message
     message = message.replace("pass qk_multiple=1", "pass --qk-multiple 1")
-    qk_multiple = getattr(args, "qk_multiple", 256)
+    # Only plan and shard have --qk-multiple; demo plans with the default rule, audit, dump
+    # and digests with none (the engine chose the world size): name the flag only where it is.
+    has_flag = hasattr(args, "qk_multiple")
+    qk_multiple = (args.qk_multiple if has_flag
+                   else 256 if getattr(args, "run", None) is _cmd_demo else 1)
     sizes = _allowed_tp_sizes(args, qk_multiple)
     if sizes is None or args.tp_size in sizes:
         return message
     if "may be one of" in message and sizes == _allowed_tp_sizes(args, 1):
         return message  # the plan's own list of divisors is already the answer
+    if not has_flag:
+        return message + f"; the TP sizes that pass are {', '.join(map(str, sizes)) or 'none'}"
     default = " (the default)" if qk_multiple == 256 else ""
     message += (
         f"; with --qk-multiple {qk_multiple}{default} the TP sizes that pass are "

@@ -52,6 +52,7 @@ __all__ = [
     "PartDifference",
     "audit",
     "audit_path",
+    "cast_overflow",
     "sharded_state_files",
 ]
 
@@ -509,19 +510,28 @@ def _part_order(data: np.ndarray, spans: Sequence[_Span], expected: np.ndarray) 
     return f"its parts in another order: {', '.join(order)} (expected {', '.join(names)})"
 
 
-def _overflow(plan: EngineParamPlan, expected: np.ndarray, candidates: _Candidates
-              ) -> str | None:
+def cast_overflow(plan: EngineParamPlan, built: np.ndarray,
+                  part_values: Callable[[str], np.ndarray]) -> str | None:
     """When casting a part to the parameter's dtype turns a finite checkpoint value into an
-    infinity (e.g. 70000.0 to F16), what overflows, else None."""
+    infinity (e.g. 70000.0 to F16), what overflows (``"the cast from BF16 to F16 overflows:
+    ..."``), else None: the one rule of the audit and of ``kda_tp.write_engine_dump`` /
+    ``kda_tp.engine_digests``.
+
+    Args:
+        plan: the parameter's plan (``KdaShardedSource.param_plan``).
+        built: the parameter as built (``KdaShardedSource.build_param``), flat.
+        part_values: a part's slice as the checkpoint stores it, flat (read only for a part
+            that is cast and holds an infinity).
+    """
     size = numpy_dtype(plan.dtype).itemsize
     for region in plan.regions:
         if region.source_dtype == plan.dtype:
             continue
-        cast = expected[region.byte_range[0] // size : region.byte_range[1] // size]
+        cast = built[region.byte_range[0] // size : region.byte_range[1] // size]
         infinite = np.isinf(cast)
         if not infinite.any():
             continue
-        values = candidates.slice(candidates.rank, region.part)
+        values = part_values(region.part)
         overflowed = np.flatnonzero(infinite & np.isfinite(values))
         if overflowed.size:
             i = int(overflowed[0])
@@ -530,9 +540,16 @@ def _overflow(plan: EngineParamPlan, expected: np.ndarray, candidates: _Candidat
                 f"the cast from {region.source_dtype} to {plan.dtype} overflows: "
                 f"{region.part}'s {float(values[i])!r} (its {at}) becomes inf, as do "
                 f"{overflowed.size} of its {values.size} values; {plan.dtype} cannot hold this "
-                "checkpoint's weights, and the bytes cannot tell which slice was loaded"
+                "checkpoint's weights"
             )
     return None
+
+
+def _overflow(plan: EngineParamPlan, expected: np.ndarray, candidates: _Candidates
+              ) -> str | None:
+    """:func:`cast_overflow` of the rank's parameter, in the audit's words."""
+    found = cast_overflow(plan, expected, lambda part: candidates.slice(candidates.rank, part))
+    return None if found is None else f"{found}, and the bytes cannot tell which slice was loaded"
 
 
 def _compare(rank: int, layer: int, name: str, record: Tensor, plan: EngineParamPlan,

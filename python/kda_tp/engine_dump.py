@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import re
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -32,12 +31,30 @@ from pathlib import Path
 
 import numpy as np
 
-from ._io import write_safetensors
+from ._io import resolve_out, write_safetensors
 from .checkpoint import SafetensorsSource
-from .engines import LAYOUTS, EngineLayout, EngineParamPlan, get_layout, param_name
-from .errors import EngineLayoutError, OutputError, PlanError
+from .engine_audit import cast_overflow, sharded_state_files
+from .engines import (
+    LAYOUTS,
+    EngineLayout,
+    EngineParamPlan,
+    get_layout,
+    layouts_for,
+    model_family,
+    param_name,
+)
+from .errors import (
+    CheckpointError,
+    DtypeMismatchError,
+    EngineLayoutError,
+    KdaTpError,
+    OutputError,
+    PlanError,
+)
+from .layout import kda_tensor_name
 from .plan import KdaTpPlan
-from .source import KdaShardedSource
+from .config import parse_metadata_int
+from .source import KdaShardedSource, checked_get
 
 __all__ = ["DIGEST_KEY", "DumpResult", "engine_digests", "write_engine_dump"]
 
@@ -48,7 +65,6 @@ DIGEST_KEY = "dp0:pp0:pcp0:tp{rank}:{name}"
 
 # save_sharded_state's file of one rank (vLLM's and SGLang's default pattern, part 0).
 _DUMP_FILE = "model-rank-{rank}-part-0.safetensors"
-_ANY_DUMP_FILE = re.compile(r"^model-(?:rank-(\d+)|pp-\d+-tp-(\d+))-part-\d+\.safetensors$")
 
 
 @dataclass(frozen=True)
@@ -96,8 +112,9 @@ def _ranks_of(
 
     Raises:
         PlanError: ``tp_size`` not a positive integer or not a split the heads allow; a rank
-            out of range or repeated.
-        EngineLayoutError: an unknown layout, or one that does not fit the checkpoint.
+            out of range or repeated; an empty rank list.
+        EngineLayoutError: an unknown layout, one of another model family than the
+            checkpoint's, or one that does not fit the checkpoint.
         CheckpointError: the checkpoint cannot be read or has no config.
     """
     if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
@@ -107,8 +124,18 @@ def _ranks_of(
     layout = get_layout(engine)
     # Any split the heads allow (no q|k width rule: the engine chose the world size); checked
     # before anything is sized by tp_size.
-    KdaTpPlan.from_config(source, 0, tp_size, qk_multiple=1)
+    plan0 = KdaTpPlan.from_config(source, 0, tp_size, qk_multiple=1)
+    family = model_family(source.config)
+    if layout.family != family:
+        fitting = ", ".join(lay.name for lay in layouts_for(family, plan0)) or "none"
+        raise EngineLayoutError(
+            f"{layout.name}: this layout is for {layout.family}, but the checkpoint "
+            f"{source.path} is {family}; layouts that fit it: {fitting}"
+        )
     wanted = list(range(tp_size)) if ranks is None else list(ranks)
+    if not wanted:
+        raise PlanError("no ranks to write: --ranks is empty (ranks=[]); pass at least one rank, "
+                        "or none for all")
     for r in wanted:
         if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < tp_size:
             raise PlanError(f"rank {r!r} is out of range for tp_size {tp_size}: valid ranks "
@@ -125,9 +152,18 @@ def _ranks_of(
             plan = shard.param_plan(layout, param.suffix, model_dtype=model_dtype)
 
             def build(shard: KdaShardedSource = shard, suffix: str = param.suffix,
-                      layer: int = layer) -> np.ndarray:
-                built: np.ndarray = shard.build_param(layout, suffix, layer,
-                                                      model_dtype=model_dtype)
+                      layer: int = layer, plan: EngineParamPlan = plan,
+                      name: str = param_name(prefix, layer, param.suffix)) -> np.ndarray:
+                with np.errstate(over="ignore"):  # an overflow is refused below
+                    built: np.ndarray = shard.build_param(layout, suffix, layer,
+                                                          model_dtype=model_dtype)
+                overflow = cast_overflow(plan, built.reshape(-1), lambda part: checked_get(
+                    shard, kda_tensor_name(shard.prefix, layer, part)).array.reshape(-1))
+                if overflow is not None:
+                    raise DtypeMismatchError(
+                        f"rank {shard.plan.tp_rank} {name}: {overflow}; pass another --dtype "
+                        "(model_dtype=), or none for the checkpoint's"
+                    )
                 return built
 
             params.append(_Param(param_name(prefix, layer, param.suffix), plan, build))
@@ -173,57 +209,106 @@ def write_engine_dump(
             ``EngineLayout.param_plan``). Parameters with a fixed dtype (F32 ``A_log``) and
             FP8 weights are unaffected.
         force: replace dump files of these ranks already in ``out`` (otherwise refused: it
-            may be a real engine's dump).
+            may be a real engine's dump): every file of those ranks, in both of
+            ``save_sharded_state``'s name patterns (``sharded_state_files``), is removed, and
+            so are another world size's dump files.
 
     Returns:
         A :class:`DumpResult`.
 
     Raises:
-        OutputError: ``out`` lies inside the checkpoint, holds dump files of another world
-            size (a rank ``>= tp_size``), or already holds a file of a rank being written
-            (without ``force``); a write fails (the message names the file and the OS error).
-        PlanError: ``tp_size`` or a rank is not valid for the model (range, repeats).
-        EngineLayoutError: an unknown layout, one that does not fit the checkpoint, or parts
+        OutputError: ``out`` is empty, cannot be resolved (a symlink loop) or lies inside the
+            checkpoint; without ``force``, it holds dump files of another world size (a rank
+            ``>= tp_size``, or other ``tp_size`` metadata) or a file of a rank being written;
+            a write fails (the message names the file and the OS error).
+        DtypeMismatchError: casting a parameter to ``model_dtype`` overflows (a finite value
+            becomes inf; ``kda_tp.engine_audit.cast_overflow``): the message names the rank,
+            the parameter and the value; no file of this call is left.
+        PlanError: ``tp_size`` or a rank is not valid for the model (range, repeats), or
+            ``ranks`` is empty.
+        EngineLayoutError: an unknown layout, one of another model family, one that does not fit the checkpoint, or parts
             of several dtypes where the engine casts to its model dtype and ``model_dtype``
             is None.
         CheckpointError: the checkpoint cannot be read or has no config.
     """
     start = time.perf_counter()
+    if str(out) == "":
+        raise OutputError("the output directory is an empty path; pass a directory (--out DIR, "
+                          "out=; '.' for the current one)")
     layout, by_rank = _ranks_of(checkpoint, engine, tp_size, ranks, model_dtype)
     root = Path(out)
     source_root = Path(checkpoint.path if isinstance(checkpoint, SafetensorsSource)
                        else checkpoint)
-    source_dir = source_root if source_root.is_dir() else source_root.parent
-    resolved = root.resolve()
-    if resolved == source_dir.resolve() or source_dir.resolve() in resolved.parents:
+    source_dir = resolve_out(source_root if source_root.is_dir() else source_root.parent)
+    resolved = resolve_out(root)
+    if resolved == source_dir or source_dir in resolved.parents:
         raise OutputError(f"{root}: the output directory lies inside the checkpoint "
                           f"{source_dir}; choose another --out (out=)")
     try:
         root.mkdir(parents=True, exist_ok=True)
-        entries = sorted(p.name for p in root.iterdir())
+        next(root.iterdir(), None)
     except OSError as e:
         raise OutputError(f"{root}: cannot create or list the output directory: {e}") from e
-    found = [(int(m.group(1) or m.group(2)), entry) for entry in entries
-             if (m := _ANY_DUMP_FILE.match(entry))]
-    for rank, entry in found:
-        if rank >= tp_size:
-            raise OutputError(f"{root / entry}: a dump file of rank {rank}, so of another world "
-                              f"size than tp_size {tp_size}; choose another --out (out=)")
+    try:
+        # Both of save_sharded_state's name patterns, every part: the audit's reading.
+        found = sharded_state_files(root)
+    except CheckpointError:
+        found = {}  # no dump file there
     written = {r for r, _ in by_rank}
-    for rank, entry in found:
-        if rank in written and not force:
-            raise OutputError(f"{root / entry} already exists (it may be an engine's own dump); "
-                              "pass --force (force=True) to replace it, or choose another --out")
-    files, total, count = [], 0, 0
-    for r, params in by_rank:
-        path = root / _DUMP_FILE.format(rank=r)
-        meta = {"tp_size": str(tp_size), "tp_rank": str(r), "engine": layout.name}
-        specs = [(p.name, p.plan.dtype, p.plan.shape, p.plan.nbytes, p.build) for p in params]
-        total += write_safetensors(path, specs, meta, sync=False)
-        files.append(path)
-        count += len(params)
+    # Files of another world size: a rank >= tp_size, or a tp_size of their own.
+    foreign = [(p, why) for rank, paths in found.items() for p in paths
+               if (why := _other_world_size(p, rank, tp_size)) is not None]
+    if foreign and not force:
+        path, why = foreign[0]
+        more = f" (and {len(foreign) - 1} more)" if len(foreign) > 1 else ""
+        raise OutputError(f"{path}: {why}, so of another world size than tp_size {tp_size}"
+                          f"{more}; pass --force (force=True) to remove them, or choose another "
+                          "--out (out=)")
+    ours = [p for r in sorted(written) for p in found.get(r, [])]
+    if ours and not force:
+        raise OutputError(f"{ours[0]} already exists (it may be an engine's own dump); "
+                          "pass --force (force=True) to replace it, or choose another --out")
+    # --force: every file of another world size, and every file (any part, any pipeline
+    # stage) of the ranks written, so that what is left is this dump's.
+    for path in dict.fromkeys([p for p, _ in foreign] + ours):
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            raise OutputError(f"{path}: cannot remove it (--force): {e}") from e
+    files: list[Path] = []
+    total, count = 0, 0
+    try:
+        for r, params in by_rank:
+            path = root / _DUMP_FILE.format(rank=r)
+            meta = {"tp_size": str(tp_size), "tp_rank": str(r), "engine": layout.name}
+            specs = [(p.name, p.plan.dtype, p.plan.shape, p.plan.nbytes, p.build) for p in params]
+            total += write_safetensors(path, specs, meta, sync=False)
+            files.append(path)
+            count += len(params)
+    except DtypeMismatchError:
+        for path in files:  # no half dump: this run's files go with it
+            path.unlink(missing_ok=True)
+        raise
     return DumpResult(root, layout.name, tp_size, tuple(r for r, _ in by_rank), tuple(files),
                       count, total, time.perf_counter() - start)
+
+
+def _other_world_size(path: Path, rank: int, tp_size: int) -> str | None:
+    """Why the dump file ``path`` of ``rank`` belongs to another world size than ``tp_size``
+    (its rank is out of range, or its ``tp_size`` metadata differs), else None."""
+    if rank >= tp_size:
+        return f"a dump file of rank {rank}"
+    try:
+        files = SafetensorsSource(path).files()
+        recorded = (files[0][1] or {}).get("tp_size") if files else None
+        theirs = None if recorded is None else parse_metadata_int(recorded, "tp_size", str(path))
+    except (KdaTpError, ValueError, OSError):
+        return None  # unreadable: judged by its name only
+    if theirs is not None and theirs != tp_size:
+        return f"a dump file of tp_size {theirs} (its metadata)"
+    return None
 
 
 def engine_digests(
@@ -261,7 +346,7 @@ def engine_digests(
     Raises:
         EngineLayoutError: a layout of another engine than vLLM (its checksums, where it has
             any, are keyed otherwise), and as :func:`write_engine_dump`.
-        PlanError, CheckpointError: as :func:`write_engine_dump`.
+        PlanError, CheckpointError, DtypeMismatchError: as :func:`write_engine_dump`.
     """
     layout = get_layout(engine)
     if layout.engine != "vllm":

@@ -40,7 +40,14 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ._io import DTYPE_BITS, FileRange, tensor_nbytes, write_index, write_safetensors
+from ._io import (
+    DTYPE_BITS,
+    FileRange,
+    resolve_out,
+    tensor_nbytes,
+    write_index,
+    write_safetensors,
+)
 from ._native import __version__
 from .errors import (
     CheckpointError,
@@ -575,12 +582,12 @@ def prepare_out_dir(
 
 def _check_out_location(root: Path, out: Path, ranks: tuple[int, ...]) -> None:
     """Refuse an ``out`` inside the input, or one whose rank directories hold the input."""
-    resolved, input_root = out.resolve(), root.resolve()
+    resolved, input_root = resolve_out(out), root.resolve()
     if resolved == input_root or input_root in resolved.parents:
         raise OutputError(f"{out}: the output directory lies inside the input checkpoint {root}")
     for r in ranks:
         # e.g. re-sharding OUT/rank0 into OUT: --force would delete the input.
-        final_dir = rank_dir(out, r).resolve()
+        final_dir = resolve_out(rank_dir(out, r))
         if final_dir == input_root or final_dir in input_root.parents:
             raise OutputError(
                 f"{rank_dir(out, r)}: this rank's output directory is (or holds) the input "
@@ -731,7 +738,7 @@ def _check_out_dir(
         if _LOCK_FILE.match(entry.name):
             continue  # a writer's lock (ours, or another rank's writer)
         partial, final = _PARTIAL_DIR.match(entry.name), _RANK_DIR.match(entry.name)
-        if (partial or final) and (entry.resolve() == input_root or _holds(entry, input_root)):
+        if (partial or final) and (resolve_out(entry) == input_root or _holds(entry, input_root)):
             # Never remove or replace the input, whatever its name.
             raise OutputError(
                 f"{entry} is (or holds) the input checkpoint {root}; choose another --out"
@@ -781,7 +788,7 @@ def _check_out_dir(
 
 def _holds(directory: Path, path: Path) -> bool:
     """Whether resolved ``path`` lies inside ``directory``."""
-    return directory.resolve() in path.parents
+    return resolve_out(directory) in path.parents
 
 
 def _rank_tp_size(path: Path) -> int | None:
