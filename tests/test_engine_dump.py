@@ -416,6 +416,12 @@ def test_an_empty_rank_list_or_output_path_is_refused(tmp_path, capsys, monkeypa
     assert "argument --out: empty path" in capsys.readouterr().err
     with pytest.raises(OutputError, match="an empty path"):
         kda_tp.write_engine_dump(ckpt, "", engine="vllm-0.33-kimi-linear", tp_size=2)
+    # shard's --out too: Path("") is the current directory, where rank0/ would land.
+    with pytest.raises(SystemExit) as exit_info:
+        main(["shard", str(ckpt), "--tp-size", "2", "--out", ""])
+    assert exit_info.value.code == 2
+    assert "argument --out: empty path" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
     assert list(tmp_path.iterdir()) == []
 
 

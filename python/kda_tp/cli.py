@@ -157,7 +157,7 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("shard", help="write one checkpoint directory per rank")
     p.add_argument("checkpoint", type=Path)
     p.add_argument("--tp-size", type=_tp_size, required=True, help="tensor-parallel world size")
-    p.add_argument("--out", type=Path, required=True, help="output directory (OUT/rank{r}/)")
+    p.add_argument("--out", type=_nonempty_path, required=True, help="output directory (OUT/rank{r}/)")
     p.add_argument("--ranks", type=_int_list, help="comma-separated ranks (default: all)")
     p.add_argument("--layers", type=_int_list, help="only for a config that does not list its "
                    "KDA layers: their 0-based indices (every KDA layer is always sliced)")
