@@ -506,6 +506,19 @@ def test_parse_json_agrees_with_json_or_refuses_by_name(
     assert _depth(got) <= MAX_JSON_DEPTH
 
 
+def test_regression_mixed_brackets_count_one_level_each() -> None:
+    """``{[]}`` is two levels: 63 lists around ``{"": []}`` nest 65 deep and are refused (the
+    depth scan once removed ``[]`` and then ``{}`` in one round; hypothesis found it)."""
+    from kda_tp.config import MAX_JSON_DEPTH, parse_json
+
+    inner = '{"": []}'
+    ok = "[" * (MAX_JSON_DEPTH - 2) + inner + "]" * (MAX_JSON_DEPTH - 2)
+    assert _depth(parse_json(ok, "fuzz")) == MAX_JSON_DEPTH
+    deep = "[" + ok + "]"
+    with pytest.raises(CheckpointError, match="nested more than MAX_JSON_DEPTH = 64 deep"):
+        parse_json(deep, "fuzz")
+
+
 @FUZZ
 @given(names=st.lists(st.text(min_size=1, max_size=6), max_size=30))
 def test_random_index_file_names_never_crash(scratch: Path, names: list[str]) -> None:

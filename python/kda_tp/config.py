@@ -253,6 +253,11 @@ _JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
 _NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
 
 
+#: An innermost pair of either kind; one ``sub`` pass removes each level once (two chained
+#: ``replace`` calls would remove ``{[]}`` whole in one round and count it as one level).
+_EMPTY_PAIR = re.compile(rb"\[\]|\{\}")
+
+
 def _too_deep(text: str) -> bool:
     """Whether ``text``'s arrays and objects nest deeper than :data:`MAX_JSON_DEPTH`, or its
     brackets cannot match with less (then ``json.loads`` would recurse on them); linear time:
@@ -261,7 +266,7 @@ def _too_deep(text: str) -> bool:
     brackets = brackets.translate(None, _NOT_BRACKETS)
     rounds = 0
     while brackets and rounds <= MAX_JSON_DEPTH:
-        shorter = brackets.replace(b"[]", b"").replace(b"{}", b"")
+        shorter = _EMPTY_PAIR.sub(b"", brackets)  # one pass: one level a round, not two
         if len(shorter) == len(brackets):
             break  # brackets that do not match: json.loads names where, if it can get there
         brackets, rounds = shorter, rounds + 1
