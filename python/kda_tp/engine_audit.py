@@ -333,6 +333,19 @@ def _record(name: str, value: Any) -> Tensor:
     )
 
 
+def as_record(name: str, value: Any) -> Tensor:
+    """``value`` (a numpy array, a torch tensor on any device, or a ``kda_tp.Tensor``) as the
+    Tensor record of its raw bytes and dtype that the audit compares (the guard reads derived
+    copies with it).
+
+    Raises:
+        CheckpointError: a value of another type, a dtype with no safetensors name, a torch
+            tensor without data (meta, uninitialized) or not dense.
+        ShapeMismatchError: a Tensor record whose data is not its shape's size in bytes.
+    """
+    return _record(name, value)
+
+
 def _dtype_name(value: Any) -> str | None:
     """The safetensors dtype name of a dumped value, without reading its data; None when it
     has none (not an array, a dtype not audited: :func:`_record` then says why)."""

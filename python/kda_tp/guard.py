@@ -41,12 +41,12 @@ import numpy as np
 
 from .checkpoint import numpy_dtype
 from .config import describes_kda, load_config
-from .engine_audit import AuditReport, _record, audit
+from .engine_audit import AuditReport, as_record, audit
 from .engines import param_location
 from .errors import CheckpointError, GuardError, GuardModeError, KdaTpError
 
 __all__ = ["CHECKPOINT_ENV", "DERIVED", "MODES", "MODE_ENV", "GuardResult", "check", "holds_kda",
-           "mode"]
+           "looks_kda", "mode"]
 
 #: The environment variable that sets the guard's mode.
 MODE_ENV = "KDA_TP_GUARD"
@@ -107,9 +107,11 @@ def holds_kda(names: Iterable[str]) -> bool:
                for n in names)
 
 
-def _looks_kda(names: Iterable[Any]) -> bool:
-    """Whether names without KDA's markers hold other names only a KDA layer has (its gate
-    projections, ``o_norm``, its fused projections or convs under ``.self_attn.``)."""
+def looks_kda(names: Iterable[Any]) -> bool:
+    """Whether names hold other names only a KDA layer has (its gate projections,
+    ``o_norm``, its fused projections or convs under ``.self_attn.``): for names without
+    :func:`holds_kda`'s markers, a KDA model whose ``A_log`` and ``dt_bias`` are missing,
+    which :func:`check` skips with a warning. One pass over the names, no I/O."""
     return any(isinstance(n, str) and n.endswith(_KDA_LOOKING) and ".self_attn." in n
                for n in names)
 
@@ -185,7 +187,7 @@ def _array(name: str, value: Any) -> tuple[np.ndarray, str]:
         CheckpointError: a value that is not an array, a dtype not audited, a tensor without
             data (meta, lazy) or not dense.
     """
-    record = _record(name, value)
+    record = as_record(name, value)
     return record.array, record.dtype
 
 
@@ -263,7 +265,7 @@ def check(
                             "parameter name (a str)")
     label = f"{where}: " if where else ""
     if not holds_kda(named):
-        if _looks_kda(named):  # a second pass, only for a model without the markers
+        if looks_kda(named):  # a second pass, only for a model without the markers
             _skipped(f"kda_tp guard: {label}tp rank {tp_rank}/{tp_size}: the "
                      "parameters hold KDA layer names (gate projections, o_norm, fused "
                      "projections, convs) but no ...self_attn.A_log or ...self_attn.dt_bias; "
