@@ -102,18 +102,27 @@ DERIVED: Mapping[str, Mapping[str, tuple[str, Callable[[np.ndarray], np.ndarray]
 def holds_kda(names: Iterable[str]) -> bool:
     """Whether parameter names include a KDA layer's (``...self_attn.A_log`` or
     ``...self_attn.dt_bias``, any prefix): the cheap test :func:`check` skips on, for plugins
-    that must decide before they know the checkpoint. One pass over the names, no I/O."""
-    return any(isinstance(n, str) and n.endswith(_MARKERS) and ".self_attn." in n
-               for n in names)
+    that must decide before they know the checkpoint. One pass over the names, no I/O; a
+    name that is not a ``str`` is no KDA name."""
+    return _any_ending(names, _MARKERS)
 
 
 def looks_kda(names: Iterable[Any]) -> bool:
-    """Whether names hold other names only a KDA layer has (its gate projections,
-    ``o_norm``, its fused projections or convs under ``.self_attn.``): for names without
-    :func:`holds_kda`'s markers, a KDA model whose ``A_log`` and ``dt_bias`` are missing,
-    which :func:`check` skips with a warning. One pass over the names, no I/O."""
-    return any(isinstance(n, str) and n.endswith(_KDA_LOOKING) and ".self_attn." in n
-               for n in names)
+    """Whether names include a KDA layer's: :func:`holds_kda`'s markers or other names only a
+    KDA layer has (its gate projections, ``o_norm``, its fused projections or convs, under
+    ``.self_attn.``). True with :func:`holds_kda` false is a KDA model whose ``A_log`` and
+    ``dt_bias`` are missing, which :func:`check` skips with a warning. One pass over the
+    names, no I/O."""
+    return _any_ending(names, _MARKERS + _KDA_LOOKING)
+
+
+def _any_ending(names: Iterable[Any], ends: tuple[str, ...]) -> bool:
+    names = list(names) if not isinstance(names, Mapping | list | tuple) else names
+    try:  # the fast path: every name a str
+        return any(n.endswith(ends) and ".self_attn." in n for n in names)
+    except (AttributeError, TypeError):
+        return any(isinstance(n, str) and n.endswith(ends) and ".self_attn." in n
+                   for n in names)
 
 
 def mode() -> str:
@@ -264,12 +273,13 @@ def check(
             raise TypeError(f"derived: the key {key!r} ({type(key).__name__}) is not a "
                             "parameter name (a str)")
     label = f"{where}: " if where else ""
+    if not looks_kda(named):  # one pass over a non-KDA model's names
+        return None
     if not holds_kda(named):
-        if looks_kda(named):  # a second pass, only for a model without the markers
-            _skipped(f"kda_tp guard: {label}tp rank {tp_rank}/{tp_size}: the "
-                     "parameters hold KDA layer names (gate projections, o_norm, fused "
-                     "projections, convs) but no ...self_attn.A_log or ...self_attn.dt_bias; "
-                     "the KDA weights are not checked (a loader that dropped them?)")
+        _skipped(f"kda_tp guard: {label}tp rank {tp_rank}/{tp_size}: the parameters hold "
+                 "KDA layer names (gate projections, o_norm, fused projections, convs) but no "
+                 "...self_attn.A_log or ...self_attn.dt_bias; the KDA weights are not checked "
+                 "(a loader that dropped them?)")
         return None
     for key in named:
         if not isinstance(key, str):

@@ -43,7 +43,7 @@ import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from .guard import CHECKPOINT_ENV, DERIVED, GuardResult, looks_kda, check, holds_kda, mode
+from .guard import CHECKPOINT_ENV, DERIVED, GuardResult, check, holds_kda, looks_kda, mode
 
 __all__ = ["WORKER_METHOD", "audit_llm", "guard_model", "register"]
 
@@ -277,7 +277,7 @@ def guard_model(model: Any, model_config: Any, *, loader: str = "",
     if (guard_mode or mode()) == "off" or loader in _UNCHECKED_LOADERS:
         return None
     params = {n: _as_processed(n, p) for n, p in model.named_parameters()}
-    if not holds_kda(params) and not looks_kda(params):  # check() warns for the latter
+    if not looks_kda(params):  # no KDA name (check() warns for one without A_log/dt_bias)
         return None
     from vllm.distributed import parallel_state
 
