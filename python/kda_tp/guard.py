@@ -17,9 +17,12 @@ On a pass, one INFO line per rank goes to the logger ``kda_tp.guard``:
 ``kda_tp guard: <where>: tp rank 1/4: 9 KDA parameters, 1179648 bytes, 0.004 s: OK``.
 
 Nothing is checked, at no measurable cost, for a model without KDA parameters (no
-``...self_attn.A_log`` or ``...self_attn.dt_bias`` name: any non-KDA model, a draft or MTP
-model) or a checkpoint whose config describes no KDA layer. A checkpoint that is not a local
-path (a remote streamer, ``s3://...``) is one warning, not a check.
+``...self_attn.A_log`` or ``...self_attn.dt_bias`` name nor another name only a KDA layer has:
+any non-KDA model, a draft or MTP model). A KDA-looking model that cannot be checked is one
+``RuntimeWarning``: KDA layer names without ``A_log`` and ``dt_bias``, a checkpoint whose config
+describes no KDA layer, a checkpoint that is not a local path (a remote streamer, ``s3://...``).
+The guard's own failure to check (a tensor it cannot read) is a ``GuardError`` in mode ``fail``
+and a WARNING in mode ``warn``, never a crash.
 
 This module imports no engine and no torch; torch tensors are read only when torch is imported
 already (they come from an engine).
@@ -247,19 +250,24 @@ def check(
             report on a running engine without raising); None: the variable's.
 
     Returns:
-        None without checking anything when the mode is ``off``, ``params`` has no KDA
-        parameter name, the config describes no KDA layer, or ``checkpoint`` is not a local
-        path (then one ``RuntimeWarning`` says so); else the :class:`GuardResult` (in mode
+        None without checking anything when the mode is ``off`` or ``params`` has no KDA
+        parameter name; also, with one ``RuntimeWarning`` saying why, when ``params`` has KDA
+        layer names but no ``A_log`` or ``dt_bias``, the config describes no KDA layer, or
+        ``checkpoint`` is not a local path; and in mode ``warn`` when the check itself fails
+        (logged at WARNING); else the :class:`GuardResult` (in mode
         ``warn`` also when it failed). The result's :meth:`~GuardResult.line` is logged at
         INFO on a pass, the diagnosis at WARNING on a failure in mode ``warn``.
 
     Raises:
         GuardError: mode ``fail``, and some KDA parameter (or derived copy) is wrong or missing,
             or the parameters cannot be audited (no engine layout fits their names, a config
-            the audit refuses); the message is the audit's diagnosis, ``.report`` the report
+            the audit refuses, a tensor it cannot read: sparse, uninitialized, meta); the message is the audit's diagnosis, ``.report`` the report
             (None when the audit could not run).
         GuardModeError: ``KDA_TP_GUARD`` (or ``guard_mode``) holds another value than
             ``fail``, ``warn``, ``off``.
+        CheckpointError: a KDA model's ``params`` has a key that is not a ``str``.
+        TypeError: ``derived`` has a key that is not a ``str``; ``params`` is neither a
+            mapping nor ``(name, tensor)`` pairs.
     """
     chosen = mode() if guard_mode is None else guard_mode
     if chosen not in MODES:
