@@ -660,8 +660,9 @@ def section_guard(scratch: Path, reps: int, calls: int, loops: int) -> None:
     shard = KdaShardedSource(src, KdaTpPlan.from_config(src, rank, tp, qk_multiple=1))
     layout = get_layout("vllm-0.33-k3")
     prefix = next(n for n in src.names() if n.endswith("self_attn.A_log"))[: -len("A_log")]
-    # What a loader left in the rank's parameters.
-    params = {prefix + p.suffix: shard.build_param(layout, p.suffix, 0)
+    # What a loader left in the rank's parameters (a BF16 engine: the F32 o_norm cast to BF16
+    # with the rest; a rank of mixed model dtypes is wrong).
+    params = {prefix + p.suffix: shard.build_param(layout, p.suffix, 0, model_dtype="BF16")
               for p in layout.params_for(shard.plan)}
     nbytes = sum(a.nbytes for a in params.values())
     source = np.concatenate([src.get(n).data.reshape(-1).view(np.uint8)

@@ -129,7 +129,11 @@ def test_a_config_without_kda_layers_is_skipped(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(
         {"model_type": "deepseek_v3", "hidden_size": 64, "num_hidden_layers": 2}))
     params = {f"model.layers.0.self_attn.{n}": np.zeros(4, np.float32) for n in ("A_log", "dt_bias")}
-    assert check(params, tmp_path, tp_rank=0, tp_size=2) is None
+    # KDA parameters and a config without KDA layers: skipped, but never silently.
+    with pytest.warns(RuntimeWarning, match=r"describes no KDA layer; the KDA weights are not "
+                      r"checked \(is it the checkpoint the engine loaded\?") as seen:
+        assert check(params, tmp_path, tp_rank=0, tp_size=2) is None
+    assert len(seen) == 1
 
 
 def test_a_remote_checkpoint_is_one_warning_not_a_crash():
@@ -219,3 +223,104 @@ def test_the_vllm_plugin_is_an_entry_point_and_imports_no_engine():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
+
+
+# -- the hostile tester's findings ------------------------------------------------------------
+
+
+def test_a_kda_layer_without_a_log_and_dt_bias_is_skipped_with_a_warning():
+    params = built(CKPT["kimi_linear"], "vllm-0.33-kimi-linear", 0, 2)
+    del params[PRE + "A_log"], params[PRE + "dt_bias"]
+    with pytest.warns(RuntimeWarning, match=r"tp rank 0/2: the parameters hold KDA layer names "
+                      r".* but no ...self_attn.A_log or ...self_attn.dt_bias") as seen:
+        assert check(params, CKPT["kimi_linear"], tp_rank=0, tp_size=2) is None
+    assert len(seen) == 1
+
+
+def test_a_parameter_in_another_float_dtype_than_the_ranks_others_fails_naming_both():
+    import ml_dtypes
+    for suffix, dtype, name in (("o_norm.weight", ml_dtypes.bfloat16, "BF16"),
+                                ("o_norm.weight", np.float16, "F16"),
+                                ("o_norm.weight", np.float64, "F64"),
+                                ("o_proj.weight", np.float64, "F64")):
+        params = built(CKPT["kimi_linear"], "vllm-0.33-kimi-linear", 1, 4)
+        params[PRE + suffix] = params[PRE + suffix].astype(dtype)
+        with pytest.raises(GuardError) as caught:
+            check(params, CKPT["kimi_linear"], tp_rank=1, tp_size=4)
+        assert (f"rank 1 {PRE}{suffix}: dtype {name}, expected F32 (the model dtype of this "
+                "rank's other parameters") in str(caught.value)
+        (wrong,) = caught.value.report.failures
+        assert wrong.name == PRE + suffix
+    # The F32-fixed parameters (A_log, dt_bias, convs) do not vote: a BF16 rank passes.
+    params = built(CKPT["kimi_linear"], "vllm-0.33-kimi-linear", 1, 4)
+    fixed = ("A_log", "dt_bias", "conv1d.weight")
+    params = {k: v if k.endswith(fixed) else v.astype(ml_dtypes.bfloat16) for k, v in params.items()}
+    result = check(params, CKPT["kimi_linear"], tp_rank=1, tp_size=4)
+    assert result is not None and result.passed
+
+
+def test_a_torch_derived_copy_in_bf16_or_int_fails_its_dtype():
+    torch = pytest.importorskip("torch")
+    params = built(CKPT["k3"], "vllm-0.33-k3", 0, 4)
+    good = {k: torch.from_numpy(v) for k, v in _decode_copies(params).items()}
+    result = check(params, CKPT["k3"], tp_rank=0, tp_size=4, derived=good)
+    assert result is not None and result.passed
+    for copy, cast, dtype in (("decode_norm_weight", lambda t: t.bfloat16(), "BF16"),
+                              ("decode_conv1d_weight", lambda t: t.int(), "I32")):
+        bad = dict(good) | {PRE + copy: cast(good[PRE + copy])}
+        with pytest.raises(GuardError, match=rf"rank 0 {PRE}{copy}: shape \[.*\] x {dtype}, "
+                           r"expected \[.*\] x F32"):
+            check(params, CKPT["k3"], tp_rank=0, tp_size=4, derived=bad)
+
+
+def test_a_derived_copy_differing_in_the_sign_of_zero_is_a_difference():
+    params = built(CKPT["k3"], "vllm-0.33-k3", 0, 4)
+    derived = _decode_copies(params)
+    norm = derived[PRE + "decode_norm_weight"].copy()
+    (zero,) = np.flatnonzero(norm == 0)
+    norm[zero] = -0.0
+    with pytest.raises(GuardError) as caught:
+        check(params, CKPT["k3"], tp_rank=0, tp_size=4,
+              derived=derived | {PRE + "decode_norm_weight": norm})
+    assert (f"rank 0 {PRE}decode_norm_weight: differs from what o_norm.weight makes of it at "
+            f"[{zero}] (expected 0.0, got -0.0)") in str(caught.value)
+
+
+def test_unreadable_tensors_are_a_guard_error_or_a_warning_never_a_crash(monkeypatch, caplog):
+    torch = pytest.importorskip("torch")
+    params = {k: torch.from_numpy(v) for k, v in built(CKPT["k3"], "vllm-0.33-k3", 0, 4).items()}
+    bad = [
+        ({PRE + "A_log": params[PRE + "A_log"].to_sparse()}, None, "torch.sparse_coo tensor"),
+        ({PRE + "A_log": torch.nn.UninitializedParameter()}, None, "uninitialized"),
+        ({}, {PRE + "decode_norm_weight": torch.empty(128, device="meta")}, "a meta tensor"),
+    ]
+    for change, derived, why in bad:
+        monkeypatch.delenv(MODE_ENV, raising=False)
+        with pytest.raises(GuardError, match=why):
+            check(params | change, CKPT["k3"], tp_rank=0, tp_size=4, derived=derived)
+        monkeypatch.setenv(MODE_ENV, "warn")
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="kda_tp.guard"):
+            out = check(params | change, CKPT["k3"], tp_rank=0, tp_size=4, derived=derived)
+        assert out is None or not out.passed
+        assert [r.levelno for r in caplog.records] == [logging.WARNING]
+        assert why in caplog.records[0].getMessage()
+    monkeypatch.delenv(MODE_ENV, raising=False)
+    # A negated view holds its values once resolved: the right values pass.
+    negated = (-params[PRE + "A_log"])._neg_view()
+    assert negated.is_neg()
+    result = check(params | {PRE + "A_log": negated}, CKPT["k3"], tp_rank=0, tp_size=4)
+    assert result is not None and result.passed
+
+
+def test_bad_argument_types_are_named_errors():
+    from kda_tp import CheckpointError
+    params = built(CKPT["k3"], "vllm-0.33-k3", 0, 4)
+    with pytest.raises(CheckpointError, match=r"params: the key 3 \(int\) is not a parameter name"):
+        check(params | {3: np.zeros(1)}, CKPT["k3"], tp_rank=0, tp_size=4)
+    with pytest.raises(TypeError, match=r"derived: the key 0 \(int\) is not a parameter name"):
+        check(params, CKPT["k3"], tp_rank=0, tp_size=4, derived={0: np.zeros(1)})
+    with pytest.raises(TypeError, match=r"params: item 0 is a str, not a \(name, tensor\) pair"):
+        check(list(params), CKPT["k3"], tp_rank=0, tp_size=4)
+    with pytest.raises(TypeError, match=r"params: item 0 is a tuple, not a \(name, tensor\)"):
+        check([(1, 2, 3)], CKPT["k3"], tp_rank=0, tp_size=4)

@@ -298,8 +298,13 @@ def test_a_reload_from_disk_is_checked_against_the_new_checkpoint(vc, tmp_path, 
     (line,) = [r.getMessage() for r in caplog.records if r.name == "kda_tp.guard"]
     assert line.startswith("kda_tp guard: vllm reload_weights: tp rank 1/2: ") and line.endswith("OK")
     loading_as(model, 2, 0)  # now the reload loads rank 0's slices
-    with pytest.raises(GuardError) as caught, set_current_vllm_config(vc):
-        inplace.reload_weights(config, model, None, str(new), True)
+    caplog.clear()
+    with pytest.raises(GuardError) as caught, set_current_vllm_config(vc), caplog.at_level(logging.INFO, logger="kda_tp.guard"):
+        try:
+            inplace.reload_weights(config, model, None, str(new), True)
+        finally:
+            print("LOG", [r.getMessage()[:300] for r in caplog.records if r.name == "kda_tp.guard"])
+            print("P", [(n, float(p.detach().flatten()[1])) for n, p in model.named_parameters()])
     assert f"differ from {new}:" in str(caught.value)
     assert "equals rank 0's slice of " in str(caught.value)  # the loaders asking the group
     print(caught.value)
@@ -382,3 +387,41 @@ print(late, [getattr(f, "__kda_tp_guard__", False) for f in (
                           timeout=300, env={**os.environ, "VLLM_TARGET_DEVICE": "cpu"})
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip().splitlines()[-1] == "[] [True, True, True] True"
+
+
+def test_a_reload_from_a_path_is_checked_against_that_path_not_the_variable(
+        vc, tmp_path, monkeypatch, caplog):
+    from safetensors.torch import load_file
+    from vllm.model_executor.model_loader.reload import record_metadata_for_reloading
+    monkeypatch.setenv(CHECKPOINT_ENV, str(CKPT["kimi_linear"]))
+    model = build(vc, "kimi_linear", 2, 1)
+    record_metadata_for_reloading(model)
+    default_load(vc, model, CKPT["kimi_linear"])
+    # A new checkpoint: every value x2.
+    new = tmp_path / "new"
+    new.mkdir()
+    shutil.copy(CKPT["kimi_linear"] / "config.json", new)
+    save_file({k: v * 2 for k, v in load_file(str(CKPT["kimi_linear"] / "model.safetensors")).items()},
+              str(new / "model.safetensors"))
+    config = VllmConfig()
+    config.model_config = model_config(CKPT["kimi_linear"])
+    config.load_config = LoadConfig()
+    with caplog.at_level(logging.INFO, logger="kda_tp.guard"), set_current_vllm_config(vc):
+        inplace.reload_weights(config, model, None, str(new), True)  # a right reload: OK
+    (line,) = [r.getMessage() for r in caplog.records if r.name == "kda_tp.guard"]
+    assert line.startswith("kda_tp guard: vllm reload_weights: tp rank 1/2: ") and line.endswith("OK")
+    # (Checked against the variable's ckpt_kl, this right reload failed: "differ from ...ckpt_kl".)
+    loading_as(model, 2, 0)  # now the reload loads rank 0's slices of the new checkpoint
+    with pytest.raises(GuardError) as caught, set_current_vllm_config(vc):
+        inplace.reload_weights(config, model, None, str(new), True)
+    assert f"differ from {new}:" in str(caught.value)
+
+
+def test_a_kda_model_without_a_log_and_dt_bias_warns(vc):
+    from kda_tp.vllm_plugin import guard_model
+    model = build(vc, "k3", 2, 0)
+    layer = model.model.layers[0].self_attn
+    del layer.A_log, layer.dt_bias
+    with pytest.warns(RuntimeWarning, match="no ...self_attn.A_log or ...self_attn.dt_bias"), \
+            set_current_vllm_config(vc):
+        assert guard_model(model, model_config(CKPT["k3"])) is None

@@ -21,6 +21,7 @@ import math
 import os
 import re
 import sys
+from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -305,13 +306,20 @@ def _record(name: str, value: Any) -> Tensor:
         return Tensor(name, value.dtype, value.shape, flat)
     torch = sys.modules.get("torch")  # a torch tensor means torch is imported already
     if torch is not None and isinstance(value, torch.Tensor):  # engines' Parameter subclasses too
+        if torch.nn.parameter.is_lazy(value):
+            raise CheckpointError(f"{name}: an uninitialized (lazy) parameter: it holds no "
+                                  "values; was the model materialized and loaded?")
+        if value.layout != torch.strided:
+            raise CheckpointError(f"{name}: a {value.layout} tensor; an engine's parameters are "
+                                  "dense (strided): dump the dense weights")
         dtype = next((d for d in _DTYPES if value.dtype == torch_dtype(d)), None)
         if dtype is None:
             raise CheckpointError(f"{name}: torch dtype {value.dtype} is not audited "
                                   f"(known: {', '.join(_DTYPES)})")
         if value.device.type == "meta":
             raise CheckpointError(f"{name}: a meta tensor (no data); dump the loaded weights")
-        flat = value.detach().to("cpu").contiguous().reshape(-1)
+        # A negated or conjugated view (``_neg_view()``) holds its values only once resolved.
+        flat = value.detach().resolve_neg().resolve_conj().to("cpu").contiguous().reshape(-1)
         return Tensor(name, dtype, tuple(value.shape), flat.view(torch_dtype("U8")).numpy())
     if isinstance(value, np.ndarray):
         array = np.ascontiguousarray(value)
@@ -324,6 +332,35 @@ def _record(name: str, value: Any) -> Tensor:
         f"{name}: a {type(value).__name__}; expected a numpy array, a torch tensor or a "
         "kda_tp.Tensor"
     )
+
+
+def as_record(name: str, value: Any) -> Tensor:
+    """``value`` (a numpy array, a torch tensor on any device, or a ``kda_tp.Tensor``) as the
+    Tensor record of its raw bytes and dtype that the audit compares (the guard reads derived
+    copies with it).
+
+    Raises:
+        CheckpointError: a value of another type, a dtype with no safetensors name, a torch
+            tensor without data (meta, uninitialized) or not dense.
+        ShapeMismatchError: a Tensor record whose data is not its shape's size in bytes.
+    """
+    return _record(name, value)
+
+
+def _dtype_name(value: Any) -> str | None:
+    """The safetensors dtype name of a dumped value, without reading its data; None when it
+    has none (not an array, a dtype not audited: :func:`_record` then says why)."""
+    if isinstance(value, Tensor):
+        return value.dtype
+    if isinstance(value, np.ndarray):
+        return next((d for d in _DTYPES if numpy_dtype(d) == value.dtype), None)
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(value, torch.Tensor):
+        try:
+            return next((d for d in _DTYPES if value.dtype == torch_dtype(d)), None)
+        except Exception:  # a lazy parameter: _record refuses it
+            return None
+    return None
 
 
 class _Candidates:
@@ -772,6 +809,7 @@ class _Auditor:
         report.ignored += selected.ignored
         candidates: _Candidates | None = None
         expected: dict[int, set[str]] = {}
+        rank_dtype = self.model_dtype(records, rank, selected, layout)
         for layer, param in self.engine_params(rank, layout):
             if candidates is None or candidates.layer != layer:
                 candidates = _Candidates(self.source, self.shard, rank, layer)
@@ -779,26 +817,55 @@ class _Auditor:
             name = selected.layers.get(layer, {}).get(
                 param.suffix, param_name(selected.prefix, layer, param.suffix))
             report.params.append(self.param(rank, layer, name, records.get(name), layout,
-                                            param.suffix, candidates))
+                                            param.suffix, candidates, rank_dtype))
             if advance:
                 advance(1)
         # Names of another quantization form (scale grids of unquantized weights).
         report.ignored += sum(len(set(selected.layers.get(layer, {})) - suffixes)
                               for layer, suffixes in expected.items())
 
+    def follows_model(self, rank: int, layout: EngineLayout, suffix: str) -> bool:
+        """Whether the engine casts parameter ``suffix`` to its model dtype (not a dtype the
+        layout fixes, such as F32 ``A_log``, nor FP8 parts or a scale grid)."""
+        return self.shard(rank).param_plan(layout, suffix, model_dtype="F64").dtype == "F64"
+
+    def model_dtype(self, records: Mapping[str, Any], rank: int, selected: _Selected,
+                    layout: EngineLayout) -> str | None:
+        """The rank's model dtype: the float dtype most of its parameters that follow the
+        model dtype are dumped in (ties: the first such parameter's); None when none is a
+        float. An engine casts all those parameters to one dtype, so one in another dtype is
+        wrong (:meth:`param` says so, naming both)."""
+        seen: Counter[str] = Counter()
+        for layer, param in self.engine_params(rank, layout):
+            name = selected.layers.get(layer, {}).get(param.suffix)
+            dtype = _dtype_name(records.get(name)) if name is not None else None
+            if dtype in _CASTABLE and self.follows_model(rank, layout, param.suffix):
+                seen[dtype] += 1
+        return seen.most_common(1)[0][0] if seen else None
+
     def param(self, rank: int, layer: int, name: str, value: Any, layout: EngineLayout,
-              suffix: str, candidates: _Candidates) -> ParamAudit:
-        """One parameter's verdict. The engine's model dtype is taken to be the dumped
-        parameter's (a float); else (missing, or not a float) the first part's."""
+              suffix: str, candidates: _Candidates, rank_dtype: str | None = None
+              ) -> ParamAudit:
+        """One parameter's verdict. The engine's model dtype is taken to be ``rank_dtype``
+        (the rank's, :meth:`model_dtype`), else the dumped parameter's (a float); else
+        (missing, or not a float) the first part's. A parameter that follows the model dtype
+        in another float dtype than ``rank_dtype`` is a mismatch naming both."""
         shard = self.shard(rank)
         record = None if value is None else _record(name, value)
         parts = layout.param(suffix).parts
-        model_dtype = (record.dtype if record is not None and record.dtype in _CASTABLE
+        model_dtype = (rank_dtype if rank_dtype is not None
+                       else record.dtype if record is not None and record.dtype in _CASTABLE
                        else shard.plan[parts[0]].dtype if parts else None)
         plan = shard.param_plan(layout, suffix, model_dtype=model_dtype)
         if record is None:
             return ParamAudit(rank, layer, name, "missing",
                               f"missing: {layout.name} holds {suffix} {list(plan.shape)} here")
+        if (rank_dtype is not None and record.dtype in _CASTABLE and record.dtype != rank_dtype
+                and self.follows_model(rank, layout, suffix)):
+            return ParamAudit(rank, layer, name, "mismatch",
+                              f"dtype {record.dtype}, expected {rank_dtype} (the model dtype of "
+                              "this rank's other parameters: an engine casts them all to one "
+                              "model dtype)")
         if _exact_in_place(record, plan, candidates):
             return ParamAudit(rank, layer, name, "exact")
         with np.errstate(over="ignore", invalid="ignore"):  # an overflow is reported below

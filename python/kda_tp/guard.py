@@ -17,9 +17,12 @@ On a pass, one INFO line per rank goes to the logger ``kda_tp.guard``:
 ``kda_tp guard: <where>: tp rank 1/4: 9 KDA parameters, 1179648 bytes, 0.004 s: OK``.
 
 Nothing is checked, at no measurable cost, for a model without KDA parameters (no
-``...self_attn.A_log`` or ``...self_attn.dt_bias`` name: any non-KDA model, a draft or MTP
-model) or a checkpoint whose config describes no KDA layer. A checkpoint that is not a local
-path (a remote streamer, ``s3://...``) is one warning, not a check.
+``...self_attn.A_log`` or ``...self_attn.dt_bias`` name nor another name only a KDA layer has:
+any non-KDA model, a draft or MTP model). A KDA-looking model that cannot be checked is one
+``RuntimeWarning``: KDA layer names without ``A_log`` and ``dt_bias``, a checkpoint whose config
+describes no KDA layer, a checkpoint that is not a local path (a remote streamer, ``s3://...``).
+The guard's own failure to check (a tensor it cannot read) is a ``GuardError`` in mode ``fail``
+and a WARNING in mode ``warn``, never a crash.
 
 This module imports no engine and no torch; torch tensors are read only when torch is imported
 already (they come from an engine).
@@ -39,13 +42,14 @@ from typing import Any
 
 import numpy as np
 
+from .checkpoint import numpy_dtype
 from .config import describes_kda, load_config
-from .engine_audit import AuditReport, audit
+from .engine_audit import AuditReport, as_record, audit
 from .engines import param_location
-from .errors import GuardError, GuardModeError, KdaTpError
+from .errors import CheckpointError, GuardError, GuardModeError, KdaTpError
 
 __all__ = ["CHECKPOINT_ENV", "DERIVED", "MODES", "MODE_ENV", "GuardResult", "check", "holds_kda",
-           "mode"]
+           "looks_kda", "mode"]
 
 #: The environment variable that sets the guard's mode.
 MODE_ENV = "KDA_TP_GUARD"
@@ -62,6 +66,14 @@ logger = logging.getLogger("kda_tp.guard")
 # Parameter names only a KDA layer has (every engine layout holds A_log and dt_bias; other
 # linear-attention layers such as Qwen3-Next's hold theirs under `linear_attn.`).
 _MARKERS = (".A_log", ".dt_bias")
+
+
+# Names only a KDA layer has besides A_log and dt_bias (any engine layout): a model holding
+# some under `.self_attn.` without the markers is a KDA model whose markers are missing.
+_KDA_LOOKING = (".f_a_proj.weight", ".f_b_proj.weight", ".g_a_proj.weight", ".g_b_proj.weight",
+                ".o_norm.weight", ".q_conv1d.weight", ".k_conv1d.weight", ".v_conv1d.weight",
+                ".in_proj_qkvgfab.weight", ".fused_qkvbfg_a_proj.weight",
+                ".in_proj_qkvbfg_a.weight", ".decode_conv1d_weight")
 
 
 def _conv_decode(conv1d: np.ndarray) -> np.ndarray:
@@ -93,8 +105,27 @@ DERIVED: Mapping[str, Mapping[str, tuple[str, Callable[[np.ndarray], np.ndarray]
 def holds_kda(names: Iterable[str]) -> bool:
     """Whether parameter names include a KDA layer's (``...self_attn.A_log`` or
     ``...self_attn.dt_bias``, any prefix): the cheap test :func:`check` skips on, for plugins
-    that must decide before they know the checkpoint. One pass over the names, no I/O."""
-    return any(n.endswith(_MARKERS) and ".self_attn." in n for n in names)
+    that must decide before they know the checkpoint. One pass over the names, no I/O; a
+    name that is not a ``str`` is no KDA name."""
+    return _any_ending(names, _MARKERS)
+
+
+def looks_kda(names: Iterable[Any]) -> bool:
+    """Whether names include a KDA layer's: :func:`holds_kda`'s markers or other names only a
+    KDA layer has (its gate projections, ``o_norm``, its fused projections or convs, under
+    ``.self_attn.``). True with :func:`holds_kda` false is a KDA model whose ``A_log`` and
+    ``dt_bias`` are missing, which :func:`check` skips with a warning. One pass over the
+    names, no I/O."""
+    return _any_ending(names, _MARKERS + _KDA_LOOKING)
+
+
+def _any_ending(names: Iterable[Any], ends: tuple[str, ...]) -> bool:
+    names = list(names) if not isinstance(names, Mapping | list | tuple) else names
+    try:  # the fast path: every name a str
+        return any(n.endswith(ends) and ".self_attn." in n for n in names)
+    except (AttributeError, TypeError):
+        return any(isinstance(n, str) and n.endswith(ends) and ".self_attn." in n
+                   for n in names)
 
 
 def mode() -> str:
@@ -160,20 +191,16 @@ def _nbytes(value: Any) -> int:
     return int(found) if isinstance(found, (int, np.integer)) else 0
 
 
-def _array(value: Any) -> np.ndarray | None:
-    """A numpy array of ``value``'s values (numpy, ``kda_tp.Tensor`` or torch on any device);
-    None for anything else. A BF16 torch tensor is read as F32 (the derivations need the
-    values, not the dtype)."""
-    if isinstance(value, np.ndarray):
-        return value
-    torch = sys.modules.get("torch")  # a torch tensor means torch is imported already
-    if torch is not None and isinstance(value, torch.Tensor):
-        t = value.detach().to("cpu")
-        if t.dtype not in (torch.float32, torch.float64, torch.float16):
-            t = t.float()
-        return np.asarray(t.numpy())
-    array = getattr(value, "array", None)
-    return array if isinstance(array, np.ndarray) else None
+def _array(name: str, value: Any) -> tuple[np.ndarray, str]:
+    """``value``'s values in its own dtype (numpy, ``kda_tp.Tensor`` or torch on any device;
+    BF16 and FP8 through ``ml_dtypes``) and that dtype's safetensors name.
+
+    Raises:
+        CheckpointError: a value that is not an array, a dtype not audited, a tensor without
+            data (meta, lazy) or not dense.
+    """
+    record = as_record(name, value)
+    return record.array, record.dtype
 
 
 def _is_local(checkpoint: Any) -> bool:
@@ -223,19 +250,24 @@ def check(
             report on a running engine without raising); None: the variable's.
 
     Returns:
-        None without checking anything when the mode is ``off``, ``params`` has no KDA
-        parameter name, the config describes no KDA layer, or ``checkpoint`` is not a local
-        path (then one ``RuntimeWarning`` says so); else the :class:`GuardResult` (in mode
+        None without checking anything when the mode is ``off`` or ``params`` has no KDA
+        parameter name; also, with one ``RuntimeWarning`` saying why, when ``params`` has KDA
+        layer names but no ``A_log`` or ``dt_bias``, the config describes no KDA layer, or
+        ``checkpoint`` is not a local path; and in mode ``warn`` when the check itself fails
+        (logged at WARNING); else the :class:`GuardResult` (in mode
         ``warn`` also when it failed). The result's :meth:`~GuardResult.line` is logged at
         INFO on a pass, the diagnosis at WARNING on a failure in mode ``warn``.
 
     Raises:
         GuardError: mode ``fail``, and some KDA parameter (or derived copy) is wrong or missing,
             or the parameters cannot be audited (no engine layout fits their names, a config
-            the audit refuses); the message is the audit's diagnosis, ``.report`` the report
+            the audit refuses, a tensor it cannot read: sparse, uninitialized, meta); the message is the audit's diagnosis, ``.report`` the report
             (None when the audit could not run).
         GuardModeError: ``KDA_TP_GUARD`` (or ``guard_mode``) holds another value than
             ``fail``, ``warn``, ``off``.
+        CheckpointError: a KDA model's ``params`` has a key that is not a ``str``.
+        TypeError: ``derived`` has a key that is not a ``str``; ``params`` is neither a
+            mapping nor ``(name, tensor)`` pairs.
     """
     chosen = mode() if guard_mode is None else guard_mode
     if chosen not in MODES:
@@ -243,10 +275,24 @@ def check(
                              f"{', '.join(MODES)}")
     if chosen == "off":
         return None
-    named = params if isinstance(params, Mapping) else dict(params)
-    if not holds_kda(named):
-        return None
+    named = params if isinstance(params, Mapping) else _pairs(params)
+    for key in derived or {}:
+        if not isinstance(key, str):
+            raise TypeError(f"derived: the key {key!r} ({type(key).__name__}) is not a "
+                            "parameter name (a str)")
     label = f"{where}: " if where else ""
+    if not looks_kda(named):  # one pass over a non-KDA model's names
+        return None
+    if not holds_kda(named):
+        _skipped(f"kda_tp guard: {label}tp rank {tp_rank}/{tp_size}: the parameters hold "
+                 "KDA layer names (gate projections, o_norm, fused projections, convs) but no "
+                 "...self_attn.A_log or ...self_attn.dt_bias; the KDA weights are not checked "
+                 "(a loader that dropped them?)")
+        return None
+    for key in named:
+        if not isinstance(key, str):
+            raise CheckpointError(f"params: the key {key!r} ({type(key).__name__}) is not a "
+                                  "parameter name (a str)")
     if not _is_local(checkpoint):
         warnings.warn(
             f"kda_tp guard: {label}the checkpoint {checkpoint!r} is not a local path (a remote "
@@ -259,6 +305,11 @@ def check(
     root = root if root.is_dir() else root.parent
     try:
         if not describes_kda(load_config(root)):
+            _skipped(f"kda_tp guard: {label}tp rank {tp_rank}/{tp_size}: the "
+                     f"parameters are KDA layers' (...self_attn.A_log / dt_bias) but the config "
+                     f"of {os.fspath(checkpoint)} describes no KDA layer; the KDA weights are not "
+                     f"checked (is it the checkpoint the engine loaded? set {CHECKPOINT_ENV} to "
+                     "it)")
             return None
     except KdaTpError:
         pass  # no or a broken config.json: the audit below says so
@@ -266,23 +317,24 @@ def check(
     try:
         report = audit(named, checkpoint, tp_rank=tp_rank, tp_size=tp_size, engine=engine,
                        layers=layers)
-    except KdaTpError as error:
+        checked = [p for p in report.params if p.status != "missing"]
+        nbytes = sum(_nbytes(named[p.name]) for p in checked)
+        count = len(report.params)
+        for name, value in (derived or {}).items():
+            problem = _check_derived(name, value, named, report)
+            if problem is not False:
+                count += 1
+                nbytes += _nbytes(value)
+                if problem:
+                    report.problems.append(f"rank {tp_rank} {name}: {problem}")
+    except Exception as error:  # the guard's own failure must never crash a warn-mode engine
+        why = str(error) if isinstance(error, KdaTpError) else f"{type(error).__name__}: {error}"
         text = (f"kda_tp guard: {label}tp rank {tp_rank}/{tp_size}: cannot check the KDA "
-                f"weights against {os.fspath(checkpoint)}: {error}")
+                f"weights against {os.fspath(checkpoint)}: {why}")
         if chosen == "fail":
             raise GuardError(text + f" (set {MODE_ENV}=warn to start anyway)") from error
         logger.warning("%s", text)
         return None
-    checked = [p for p in report.params if p.status != "missing"]
-    nbytes = sum(_nbytes(named[p.name]) for p in checked)
-    count = len(report.params)
-    for name, value in (derived or {}).items():
-        problem = _check_derived(name, value, named, report)
-        if problem is not False:
-            count += 1
-            nbytes += _nbytes(value)
-            if problem:
-                report.problems.append(f"rank {tp_rank} {name}: {problem}")
     result = GuardResult(report, tp_rank, tp_size, report.engine, count, nbytes,
                          time.perf_counter() - start, where)
     if result.passed:
@@ -294,6 +346,32 @@ def check(
         raise GuardError(text + f"\n(set {MODE_ENV}=warn to start anyway)", report)
     logger.warning("%s", text)
     return result
+
+
+def _pairs(params: Iterable[Any]) -> dict[str, Any]:
+    """``(name, tensor)`` pairs as a dict.
+
+    Raises:
+        TypeError: ``params`` is not iterable, or an item is not a pair.
+    """
+    out: dict[str, Any] = {}
+    try:
+        items = iter(params)
+    except TypeError:
+        raise TypeError(f"params: a {type(params).__name__}; expected a mapping or (name, "
+                        "tensor) pairs") from None
+    for i, item in enumerate(items):
+        if not isinstance(item, tuple | list) or len(item) != 2:
+            raise TypeError(f"params: item {i} is a {type(item).__name__}, not a (name, "
+                            "tensor) pair; pass a mapping or model.named_parameters()")
+        out[item[0]] = item[1]
+    return out
+
+
+def _skipped(text: str) -> None:
+    """A KDA-looking model that is not checked: one ``RuntimeWarning`` (in every mode but
+    ``off``; never an error: the guard cannot tell that the weights are wrong)."""
+    warnings.warn(text, RuntimeWarning, stacklevel=3)
 
 
 def _check_derived(name: str, value: Any, named: Mapping[str, Any],
@@ -311,16 +389,24 @@ def _check_derived(name: str, value: Any, named: Mapping[str, Any],
     origin = f"{prefix}{layer}.self_attn.{source}"
     if origin not in verdicts or not verdicts[origin].passed:
         return None if origin in verdicts else f"its parameter {origin} was not checked"
-    got, base = _array(value), _array(named[origin])
-    if got is None or base is None:
-        return f"a {type(value).__name__}, not an array"
-    want = derive(base)
-    if got.shape != want.shape or got.dtype != want.dtype:
-        return (f"shape {list(got.shape)} x {got.dtype}, expected {list(want.shape)} x "
-                f"{want.dtype} (derived from {source})")
-    if np.array_equal(got.view(np.uint8), want.view(np.uint8)):
+    try:
+        got, got_dtype = _array(name, value)
+    except KdaTpError as error:
+        return f"cannot be read: {error}"
+    base, base_dtype = _array(origin, named[origin])  # read by the audit already
+    want = np.ascontiguousarray(derive(base))
+    want_dtype = next((d for d in ("F64", "F32", "F16", "BF16") if numpy_dtype(d) == want.dtype),
+                      base_dtype)
+    if got.shape != want.shape or got_dtype != want_dtype:
+        return (f"shape {list(got.shape)} x {got_dtype}, expected {list(want.shape)} x "
+                f"{want_dtype} (derived from {source})")
+    size = want.dtype.itemsize
+    got_bits = np.ascontiguousarray(got).reshape(-1).view(f"<u{size}")
+    want_bits = want.reshape(-1).view(f"<u{size}")
+    if np.array_equal(got_bits, want_bits):
         return None
-    first = int(np.flatnonzero((got != want).reshape(-1))[0]) if got.size else 0
+    # The first element whose bytes differ (-0.0 and 0.0 compare equal as values).
+    first = int(np.flatnonzero(got_bits != want_bits)[0])
     index = [int(i) for i in np.unravel_index(first, got.shape)]
     return (f"differs from what {source} makes of it at {index} (expected "
             f"{float(want.reshape(-1)[first])!r}, got {float(got.reshape(-1)[first])!r}): the "

@@ -43,7 +43,7 @@ import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from .guard import CHECKPOINT_ENV, DERIVED, GuardResult, check, holds_kda, mode
+from .guard import CHECKPOINT_ENV, DERIVED, GuardResult, check, holds_kda, looks_kda, mode
 
 __all__ = ["WORKER_METHOD", "audit_llm", "guard_model", "register"]
 
@@ -193,8 +193,9 @@ def _wrap_reload(inplace: Any) -> None:  # vllm.model_executor.model_loader.relo
         bound = signature.bind_partial(*args, **kwargs).arguments
         if bound.get("weights_iterator") is None and bound.get("is_checkpoint_format", True):
             config = bound["vllm_config"]
+            path = bound.get("weights_path")
             guard_model(bound["model"], config.model_config, loader="reload_weights",
-                        vllm_config=config)
+                        vllm_config=config, checkpoint=str(path) if path else None)
         return out
 
     setattr(reload_weights, _WRAPPED, True)
@@ -212,16 +213,18 @@ _INSTALLERS: dict[str, Callable[[Any], None]] = {
 }
 
 
-def _checkpoint(model_config: Any, loader: str) -> str | None:
-    """The checkpoint to check against: ``KDA_TP_GUARD_CHECKPOINT``, else the model's local
-    directory (a Hugging Face id resolved to its cached snapshot); None for a
-    ``sharded_state`` directory without the variable."""
+def _checkpoint(model_config: Any, loader: str, given: str | None = None) -> str | None:
+    """The checkpoint to check against: ``given`` (the ``weights_path`` a reload loaded
+    from: that path, whatever ``KDA_TP_GUARD_CHECKPOINT`` says), else
+    ``KDA_TP_GUARD_CHECKPOINT``, else the model's local directory (a Hugging Face id
+    resolved to its cached snapshot); None for a ``sharded_state`` directory without the
+    variable."""
     override = os.environ.get(CHECKPOINT_ENV)
-    if override:
+    if given is None and override:
         return override
-    if loader == "ShardedStateLoader":
+    if given is None and loader == "ShardedStateLoader":
         return None
-    path = str(getattr(model_config, "model_weights", "") or model_config.model)
+    path = given or str(getattr(model_config, "model_weights", "") or model_config.model)
     if "://" in path or os.path.exists(path):
         return path
     try:
@@ -247,7 +250,8 @@ def _attach_vllm_logging() -> None:
 
 
 def guard_model(model: Any, model_config: Any, *, loader: str = "",
-                vllm_config: Any = None, guard_mode: str | None = None) -> GuardResult | None:
+                vllm_config: Any = None, guard_mode: str | None = None,
+                checkpoint: str | None = None) -> GuardResult | None:
     """Run the guard on this worker's freshly loaded ``model`` (what the wrapped loaders call).
 
     Args:
@@ -258,6 +262,9 @@ def guard_model(model: Any, model_config: Any, *, loader: str = "",
             ``"reload_weights"``.
         vllm_config: vLLM's config, to tell a draft model apart (None: the current one).
         guard_mode: as for :func:`kda_tp.guard.check` (None: ``KDA_TP_GUARD``'s).
+        checkpoint: the path the weights were just loaded from (``reload_weights``'s
+            ``weights_path``): checked against it, ``KDA_TP_GUARD_CHECKPOINT`` ignored; None:
+            the variable, else the model's path.
 
     Returns:
         The :class:`~kda_tp.guard.GuardResult`, or None when nothing was checked (see
@@ -270,7 +277,7 @@ def guard_model(model: Any, model_config: Any, *, loader: str = "",
     if (guard_mode or mode()) == "off" or loader in _UNCHECKED_LOADERS:
         return None
     params = {n: _as_processed(n, p) for n, p in model.named_parameters()}
-    if not holds_kda(params):
+    if not looks_kda(params):  # no KDA name (check() warns for one without A_log/dt_bias)
         return None
     from vllm.distributed import parallel_state
 
@@ -285,7 +292,7 @@ def guard_model(model: Any, model_config: Any, *, loader: str = "",
     tp = parallel_state.get_tp_group()
     rank, size = int(tp.rank_in_group), int(tp.world_size)
     where = f"vllm {loader}" if loader else "vllm"
-    checkpoint = _checkpoint(model_config, loader)
+    checkpoint = _checkpoint(model_config, loader, checkpoint)
     if checkpoint is None:
         warnings.warn(
             f"kda_tp guard: {where}: tp rank {rank}/{size}: a sharded_state load holds the "
