@@ -438,9 +438,15 @@ def _fsync_directory(path: Path) -> None:
 
 def resolve_out(path: Path) -> Path:
     """``path.resolve()`` for an output path the user gave, or an :class:`OutputError` naming it
-    when it cannot be resolved (a symlink loop: ``RuntimeError`` on Python 3.11-3.12,
-    ``OSError`` later; a path too long)."""
+    when it cannot be resolved: a symlink loop (``Path.resolve`` raises ``RuntimeError`` for it
+    on Python 3.10-3.12 and returns the path unresolved on 3.13, so ``os.stat``'s ``ELOOP`` is
+    checked too), a path too long."""
     try:
+        try:
+            os.stat(path)
+        except OSError as e:
+            if e.errno in (errno.ELOOP, errno.ENAMETOOLONG):
+                raise
         return path.resolve()
     except (OSError, RuntimeError) as e:
         raise OutputError(f"{path}: cannot resolve the output path ({e}); a symlink loop? "
