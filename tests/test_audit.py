@@ -28,16 +28,7 @@ from kda_tp.engines import LAYOUTS, get_layout
 from kda_tp.errors import CheckpointError, PlanError, ShapeMismatchError
 from kda_tp.synth import write_small_checkpoint
 
-DATA = Path(__file__).parent / "data" / "engine_ranks"
-CKPT = {"k3": DATA / "ckpt_k3", "kimi_linear": DATA / "ckpt_kl", "glm": DATA / "ckpt_glm"}
-DUMPS = sorted(DATA.glob("*_tp*_r*.safetensors"))
-PRE = "model.layers.0.self_attn."
-
-
-def load(path: Path) -> tuple[dict[str, str], dict[str, np.ndarray]]:
-    """A fixture dump's metadata and its tensors (full names)."""
-    with safe_open(path, "np") as f:
-        return f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+from tp_fixtures import CKPT, DATA, DUMPS, PRE, load  # the engine_ranks fixtures
 
 
 def fixture(stem: str) -> tuple[dict[str, str], dict[str, np.ndarray], Path]:

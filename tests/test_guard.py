@@ -19,15 +19,7 @@ from kda_tp.engines import get_layout
 from kda_tp.errors import GuardModeError
 from kda_tp.guard import MODE_ENV, GuardResult, check, mode
 
-DATA = Path(__file__).parent / "data" / "engine_ranks"
-CKPT = {"k3": DATA / "ckpt_k3", "kimi_linear": DATA / "ckpt_kl", "glm": DATA / "ckpt_glm"}
-DUMPS = sorted(DATA.glob("*_tp*_r*.safetensors"))
-PRE = "model.layers.0.self_attn."
-
-
-def load(path: Path) -> tuple[dict[str, str], dict[str, np.ndarray]]:
-    with safe_open(path, "np") as f:
-        return f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+from tp_fixtures import CKPT, DUMPS, PRE, load  # the engine_ranks fixtures
 
 
 def built(checkpoint: Path, layout: str, rank: int, tp_size: int) -> dict[str, np.ndarray]:

@@ -115,3 +115,18 @@ def tree(path: Path) -> dict[str, str]:
         for p in sorted(path.rglob("*"))
         if p.is_file()
     }
+
+
+# The engine per-rank fixtures (tests/data/engine_ranks: vLLM's and SGLang's own loaders' output).
+DATA = Path(__file__).parent / "data" / "engine_ranks"
+CKPT = {"k3": DATA / "ckpt_k3", "kimi_linear": DATA / "ckpt_kl", "glm": DATA / "ckpt_glm"}
+DUMPS = sorted(DATA.glob("*_tp*_r*.safetensors"))
+PRE = "model.layers.0.self_attn."
+
+
+def load(path: Path) -> tuple[dict[str, str], dict[str, np.ndarray]]:
+    """A fixture dump's metadata and its tensors (full names)."""
+    from safetensors import safe_open
+
+    with safe_open(path, "np") as f:
+        return f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
