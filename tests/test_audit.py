@@ -28,7 +28,8 @@ from kda_tp.engines import LAYOUTS, get_layout
 from kda_tp.errors import CheckpointError, PlanError, ShapeMismatchError
 from kda_tp.synth import write_small_checkpoint
 
-from tp_fixtures import CKPT, DATA, DUMPS, PRE, load  # the engine_ranks fixtures
+from tp_fixtures import CKPT, DUMPS, PRE, load  # the engine_ranks fixtures
+from tp_fixtures import ENGINE_RANKS as DATA
 
 
 def fixture(stem: str) -> tuple[dict[str, str], dict[str, np.ndarray], Path]:

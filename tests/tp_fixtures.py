@@ -118,9 +118,10 @@ def tree(path: Path) -> dict[str, str]:
 
 
 # The engine per-rank fixtures (tests/data/engine_ranks: vLLM's and SGLang's own loaders' output).
-DATA = Path(__file__).parent / "data" / "engine_ranks"
-CKPT = {"k3": DATA / "ckpt_k3", "kimi_linear": DATA / "ckpt_kl", "glm": DATA / "ckpt_glm"}
-DUMPS = sorted(DATA.glob("*_tp*_r*.safetensors"))
+ENGINE_RANKS = Path(__file__).parent / "data" / "engine_ranks"
+CKPT = {"k3": ENGINE_RANKS / "ckpt_k3", "kimi_linear": ENGINE_RANKS / "ckpt_kl",
+        "glm": ENGINE_RANKS / "ckpt_glm"}
+DUMPS = sorted(ENGINE_RANKS.glob("*_tp*_r*.safetensors"))
 PRE = "model.layers.0.self_attn."
 
 
