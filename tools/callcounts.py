@@ -8,8 +8,7 @@ functions below, wherever a kda_tp module holds them, and prints one line per co
 
 Counters: ``config.json reads`` (``kda_tp.config.read_json`` of a ``config.json``),
 ``parse_config``, ``quantization_config``, ``names() lists`` (``SafetensorsSource.names``),
-``plans built`` (``KdaTpPlan.from_config`` calls; with ``kda_tp.description``, rank plans made
-from a description), ``rank views`` (``KdaShardedSource`` built), ``param_plan``
+``plans built`` (``KdaTpPlan.from_description`` calls, else ``from_config``), ``rank views`` (``KdaShardedSource`` built), ``param_plan``
 (``EngineLayout.param_plan``) and, with ``kda_tp.description``, ``descriptions`` (checkpoints
 inspected).
 """
@@ -74,7 +73,9 @@ def install() -> None:
     from kda_tp.source import KdaShardedSource
 
     _patch_method(SafetensorsSource, "names", "names() lists")
-    _patch_method(KdaTpPlan, "from_config", "plans built", classmethod_=True)
+    # Every plan from a checkpoint goes through from_description where it exists.
+    planned = "from_description" if "from_description" in vars(KdaTpPlan) else "from_config"
+    _patch_method(KdaTpPlan, planned, "plans built", classmethod_=True)
     _patch_method(KdaShardedSource, "__init__", "rank views")
     _patch_method(EngineLayout, "param_plan", "param_plan")
     try:
@@ -82,7 +83,6 @@ def install() -> None:
     except ImportError:
         return
     _patch_method(description.CheckpointDescription, "__init__", "descriptions")
-    _patch_method(description.CheckpointDescription, "plan", "plans built")
 
 
 def main(argv: list[str]) -> int:

@@ -1,7 +1,8 @@
 """kda_tp: split the weights of KDA (Kimi Delta Attention) layers across tensor-parallel ranks.
 
-The shard plan and the slicers are a Rust core; this package adds checkpoint sources, the
-adapter that presents one rank's shard, serving engines' fused layouts (``kda_tp.engines``), the
+The shard plan and the slicers are a Rust core; this package adds checkpoint sources, one
+description of a checkpoint (:func:`describe`), the adapter that presents one rank's shard
+(:func:`open_rank` opens it in one call), serving engines' fused layouts (``kda_tp.engines``), the
 audit of an engine's loaded weights (:func:`audit`) and what an engine must hold, as a dump or as
 vLLM's weight digests (:func:`write_engine_dump`, :func:`engine_digests`), a pure-Python oracle
 (``kda_tp.oracle``), a numpy reference forward (``kda_tp.reference``) and the ``kda-tp`` command
@@ -34,11 +35,13 @@ if TYPE_CHECKING:
         OutputError,
         PlanError,
         ShapeMismatchError,
+        TensorNotFoundError,
         UsageError,
     )
+    from .description import CheckpointDescription, describe
     from .plan import KdaShard, KdaTensorPlan, KdaTpPlan
     from .quant import dequantize
-    from .source import KdaShardedSource, SafetensorsSource, Tensor, shard_bytes
+    from .source import KdaShardedSource, SafetensorsSource, Tensor, open_rank, shard_bytes
 
 __all__ = [
     "__version__",
@@ -49,6 +52,7 @@ __all__ = [
     "DtypeMismatchError",
     "BufferLayoutError",
     "CheckpointError",
+    "TensorNotFoundError",
     "OutputError",
     "MissingDependencyError",
     "EngineLayoutError",
@@ -60,6 +64,9 @@ __all__ = [
     "Tensor",
     "SafetensorsSource",
     "KdaShardedSource",
+    "open_rank",
+    "describe",
+    "CheckpointDescription",
     "shard_bytes",
     "dequantize",
     "check_tp_equivalence",
@@ -79,6 +86,7 @@ _LAZY = {
     "DtypeMismatchError": "errors",
     "BufferLayoutError": "errors",
     "CheckpointError": "errors",
+    "TensorNotFoundError": "errors",
     "OutputError": "errors",
     "MissingDependencyError": "errors",
     "EngineLayoutError": "errors",
@@ -90,6 +98,9 @@ _LAZY = {
     "Tensor": "source",
     "SafetensorsSource": "source",
     "KdaShardedSource": "source",
+    "open_rank": "source",
+    "describe": "description",
+    "CheckpointDescription": "description",
     "shard_bytes": "source",
     "dequantize": "quant",
     "check_tp_equivalence": "equivalence",

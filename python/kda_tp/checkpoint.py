@@ -342,7 +342,7 @@ class SafetensorsSource:
                 f"{self.path}: a JSON file; expected a checkpoint directory or a .safetensors file"
             )
         self.backend = backend
-        self._checkpoint = _native.Checkpoint(self.path, backend)
+        self._checkpoint: _native.Checkpoint | _Closed = _native.Checkpoint(self.path, backend)
         self._config: dict[str, Any] | None = None
 
     @property
@@ -504,8 +504,32 @@ class SafetensorsSource:
     def __contains__(self, name: str) -> bool:
         return self._checkpoint.info(name) is not None
 
+    def close(self) -> None:
+        """Close the checkpoint: its file mappings and descriptors are released as soon as no
+        array returned by :meth:`get` or :meth:`read_range` still views them (such an array
+        keeps its mapping alive and stays valid). Every later call but :meth:`close` raises
+        ``CheckpointError``; closing twice is harmless."""
+        self._checkpoint = _Closed(self.path)
+
+    def __enter__(self) -> SafetensorsSource:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def __repr__(self) -> str:
         return f"SafetensorsSource({str(self.path)!r}, backend={self.backend!r})"
+
+
+class _Closed:
+    """What a closed :class:`SafetensorsSource` holds instead of its checkpoint: every use
+    raises."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def __getattr__(self, name: str) -> Any:
+        raise CheckpointError(f"{self.path}: the checkpoint is closed")
 
 
 def _itemsize(dtype: str) -> int:

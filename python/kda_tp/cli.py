@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, NoReturn, cast
 from . import __version__
 from .config import load_config, parse_config
 from .errors import CheckpointError, KdaTpError, PlanError, ShardInterrupted
+from .families import FAMILIES
 
 # Each command imports what it uses (numpy with the reader, the writer and verifier only for
 # shard/verify), so that `kda-tp --help` imports no numpy and `kda-tp plan` no writer.
@@ -224,7 +225,7 @@ def _parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("demo", help="plan, shard and verify a generated real-geometry checkpoint")
     p.add_argument("--tp-size", type=_tp_size, default=4, help="world size (default 4)")
-    p.add_argument("--model", choices=["kimi-linear", "glm-5.3-flash", "kimi-k3"],
+    p.add_argument("--model", choices=[family.demo for family in FAMILIES.values()],
                    default="kimi-linear")
     p.add_argument("--num-layers", type=int,
                    help="decoder layers to generate (default 4; kimi-k3: 2, one KDA layer of "
@@ -339,34 +340,37 @@ def _int_list(text: str) -> list[int]:
 
 def _cmd_plan(args: argparse.Namespace) -> int:
     from .checkpoint import refuse_index_member
+    from .description import CheckpointDescription, describe
     from .layers import check_layers, config_layer_count
     from .plan import KdaTpPlan, assumed_layout
-    from .source import SafetensorsSource, decoder_prefix, kda_tensor_name, scale_tensor_name
+    from .source import SafetensorsSource, kda_tensor_name, scale_tensor_name
 
     # `demo` calls this with a namespace that has no --layers or --json.
     requested, as_json = getattr(args, "layers", None), getattr(args, "json", False)
     refuse_index_member(args.input)
     source: SafetensorsSource | None = None
     layers: tuple[int, ...] | None = None
+    # The checkpoint (or config) is read once: its description (kda_tp.description).
     if args.input.is_dir() and any(args.input.glob("*.safetensors")):
         source = SafetensorsSource(args.input)
+        description = describe(source)
         layers = _selected_layers(source, requested)
     else:
         # A bare config: its own list of KDA layers (or --layers, checked against it).
-        config = load_config(args.input)
-        listed = parse_config(config, str(args.input)).kda_layers
+        description = CheckpointDescription(None, load_config(args.input), str(args.input))
+        listed = description.kda.kda_layers
         layers = listed if requested is None else check_layers(
-            requested, listed, config_layer_count(config)
+            requested, listed, config_layer_count(description.config)
         )
-    plan = KdaTpPlan.from_config(
-        args.input, args.rank, args.tp_size, gate_rank=args.gate_rank,
+    plan = KdaTpPlan.from_description(
+        description, args.rank, args.tp_size, gate_rank=args.gate_rank,
         qk_multiple=args.qk_multiple, layers=layers if source is not None else None,
     )
-    kda = parse_config(load_config(_config_location(args.input)), str(args.input))
+    kda = description.kda
     shapes, n_layers = {}, None
     if source is not None and layers:
         n_layers = len(layers)
-        prefix = decoder_prefix(source)
+        prefix = description.prefix
         shapes = {
             t.name: _disk_shape(source, kda_tensor_name(prefix, layers[0], t.name), layers[0])
             for t in plan.tensors

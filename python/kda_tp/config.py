@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from .errors import CheckpointError
+from .families import FAMILIES, RULES_GENERIC, RULES_GLM, RULES_KIMI
 
 __all__ = [
     "KdaConfig",
@@ -88,23 +89,19 @@ _FLOAT32_MAX = 3.4028234663852886e38
 #: ``layer_types`` entries that mark a KDA layer (transformers' ``kimi_linear``, Qwen3-Next).
 KDA_LAYER_TYPES = ("linear_attention", "kda_attention")
 
-#: Rule set of GLM-5.3-Flash configs (transformers ``glm5_next``).
-RULES_GLM = "glm5_next"
-#: Rule set of Kimi-Linear and Kimi K3 configs.
-RULES_KIMI = "kimi"
-#: Rule set of a config whose ``model_type`` kda_tp does not know, but which has KDA keys.
-RULES_GENERIC = "generic"
-#: Rule set -> (the ``model_type`` values that select it, what it follows), for messages.
+#: Rule set -> (the ``model_type`` values that select it, what it follows), for messages; the
+#: ``model_type`` values are those of the families in :data:`kda_tp.families.FAMILIES`.
 RULES: dict[str, tuple[tuple[str, ...], str]] = {
-    RULES_GLM: (
-        ("glm5_next", "glm5_next_text"),
-        "GLM-5.3-Flash, as transformers' configuration_glm5_next.py reads it",
-    ),
-    RULES_KIMI: (
-        ("kimi_linear", "kimi_k3", "kimi_k3_text"),
-        "Kimi-Linear / Kimi K3 (linear_attn_config; bound range as vLLM and SGLang assert)",
-    ),
-    RULES_GENERIC: ((), "unknown model_type: Kimi-Linear keys, any bound below 0"),
+    rules: (
+        tuple(t for f in FAMILIES.values() if f.rules == rules for t in f.model_types),
+        follows,
+    )
+    for rules, follows in (
+        (RULES_GLM, "GLM-5.3-Flash, as transformers' configuration_glm5_next.py reads it"),
+        (RULES_KIMI,
+         "Kimi-Linear / Kimi K3 (linear_attn_config; bound range as vLLM and SGLang assert)"),
+        (RULES_GENERIC, "unknown model_type: Kimi-Linear keys, any bound below 0"),
+    )
 }
 
 # Glm5NextTextConfig's defaults (transformers configuration_glm5_next.py).

@@ -43,6 +43,7 @@ from .engines import (
     recognise,
 )
 from .errors import CheckpointError, EngineLayoutError, PlanError, ShapeMismatchError
+from .families import FAMILIES
 from .layout import kda_layer_indices, kda_tensor_name, scale_tensor_name
 from .plan import KdaTpPlan
 from .source import KdaShardedSource, checked_get
@@ -65,7 +66,7 @@ _PP_TP_FILE = re.compile(r"^model-pp-([0-9]+)-tp-([0-9]+)-part-([0-9]+)\.safeten
 # A rank or size in a file header's metadata.
 _ASCII_INT = re.compile(r"[0-9]+")
 # The model families' names in messages.
-_FAMILY_NAMES = {"kimi-k3": "Kimi K3", "kimi-linear": "Kimi-Linear", "glm-5.3": "GLM-5.3-Flash"}
+_FAMILY_NAMES = {name: family.display for name, family in FAMILIES.items()}
 
 # The float dtypes an engine casts between (torch's `copy_`, round to nearest even); FP8 and
 # integer parameters are compared as stored.

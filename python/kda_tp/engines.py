@@ -51,8 +51,9 @@ from types import MappingProxyType
 from typing import Any
 
 from .checkpoint import numpy_dtype
-from .config import RULES_GLM, parse_config
+from .config import parse_config
 from .errors import CheckpointError, EngineLayoutError
+from . import families
 from .plan import KdaTensorPlan, KdaTpPlan
 from .quant import FP8_DTYPES
 
@@ -64,6 +65,7 @@ __all__ = [
     "EngineParamPlan",
     "Region",
     "get_layout",
+    "kda_only_suffixes",
     "layouts_for",
     "layouts_markdown",
     "model_family",
@@ -72,9 +74,10 @@ __all__ = [
     "recognise",
 ]
 
-#: Model families a layout is written for: Kimi K3 (full-rank output gate), Kimi-Linear and
-#: GLM-5.3-Flash (low-rank gate; GLM's config is transformers' ``glm5_next``).
-FAMILIES = ("kimi-k3", "kimi-linear", "glm-5.3")
+#: Model families a layout is written for (the names of :data:`kda_tp.families.FAMILIES`):
+#: Kimi-Linear and GLM-5.3-Flash (low-rank gate; GLM's config is transformers' ``glm5_next``),
+#: Kimi K3 (full-rank output gate).
+FAMILIES = tuple(families.FAMILIES)
 
 
 @dataclass(frozen=True)
@@ -598,6 +601,25 @@ _TABLES = (
 LAYOUTS: Mapping[str, EngineLayout] = MappingProxyType({t.name: t for t in _TABLES})
 
 
+# Plan tensors other attention layers also hold under the same names after ``self_attn.``
+# (every attention's q/k/v/o projections; Kimi K3's MLA layers' g_proj).
+_SHARED_PARTS = frozenset({"q_proj", "k_proj", "v_proj", "g_proj", "o_proj"})
+
+
+def kda_only_suffixes() -> frozenset[str]:
+    """The parameter names (after ``self_attn.``) only a KDA layer has, in any layout of
+    :data:`LAYOUTS`: those made of at least one plan tensor no other attention layer holds
+    (``A_log``, ``dt_bias``, the convs, the gate projections, ``b_proj``, ``o_norm``), and
+    their scale grids. ``fused_qkvg_proj.weight`` (q, k, v, g) is not one of them."""
+    found = set()
+    for layout in LAYOUTS.values():
+        for param in layout.params:
+            weight = layout.param(param.scale_of) if param.scale_of is not None else param
+            if set(weight.parts) - _SHARED_PARTS:
+                found.add(param.suffix)
+    return frozenset(found)
+
+
 def get_layout(name: str | EngineLayout) -> EngineLayout:
     """The layout named ``name`` (a layout passes through).
 
@@ -633,9 +655,7 @@ def model_family(config: Mapping[str, Any] | None) -> str:
             "no config.json: the model family (and which layers are KDA) comes from the config"
         )
     kda = parse_config(config)
-    if kda.full_rank_gate:
-        return "kimi-k3"
-    return "glm-5.3" if kda.rules == RULES_GLM else "kimi-linear"
+    return families.family_for(kda.rules, kda.full_rank_gate).name
 
 
 def layouts_for(family: str | None = None, plan: KdaTpPlan | None = None) -> list[EngineLayout]:

@@ -25,6 +25,7 @@ __all__ = [
     "DtypeMismatchError",
     "BufferLayoutError",
     "CheckpointError",
+    "TensorNotFoundError",
     "OutputError",
     "MissingDependencyError",
     "EngineLayoutError",
@@ -83,6 +84,19 @@ class CheckpointError(KdaTpError):
     ``model.safetensors.index.json``, a missing or invalid ``config.json``, and a KDA layer that
     lacks one of its tensors. Messages name the file and, where there is one, the tensor.
     """
+
+
+class TensorNotFoundError(CheckpointError, KeyError):
+    """A tensor name the checkpoint does not hold, asked for by indexing a rank's view
+    (``view[name]``, ``view.get_tensor(name)``), as ``safe_open``'s ``get_tensor`` refuses it.
+
+    Also a ``KeyError``, so ``except KeyError`` works as with a mapping. The message names the
+    tensor and the checkpoint.
+    """
+
+    def __str__(self) -> str:
+        # KeyError's own __str__ shows the repr of its argument (quotes around the message).
+        return str(self.args[0]) if self.args else ""
 
 
 class OutputError(KdaTpError):

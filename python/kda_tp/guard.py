@@ -45,7 +45,7 @@ import numpy as np
 from .checkpoint import numpy_dtype
 from .config import describes_kda, load_config
 from .engine_audit import AuditReport, as_record, audit
-from .engines import param_location
+from .engines import kda_only_suffixes, param_location
 from .errors import CheckpointError, GuardError, GuardModeError, KdaTpError
 
 __all__ = ["CHECKPOINT_ENV", "DERIVED", "MODES", "MODE_ENV", "GuardResult", "check", "holds_kda",
@@ -67,13 +67,6 @@ logger = logging.getLogger("kda_tp.guard")
 # linear-attention layers such as Qwen3-Next's hold theirs under `linear_attn.`).
 _MARKERS = (".A_log", ".dt_bias")
 
-
-# Names only a KDA layer has besides A_log and dt_bias (any engine layout): a model holding
-# some under `.self_attn.` without the markers is a KDA model whose markers are missing.
-_KDA_LOOKING = (".f_a_proj.weight", ".f_b_proj.weight", ".g_a_proj.weight", ".g_b_proj.weight",
-                ".o_norm.weight", ".q_conv1d.weight", ".k_conv1d.weight", ".v_conv1d.weight",
-                ".in_proj_qkvgfab.weight", ".fused_qkvbfg_a_proj.weight",
-                ".in_proj_qkvbfg_a.weight", ".decode_conv1d_weight")
 
 
 def _conv_decode(conv1d: np.ndarray) -> np.ndarray:
@@ -100,6 +93,12 @@ DERIVED: Mapping[str, Mapping[str, tuple[str, Callable[[np.ndarray], np.ndarray]
         "decode_norm_weight": ("o_norm.weight", _norm_decode),
     },
 }
+
+
+# Names only a KDA layer has (any engine layout, and the derived copies): a model holding
+# some under `.self_attn.` without the markers is a KDA model whose markers are missing.
+_KDA_LOOKING = tuple(f".{suffix}" for suffix in sorted(kda_only_suffixes())) + tuple(
+    f".{copy}" for copies in DERIVED.values() for copy in copies)
 
 
 def holds_kda(names: Iterable[str]) -> bool:

@@ -82,7 +82,7 @@ def layer_number_problem(rest: str) -> str | None:
     return f"its layer number has {len(digits)} digits; a layer index is below 2**31"
 
 
-def decoder_prefix(source: Any) -> str:
+def decoder_prefix(source: Any, names: Iterable[str] | None = None) -> str:
     """The name prefix of the decoder layers holding the KDA tensors, up to the layer index.
 
     It is the prefix of the ``...layers.{i}.self_attn.A_log`` tensors (``"model.layers."`` in
@@ -90,10 +90,17 @@ def decoder_prefix(source: Any) -> str:
     stacks with ``layers.{i}.self_attn`` tensors (a vision tower, a draft model) are never taken
     for KDA layers. Without any ``A_log``, ``"model.layers."``.
 
+    Args:
+        source: the checkpoint (named in messages; its ``names()`` are read unless ``names``
+            is given).
+        names: the source's names, when the caller has listed them already.
+
     Raises:
         CheckpointError: ``A_log`` tensors appear under more than one prefix.
     """
-    prefixes = {m.group(1) for n in source.names() if (m := _KDA_MARKER.match(n))}
+    listed = source.names() if names is None else names
+    prefixes = {m.group(1) for n in listed
+                if n.endswith(".self_attn.A_log") and (m := _KDA_MARKER.match(n))}
     if len(prefixes) > 1:
         raise CheckpointError(
             f"{location(source)}: KDA tensors (A_log) under several prefixes {sorted(prefixes)}; "
@@ -131,10 +138,18 @@ def check_gate_form(source: Any, prefix: str, layer: int, full_rank_gate: bool) 
     wrong = LOW_RANK_GATE if full_rank_gate else FULL_RANK_GATE
     for suffix in wrong:
         name = f"{prefix}{layer}.self_attn.{suffix}"
-        if name in source.names():
+        if _holds(source, name):
             raise CheckpointError(
                 f"{location(source, name)}: {name}: {gate_form_problem(full_rank_gate)}"
             )
+
+
+def _holds(source: Any, name: str) -> bool:
+    """Whether ``source`` has a tensor ``name``: from its header when it can say
+    (``info``), else from its ``get``."""
+    info = getattr(source, "info", None)
+    found = info(name) if info is not None else source.get(name)
+    return found is not None
 
 
 def gate_form_problem(full_rank_gate: bool) -> str:

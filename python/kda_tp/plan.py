@@ -6,51 +6,16 @@ from a model config or checkpoint.
 
 from __future__ import annotations
 
-import math
 import os
-from pathlib import Path
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 from . import _native
 from ._native import KdaShard, KdaTensorPlan
-from .checkpoint import SafetensorsSource, refuse_index_member
-from .config import (
-    CONFIG_NAME, RULES_GLM, KdaConfig, load_config, no_config_message, parse_config,
-)
-from .errors import CheckpointError, DtypeMismatchError, ShapeMismatchError
-from .layers import check_layers, config_layer_count, layer_count, layers_with_kda_tensors
-from .layout import check_gate_form, decoder_prefix, kda_layer_indices, kda_tensor_name
-from .quant import FP8_DTYPES, BlockFormat, ModelOptModules, block_format, modelopt_modules
+from .checkpoint import SafetensorsSource
+from .description import CheckpointDescription, assumed_layout, describe
 
 __all__ = ["KdaShard", "KdaTensorPlan", "KdaTpPlan", "assumed_layout"]
-
-_SUFFIX = {"A_log": "A_log", "dt_bias": "dt_bias"}
-
-
-def assumed_layout(
-    config: KdaConfig,
-) -> tuple[dict[str, str] | None, dict[str, tuple[int, ...]], str]:
-    """What a bare config's plan assumes of the checkpoint it does not see: the stored dtypes
-    and on-disk shapes of its model family's checkpoints.
-
-    GLM-5.3-Flash (:data:`~kda_tp.config.RULES_GLM`): transformers' ``modeling_glm5_next.py``
-    creates the convs, ``A_log`` (1-D ``[H]``) and ``dt_bias`` in float32, so its checkpoints
-    store them as F32. Kimi-Linear and any other family: the plan's defaults (BF16 except the
-    F32 ``A_log [1, 1, H, 1]`` and ``dt_bias``, Kimi-Linear's checkpoints).
-
-    Args:
-        config: the parsed config.
-
-    Returns:
-        ``(dtypes, shapes, family)``: the dtypes by plan name for :class:`KdaTpPlan` (None:
-        the plan's defaults), on-disk shapes by plan name that differ from the plan's
-        (elements), and whose defaults they are, for people (``"GLM-5.3-Flash's"``).
-    """
-    if config.rules == RULES_GLM:
-        f32 = ("q_conv1d", "k_conv1d", "v_conv1d", "A_log", "dt_bias")
-        return dict.fromkeys(f32, "F32"), {"A_log": (config.heads,)}, "GLM-5.3-Flash's"
-    return None, {}, "Kimi-Linear's"
 
 
 class KdaTpPlan(_native.KdaTpPlan):
@@ -196,113 +161,38 @@ class KdaTpPlan(_native.KdaTpPlan):
                 negative, repeated, 1-based, out of range or not a KDA layer).
         """
 
-        source, root = None, None
-        where = "config"  # names the config in error messages
-        if isinstance(config, SafetensorsSource):
-            refuse_index_member(config.path)
-            source, root = config, config.root
-            config = source.config
-            if config is None:
-                raise CheckpointError(no_config_message(source.root))
-            where = str(source.root / CONFIG_NAME)
-        elif isinstance(config, (str, os.PathLike)):
-            path = Path(config)
-            refuse_index_member(path)
-            if path.suffix == ".safetensors" and path.is_file():
-                source = SafetensorsSource(path)
-                path = path.parent
-            elif path.is_dir() and any(path.glob("*.safetensors")):
-                source = SafetensorsSource(path)
-            config = load_config(path)
-            root = path if path.is_dir() else path.parent
-            where = str(path / CONFIG_NAME if path.is_dir() else path)
-        kda = parse_config(config, where)
-        if layers is not None:
-            # The same checks as the command line's --layers (1-based, non-KDA, out of range).
-            known = kda.kda_layers
-            if known is None and source is not None:
-                known = layers_with_kda_tensors(source) or None
-            layers = check_layers(
-                layers, known,
-                layer_count(source) if source is not None else config_layer_count(config),
-                option="layers",
-            )
-        fmt = block_format(config, root)
-        quant: dict[str, Any] = {}
-        if isinstance(fmt, BlockFormat):
-            # A bare config: every projection (a checkpoint below says which are FP8).
-            quant = {"quant_block": fmt.block, "scale_layout": fmt.scale_layout}
+        if isinstance(config, (SafetensorsSource, str, os.PathLike)):
+            description = describe(config)
+        else:
+            description = CheckpointDescription(None, config)  # refused if not a config
+        return cls.from_description(
+            description, tp_rank, tp_size, gate_rank=gate_rank, qk_multiple=qk_multiple,
+            layers=layers,
+        )
 
-        # A bare config: what its family's checkpoints store (a checkpoint below says).
-        dtypes, a_log_len = assumed_layout(kda)[0], None
-        if source is not None:
-            indices = kda_layer_indices(source, layers)
-            if not indices:
-                raise CheckpointError(f"{where}: no KDA layer to read the dtypes from")
-            layer = indices[0]
-            prefix = decoder_prefix(source)
-            check_gate_form(source, prefix, layer, kda.full_rank_gate)
-            attn = f"{prefix}{layer}.self_attn."
-            packed = [n for n in source.names() if n.startswith(attn) and n.endswith("_packed")]
-            if packed:
-                raise CheckpointError(
-                    f"{source.file_of(packed[0])}: {packed[0]}: packed 4-bit KDA weights "
-                    f"({_format_name(fmt)}) are not supported; kda_tp slices "
-                    "BF16/F16/F32 KDA weights and FP8 block-quantized projections"
-                )
-            # Every KDA layer's projections against what the config declares for them.
-            modules = modelopt_modules(config, root)
-            for index in indices:
-                for name in _native.QUANTIZABLE:
-                    full_name = kda_tensor_name(prefix, index, name)
-                    info = source.info(full_name)
-                    if info is not None:
-                        _check_declared(source, full_name, info[0], fmt, modules)
-            headers = {}
-            for name in _tensor_names(kda.full_rank_gate):
-                full_name = kda_tensor_name(prefix, layer, name)
-                info = source.info(full_name)
-                if info is None:
-                    raise CheckpointError(f"{source.root}: KDA layer {layer} lacks {full_name}")
-                if info[0] in FP8_DTYPES:
-                    _check_quantizable(source, full_name, name, fmt)
-                elif info[0] not in _FLOAT_DTYPES:
-                    declared = f"; the config declares {fmt}" if isinstance(fmt, str) else ""
-                    raise DtypeMismatchError(
-                        f"{source.file_of(full_name)}: {full_name}: dtype {info[0]} is not "
-                        f"allowed for a KDA tensor: {', '.join(_FLOAT_DTYPES)}, or "
-                        f"{' / '.join(FP8_DTYPES)} with a block scale for a block-quantized "
-                        f"projection{declared}"
-                    )
-                headers[name] = info
-            dtypes = {name: dtype for name, (dtype, _) in headers.items()}
-            quantized = [n for n, (dtype, _) in headers.items() if dtype in FP8_DTYPES]
-            quant = {**quant, "quantized": quantized} if quantized else {}
-            stored = math.prod(headers["A_log"][1])
-            a_log_len = stored if stored > kda.heads else None
-            if gate_rank is None:
-                f_a_shape = headers["f_a_proj"][1]
-                if len(f_a_shape) != 2:
-                    f_a_name = kda_tensor_name(prefix, layer, "f_a_proj")
-                    raise ShapeMismatchError(
-                        f"{source.file_of(f_a_name)}: {f_a_name}: on-disk shape "
-                        f"{list(f_a_shape)} is not 2-D [gate_rank, hidden], so the gate rank "
-                        "cannot be read from it"
-                    )
-                gate_rank = f_a_shape[0]
+    @classmethod
+    def from_description(
+        cls,
+        description: CheckpointDescription,
+        tp_rank: int,
+        tp_size: int,
+        *,
+        gate_rank: int | None = None,
+        qk_multiple: int = 256,
+        layers: Iterable[int] | None = None,
+    ) -> KdaTpPlan:
+        """The plan for one rank of a described checkpoint (``kda_tp.description.describe``):
+        arithmetic on what the description read once (:meth:`~kda_tp.description
+        .CheckpointDescription.layer_facts` of ``layers``), so every rank's plan after the
+        first costs no header read. Arguments and errors as :meth:`from_config`."""
+        facts = description.layer_facts(layers)
+        if gate_rank is None:
+            gate_rank = (description.kda.head_dim if description.source is None
+                         else description.require_gate_rank(facts))
+        kda = description.kda
         return cls(
-            tp_rank,
-            tp_size,
-            kda.hidden,
-            kda.head_dim,
-            kda.heads,
-            kda.conv_kernel,
-            kda.head_dim if gate_rank is None else gate_rank,
-            qk_multiple=qk_multiple,
-            dtypes=dtypes,
-            full_rank_gate=kda.full_rank_gate,
-            a_log_len=a_log_len,
-            **quant,
+            tp_rank, tp_size, kda.hidden, kda.head_dim, kda.heads, kda.conv_kernel, gate_rank,
+            qk_multiple=qk_multiple, **description.plan_options(facts),
         )
 
     def __reduce__(self) -> tuple[Any, ...]:
@@ -326,89 +216,3 @@ class KdaTpPlan(_native.KdaTpPlan):
 
 def _rebuild(cls: type[KdaTpPlan], args: tuple[int, ...], options: dict[str, Any]) -> KdaTpPlan:
     return cls(*args, **options)
-
-
-# The dtypes the plan accepts for a KDA tensor (the Rust core's rule).
-_FLOAT_DTYPES = ("BF16", "F16", "F32", "F64")
-
-
-def _check_quantizable(
-    source: Any, full_name: str, name: str, fmt: BlockFormat | str | None
-) -> None:
-    """Refuse an FP8 KDA tensor that is not a projection, or whose checkpoint's config declares
-    no block-FP8 format (the format comes from the config, never from shapes)."""
-    where = f"{source.file_of(full_name)}: {full_name}"
-    if name not in _native.QUANTIZABLE:
-        raise CheckpointError(
-            f"{where}: {name} is stored as FP8, but conv weights, A_log, dt_bias and o_norm are "
-            "never quantized; this checkpoint is not supported"
-        )
-    if not isinstance(fmt, BlockFormat):
-        raise CheckpointError(
-            f"{where}: an FP8 weight, but the config declares "
-            f"{_format_name(fmt)}; supported block-FP8 formats: ModelOpt FP8_PB_WO, "
-            "DeepSeek-style fp8 with weight_block_size, compressed-tensors FP8 block"
-        )
-
-
-def _check_declared(
-    source: Any,
-    full_name: str,
-    dtype: str,
-    fmt: BlockFormat | str | None,
-    declared: ModelOptModules | None,
-) -> None:
-    """Refuse a KDA projection whose dtype contradicts the config: an FP8 dtype the format
-    does not use (``F8_E5M2`` under ModelOpt), or, under ModelOpt, a ``quant_algo`` kda_tp
-    cannot slice (e.g. ``NVFP4``), an ``FP8_PB_WO`` module that is not FP8, or an FP8 module
-    that ``quantized_layers`` does not list or ``exclude_modules`` excludes."""
-    where = f"{source.file_of(full_name)}: {full_name}"
-    fp8 = dtype in FP8_DTYPES
-    if fp8 and isinstance(fmt, BlockFormat) and dtype not in fmt.weight_dtypes:
-        raise DtypeMismatchError(
-            f"{where}: dtype {dtype}, but {fmt.name} weights are "
-            f"{' or '.join(fmt.weight_dtypes)} (ModelOpt's FP8 is E4M3 by definition); the "
-            "config and the weights disagree"
-        )
-    if declared is None:
-        return
-    module = full_name.removesuffix(".weight")
-    algo = declared.algo(module)
-    if algo is not None and algo != "FP8_PB_WO":
-        raise CheckpointError(
-            f"{where}: the config's quantized_layers declares {module} as ModelOpt {algo} "
-            f"(on disk: {dtype}); kda_tp slices BF16/F16/F32 KDA weights and ModelOpt "
-            f"FP8_PB_WO (128x128 block FP8) projections, not {algo} ones"
-        )
-    if algo == "FP8_PB_WO" and not fp8:
-        raise CheckpointError(
-            f"{where}: dtype {dtype}, but the config's quantized_layers declares {module} as "
-            "ModelOpt FP8_PB_WO (F8_E4M3 with a block scale); the config and the weights "
-            "disagree"
-        )
-    if algo is None and fp8:
-        pattern = declared.excluded_by(module)
-        if pattern is not None:
-            why = f"its exclude_modules pattern {pattern!r} leaves {module} unquantized"
-        elif declared.quantized_layers is not None:
-            why = f"its quantized_layers does not list {module} (so it is not quantized)"
-        else:
-            return
-        raise CheckpointError(
-            f"{where}: stored as {dtype}, but the config says otherwise: {why}; the config and "
-            "the weights disagree"
-        )
-
-
-def _format_name(fmt: BlockFormat | str | None) -> str:
-    """What a config declares, for messages: a format's name, or "no quantization_config"."""
-    if isinstance(fmt, BlockFormat):
-        return f"{fmt.name}, whose weights are F8 with a block scale"
-    return fmt or "no quantization_config"
-
-
-def _tensor_names(full_rank_gate: bool) -> list[str]:
-    """Plan names of one KDA block with the given output-gate form, in plan order."""
-    plan = _native.KdaTpPlan(0, 1, 1, 128, 1, 1, 1, full_rank_gate=full_rank_gate)
-    return [t.name for t in plan.tensors]
-

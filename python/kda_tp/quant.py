@@ -59,6 +59,7 @@ __all__ = [
     "ModelOptModules",
     "SCALE_SUFFIXES",
     "block_format",
+    "declared_quantization",
     "dequantize",
     "modelopt_modules",
     "quantization_config",
@@ -145,7 +146,23 @@ def block_format(config: Mapping[str, Any], root: Path | None = None) -> BlockFo
             integers; an ``hf_quant_config.json`` that is not JSON or has no ``quantization``
             object.
     """
+    return _block_format(quantization_config(config, root))
+
+
+def declared_quantization(
+    config: Mapping[str, Any], root: Path | None = None
+) -> tuple[BlockFormat | str | None, ModelOptModules | None]:
+    """:func:`block_format` and :func:`modelopt_modules` of a config, with one read of its
+    :func:`quantization_config` (and of ``hf_quant_config.json``).
+
+    Raises:
+        CheckpointError: as :func:`block_format`.
+    """
     quant = quantization_config(config, root)
+    return _block_format(quant), _modelopt_modules(quant)
+
+
+def _block_format(quant: Mapping[str, Any] | None) -> BlockFormat | str | None:
     if quant is None:
         return None
     method = str(quant.get("quant_method", "")).lower()
@@ -236,7 +253,10 @@ def modelopt_modules(
     Raises:
         CheckpointError: as :func:`quantization_config`.
     """
-    quant = quantization_config(config, root)
+    return _modelopt_modules(quantization_config(config, root))
+
+
+def _modelopt_modules(quant: Mapping[str, Any] | None) -> ModelOptModules | None:
     if quant is None or str(quant.get("quant_method", "")).lower() not in (
         "modelopt", "modelopt_mixed"
     ):

@@ -8,6 +8,7 @@ and the naming rules it uses are re-exported here for convenience.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 from typing import Any
 
@@ -25,13 +26,17 @@ from .checkpoint import (
     numpy_dtype,
     shard_bytes,
 )
+from .description import CheckpointDescription, describe
 from .engines import EngineLayout, EngineParam, EngineParamPlan, get_layout
-from .errors import CheckpointError, DtypeMismatchError, EngineLayoutError, KdaTpError
+from .errors import (
+    CheckpointError,
+    DtypeMismatchError,
+    EngineLayoutError,
+    KdaTpError,
+    TensorNotFoundError,
+)
 from .layout import (
-    BARE_PARAMETERS,
     FULL_RANK_GATE,
-    LAYER_TENSOR,
-    layer_number_problem,
     LOW_RANK_GATE,
     DEFAULT_PREFIX,
     gate_form_problem,
@@ -61,6 +66,7 @@ __all__ = [
     "kda_layer_indices",
     "kda_tensor_name",
     "numpy_dtype",
+    "open_rank",
     "scale_tensor_name",
     "shard_bytes",
 ]
@@ -106,8 +112,11 @@ class KdaShardedSource:
             )
         self.source = source
         self.plan = plan
-        self.layers = kda_layer_indices(source, layers)
-        wanted = set(self.layers)
+        # What the checkpoint holds, read once per opened checkpoint (kda_tp.description).
+        self.description = described = describe(source)
+        self.layers = described.kda_layers(layers)
+        self.prefix = described.prefix
+        described.check_names(self.layers)
         by_suffix = {checkpoint_suffix(t.name): t for t in plan.tensors}
         required = set(by_suffix)
         for t in plan.tensors:
@@ -115,54 +124,37 @@ class KdaShardedSource:
                 # A block scale has two spellings; a layer holds exactly one of them.
                 by_suffix.update({f"{t.name}.{s}": t.scale for s in SCALE_SUFFIXES})
                 required.add(t.scale.name)
-        self.prefix = decoder_prefix(source)
         # checkpoint name -> (plan entry, local shape)
         self._planned: dict[str, tuple[KdaTensorPlan, tuple[int, ...]]] = {}
+        local_shapes: dict[tuple[str, tuple[int, ...]], tuple[int, ...]] = {}
         seen: dict[int, set[str]] = {i: set() for i in self.layers}
-        for name in source.names():
-            if not name.startswith(self.prefix):
-                continue
-            match = LAYER_TENSOR.match(name[len(self.prefix) :])
-            if match is None:
-                problem = layer_number_problem(name[len(self.prefix) :])
-                if problem is not None:
-                    raise CheckpointError(f"{location(source, name)}: {name}: {problem}")
-                continue
-            layer, suffix = int(match.group(1)), match.group(2)
-            if layer not in wanted:
-                if suffix in BARE_PARAMETERS:
-                    raise CheckpointError(
-                        f"{location(source, name)}: {name}: layer {layer} holds a KDA tensor "
-                        f"but is not a KDA layer (KDA layers: {list(self.layers)})"
+        for layer in self.layers:
+            for suffix, name in described.attention(layer):
+                entry = by_suffix.get(suffix)
+                if entry is None:
+                    raise self._unknown(name, layer, suffix, sorted(by_suffix))
+                header = described.header(name)
+                if header is None:
+                    raise missing_tensor(source, name)
+                dtype, shape = header
+                if dtype != entry.dtype:
+                    raise DtypeMismatchError(
+                        f"{location(source, name)}: {name}: dtype {dtype}, expected {entry.dtype}"
                     )
-                continue
-            entry = by_suffix.get(suffix)
-            if entry is None and suffix in LOW_RANK_GATE + FULL_RANK_GATE:
-                raise CheckpointError(
-                    f"{location(source, name)}: {name}: "
-                    f"{gate_form_problem(plan.full_rank_gate)}"
-                )
-            if entry is None and suffix.rsplit(".", 1)[-1] in SCALE_SUFFIXES:
-                weight = suffix.rsplit(".", 1)[0]
-                raise CheckpointError(
-                    f"{location(source, name)}: {name}: a block scale, but {weight} is not "
-                    "block-quantized in this checkpoint (its weight is not FP8, or the config "
-                    "declares no block-FP8 format)"
-                )
-            if entry is None:
-                raise CheckpointError(
-                    f"{location(source, name)}: {name}: KDA layer {layer} holds a self_attn "
-                    f"tensor the plan does not know; it cannot be sharded safely "
-                    f"(known: {sorted(by_suffix)})"
-                )
-            self._planned[name] = (entry, self._check(name, entry, source))
-            key = entry.name if entry.name.endswith(".scale") else suffix
-            if key in seen[layer]:
-                raise CheckpointError(
-                    f"{location(source, name)}: {name}: KDA layer {layer} holds both "
-                    f"{' and '.join(SCALE_SUFFIXES)} for {key.removesuffix('.scale')}"
-                )
-            seen[layer].add(key)
+                key = (entry.name, tuple(shape))
+                if key not in local_shapes:  # the same arithmetic for every layer
+                    try:
+                        local_shapes[key] = entry.local_shape(list(shape))
+                    except KdaTpError as e:
+                        raise type(e)(f"{location(source, name)}: {name}: {e}") from None
+                self._planned[name] = (entry, local_shapes[key])
+                key_name = entry.name if entry.name.endswith(".scale") else suffix
+                if key_name in seen[layer]:
+                    raise CheckpointError(
+                        f"{location(source, name)}: {name}: KDA layer {layer} holds both "
+                        f"{' and '.join(SCALE_SUFFIXES)} for {key_name.removesuffix('.scale')}"
+                    )
+                seen[layer].add(key_name)
         for layer in self.layers:
             missing = sorted(required - seen[layer])
             if missing:
@@ -173,8 +165,29 @@ class KdaShardedSource:
                 )
                 raise CheckpointError(f"{location(source)}: KDA layer {layer} lacks {lacking}")
         for name, (entry, _) in self._planned.items():
-            if entry.name == "A_log" and entry.full_rows > plan.full_heads:
+            if (entry.name == "A_log" and entry.full_rows > plan.full_heads
+                    and not described.padding_checked(name)):
                 self._check_padding(name, entry, plan.full_heads)
+                described.mark_padding_checked(name)
+        self._closed = False
+        self._names: frozenset[str] | None = None
+        self._param_plans: dict[tuple[EngineLayout, str, str | None], EngineParamPlan] = {}
+
+    def _unknown(self, name: str, layer: int, suffix: str, known: list[str]) -> CheckpointError:
+        """The error for a KDA layer's ``self_attn`` tensor this plan has no entry for."""
+        where = f"{location(self.source, name)}: {name}"
+        if suffix in LOW_RANK_GATE + FULL_RANK_GATE:
+            return CheckpointError(f"{where}: {gate_form_problem(self.plan.full_rank_gate)}")
+        if suffix.rsplit(".", 1)[-1] in SCALE_SUFFIXES:
+            weight = suffix.rsplit(".", 1)[0]
+            return CheckpointError(
+                f"{where}: a block scale, but {weight} is not block-quantized in this checkpoint "
+                "(its weight is not FP8, or the config declares no block-FP8 format)"
+            )
+        return CheckpointError(
+            f"{where}: KDA layer {layer} holds a self_attn tensor the plan does not know; it "
+            f"cannot be sharded safely (known: {known})"
+        )
 
     def _check_padding(self, name: str, entry: KdaTensorPlan, heads: int) -> None:
         """Refuse a zero-padded ``A_log`` whose entries past the ``heads`` real ones are not all
@@ -250,6 +263,7 @@ class KdaShardedSource:
         Row-sliced and replicated tensors are views of the source's bytes (no copy);
         ``o_proj`` is gathered into a new array.
         """
+        self._check_open()
         planned = self._planned.get(name)
         if planned is None:
             return self.source.get(name)
@@ -295,6 +309,7 @@ class KdaShardedSource:
                 a buffer.
             CheckpointError: the source has no tensor ``name``, or reading it fails.
         """
+        self._check_open()
         target = writable_bytes(name, out)
         planned = self._planned.get(name)
         if planned is None:
@@ -315,6 +330,10 @@ class KdaShardedSource:
         if record is None:
             raise CheckpointError(f"{location(self.source)}: no tensor named {name!r}")
         _native.shard_into(entry, readonly_bytes(record.data), target)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise CheckpointError(f"{location(self.source)}: this rank's view is closed")
 
     def release(self, name: str) -> None:
         """Drop this process's resident pages of the source's tensor ``name`` (see
@@ -414,7 +433,12 @@ class KdaShardedSource:
         Raises:
             EngineLayoutError: as there.
         """
-        return get_layout(layout).param_plan(suffix, self.plan, model_dtype)
+        table = get_layout(layout)
+        key = (table, suffix, model_dtype)
+        found = self._param_plans.get(key)
+        if found is None:  # the same arithmetic for every layer: once per view
+            found = self._param_plans[key] = table.param_plan(suffix, self.plan, model_dtype)
+        return found
 
     def _part_name(self, layer: int, part: str) -> str:
         """The checkpoint name of a part (``"q_proj"``, or ``"q_proj.scale"``: its block scale
@@ -426,8 +450,57 @@ class KdaShardedSource:
         spellings = (f"{self.prefix}{layer}.self_attn.{weight}.{s}" for s in SCALE_SUFFIXES)
         return next(name for name in spellings if name in self._planned)
 
-    def __contains__(self, name: str) -> bool:
-        return name in self.names()
+    def keys(self) -> list[str]:
+        """Every tensor name, as ``safe_open``'s ``keys()``: the wrapped source's names."""
+        return self.names()
+
+    def get_tensor(self, name: str) -> Tensor:
+        """This rank's tensor ``name``, as ``safe_open``'s ``get_tensor``: what :meth:`get`
+        returns, but an unknown name raises (``view[name]`` is the same call).
+
+        Raises:
+            TensorNotFoundError: the checkpoint has no tensor ``name`` (a ``KeyError`` and a
+                ``CheckpointError``; the message names the tensor and the checkpoint).
+            CheckpointError: the view is closed.
+        """
+        found = self.get(name)
+        if found is None:
+            raise TensorNotFoundError(
+                f"{location(self.source)}: no tensor named {name!r} in this checkpoint (its "
+                "names: keys())"
+            )
+        return found
+
+    def __getitem__(self, name: str) -> Tensor:
+        return self.get_tensor(name)
+
+    def __contains__(self, name: object) -> bool:
+        """Whether the checkpoint holds ``name``: a dictionary lookup for a KDA tensor and for a
+        source that answers membership itself (a ``SafetensorsSource``), else a set of its
+        names built once."""
+        if name in self._planned:
+            return True
+        if hasattr(type(self.source), "__contains__"):
+            return name in self.source  # type: ignore[operator]
+        if self._names is None:
+            self._names = frozenset(self.source.names())
+        return name in self._names
+
+    def close(self) -> None:
+        """Close the view and the source it wraps (its ``close()``, if it has one): a
+        :class:`SafetensorsSource` drops its file mappings and descriptors once no array
+        returned by :meth:`get` still views them. Later reads raise ``CheckpointError``;
+        closing twice is harmless."""
+        self._closed = True
+        close = getattr(self.source, "close", None)
+        if close is not None:
+            close()
+
+    def __enter__(self) -> KdaShardedSource:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def __repr__(self) -> str:
         return (
@@ -436,7 +509,7 @@ class KdaShardedSource:
         )
 
 
-def missing_tensor(source: SafetensorsSource | KdaShardedSource, name: str) -> CheckpointError:
+def missing_tensor(source: Any, name: str) -> CheckpointError:
     """The error for a tensor that ``source.names()`` lists but ``source`` cannot find."""
     return CheckpointError(
         f"{location(source, name)}: {name}: listed by the checkpoint but not found in it"
@@ -467,3 +540,54 @@ def checked_get(source: SafetensorsSource | KdaShardedSource, name: str) -> Tens
     if found is None:
         raise missing_tensor(source, name)
     return found
+
+
+def open_rank(
+    checkpoint: str | os.PathLike[str] | SafetensorsSource,
+    *,
+    tp_rank: int,
+    tp_size: int,
+    layers: Iterable[int] | None = None,
+    qk_multiple: int = 256,
+    backend: str | None = None,
+) -> KdaShardedSource:
+    """One tensor-parallel rank's view of a checkpoint, with its plan on it (``view.plan``), in
+    one call: what a loader opens, as it opens a file with safetensors' ``safe_open``::
+
+        with kda_tp.open_rank("Kimi-K3", tp_rank=r, tp_size=8) as view:
+            for name in view.keys():
+                view.read_into(name, params[name])   # or view[name] / view.get_tensor(name)
+
+    The checkpoint is described once per opened source (``kda_tp.description.describe``), so
+    the plan costs no second read of the headers and the view checks each KDA tensor once.
+
+    Args:
+        checkpoint: a checkpoint directory, a ``.safetensors`` file, or an open
+            :class:`SafetensorsSource` (closed with the view).
+        tp_rank: this rank, ``0 <= tp_rank < tp_size``.
+        tp_size: the tensor-parallel world size.
+        layers: 0-based KDA layer indices (default: the config's), checked as
+            ``KdaTpPlan.from_config`` checks them.
+        qk_multiple: see :class:`KdaTpPlan`.
+        backend: ``"mmap"`` or ``"pread"`` (see :class:`SafetensorsSource`) for a path.
+
+    Returns:
+        The rank's :class:`KdaShardedSource`, a context manager whose ``close()`` releases the
+        file mappings.
+
+    Raises:
+        CheckpointError, DtypeMismatchError, ShapeMismatchError, PlanError: as
+            ``KdaTpPlan.from_config`` and :class:`KdaShardedSource`.
+        UsageError: an unknown ``backend``.
+    """
+    source = (checkpoint if isinstance(checkpoint, SafetensorsSource)
+              else SafetensorsSource(checkpoint, backend))
+    selected = None if layers is None else list(layers)
+    try:
+        plan = KdaTpPlan.from_description(describe(source), tp_rank, tp_size,
+                                          qk_multiple=qk_multiple, layers=selected)
+        return KdaShardedSource(source, plan, selected)
+    except BaseException:
+        if source is not checkpoint:
+            source.close()
+        raise

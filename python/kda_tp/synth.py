@@ -73,46 +73,20 @@ from numpy.lib.stride_tricks import sliding_window_view
 
 from kda_tp import _io
 from kda_tp.errors import DtypeMismatchError, OutputError, PlanError
+from kda_tp.families import FAMILIES, demo_geometries
 
 __all__ = ["GEOMETRIES", "write_checkpoint", "write_small_checkpoint"]
 
-#: Real KDA geometries. ``hidden`` (d), ``heads`` (H), ``head_dim`` (D), ``conv_kernel`` (K) and
-#: ``gate_rank`` (R) are element counts; ``style`` is the config dialect; ``full_attn_every`` = n
-#: makes layers n, 2n, ... (1-based) full-attention layers; ``None`` makes every layer KDA.
-GEOMETRIES: dict[str, dict[str, Any]] = {
-    "kimi-linear": {
-        "hidden": 2304,
-        "heads": 32,
-        "head_dim": 128,
-        "conv_kernel": 4,
-        "gate_rank": 128,
-        "style": "kimi",
-        "full_attn_every": 4,
-    },
-    "glm-5.3-flash": {
-        "hidden": 4096,
-        "heads": 64,
-        "head_dim": 128,
-        "conv_kernel": 4,
-        "gate_rank": 128,
-        "style": "glm",
-        "full_attn_every": None,
-    },
-    # Kimi K3 (2.8T): 93 layers, every 4th and the last MLA; one KDA layer is about 0.89 GB.
-    "kimi-k3": {
-        "hidden": 7168,
-        "heads": 96,
-        "head_dim": 128,
-        "conv_kernel": 4,
-        "gate_rank": 128,
-        "style": "k3",
-        "full_attn_every": 4,
-    },
-}
-# The same with the attention projections in FP8 128x128 blocks (NVIDIA's ModelOpt release).
-GEOMETRIES["kimi-k3-fp8"] = {**GEOMETRIES["kimi-k3"], "fp8": True}
+#: Real KDA geometries, one per model family (``kda_tp.families.FAMILIES``: each family's
+#: ``demo`` name and ``geometry``, then its variants such as ``"kimi-k3-fp8"``). ``hidden`` (d),
+#: ``heads`` (H), ``head_dim`` (D), ``conv_kernel`` (K) and ``gate_rank`` (R) are element counts;
+#: ``style`` is the config dialect; ``full_attn_every`` = n makes layers n, 2n, ... (1-based)
+#: full-attention layers; ``None`` makes every layer KDA; ``fp8`` stores the attention
+#: projections in FP8 128x128 blocks (NVIDIA's ModelOpt release of Kimi K3).
+GEOMETRIES: dict[str, dict[str, Any]] = demo_geometries()
 
-_STYLES = ("kimi", "glm", "k3")
+# The config dialects, by style: the family whose synthetic checkpoints use it.
+_STYLES = {family.style: family for family in FAMILIES.values()}
 #: Kimi K3's forget-gate lower bound (``linear_attn_config.gate_lower_bound``).
 K3_GATE_LOWER_BOUND = -5.0
 #: GLM-5.3-Flash's forget-gate lower bound (``text_config.linear_lower_bound``; transformers'
@@ -279,7 +253,7 @@ def write_small_checkpoint(
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise PlanError(f"seed must be a non-negative int, got {seed!r}")
     if style not in _STYLES:
-        raise PlanError(f"unknown config style {style!r}; expected one of {_STYLES}")
+        raise PlanError(f"unknown config style {style!r}; expected one of {tuple(_STYLES)}")
     if weight_dtype not in _WEIGHT_DTYPES:
         raise DtypeMismatchError(
             f"weight_dtype {weight_dtype!r} is not supported; "
@@ -351,10 +325,9 @@ class _Geometry:
         self.flat_conv = flat_conv
         self.a_log_len = a_log_len
         # The decoder stack's name prefix (K3 and GLM nest it in a wrapper) and lm_head's.
-        self.stack = {"k3": "language_model.model.", "glm": "model.language_model."}.get(
-            style, "model."
-        )
-        self.lm_head = "language_model.lm_head.weight" if style == "k3" else "lm_head.weight"
+        family = _STYLES[style]
+        self.stack = family.decoder_prefix.removesuffix("layers.")
+        self.lm_head = family.lm_head
         # K3's MLA: q_lora_rank = 12 D, rope = D / 2 (1536 and 64 at D = 128).
         self.q_lora_rank = 12 * head_dim
         # MLA sizes follow Kimi-Linear's ratios: rope = D/2, kv_lora_rank = 4D, nope = v = D.
