@@ -6,6 +6,7 @@ Run by hand (not part of the test suite), from the repository root::
     python benchmarks/bench.py --quick    # 3 repetitions, skips section 4 (about 40 s)
     python benchmarks/bench.py --only gather   # section 1 alone (about 40 s)
     python benchmarks/bench.py --only guard    # section 7 alone (about 10 s)
+    python benchmarks/bench.py --only wide     # section 8 alone (about 20 s)
 
 Options: ``--tmp DIR`` (scratch root, default /tmp; about 4.5 GB needed for the full run),
 ``--kda-tp CMD`` (command that runs the CLI, default the ``kda-tp`` console script beside the
@@ -86,6 +87,15 @@ baseline measured alongside it; the last columns give the target and PASS/MISS.
    the guard within 2x the memcpy); and its cost on a non-KDA model's parameters (an 80-layer
    Llama's 723 names), time per call (target: under 1 ms). ``--only guard`` runs this section
    alone.
+8. A Kimi-K3-wide header: 60 layers of which 45 KDA (K3's wrapper config and names, full-rank
+   ``g_proj``, padded ``A_log``; tiny geometry, 8 heads of 16), 384 experts x 3 projections per
+   layer as zero-size tensors, about 70k names in 8 files with an index, generated in the run.
+   One rank's view, ``kda_tp.open_rank(ckpt, tp_rank=3, tp_size=8)`` (headers, config,
+   description, plan, view; then ``keys()`` and ``close()``), against safetensors'
+   ``safe_open(file, "np")`` + ``keys()`` of each file, best of N interleaved (target: within
+   2x). The cost is per name, not per byte. For information, kda_tp's reader alone
+   (``SafetensorsSource`` open + ``names()`` + ``close()``: the Rust header validation), the
+   floor under the view.
 4. (full run only) Peak RSS of ``kda-tp shard`` at TP=4 on a 2-layer and an 8-layer GLM-5.3
    checkpoint; the bound is the largest single tensor + 256 MiB. RssAnon/RssFile peaks are
    sampled from /proc every 10 ms (RSS counts touched pages of file mappings, so a
@@ -132,7 +142,9 @@ BASELINE = HERE / "safetensors_baseline.py"
 MIB = 2**20
 # --only: the sections by name (numbers as in the module docstring)
 SECTIONS = {"start": "0", "gather": "1", "get": "2", "shard": "3", "k3": "5, 6", "guard": "7",
-            "rss": "4"}
+            "wide": "8", "rss": "4"}
+# Section 8: Kimi K3's header width (layers, experts per layer, files).
+WIDE_LAYERS, WIDE_EXPERTS, WIDE_FILES = 60, 384, 8
 ROWS: list[tuple] = []  # (section, case, value, unit, ratio text, target, verdict)
 
 
@@ -703,6 +715,88 @@ def section_guard(scratch: Path, reps: int, calls: int, loops: int) -> None:
     log(f"  non-KDA: {us:.1f} us per call")
 
 
+def write_k3_wide(out: Path) -> tuple[int, int]:
+    """A checkpoint with Kimi K3's header width and tiny tensors: 60 layers, 45 of them KDA
+    (every 4th MLA, K3's wrapper config and names, full-rank g_proj, padded A_log; 8 heads of
+    16, hidden 64), plus 384 experts x 3 projections in every layer as zero-size tensors, in 8
+    files with an index. Returns (tensor names, files)."""
+    from kda_tp._io import write_index, write_safetensors
+
+    base = out.parent / (out.name + "-base")
+    kda_layers = [i for i in range(WIDE_LAYERS) if (i + 1) % 4]
+    write_small_checkpoint(base, hidden=64, heads=8, head_dim=16, conv_kernel=4, gate_rank=16,
+                           num_layers=WIDE_LAYERS, kda_layers=kda_layers, style="k3",
+                           a_log_len=16)
+    src = SafetensorsSource(base)
+    specs = []
+    for name in src.names():
+        t = src.get(name)
+        data = np.array(t.data)
+        specs.append((name, t.dtype, t.shape, data.nbytes, lambda data=data: data))
+    empty = np.empty(0, np.uint8)
+    for layer in range(WIDE_LAYERS):
+        for e in range(WIDE_EXPERTS):
+            for w in ("w1", "w2", "w3"):
+                specs.append((f"language_model.model.layers.{layer}.mlp.experts.{e}.{w}.weight",
+                              "BF16", (0, 64), 0, lambda: empty))
+    out.mkdir(parents=True)
+    weight_map, total = {}, 0
+    per_file = -(-len(specs) // WIDE_FILES)
+    for f in range(WIDE_FILES):
+        file = f"model-{f + 1:05d}-of-{WIDE_FILES:05d}.safetensors"
+        chunk = specs[f * per_file:(f + 1) * per_file]
+        total += write_safetensors(out / file, chunk, sync=False)
+        weight_map.update(dict.fromkeys((spec[0] for spec in chunk), file))
+    write_index(out / "model.safetensors.index.json", weight_map, total, sync=False)
+    shutil.copy(base / "config.json", out / "config.json")
+    shutil.rmtree(base)
+    return len(specs), WIDE_FILES
+
+
+def section_wide(scratch: Path, reps: int) -> None:
+    """Section 8: one rank's view of a checkpoint with K3's header width vs safetensors
+    reading the same headers."""
+    log("section 8: a Kimi-K3-wide header")
+    ckpt = scratch / "k3-wide"
+    names, files = write_k3_wide(ckpt)
+    warm(ckpt)
+    paths = sorted(ckpt.glob("*.safetensors"))
+    rank, tp = 3, 8
+
+    def via_safetensors():
+        for path in paths:
+            with safe_open(path, framework="np") as f:
+                f.keys()
+
+    def via_view():
+        with kda_tp.open_rank(ckpt, tp_rank=rank, tp_size=tp, qk_multiple=1) as view:
+            view.keys()
+
+    def via_reader():
+        with SafetensorsSource(ckpt) as source:
+            source.names()
+
+    with kda_tp.open_rank(ckpt, tp_rank=rank, tp_size=tp, qk_multiple=1) as view:
+        kda_names = sum(view.is_sharded(n) for n in view.keys())
+        layers = len(view.layers)
+    t = best_interleaved({"safetensors": via_safetensors, "view": via_view,
+                          "reader": via_reader}, reps)
+    ratio = t["view"] / t["safetensors"]
+    sec = f"8 K3-wide header TP={tp} r{rank}"
+    row(sec, f"{names} names in {files} files, {layers} KDA layers ({kda_names} KDA tensors)",
+        "", "", "tiny tensors: the cost is per name")
+    row(sec, "safetensors safe_open + keys() of every file", f"{t['safetensors'] * 1e3:.1f}",
+        "ms")
+    row(sec, "kda_tp.SafetensorsSource open + names() + close (the Rust header reader)",
+        f"{t['reader'] * 1e3:.1f}", "ms", f"reader/safetensors {t['reader'] / t['safetensors']:.2f}x")
+    row(sec, "kda_tp.open_rank (header, config, plan, view) + keys()",
+        f"{t['view'] * 1e3:.1f}", "ms", f"view/safetensors {ratio:.2f}x", "<= 2.00x",
+        verdict(ratio <= 2.0))
+    log(f"  view {t['view'] * 1e3:.1f} ms, reader {t['reader'] * 1e3:.1f} ms, safetensors "
+        f"{t['safetensors'] * 1e3:.1f} ms, {ratio:.2f}x")
+    shutil.rmtree(ckpt)
+
+
 def section_vllm_fused(src: SafetensorsSource, reps: int) -> None:
     """Section 6: vLLM's fused K3 ``in_proj_qkvgfab`` (q, k, v, g, f_a, b, zero rows to a
     multiple of 16) for rank 3 of 8, built by ``KdaShardedSource.build_param`` into a
@@ -1129,6 +1223,8 @@ def main(argv: list[str] | None = None) -> int:
             section_k3(scratch, reps)
         if "guard" in only:
             section_guard(scratch, reps, calls, loops)
+        if "wide" in only:
+            section_wide(scratch, reps)
         if "rss" in only and not args.quick:
             section4(scratch, cli)
     finally:

@@ -344,6 +344,7 @@ class SafetensorsSource:
         self.backend = backend
         self._checkpoint: _native.Checkpoint | _Closed = _native.Checkpoint(self.path, backend)
         self._config: dict[str, Any] | None = None
+        self._names: tuple[str, ...] | None = None
 
     @property
     def root(self) -> Path:
@@ -364,8 +365,11 @@ class SafetensorsSource:
         return self._config
 
     def names(self) -> list[str]:
-        """Every tensor name, file by file in data order."""
-        return self._checkpoint.names()
+        """Every tensor name, file by file in data order (a new list each call; the names
+        are read from the headers once)."""
+        if self._names is None:
+            self._names = tuple(self._checkpoint.names())
+        return list(self._names)
 
     def info(self, name: str) -> tuple[str, tuple[int, ...]] | None:
         """``(dtype, shape)`` of a tensor from the header alone, or None when absent."""
@@ -510,6 +514,7 @@ class SafetensorsSource:
         keeps its mapping alive and stays valid). Every later call but :meth:`close` raises
         ``CheckpointError``; closing twice is harmless."""
         self._checkpoint = _Closed(self.path)
+        self._names = None
 
     def __enter__(self) -> SafetensorsSource:
         return self

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import weakref
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -44,6 +45,7 @@ from .quant import FP8_DTYPES, BlockFormat, ModelOptModules, declared_quantizati
 
 __all__ = ["CheckpointDescription", "LayerFacts", "assumed_layout", "describe"]
 
+_LAYER = re.compile(r"^([0-9]{1,10})\.")  # ASCII: \d matches other scripts' digits
 # "Read the config from the source" (a bare config may be any object: parse_config refuses it).
 _UNSET: Any = object()
 # The dtypes the plan accepts for a KDA tensor (the Rust core's rule).
@@ -97,20 +99,6 @@ class LayerFacts:
     a_log_len: int | None
     gate_rank: int | None
     disk_shapes: Mapping[str, tuple[int, ...]]
-
-
-@dataclass(frozen=True)
-class _Scan:
-    """The decoder layers' ``self_attn`` tensors, from one pass over the names."""
-
-    # layer -> [(suffix after "self_attn.", checkpoint name)], in name order
-    attention: Mapping[int, list[tuple[str, str]]]
-    # the first name under the prefix whose layer number no loader reads, with why
-    bad_number: tuple[str, str] | None
-    # layers holding self_attn.A_log (layers.layers_with_kda_tensors)
-    a_log_layers: tuple[int, ...]
-    # one more than the largest layer index under the prefix (None: no layer)
-    layer_count: int | None
 
 
 class CheckpointDescription:
@@ -187,7 +175,7 @@ class CheckpointDescription:
         Raises:
             CheckpointError: ``A_log`` tensors under more than one prefix.
         """
-        return decoder_prefix(self.source, self._names)
+        return decoder_prefix(self.source, self._a_log_names)
 
     @cached_property
     def _names(self) -> list[str]:
@@ -195,44 +183,93 @@ class CheckpointDescription:
         return names
 
     @cached_property
-    def _scan(self) -> _Scan:
-        """Every name under the prefix, once: ``self_attn`` tensors by layer, the first
-        unreadable layer number, the layers holding ``A_log``, the layer count."""
-        prefix = self.prefix
-        cut = len(prefix)
+    def _lines(self) -> str | None:
+        """The names one per line, with a newline before the first and after the last, for
+        searches at C speed over a header of ~70k names (Kimi K3's); None when some name holds
+        a newline itself (then the names are walked one by one)."""
+        names = self._names
+        lines = "\n" + "\n".join(names) + "\n"
+        return lines if lines.count("\n") == len(names) + 1 else None
+
+    def _names_with(self, part: str, *, at_end: bool = False) -> list[str]:
+        """The names holding ``part`` (``at_end``: ending with it), in order."""
+        lines = self._lines
+        if lines is None:
+            return [n for n in self._names if (n.endswith(part) if at_end else part in n)]
+        needle = part + "\n" if at_end else part
+        found = []
+        pos = lines.find(needle, 1)
+        while pos >= 0:
+            start = lines.rfind("\n", 0, pos) + 1
+            end = lines.find("\n", pos + len(part))
+            found.append(lines[start:end])
+            pos = lines.find(needle, end)
+        return found
+
+    @cached_property
+    def _a_log_names(self) -> list[str]:
+        return self._names_with("self_attn.A_log", at_end=True)
+
+    @cached_property
+    def _attention(self) -> dict[int, list[tuple[str, str]]]:
+        """Layer -> its ``(suffix after self_attn., name)`` under the prefix, in name order."""
+        prefix, cut = self.prefix, len(self.prefix)
         attention: dict[int, list[tuple[str, str]]] = {}
-        bad_number = None
-        a_log_layers = set()
-        top = -1
-        for name in self._names:
-            if not name.startswith(prefix):
-                continue
-            rest = name[cut:]
-            head, dot, tail = rest.partition(".")
-            if not (dot and head.isdigit() and head.isascii() and len(head) <= 10):
-                if bad_number is None:
-                    problem = layer_number_problem(rest)
-                    if problem is not None:
-                        bad_number = (name, problem)
-                continue
-            layer = int(head)
-            top = max(top, layer)
-            if not tail.startswith("self_attn."):
-                continue
-            match = LAYER_TENSOR.match(rest)
-            if match is None:
-                continue
-            suffix = match.group(2)
-            attention.setdefault(layer, []).append((suffix, name))
-            if tail.endswith("self_attn.A_log"):
-                a_log_layers.add(layer)
-        return _Scan(attention, bad_number, tuple(sorted(a_log_layers)),
-                     top + 1 if top >= 0 else None)
+        for name in self._names_with(".self_attn."):
+            if name.startswith(prefix):
+                match = LAYER_TENSOR.match(name[cut:])
+                if match is not None:
+                    attention.setdefault(int(match.group(1)), []).append((match.group(2), name))
+        return attention
+
+    @cached_property
+    def _bad_number(self) -> tuple[str, str] | None:
+        """The first name under the prefix whose layer number no loader reads, with why."""
+        prefix, cut, lines = self.prefix, len(self.prefix), self._lines
+        if lines is None:
+            candidates: Iterable[str] = (n for n in self._names if n.startswith(prefix))
+        else:
+            # Only the names under the prefix not followed by ASCII digits and a dot.
+            unusual = re.compile(re.escape("\n" + prefix) + r"(?![0-9]{1,10}\.)")
+            candidates = (lines[m.start() + 1:lines.find("\n", m.end())]
+                          for m in unusual.finditer(lines))
+        for name in candidates:
+            problem = layer_number_problem(name[cut:])
+            if problem is not None:
+                return name, problem
+        return None
+
+    @cached_property
+    def a_log_layers(self) -> tuple[int, ...]:
+        """0-based indices of the layers holding ``self_attn.A_log`` under the prefix
+        (:func:`kda_tp.layers.layers_with_kda_tensors`)."""
+        prefix, cut = self.prefix, len(self.prefix)
+        found = set()
+        for name in self._a_log_names:
+            if name.startswith(prefix) and (match := _LAYER.match(name[cut:])):
+                found.add(int(match.group(1)))
+        return tuple(sorted(found))
+
+    @cached_property
+    def layer_count(self) -> int | None:
+        """The decoder layer count: the config's ``num_hidden_layers``, else one more than the
+        largest layer index under the prefix (:func:`kda_tp.layers.layer_count`); None when
+        neither says."""
+        count = config_layer_count(getattr(self.source, "config", None) or {})
+        if count is not None:
+            return count
+        prefix, lines = self.prefix, self._lines
+        if lines is None:
+            numbers = {m.group(1) for n in self._names
+                       if n.startswith(prefix) and (m := _LAYER.match(n[len(prefix):]))}
+        else:
+            numbers = set(re.findall(re.escape("\n" + prefix) + r"([0-9]{1,10})\.", lines))
+        return max(map(int, numbers)) + 1 if numbers else None
 
     def attention(self, layer: int) -> list[tuple[str, str]]:
         """``(suffix after self_attn., checkpoint name)`` of layer ``layer``'s ``self_attn``
         tensors, in name order (empty when it has none)."""
-        return self._scan.attention.get(layer, [])
+        return self._attention.get(layer, [])
 
     def check_names(self, kda_layers: Iterable[int]) -> None:
         """Refuse what no plan can shard: a name under the prefix whose layer number is not
@@ -242,12 +279,11 @@ class CheckpointDescription:
         Raises:
             CheckpointError: naming the file and the tensor.
         """
-        scan = self._scan
-        if scan.bad_number is not None:
-            name, problem = scan.bad_number
+        if self._bad_number is not None:
+            name, problem = self._bad_number
             raise CheckpointError(f"{location(self.source, name)}: {name}: {problem}")
         wanted = set(kda_layers)
-        for layer, tensors in scan.attention.items():
+        for layer, tensors in self._attention.items():
             if layer in wanted:
                 continue
             for suffix, name in tensors:
@@ -322,10 +358,10 @@ class CheckpointDescription:
             # The same checks as the command line's --layers (1-based, non-KDA, out of range).
             known = kda.kda_layers
             if known is None and self.source is not None:
-                known = self._scan.a_log_layers or None
+                known = self.a_log_layers or None
             count = config_layer_count(self.config)
             if count is None and self.source is not None:
-                count = self._scan.layer_count
+                count = self.layer_count
             checked = check_layers(layers, known, count, option="layers")
         if checked in self._facts:
             return self._facts[checked]
@@ -354,8 +390,9 @@ class CheckpointDescription:
                 f"({_format_name(fmt)}) are not supported; kda_tp slices "
                 "BF16/F16/F32 KDA weights and FP8 block-quantized projections"
             )
-        # Every KDA layer's projections against what the config declares for them.
-        for index in indices:
+        # Every KDA layer's projections against what the config declares for them (nothing
+        # to check when it declares neither a block format nor ModelOpt modules).
+        for index in indices if isinstance(fmt, BlockFormat) or modules is not None else ():
             for name in _native.QUANTIZABLE:
                 full_name = kda_tensor_name(prefix, index, name)
                 info = self.header(full_name)
@@ -507,16 +544,16 @@ def _check_declared(
     does not use (``F8_E5M2`` under ModelOpt), or, under ModelOpt, a ``quant_algo`` kda_tp
     cannot slice (e.g. ``NVFP4``), an ``FP8_PB_WO`` module that is not FP8, or an FP8 module
     that ``quantized_layers`` does not list or ``exclude_modules`` excludes."""
-    where = f"{location(source, full_name)}: {full_name}"
     fp8 = dtype in FP8_DTYPES
     if fp8 and isinstance(fmt, BlockFormat) and dtype not in fmt.weight_dtypes:
         raise DtypeMismatchError(
-            f"{where}: dtype {dtype}, but {fmt.name} weights are "
+            f"{location(source, full_name)}: {full_name}: dtype {dtype}, but {fmt.name} weights are "
             f"{' or '.join(fmt.weight_dtypes)} (ModelOpt's FP8 is E4M3 by definition); the "
             "config and the weights disagree"
         )
     if declared is None:
         return
+    where = f"{location(source, full_name)}: {full_name}"
     module = full_name.removesuffix(".weight")
     algo = declared.algo(module)
     if algo is not None and algo != "FP8_PB_WO":
