@@ -95,7 +95,9 @@ baseline measured alongside it; the last columns give the target and PASS/MISS.
    ``safe_open(file, "np")`` + ``keys()`` of each file, best of N interleaved (target: within
    2x). The cost is per name, not per byte. For information, kda_tp's reader alone
    (``SafetensorsSource`` open + ``names()`` + ``close()``: the Rust header validation), the
-   floor under the view.
+   floor under the view. Then the guard on that rank (``kda_tp.guard.check`` on its
+   ``vllm-0.33-k3`` parameters as numpy arrays, built by ``build_param``) against the same
+   header read plus a memcpy of the parameters' bytes (target: within 3x).
 4. (full run only) Peak RSS of ``kda-tp shard`` at TP=4 on a 2-layer and an 8-layer GLM-5.3
    checkpoint; the bound is the largest single tensor + 256 MiB. RssAnon/RssFile peaks are
    sampled from /proc every 10 ms (RSS counts touched pages of file mappings, so a
@@ -794,7 +796,50 @@ def section_wide(scratch: Path, reps: int) -> None:
         verdict(ratio <= 2.0))
     log(f"  view {t['view'] * 1e3:.1f} ms, reader {t['reader'] * 1e3:.1f} ms, safetensors "
         f"{t['safetensors'] * 1e3:.1f} ms, {ratio:.2f}x")
+    wide_guard(ckpt, rank, tp, reps, via_safetensors)
     shutil.rmtree(ckpt)
+
+
+def wide_guard(ckpt: Path, rank: int, tp: int, reps: int, read_headers) -> None:
+    """Section 8, the guard: ``kda_tp.guard.check`` on one rank's vllm-0.33-k3 parameters of
+    the K3-wide checkpoint vs reading its headers (safetensors) + copying the rank's bytes."""
+    import logging
+
+    from kda_tp.engines import get_layout, param_name
+    from kda_tp.guard import check
+
+    logging.getLogger("kda_tp.guard").setLevel(logging.WARNING)  # no pass line per call
+    layout = get_layout("vllm-0.33-k3")
+    with kda_tp.open_rank(ckpt, tp_rank=rank, tp_size=tp, qk_multiple=1) as view:
+        prefix = layout.state_dict_prefix(view.prefix)
+        # What a BF16 engine's loader left in the rank's parameters.
+        params = {param_name(prefix, layer, p.suffix):
+                  view.build_param(layout, p.suffix, layer, model_dtype="BF16")
+                  for layer, p in view.engine_params(layout)}
+    nbytes = sum(a.nbytes for a in params.values())
+    source = np.concatenate([a.reshape(-1).view(np.uint8) for a in params.values()])
+    dst = np.ones(nbytes, np.uint8)  # prefaulted
+    result = check(params, ckpt, tp_rank=rank, tp_size=tp, engine=layout.name)
+    assert result is not None and result.passed, result
+
+    def via_guard():
+        check(params, ckpt, tp_rank=rank, tp_size=tp, engine=layout.name)
+
+    def via_baseline():
+        read_headers()
+        np.copyto(dst, source)
+
+    t = best_interleaved({"guard": via_guard, "baseline": via_baseline}, reps)
+    ratio = t["guard"] / t["baseline"]
+    sec = f"8 K3-wide header TP={tp} r{rank}"
+    row(sec, f"guard: {len(params)} vllm-0.33-k3 parameters of rank {rank}, "
+        f"{nbytes / 1e6:.1f} MB", "", "", "numpy parameters")
+    row(sec, "safetensors header read + memcpy of the rank's parameter bytes",
+        f"{t['baseline'] * 1e3:.1f}", "ms")
+    row(sec, "kda_tp.guard.check (mode fail, passes)", f"{t['guard'] * 1e3:.1f}", "ms",
+        f"guard/baseline {ratio:.2f}x", "<= 3.00x", verdict(ratio <= 3.0))
+    log(f"  guard {t['guard'] * 1e3:.1f} ms, baseline {t['baseline'] * 1e3:.1f} ms, "
+        f"{ratio:.2f}x")
 
 
 def section_vllm_fused(src: SafetensorsSource, reps: int) -> None:

@@ -1,7 +1,7 @@
 """The shard plan: which part of each KDA tensor a tensor-parallel rank keeps.
 
-The arithmetic is in the Rust core (``kda_tp._native``); this module adds reading the geometry
-from a model config or checkpoint.
+The arithmetic is in the Rust core (``kda_tp._native``); this module adds the plan of a
+described checkpoint (``kda_tp.description``: the geometry, dtypes and quantization read once).
 """
 
 from __future__ import annotations
@@ -115,6 +115,10 @@ class KdaTpPlan(_native.KdaTpPlan):
         layers: Iterable[int] | None = None,
     ) -> KdaTpPlan:
         """The plan for one rank, with the geometry read from a model config.
+
+        A thin path to :meth:`from_description`: the config or checkpoint is described with
+        ``kda_tp.description.describe``, which an opened :class:`~kda_tp.SafetensorsSource`
+        keeps, so the plans of its other ranks read nothing again.
 
         Args:
             config: a config dict, a ``config.json`` path, a checkpoint directory, or a
