@@ -1,7 +1,7 @@
 """One description of a checkpoint: what kda_tp reads from a model before it plans a rank.
 
 :func:`describe` inspects a checkpoint (or a bare config) once per process: the config and
-its family (:mod:`kda_tp.families`), the KDA geometry and gate (:class:`~kda_tp.config.KdaConfig`),
+its family (:mod:`kda_tp.families`), the KDA geometry and gate (``KdaConfig``),
 the declared quantization, the decoder prefix, and every ``self_attn`` tensor of the decoder
 layers, found in one pass over the names. Each part is read the first time something asks for
 it and kept: a rank's plan (``KdaTpPlan.from_description``) is then arithmetic on the facts of
@@ -57,7 +57,7 @@ def assumed_layout(
 ) -> tuple[dict[str, str] | None, dict[str, tuple[int, ...]], str]:
     """What a bare config's plan assumes of the checkpoint it does not see: the stored dtypes
     and on-disk shapes of its model family's checkpoints (``ModelFamily.stored_dtypes`` and
-    ``flat_a_log`` in :data:`kda_tp.families.FAMILIES`).
+    ``flat_a_log`` in ``kda_tp.families.FAMILIES``).
 
     GLM-5.3-Flash: transformers' ``modeling_glm5_next.py`` creates the convs, ``A_log`` (1-D
     ``[H]``) and ``dt_bias`` in float32, so its checkpoints store them as F32. Kimi-Linear and
@@ -150,7 +150,7 @@ class CheckpointDescription:
 
     @cached_property
     def kda(self) -> KdaConfig:
-        """The KDA geometry and gate (:func:`kda_tp.config.parse_config`).
+        """The KDA geometry and gate (``kda_tp.config.parse_config``).
 
         Raises:
             CheckpointError: as ``parse_config``.
@@ -159,18 +159,18 @@ class CheckpointDescription:
 
     @property
     def family(self) -> ModelFamily:
-        """The model family (:func:`kda_tp.families.family_for` of :attr:`kda`)."""
+        """The model family (``kda_tp.families.family_for`` of :attr:`kda`)."""
         return family_for(self.kda.rules, self.kda.full_rank_gate)
 
     @cached_property
     def quantization(self) -> tuple[BlockFormat | str | None, ModelOptModules | None]:
         """``(format, ModelOpt module declarations)`` the config declares
-        (:func:`kda_tp.quant.declared_quantization`, read once)."""
+        (``kda_tp.quant.declared_quantization``, read once)."""
         return declared_quantization(self.config, self.root)
 
     @cached_property
     def prefix(self) -> str:
-        """The decoder prefix of the KDA layers (:func:`kda_tp.layout.decoder_prefix`).
+        """The decoder prefix of the KDA layers (``kda_tp.layout.decoder_prefix``).
 
         Raises:
             CheckpointError: ``A_log`` tensors under more than one prefix.
@@ -242,7 +242,7 @@ class CheckpointDescription:
     @cached_property
     def a_log_layers(self) -> tuple[int, ...]:
         """0-based indices of the layers holding ``self_attn.A_log`` under the prefix
-        (:func:`kda_tp.layers.layers_with_kda_tensors`)."""
+        (``kda_tp.layers.layers_with_kda_tensors``)."""
         prefix, cut = self.prefix, len(self.prefix)
         found = set()
         for name in self._a_log_names:
@@ -253,7 +253,7 @@ class CheckpointDescription:
     @cached_property
     def layer_count(self) -> int | None:
         """The decoder layer count: the config's ``num_hidden_layers``, else one more than the
-        largest layer index under the prefix (:func:`kda_tp.layers.layer_count`); None when
+        largest layer index under the prefix (``kda_tp.layers.layer_count``); None when
         neither says."""
         count = config_layer_count(getattr(self.source, "config", None) or {})
         if count is not None:
@@ -295,7 +295,7 @@ class CheckpointDescription:
 
     def kda_layers(self, layers: Iterable[int] | None = None) -> tuple[int, ...]:
         """0-based KDA layer indices: ``layers`` (sorted, each once) if given, else the
-        config's (:func:`kda_tp.layout.kda_layer_indices`).
+        config's (``kda_tp.layout.kda_layer_indices``).
 
         Raises:
             CheckpointError: ``layers`` is None and the checkpoint has no config, or the config
@@ -341,12 +341,12 @@ class CheckpointDescription:
     def layer_facts(self, layers: Iterable[int] | None = None) -> LayerFacts:
         """What a plan takes from the checkpoint: read from the first selected KDA layer's
         headers, every selected layer's projections checked against the declared quantization;
-        for a bare config, what its family's checkpoints store (:func:`assumed_layout`). Read
+        for a bare config, what its family's checkpoints store (``assumed_layout``). Read
         once per layer selection.
 
         Args:
             layers: 0-based KDA layer indices, checked as ``--layers`` is
-                (:func:`kda_tp.layers.check_layers`); None: the config's KDA layers.
+                (``kda_tp.layers.check_layers``); None: the config's KDA layers.
 
         Raises:
             CheckpointError, DtypeMismatchError, ShapeMismatchError, PlanError: as

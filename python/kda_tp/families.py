@@ -1,7 +1,7 @@
 """The model families kda_tp knows: one entry per family, every other list derived from it.
 
 A family entry says how the family's configs are read (its ``model_type`` values and the rule
-set, :mod:`kda_tp.config`), its names (for people, for the engine tables in
+set, ``kda_tp.config``), its names (for people, for the engine tables in
 :mod:`kda_tp.engines`, for ``kda-tp demo --model``), where its checkpoints keep the decoder
 layers, what a bare config's plan assumes its checkpoints store, and the geometry and config
 dialect of its synthetic checkpoints (:mod:`kda_tp.synth`). Adding a family is one entry here
@@ -45,8 +45,8 @@ class ModelFamily:
         name: the engine tables' name (``EngineLayout.family``): ``"kimi-k3"``.
         display: the name in messages: ``"Kimi K3"``.
         model_types: the config ``model_type`` values (top level or ``text_config``) that
-            select :attr:`rules`.
-        rules: the config rule set, :data:`RULES_KIMI` or :data:`RULES_GLM`.
+            select ``rules``.
+        rules: the config rule set, ``RULES_KIMI`` or ``RULES_GLM``.
         full_rank_gate: whether the family's KDA layers have the full-rank output gate
             ``g_proj`` (K3), which tells it from another family read by the same rules.
         decoder_prefix: the name prefix of its decoder layers (up to the layer index) in its
@@ -149,7 +149,7 @@ def family_for(rules: str, full_rank_gate: bool) -> ModelFamily:
     """The family of a parsed config (``KdaConfig.rules``, ``KdaConfig.full_rank_gate``).
 
     A full-rank output gate is Kimi K3's whatever the rules; otherwise the family read by
-    ``rules`` without it, a config of unknown ``model_type`` (:data:`RULES_GENERIC`) being read
+    ``rules`` without it, a config of unknown ``model_type`` (``RULES_GENERIC``) being read
     as Kimi-Linear.
     """
     wanted = RULES_KIMI if rules == RULES_GENERIC else rules
