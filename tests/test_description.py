@@ -198,3 +198,15 @@ def test_kda_looking_names_cover_the_hand_list_they_replace():
               "g_proj.weight", "fused_qkvg_proj.weight", "qkv_proj.weight")
     assert not set(shared) & kda_only_suffixes()
     assert not looks_kda([f"model.layers.0.self_attn.{s}" for s in shared])
+
+
+def test_a_closed_source_refuses_reads_and_its_arrays_stay_valid():
+    with SafetensorsSource(K3) as source:
+        name = source.names()[0]
+        data = source.get(name).data
+        expected = bytes(data)
+    assert bytes(data) == expected  # the array keeps its mapping alive
+    for read in (source.names, lambda: source.get(name), lambda: source.info(name)):
+        with pytest.raises(CheckpointError, match="closed"):
+            read()
+    source.close()

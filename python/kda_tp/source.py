@@ -258,7 +258,8 @@ class KdaShardedSource:
     def get(self, name: str) -> Tensor | None:
         """This rank's tensor ``name``: a local slice for KDA tensors, else the source's record;
         None when the source has no such tensor (as ``Mapping.get``: a misspelt name is not an
-        error here; check ``name in adapter`` where that matters).
+        error here; ``adapter[name]`` and :meth:`get_tensor` raise ``TensorNotFoundError``
+        for it, as ``safe_open`` does).
 
         Row-sliced and replicated tensors are views of the source's bytes (no copy);
         ``o_proj`` is gathered into a new array.
