@@ -607,17 +607,15 @@ _SHARED_PARTS = frozenset({"q_proj", "k_proj", "v_proj", "g_proj", "o_proj"})
 
 
 def kda_only_suffixes() -> frozenset[str]:
-    """The parameter names (after ``self_attn.``) only a KDA layer has, in any layout of
-    :data:`LAYOUTS`: those made of at least one plan tensor no other attention layer holds
-    (``A_log``, ``dt_bias``, the convs, the gate projections, ``b_proj``, ``o_norm``), and
-    their scale grids. ``fused_qkvg_proj.weight`` (q, k, v, g) is not one of them."""
-    found = set()
-    for layout in LAYOUTS.values():
-        for param in layout.params:
-            weight = layout.param(param.scale_of) if param.scale_of is not None else param
-            if set(weight.parts) - _SHARED_PARTS:
-                found.add(param.suffix)
-    return frozenset(found)
+    """Name endings (after ``self_attn.``) that only a KDA layer's parameters have, in any
+    layout of :data:`LAYOUTS`: every parameter made of at least one plan tensor no other
+    attention layer holds (``A_log``, ``dt_bias``, the convs, the gate projections, ``b_proj``,
+    ``o_norm``) ends with one of them after a dot. The shortest such endings only: scale grids
+    come with their weights, and ``forget_gate.A_log`` ends with ``A_log``.
+    ``fused_qkvg_proj.weight`` (q, k, v, g) is not one of them."""
+    found = {param.suffix for layout in LAYOUTS.values() for param in layout.params
+             if param.scale_of is None and set(param.parts) - _SHARED_PARTS}
+    return frozenset(s for s in found if not any(s.endswith(f".{t}") for t in found))
 
 
 def get_layout(name: str | EngineLayout) -> EngineLayout:

@@ -97,8 +97,8 @@ DERIVED: Mapping[str, Mapping[str, tuple[str, Callable[[np.ndarray], np.ndarray]
 
 # Names only a KDA layer has (any engine layout, and the derived copies): a model holding
 # some under `.self_attn.` without the markers is a KDA model whose markers are missing.
-_KDA_LOOKING = tuple(f".{suffix}" for suffix in sorted(kda_only_suffixes())) + tuple(
-    f".{copy}" for copies in DERIVED.values() for copy in copies)
+_KDA_LOOKING = tuple(f".{end}" for end in sorted(kda_only_suffixes()) if f".{end}" not in _MARKERS
+                     ) + tuple(f".{copy}" for copies in DERIVED.values() for copy in copies)
 
 
 def holds_kda(names: Iterable[str]) -> bool:
