@@ -67,7 +67,8 @@ def test_every_rank_of_one_source_shares_one_description_and_one_name_list():
 
 
 def test_the_description_reads_the_config_and_layers():
-    description = describe(SafetensorsSource(K3))
+    source = SafetensorsSource(K3)  # a description does not keep its source open
+    description = describe(source)
     assert description.family is REGISTRY["kimi-k3"]
     assert description.prefix == "language_model.model.layers."
     assert description.kda_layers() == description.kda.kda_layers
@@ -210,3 +211,16 @@ def test_a_closed_source_refuses_reads_and_its_arrays_stay_valid():
         with pytest.raises(CheckpointError, match="closed"):
             read()
     source.close()
+
+
+def test_a_described_source_goes_when_its_users_drop_it():
+    import weakref
+
+    source = SafetensorsSource(K3)
+    view = KdaShardedSource(source, KdaTpPlan.from_config(source, 0, 2, qk_multiple=1))
+    description, gone = view.description, weakref.ref(source)
+    del source, view
+    assert gone() is None  # no reference cycle keeps the mappings: refcounting frees them
+    assert description.prefix == "language_model.model.layers."  # what it read stays
+    with pytest.raises(CheckpointError, match="dropped"):
+        description.source

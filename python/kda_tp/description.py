@@ -109,8 +109,6 @@ class CheckpointDescription:
     layer 5 lacks a tensor plans rank 0 and refuses its view, as before).
 
     Attributes:
-        source: the opened checkpoint (a :class:`~kda_tp.SafetensorsSource` or any object with
-            ``names()`` and ``get(name)``), or None for a bare config.
         root: the checkpoint directory (None for a config dict or a source without one).
         where: the config's location, named in messages.
     """
@@ -122,13 +120,31 @@ class CheckpointDescription:
         where: str = "config",
         root: Path | None = None,
     ):
-        self.source: Any = source
+        # describe() makes the reference weak where the source keeps this description.
+        self._source: Any = source
         self._config = _UNSET if config is None and source is not None else config
         self._headers: dict[str, tuple[str, tuple[int, ...]] | None] = {}
         self.where = where
         self.root = root
         self._facts: dict[tuple[int, ...] | None, LayerFacts] = {}
         self._padding_checked: set[str] = set()
+
+    @property
+    def source(self) -> Any:
+        """The opened checkpoint (a :class:`~kda_tp.SafetensorsSource` or any object with
+        ``names()`` and ``get(name)``), or None for a bare config.
+
+        Raises:
+            CheckpointError: the ``SafetensorsSource`` was dropped (a description does not keep
+                its checkpoint open; the views and loaders using it do).
+        """
+        if isinstance(self._source, weakref.ref):
+            found = self._source()
+            if found is None:
+                raise CheckpointError(f"{self.where}: the checkpoint this description read was "
+                                      "dropped; describe an open one")
+            return found
+        return self._source
 
     @cached_property
     def config(self) -> Mapping[str, Any]:
@@ -349,8 +365,7 @@ class CheckpointDescription:
                 (``kda_tp.layers.check_layers``); None: the config's KDA layers.
 
         Raises:
-            CheckpointError, DtypeMismatchError, ShapeMismatchError, PlanError: as
-                ``KdaTpPlan.from_config``.
+            CheckpointError, DtypeMismatchError, PlanError: as ``KdaTpPlan.from_config``.
         """
         kda = self.kda
         checked: tuple[int, ...] | None = None
@@ -435,7 +450,6 @@ class CheckpointDescription:
         """
         if facts.gate_rank is not None:
             return facts.gate_rank
-        assert facts.layers is not None or self.source is not None
         layer = self.kda_layers(facts.layers)[0]
         name = kda_tensor_name(self.prefix, layer, "f_a_proj")
         raise ShapeMismatchError(
@@ -477,7 +491,8 @@ def describe(
 
     Args:
         checkpoint: a :class:`~kda_tp.SafetensorsSource` (its description is kept while it is
-            alive: every later call returns the same one), a checkpoint directory, a
+            alive: every later call returns the same one; the description refers to it weakly,
+            so keep the source while using the description), a checkpoint directory, a
             ``.safetensors`` file, a ``config.json`` path, a config dict, or any tensor source
             with ``names()`` and ``get(name)`` (described anew).
 
@@ -492,6 +507,9 @@ def describe(
             found = CheckpointDescription(
                 checkpoint, where=str(checkpoint.root / CONFIG_NAME), root=checkpoint.root
             )
+            # The source keeps its description: a weak reference back, so that the source
+            # (and its mappings) goes when its last user drops it.
+            found._source = weakref.ref(checkpoint)
             _DESCRIBED[checkpoint] = found
         return found
     if isinstance(checkpoint, (str, os.PathLike)):
