@@ -106,6 +106,58 @@ def test_any_prefix_non_kda_counted_and_torch_free_inputs():
         assert report.params[0].name.startswith("language_model.model.layers.0.self_attn.")
 
 
+def test_an_engine_kda_layer_the_checkpoint_does_not_describe_is_wrong(tmp_path, capsys):
+    # issue 27.3: the engine holds a second KDA layer (never loaded from this checkpoint, which
+    # lists one): not "other parameters ignored"
+    meta, tensors, ckpt = fixture("vllm_k3_tp4_r1")
+    extra = {**tensors, **{k.replace("layers.0.", "layers.1.", 1): np.zeros_like(v)
+                           for k, v in tensors.items()}}
+    report = kda_tp.audit(extra, ckpt, tp_rank=1, tp_size=4)
+    assert not report.passed and report.ignored == 0
+    assert all(p.passed for p in report.params) and len(report.params) == 7
+    [problem] = report.problems
+    assert problem == (
+        f"state_dict: layer 1 holds KDA parameters ({', '.join(sorted(n for n in extra if '.1.' in n))})"
+        f" but the config of {ckpt} describes no KDA layer 1 (its KDA layers: [0]); is this the "
+        "checkpoint the engine loaded?")
+    assert report.summary().startswith("FAIL: 0 KDA parameter(s) wrong, 1 other problem(s);")
+    path = tmp_path / "model-rank-1-part-0.safetensors"
+    save_file(extra, str(path))
+    status, out, _ = run(capsys, "audit", ckpt, path, "--tp-size", 4)
+    assert status == 1 and "is this the checkpoint the engine loaded?" in out
+    # a non-KDA layer's attention (no A_log/dt_bias) stays ignored
+    mla = {**tensors, "model.layers.1.self_attn.o_proj.weight": np.zeros(3, np.float32)}
+    assert kda_tp.audit(mla, ckpt, tp_rank=1, tp_size=4).passed
+
+
+def test_two_names_for_one_parameter_are_refused():
+    # issue 27.3: `layers.0` and `layers.00` are one (layer, parameter): never "the last wins"
+    meta, tensors, ckpt = fixture("vllm_kimi_linear_tp4_r2")
+    bad = {**tensors, PRE.replace(".0.", ".00.") + "A_log": np.zeros_like(tensors[PRE + "A_log"])}
+    with pytest.raises(CheckpointError) as caught:
+        kda_tp.audit(bad, ckpt, tp_rank=2, tp_size=4)
+    assert str(caught.value) == (
+        f"state_dict: {PRE}A_log and model.layers.00.self_attn.A_log name one parameter (layer "
+        "0, A_log); an engine holds each parameter once: which one did it load? pass a state "
+        "dict with one name per parameter")
+
+
+def test_a_rank_audit_builds_that_ranks_view_only(monkeypatch):
+    # issue 25.4: auditing rank 3 plans rank 3 only (the guard on rank r builds rank r's view)
+    meta, tensors, ckpt = fixture("vllm_glm_tp4_r3")
+    module = sys.modules["kda_tp.engine_audit"]
+    built = []
+    real = module.KdaTpPlan.from_config
+
+    def counting(source, rank, tp_size, **kw):
+        built.append(rank)
+        return real(source, rank, tp_size, **kw)
+
+    monkeypatch.setattr(module.KdaTpPlan, "from_config", counting)
+    assert kda_tp.audit(tensors, ckpt, tp_rank=3, tp_size=4).passed
+    assert built == [3]
+
+
 def test_torch_state_dict():
     torch = pytest.importorskip("torch")
     meta, tensors, ckpt = fixture("sglang_k3_tp4_r1")

@@ -32,8 +32,8 @@ from pathlib import Path
 import numpy as np
 
 from ._io import resolve_out, write_safetensors
+from .audit_values import cast_overflow
 from .checkpoint import SafetensorsSource
-from .engine_audit import cast_overflow, sharded_state_files
 from .engines import (
     LAYOUTS,
     EngineLayout,
@@ -54,6 +54,7 @@ from .errors import (
 from .layout import kda_tensor_name
 from .plan import KdaTpPlan
 from .config import parse_metadata_int
+from .dump_files import DUMP_FILE, sharded_state_files
 from .source import KdaShardedSource, checked_get
 
 __all__ = ["DIGEST_KEY", "DumpResult", "engine_digests", "write_engine_dump"]
@@ -62,10 +63,6 @@ __all__ = ["DIGEST_KEY", "DumpResult", "engine_digests", "write_engine_dump"]
 #: parameter's name): data-parallel index, pipeline, prefill-context-parallel and
 #: tensor-parallel rank. A KDA model served with tensor parallelism alone has ``dp0:pp0:pcp0``.
 DIGEST_KEY = "dp0:pp0:pcp0:tp{rank}:{name}"
-
-# save_sharded_state's file of one rank (vLLM's and SGLang's default pattern, part 0).
-_DUMP_FILE = "model-rank-{rank}-part-0.safetensors"
-
 
 @dataclass(frozen=True)
 class DumpResult:
@@ -222,7 +219,7 @@ def write_engine_dump(
             ``>= tp_size``, or other ``tp_size`` metadata) or a file of a rank being written;
             a write fails (the message names the file and the OS error).
         DtypeMismatchError: casting a parameter to ``model_dtype`` overflows (a finite value
-            becomes inf; ``kda_tp.engine_audit.cast_overflow``): the message names the rank,
+            becomes inf; ``kda_tp.audit_values.cast_overflow``): the message names the rank,
             the parameter and the value; no file of this call is left.
         PlanError: ``tp_size`` or a rank is not valid for the model (range, repeats), or
             ``ranks`` is empty.
@@ -281,7 +278,7 @@ def write_engine_dump(
     total, count = 0, 0
     try:
         for r, params in by_rank:
-            path = root / _DUMP_FILE.format(rank=r)
+            path = root / DUMP_FILE.format(rank=r)
             meta = {"tp_size": str(tp_size), "tp_rank": str(r), "engine": layout.name}
             specs = [(p.name, p.plan.dtype, p.plan.shape, p.plan.nbytes, p.build) for p in params]
             total += write_safetensors(path, specs, meta, sync=False)
