@@ -700,6 +700,34 @@ def test_wrong_world_size(tmp_path, capsys):
         "(rank=) says rank 2; pass --rank 1 (rank=)")
 
 
+def test_the_world_size_comes_from_the_dump(tmp_path, capsys):
+    # issue 27.7: without --tp-size, the dump's metadata (else its file names) tell it
+    path = DATA / "vllm_k3_tp4_r1.safetensors"  # tp_size 4 in its metadata
+    status, out, _ = run(capsys, "audit", CKPT["k3"], path)
+    assert status == 0 and "exact on rank 1 of 4 (vllm-0.33-k3)" in out
+    out_dir, ckpt, _ = sharded_state(tmp_path, "vllm_k3_tp4_r1")  # no metadata: the names
+    report = audit_path(ckpt, out_dir)
+    assert report.passed and report.tp_size == 4 and report.ranks == (0, 1, 2, 3)
+    # one file without metadata does not tell it
+    lone = tmp_path / "rank.safetensors"
+    save_file(load(path)[1], str(lone))
+    status, _, err = run(capsys, "audit", ckpt, lone, "--rank", 1)
+    assert status == 2 and err.strip() == (
+        f"kda-tp: error: PlanError: {lone}: the dump does not say its world size (no tp_size "
+        "metadata, one rank's file); pass --tp-size (tp_size=)")
+
+
+@pytest.mark.parametrize("tp_size", [2, 3, 8])
+def test_one_wrong_world_size_one_error_class(tmp_path, capsys, tp_size):
+    # issue 27.7: a --tp-size the dump contradicts is a PlanError whatever the size (8 does
+    # not divide the 12 heads; 2 is below the ranks the files name; 3 divides them)
+    out_dir, ckpt, _ = sharded_state(tmp_path, "vllm_kimi_linear_tp4_r2")
+    with pytest.raises(PlanError):
+        audit_path(ckpt, out_dir, tp_size=tp_size)
+    status, _, err = run(capsys, "audit", ckpt, out_dir, "--tp-size", tp_size)
+    assert status == 2 and err.startswith("kda-tp: error: PlanError: ")
+
+
 def test_a_single_part_parameter_holding_another_tensor(tmp_path, capsys):
     meta, tensors, ckpt = fixture("vllm_kimi_linear_tp4_r2")
     # g_a_proj [128, 64] given f_a_proj's rows (the last 128 of in_proj_qkvgfab)

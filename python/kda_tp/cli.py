@@ -194,8 +194,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("path", type=Path, help="a save_sharded_state directory "
                    "(model-rank-{r}-part-{p}.safetensors, model-pp-{pp}-tp-{r}-part-{p}"
                    ".safetensors; every rank must be there), or one rank's .safetensors file")
-    p.add_argument("--tp-size", type=_tp_size, required=True, help="the engine's tensor-parallel "
-                   "world size")
+    p.add_argument("--tp-size", type=_tp_size, help="the engine's tensor-parallel world size "
+                   "(default: the one the dump tells: its tp_size metadata, else the highest "
+                   "rank in its file names + 1)")
     p.add_argument("--rank", type=_rank, help="the rank of a single file (default: from its name, "
                    "else its tp_rank metadata); with a directory, audit only this rank")
     p.add_argument("--engine", help="the engine layout to audit against (default: recognised "

@@ -139,3 +139,42 @@ def rank_of_file(path: Path) -> int:
         f"{path}: its rank is not in its name (model-rank-{{r}}-part-{{p}}.safetensors) nor in "
         "its metadata (tp_rank); pass --rank (rank=)"
     )
+
+
+def dump_world_size(files: Mapping[int, Sequence[Path]], *, by_names: bool
+                    ) -> tuple[int, Path | None] | None:
+    """The tensor-parallel world size a dump tells, and how it tells it; None when it does not.
+
+    The files' header metadata ``tp_size`` (``kda-tp dump`` writes it) says it; else, with
+    ``by_names`` (a ``save_sharded_state`` directory), the highest rank in the file names plus
+    one (``model-rank-3-part-0.safetensors`` means at least 4 ranks; a missing rank below it is
+    the audit's problem to report). One file without metadata does not tell it.
+
+    Args:
+        files: the dump's files by rank (:func:`sharded_state_files`, or one file's).
+        by_names: whether the ranks in ``files`` are every rank the dump has (a directory).
+
+    Returns:
+        ``(tp_size, file)``: ``file`` the one whose metadata says it (exact), or None when the
+        names say it (a lower bound).
+
+    Raises:
+        CheckpointError: two files' metadata name different world sizes.
+    """
+    told: dict[int, Path] = {}
+    for paths in files.values():
+        for path in paths:
+            size = meta_int(SafetensorsSource(path).files()[0][1] or {}, "tp_size", path)
+            if size is not None:
+                told.setdefault(size, path)
+    if len(told) > 1:
+        (a, pa), (b, pb) = sorted(told.items())[:2]
+        raise CheckpointError(f"{pa} says tp_size {a} and {pb} says tp_size {b} in their "
+                              "metadata; the files are of two dumps: audit one at a time")
+    if told:
+        ((size, path),) = told.items()
+        return size, path
+    if by_names and files:
+        top = max(files)
+        return top + 1, None
+    return None

@@ -31,7 +31,13 @@ from .audit_diagnosis import Candidates, audit_overflow, compare, exact_in_place
 from .audit_report import AuditReport, ParamAudit, PartDifference
 from .audit_values import CASTABLE, as_record, cast_overflow, dtype_name
 from .checkpoint import SafetensorsSource
-from .dump_files import RankFiles, meta_int, rank_of_file, sharded_state_files
+from .dump_files import (
+    RankFiles,
+    dump_world_size,
+    meta_int,
+    rank_of_file,
+    sharded_state_files,
+)
 from .engines import (
     LAYOUTS,
     EngineLayout,
@@ -422,13 +428,41 @@ def _check_metadata(records: RankFiles, rank: int, tp_size: int, how: str, famil
     return note
 
 
+def _world_size(root: Path, files: Mapping[int, Sequence[Path]], given: int | None) -> int:
+    """The world size to audit a dump at: ``given`` (``--tp-size``), which must agree with what
+    the dump tells, else the dump's.
+
+    Raises:
+        PlanError: ``given`` disagrees with the dump (its metadata, or a rank ``>= given`` in
+            its file names), or neither says.
+        CheckpointError: the dump's files disagree (:func:`~kda_tp.dump_files.dump_world_size`).
+    """
+    directory = root.is_dir()
+    told = dump_world_size(files, by_names=directory)
+    if given is None:
+        if told is None:
+            raise PlanError(f"{root}: the dump does not say its world size (no tp_size metadata, "
+                            "one rank's file); pass --tp-size (tp_size=)")
+        return told[0]
+    if directory and max(files) >= given:
+        raise PlanError(
+            f"{root}: holds the files of ranks {sorted(files)}, but tp_size is {given}; pass the "
+            "world size the engine ran with, or no --tp-size (tp_size=None): the dump tells it"
+        )
+    if told is not None and told[1] is not None and told[0] != given:
+        raise PlanError(f"{told[1]}: the dump's metadata says tp_size {told[0]}; pass "
+                        f"--tp-size {told[0]} (tp_size=), not {given}")
+    return given
+
+
 def audit_path(
     checkpoint: str | os.PathLike[str],
     path: str | os.PathLike[str],
     *,
-    tp_size: int,
+    tp_size: int | None = None,
     rank: int | None = None,
     engine: str | None = None,
+    model_dtype: str | None = None,
     progress: Callable[[int], Callable[[int], None]] | None = None,
 ) -> AuditReport:
     """:func:`audit` on files: a ``save_sharded_state`` directory, or one rank's file.
@@ -447,9 +481,12 @@ def audit_path(
     Args:
         checkpoint: the checkpoint the engine loaded.
         path: the directory given to ``save_sharded_state``, or one rank's ``.safetensors``.
-        tp_size: the engine's tensor-parallel world size.
+        tp_size: the engine's tensor-parallel world size; None: the one the dump tells
+            (:func:`kda_tp.dump_files.dump_world_size`: its files' ``tp_size`` metadata, else
+            the highest rank in a directory's file names plus one).
         rank: see above.
         engine: see :func:`audit`; the ranks' names must fit one layout.
+        model_dtype: the engine's model dtype, as for :func:`audit`.
         progress: called once with the number of parameters to check; returns
             ``advance(n)``, called after each (as for :func:`~kda_tp.shard.verify_shards`).
 
@@ -463,31 +500,29 @@ def audit_path(
             disagree with ``tp_size`` or the rank.
     """
     root = Path(path)
-    tp_size = _whole("tp_size", tp_size, 1)
+    given = None if tp_size is None else _whole("tp_size", tp_size, 1)
     rank = None if rank is None else _whole("rank", rank, 0)
-    auditor = _Auditor(checkpoint, tp_size, engine)
-    # The plan refuses a tp_size the checkpoint's heads cannot split (so tp_size <= heads)
-    # before anything is listed or reported per rank.
-    auditor.shard(0)
+    auditor = None if given is None else _Auditor(checkpoint, given, engine)
+    if auditor is not None:
+        # The plan refuses a tp_size the checkpoint's heads cannot split (so tp_size <= heads)
+        # before anything is listed.
+        auditor.shard(rank if rank is not None and rank < auditor.tp_size else 0)
     if root.is_dir():
         files = sharded_state_files(root)
-        beyond = [r for r in files if r >= tp_size]
-        if beyond:
-            raise CheckpointError(
-                f"{root}: holds the files of ranks {sorted(files)}, but tp_size is {tp_size}; "
-                "pass the world size the engine ran with"
-            )
-        wanted = list(range(tp_size)) if rank is None else [rank]
         how = "its name"
     elif root.is_file():
         found = rank if rank is not None else rank_of_file(root)
-        files, wanted = {found: [root]}, [found]
+        files = {found: [root]}
         how = "--rank (rank=)" if rank is not None else "its name"
     else:
         raise CheckpointError(f"{root}: no such file or directory")
+    tp_size = _world_size(root, files, given)
+    auditor = auditor or _Auditor(checkpoint, tp_size, engine)
+    wanted = (list(range(tp_size)) if rank is None else [rank]) if root.is_dir() else list(files)
     for r in wanted:
         if not 0 <= r < tp_size:
             raise PlanError(f"rank {r} is not a rank of tp_size {tp_size} (0..{tp_size - 1})")
+    auditor.shard(wanted[0])
     report = AuditReport("", tp_size)
     noted = False  # the dump's model metadata named another family (said once, first)
     dumps: list[tuple[int, RankFiles, _Selected | None]] = []
