@@ -21,7 +21,7 @@ from .engines import EngineParamPlan
 from .errors import CheckpointError, ShapeMismatchError
 
 __all__ = ["CASTABLE", "DTYPES", "as_record", "bytes_equal", "cast_overflow", "cast_to",
-           "differing", "dtype_name", "first_difference", "same_values"]
+           "differing", "first_difference", "same_values"]
 
 # The float dtypes an engine casts between (torch's `copy_`, round to nearest even); FP8 and
 # integer parameters are compared as stored.
@@ -82,22 +82,6 @@ def as_record(name: str, value: Any) -> Tensor:
         "kda_tp.Tensor"
     )
 
-
-
-def dtype_name(value: Any) -> str | None:
-    """The safetensors dtype name of a dumped value, without reading its data; None when it
-    has none (not an array, a dtype not audited: :func:`as_record` then says why)."""
-    if isinstance(value, Tensor):
-        return value.dtype
-    if isinstance(value, np.ndarray):
-        return next((d for d in DTYPES if numpy_dtype(d) == value.dtype), None)
-    torch = sys.modules.get("torch")
-    if torch is not None and isinstance(value, torch.Tensor):
-        try:
-            return next((d for d in DTYPES if value.dtype == torch_dtype(d)), None)
-        except Exception:  # a lazy parameter: as_record refuses it
-            return None
-    return None
 
 
 def cast_to(values: np.ndarray, dtype: str) -> np.ndarray:

@@ -201,6 +201,7 @@ def _parser() -> argparse.ArgumentParser:
                    "else its tp_rank metadata); with a directory, audit only this rank")
     p.add_argument("--engine", help="the engine layout to audit against (default: recognised "
                    "from the parameter names)")
+    _add_model_dtype(p)
     _add_quiet(p)
     _add_json(p, "every KDA parameter's verdict")
     p.set_defaults(run=_cmd_audit)
@@ -242,9 +243,16 @@ def _add_engine_output(p: argparse.ArgumentParser) -> None:
                    "e.g. vllm-0.33-kimi-linear; docs/engine-layouts.md)")
     p.add_argument("--tp-size", type=int, required=True, help="tensor-parallel world size")
     p.add_argument("--ranks", type=_int_list, help="comma-separated ranks (default: all)")
+    _add_model_dtype(p)
+
+
+def _add_model_dtype(p: argparse.ArgumentParser) -> None:
+    """``audit``'s, ``dump``'s and ``digests``' ``--dtype``: the engine's model dtype."""
     p.add_argument("--dtype", type=_model_dtype, choices=["BF16", "F16", "F32"],
                    help="the engine's model dtype (its --dtype: bfloat16, float16, float32) "
-                   "for the parameters it casts to it (default: the checkpoint's)")
+                   "for the parameters it casts to it (default: the engine's auto dtype for "
+                   "the checkpoint's config: its dtype/torch_dtype; an F32 or dtype-less "
+                   "config runs in BF16 under vLLM, F16 under SGLang)")
 
 
 def _nonempty_path(text: str) -> Path:
@@ -941,7 +949,8 @@ def _cmd_audit(args: argparse.Namespace) -> int:
     from .engine_audit import audit_path
 
     report = audit_path(args.checkpoint, args.path, tp_size=args.tp_size, rank=args.rank,
-                        engine=args.engine, progress=_progress(args.quiet, "audit", "parameters"))
+                        engine=args.engine, model_dtype=args.dtype,
+                        progress=_progress(args.quiet, "audit", "parameters"))
     if args.json:
         _emit_json(args, report.to_dict())
     else:
@@ -967,6 +976,7 @@ def _cmd_dump(args: argparse.Namespace) -> int:
               f"{result.tp_size} ({result.engine}, {result.bytes_written / 1e9:.3f} GB) to "
               f"{result.out_dir} in {result.seconds:.2f} s; check it with: kda-tp audit "
               f"{args.checkpoint} {result.out_dir} --tp-size {result.tp_size}"
+              + ("" if args.dtype is None else f" --dtype {args.dtype}")
               + ("" if args.ranks is None else f" --rank R (R in {list(result.ranks)})"))
     return 0
 

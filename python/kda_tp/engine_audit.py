@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import os
 import re
-from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +28,7 @@ import numpy as np
 
 from .audit_diagnosis import Candidates, audit_overflow, compare, exact_in_place
 from .audit_report import AuditReport, ParamAudit, PartDifference
-from .audit_values import CASTABLE, as_record, cast_overflow, dtype_name
+from .audit_values import CASTABLE, as_record, cast_overflow
 from .checkpoint import SafetensorsSource
 from .dump_files import (
     RankFiles,
@@ -50,6 +49,7 @@ from .engines import (
 )
 from .errors import CheckpointError, EngineLayoutError, PlanError
 from .layout import kda_layer_indices
+from .model_dtype import engine_model_dtype
 from .plan import KdaTpPlan
 from .source import KdaShardedSource
 
@@ -86,9 +86,13 @@ class _Auditor:
     """Audits ranks of one engine's dump against one checkpoint at one world size."""
 
     def __init__(self, checkpoint: str | os.PathLike[str] | SafetensorsSource, tp_size: int,
-                 engine: str | None, layers: Iterable[int] | None = None):
+                 engine: str | None, layers: Iterable[int] | None = None,
+                 model_dtype: str | None = None):
         self.source = (checkpoint if isinstance(checkpoint, SafetensorsSource)
                        else SafetensorsSource(checkpoint))
+        # Checked now (a bad name is refused before anything is read); resolved per layout.
+        self.requested_dtype = (None if model_dtype is None
+                                else engine_model_dtype(self.source, "", model_dtype))
         self.family = model_family(self.source.config)
         self.tp_size = tp_size
         self.forced = None if engine is None else get_layout(engine)
@@ -235,7 +239,7 @@ class _Auditor:
         report.problems += selected.problems
         candidates: Candidates | None = None
         expected: dict[int, set[str]] = {}
-        rank_dtype = self.model_dtype(records, rank, selected, layout)
+        model_dtype = self.model_dtype(layout)
         for layer, param in self.engine_params(rank, layout):
             if candidates is None or candidates.layer != layer:
                 candidates = Candidates(self.source, self.shard, rank, layer)
@@ -243,7 +247,7 @@ class _Auditor:
             name = selected.layers.get(layer, {}).get(
                 param.suffix, param_name(selected.prefix, layer, param.suffix))
             report.params.append(self.param(rank, layer, name, records.get(name), layout,
-                                            param.suffix, candidates, rank_dtype))
+                                            param.suffix, candidates, model_dtype))
             if advance:
                 advance(1)
         # Names of another quantization form (scale grids of unquantized weights).
@@ -255,43 +259,30 @@ class _Auditor:
         layout fixes, such as F32 ``A_log``, nor FP8 parts or a scale grid)."""
         return self.shard(rank).param_plan(layout, suffix, model_dtype="F64").dtype == "F64"
 
-    def model_dtype(self, records: Mapping[str, Any], rank: int, selected: _Selected,
-                    layout: EngineLayout) -> str | None:
-        """The rank's model dtype: the float dtype most of its parameters that follow the
-        model dtype are dumped in (ties: the first such parameter's); None when none is a
-        float. An engine casts all those parameters to one dtype, so one in another dtype is
-        wrong (:meth:`param` says so, naming both)."""
-        seen: Counter[str] = Counter()
-        for layer, param in self.engine_params(rank, layout):
-            name = selected.layers.get(layer, {}).get(param.suffix)
-            dtype = dtype_name(records.get(name)) if name is not None else None
-            if dtype in CASTABLE and self.follows_model(rank, layout, param.suffix):
-                seen[dtype] += 1
-        return seen.most_common(1)[0][0] if seen else None
+    def model_dtype(self, layout: EngineLayout) -> str:
+        """The engine's model dtype (:func:`kda_tp.model_dtype.engine_model_dtype`): the one
+        asked for, else ``layout``'s engine's default for this checkpoint."""
+        return engine_model_dtype(self.source, layout.engine, self.requested_dtype)
 
     def param(self, rank: int, layer: int, name: str, value: Any, layout: EngineLayout,
-              suffix: str, candidates: Candidates, rank_dtype: str | None = None
-              ) -> ParamAudit:
-        """One parameter's verdict. The engine's model dtype is taken to be ``rank_dtype``
-        (the rank's, :meth:`model_dtype`), else the dumped parameter's (a float); else
-        (missing, or not a float) the first part's. A parameter that follows the model dtype
-        in another float dtype than ``rank_dtype`` is a mismatch naming both."""
+              suffix: str, candidates: Candidates, model_dtype: str) -> ParamAudit:
+        """One parameter's verdict, the engine running in ``model_dtype`` (:meth:`model_dtype`):
+        a parameter that follows the model dtype held in another float dtype is a mismatch
+        naming both (e.g. F16 in a BF16 engine: a lossy cast)."""
         shard = self.shard(rank)
         record = None if value is None else as_record(name, value)
-        parts = layout.param(suffix).parts
-        model_dtype = (rank_dtype if rank_dtype is not None
-                       else record.dtype if record is not None and record.dtype in CASTABLE
-                       else shard.plan[parts[0]].dtype if parts else None)
         plan = shard.param_plan(layout, suffix, model_dtype=model_dtype)
         if record is None:
             return ParamAudit(rank, layer, name, "missing",
                               f"missing: {layout.name} holds {suffix} {list(plan.shape)} here")
-        if (rank_dtype is not None and record.dtype in CASTABLE and record.dtype != rank_dtype
+        if (record.dtype in CASTABLE and record.dtype != model_dtype
                 and self.follows_model(rank, layout, suffix)):
+            how = ("the engine's model dtype, as passed" if self.requested_dtype is not None
+                   else f"{layout.engine}'s model dtype for this checkpoint's config")
             return ParamAudit(rank, layer, name, "mismatch",
-                              f"dtype {record.dtype}, expected {rank_dtype} (the model dtype of "
-                              "this rank's other parameters: an engine casts them all to one "
-                              "model dtype)")
+                              f"dtype {record.dtype}, expected {model_dtype} ({how}: an engine "
+                              "casts these parameters to its model dtype; pass the dtype it "
+                              "ran in as --dtype (model_dtype=) if it is another)")
         if exact_in_place(record, plan, candidates):
             return ParamAudit(rank, layer, name, "exact")
         with np.errstate(over="ignore", invalid="ignore"):  # an overflow is reported below
@@ -314,6 +305,7 @@ def audit(
     tp_size: int,
     engine: str | None = None,
     layers: Iterable[int] | None = None,
+    model_dtype: str | None = None,
 ) -> AuditReport:
     """Check every KDA parameter one rank of a serving engine holds against the checkpoint.
 
@@ -322,8 +314,8 @@ def audit(
     :meth:`KdaShardedSource.build_param <kda_tp.KdaShardedSource.build_param>` (what the
     engine's loader leaves in the parameter: this rank's slices of the plan tensors in the
     layout's order, padding zero, cast to the parameter's dtype: the layout's fixed one, e.g.
-    F32 for ``A_log``, else the dumped parameter's own, as the engine casts to its model
-    dtype) and compared byte for byte with the dump. A parameter that differs is diagnosed
+    F32 for ``A_log``, else the engine's model dtype, as the engine casts to it) and compared
+    byte for byte with the dump. A parameter that differs is diagnosed
     (:class:`ParamAudit`, :class:`PartDifference`).
 
     Args:
@@ -342,16 +334,27 @@ def audit(
             None recognises it from the parameter names and the checkpoint's model family.
         layers: the 0-based KDA layers this rank holds (a pipeline-parallel stage's), each a
             KDA layer of the checkpoint; None: every KDA layer of the checkpoint.
+        model_dtype: the engine's model dtype (its ``--dtype``) as safetensors names it:
+            ``"BF16"``, ``"F16"`` or ``"F32"``; None: the engine's default for this
+            checkpoint (:func:`kda_tp.model_dtype.engine_model_dtype`: the config's
+            ``dtype``/``torch_dtype`` as vLLM or SGLang reads it; an F32 or dtype-less config
+            runs in BF16 under vLLM, F16 under SGLang). A parameter the engine casts to its
+            model dtype held in another dtype is wrong (F16 held by a BF16 engine is a lossy
+            cast).
 
     Returns:
         The report: ``passed``, and one :class:`ParamAudit` per KDA parameter of every KDA
-        layer (a parameter the layout has and ``state_dict`` lacks is ``"missing"``).
+        layer (a parameter the layout has and ``state_dict`` lacks is ``"missing"``). A layer
+        of ``state_dict`` holding KDA parameters (``A_log``, ``dt_bias``) that the config does
+        not list as a KDA layer is a problem in the report.
 
     Raises:
         CheckpointError: the checkpoint cannot be read or has no config; ``layers`` names a
             layer that is not a KDA layer; ``state_dict`` holds no KDA parameter, KDA
-            parameters under several prefixes, a key that is not a ``str``, or a value that
+            parameters under several prefixes, two names for one (layer, parameter)
+            (``layers.0.`` and ``layers.00.``), a key that is not a ``str``, or a value that
             is not an array.
+        DtypeMismatchError: ``model_dtype`` is not one of ``BF16``, ``F16``, ``F32``.
         ShapeMismatchError: a :class:`~kda_tp.Tensor` record whose data is not its shape's
             size in bytes.
         EngineLayoutError: no layout, or several, fit the names (the message lists them; names
@@ -367,7 +370,7 @@ def audit(
         if not isinstance(name, str):
             raise CheckpointError(f"state_dict: the key {name!r} ({type(name).__name__}) is not a "
                                   "parameter name (a str)")
-    auditor = _Auditor(checkpoint, tp_size, engine, layers)
+    auditor = _Auditor(checkpoint, tp_size, engine, layers, model_dtype)
     selected = auditor.select(names, "state_dict")
     if selected is None:
         raise auditor.no_kda("state_dict")
@@ -502,7 +505,8 @@ def audit_path(
     root = Path(path)
     given = None if tp_size is None else _whole("tp_size", tp_size, 1)
     rank = None if rank is None else _whole("rank", rank, 0)
-    auditor = None if given is None else _Auditor(checkpoint, given, engine)
+    auditor = None if given is None else _Auditor(checkpoint, given, engine,
+                                                  model_dtype=model_dtype)
     if auditor is not None:
         # The plan refuses a tp_size the checkpoint's heads cannot split (so tp_size <= heads)
         # before anything is listed.
@@ -517,7 +521,7 @@ def audit_path(
     else:
         raise CheckpointError(f"{root}: no such file or directory")
     tp_size = _world_size(root, files, given)
-    auditor = auditor or _Auditor(checkpoint, tp_size, engine)
+    auditor = auditor or _Auditor(checkpoint, tp_size, engine, model_dtype=model_dtype)
     wanted = (list(range(tp_size)) if rank is None else [rank]) if root.is_dir() else list(files)
     for r in wanted:
         if not 0 <= r < tp_size:
