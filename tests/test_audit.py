@@ -273,7 +273,7 @@ def test_another_ranks_slice(tmp_path, capsys):
     # column j of o_proj holds 110000 + j: rank 3 starts at column 1152, rank 0 at 0
     assert diff == {"part": "o_proj", "index": [0, 0], "part_index": [0, 0],
                     "expected": 111152.0, "actual": 110000.0,
-                    "equals": "rank 0's slice of o_proj"}
+                    "equals": "rank 0's slice of o_proj", "untried": 0}
     assert out.splitlines()[-1].startswith("FAIL: 1 KDA parameter(s) wrong; 9 of 10")
 
 
@@ -376,6 +376,25 @@ def test_f_b_and_g_b_swapped(tmp_path, capsys):
                           "this rank's slice of f_b_proj: f_b and g_b swapped"]
 
 
+def test_the_diagnosis_stops_at_its_budget_and_says_what_it_did_not_try(monkeypatch):
+    # issue 27.5: the verdict (which part, where) comes whatever the budget; the diagnosis
+    # compares candidates only while the budget lasts, and counts those it did not try
+    meta, tensors, ckpt = fixture("vllm_glm_tp4_r3")
+    rank0 = rank_params(ckpt, "vllm-0.33-glm-5.3", 0, 4)
+    tensors[PRE + "o_proj.weight"] = rank0[PRE + "o_proj.weight"]
+    monkeypatch.setattr(sys.modules["kda_tp.audit_diagnosis"], "DIAGNOSIS_BUDGET", 0)
+    [failure] = kda_tp.audit(tensors, ckpt, tp_rank=3, tp_size=4, model_dtype="F32").failures
+    [diff] = failure.differences
+    # rank 0's column slice of o_proj starts as the part does (its first row's columns, read
+    # in place): only a gather of the whole slice could tell, which the budget does not pay
+    # for; ranks 1 and 2's first elements already differ
+    assert (diff.part, diff.index, diff.equals, diff.untried) == ("o_proj", (0, 0), None, 1)
+    assert failure.format().endswith(
+        "part o_proj differs at [0, 0] (its [0, 0]; expected 111152.0, got 110000.0) (1 "
+        "candidate slice(s) not tried: the diagnosis budget is spent)")
+    assert diff.to_dict()["untried"] == 1
+
+
 def test_non_zero_padding_rows(tmp_path, capsys):
     meta, tensors, ckpt = fixture("vllm_k3_tp4_r1")
     name = PRE + "in_proj_qkvgfab.weight"
@@ -387,7 +406,8 @@ def test_non_zero_padding_rows(tmp_path, capsys):
     [diff] = only_failure(doc)["differences"]
     assert diff == {"part": "padding", "index": [1670, 5], "part_index": [3, 5],
                     "expected": 0.0, "actual": 7.0,
-                    "equals": "non-zero padding: rows 1667..1679 must be zero, row 1670 is not"}
+                    "equals": "non-zero padding: rows 1667..1679 must be zero, row 1670 is not",
+                    "untried": 0}
     assert "part padding differs at [1670, 5]" in out
 
 

@@ -27,7 +27,9 @@ class PartDifference:
         actual: the value the dump holds there.
         equals: what the part's data equals instead, when it equals some other slice (e.g.
             ``"rank 0's slice of q_proj"``); for the padding, which rows must be zero. None
-            when it matches nothing known.
+            when it matches nothing tried.
+        untried: how many candidate slices the diagnosis did not compare, its budget spent
+            (``kda_tp.audit_diagnosis.DIAGNOSIS_BUDGET``); 0 when every one was tried.
     """
 
     part: str
@@ -36,6 +38,7 @@ class PartDifference:
     expected: float
     actual: float
     equals: str | None = None
+    untried: int = 0
 
     def format(self) -> str:
         """One clause, e.g. ``part v_proj differs at [768, 0] (its [0, 0]; expected 20384.0,
@@ -45,7 +48,8 @@ class PartDifference:
             f"expected {self.expected!r}, got {self.actual!r})"
         )
         if self.equals is None:
-            return text
+            return text + (f" ({self.untried} candidate slice(s) not tried: the diagnosis "
+                           "budget is spent)" if self.untried else "")
         return text + (": " if self.part == "padding" else ": equals ") + self.equals
 
     def to_dict(self) -> dict[str, Any]:
@@ -53,7 +57,7 @@ class PartDifference:
         return {
             "part": self.part, "index": list(self.index), "part_index": list(self.part_index),
             "expected": _json_float(self.expected), "actual": _json_float(self.actual),
-            "equals": self.equals,
+            "equals": self.equals, "untried": self.untried,
         }
 
 

@@ -17,6 +17,7 @@ or one rank's safetensors file. ``kda-tp audit`` is its command line.
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -285,10 +286,17 @@ class _Auditor:
                               "ran in as --dtype (model_dtype=) if it is another)")
         if exact_in_place(record, plan, candidates):
             return ParamAudit(rank, layer, name, "exact")
-        with np.errstate(over="ignore", invalid="ignore"):  # an overflow is reported below
-            expected = shard.build_param(layout, suffix, layer, model_dtype=model_dtype)
-        result = compare(rank, layer, name, record, plan, expected.reshape(-1), candidates)
-        overflow = audit_overflow(plan, expected.reshape(-1), candidates)
+        @functools.cache
+        def build() -> np.ndarray:
+            with np.errstate(over="ignore", invalid="ignore"):  # an overflow is reported below
+                built: np.ndarray = shard.build_param(layout, suffix, layer,
+                                                      model_dtype=model_dtype)
+            return built.reshape(-1)
+
+        result = compare(rank, layer, name, record, plan, build, candidates)
+        if all(r.source_dtype == plan.dtype for r in plan.regions):
+            return result  # nothing cast, nothing overflows
+        overflow = audit_overflow(plan, build(), candidates)
         if overflow is None:
             return result
         # Every rank's slice may cast to the same infinities: the bytes prove nothing.
