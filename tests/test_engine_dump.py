@@ -435,3 +435,27 @@ def test_a_tp_size_hint_names_only_the_commands_flags(command, tmp_path, capsys)
     assert status == 2 and err.startswith("kda-tp: error: PlanError: ")
     assert "--qk-multiple" not in err and "qk_multiple" not in err
     assert "1, 2, 3, 4, 6, 12" in err
+
+
+@pytest.mark.parametrize("engine", ["vllm-0.33-k3", "sglang-0.5.23-k3"])
+def test_a_k3_dump_with_no_flag_passes_the_audit_with_no_flag(engine, tmp_path, capsys):
+    # issue 27.4: K3 stores o_norm in F32 beside BF16 weights (config torch_dtype bfloat16);
+    # the engine holds it in its model dtype, BF16: dump, digests and audit agree on that
+    ckpt = write_small_checkpoint(tmp_path / "ckpt", hidden=32, heads=4, head_dim=8,
+                                  conv_kernel=4, gate_rank=8, num_layers=1, kda_layers=[0],
+                                  style="k3", weight_dtype="BF16")
+    assert SafetensorsSource(ckpt).info(
+        "language_model.model.layers.0.self_attn.o_norm.weight")[0] == "F32"
+    assert run(capsys, "dump", ckpt, "--engine", engine, "--tp-size", 2, "--out",
+               tmp_path / "dump")[0] == 0
+    with safe_open(tmp_path / "dump" / "model-rank-1-part-0.safetensors", "pt") as f:
+        held = {k.rsplit("self_attn.", 1)[1]: str(f.get_slice(k).get_dtype()) for k in f.keys()}
+    assert held["o_norm.weight"] == "BF16" and held["A_log"] == "F32"
+    status, out, _ = run(capsys, "audit", ckpt, tmp_path / "dump", "--quiet")
+    assert status == 0 and out.startswith("OK: "), out
+    # an engine told --dtype float32 holds o_norm in F32: that dump fails the default audit
+    assert run(capsys, "dump", ckpt, "--engine", engine, "--tp-size", 2, "--out",
+               tmp_path / "f32", "--dtype", "F32")[0] == 0
+    status, out, _ = run(capsys, "audit", ckpt, tmp_path / "f32", "--quiet")
+    assert status == 1 and "o_norm.weight: dtype F32, expected BF16" in out
+    assert run(capsys, "audit", ckpt, tmp_path / "f32", "--quiet", "--dtype", "F32")[0] == 0
