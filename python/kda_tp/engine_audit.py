@@ -279,7 +279,7 @@ class _Auditor:
         if (record.dtype in CASTABLE and record.dtype != model_dtype
                 and self.follows_model(rank, layout, suffix)):
             how = ("the engine's model dtype, as passed" if self.requested_dtype is not None
-                   else f"{layout.engine}'s model dtype for this checkpoint's config")
+                   else f"{layout.name}'s default model dtype for this checkpoint's config")
             return ParamAudit(rank, layer, name, "mismatch",
                               f"dtype {record.dtype}, expected {model_dtype} ({how}: an engine "
                               "casts these parameters to its model dtype; pass the dtype it "
