@@ -198,6 +198,12 @@ def test_dump_json(tmp_path, capsys):
     _, meta = header(tmp_path / "model-rank-3-part-0.safetensors")
     assert doc["bytes_written"] == sum(v["data_offsets"][1] - v["data_offsets"][0]
                                        for k, v in meta.items() if k != "__metadata__")
+    # the document is DumpResult.to_dict()
+    result = kda_tp.write_engine_dump(ckpt, tmp_path / "again", engine="sglang-0.5.23-kimi-linear",
+                                      tp_size=4, ranks=[3], model_dtype="F32")
+    again = result.to_dict()
+    assert set(again) == set(doc) and again["bytes_written"] == doc["bytes_written"]
+    assert again["files"] == [str(tmp_path / "again" / "model-rank-3-part-0.safetensors")]
 
 
 def test_dtype_casts_the_model_dtype_parameters_only(tmp_path):

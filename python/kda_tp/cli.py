@@ -965,12 +965,7 @@ def _cmd_dump(args: argparse.Namespace) -> int:
                                tp_size=args.tp_size, ranks=args.ranks, model_dtype=args.dtype,
                                force=args.force)
     if args.json:
-        _emit_json(args, {
-            "ok": True, "out_dir": str(result.out_dir), "engine": result.engine,
-            "tp_size": result.tp_size, "ranks": list(result.ranks),
-            "files": [str(f) for f in result.files], "params": result.params,
-            "bytes_written": result.bytes_written, "seconds": result.seconds,
-        })
+        _emit_json(args, result.to_dict())
     else:
         print(f"wrote {result.params} KDA parameters of ranks {list(result.ranks)} of "
               f"{result.tp_size} ({result.engine}, {result.bytes_written / 1e9:.3f} GB) to "

@@ -28,6 +28,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -88,6 +89,17 @@ class DumpResult:
     params: int
     bytes_written: int
     seconds: float
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict (what ``kda-tp dump --json`` prints): ``ok`` (True: a refused
+        dump raises), ``out_dir``, ``engine``, ``tp_size``, ``ranks``, ``files``, ``params``,
+        ``bytes_written``, ``seconds``."""
+        return {
+            "ok": True, "out_dir": str(self.out_dir), "engine": self.engine,
+            "tp_size": self.tp_size, "ranks": list(self.ranks),
+            "files": [str(f) for f in self.files], "params": self.params,
+            "bytes_written": self.bytes_written, "seconds": self.seconds,
+        }
 
 
 @dataclass(frozen=True)
