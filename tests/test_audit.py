@@ -67,7 +67,8 @@ def test_every_fixture_dump_passes(path, capsys):
     assert report.passed, report.format()
     assert report.ranks == (rank,) and len(report.params) == len(tensors)
     assert all(p.status == "exact" for p in report.params)
-    status, out, err = run(capsys, "audit", ckpt, path, "--tp-size", tp_size, "--rank", rank, "--dtype", "F32")
+    status, out, err = run(capsys, "audit", ckpt, path, "--tp-size", tp_size, "--rank", rank,
+                           "--dtype", "F32")
     assert status == 0, out + err
     assert out.startswith(f"OK: {len(tensors)} of {len(tensors)} KDA parameters exact on rank "
                           f"{rank} of {tp_size} ({report.engine})")
@@ -117,9 +118,10 @@ def test_an_engine_kda_layer_the_checkpoint_does_not_describe_is_wrong(tmp_path,
     assert all(p.passed for p in report.params) and len(report.params) == 7
     [problem] = report.problems
     assert problem == (
-        f"state_dict: layer 1 holds KDA parameters ({', '.join(sorted(n for n in extra if '.1.' in n))})"
-        f" but the config of {ckpt} describes no KDA layer 1 (its KDA layers: [0]); is this the "
-        "checkpoint the engine loaded?")
+        f"state_dict: layer 1 holds KDA parameters "
+        f"({', '.join(sorted(n for n in extra if '.1.' in n))}) but the config of {ckpt} "
+        "describes no KDA layer 1 (its KDA layers: [0]); is this the checkpoint the engine "
+        "loaded?")
     assert report.summary().startswith("FAIL: 0 KDA parameter(s) wrong, 1 other problem(s);")
     path = tmp_path / "model-rank-1-part-0.safetensors"
     save_file(extra, str(path))
@@ -246,7 +248,8 @@ def audit_file(tmp_path, capsys, stem: str, tensors: dict[str, np.ndarray], *ext
     meta, _, ckpt = fixture(stem)
     path = tmp_path / f"model-rank-{meta['tp_rank']}-part-0.safetensors"
     save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, path)
-    status, out, _ = run(capsys, "audit", ckpt, path, "--tp-size", meta["tp_size"], *extra, "--dtype", "F32")
+    status, out, _ = run(capsys, "audit", ckpt, path, "--tp-size", meta["tp_size"], *extra,
+                         "--dtype", "F32")
     json_status, json_out, _ = run(capsys, "audit", ckpt, path, "--tp-size", meta["tp_size"],
                                    "--json", "--quiet", "--dtype", "F32")
     assert json_status == status
@@ -446,7 +449,8 @@ def sharded_state(tmp_path: Path, stem: str, pattern: str = "model-rank-{r}-part
     ranks built with the engines' build API, each rank split into ``parts`` files."""
     meta, tensors, ckpt = fixture(stem)
     tp_size, layout = int(meta["tp_size"]), kda_tp.audit(
-        tensors, ckpt, tp_rank=int(meta["tp_rank"]), tp_size=int(meta["tp_size"]), model_dtype="F32").engine
+        tensors, ckpt, tp_rank=int(meta["tp_rank"]), tp_size=int(meta["tp_size"]),
+        model_dtype="F32").engine
     out = tmp_path / "dump"
     out.mkdir()
     (out / "config.json").write_text((ckpt / "config.json").read_text())
@@ -505,7 +509,8 @@ def test_refused_inputs_exit_2(tmp_path, capsys):
     status, _, err = run(capsys, "audit", ckpt, out, "--tp-size", 4,
                          "--engine", "sglang-0.5.23-glm-5.3", "--dtype", "F32")
     assert status == 2 and "EngineLayoutError" in err and "g_proj" in err
-    status, _, err = run(capsys, "audit", ckpt, out, "--tp-size", 4, "--engine", "vllm-9", "--dtype", "F32")
+    status, _, err = run(capsys, "audit", ckpt, out, "--tp-size", 4, "--engine", "vllm-9",
+                         "--dtype", "F32")
     assert status == 2 and "no engine layout 'vllm-9'" in err
     # one file without a rank in its name or metadata
     lone = tmp_path / "rank.safetensors"
@@ -669,7 +674,8 @@ def test_numpy_input_never_imports_torch():
         "import sys, kda_tp\n"
         "from safetensors.numpy import load_file\n"
         f"t = load_file({str(DATA / 'vllm_k3_tp4_r1.safetensors')!r})\n"
-        f"assert kda_tp.audit(t, {str(DATA / 'ckpt_k3')!r}, tp_rank=1, tp_size=4, model_dtype='F32').passed\n"
+        f"assert kda_tp.audit(t, {str(DATA / 'ckpt_k3')!r}, tp_rank=1, tp_size=4,\n"
+        "                     model_dtype='F32').passed\n"
         "assert 'torch' not in sys.modules\n"
     )
     import subprocess
@@ -833,7 +839,8 @@ def test_malformed_input_raises_named_errors(tmp_path, capsys):
     with pytest.raises(ShapeMismatchError, match=re.escape(
             f"{PRE}A_log: a kda_tp.Tensor of shape [3] x F32 needs 12 bytes of data, it has "
             "8 bytes")):
-        kda_tp.audit({**tensors, PRE + "A_log": short}, ckpt, tp_rank=1, tp_size=4, model_dtype="F32")
+        kda_tp.audit({**tensors, PRE + "A_log": short}, ckpt, tp_rank=1, tp_size=4,
+                     model_dtype="F32")
     with pytest.raises(CheckpointError, match=re.escape(
             "state_dict: the key 5 (int) is not a parameter name (a str)")):
         kda_tp.audit({**tensors, 5: np.zeros(3)}, ckpt, tp_rank=1, tp_size=4, model_dtype="F32")

@@ -29,6 +29,8 @@ from kda_tp import SafetensorsSource
 from kda_tp.cli import main
 from kda_tp.config import parse_config
 
+from tp_fixtures import release_dtypes
+
 pytestmark = pytest.mark.engines
 pytest.importorskip("vllm")
 
@@ -105,22 +107,6 @@ def vllm_checksums(kind: str, ckpt: Path, dtype: str = "float32") -> dict[str, d
     (line,) = [x for x in proc.stdout.splitlines() if x.startswith("DIGESTS ")]
     digests: dict[str, dict[str, str]] = json.loads(line.removeprefix("DIGESTS "))
     return digests
-
-
-def release_dtypes(ckpt: Path, out: Path) -> Path:
-    """``ckpt`` as the releases store it: BF16 projections; F32 convs, ``A_log``,
-    ``dt_bias``, ``o_norm``; ``torch_dtype: bfloat16`` in the config."""
-    import torch
-    from safetensors.torch import load_file, save_file
-
-    out.mkdir()
-    kept = ("conv1d.weight", "A_log", "dt_bias", "o_norm.weight")
-    tensors = {n: t if n.endswith(kept) else t.to(torch.bfloat16)
-               for n, t in load_file(str(ckpt / "model.safetensors")).items()}
-    save_file(tensors, str(out / "model.safetensors"))
-    config = json.loads((ckpt / "config.json").read_text())
-    (out / "config.json").write_text(json.dumps({**config, "torch_dtype": "bfloat16"}))
-    return out
 
 
 def digests(capsys, ckpt: Path, layout: str, tp_size: int, rank: int, *flags: str

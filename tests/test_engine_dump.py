@@ -50,14 +50,16 @@ def test_a_dump_passes_the_audit(engine, ckpt, tmp_path, capsys):
     assert f"kda-tp audit {ckpt} {tmp_path / 'dump'} --tp-size 4" in out
     assert sorted(p.name for p in (tmp_path / "dump").iterdir()) == [
         f"model-rank-{r}-part-0.safetensors" for r in range(4)]
-    status, out, err = run(capsys, "audit", ckpt, tmp_path / "dump", "--tp-size", 4, "--quiet", "--dtype", "F32")
+    status, out, err = run(capsys, "audit", ckpt, tmp_path / "dump", "--tp-size", 4, "--quiet",
+                           "--dtype", "F32")
     assert status == 0, out + err
     assert f"on ranks 0, 1, 2, 3 of 4 ({engine})" in out and "0 other parameters ignored" in out
 
 
 def test_the_dump_holds_what_build_param_builds_under_the_engines_names(tmp_path):
     ckpt, engine = CKPTS["kimi-k3"], "vllm-0.33-k3"
-    result = kda_tp.write_engine_dump(ckpt, tmp_path, engine=engine, tp_size=4, ranks=[2, 0], model_dtype="F32")
+    result = kda_tp.write_engine_dump(ckpt, tmp_path, engine=engine, tp_size=4, ranks=[2, 0],
+                                      model_dtype="F32")
     assert result.ranks == (0, 2) and result.engine == engine and result.tp_size == 4
     assert result.files == (tmp_path / "model-rank-0-part-0.safetensors",
                             tmp_path / "model-rank-2-part-0.safetensors")
@@ -100,7 +102,8 @@ def test_a_damaged_dump_fails_the_audit_naming_the_parameter(tmp_path, capsys):
     with open(path, "r+b") as f:
         f.seek(start + begin)
         f.write(bytes(end - begin))
-    status, out, _ = run(capsys, "audit", ckpt, tmp_path, "--tp-size", 2, "--quiet", "--dtype", "F32")
+    status, out, _ = run(capsys, "audit", ckpt, tmp_path, "--tp-size", 2, "--quiet",
+                         "--dtype", "F32")
     assert status == 1
     assert ("rank 1 model.layers.0.self_attn.A_log: values differ in A_log; part A_log differs "
             "at [0] (its [0, 0]; expected 90006.0, got 0.0): equals zeros (never loaded?)") in out
@@ -111,7 +114,8 @@ def test_a_rank_written_with_another_ranks_bytes_is_named(tmp_path, capsys):
     """The dump of rank 0 renamed as rank 1's (its metadata removed): what a loader that
     loads rank 0's slice on every rank leaves."""
     ckpt = CKPTS["glm-5.3"]
-    kda_tp.write_engine_dump(ckpt, tmp_path / "a", engine="sglang-0.5.23-glm-5.3", tp_size=2, model_dtype="F32")
+    kda_tp.write_engine_dump(ckpt, tmp_path / "a", engine="sglang-0.5.23-glm-5.3", tp_size=2,
+                             model_dtype="F32")
     with safe_open(tmp_path / "a" / "model-rank-0-part-0.safetensors", "np") as f:
         rank0 = {k: f.get_tensor(k) for k in f.keys()}
     from safetensors.numpy import save_file
@@ -132,7 +136,8 @@ def test_a_wrapped_checkpoint_is_named_as_the_engine_names_it(tmp_path):
                                   conv_kernel=4, gate_rank=64, num_layers=2, kda_layers=[0],
                                   style="k3", weight_dtype="F32")
     assert model_family(SafetensorsSource(ckpt).config) == "kimi-k3"
-    result = kda_tp.write_engine_dump(ckpt, tmp_path / "dump", engine="vllm-0.33-k3", tp_size=2, model_dtype="F32")
+    result = kda_tp.write_engine_dump(ckpt, tmp_path / "dump", engine="vllm-0.33-k3", tp_size=2,
+                                      model_dtype="F32")
     with safe_open(result.files[0], "np") as f:
         names = sorted(f.keys())
     assert "language_model.model.layers.0.self_attn.in_proj_qkvgfab.weight" in names
@@ -155,7 +160,8 @@ def test_state_dict_prefixes_follow_the_engines_mappers():
 def test_dump_refusals(tmp_path, capsys):
     ckpt = CKPTS["kimi-linear"]
     engine = ("--engine", "vllm-0.33-kimi-linear")
-    assert run(capsys, "dump", ckpt, *engine, "--tp-size", 2, "--out", tmp_path, "--dtype", "F32")[0] == 0
+    assert run(capsys, "dump", ckpt, *engine, "--tp-size", 2, "--out", tmp_path,
+               "--dtype", "F32")[0] == 0
     # A rank file already there (maybe an engine's own dump): refused, then replaced with --force.
     status, out, err = run(capsys, "dump", ckpt, *engine, "--tp-size", 2, "--out", tmp_path,
                            "--ranks", "1", "--dtype", "F32")
@@ -167,20 +173,25 @@ def test_dump_refusals(tmp_path, capsys):
     # Another world size's files in the directory.
     with pytest.raises(OutputError, match=r"model-rank-0-part-0.safetensors: a dump file of tp_size 2 "
                        r"\(its metadata\), so of another world size than tp_size 1 \(and 1 more\)"):
-        kda_tp.write_engine_dump(ckpt, tmp_path, engine="vllm-0.33-kimi-linear", tp_size=1, model_dtype="F32")
+        kda_tp.write_engine_dump(ckpt, tmp_path, engine="vllm-0.33-kimi-linear", tp_size=1,
+                                 model_dtype="F32")
     with pytest.raises(OutputError, match="lies inside the checkpoint"):
-        kda_tp.write_engine_dump(ckpt, ckpt / "dump", engine="vllm-0.33-kimi-linear", tp_size=2, model_dtype="F32")
+        kda_tp.write_engine_dump(ckpt, ckpt / "dump", engine="vllm-0.33-kimi-linear", tp_size=2,
+                                 model_dtype="F32")
     assert not (ckpt / "dump").exists()
     with pytest.raises(PlanError, match=r"rank 4 is out of range for tp_size 4: valid ranks are 0\.\.3"):
         kda_tp.write_engine_dump(ckpt, tmp_path / "x", engine="vllm-0.33-kimi-linear",
                                  tp_size=4, ranks=[4], model_dtype="F32")
     with pytest.raises(PlanError, match=r"ranks \[1, 1\] name a rank twice"):
-        kda_tp.engine_digests(ckpt, engine="vllm-0.33-kimi-linear", tp_size=2, ranks=[1, 1], model_dtype="F32")
+        kda_tp.engine_digests(ckpt, engine="vllm-0.33-kimi-linear", tp_size=2, ranks=[1, 1],
+                              model_dtype="F32")
     # A world size is checked against the heads before anything is sized by it.
     with pytest.raises(PlanError, match=r"divisible by tp_size \(1000000000\)"):
-        kda_tp.engine_digests(ckpt, engine="vllm-0.33-kimi-linear", tp_size=10**9, model_dtype="F32")
+        kda_tp.engine_digests(ckpt, engine="vllm-0.33-kimi-linear", tp_size=10**9,
+                              model_dtype="F32")
     with pytest.raises(EngineLayoutError, match="this layout is for kimi-k3"):
-        kda_tp.write_engine_dump(ckpt, tmp_path / "x", engine="vllm-0.33-k3", tp_size=2, model_dtype="F32")
+        kda_tp.write_engine_dump(ckpt, tmp_path / "x", engine="vllm-0.33-k3", tp_size=2,
+                                 model_dtype="F32")
     status, _, err = run(capsys, "dump", ckpt, "--engine", "vllm-9", "--tp-size", 2,
                          "--out", tmp_path / "y", "--json", "--dtype", "F32")
     assert status == 2 and "no engine layout 'vllm-9'" in err
@@ -189,7 +200,8 @@ def test_dump_refusals(tmp_path, capsys):
 def test_dump_json(tmp_path, capsys):
     ckpt = CKPTS["kimi-linear"]
     status, out, _ = run(capsys, "dump", ckpt, "--engine", "sglang-0.5.23-kimi-linear",
-                         "--tp-size", 4, "--ranks", "3", "--out", tmp_path, "--json", "--dtype", "F32")
+                         "--tp-size", 4, "--ranks", "3", "--out", tmp_path, "--json",
+                         "--dtype", "F32")
     doc = json.loads(out)
     assert status == 0 and doc["ok"] is True
     assert doc["engine"] == "sglang-0.5.23-kimi-linear" and doc["tp_size"] == 4
@@ -243,7 +255,8 @@ def test_digests_are_sha256_of_each_parameters_bytes(engine, capsys):
     ckpt = CKPTS[get_layout(engine).family]
     want = expected_digests(ckpt, engine, 4)
     assert kda_tp.engine_digests(ckpt, engine=engine, tp_size=4, model_dtype="F32") == want
-    status, out, _ = run(capsys, "digests", ckpt, "--engine", engine, "--tp-size", 4, "--dtype", "F32")
+    status, out, _ = run(capsys, "digests", ckpt, "--engine", engine, "--tp-size", 4,
+                         "--dtype", "F32")
     assert status == 0
     assert out.splitlines() == [f"{d}  {k}" for k, d in want.items()]
     status, out, _ = run(capsys, "digests", ckpt, "--engine", engine, "--tp-size", 4,
@@ -256,7 +269,8 @@ def test_digests_are_sha256_of_each_parameters_bytes(engine, capsys):
 
 def test_digests_equal_the_hash_of_the_dumps_tensors(tmp_path):
     ckpt = CKPTS["kimi-k3"]
-    dump = kda_tp.write_engine_dump(ckpt, tmp_path, engine="vllm-0.33-k3", tp_size=2, model_dtype="F32")
+    dump = kda_tp.write_engine_dump(ckpt, tmp_path, engine="vllm-0.33-k3", tp_size=2,
+                                    model_dtype="F32")
     digests = kda_tp.engine_digests(ckpt, engine="vllm-0.33-k3", tp_size=2, model_dtype="F32")
     from_files = {}
     for rank, path in zip(dump.ranks, dump.files):
@@ -288,7 +302,8 @@ def test_the_audits_enumeration_is_the_dumps(tmp_path):
         if not layout.tensor_parallel:
             continue
         out = tmp_path / layout.name
-        dump = kda_tp.write_engine_dump(ckpt, out, engine=layout, tp_size=2, ranks=[1], model_dtype="F32")
+        dump = kda_tp.write_engine_dump(ckpt, out, engine=layout, tp_size=2, ranks=[1],
+                                        model_dtype="F32")
         report = audit_path(ckpt, out, tp_size=2, rank=1, model_dtype="F32")
         with safe_open(dump.files[0], "np") as f:
             assert sorted(f.keys()) == sorted(p.name for p in report.params)
@@ -297,7 +312,8 @@ def test_the_audits_enumeration_is_the_dumps(tmp_path):
 
 def test_a_block_fp8_dump_holds_the_scale_grids_and_passes(tmp_path):
     ckpt = Path(__file__).parent / "data" / "k3_fp8_small"
-    dump = kda_tp.write_engine_dump(ckpt, tmp_path, engine="sglang-0.5.23-k3", tp_size=2, model_dtype="F32")
+    dump = kda_tp.write_engine_dump(ckpt, tmp_path, engine="sglang-0.5.23-k3", tp_size=2,
+                                    model_dtype="F32")
     _, meta = header(dump.files[1])  # numpy cannot hold FP8: the header says the dtypes
     pre = "language_model.model.layers.0.self_attn."
     assert meta[pre + "fused_qkvg_proj.weight"]["dtype"] == "F8_E4M3"  # as stored, never cast
@@ -310,7 +326,8 @@ def test_dtype_flag_takes_the_engines_spelling_too(capsys):
     ckpt = CKPTS["kimi-linear"]
     want = kda_tp.engine_digests(ckpt, engine="vllm-0.33-kimi-linear", tp_size=2,
                                  model_dtype="BF16")
-    assert want != kda_tp.engine_digests(ckpt, engine="vllm-0.33-kimi-linear", tp_size=2, model_dtype="F32")
+    assert want != kda_tp.engine_digests(ckpt, engine="vllm-0.33-kimi-linear", tp_size=2,
+                                         model_dtype="F32")
     for spelling in ("bfloat16", "BF16", "bf16"):
         status, out, _ = run(capsys, "digests", ckpt, "--engine", "vllm-0.33-kimi-linear",
                              "--tp-size", 2, "--dtype", spelling, "--json")
@@ -378,7 +395,8 @@ def test_an_overflowing_dtype_is_refused_naming_the_parameter(tmp_path, capsys):
 def test_another_world_sizes_files_are_refused_and_force_removes_them(tmp_path, capsys):
     ckpt = CKPTS["kimi-linear"]
     engine = ("--engine", "vllm-0.33-kimi-linear")
-    assert run(capsys, "dump", ckpt, *engine, "--tp-size", 2, "--out", tmp_path, "--dtype", "F32")[0] == 0
+    assert run(capsys, "dump", ckpt, *engine, "--tp-size", 2, "--out", tmp_path,
+               "--dtype", "F32")[0] == 0
     status, _, err = run(capsys, "dump", ckpt, *engine, "--tp-size", 4, "--ranks", "2,3",
                          "--out", tmp_path, "--dtype", "F32")
     assert status == 2 and len(err.splitlines()) == 1
@@ -392,7 +410,8 @@ def test_another_world_sizes_files_are_refused_and_force_removes_them(tmp_path, 
 
 def test_force_removes_every_file_of_the_ranks_written(tmp_path, capsys):
     ckpt = CKPTS["kimi-linear"]
-    kda_tp.write_engine_dump(ckpt, tmp_path, engine="vllm-0.33-kimi-linear", tp_size=2, model_dtype="F32")
+    kda_tp.write_engine_dump(ckpt, tmp_path, engine="vllm-0.33-kimi-linear", tp_size=2,
+                             model_dtype="F32")
     stale = ["model-rank-0-part-1.safetensors", "model-pp-0-tp-0-part-0.safetensors",
              "model-pp-1-tp-0-part-3.safetensors"]
     for name in stale:
@@ -422,7 +441,8 @@ def test_an_empty_rank_list_or_output_path_is_refused(tmp_path, capsys, monkeypa
     assert exit_info.value.code == 2
     assert "argument --out: empty path" in capsys.readouterr().err
     with pytest.raises(OutputError, match="an empty path"):
-        kda_tp.write_engine_dump(ckpt, "", engine="vllm-0.33-kimi-linear", tp_size=2, model_dtype="F32")
+        kda_tp.write_engine_dump(ckpt, "", engine="vllm-0.33-kimi-linear", tp_size=2,
+                                 model_dtype="F32")
     # shard's --out too: Path("") is the current directory, where rank0/ would land.
     with pytest.raises(SystemExit) as exit_info:
         main(["shard", str(ckpt), "--tp-size", "2", "--out", ""])

@@ -59,7 +59,8 @@ def test_every_rank_of_every_layout_built_passes_and_pairs_are_accepted():
         for tp_size in (2, 4):
             for rank in range(tp_size):
                 params = built(CKPT[ckpt], layout, rank, tp_size)
-                result = check(iter(params.items()), CKPT[ckpt], tp_rank=rank, tp_size=tp_size, model_dtype="F32")
+                result = check(iter(params.items()), CKPT[ckpt], tp_rank=rank, tp_size=tp_size,
+                               model_dtype="F32")
                 assert result is not None and result.passed and result.engine == layout
 
 
@@ -95,7 +96,8 @@ def test_off_checks_nothing(monkeypatch):
     assert mode() == "off"
     params = built(CKPT["glm"], "vllm-0.33-glm-5.3", 1, 2)
     assert check(params, CKPT["glm"], tp_rank=0, tp_size=2, model_dtype="F32") is None
-    assert check(params, "s3://bucket/model", tp_rank=0, tp_size=2, model_dtype="F32") is None  # no warning
+    assert check(params, "s3://bucket/model", tp_rank=0, tp_size=2,
+                 model_dtype="F32") is None  # no warning
 
 
 def test_a_bad_mode_is_refused_with_the_variable_and_the_choices(monkeypatch):
@@ -131,7 +133,8 @@ def test_a_config_without_kda_layers_is_skipped(tmp_path):
 def test_a_remote_checkpoint_is_one_warning_not_a_crash():
     params = built(CKPT["k3"], "vllm-0.33-k3", 0, 2)
     with pytest.warns(RuntimeWarning, match=r"s3://bucket/k3.* is not a local path") as seen:
-        assert check(params, "s3://bucket/k3", tp_rank=0, tp_size=2, where="w0", model_dtype="F32") is None
+        assert check(params, "s3://bucket/k3", tp_rank=0, tp_size=2, where="w0",
+                     model_dtype="F32") is None
     assert len(seen) == 1
 
 
@@ -289,11 +292,13 @@ def test_unreadable_tensors_are_a_guard_error_or_a_warning_never_a_crash(monkeyp
     for change, derived, why in bad:
         monkeypatch.delenv(MODE_ENV, raising=False)
         with pytest.raises(GuardError, match=why):
-            check(params | change, CKPT["k3"], tp_rank=0, tp_size=4, derived=derived, model_dtype="F32")
+            check(params | change, CKPT["k3"], tp_rank=0, tp_size=4, derived=derived,
+                  model_dtype="F32")
         monkeypatch.setenv(MODE_ENV, "warn")
         caplog.clear()
         with caplog.at_level(logging.INFO, logger="kda_tp.guard"):
-            out = check(params | change, CKPT["k3"], tp_rank=0, tp_size=4, derived=derived, model_dtype="F32")
+            out = check(params | change, CKPT["k3"], tp_rank=0, tp_size=4, derived=derived,
+                        model_dtype="F32")
         assert out is None or not out.passed
         assert [r.levelno for r in caplog.records] == [logging.WARNING]
         assert why in caplog.records[0].getMessage()
@@ -301,7 +306,8 @@ def test_unreadable_tensors_are_a_guard_error_or_a_warning_never_a_crash(monkeyp
     # A negated view holds its values once resolved: the right values pass.
     negated = (-params[PRE + "A_log"])._neg_view()
     assert negated.is_neg()
-    result = check(params | {PRE + "A_log": negated}, CKPT["k3"], tp_rank=0, tp_size=4, model_dtype="F32")
+    result = check(params | {PRE + "A_log": negated}, CKPT["k3"], tp_rank=0, tp_size=4,
+                   model_dtype="F32")
     assert result is not None and result.passed
 
 
