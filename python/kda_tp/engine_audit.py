@@ -503,12 +503,14 @@ def audit_path(
 
     Raises:
         CheckpointError: ``path`` does not exist, is a directory without ``sharded_state``
-            files, holds files of ranks ``>= tp_size`` (the message lists the ranks found: the
-            world size is another), no rank's files hold a KDA parameter, or a file's rank is
-            not known (its metadata's ``tp_rank`` not ASCII digits); and as :func:`audit`.
+            files, no rank's files hold a KDA parameter, a file's rank is not known (its
+            metadata's ``tp_rank`` not ASCII digits), or two files' metadata name different
+            world sizes; and as :func:`audit`.
         EngineLayoutError: as :func:`audit`; also when ranks fit different layouts.
-        PlanError: as :func:`audit`; also when the files' ``tp_size``/``tp_rank`` metadata
-            disagree with ``tp_size`` or the rank.
+        PlanError: as :func:`audit`; also, whatever the mistake, a ``tp_size`` the dump
+            contradicts (files of ranks ``>= tp_size``: the message lists the ranks found;
+            ``tp_size`` metadata of another size), ``tp_rank`` metadata that disagrees with the
+            rank, and no ``tp_size`` for a dump that does not tell it.
     """
     root = Path(path)
     given = None if tp_size is None else _whole("tp_size", tp_size, 1)
