@@ -7,6 +7,7 @@ Run by hand (not part of the test suite), from the repository root::
     python benchmarks/bench.py --only gather   # section 1 alone (about 40 s)
     python benchmarks/bench.py --only guard    # section 7 alone (about 10 s)
     python benchmarks/bench.py --only wide     # section 8 alone (about 20 s)
+    python benchmarks/bench.py --only diagnosis   # section 9 alone (about 30 s)
 
 Options: ``--tmp DIR`` (scratch root, default /tmp; about 4.5 GB needed for the full run),
 ``--kda-tp CMD`` (command that runs the CLI, default the ``kda-tp`` console script beside the
@@ -98,6 +99,11 @@ baseline measured alongside it; the last columns give the target and PASS/MISS.
    floor under the view. Then the guard on that rank (``kda_tp.guard.check`` on its
    ``vllm-0.33-k3`` parameters as numpy arrays, built by ``build_param``) against the same
    header read plus a memcpy of the parameters' bytes (target: within 3x).
+9. The audit's diagnosis within its budget (issue 27.5): the same K3 rank (TP 8, one layer, 7
+   ``vllm-0.33-k3`` parameters) filled with garbage (random bytes in each parameter's dtype
+   and shape: every part of every parameter wrong, nothing to recognise), audited with
+   ``kda_tp.audit`` (verdict and bounded diagnosis), against the audit of the exact rank, best
+   of N interleaved (target: the garbage rank within 10x the exact one).
 4. (full run only) Peak RSS of ``kda-tp shard`` at TP=4 on a 2-layer and an 8-layer GLM-5.3
    checkpoint; the bound is the largest single tensor + 256 MiB. RssAnon/RssFile peaks are
    sampled from /proc every 10 ms (RSS counts touched pages of file mappings, so a
@@ -144,7 +150,7 @@ BASELINE = HERE / "safetensors_baseline.py"
 MIB = 2**20
 # --only: the sections by name (numbers as in the module docstring)
 SECTIONS = {"start": "0", "gather": "1", "get": "2", "shard": "3", "k3": "5, 6", "guard": "7",
-            "wide": "8", "rss": "4"}
+            "wide": "8", "diagnosis": "9", "rss": "4"}
 # Section 8: Kimi K3's header width (layers, experts per layer, files).
 WIDE_LAYERS, WIDE_EXPERTS, WIDE_FILES = 60, 384, 8
 ROWS: list[tuple] = []  # (section, case, value, unit, ratio text, target, verdict)
@@ -842,6 +848,51 @@ def wide_guard(ckpt: Path, rank: int, tp: int, reps: int, read_headers) -> None:
         f"{ratio:.2f}x")
 
 
+def section_diagnosis(scratch: Path, reps: int) -> None:
+    """Section 9: the audit of a garbage K3 rank (TP 8, one layer) vs the audit of the exact
+    rank: the diagnosis stays within its budget."""
+    import kda_tp
+    from kda_tp.engines import get_layout
+
+    log("section 9: the audit's diagnosis of a garbage rank")
+    ckpt = scratch / "k3-diagnosis"
+    write_checkpoint(ckpt, "kimi-k3", 1)
+    warm(ckpt)
+    src = SafetensorsSource(ckpt)
+    rank, tp = 3, 8
+    shard = KdaShardedSource(src, KdaTpPlan.from_config(src, rank, tp, qk_multiple=1))
+    layout = get_layout("vllm-0.33-k3")
+    prefix = next(n for n in src.names() if n.endswith("self_attn.A_log"))[: -len("A_log")]
+    exact = {prefix + p.suffix: shard.build_param(layout, p.suffix, 0, model_dtype="BF16")
+             for p in layout.params_for(shard.plan)}
+    rng = np.random.default_rng(0)
+    garbage = {n: rng.integers(0, 256, a.nbytes, np.uint8).view(a.dtype).reshape(a.shape)
+               for n, a in exact.items()}
+    nbytes = sum(a.nbytes for a in exact.values())
+    good = kda_tp.audit(exact, src, tp_rank=rank, tp_size=tp, model_dtype="BF16")
+    bad = kda_tp.audit(garbage, src, tp_rank=rank, tp_size=tp, model_dtype="BF16")
+    assert good.passed and len(bad.failures) == len(exact), bad.summary()
+
+    def via_exact():
+        kda_tp.audit(exact, src, tp_rank=rank, tp_size=tp, model_dtype="BF16")
+
+    def via_garbage():
+        kda_tp.audit(garbage, src, tp_rank=rank, tp_size=tp, model_dtype="BF16")
+
+    t = best_interleaved({"exact": via_exact, "garbage": via_garbage}, reps)
+    ratio = t["garbage"] / t["exact"]
+    sec = f"8 audit diagnosis K3 TP={tp} r{rank}"
+    row(sec, f"one K3 KDA layer, rank {rank} of {tp}: {len(exact)} vllm-0.33-k3 parameters, "
+        f"{nbytes / 1e6:.0f} MB", "", "", "numpy parameters, checkpoint mapped and warm")
+    row(sec, "kda_tp.audit of the exact rank", f"{t['exact'] * 1e3:.1f}", "ms")
+    row(sec, "kda_tp.audit of the rank filled with garbage (verdict + bounded diagnosis)",
+        f"{t['garbage'] * 1e3:.1f}", "ms", f"garbage/exact {ratio:.2f}x", "<= 10.00x",
+        verdict(ratio <= 10.0))
+    log(f"  garbage {t['garbage'] * 1e3:.1f} ms, exact {t['exact'] * 1e3:.1f} ms, {ratio:.2f}x")
+    del exact, garbage, src, shard
+    shutil.rmtree(ckpt)
+
+
 def section_vllm_fused(src: SafetensorsSource, reps: int) -> None:
     """Section 6: vLLM's fused K3 ``in_proj_qkvgfab`` (q, k, v, g, f_a, b, zero rows to a
     multiple of 16) for rank 3 of 8, built by ``KdaShardedSource.build_param`` into a
@@ -1270,6 +1321,8 @@ def main(argv: list[str] | None = None) -> int:
             section_guard(scratch, reps, calls, loops)
         if "wide" in only:
             section_wide(scratch, reps)
+        if "diagnosis" in only:
+            section_diagnosis(scratch, reps)
         if "rss" in only and not args.quick:
             section4(scratch, cli)
     finally:

@@ -217,7 +217,10 @@ def runner_for(kind: str, T: int, R: int, **scenario: object) -> mr.ModelRunner:
     checkpoint = str(scenario.pop("checkpoint", os.path.join(DATA, CKPT[kind])))
     runner.kda_scenario = dict(kind=kind, T=T, R=R, checkpoint=checkpoint, **scenario)
     runner.is_draft_worker = bool(scenario.get("draft"))
-    runner.model_config = types.SimpleNamespace(model_path=checkpoint, revision=None)
+    # The model dtype the layers are built in (SGLang's ModelConfig.dtype; the guard checks
+    # the parameters against it).
+    runner.model_config = types.SimpleNamespace(model_path=checkpoint, revision=None,
+                                                dtype=torch.float32)
     runner.load_config = types.SimpleNamespace(
         load_format="sharded_state" if scenario.get("sharded") else "auto")
     return runner

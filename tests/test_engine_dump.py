@@ -45,19 +45,21 @@ def header(path: Path) -> tuple[int, dict]:
 @pytest.mark.parametrize(("engine", "ckpt"), TP_LAYOUTS, ids=[n for n, _ in TP_LAYOUTS])
 def test_a_dump_passes_the_audit(engine, ckpt, tmp_path, capsys):
     status, out, err = run(capsys, "dump", ckpt, "--engine", engine, "--tp-size", 4,
-                           "--out", tmp_path / "dump")
+                           "--out", tmp_path / "dump", "--dtype", "F32")
     assert status == 0, err
     assert f"kda-tp audit {ckpt} {tmp_path / 'dump'} --tp-size 4" in out
     assert sorted(p.name for p in (tmp_path / "dump").iterdir()) == [
         f"model-rank-{r}-part-0.safetensors" for r in range(4)]
-    status, out, err = run(capsys, "audit", ckpt, tmp_path / "dump", "--tp-size", 4, "--quiet")
+    status, out, err = run(capsys, "audit", ckpt, tmp_path / "dump", "--tp-size", 4, "--quiet",
+                           "--dtype", "F32")
     assert status == 0, out + err
     assert f"on ranks 0, 1, 2, 3 of 4 ({engine})" in out and "0 other parameters ignored" in out
 
 
 def test_the_dump_holds_what_build_param_builds_under_the_engines_names(tmp_path):
     ckpt, engine = CKPTS["kimi-k3"], "vllm-0.33-k3"
-    result = kda_tp.write_engine_dump(ckpt, tmp_path, engine=engine, tp_size=4, ranks=[2, 0])
+    result = kda_tp.write_engine_dump(ckpt, tmp_path, engine=engine, tp_size=4, ranks=[2, 0],
+                                      model_dtype="F32")
     assert result.ranks == (0, 2) and result.engine == engine and result.tp_size == 4
     assert result.files == (tmp_path / "model-rank-0-part-0.safetensors",
                             tmp_path / "model-rank-2-part-0.safetensors")
@@ -92,7 +94,7 @@ def test_the_dump_holds_what_build_param_builds_under_the_engines_names(tmp_path
 def test_a_damaged_dump_fails_the_audit_naming_the_parameter(tmp_path, capsys):
     ckpt = CKPTS["kimi-linear"]
     assert run(capsys, "dump", ckpt, "--engine", "vllm-0.33-kimi-linear", "--tp-size", 2,
-               "--out", tmp_path)[0] == 0
+               "--out", tmp_path, "--dtype", "F32")[0] == 0
     # Rank 1's A_log (heads 6..11 of 12: 90006.0, ...) overwritten with zeros, in place.
     path = tmp_path / "model-rank-1-part-0.safetensors"
     start, meta = header(path)
@@ -100,7 +102,8 @@ def test_a_damaged_dump_fails_the_audit_naming_the_parameter(tmp_path, capsys):
     with open(path, "r+b") as f:
         f.seek(start + begin)
         f.write(bytes(end - begin))
-    status, out, _ = run(capsys, "audit", ckpt, tmp_path, "--tp-size", 2, "--quiet")
+    status, out, _ = run(capsys, "audit", ckpt, tmp_path, "--tp-size", 2, "--quiet",
+                         "--dtype", "F32")
     assert status == 1
     assert ("rank 1 model.layers.0.self_attn.A_log: values differ in A_log; part A_log differs "
             "at [0] (its [0, 0]; expected 90006.0, got 0.0): equals zeros (never loaded?)") in out
@@ -111,7 +114,8 @@ def test_a_rank_written_with_another_ranks_bytes_is_named(tmp_path, capsys):
     """The dump of rank 0 renamed as rank 1's (its metadata removed): what a loader that
     loads rank 0's slice on every rank leaves."""
     ckpt = CKPTS["glm-5.3"]
-    kda_tp.write_engine_dump(ckpt, tmp_path / "a", engine="sglang-0.5.23-glm-5.3", tp_size=2)
+    kda_tp.write_engine_dump(ckpt, tmp_path / "a", engine="sglang-0.5.23-glm-5.3", tp_size=2,
+                             model_dtype="F32")
     with safe_open(tmp_path / "a" / "model-rank-0-part-0.safetensors", "np") as f:
         rank0 = {k: f.get_tensor(k) for k in f.keys()}
     from safetensors.numpy import save_file
@@ -119,7 +123,7 @@ def test_a_rank_written_with_another_ranks_bytes_is_named(tmp_path, capsys):
     (tmp_path / "b").mkdir()
     save_file(rank0, str(tmp_path / "b" / "model-rank-1-part-0.safetensors"))
     status, out, _ = run(capsys, "audit", ckpt, tmp_path / "b" / "model-rank-1-part-0.safetensors",
-                         "--tp-size", 2)
+                         "--tp-size", 2, "--dtype", "F32")
     assert status == 1
     assert "rank 1 model.layers.0.self_attn.dt_bias: values differ in dt_bias" in out
     assert "equals rank 0's slice of dt_bias" in out
@@ -132,12 +136,13 @@ def test_a_wrapped_checkpoint_is_named_as_the_engine_names_it(tmp_path):
                                   conv_kernel=4, gate_rank=64, num_layers=2, kda_layers=[0],
                                   style="k3", weight_dtype="F32")
     assert model_family(SafetensorsSource(ckpt).config) == "kimi-k3"
-    result = kda_tp.write_engine_dump(ckpt, tmp_path / "dump", engine="vllm-0.33-k3", tp_size=2)
+    result = kda_tp.write_engine_dump(ckpt, tmp_path / "dump", engine="vllm-0.33-k3", tp_size=2,
+                                      model_dtype="F32")
     with safe_open(result.files[0], "np") as f:
         names = sorted(f.keys())
     assert "language_model.model.layers.0.self_attn.in_proj_qkvgfab.weight" in names
     assert all(n.startswith("language_model.model.layers.0.self_attn.") for n in names)
-    assert audit_path(ckpt, tmp_path / "dump", tp_size=2).passed
+    assert audit_path(ckpt, tmp_path / "dump", tp_size=2, model_dtype="F32").passed
 
 
 def test_state_dict_prefixes_follow_the_engines_mappers():
@@ -155,41 +160,48 @@ def test_state_dict_prefixes_follow_the_engines_mappers():
 def test_dump_refusals(tmp_path, capsys):
     ckpt = CKPTS["kimi-linear"]
     engine = ("--engine", "vllm-0.33-kimi-linear")
-    assert run(capsys, "dump", ckpt, *engine, "--tp-size", 2, "--out", tmp_path)[0] == 0
+    assert run(capsys, "dump", ckpt, *engine, "--tp-size", 2, "--out", tmp_path,
+               "--dtype", "F32")[0] == 0
     # A rank file already there (maybe an engine's own dump): refused, then replaced with --force.
     status, out, err = run(capsys, "dump", ckpt, *engine, "--tp-size", 2, "--out", tmp_path,
-                           "--ranks", "1")
+                           "--ranks", "1", "--dtype", "F32")
     assert status == 2 and out == ""
     assert err.startswith("kda-tp: error: OutputError: ") and "--force" in err
     assert len(err.splitlines()) == 1
     assert run(capsys, "dump", ckpt, *engine, "--tp-size", 2, "--out", tmp_path, "--ranks", "1",
-               "--force")[0] == 0
+               "--force", "--dtype", "F32")[0] == 0
     # Another world size's files in the directory.
     with pytest.raises(OutputError, match=r"model-rank-0-part-0.safetensors: a dump file of tp_size 2 "
                        r"\(its metadata\), so of another world size than tp_size 1 \(and 1 more\)"):
-        kda_tp.write_engine_dump(ckpt, tmp_path, engine="vllm-0.33-kimi-linear", tp_size=1)
+        kda_tp.write_engine_dump(ckpt, tmp_path, engine="vllm-0.33-kimi-linear", tp_size=1,
+                                 model_dtype="F32")
     with pytest.raises(OutputError, match="lies inside the checkpoint"):
-        kda_tp.write_engine_dump(ckpt, ckpt / "dump", engine="vllm-0.33-kimi-linear", tp_size=2)
+        kda_tp.write_engine_dump(ckpt, ckpt / "dump", engine="vllm-0.33-kimi-linear", tp_size=2,
+                                 model_dtype="F32")
     assert not (ckpt / "dump").exists()
     with pytest.raises(PlanError, match=r"rank 4 is out of range for tp_size 4: valid ranks are 0\.\.3"):
         kda_tp.write_engine_dump(ckpt, tmp_path / "x", engine="vllm-0.33-kimi-linear",
-                                 tp_size=4, ranks=[4])
+                                 tp_size=4, ranks=[4], model_dtype="F32")
     with pytest.raises(PlanError, match=r"ranks \[1, 1\] name a rank twice"):
-        kda_tp.engine_digests(ckpt, engine="vllm-0.33-kimi-linear", tp_size=2, ranks=[1, 1])
+        kda_tp.engine_digests(ckpt, engine="vllm-0.33-kimi-linear", tp_size=2, ranks=[1, 1],
+                              model_dtype="F32")
     # A world size is checked against the heads before anything is sized by it.
     with pytest.raises(PlanError, match=r"divisible by tp_size \(1000000000\)"):
-        kda_tp.engine_digests(ckpt, engine="vllm-0.33-kimi-linear", tp_size=10**9)
+        kda_tp.engine_digests(ckpt, engine="vllm-0.33-kimi-linear", tp_size=10**9,
+                              model_dtype="F32")
     with pytest.raises(EngineLayoutError, match="this layout is for kimi-k3"):
-        kda_tp.write_engine_dump(ckpt, tmp_path / "x", engine="vllm-0.33-k3", tp_size=2)
+        kda_tp.write_engine_dump(ckpt, tmp_path / "x", engine="vllm-0.33-k3", tp_size=2,
+                                 model_dtype="F32")
     status, _, err = run(capsys, "dump", ckpt, "--engine", "vllm-9", "--tp-size", 2,
-                         "--out", tmp_path / "y", "--json")
+                         "--out", tmp_path / "y", "--json", "--dtype", "F32")
     assert status == 2 and "no engine layout 'vllm-9'" in err
 
 
 def test_dump_json(tmp_path, capsys):
     ckpt = CKPTS["kimi-linear"]
     status, out, _ = run(capsys, "dump", ckpt, "--engine", "sglang-0.5.23-kimi-linear",
-                         "--tp-size", 4, "--ranks", "3", "--out", tmp_path, "--json")
+                         "--tp-size", 4, "--ranks", "3", "--out", tmp_path, "--json",
+                         "--dtype", "F32")
     doc = json.loads(out)
     assert status == 0 and doc["ok"] is True
     assert doc["engine"] == "sglang-0.5.23-kimi-linear" and doc["tp_size"] == 4
@@ -198,6 +210,12 @@ def test_dump_json(tmp_path, capsys):
     _, meta = header(tmp_path / "model-rank-3-part-0.safetensors")
     assert doc["bytes_written"] == sum(v["data_offsets"][1] - v["data_offsets"][0]
                                        for k, v in meta.items() if k != "__metadata__")
+    # the document is DumpResult.to_dict()
+    result = kda_tp.write_engine_dump(ckpt, tmp_path / "again", engine="sglang-0.5.23-kimi-linear",
+                                      tp_size=4, ranks=[3], model_dtype="F32")
+    again = result.to_dict()
+    assert set(again) == set(doc) and again["bytes_written"] == doc["bytes_written"]
+    assert again["files"] == [str(tmp_path / "again" / "model-rank-3-part-0.safetensors")]
 
 
 def test_dtype_casts_the_model_dtype_parameters_only(tmp_path):
@@ -208,6 +226,7 @@ def test_dtype_casts_the_model_dtype_parameters_only(tmp_path):
         dtypes = {k.rsplit("self_attn.", 1)[1]: str(f.get_tensor(k).dtype) for k in f.keys()}
     assert dtypes["in_proj_qkvgfab.weight"] == "bfloat16" and dtypes["o_proj.weight"] == "bfloat16"
     assert dtypes["A_log"] == dtypes["dt_bias"] == dtypes["conv1d.weight"] == "float32"
+    # vLLM's default model dtype for this dtype-less F32 checkpoint is BF16 (issue 27.4)
     assert audit_path(ckpt, tmp_path, tp_size=2, rank=0).passed
 
 
@@ -235,12 +254,13 @@ def expected_digests(ckpt: Path, engine: str, tp_size: int) -> dict[str, str]:
 def test_digests_are_sha256_of_each_parameters_bytes(engine, capsys):
     ckpt = CKPTS[get_layout(engine).family]
     want = expected_digests(ckpt, engine, 4)
-    assert kda_tp.engine_digests(ckpt, engine=engine, tp_size=4) == want
-    status, out, _ = run(capsys, "digests", ckpt, "--engine", engine, "--tp-size", 4)
+    assert kda_tp.engine_digests(ckpt, engine=engine, tp_size=4, model_dtype="F32") == want
+    status, out, _ = run(capsys, "digests", ckpt, "--engine", engine, "--tp-size", 4,
+                         "--dtype", "F32")
     assert status == 0
     assert out.splitlines() == [f"{d}  {k}" for k, d in want.items()]
     status, out, _ = run(capsys, "digests", ckpt, "--engine", engine, "--tp-size", 4,
-                         "--ranks", "2", "--json")
+                         "--ranks", "2", "--json", "--dtype", "F32")
     doc = json.loads(out)
     assert status == 0 and doc["ok"] is True and doc["ranks"] == [2] and doc["tp_size"] == 4
     assert doc["engine"] == engine
@@ -249,8 +269,9 @@ def test_digests_are_sha256_of_each_parameters_bytes(engine, capsys):
 
 def test_digests_equal_the_hash_of_the_dumps_tensors(tmp_path):
     ckpt = CKPTS["kimi-k3"]
-    dump = kda_tp.write_engine_dump(ckpt, tmp_path, engine="vllm-0.33-k3", tp_size=2)
-    digests = kda_tp.engine_digests(ckpt, engine="vllm-0.33-k3", tp_size=2)
+    dump = kda_tp.write_engine_dump(ckpt, tmp_path, engine="vllm-0.33-k3", tp_size=2,
+                                    model_dtype="F32")
+    digests = kda_tp.engine_digests(ckpt, engine="vllm-0.33-k3", tp_size=2, model_dtype="F32")
     from_files = {}
     for rank, path in zip(dump.ranks, dump.files):
         start, meta = header(path)
@@ -265,7 +286,7 @@ def test_digests_equal_the_hash_of_the_dumps_tensors(tmp_path):
 
 def test_digests_refuse_a_layout_of_another_engine(capsys):
     status, out, err = run(capsys, "digests", CKPTS["kimi-k3"], "--engine", "sglang-0.5.23-k3",
-                           "--tp-size", 2, "--json")
+                           "--tp-size", 2, "--json", "--dtype", "F32")
     assert status == 2 and len(err.splitlines()) == 1
     doc = json.loads(out)
     assert doc["ok"] is False and doc["error"]["type"] == "EngineLayoutError"
@@ -281,8 +302,9 @@ def test_the_audits_enumeration_is_the_dumps(tmp_path):
         if not layout.tensor_parallel:
             continue
         out = tmp_path / layout.name
-        dump = kda_tp.write_engine_dump(ckpt, out, engine=layout, tp_size=2, ranks=[1])
-        report = audit_path(ckpt, out, tp_size=2, rank=1)
+        dump = kda_tp.write_engine_dump(ckpt, out, engine=layout, tp_size=2, ranks=[1],
+                                        model_dtype="F32")
+        report = audit_path(ckpt, out, tp_size=2, rank=1, model_dtype="F32")
         with safe_open(dump.files[0], "np") as f:
             assert sorted(f.keys()) == sorted(p.name for p in report.params)
         assert report.passed and report.ignored == 0 and dump.params == len(report.params)
@@ -290,20 +312,22 @@ def test_the_audits_enumeration_is_the_dumps(tmp_path):
 
 def test_a_block_fp8_dump_holds_the_scale_grids_and_passes(tmp_path):
     ckpt = Path(__file__).parent / "data" / "k3_fp8_small"
-    dump = kda_tp.write_engine_dump(ckpt, tmp_path, engine="sglang-0.5.23-k3", tp_size=2)
+    dump = kda_tp.write_engine_dump(ckpt, tmp_path, engine="sglang-0.5.23-k3", tp_size=2,
+                                    model_dtype="F32")
     _, meta = header(dump.files[1])  # numpy cannot hold FP8: the header says the dtypes
     pre = "language_model.model.layers.0.self_attn."
     assert meta[pre + "fused_qkvg_proj.weight"]["dtype"] == "F8_E4M3"  # as stored, never cast
     assert meta[pre + "fused_qkvg_proj.weight_scale_inv"]["dtype"] == "F32"
     assert meta[pre + "o_proj.weight_scale_inv"]["dtype"] == "F32"
-    assert audit_path(ckpt, tmp_path, tp_size=2).passed
+    assert audit_path(ckpt, tmp_path, tp_size=2, model_dtype="F32").passed
 
 
 def test_dtype_flag_takes_the_engines_spelling_too(capsys):
     ckpt = CKPTS["kimi-linear"]
     want = kda_tp.engine_digests(ckpt, engine="vllm-0.33-kimi-linear", tp_size=2,
                                  model_dtype="BF16")
-    assert want != kda_tp.engine_digests(ckpt, engine="vllm-0.33-kimi-linear", tp_size=2)
+    assert want != kda_tp.engine_digests(ckpt, engine="vllm-0.33-kimi-linear", tp_size=2,
+                                         model_dtype="F32")
     for spelling in ("bfloat16", "BF16", "bf16"):
         status, out, _ = run(capsys, "digests", ckpt, "--engine", "vllm-0.33-kimi-linear",
                              "--tp-size", 2, "--dtype", spelling, "--json")
@@ -329,7 +353,7 @@ def test_an_output_path_in_a_symlink_loop_is_one_error_line(tmp_path, capsys, mo
         assert err.startswith("kda-tp: error: OutputError: loop: cannot resolve the output path")
         assert len(err.splitlines()) == 1 and "Traceback" not in err
     status, _, err = run(capsys, "dump", ckpt, "--engine", "vllm-0.33-kimi-linear",
-                         "--tp-size", 2, "--out", tmp_path / "loop" / "sub")
+                         "--tp-size", 2, "--out", tmp_path / "loop" / "sub", "--dtype", "F32")
     assert status == 2 and "OutputError" in err and len(err.splitlines()) == 1
 
 
@@ -371,21 +395,23 @@ def test_an_overflowing_dtype_is_refused_naming_the_parameter(tmp_path, capsys):
 def test_another_world_sizes_files_are_refused_and_force_removes_them(tmp_path, capsys):
     ckpt = CKPTS["kimi-linear"]
     engine = ("--engine", "vllm-0.33-kimi-linear")
-    assert run(capsys, "dump", ckpt, *engine, "--tp-size", 2, "--out", tmp_path)[0] == 0
+    assert run(capsys, "dump", ckpt, *engine, "--tp-size", 2, "--out", tmp_path,
+               "--dtype", "F32")[0] == 0
     status, _, err = run(capsys, "dump", ckpt, *engine, "--tp-size", 4, "--ranks", "2,3",
-                         "--out", tmp_path)
+                         "--out", tmp_path, "--dtype", "F32")
     assert status == 2 and len(err.splitlines()) == 1
     assert ("model-rank-0-part-0.safetensors: a dump file of tp_size 2 (its metadata), so of "
             "another world size than tp_size 4 (and 1 more); pass --force") in err
     assert run(capsys, "dump", ckpt, *engine, "--tp-size", 4, "--ranks", "2,3", "--out",
-               tmp_path, "--force")[0] == 0
+               tmp_path, "--force", "--dtype", "F32")[0] == 0
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "model-rank-2-part-0.safetensors", "model-rank-3-part-0.safetensors"]
 
 
 def test_force_removes_every_file_of_the_ranks_written(tmp_path, capsys):
     ckpt = CKPTS["kimi-linear"]
-    kda_tp.write_engine_dump(ckpt, tmp_path, engine="vllm-0.33-kimi-linear", tp_size=2)
+    kda_tp.write_engine_dump(ckpt, tmp_path, engine="vllm-0.33-kimi-linear", tp_size=2,
+                             model_dtype="F32")
     stale = ["model-rank-0-part-1.safetensors", "model-pp-0-tp-0-part-0.safetensors",
              "model-pp-1-tp-0-part-3.safetensors"]
     for name in stale:
@@ -393,12 +419,12 @@ def test_force_removes_every_file_of_the_ranks_written(tmp_path, capsys):
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(OutputError, match="already exists"):
         kda_tp.write_engine_dump(ckpt, tmp_path, engine="vllm-0.33-kimi-linear", tp_size=2,
-                                 ranks=[0])
+                                 ranks=[0], model_dtype="F32")
     kda_tp.write_engine_dump(ckpt, tmp_path, engine="vllm-0.33-kimi-linear", tp_size=2,
-                             ranks=[0], force=True)
+                             ranks=[0], force=True, model_dtype="F32")
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "config.json", "model-rank-0-part-0.safetensors", "model-rank-1-part-0.safetensors"]
-    assert audit_path(ckpt, tmp_path, tp_size=2).passed
+    assert audit_path(ckpt, tmp_path, tp_size=2, model_dtype="F32").passed
 
 
 def test_an_empty_rank_list_or_output_path_is_refused(tmp_path, capsys, monkeypatch):
@@ -415,7 +441,8 @@ def test_an_empty_rank_list_or_output_path_is_refused(tmp_path, capsys, monkeypa
     assert exit_info.value.code == 2
     assert "argument --out: empty path" in capsys.readouterr().err
     with pytest.raises(OutputError, match="an empty path"):
-        kda_tp.write_engine_dump(ckpt, "", engine="vllm-0.33-kimi-linear", tp_size=2)
+        kda_tp.write_engine_dump(ckpt, "", engine="vllm-0.33-kimi-linear", tp_size=2,
+                                 model_dtype="F32")
     # shard's --out too: Path("") is the current directory, where rank0/ would land.
     with pytest.raises(SystemExit) as exit_info:
         main(["shard", str(ckpt), "--tp-size", "2", "--out", ""])
@@ -434,3 +461,27 @@ def test_a_tp_size_hint_names_only_the_commands_flags(command, tmp_path, capsys)
     assert status == 2 and err.startswith("kda-tp: error: PlanError: ")
     assert "--qk-multiple" not in err and "qk_multiple" not in err
     assert "1, 2, 3, 4, 6, 12" in err
+
+
+@pytest.mark.parametrize("engine", ["vllm-0.33-k3", "sglang-0.5.23-k3"])
+def test_a_k3_dump_with_no_flag_passes_the_audit_with_no_flag(engine, tmp_path, capsys):
+    # issue 27.4: K3 stores o_norm in F32 beside BF16 weights (config torch_dtype bfloat16);
+    # the engine holds it in its model dtype, BF16: dump, digests and audit agree on that
+    ckpt = write_small_checkpoint(tmp_path / "ckpt", hidden=32, heads=4, head_dim=8,
+                                  conv_kernel=4, gate_rank=8, num_layers=1, kda_layers=[0],
+                                  style="k3", weight_dtype="BF16")
+    assert SafetensorsSource(ckpt).info(
+        "language_model.model.layers.0.self_attn.o_norm.weight")[0] == "F32"
+    assert run(capsys, "dump", ckpt, "--engine", engine, "--tp-size", 2, "--out",
+               tmp_path / "dump")[0] == 0
+    with safe_open(tmp_path / "dump" / "model-rank-1-part-0.safetensors", "pt") as f:
+        held = {k.rsplit("self_attn.", 1)[1]: str(f.get_slice(k).get_dtype()) for k in f.keys()}
+    assert held["o_norm.weight"] == "BF16" and held["A_log"] == "F32"
+    status, out, _ = run(capsys, "audit", ckpt, tmp_path / "dump", "--quiet")
+    assert status == 0 and out.startswith("OK: "), out
+    # an engine told --dtype float32 holds o_norm in F32: that dump fails the default audit
+    assert run(capsys, "dump", ckpt, "--engine", engine, "--tp-size", 2, "--out",
+               tmp_path / "f32", "--dtype", "F32")[0] == 0
+    status, out, _ = run(capsys, "audit", ckpt, tmp_path / "f32", "--quiet")
+    assert status == 1 and "o_norm.weight: dtype F32, expected BF16" in out
+    assert run(capsys, "audit", ckpt, tmp_path / "f32", "--quiet", "--dtype", "F32")[0] == 0

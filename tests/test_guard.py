@@ -41,7 +41,7 @@ def test_every_engine_fixture_rank_passes_with_one_log_line(path, caplog):
     rank, tp_size = int(meta["tp_rank"]), int(meta["tp_size"])
     with caplog.at_level(logging.INFO, logger="kda_tp.guard"):
         result = check(tensors, CKPT[meta["model"]], tp_rank=rank, tp_size=tp_size,
-                       where="test worker")
+                       where="test worker", model_dtype="F32")
     assert isinstance(result, GuardResult) and result.passed
     assert (result.tp_rank, result.tp_size) == (rank, tp_size)
     assert result.engine.startswith(meta["engine"] + "-")
@@ -59,14 +59,15 @@ def test_every_rank_of_every_layout_built_passes_and_pairs_are_accepted():
         for tp_size in (2, 4):
             for rank in range(tp_size):
                 params = built(CKPT[ckpt], layout, rank, tp_size)
-                result = check(iter(params.items()), CKPT[ckpt], tp_rank=rank, tp_size=tp_size)
+                result = check(iter(params.items()), CKPT[ckpt], tp_rank=rank, tp_size=tp_size,
+                               model_dtype="F32")
                 assert result is not None and result.passed and result.engine == layout
 
 
 def test_rank_0s_slices_on_rank_2_stop_with_the_parameter_and_the_slice_named():
     params = built(CKPT["k3"], "vllm-0.33-k3", 0, 4)
     with pytest.raises(GuardError) as caught:
-        check(params, CKPT["k3"], tp_rank=2, tp_size=4, where="vllm worker 2")
+        check(params, CKPT["k3"], tp_rank=2, tp_size=4, where="vllm worker 2", model_dtype="F32")
     error = caught.value
     assert isinstance(error, KdaTpError) and isinstance(error, RuntimeError)
     text = str(error)
@@ -83,7 +84,7 @@ def test_warn_logs_the_diagnosis_and_returns_the_result(monkeypatch, caplog):
     monkeypatch.setenv(MODE_ENV, "warn")
     params = built(CKPT["glm"], "vllm-0.33-glm-5.3", 1, 2)
     with caplog.at_level(logging.INFO, logger="kda_tp.guard"):
-        result = check(params, CKPT["glm"], tp_rank=0, tp_size=2)
+        result = check(params, CKPT["glm"], tp_rank=0, tp_size=2, model_dtype="F32")
     assert result is not None and not result.passed
     (record,) = caplog.records
     assert record.levelno == logging.WARNING
@@ -94,8 +95,9 @@ def test_off_checks_nothing(monkeypatch):
     monkeypatch.setenv(MODE_ENV, " OFF ")
     assert mode() == "off"
     params = built(CKPT["glm"], "vllm-0.33-glm-5.3", 1, 2)
-    assert check(params, CKPT["glm"], tp_rank=0, tp_size=2) is None
-    assert check(params, "s3://bucket/model", tp_rank=0, tp_size=2) is None  # no warning
+    assert check(params, CKPT["glm"], tp_rank=0, tp_size=2, model_dtype="F32") is None
+    assert check(params, "s3://bucket/model", tp_rank=0, tp_size=2,
+                 model_dtype="F32") is None  # no warning
 
 
 def test_a_bad_mode_is_refused_with_the_variable_and_the_choices(monkeypatch):
@@ -114,7 +116,7 @@ def test_non_kda_parameters_are_skipped_without_touching_the_checkpoint():
               for i in range(64) for n in ("q_proj", "k_proj", "v_proj", "o_proj")}
     params |= {f"model.layers.{i}.linear_attn.A_log": np.zeros(1) for i in range(8)}  # Qwen3-Next
     # No checkpoint read, no warning (a missing path would warn); its cost: benchmarks/bench.py.
-    assert check(params, "/no/such/checkpoint", tp_rank=0, tp_size=8) is None
+    assert check(params, "/no/such/checkpoint", tp_rank=0, tp_size=8, model_dtype="F32") is None
 
 
 def test_a_config_without_kda_layers_is_skipped(tmp_path):
@@ -124,21 +126,22 @@ def test_a_config_without_kda_layers_is_skipped(tmp_path):
     # KDA parameters and a config without KDA layers: skipped, but never silently.
     with pytest.warns(RuntimeWarning, match=r"describes no KDA layer; the KDA weights are not "
                       r"checked \(is it the checkpoint the engine loaded\?") as seen:
-        assert check(params, tmp_path, tp_rank=0, tp_size=2) is None
+        assert check(params, tmp_path, tp_rank=0, tp_size=2, model_dtype="F32") is None
     assert len(seen) == 1
 
 
 def test_a_remote_checkpoint_is_one_warning_not_a_crash():
     params = built(CKPT["k3"], "vllm-0.33-k3", 0, 2)
     with pytest.warns(RuntimeWarning, match=r"s3://bucket/k3.* is not a local path") as seen:
-        assert check(params, "s3://bucket/k3", tp_rank=0, tp_size=2, where="w0") is None
+        assert check(params, "s3://bucket/k3", tp_rank=0, tp_size=2, where="w0",
+                     model_dtype="F32") is None
     assert len(seen) == 1
 
 
 def test_parameters_of_another_family_stop_with_the_wrong_checkpoint_named():
     params = built(CKPT["k3"], "vllm-0.33-k3", 0, 2)
     with pytest.raises(GuardError) as caught:
-        check(params, CKPT["kimi_linear"], tp_rank=0, tp_size=2)
+        check(params, CKPT["kimi_linear"], tp_rank=0, tp_size=2, model_dtype="F32")
     assert caught.value.report is not None
     assert "these names are vllm-0.33-k3's; is " in str(caught.value)
 
@@ -146,7 +149,7 @@ def test_parameters_of_another_family_stop_with_the_wrong_checkpoint_named():
 def test_parameters_no_layout_fits_stop_with_the_audits_refusal():
     params = built(CKPT["k3"], "vllm-0.33-k3", 0, 2)
     with pytest.raises(GuardError) as caught:
-        check(params, CKPT["k3"], tp_rank=0, tp_size=2, engine="vllm-9-k3")
+        check(params, CKPT["k3"], tp_rank=0, tp_size=2, engine="vllm-9-k3", model_dtype="F32")
     assert caught.value.report is None
     assert str(caught.value).startswith(
         "kda_tp guard: tp rank 0/2: cannot check the KDA weights against ")
@@ -166,14 +169,14 @@ def _decode_copies(params: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 def test_vllm_k3_decode_copies_are_checked():
     params = built(CKPT["k3"], "vllm-0.33-k3", 1, 4)
     derived = _decode_copies(params)
-    result = check(params, CKPT["k3"], tp_rank=1, tp_size=4, derived=derived)
+    result = check(params, CKPT["k3"], tp_rank=1, tp_size=4, derived=derived, model_dtype="F32")
     assert result is not None and result.passed and result.params == len(params) + 2
     assert result.bytes == sum(a.nbytes for a in (*params.values(), *derived.values()))
     stale = dict(derived)
     other = _decode_copies(built(CKPT["k3"], "vllm-0.33-k3", 2, 4))
     stale[PRE + "decode_conv1d_weight"] = other[PRE + "decode_conv1d_weight"]
     with pytest.raises(GuardError) as caught:
-        check(params, CKPT["k3"], tp_rank=1, tp_size=4, derived=stale)
+        check(params, CKPT["k3"], tp_rank=1, tp_size=4, derived=stale, model_dtype="F32")
     assert f"rank 1 {PRE}decode_conv1d_weight: differs from what conv1d.weight makes of it at " \
            "[0, 0, 0] (expected 384.0, got 768.0)" in str(caught.value)
 
@@ -192,8 +195,8 @@ def test_a_pipeline_stage_checks_only_its_layers(tmp_path):
     params = {k.replace("layers.0.", "layers.1."): v
               for k, v in built(tmp_path, "vllm-0.33-glm-5.3", 1, 2).items()}
     with pytest.raises(GuardError, match="missing"):
-        check(params, tmp_path, tp_rank=1, tp_size=2)
-    result = check(params, tmp_path, tp_rank=1, tp_size=2, layers=[1])
+        check(params, tmp_path, tp_rank=1, tp_size=2, model_dtype="F32")
+    result = check(params, tmp_path, tp_rank=1, tp_size=2, layers=[1], model_dtype="F32")
     assert result is not None and result.passed and result.params == len(params)
 
 
@@ -225,7 +228,7 @@ def test_a_kda_layer_without_a_log_and_dt_bias_is_skipped_with_a_warning():
     del params[PRE + "A_log"], params[PRE + "dt_bias"]
     with pytest.warns(RuntimeWarning, match=r"tp rank 0/2: the parameters hold KDA layer names "
                       r".* but no ...self_attn.A_log or ...self_attn.dt_bias") as seen:
-        assert check(params, CKPT["kimi_linear"], tp_rank=0, tp_size=2) is None
+        assert check(params, CKPT["kimi_linear"], tp_rank=0, tp_size=2, model_dtype="F32") is None
     assert len(seen) == 1
 
 
@@ -238,16 +241,16 @@ def test_a_parameter_in_another_float_dtype_than_the_ranks_others_fails_naming_b
         params = built(CKPT["kimi_linear"], "vllm-0.33-kimi-linear", 1, 4)
         params[PRE + suffix] = params[PRE + suffix].astype(dtype)
         with pytest.raises(GuardError) as caught:
-            check(params, CKPT["kimi_linear"], tp_rank=1, tp_size=4)
-        assert (f"rank 1 {PRE}{suffix}: dtype {name}, expected F32 (the model dtype of this "
-                "rank's other parameters") in str(caught.value)
+            check(params, CKPT["kimi_linear"], tp_rank=1, tp_size=4, model_dtype="F32")
+        assert (f"rank 1 {PRE}{suffix}: dtype {name}, expected F32 (the engine's model dtype, "
+                "as passed") in str(caught.value)
         (wrong,) = caught.value.report.failures
         assert wrong.name == PRE + suffix
-    # The F32-fixed parameters (A_log, dt_bias, convs) do not vote: a BF16 rank passes.
+    # The F32-fixed parameters (A_log, dt_bias, convs) stay F32 in a BF16 engine.
     params = built(CKPT["kimi_linear"], "vllm-0.33-kimi-linear", 1, 4)
     fixed = ("A_log", "dt_bias", "conv1d.weight")
     params = {k: v if k.endswith(fixed) else v.astype(ml_dtypes.bfloat16) for k, v in params.items()}
-    result = check(params, CKPT["kimi_linear"], tp_rank=1, tp_size=4)
+    result = check(params, CKPT["kimi_linear"], tp_rank=1, tp_size=4, model_dtype="BF16")
     assert result is not None and result.passed
 
 
@@ -255,14 +258,14 @@ def test_a_torch_derived_copy_in_bf16_or_int_fails_its_dtype():
     torch = pytest.importorskip("torch")
     params = built(CKPT["k3"], "vllm-0.33-k3", 0, 4)
     good = {k: torch.from_numpy(v) for k, v in _decode_copies(params).items()}
-    result = check(params, CKPT["k3"], tp_rank=0, tp_size=4, derived=good)
+    result = check(params, CKPT["k3"], tp_rank=0, tp_size=4, derived=good, model_dtype="F32")
     assert result is not None and result.passed
     for copy, cast, dtype in (("decode_norm_weight", lambda t: t.bfloat16(), "BF16"),
                               ("decode_conv1d_weight", lambda t: t.int(), "I32")):
         bad = dict(good) | {PRE + copy: cast(good[PRE + copy])}
         with pytest.raises(GuardError, match=rf"rank 0 {PRE}{copy}: shape \[.*\] x {dtype}, "
                            r"expected \[.*\] x F32"):
-            check(params, CKPT["k3"], tp_rank=0, tp_size=4, derived=bad)
+            check(params, CKPT["k3"], tp_rank=0, tp_size=4, derived=bad, model_dtype="F32")
 
 
 def test_a_derived_copy_differing_in_the_sign_of_zero_is_a_difference():
@@ -273,7 +276,7 @@ def test_a_derived_copy_differing_in_the_sign_of_zero_is_a_difference():
     norm[zero] = -0.0
     with pytest.raises(GuardError) as caught:
         check(params, CKPT["k3"], tp_rank=0, tp_size=4,
-              derived=derived | {PRE + "decode_norm_weight": norm})
+              derived=derived | {PRE + "decode_norm_weight": norm}, model_dtype="F32")
     assert (f"rank 0 {PRE}decode_norm_weight: differs from what o_norm.weight makes of it at "
             f"[{zero}] (expected 0.0, got -0.0)") in str(caught.value)
 
@@ -289,11 +292,13 @@ def test_unreadable_tensors_are_a_guard_error_or_a_warning_never_a_crash(monkeyp
     for change, derived, why in bad:
         monkeypatch.delenv(MODE_ENV, raising=False)
         with pytest.raises(GuardError, match=why):
-            check(params | change, CKPT["k3"], tp_rank=0, tp_size=4, derived=derived)
+            check(params | change, CKPT["k3"], tp_rank=0, tp_size=4, derived=derived,
+                  model_dtype="F32")
         monkeypatch.setenv(MODE_ENV, "warn")
         caplog.clear()
         with caplog.at_level(logging.INFO, logger="kda_tp.guard"):
-            out = check(params | change, CKPT["k3"], tp_rank=0, tp_size=4, derived=derived)
+            out = check(params | change, CKPT["k3"], tp_rank=0, tp_size=4, derived=derived,
+                        model_dtype="F32")
         assert out is None or not out.passed
         assert [r.levelno for r in caplog.records] == [logging.WARNING]
         assert why in caplog.records[0].getMessage()
@@ -301,7 +306,8 @@ def test_unreadable_tensors_are_a_guard_error_or_a_warning_never_a_crash(monkeyp
     # A negated view holds its values once resolved: the right values pass.
     negated = (-params[PRE + "A_log"])._neg_view()
     assert negated.is_neg()
-    result = check(params | {PRE + "A_log": negated}, CKPT["k3"], tp_rank=0, tp_size=4)
+    result = check(params | {PRE + "A_log": negated}, CKPT["k3"], tp_rank=0, tp_size=4,
+                   model_dtype="F32")
     assert result is not None and result.passed
 
 
@@ -309,10 +315,10 @@ def test_bad_argument_types_are_named_errors():
     from kda_tp import CheckpointError
     params = built(CKPT["k3"], "vllm-0.33-k3", 0, 4)
     with pytest.raises(CheckpointError, match=r"params: the key 3 \(int\) is not a parameter name"):
-        check(params | {3: np.zeros(1)}, CKPT["k3"], tp_rank=0, tp_size=4)
+        check(params | {3: np.zeros(1)}, CKPT["k3"], tp_rank=0, tp_size=4, model_dtype="F32")
     with pytest.raises(TypeError, match=r"derived: the key 0 \(int\) is not a parameter name"):
-        check(params, CKPT["k3"], tp_rank=0, tp_size=4, derived={0: np.zeros(1)})
+        check(params, CKPT["k3"], tp_rank=0, tp_size=4, derived={0: np.zeros(1)}, model_dtype="F32")
     with pytest.raises(TypeError, match=r"params: item 0 is a str, not a \(name, tensor\) pair"):
-        check(list(params), CKPT["k3"], tp_rank=0, tp_size=4)
+        check(list(params), CKPT["k3"], tp_rank=0, tp_size=4, model_dtype="F32")
     with pytest.raises(TypeError, match=r"params: item 0 is a tuple, not a \(name, tensor\)"):
-        check([(1, 2, 3)], CKPT["k3"], tp_rank=0, tp_size=4)
+        check([(1, 2, 3)], CKPT["k3"], tp_rank=0, tp_size=4, model_dtype="F32")

@@ -131,3 +131,20 @@ def load(path: Path) -> tuple[dict[str, str], dict[str, np.ndarray]]:
 
     with safe_open(path, "np") as f:
         return f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+
+
+def release_dtypes(ckpt: Path, out: Path) -> Path:
+    """An engine fixture checkpoint as the releases store theirs: BF16 projections; F32 convs,
+    ``A_log``, ``dt_bias`` and ``o_norm``; ``torch_dtype: bfloat16`` in the config (needs
+    torch)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    out.mkdir()
+    kept = ("conv1d.weight", "A_log", "dt_bias", "o_norm.weight")
+    tensors = {n: t if n.endswith(kept) else t.to(torch.bfloat16)
+               for n, t in load_file(str(ckpt / "model.safetensors")).items()}
+    save_file(tensors, str(out / "model.safetensors"))
+    config = json.loads((ckpt / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, "torch_dtype": "bfloat16"}))
+    return out

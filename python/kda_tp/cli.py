@@ -195,12 +195,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("path", type=Path, help="a save_sharded_state directory "
                    "(model-rank-{r}-part-{p}.safetensors, model-pp-{pp}-tp-{r}-part-{p}"
                    ".safetensors; every rank must be there), or one rank's .safetensors file")
-    p.add_argument("--tp-size", type=_tp_size, required=True, help="the engine's tensor-parallel "
-                   "world size")
+    p.add_argument("--tp-size", type=_tp_size, help="the engine's tensor-parallel world size "
+                   "(default: the one the dump tells: its tp_size metadata, else the highest "
+                   "rank in its file names + 1)")
     p.add_argument("--rank", type=_rank, help="the rank of a single file (default: from its name, "
                    "else its tp_rank metadata); with a directory, audit only this rank")
     p.add_argument("--engine", help="the engine layout to audit against (default: recognised "
                    "from the parameter names)")
+    _add_model_dtype(p)
     _add_quiet(p)
     _add_json(p, "every KDA parameter's verdict")
     p.set_defaults(run=_cmd_audit)
@@ -242,9 +244,16 @@ def _add_engine_output(p: argparse.ArgumentParser) -> None:
                    "e.g. vllm-0.33-kimi-linear; docs/engine-layouts.md)")
     p.add_argument("--tp-size", type=int, required=True, help="tensor-parallel world size")
     p.add_argument("--ranks", type=_int_list, help="comma-separated ranks (default: all)")
+    _add_model_dtype(p)
+
+
+def _add_model_dtype(p: argparse.ArgumentParser) -> None:
+    """``audit``'s, ``dump``'s and ``digests``' ``--dtype``: the engine's model dtype."""
     p.add_argument("--dtype", type=_model_dtype, choices=["BF16", "F16", "F32"],
                    help="the engine's model dtype (its --dtype: bfloat16, float16, float32) "
-                   "for the parameters it casts to it (default: the checkpoint's)")
+                   "for the parameters it casts to it (default: the engine's auto dtype for "
+                   "the checkpoint's config: its dtype/torch_dtype; an F32 or dtype-less "
+                   "config runs in BF16 under vLLM, F16 under SGLang)")
 
 
 def _nonempty_path(text: str) -> Path:
@@ -944,7 +953,8 @@ def _cmd_audit(args: argparse.Namespace) -> int:
     from .engine_audit import audit_path
 
     report = audit_path(args.checkpoint, args.path, tp_size=args.tp_size, rank=args.rank,
-                        engine=args.engine, progress=_progress(args.quiet, "audit", "parameters"))
+                        engine=args.engine, model_dtype=args.dtype,
+                        progress=_progress(args.quiet, "audit", "parameters"))
     if args.json:
         _emit_json(args, report.to_dict())
     else:
@@ -959,17 +969,13 @@ def _cmd_dump(args: argparse.Namespace) -> int:
                                tp_size=args.tp_size, ranks=args.ranks, model_dtype=args.dtype,
                                force=args.force)
     if args.json:
-        _emit_json(args, {
-            "ok": True, "out_dir": str(result.out_dir), "engine": result.engine,
-            "tp_size": result.tp_size, "ranks": list(result.ranks),
-            "files": [str(f) for f in result.files], "params": result.params,
-            "bytes_written": result.bytes_written, "seconds": result.seconds,
-        })
+        _emit_json(args, result.to_dict())
     else:
         print(f"wrote {result.params} KDA parameters of ranks {list(result.ranks)} of "
               f"{result.tp_size} ({result.engine}, {result.bytes_written / 1e9:.3f} GB) to "
               f"{result.out_dir} in {result.seconds:.2f} s; check it with: kda-tp audit "
               f"{args.checkpoint} {result.out_dir} --tp-size {result.tp_size}"
+              + ("" if args.dtype is None else f" --dtype {args.dtype}")
               + ("" if args.ranks is None else f" --rank R (R in {list(result.ranks)})"))
     return 0
 

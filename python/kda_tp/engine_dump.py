@@ -28,12 +28,13 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from ._io import resolve_out, write_safetensors
+from .audit_values import cast_overflow
 from .checkpoint import SafetensorsSource
-from .engine_audit import cast_overflow, sharded_state_files
 from .engines import (
     LAYOUTS,
     EngineLayout,
@@ -54,6 +55,8 @@ from .errors import (
 from .layout import kda_tensor_name
 from .plan import KdaTpPlan
 from .config import parse_metadata_int
+from .dump_files import DUMP_FILE, sharded_state_files
+from .model_dtype import engine_model_dtype
 from .source import KdaShardedSource, checked_get
 
 __all__ = ["DIGEST_KEY", "DumpResult", "engine_digests", "write_engine_dump"]
@@ -62,10 +65,6 @@ __all__ = ["DIGEST_KEY", "DumpResult", "engine_digests", "write_engine_dump"]
 #: parameter's name): data-parallel index, pipeline, prefill-context-parallel and
 #: tensor-parallel rank. A KDA model served with tensor parallelism alone has ``dp0:pp0:pcp0``.
 DIGEST_KEY = "dp0:pp0:pcp0:tp{rank}:{name}"
-
-# save_sharded_state's file of one rank (vLLM's and SGLang's default pattern, part 0).
-_DUMP_FILE = "model-rank-{rank}-part-0.safetensors"
-
 
 @dataclass(frozen=True)
 class DumpResult:
@@ -90,6 +89,17 @@ class DumpResult:
     params: int
     bytes_written: int
     seconds: float
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict (what ``kda-tp dump --json`` prints): ``ok`` (True: a refused
+        dump raises), ``out_dir``, ``engine``, ``tp_size``, ``ranks``, ``files``, ``params``,
+        ``bytes_written``, ``seconds``."""
+        return {
+            "ok": True, "out_dir": str(self.out_dir), "engine": self.engine,
+            "tp_size": self.tp_size, "ranks": list(self.ranks),
+            "files": [str(f) for f in self.files], "params": self.params,
+            "bytes_written": self.bytes_written, "seconds": self.seconds,
+        }
 
 
 @dataclass(frozen=True)
@@ -122,6 +132,7 @@ def _ranks_of(
     source = (checkpoint if isinstance(checkpoint, SafetensorsSource)
               else SafetensorsSource(checkpoint))
     layout = get_layout(engine)
+    model_dtype = engine_model_dtype(source, layout.engine, model_dtype)
     # Any split the heads allow (no q|k width rule: the engine chose the world size); checked
     # before anything is sized by tp_size.
     plan0 = KdaTpPlan.from_config(source, 0, tp_size, qk_multiple=1)
@@ -162,7 +173,7 @@ def _ranks_of(
                 if overflow is not None:
                     raise DtypeMismatchError(
                         f"rank {shard.plan.tp_rank} {name}: {overflow}; pass another --dtype "
-                        "(model_dtype=), or none for the checkpoint's"
+                        "(model_dtype=), the one the engine runs in"
                     )
                 return built
 
@@ -204,10 +215,12 @@ def write_engine_dump(
             ``"vllm-0.33-kimi-linear"``).
         tp_size: the tensor-parallel world size.
         ranks: the ranks to write (default: all).
-        model_dtype: the engine's model dtype (``"BF16"``, ``"F16"``, ``"F32"``) for the
-            parameters it casts to it; None keeps the checkpoint's (see
-            ``EngineLayout.param_plan``). Parameters with a fixed dtype (F32 ``A_log``) and
-            FP8 weights are unaffected.
+        model_dtype: the engine's model dtype (its ``--dtype``: ``"BF16"``, ``"F16"``,
+            ``"F32"``) for the parameters it casts to it; None: the engine's default for this
+            checkpoint (``kda_tp.model_dtype.engine_model_dtype``: the config's
+            ``dtype``/``torch_dtype`` as the engine reads it; an F32 or dtype-less config runs
+            in BF16 under vLLM, F16 under SGLang), the one ``kda_tp.audit`` expects.
+            Parameters with a fixed dtype (F32 ``A_log``) and FP8 weights are unaffected.
         force: replace dump files of these ranks already in ``out`` (otherwise refused: it
             may be a real engine's dump): every file of those ranks, in both of
             ``save_sharded_state``'s name patterns (``sharded_state_files``), is removed, and
@@ -221,14 +234,14 @@ def write_engine_dump(
             checkpoint; without ``force``, it holds dump files of another world size (a rank
             ``>= tp_size``, or other ``tp_size`` metadata) or a file of a rank being written;
             a write fails (the message names the file and the OS error).
-        DtypeMismatchError: casting a parameter to ``model_dtype`` overflows (a finite value
-            becomes inf; ``kda_tp.engine_audit.cast_overflow``): the message names the rank,
+        DtypeMismatchError: ``model_dtype`` is not a model dtype; casting a parameter to
+            the model dtype overflows (a finite value
+            becomes inf; ``kda_tp.audit_values.cast_overflow``): the message names the rank,
             the parameter and the value; no file of this call is left.
         PlanError: ``tp_size`` or a rank is not valid for the model (range, repeats), or
             ``ranks`` is empty.
-        EngineLayoutError: an unknown layout, one of another model family, one that does not fit the checkpoint, or parts
-            of several dtypes where the engine casts to its model dtype and ``model_dtype``
-            is None.
+        EngineLayoutError: an unknown layout, one of another model family, or one that does
+            not fit the checkpoint.
         CheckpointError: the checkpoint cannot be read or has no config.
     """
     start = time.perf_counter()
@@ -281,7 +294,7 @@ def write_engine_dump(
     total, count = 0, 0
     try:
         for r, params in by_rank:
-            path = root / _DUMP_FILE.format(rank=r)
+            path = root / DUMP_FILE.format(rank=r)
             meta = {"tp_size": str(tp_size), "tp_rank": str(r), "engine": layout.name}
             specs = [(p.name, p.plan.dtype, p.plan.shape, p.plan.nbytes, p.build) for p in params]
             total += write_safetensors(path, specs, meta, sync=False)

@@ -221,6 +221,7 @@ def check(
     where: str = "",
     layers: Iterable[int] | None = None,
     guard_mode: str | None = None,
+    model_dtype: str | None = None,
 ) -> GuardResult | None:
     """Check one rank's loaded KDA parameters against the checkpoint, as the mode says.
 
@@ -247,6 +248,9 @@ def check(
             stage's); None: every KDA layer of the checkpoint.
         guard_mode: one of :data:`MODES` instead of ``KDA_TP_GUARD``'s (e.g. ``"warn"`` to
             report on a running engine without raising); None: the variable's.
+        model_dtype: the engine's model dtype (``"BF16"``, or torch's ``str(dtype)``,
+            ``"torch.bfloat16"``), passed to the audit; None: the engine's default for the
+            checkpoint's config (``kda_tp.model_dtype.engine_model_dtype``).
 
     Returns:
         None without checking anything when the mode is ``off`` or ``params`` has no KDA
@@ -315,7 +319,7 @@ def check(
     start = time.perf_counter()
     try:
         report = audit(named, checkpoint, tp_rank=tp_rank, tp_size=tp_size, engine=engine,
-                       layers=layers)
+                       layers=layers, model_dtype=model_dtype)
         checked = [p for p in report.params if p.status != "missing"]
         nbytes = sum(_nbytes(named[p.name]) for p in checked)
         count = len(report.params)

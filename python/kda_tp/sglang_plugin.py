@@ -221,11 +221,18 @@ def guard_runner(runner: Any, checkpoint: str | None = None) -> Any:
         return None
     tp_rank, tp_size = rank_and_size()
     return check(dict(runner.model.named_parameters()), path, tp_rank=tp_rank,
-                 tp_size=tp_size, where=_label())
+                 tp_size=tp_size, where=_label(), model_dtype=_model_dtype(runner))
 
 
 # ------------------------------------------------------------------------------------------------
 # A running engine
+
+
+def _model_dtype(runner: Any) -> str | None:
+    """The engine's model dtype (``runner.model_config.dtype``, a torch dtype) as
+    ``kda_tp.guard.check`` takes it; None when the runner has none."""
+    dtype = getattr(getattr(runner, "model_config", None), "dtype", None)
+    return None if dtype is None else str(dtype)
 
 
 def audit_runner(runner: Any, checkpoint: str | None = None) -> dict[str, Any]:
@@ -257,7 +264,8 @@ def audit_runner(runner: Any, checkpoint: str | None = None) -> dict[str, Any]:
     elif not holds_kda(params):
         out["skipped"] = "no KDA parameter"
     else:
-        report = audit(params, path, tp_rank=tp_rank, tp_size=tp_size)
+        report = audit(params, path, tp_rank=tp_rank, tp_size=tp_size,
+                       model_dtype=_model_dtype(runner))
         out.update(ok=report.passed, engine=report.engine,
                    seconds=time.perf_counter() - start, summary=report.summary(),
                    text=report.format(), report=report.to_dict())

@@ -305,7 +305,14 @@ def guard_model(model: Any, model_config: Any, *, loader: str = "",
                if b is not None and n.rpartition(".")[2] in _DERIVED_NAMES}
     return check(params, checkpoint, tp_rank=rank, tp_size=size, derived=derived,
                  where=where, layers=_stage_layers(params, parallel_state),
-                 guard_mode=guard_mode)
+                 guard_mode=guard_mode, model_dtype=_model_dtype(model_config))
+
+
+def _model_dtype(config: Any) -> str | None:
+    """The engine's model dtype (its ``ModelConfig.dtype``, a torch dtype) as
+    ``kda_tp.guard.check`` takes it; None when the config has none."""
+    dtype = getattr(config, "dtype", None)
+    return None if dtype is None else str(dtype)
 
 
 def _as_processed(name: str, param: Any) -> Any:
