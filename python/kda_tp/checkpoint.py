@@ -9,6 +9,7 @@ bytes, not the shard plan: ``kda_tp.plan`` and ``kda_tp.source`` build on it.
 
 from __future__ import annotations
 
+import json
 import os
 import warnings
 from pathlib import Path
@@ -17,7 +18,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from . import _native
-from ._io import DTYPE_SIZES
+from ._io import DTYPE_SIZES, open_files_error
 from .config import load_config
 from .errors import (
     BufferLayoutError,
@@ -307,6 +308,16 @@ def shard_bytes(tensor_plan: _native.KdaTensorPlan, buffer: Any) -> np.ndarray:
     return out
 
 
+def _file_count(path: Path) -> int:
+    """The safetensors files opening ``path`` holds open: those its index names (1 when it
+    has none, or it cannot be read)."""
+    try:
+        weight_map = json.loads((path / INDEX_NAME).read_bytes())["weight_map"]
+        return len(set(weight_map.values()))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return 1
+
+
 class SafetensorsSource:
     """A safetensors checkpoint as a tensor source.
 
@@ -323,6 +334,9 @@ class SafetensorsSource:
 
     Raises:
         CheckpointError: a missing, corrupt or inconsistent file or index.
+        OpenFilesLimitError: the files are more than the process may hold open (every file
+            stays open while the source is; the message names ``RLIMIT_NOFILE``, its value,
+            the files needed and ``ulimit -n``).
         UsageError: a ``backend`` (or ``$KDA_TP_BACKEND``) other than ``"mmap"`` or
             ``"pread"``.
     """
@@ -342,7 +356,14 @@ class SafetensorsSource:
                 f"{self.path}: a JSON file; expected a checkpoint directory or a .safetensors file"
             )
         self.backend = backend
-        self._checkpoint = _native.Checkpoint(self.path, backend)
+        try:
+            self._checkpoint = _native.Checkpoint(self.path, backend)
+        except CheckpointError as e:
+            # Every file stays open: past RLIMIT_NOFILE the error names the limit, not a file.
+            limit = open_files_error(_file_count(self.path), self.path)
+            if limit is not None:
+                raise limit from e
+            raise
         self._config: dict[str, Any] | None = None
 
     @property

@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from ._io import open_files_error
 from .config import parse_metadata_int
 from .checkpoint import SafetensorsSource, Tensor, numpy_dtype, torch_dtype
 from .engines import (
@@ -992,6 +993,10 @@ class _RankFiles(Mapping[str, Tensor]):
     """One rank's tensors across its ``save_sharded_state`` files (parts, pipeline stages)."""
 
     def __init__(self, files: Sequence[Path]):
+        # Every part stays open: past RLIMIT_NOFILE, say so rather than blame one part.
+        limit = open_files_error(len(files), files[0].parent if files else ".")
+        if limit is not None:
+            raise limit
         self.sources = [SafetensorsSource(f) for f in files]
         self.where: dict[str, SafetensorsSource] = {}
         for source in self.sources:
