@@ -26,12 +26,14 @@ import sys
 from pathlib import Path
 
 import pytest
+from kda_tp import SafetensorsSource
 from kda_tp._io import open_files_error, write_safetensors
 from kda_tp.errors import OpenFilesLimitError
 from kda_tp.rankdir import FILE_MARK, MARK_NAME
 from kda_tp.shard import rank_dir, shard_checkpoint, verify_shards
 from kda_tp.synth import write_small_checkpoint
 
+from children import kda_tp_child
 from tp_fixtures import SHARD_GEOMETRY, shard_checkpoint_fixture, tree  # noqa: F401
 
 DATA = Path(__file__).parent / "data"
@@ -277,6 +279,43 @@ def test_more_files_than_the_open_files_limit_names_the_limit(tmp_path: Path) ->
     status, _, err = kda_tp("shard", many, "--tp-size", 2, "--out", tmp_path / "out", "--quiet",
                             limit_files=raised)
     assert status == 0, err
+
+
+# Lowers the soft RLIMIT_NOFILE to what the child has open (after its imports) plus $SPARE.
+_FEW_FILES = """
+import os, resource
+import kda_tp.cli, kda_tp.engine_audit, kda_tp.engine_dump
+spare = int(os.environ["SPARE"])
+_, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + spare, hard))
+"""
+
+
+def test_a_dump_rank_in_more_parts_than_the_limit_names_the_limit(tmp_path: Path) -> None:
+    """A ``save_sharded_state`` rank in many part files (one parameter each here): the audit
+    names the limit, not the part where it was met."""
+    dump = tmp_path / "dump"
+    assert kda_tp("dump", KIMI_LINEAR, *ENGINE, "--tp-size", 2, "--out", dump)[0] == 0
+    parts = 0
+    for r in (0, 1):
+        whole = dump / f"model-rank-{r}-part-0.safetensors"
+        source = SafetensorsSource(whole)
+        meta = source.files()[0][1]
+        tensors = [source.get(name) for name in source.names()]
+        for p, t in enumerate(tensors):
+            assert t is not None
+            write_safetensors(dump / f"model-rank-{r}-part-{p}.safetensors",
+                              [(t.name, t.dtype, t.shape, t.nbytes, lambda t=t: t.data)], meta)
+        parts = len(tensors)
+    assert parts >= 8
+    assert kda_tp("audit", KIMI_LINEAR, dump, "--tp-size", 2)[0] == 0  # the parts are sound
+    run = subprocess.run(kda_tp_child(_FEW_FILES, "audit", KIMI_LINEAR, dump, "--tp-size", 2),
+                         capture_output=True, text=True, timeout=BOUND,
+                         env={**os.environ, "SPARE": str(parts // 2)})
+    line = refused(run.returncode, run.stderr, "OpenFilesLimitError")
+    assert f"{dump}: reading it holds {parts} files open at once" in line
+    assert "(RLIMIT_NOFILE" in line and "ulimit -n " in line
+    assert "Too many open files" not in line
 
 
 def test_the_open_files_error_carries_its_fields() -> None:

@@ -89,7 +89,7 @@ def _read_mark(directory: Path) -> tuple[str, set[str]] | None:
     kda-tp did not write)."""
     path = directory / MARK_NAME
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | _NOFOLLOW)
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | _NOFOLLOW)
     except OSError:
         return None
     try:
@@ -134,9 +134,11 @@ def foreign_dir(path: Path, kind: str, *, complete: bool = True) -> str | None:
     mark = _read_mark(path)
     if mark is None and not complete and all(TEMP_FILE.match(n) for n in names):
         return None
-    if mark is None or mark[0] != kind:
+    if mark is None:
         shown = sorted(names)[0]
         return f"it holds {shown} and no {MARK_NAME} (kda-tp's mark), so kda-tp did not write it"
+    if mark[0] != kind:
+        return f"its {MARK_NAME} marks a kda-tp {mark[0]} directory, not a {kind} directory"
     extra = sorted(names - {MARK_NAME} - mark[1])
     if complete and extra:
         more = f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""
