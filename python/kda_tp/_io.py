@@ -394,8 +394,8 @@ def _atomic_write(
 
     The temporary file is created with ``O_EXCL`` and mode 0o666 filtered by the umask (the
     permissions an ordinary ``open`` would give), or, with ``mode``, created 0o600 and set to
-    ``mode`` before anything is written (never more open than ``mode`` meanwhile). On success it is flushed, fsync'd, closed and
-    renamed, and the directory is fsync'd. On any exception it is removed and the exception
+    ``mode`` before anything is written (never more open than ``mode`` meanwhile). On success
+    it is flushed, fsync'd, closed and renamed, and the directory is fsync'd. On any exception it is removed and the exception
     propagates; OS errors of the file operations themselves become :class:`OutputError`, while
     exceptions raised inside ``write_body`` pass through as they are.
     """

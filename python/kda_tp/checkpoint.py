@@ -25,6 +25,7 @@ from .errors import (
     CheckpointError,
     DtypeMismatchError,
     MissingDependencyError,
+    OpenFilesLimitError,
     ShapeMismatchError,
     UsageError,
 )
@@ -308,14 +309,27 @@ def shard_bytes(tensor_plan: _native.KdaTensorPlan, buffer: Any) -> np.ndarray:
     return out
 
 
-def _file_count(path: Path) -> int:
-    """The safetensors files opening ``path`` holds open: those its index names (1 when it
-    has none, or it cannot be read)."""
-    try:
-        weight_map = json.loads((path / INDEX_NAME).read_bytes())["weight_map"]
-        return len(set(weight_map.values()))
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return 1
+def _open_files_limit(path: Path) -> OpenFilesLimitError | None:
+    """When opening ``path`` failed: the error naming ``RLIMIT_NOFILE`` if the limit is what
+    failed (every file of a checkpoint stays open), else None.
+
+    The native reader opens the files its index names in name order and stops at the first
+    missing one, so the limit failed only when the files it reached all exist.
+    """
+    names: list[str] | None = None
+    if (path / INDEX_NAME).is_file():
+        try:
+            weight_map = json.loads((path / INDEX_NAME).read_bytes())["weight_map"]
+            names = sorted(set(weight_map.values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return None
+    error = open_files_error(1 if names is None else len(names), path)
+    if error is None or names is None:
+        return error
+    reached = names[: max(error.limit - error.open_now, 0) + 1]
+    if not all(isinstance(n, str) and (path / n).exists() for n in reached):
+        return None
+    return error
 
 
 class SafetensorsSource:
@@ -360,7 +374,7 @@ class SafetensorsSource:
             self._checkpoint = _native.Checkpoint(self.path, backend)
         except CheckpointError as e:
             # Every file stays open: past RLIMIT_NOFILE the error names the limit, not a file.
-            limit = open_files_error(_file_count(self.path), self.path)
+            limit = _open_files_limit(self.path)
             if limit is not None:
                 raise limit from e
             raise

@@ -577,7 +577,7 @@ def _write_rank(
                    index_mode)
         inode = partial.stat().st_ino
         if final.exists() or final.is_symlink():
-            # Keep the old directory (or link) aside (one rename) until the whole run has succeeded, so a
+            # Keep the old directory aside (one rename) until the whole run has succeeded, so a
             # failed --force rerun can put it back; its name is a partial name, so a run killed
             # before then leaves it for the next run to clean.
             old = out / f".rank{plan.tp_rank}.partial-old-{os.getpid()}"
