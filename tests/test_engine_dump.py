@@ -16,11 +16,13 @@ from safetensors import safe_open
 
 import kda_tp
 from kda_tp import KdaShardedSource, KdaTpPlan, SafetensorsSource
+from kda_tp._io import write_safetensors
 from kda_tp.cli import main
 from kda_tp.engine_audit import audit_path
 from kda_tp.engine_dump import DIGEST_KEY
 from kda_tp.engines import LAYOUTS, get_layout, layouts_for, model_family
 from kda_tp.errors import DtypeMismatchError, EngineLayoutError, OutputError, PlanError
+from kda_tp.rankdir import FILE_MARK
 from kda_tp.synth import write_small_checkpoint
 
 DATA = Path(__file__).parent / "data" / "engine_ranks"
@@ -69,7 +71,8 @@ def test_the_dump_holds_what_build_param_builds_under_the_engines_names(tmp_path
     for rank, path in zip(result.ranks, result.files):
         shard = KdaShardedSource(source, KdaTpPlan.from_config(source, rank, 4, qk_multiple=1))
         with safe_open(path, "np") as f:
-            assert f.metadata() == {"tp_size": "4", "tp_rank": str(rank), "engine": engine}
+            assert f.metadata() == {"tp_size": "4", "tp_rank": str(rank), "engine": engine,
+                                    FILE_MARK: kda_tp.__version__}
             names = list(f.keys())
             # Exactly the layout's parameters of the one KDA layer, nothing else.
             assert sorted(names) == sorted(f"model.layers.0.self_attn.{p.suffix}"
@@ -414,8 +417,9 @@ def test_force_removes_every_file_of_the_ranks_written(tmp_path, capsys):
                              model_dtype="F32")
     stale = ["model-rank-0-part-1.safetensors", "model-pp-0-tp-0-part-0.safetensors",
              "model-pp-1-tp-0-part-3.safetensors"]
-    for name in stale:
-        (tmp_path / name).write_bytes(b"old")
+    for name in stale:  # an earlier kda-tp dump's (its mark in the header)
+        write_safetensors(tmp_path / name, [("old", "U8", (3,), 3, lambda: b"old")],
+                          {FILE_MARK: "0.1.0"})
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(OutputError, match="already exists"):
         kda_tp.write_engine_dump(ckpt, tmp_path, engine="vllm-0.33-kimi-linear", tp_size=2,

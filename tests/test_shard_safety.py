@@ -3,7 +3,8 @@
 * A run killed (SIGKILL) at any point leaves no ``rank{r}`` directory that is not complete,
   nothing ``kda-tp verify`` accepts unless every rank was written, and a re-run finishes.
 * The input is never written; an output directory inside the input is refused, and so is
-  overwriting without ``--force``.
+  overwriting without ``--force``; ``--force`` replaces only what kda-tp wrote (a symbolic link
+  in a rank's way is refused), and only once the new ranks are complete.
 * A full disk (a small tmpfs where the machine allows mounting one, and an injected ENOSPC
   everywhere) is an ``OutputError`` naming the file, with no partial output left.
 * A file truncated or replaced after it was opened: no crash with ``pread``, and the documented
@@ -33,6 +34,7 @@ from kda_tp import KdaShardedSource, KdaTpPlan, SafetensorsSource, _io, cli
 from kda_tp._io import write_safetensors
 from kda_tp.cli import main
 from kda_tp.errors import CheckpointError, OutputError
+from kda_tp.rankdir import MARK_NAME
 from kda_tp.shard import rank_dir, shard_checkpoint, verify_shards
 from kda_tp.synth import write_small_checkpoint
 
@@ -52,8 +54,10 @@ def reference(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Pat
 
 
 def hidden_entries(out: Path) -> list[str]:
-    """Partial directories and temporary files left anywhere under ``out``."""
-    return sorted(str(p.relative_to(out)) for p in out.rglob(".*")) if out.exists() else []
+    """Partial directories and temporary files left anywhere under ``out`` (kda-tp's mark in
+    each rank directory, ``.kda-tp.json``, is part of the output, not left over)."""
+    return sorted(str(p.relative_to(out)) for p in out.rglob(".*")
+                  if p.name != MARK_NAME) if out.exists() else []
 
 
 def assert_complete_or_absent(out: Path, reference: Path) -> list[int]:
@@ -260,24 +264,27 @@ def test_refuses_to_overwrite_without_force(
 
 
 @pytest.mark.parametrize("target", ["a directory", "nothing"])
-def test_force_over_a_rank_that_is_a_symlink_replaces_the_link_alone(
-    checkpoint: Path, reference: Path, tmp_path: Path, target: str
+@pytest.mark.parametrize("name", ["rank0", ".rank1.partial-old-1"])
+def test_force_over_a_symlink_in_a_rank_s_way_is_refused(
+    checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], target: str, name: str
 ) -> None:
-    """``--force`` over ``OUT/rank0 -> elsewhere`` (or a dangling link): the link is replaced
-    by the rank directory, what it pointed to is untouched, and no aside name is left."""
+    """``--force`` over ``OUT/rank0 -> elsewhere`` (or a dangling link, or a link under the
+    partial name a killed run leaves): kda-tp never writes a link, so it is not kda-tp's to
+    replace; refused in one line naming it, the link and what it points to untouched."""
     elsewhere = tmp_path / "elsewhere"
     if target == "a directory":
         elsewhere.mkdir()
         (elsewhere / "data.txt").write_text("keep")
     out = tmp_path / "out"
     out.mkdir()
-    (out / "rank0").symlink_to(elsewhere)
-    # A link under an aside name a killed run left behind is cleaned as a link, too.
-    (out / ".rank1.partial-old-1").symlink_to(elsewhere)
+    (out / name).symlink_to(elsewhere)
     assert cli.main(["shard", str(checkpoint), "--tp-size", "2", "--out", str(out), "--force",
-                     "--quiet"]) == 0
-    assert sorted(os.listdir(out)) == ["rank0", "rank1"]
-    assert not (out / "rank0").is_symlink() and tree(out) == tree(reference)
+                     "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("kda-tp: error: OutputError: ")
+    assert f"{out / name}: a symbolic link (kda-tp writes directories, never links)" in err
+    assert "only what it wrote, even with --force" in err
+    assert sorted(os.listdir(out)) == [name] and (out / name).is_symlink()
     if target == "a directory":
         assert sorted(os.listdir(elsewhere)) == ["data.txt"]
         assert (elsewhere / "data.txt").read_text() == "keep"
@@ -748,5 +755,33 @@ def test_a_failed_force_rerun_restores_the_previous_output(three_layer_ckpt, tmp
         shard_checkpoint(three_layer_ckpt, out, 2, force=True)
     after = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
     assert after == before
+    assert sorted(p.name for p in out.iterdir()) == ["rank0", "rank1"]
+    assert verify_shards(three_layer_ckpt, out).ok
+
+
+def test_a_failed_force_run_keeps_another_world_size_s_ranks(
+    three_layer_ckpt, tmp_path, monkeypatch
+):
+    """``--force`` removes another world size's ranks only once this run's ranks are all in
+    place: a run that fails on rank 1 leaves them as they were."""
+    out = tmp_path / "out"
+    shard_checkpoint(three_layer_ckpt, out, 4, qk_multiple=128, ranks=[2, 3])
+    before = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    import kda_tp.shard as shard_module
+
+    real = shard_module.write_safetensors
+
+    def fail_on_rank1(path, *args, **kwargs):
+        if ".rank1.partial" in str(path):
+            raise kda_tp.OutputError(f"{path}: write failed: [Errno 28] No space left on device")
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(shard_module, "write_safetensors", fail_on_rank1)
+    with pytest.raises(kda_tp.OutputError, match="No space left"):
+        shard_checkpoint(three_layer_ckpt, out, 2, force=True)
+    after = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    assert after == before and sorted(p.name for p in out.iterdir()) == ["rank2", "rank3"]
+    monkeypatch.undo()
+    shard_checkpoint(three_layer_ckpt, out, 2, force=True)
     assert sorted(p.name for p in out.iterdir()) == ["rank0", "rank1"]
     assert verify_shards(three_layer_ckpt, out).ok

@@ -7,7 +7,7 @@
   stagger tried: the second starts while the first is held at a state (its first write into a
   partial directory, its first copy, just before and after renaming rank 0, just before renaming
   rank 1, its last event), a hook in the first's code, never a time.
-* ``--force`` over plain files named ``rank0``/``rank1`` leaves nothing behind; a failed run
+* plain files named ``rank0``/``rank1`` are refused, ``--force`` or not, and kept; a failed run
   (full disk, truncated input, unreadable companion file) removes what it created, the output
   directory and its parents included, and nothing that was there before.
 * ``verify`` fails, naming the file, on anything in a rank directory that ``shard`` does not write.
@@ -31,6 +31,7 @@ import pytest
 from kda_tp import _io
 from kda_tp.cli import main
 from kda_tp.errors import CheckpointError, OutputError
+from kda_tp.outdir import write_mark
 from kda_tp.shard import ShardSizes, shard_checkpoint, shard_sizes, verify_shards
 from kda_tp.synth import write_small_checkpoint
 
@@ -93,7 +94,7 @@ if not pause_at:
 # A second writer that says on TOLD when it is about to block on a lock (--wait).
 _WAITING_CLI = """
 import fcntl, os, sys
-import kda_tp.shard as shard
+import kda_tp.outdir as outdir
 told = int(sys.argv.pop(1))
 real = fcntl.flock
 class Fcntl:
@@ -103,7 +104,7 @@ class Fcntl:
         if not op & fcntl.LOCK_NB:
             os.write(told, b"waiting\\n")
         return real(fd, op)
-shard.fcntl = Fcntl
+outdir.fcntl = Fcntl
 """
 
 
@@ -230,8 +231,10 @@ def test_a_stale_partial_is_one_whose_lock_is_free(
     """A partial directory and a lock file left by a dead writer (the kernel released its lock)
     are cleaned by the next run, whatever their pid or age."""
     out = tmp_path / "out"
-    (out / f".rank0.partial-{os.getpid()}").mkdir(parents=True)  # a live pid: no guessing
-    (out / f".rank0.partial-{os.getpid()}" / "model.safetensors").write_bytes(b"half")
+    partial = out / f".rank0.partial-{os.getpid()}"  # a live pid: no guessing
+    partial.mkdir(parents=True)
+    write_mark(partial, "rank", [])  # what a writer does first in its partial directory
+    (partial / "model.safetensors").write_bytes(b"half")
     (out / ".rank1.lock").write_text("pid 1 on elsewhere, started 2020-01-01T00:00:00Z\n")
     shard_checkpoint(checkpoint, out, 2)
     assert tree(out) == tree(reference) and everything(out) == everything(reference)
@@ -258,16 +261,25 @@ def test_a_held_lock_in_python_names_the_holder(checkpoint: Path, tmp_path: Path
 # leftovers
 
 
-def test_force_over_plain_files_named_like_ranks_leaves_nothing(
-    checkpoint: Path, reference: Path, tmp_path: Path
+def test_force_over_plain_files_named_like_ranks_leaves_them(
+    checkpoint: Path, reference: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    """Files named ``rank0``/``rank1`` are not kda-tp's: refused with or without --force,
+    kept as they were; once moved away, the run writes the reference."""
     out = tmp_path / "out"
     out.mkdir()
     (out / "rank0").write_text("not a directory")
     (out / "rank1").write_text("nor this")
-    assert main(["shard", str(checkpoint), "--tp-size", "2", "--out", str(out), "--quiet"]) == 2
-    assert main(["shard", str(checkpoint), "--tp-size", "2", "--out", str(out), "--quiet",
-                 "--force"]) == 0
+    for force in ([], ["--force"]):
+        assert main(["shard", str(checkpoint), "--tp-size", "2", "--out", str(out), "--quiet",
+                     *force]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"{out / 'rank0'}: not a directory; kda-tp " in err
+        assert everything(out) == ["rank0", "rank1"]
+        assert (out / "rank0").read_text() == "not a directory"
+    for name in ("rank0", "rank1"):
+        (out / name).unlink()
+    assert main(["shard", str(checkpoint), "--tp-size", "2", "--out", str(out), "--quiet"]) == 0
     assert tree(out) == tree(reference) and everything(out) == everything(reference)
 
 

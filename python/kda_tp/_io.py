@@ -24,6 +24,7 @@ import errno
 import io
 import json
 import os
+import re
 import struct
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -32,13 +33,21 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from kda_tp.errors import CheckpointError, DtypeMismatchError, OutputError, ShapeMismatchError
+from kda_tp.errors import (
+    CheckpointError,
+    DtypeMismatchError,
+    OpenFilesLimitError,
+    OutputError,
+    ShapeMismatchError,
+)
 
 __all__ = [
     "DTYPE_BITS",
     "DTYPE_SIZES",
     "FileRange",
+    "TEMP_FILE",
     "TensorSpec",
+    "open_files_error",
     "tensor_nbytes",
     "write_index",
     "write_json",
@@ -137,6 +146,10 @@ _NO_KERNEL_COPY = {errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, er
 
 _METADATA_KEY = "__metadata__"
 
+#: The name of a temporary file the writers write before renaming it into place (a killed
+#: writer leaves it): ``.<name>.<12 hex digits>.partial``.
+TEMP_FILE = re.compile(r"^\..+\.[0-9a-f]{12}\.partial$")
+
 
 def write_safetensors(
     path: str | os.PathLike[str],
@@ -144,6 +157,7 @@ def write_safetensors(
     metadata: Mapping[str, str] | None = None,
     *,
     sync: bool = True,
+    mode: int | None = None,
 ) -> int:
     """Write a safetensors file, pulling one tensor's bytes at a time.
 
@@ -158,6 +172,9 @@ def write_safetensors(
             still never seen half-written under ``path`` by other processes, and a killed
             writer leaves only a hidden temporary file; ``kda-tp shard`` writes without it
             for speed (run ``sync`` afterwards where power-loss durability matters).
+        mode: the file's permission bits (e.g. ``0o600``, an input file's, so a private
+            checkpoint's output stays private), set before any byte is written; default
+            ``0o666`` less the umask, as ``open`` gives.
 
     Returns:
         The size of the data section in bytes (the sum of all ``nbytes``), which is the value
@@ -203,7 +220,7 @@ def write_safetensors(
             _checked_write(f, path, view)
             view.release()
 
-    _atomic_write(path, write_body, sync=sync)
+    _atomic_write(path, write_body, sync=sync, mode=mode)
     return data_size
 
 
@@ -213,6 +230,7 @@ def write_index(
     total_size: int,
     *,
     sync: bool = True,
+    mode: int | None = None,
 ) -> None:
     """Write a Hugging Face ``model.safetensors.index.json`` atomically.
 
@@ -225,6 +243,7 @@ def write_index(
             index's directory).
         total_size: sum of the tensors' data sizes in bytes (headers not included).
         sync: fsync the file and its directory (see :func:`write_safetensors`).
+        mode: the file's permission bits (see :func:`write_safetensors`).
 
     Raises:
         OutputError: ``total_size`` is not a non-negative int, or an OS error while writing.
@@ -235,14 +254,16 @@ def write_index(
         "metadata": {"total_size": total_size},
         "weight_map": {name: weight_map[name] for name in sorted(weight_map)},
     }
-    write_json(path, document, sync=sync)
+    write_json(path, document, sync=sync, mode=mode)
 
 
-def write_json(path: str | os.PathLike[str], document: Any, *, sync: bool = True) -> None:
+def write_json(
+    path: str | os.PathLike[str], document: Any, *, sync: bool = True, mode: int | None = None
+) -> None:
     """Write ``document`` as UTF-8 JSON (two-space indent, trailing newline) atomically.
 
-    Uses the same temporary-file, fsync (with ``sync``) and rename sequence as
-    :func:`write_safetensors`.
+    Uses the same temporary-file, fsync (with ``sync``), mode bits (``mode``) and rename
+    sequence as :func:`write_safetensors`.
 
     Raises:
         TypeError: ``document`` is not JSON-serialisable (nothing is written).
@@ -250,7 +271,7 @@ def write_json(path: str | os.PathLike[str], document: Any, *, sync: bool = True
     """
     path = Path(path)
     encoded = (json.dumps(document, indent=2) + "\n").encode("utf-8")
-    _atomic_write(path, lambda f: _checked_write(f, path, encoded), sync=sync)
+    _atomic_write(path, lambda f: _checked_write(f, path, encoded), sync=sync, mode=mode)
 
 
 def _build_header(path: Path, specs: list[TensorSpec], metadata: Mapping[str, str] | None) -> bytes:
@@ -363,20 +384,32 @@ def _checked_write(f: BinaryIO, path: Path, data: bytes | memoryview) -> None:
 
 
 def _atomic_write(
-    path: Path, write_body: Callable[[BinaryIO], None], *, sync: bool = True
+    path: Path,
+    write_body: Callable[[BinaryIO], None],
+    *,
+    sync: bool = True,
+    mode: int | None = None,
 ) -> None:
     """Run ``write_body`` on a temporary file beside ``path``, then rename it to ``path``.
 
     The temporary file is created with ``O_EXCL`` and mode 0o666 filtered by the umask (the
-    permissions an ordinary ``open`` would give). On success it is flushed, fsync'd, closed and
-    renamed, and the directory is fsync'd. On any exception it is removed and the exception
+    permissions an ordinary ``open`` would give), or, with ``mode``, created 0o600 and set to
+    ``mode`` before anything is written (never more open than ``mode`` meanwhile). On success
+    it is flushed, fsync'd, closed and renamed, and the directory is fsync'd. On any exception it is removed and the exception
     propagates; OS errors of the file operations themselves become :class:`OutputError`, while
     exceptions raised inside ``write_body`` pass through as they are.
     """
     temp = path.with_name(f".{path.name}.{os.urandom(6).hex()}.partial")
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0)
     try:
-        fd = os.open(temp, flags, 0o666)
+        fd = os.open(temp, flags, 0o666 if mode is None else 0o600)
+        if mode is not None:
+            try:
+                os.chmod(fd, mode)
+            except BaseException:
+                os.close(fd)
+                os.unlink(temp)
+                raise
     except OSError as exc:
         raise OutputError(f"{path}: cannot create temporary file {temp.name}: {exc}") from exc
     try:
@@ -451,3 +484,40 @@ def resolve_out(path: Path) -> Path:
     except (OSError, RuntimeError) as e:
         raise OutputError(f"{path}: cannot resolve the output path ({e}); a symlink loop? "
                           "choose another --out") from e
+
+
+def open_files_error(needed: int, what: str | os.PathLike[str]) -> OpenFilesLimitError | None:
+    """The error to raise when holding ``needed`` more files open at once, on top of those
+    this process has open now, exceeds its soft ``RLIMIT_NOFILE``; None when it fits (or the
+    platform has no such limit).
+
+    Args:
+        needed: the files the read of ``what`` holds open at once.
+        what: the checkpoint or dump being read, for the message.
+    """
+    try:
+        import resource  # noqa: PLC0415 - POSIX only
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    except (ImportError, OSError, ValueError):
+        return None
+    if soft == resource.RLIM_INFINITY:
+        return None
+    try:
+        open_now = len(os.listdir("/proc/self/fd")) - 1  # less the listing's own descriptor
+    except OSError:
+        open_now = 0
+    if open_now + needed <= soft:
+        return None
+    # Room for what is open, the files, and a margin for the writers, in a round number.
+    want = 1 << max(open_now + needed + 64, 1).bit_length()
+    raise_to = (f"e.g. ulimit -n {want}" if hard == resource.RLIM_INFINITY or want <= hard
+                else f"up to its hard limit (ulimit -n {hard}), and have the hard limit raised "
+                     f"past {open_now + needed}")
+    shown_hard = "unlimited" if hard == resource.RLIM_INFINITY else str(hard)
+    return OpenFilesLimitError(
+        f"{what}: reading it holds {needed} files open at once, and {open_now} are open "
+        f"already, over this process's limit of {soft} open files (RLIMIT_NOFILE; hard limit "
+        f"{shown_hard}); raise it in the shell that runs kda-tp, {raise_to}, and run again",
+        needed, open_now, soft, hard,
+    )

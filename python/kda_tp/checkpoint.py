@@ -9,6 +9,7 @@ bytes, not the shard plan: ``kda_tp.plan`` and ``kda_tp.source`` build on it.
 
 from __future__ import annotations
 
+import json
 import os
 import warnings
 from pathlib import Path
@@ -17,13 +18,14 @@ from typing import Any, Protocol
 import numpy as np
 
 from . import _native
-from ._io import DTYPE_SIZES
+from ._io import DTYPE_SIZES, open_files_error
 from .config import load_config
 from .errors import (
     BufferLayoutError,
     CheckpointError,
     DtypeMismatchError,
     MissingDependencyError,
+    OpenFilesLimitError,
     ShapeMismatchError,
     UsageError,
 )
@@ -307,6 +309,29 @@ def shard_bytes(tensor_plan: _native.KdaTensorPlan, buffer: Any) -> np.ndarray:
     return out
 
 
+def _open_files_limit(path: Path) -> OpenFilesLimitError | None:
+    """When opening ``path`` failed: the error naming ``RLIMIT_NOFILE`` if the limit is what
+    failed (every file of a checkpoint stays open), else None.
+
+    The native reader opens the files its index names in name order and stops at the first
+    missing one, so the limit failed only when the files it reached all exist.
+    """
+    names: list[str] | None = None
+    if (path / INDEX_NAME).is_file():
+        try:
+            weight_map = json.loads((path / INDEX_NAME).read_bytes())["weight_map"]
+            names = sorted(set(weight_map.values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return None
+    error = open_files_error(1 if names is None else len(names), path)
+    if error is None or names is None:
+        return error
+    reached = names[: max(error.limit - error.open_now, 0) + 1]
+    if not all(isinstance(n, str) and (path / n).exists() for n in reached):
+        return None
+    return error
+
+
 class SafetensorsSource:
     """A safetensors checkpoint as a tensor source.
 
@@ -323,6 +348,9 @@ class SafetensorsSource:
 
     Raises:
         CheckpointError: a missing, corrupt or inconsistent file or index.
+        OpenFilesLimitError: the files are more than the process may hold open (every file
+            stays open while the source is; the message names ``RLIMIT_NOFILE``, its value,
+            the files needed and ``ulimit -n``).
         UsageError: a ``backend`` (or ``$KDA_TP_BACKEND``) other than ``"mmap"`` or
             ``"pread"``.
     """
@@ -342,7 +370,14 @@ class SafetensorsSource:
                 f"{self.path}: a JSON file; expected a checkpoint directory or a .safetensors file"
             )
         self.backend = backend
-        self._checkpoint: _native.Checkpoint | _Closed = _native.Checkpoint(self.path, backend)
+        try:
+            self._checkpoint: _native.Checkpoint | _Closed = _native.Checkpoint(self.path, backend)
+        except CheckpointError as e:
+            # Every file stays open: past RLIMIT_NOFILE the error names the limit, not a file.
+            limit = _open_files_limit(self.path)
+            if limit is not None:
+                raise limit from e
+            raise
         self._config: dict[str, Any] | None = None
         self._names: tuple[str, ...] | None = None
 

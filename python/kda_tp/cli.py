@@ -232,7 +232,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--num-layers", type=int,
                    help="decoder layers to generate (default 4; kimi-k3: 2, one KDA layer of "
                    "0.89 GB and one MLA layer)")
-    p.add_argument("--keep", type=Path, help="write DIR/checkpoint and DIR/tp{N} here (replacing them) instead of a temporary directory")
+    p.add_argument("--keep", type=Path, help="write DIR/checkpoint and DIR/tp{N} here instead of a temporary directory (a new or empty DIR, or one an earlier demo made: what it wrote there is replaced)")
     _add_numeric(p, default_on=True)
     p.set_defaults(run=_cmd_demo)
     return parser
@@ -998,6 +998,7 @@ def _cmd_digests(args: argparse.Namespace) -> int:
 def _cmd_demo(args: argparse.Namespace) -> int:
     import tempfile
 
+    from .outdir import claim_demo_dir
     from .plan import KdaTpPlan
     from .shard import shard_checkpoint, verify_shards
     from .source import SafetensorsSource, kda_layer_indices
@@ -1012,6 +1013,9 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="kda-tp-demo-") as tmp:
         base = args.keep or Path(tmp)
         checkpoint, out = base / "checkpoint", base / f"tp{args.tp_size}"
+        if args.keep:
+            # Refuses a DIR demo did not make; empties its own of what it wrote before.
+            claim_demo_dir(args.keep, [checkpoint.name, out.name])
         t0 = time.perf_counter()
         write_checkpoint(checkpoint, args.model, args.num_layers)
         size = sum(p.stat().st_size for p in checkpoint.glob("*.safetensors"))
@@ -1026,8 +1030,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         status = _cmd_plan(argparse.Namespace(input=checkpoint, rank=0, tp_size=args.tp_size,
                                               gate_rank=None, qk_multiple=256))
         print()
-        result = shard_checkpoint(checkpoint, out, args.tp_size, force=args.keep is not None,
-                                  progress=_progress(False))
+        result = shard_checkpoint(checkpoint, out, args.tp_size, progress=_progress(False))
         print(f"shard: {_written_line(result)}")
         report = verify_shards(checkpoint, out, numeric=args.numeric, seq_len=args.seq_len,
                                seed=args.seed, numeric_progress=_progress(

@@ -14,6 +14,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from ._io import open_files_error
 from .checkpoint import SafetensorsSource, Tensor
 from .config import parse_metadata_int
 from .errors import CheckpointError
@@ -93,6 +94,10 @@ class RankFiles(Mapping[str, Tensor]):
     """One rank's tensors across its ``save_sharded_state`` files (parts, pipeline stages)."""
 
     def __init__(self, files: Sequence[Path]):
+        # Every part stays open: past RLIMIT_NOFILE, say so rather than blame one part.
+        limit = open_files_error(len(files), files[0].parent if files else ".")
+        if limit is not None:
+            raise limit
         self.sources = [SafetensorsSource(f) for f in files]
         self.where: dict[str, SafetensorsSource] = {}
         for source in self.sources:

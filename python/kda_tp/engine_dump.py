@@ -34,6 +34,7 @@ import numpy as np
 
 from ._io import resolve_out, write_safetensors
 from .audit_values import cast_overflow
+from ._native import __version__
 from .checkpoint import SafetensorsSource
 from .engines import (
     LAYOUTS,
@@ -53,7 +54,9 @@ from .errors import (
     PlanError,
 )
 from .layout import kda_tensor_name
+from .outdir import input_mode, refuse_foreign_files, replace_files, staged_name
 from .plan import KdaTpPlan
+from .rankdir import FILE_MARK
 from .config import parse_metadata_int
 from .dump_files import DUMP_FILE, sharded_state_files
 from .model_dtype import engine_model_dtype
@@ -224,7 +227,9 @@ def write_engine_dump(
         force: replace dump files of these ranks already in ``out`` (otherwise refused: it
             may be a real engine's dump): every file of those ranks, in both of
             ``save_sharded_state``'s name patterns (``sharded_state_files``), is removed, and
-            so are another world size's dump files.
+            so are another world size's dump files, once the new files are complete; only
+            files kda-tp wrote (:data:`kda_tp.rankdir.FILE_MARK` in their header, which every
+            dump file carries) are removed or replaced, anything else is refused.
 
     Returns:
         A :class:`DumpResult`.
@@ -233,11 +238,13 @@ def write_engine_dump(
         OutputError: ``out`` is empty, cannot be resolved (a symlink loop) or lies inside the
             checkpoint; without ``force``, it holds dump files of another world size (a rank
             ``>= tp_size``, or other ``tp_size`` metadata) or a file of a rank being written;
-            a write fails (the message names the file and the OS error).
+            a write fails (the message names the file and the OS error); with ``force``, such a
+            file kda-tp did not write (an engine's own dump).
         DtypeMismatchError: ``model_dtype`` is not a model dtype; casting a parameter to
             the model dtype overflows (a finite value
             becomes inf; ``kda_tp.audit_values.cast_overflow``): the message names the rank,
-            the parameter and the value; no file of this call is left.
+            the parameter and the value; no file of this call is left, and what ``out`` held
+            before is untouched.
         PlanError: ``tp_size`` or a rank is not valid for the model (range, repeats), or
             ``ranks`` is empty.
         EngineLayoutError: an unknown layout, one of another model family, or one that does
@@ -282,28 +289,28 @@ def write_engine_dump(
         raise OutputError(f"{ours[0]} already exists (it may be an engine's own dump); "
                           "pass --force (force=True) to replace it, or choose another --out")
     # --force: every file of another world size, and every file (any part, any pipeline
-    # stage) of the ranks written, so that what is left is this dump's.
-    for path in dict.fromkeys([p for p, _ in foreign] + ours):
-        try:
-            path.unlink()
-        except FileNotFoundError:
-            pass
-        except OSError as e:
-            raise OutputError(f"{path}: cannot remove it (--force): {e}") from e
-    files: list[Path] = []
+    # stage) of the ranks written, so that what is left is this dump's; each only when kda-tp
+    # wrote it, and only once the new files are complete (kda_tp.outdir).
+    stale = list(dict.fromkeys([p for p, _ in foreign] + ours))
+    refuse_foreign_files(stale)
+    mode = input_mode(source_root)
+    staged: dict[Path, Path] = {}
     total, count = 0, 0
     try:
         for r, params in by_rank:
             path = root / DUMP_FILE.format(rank=r)
-            meta = {"tp_size": str(tp_size), "tp_rank": str(r), "engine": layout.name}
+            meta = {"tp_size": str(tp_size), "tp_rank": str(r), "engine": layout.name,
+                    FILE_MARK: __version__}
             specs = [(p.name, p.plan.dtype, p.plan.shape, p.plan.nbytes, p.build) for p in params]
-            total += write_safetensors(path, specs, meta, sync=False)
-            files.append(path)
+            staged[path] = staged_name(path)
+            total += write_safetensors(staged[path], specs, meta, sync=False, mode=mode)
             count += len(params)
-    except DtypeMismatchError:
-        for path in files:  # no half dump: this run's files go with it
+    except BaseException:
+        for path in staged.values():  # no half dump, and the previous one untouched
             path.unlink(missing_ok=True)
         raise
+    replace_files(staged, stale)
+    files = list(staged)
     return DumpResult(root, layout.name, tp_size, tuple(r for r, _ in by_rank), tuple(files),
                       count, total, time.perf_counter() - start)
 

@@ -27,6 +27,7 @@ __all__ = [
     "CheckpointError",
     "TensorNotFoundError",
     "OutputError",
+    "OpenFilesLimitError",
     "MissingDependencyError",
     "EngineLayoutError",
     "GuardError",
@@ -106,6 +107,31 @@ class OutputError(KdaTpError):
     input checkpoint, and OS write failures such as a full disk. Nothing half-written is left
     under a final file name when this is raised.
     """
+
+
+class OpenFilesLimitError(KdaTpError):
+    """Reading needs more files open at once than the process may open (``RLIMIT_NOFILE``).
+
+    Raised instead of the ``Too many open files`` (EMFILE) of the file where the limit was met,
+    which blames that file: a checkpoint, or one rank of a ``save_sharded_state`` dump, in
+    thousands of files is read with every file open.
+
+    Attributes:
+        needed: the files the read holds open at once.
+        open_now: the descriptors the process had open already.
+        limit: the soft limit (``ulimit -n``); ``hard`` the hard limit it can be raised to.
+
+    Example message: ``/dumps/k3: reading it holds 2000 files open at once, and 12 are open
+    already, over this process's limit of 1024 open files (RLIMIT_NOFILE; hard limit 524288);
+    raise it in the shell that runs kda-tp, e.g. ulimit -n 4096, and run again``.
+    """
+
+    def __init__(self, message: str, needed: int, open_now: int, limit: int, hard: int):
+        super().__init__(message)
+        self.needed = needed
+        self.open_now = open_now
+        self.limit = limit
+        self.hard = hard
 
 
 class MissingDependencyError(KdaTpError, ImportError):

@@ -1,4 +1,4 @@
-"""Writing one checkpoint directory per tensor-parallel rank, and verifying them.
+"""Writing one checkpoint directory per tensor-parallel rank.
 
 Layout written by ``kda-tp shard CHECKPOINT --tp-size T --out OUT``:
 
@@ -7,66 +7,77 @@ OUT/rank0/ ... OUT/rank{T-1}/
     config.json and the input's other small files, unchanged;
     the input's safetensors file names, each holding the same tensors as in the input
     (KDA tensors as this rank's slice, with local shapes), __metadata__ carrying
-    tp_rank, tp_size, kda_tp_qk_multiple and kda_tp_layers;
-    model.safetensors.index.json.
+    tp_rank, tp_size, kda_tp_qk_multiple, kda_tp_layers, kda_tp_version and kda_tp_input;
+    model.safetensors.index.json;
+    .kda-tp.json, kda-tp's mark: the entries it wrote (see kda_tp.outdir).
 ```
+
+Files keep the mode bits of the input file they come from (the index and the mark those of
+the input's index, else of its first file); a rank directory keeps the input directory's, its
+owner's read, write and search bits added (a 0600 checkpoint in a 0700 directory gives 0600
+files in 0700 rank directories).
 
 A rank is written into a hidden ``OUT/.rank{r}.partial-<pid>`` directory and renamed to
 ``OUT/rank{r}`` only when every file in it is complete, so a run killed at any point leaves no
-incomplete ``rank{r}``. A writer holds an exclusive lock (``flock``) on ``OUT/.rank{r}.lock``
-for each rank it writes, from before it looks at ``OUT`` until it is done, so a second writer of
-a rank is refused (or waits) instead of removing the first's partial directory; the kernel
-releases the lock when the process dies, so a partial directory of a rank whose lock is free is
-stale. Several processes may write different ranks into one ``OUT`` at once.
+incomplete ``rank{r}``; a rank directory it replaces (``force``) is removed only once the whole
+run has succeeded, and only when kda-tp wrote it (:mod:`kda_tp.outdir`). A writer holds an
+exclusive lock (``flock``) on ``OUT/.rank{r}.lock`` for each rank it writes, from before it
+looks at ``OUT`` until it is done, so a second writer of a rank is refused (or waits) instead of
+removing the first's partial directory; the kernel releases the lock when the process dies, so a
+partial directory of a rank whose lock is free is stale. Several processes may write different
+ranks into one ``OUT`` at once.
+
+The verifier (:func:`verify_shards`, :class:`VerifyReport`), the output-directory check
+(:func:`prepare_out_dir`) and the names of a rank directory (:func:`rank_dir`,
+:func:`finish_command`, :func:`unindexed_files`, :func:`kda_only_files`) live in
+:mod:`kda_tp.verify`, :mod:`kda_tp.outdir` and :mod:`kda_tp.rankdir`; they are imported here
+too, where they have always been imported from.
 """
 
 from __future__ import annotations
 
-import fcntl
-import hashlib
 import json
 import os
-import re
-import shlex
 import shutil
-import socket
+import stat
 import threading
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ._io import (
-    DTYPE_BITS,
-    FileRange,
-    resolve_out,
-    tensor_nbytes,
-    write_index,
-    write_safetensors,
-)
+from ._io import DTYPE_BITS, FileRange, tensor_nbytes, write_index, write_safetensors
 from ._native import __version__
-from .errors import (
-    CheckpointError,
-    DtypeMismatchError,
-    KdaTpError,
-    OutputError,
-    PlanError,
-    ShardInterrupted,
+from .checkpoint import INDEX_NAME, SafetensorsSource
+from .errors import CheckpointError, DtypeMismatchError, OutputError, PlanError, ShardInterrupted
+from .outdir import (
+    check_out_dir,
+    check_out_location,
+    discard,
+    lock_ranks,
+    make_dirs,
+    prepare_out_dir,
+    remove_created,
+    remove_dir,
+    write_mark,
 )
-from .config import parse_json, parse_metadata_int
-from .layers import check_layers, layer_count
-from .checkpoint import INDEX_NAME, SafetensorsSource, Tensor
-from .layout import kda_layer_indices
-from .plan import KdaShard, KdaTpPlan
-from .source import KdaShardedSource, checked_get, checked_info, missing_tensor
-
-# Imported where verify_shards(numeric=True) needs it, so `kda-tp shard` starts faster.
-if TYPE_CHECKING:
-    from .equivalence import EquivalenceReport
+from .plan import KdaTpPlan
+from .rankdir import (
+    FILE_MARK,
+    RANK_DIR,
+    companion_files,
+    finish_command,
+    input_fingerprint,
+    kda_only_files,
+    names_by_file,
+    rank_dir,
+    unindexed_files,
+)
+from .source import KdaShardedSource, checked_get, checked_info
+from .verify import ProgressFactory, VerifyReport, verify_shards
 
 __all__ = [
     "ShardInterrupted",
@@ -75,6 +86,7 @@ __all__ = [
     "VerifyReport",
     "check_shard_input",
     "finish_command",
+    "kda_only_files",
     "prepare_out_dir",
     "rank_dir",
     "shard_checkpoint",
@@ -82,20 +94,6 @@ __all__ = [
     "unindexed_files",
     "verify_shards",
 ]
-
-_RANK_DIR = re.compile(r"^rank([0-9]{1,10})$")
-_PARTIAL_DIR = re.compile(r"^\.rank([0-9]{1,10})\.partial-")
-_LOCK_FILE = re.compile(r"^\.rank([0-9]{1,10})\.lock$")
-#: Bytes of a lock file's holder line read back for a refusal message.
-_HOLDER_BYTES = 512
-
-#: ``progress(total_bytes)`` returns an ``advance(nbytes)`` callable.
-ProgressFactory = Callable[[int], Callable[[int], None]]
-
-
-def rank_dir(out_dir: str | os.PathLike[str], tp_rank: int) -> Path:
-    """The directory holding rank ``tp_rank``'s checkpoint under ``out_dir``."""
-    return Path(out_dir) / f"rank{tp_rank}"
 
 
 class _Stopped(Exception):
@@ -192,7 +190,10 @@ def shard_checkpoint(
         checkpoint: input checkpoint directory (or ``.safetensors`` file) with ``config.json``.
         out_dir: output directory, created if missing. It must not lie inside the input
             directory, and must be empty or hold only other ranks' ``kda-tp`` output, unless
-            ``force`` (which also replaces existing directories of the ranks being written).
+            ``force``: it then replaces the existing directories of the ranks being written
+            and removes another world size's, once this run's ranks are all complete, and
+            only those kda-tp wrote (:mod:`kda_tp.outdir`: its mark ``.kda-tp.json``, nothing
+            else in them); anything else in their way is refused, ``force`` or not.
         tp_size: tensor-parallel world size.
         ranks: the ranks to write (default: all), so several processes can split the work.
         layers: 0-based KDA layer indices (default: from the config).
@@ -206,7 +207,6 @@ def shard_checkpoint(
         skip_unindexed: shard a directory whose ``.safetensors`` files include some its index
             does not name (see :func:`unindexed_files`), leaving them out of every rank;
             refused by default.
-        progress: called once with the total bytes to write; returns ``advance(nbytes)``.
         kda_only: write only the sliced KDA tensors (an overlay on the input checkpoint, see
             :func:`kda_only_files`): no other tensor and no companion file; each header's
             ``__metadata__`` adds ``kda_tp_kda_only`` and ``kda_tp_source`` (the input path).
@@ -222,7 +222,9 @@ def shard_checkpoint(
     Raises:
         CheckpointError, PlanError, DtypeMismatchError, ShapeMismatchError: bad input (also:
             an input that is already a shard, unindexed files); nothing is written.
-        OutputError: the output directory is refused, another live process is writing one
+        OutputError: the output directory is refused (e.g. a ``rank{r}`` there that kda-tp
+            did not write, or a lock path that is a symbolic link), another live process is
+            writing one
             of ``ranks`` into it (the message names its pid, host and start time; see
             ``wait``), or a write fails (e.g. a full disk);
             nothing of this run is left behind: the ranks it completed are removed again,
@@ -250,11 +252,11 @@ def shard_checkpoint(
                 f"{source.file_of(name)}: {name}: dtype {dtype} cannot be copied to the shards "
                 f"(the writer knows {', '.join(DTYPE_BITS)})"
             )
-    files = _names_by_file(source)
+    files = names_by_file(source)
     if kda_only:
         files = kda_only_files(files, shards[0])
     sizes = _sizes(source, shards, files, kda_only)
-    for companion in [] if kda_only else _companion_files(source):
+    for companion in [] if kda_only else companion_files(source):
         try:
             with open(companion, "rb"):
                 pass
@@ -262,23 +264,27 @@ def shard_checkpoint(
             raise CheckpointError(
                 f"{companion}: cannot be read ({e}); shard copies it into every rank"
             ) from e
-    _check_out_location(source.root, out, ranks)
-    created = _make_dirs(out)
+    check_out_location(source.root, out, ranks)
+    created = make_dirs(out)
     try:
         # Held from before OUT is looked at until this run's ranks are in place (or removed).
-        locks = _lock_ranks(out, ranks, wait)
+        locks = lock_ranks(out, ranks, wait)
         try:
-            _check_out_dir(source.root, out, tp_size, ranks, force, locks)
+            stale = check_out_dir(source.root, out, tp_size, ranks, force, locks)
             if report_sizes:
                 report_sizes(sizes)
-            return _write_ranks(source, shards, files, out, tp_size, ranks, sizes, kda_only,
-                                progress, start)
+            result = _write_ranks(source, shards, files, out, tp_size, ranks, sizes, kda_only,
+                                  progress, start)
+            # Another world size's ranks (force) go only once this run's are all in place.
+            for entry in stale:
+                remove_dir(entry, out)
+            return result
         finally:
             locks.release()
     except BaseException:
         # A refused or failed run removes the directories it created, where nothing else is
         # left in them (an interrupted run's completed ranks stay, and so does OUT then).
-        _remove_created(created)
+        remove_created(created)
         raise
 
 
@@ -322,8 +328,8 @@ def _write_ranks(
                 completed.append(r)
                 replaced = f.result()[3]
                 if replaced is not None:
-                    _discard(replaced)
-        present = {int(m.group(1)) for p in out.iterdir() if (m := _RANK_DIR.match(p.name))}
+                    discard(replaced)
+        present = {int(m.group(1)) for p in out.iterdir() if (m := RANK_DIR.match(p.name))}
         remaining = tuple(r for r in range(tp_size) if r not in present)
         raise ShardInterrupted(out, tp_size, tuple(completed), remaining) from None
     failed = [error for f in futures if (error := f.exception()) is not None]
@@ -338,7 +344,7 @@ def _write_ranks(
                 _, final, inode, old = f.result()
                 try:
                     if final.stat().st_ino == inode:
-                        _remove_dir(final, out)
+                        remove_dir(final, out)
                         if old is not None:
                             os.replace(old, final)
                 except OSError:
@@ -347,7 +353,7 @@ def _write_ranks(
     for f in futures:
         replaced = f.result()[3]
         if replaced is not None:
-            _discard(replaced)
+            discard(replaced)
     written = sum(f.result()[0] for f in futures)
     return ShardResult(out, tp_size, ranks, written, time.perf_counter() - start)
 
@@ -372,7 +378,7 @@ def shard_sizes(
     source = SafetensorsSource(checkpoint, backend)
     tp_size, chosen = _checked_ranks(tp_size, ranks)
     shards = _rank_views(source, tp_size, chosen, qk_multiple, layers)
-    files = _names_by_file(source)
+    files = names_by_file(source)
     return _sizes(source, shards, kda_only_files(files, shards[0]) if kda_only else files,
                   kda_only)
 
@@ -482,341 +488,8 @@ def check_shard_input(
         )
 
 
-def unindexed_files(source: SafetensorsSource) -> list[Path]:
-    """The ``.safetensors`` files in an indexed checkpoint directory that its index does not
-    name (e.g. a multi-token-prediction head shipped beside the index), sorted; empty for a
-    single-file checkpoint. Loaders that follow the index never read them, and neither does
-    the shard writer."""
-    if not source.path.is_dir() or not (source.root / INDEX_NAME).is_file():
-        return []
-    indexed = {path.name for path, _ in source.files()}
-    return sorted(p for p in source.root.glob("*.safetensors") if p.name not in indexed)
-
-
-def finish_command(
-    checkpoint: str | os.PathLike[str],
-    out_dir: str | os.PathLike[str],
-    tp_size: int,
-    ranks: Iterable[int],
-    qk_multiple: int = 256,
-) -> str:
-    """The ``kda-tp shard`` command line that writes ``ranks`` (shell-quoted paths)."""
-    command = (
-        f"kda-tp shard {shlex.quote(str(checkpoint))} --tp-size {tp_size} "
-        f"--out {shlex.quote(str(out_dir))} --ranks {','.join(map(str, ranks))}"
-    )
-    return command + (f" --qk-multiple {qk_multiple}" if qk_multiple != 256 else "")
-
-
 def _nbytes(dtype: str, shape: tuple[int, ...]) -> int:
     return tensor_nbytes(dtype, shape)
-
-
-def _names_by_file(source: SafetensorsSource) -> dict[str, list[str]]:
-    """Input file name -> its tensor names in data order."""
-    files: dict[str, list[str]] = {}
-    for name in source.names():
-        path = source.file_of(name)
-        if path is None:
-            raise missing_tensor(source, name)
-        files.setdefault(path.name, []).append(name)
-    return files
-
-
-def kda_only_files(
-    files: dict[str, list[str]], shard: KdaShardedSource
-) -> dict[str, list[str]]:
-    """``files`` (input file name -> tensor names) cut down to the KDA tensors ``shard`` slices;
-    files left without one are dropped, so a KDA-only rank mirrors the input's file names."""
-    kept = {f: [n for n in names if shard.is_sharded(n)] for f, names in files.items()}
-    return {f: names for f, names in kept.items() if names}
-
-
-def prepare_out_dir(
-    root: Path,
-    out: Path,
-    tp_size: int,
-    ranks: tuple[int, ...],
-    force: bool,
-    *,
-    wait: bool = False,
-) -> list[Path]:
-    """Create the output directory ``out`` for ``ranks`` of ``tp_size`` (sharding the
-    checkpoint at ``root``), or check what it already holds; remove stale partial directories of
-    ``ranks``. ``force`` allows replacing finished rank directories.
-
-    The ranks' locks (``OUT/.rank{r}.lock``, see :func:`shard_checkpoint`) are held while
-    ``out`` is checked and cleaned, and released on return; a partial directory is removed only
-    while its rank's lock is held, so only a dead writer's.
-
-    Args:
-        root: the input checkpoint's directory.
-        out: the output directory.
-        tp_size: the world size.
-        ranks: the ranks to be written.
-        force: allow replacing finished rank directories and other files in ``out``.
-        wait: wait for another writer's lock on one of ``ranks`` instead of refusing.
-
-    Returns:
-        The directories this call created (``out`` and missing parents), deepest first; empty
-        when ``out`` existed. On an error they are removed again.
-
-    Raises:
-        OutputError: ``out`` lies inside the input, holds another world size's or unfinished
-            output that ``force`` does not allow replacing, cannot be created or listed, or
-            another live process holds the lock of one of ``ranks`` (without ``wait``).
-    """
-    _check_out_location(root, out, ranks)
-    created = _make_dirs(out)
-    try:
-        locks = _lock_ranks(out, ranks, wait)
-        try:
-            _check_out_dir(root, out, tp_size, ranks, force, locks)
-        finally:
-            locks.release()
-    except BaseException:
-        _remove_created(created)
-        raise
-    return created
-
-
-def _check_out_location(root: Path, out: Path, ranks: tuple[int, ...]) -> None:
-    """Refuse an ``out`` inside the input, or one whose rank directories hold the input."""
-    resolved, input_root = resolve_out(out), root.resolve()
-    if resolved == input_root or input_root in resolved.parents:
-        raise OutputError(f"{out}: the output directory lies inside the input checkpoint {root}")
-    for r in ranks:
-        # e.g. re-sharding OUT/rank0 into OUT: --force would delete the input.
-        final_dir = resolve_out(rank_dir(out, r))
-        if final_dir == input_root or final_dir in input_root.parents:
-            raise OutputError(
-                f"{rank_dir(out, r)}: this rank's output directory is (or holds) the input "
-                f"checkpoint {root}; choose another --out"
-            )
-
-
-def _make_dirs(out: Path) -> list[Path]:
-    """``out.mkdir(parents=True)``, returning the directories created, deepest first (a
-    directory another process creates meanwhile is not counted)."""
-    missing = []
-    for path in (out, *out.parents):
-        if path.is_dir():
-            break
-        missing.append(path)
-    created: list[Path] = []
-    for path in reversed(missing):
-        try:
-            path.mkdir()
-        except FileExistsError:
-            if path.is_dir():
-                continue
-            _remove_created(created[::-1])
-            raise OutputError(
-                f"{out}: cannot create the output directory: {path} exists and is not a directory"
-            ) from None
-        except OSError as e:
-            _remove_created(created[::-1])
-            raise OutputError(f"{out}: cannot create the output directory: {e}") from e
-        created.append(path)
-    return created[::-1]
-
-
-def _remove_created(created: list[Path]) -> None:
-    """Remove the directories a run created (deepest first) where they are empty again; one
-    that is not (another process wrote into it) stays, and so do its parents."""
-    for path in created:
-        try:
-            path.rmdir()
-        except OSError:
-            return
-
-
-class _RankLocks:
-    """The lock files (path, descriptor) a writer holds, one per rank, each under ``flock``."""
-
-    def __init__(self) -> None:
-        self.held: dict[int, tuple[Path, int]] = {}
-
-    def release(self) -> None:
-        """Remove each lock file while still holding its lock, then unlock it (by closing). A
-        process that opened the file before it was removed and then gets the lock sees that its
-        file is no longer at that path, and locks the new one (:func:`_lock_rank`)."""
-        for path, fd in self.held.values():
-            try:
-                path.unlink(missing_ok=True)
-            except OSError:
-                pass  # e.g. the directory became read-only: the lock is released all the same
-            os.close(fd)
-        self.held.clear()
-
-
-def _lock_ranks(out: Path, ranks: Iterable[int], wait: bool) -> _RankLocks:
-    """Lock ``OUT/.rank{r}.lock`` for each rank, in rank order (so that waiting writers never
-    deadlock); on any failure the locks taken so far are released."""
-    locks = _RankLocks()
-    try:
-        for r in sorted(ranks):
-            locks.held[r] = _lock_rank(out, r, wait)
-    except BaseException:
-        locks.release()
-        raise
-    return locks
-
-
-def _lock_rank(out: Path, rank: int, wait: bool) -> tuple[Path, int]:
-    """Take the exclusive ``flock`` of rank ``rank``'s lock file, then record this process
-    (pid, host, start time, UTC) in it for the message of a writer it refuses.
-
-    Raises:
-        OutputError: another process holds the lock (without ``wait``), or the lock file
-            cannot be created or locked.
-    """
-    path = out / f".rank{rank}.lock"
-    while True:
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        except OSError as e:
-            raise OutputError(f"{path}: cannot create the lock file of rank {rank}: {e}") from e
-        try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
-            except BlockingIOError:
-                raise OutputError(
-                    f"{out}: rank {rank} is being written by another kda-tp shard "
-                    f"({_holder(fd)}; lock file {path.name}); pass --wait (wait=True) to wait "
-                    "for it, or choose another --out"
-                ) from None
-            except OSError as e:
-                raise OutputError(f"{path}: cannot lock rank {rank}'s lock file: {e}") from e
-            try:
-                current = os.stat(path)
-            except FileNotFoundError:
-                current = None
-            mine = os.fstat(fd)
-            if current is not None and (current.st_dev, current.st_ino) == (
-                mine.st_dev, mine.st_ino
-            ):
-                started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-                line = f"pid {os.getpid()} on {socket.gethostname()}, started {started}\n"
-                os.ftruncate(fd, 0)
-                os.pwrite(fd, line.encode(), 0)
-                return path, fd
-        except BaseException:
-            os.close(fd)
-            raise
-        # The previous holder removed the file before unlocking it: lock the one now there.
-        os.close(fd)
-
-
-def _holder(fd: int) -> str:
-    """The holder line of a lock file, as one printable line."""
-    try:
-        text = os.pread(fd, _HOLDER_BYTES, 0).decode("utf-8", "replace")
-    except OSError:
-        text = ""
-    text = "".join(c if c.isprintable() else " " for c in text).strip()
-    return f"held by {text}" if text else "held by a writer that is just starting"
-
-
-def _check_out_dir(
-    root: Path,
-    out: Path,
-    tp_size: int,
-    ranks: tuple[int, ...],
-    force: bool,
-    locks: _RankLocks,
-) -> None:
-    """:func:`prepare_out_dir`'s check and clean-up of ``out``, with ``ranks`` locked in
-    ``locks`` (and any other rank whose directory ``force`` removes added to them)."""
-    input_root = root.resolve()
-    try:
-        entries = sorted(out.iterdir())
-    except OSError as e:
-        raise OutputError(f"{out}: cannot list the output directory: {e}") from e
-    existing: list[Path] = []
-    for entry in entries:
-        if _LOCK_FILE.match(entry.name):
-            continue  # a writer's lock (ours, or another rank's writer)
-        partial, final = _PARTIAL_DIR.match(entry.name), _RANK_DIR.match(entry.name)
-        if (partial or final) and (resolve_out(entry) == input_root or _holds(entry, input_root)):
-            # Never remove or replace the input, whatever its name.
-            raise OutputError(
-                f"{entry} is (or holds) the input checkpoint {root}; choose another --out"
-            )
-        if partial and int(partial.group(1)) in ranks:
-            _discard(entry)  # left by a killed run
-        elif final and int(final.group(1)) in ranks and not force:
-            found = _rank_tp_size(entry)
-            if found is not None and found != tp_size:
-                raise OutputError(
-                    f"{entry} holds output for tp_size {found}, not {tp_size}; "
-                    "pass --force to replace it (or choose another --out)"
-                )
-            existing.append(entry)
-        elif final and int(final.group(1)) not in ranks:
-            # Another run's rank: it must belong to the same world size.
-            found = _rank_tp_size(entry)
-            if found != tp_size:
-                if not force:
-                    raise OutputError(
-                        f"{entry} holds output for tp_size {found or 'unknown'}, not {tp_size}; "
-                        "pass --force to replace it"
-                    )
-                # Another rank: removed only while no live writer holds it (never waiting
-                # here: the ranks' locks are taken in order, and this one is out of order).
-                r = int(final.group(1))
-                if r not in locks.held:
-                    locks.held[r] = _lock_rank(out, r, wait=False)
-                _remove_dir(entry, out)
-        elif not (partial or final) and not force:
-            raise OutputError(
-                f"{out} is not empty (it holds {entry.name}); pass --force to write into it"
-            )
-    if existing:
-        present = {int(m.group(1)) for p in entries if (m := _RANK_DIR.match(p.name))}
-        missing = [r for r in range(tp_size) if r not in present]
-        finish = (
-            f", or --ranks {','.join(map(str, missing))} to write only the missing ranks"
-            if missing
-            else ""
-        )
-        others = "".join(f" and {e}" for e in existing[1:])
-        raise OutputError(
-            f"{existing[0]} already exists; pass --force to overwrite it{others}{finish}"
-        )
-
-
-def _holds(directory: Path, path: Path) -> bool:
-    """Whether resolved ``path`` lies inside ``directory``."""
-    return resolve_out(directory) in path.parents
-
-
-def _rank_tp_size(path: Path) -> int | None:
-    """The ``tp_size`` recorded in a rank directory's first file, or None if unreadable."""
-    try:
-        files = SafetensorsSource(path).files()
-        return (parse_metadata_int((files[0][1] or {})["tp_size"], "tp_size", str(path))
-                if files else None)
-    except (KdaTpError, KeyError, ValueError, OSError):
-        return None
-
-
-def _remove_dir(path: Path, out: Path) -> None:
-    """Remove a directory after moving it aside in one rename, so it never lingers half-deleted
-    under its own name (the aside name is a partial name, cleaned by a later run)."""
-    aside = out / f".{path.name}.partial-removed-{os.getpid()}"
-    os.replace(path, aside)
-    _discard(aside)
-
-
-def _discard(path: Path) -> None:
-    """Remove a directory of this output, or, when it is a symbolic link (``rank0`` pointing
-    elsewhere) or a plain file, the link or file alone: what a link points to is never
-    touched."""
-    if path.is_symlink() or not path.is_dir():
-        path.unlink(missing_ok=True)  # a link, or a plain file named rank{r} that --force replaced
-    else:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 def _write_rank(
@@ -865,10 +538,13 @@ def _write_rank(
 
     final = rank_dir(out, plan.tp_rank)
     old: Path | None = None
+    dir_mode, file_modes, index_mode = _modes(source)
     try:
         partial.mkdir()
+        os.chmod(partial, dir_mode)
+        write_mark(partial, "rank", [], index_mode)  # a partial directory is kda-tp's too
         input_meta = {path.name: meta or {} for path, meta in source.files()}
-        fingerprint = _input_fingerprint(source)
+        fingerprint = input_fingerprint(source)
         weight_map: dict[str, str] = {}
         total = 0
         for file_name, names in files.items():
@@ -878,7 +554,7 @@ def _write_rank(
                 "tp_size": str(plan.tp_size),
                 "kda_tp_qk_multiple": str(plan.qk_multiple),
                 "kda_tp_layers": json.dumps(list(shard.layers)),
-                "kda_tp_version": __version__,
+                FILE_MARK: __version__,
                 "kda_tp_input": fingerprint,
             }
             if kda_only:
@@ -889,15 +565,19 @@ def _write_rank(
                 specs.append(
                     (name, dtype, shape, _nbytes(dtype, shape), lambda n=name: get_bytes(n))
                 )
-            total += write_safetensors(partial / file_name, specs, metadata, sync=False)
+            total += write_safetensors(partial / file_name, specs, metadata, sync=False,
+                                       mode=file_modes.get(file_name, index_mode))
             release_previous()
             weight_map.update(dict.fromkeys(names, file_name))
-        write_index(partial / INDEX_NAME, weight_map, total, sync=False)
-        for extra in [] if kda_only else _companion_files(source):
-            shutil.copy2(extra, partial / extra.name)
+        write_index(partial / INDEX_NAME, weight_map, total, sync=False, mode=index_mode)
+        companions = [] if kda_only else companion_files(source)
+        for extra in companions:
+            shutil.copy2(extra, partial / extra.name)  # with its mode bits
+        write_mark(partial, "rank", [*files, INDEX_NAME, *(p.name for p in companions)],
+                   index_mode)
         inode = partial.stat().st_ino
         if final.exists() or final.is_symlink():
-            # Keep the old directory (or link) aside (one rename) until the whole run has succeeded, so a
+            # Keep the old directory aside (one rename) until the whole run has succeeded, so a
             # failed --force rerun can put it back; its name is a partial name, so a run killed
             # before then leaves it for the next run to clean.
             old = out / f".rank{plan.tp_rank}.partial-old-{os.getpid()}"
@@ -913,34 +593,24 @@ def _write_rank(
     return total, final, inode, old
 
 
-#: Bytes read from the start and the end of each file's data for :func:`_input_fingerprint`.
-_FINGERPRINT_SAMPLE = 4096
-
-
-def _input_fingerprint(source: SafetensorsSource) -> str:
-    """A hex digest of the checkpoint's tensor names, dtypes and full shapes, and of the first
-    and last 4 KiB of each file's data (a fine-tune has the base model's names and shapes).
-
-    ``shard`` records it in every rank's header (``kda_tp_input``) so that ``verify`` can tell
-    output made from another checkpoint from a damaged output.
+def _modes(source: SafetensorsSource) -> tuple[int, dict[str, int], int]:
+    """The mode bits of a rank's output: its directory's (the input directory's, with the
+    owner's ``rwx``, so the writer can fill and later replace it), each safetensors file's
+    (its input file's, by name), and the index's and the mark's (the input index's, else its
+    first file's).
 
     Raises:
-        CheckpointError: a file cannot be read.
+        CheckpointError: an input file cannot be looked at.
     """
-    entries = sorted((name, *checked_info(source, name)) for name in source.names())
-    digest = hashlib.sha256(json.dumps(entries).encode())
-    for path, _ in source.files():
-        try:
-            with open(path, "rb") as f:
-                data_start = 8 + int.from_bytes(f.read(8), "little")
-                f.seek(data_start)
-                digest.update(f.read(_FINGERPRINT_SAMPLE))
-                end = os.fstat(f.fileno()).st_size
-                f.seek(max(data_start, end - _FINGERPRINT_SAMPLE))
-                digest.update(f.read(_FINGERPRINT_SAMPLE))
-        except OSError as e:
-            raise CheckpointError(f"{path}: cannot be read: {e}") from e
-    return digest.hexdigest()[:32]
+    try:
+        files = {path.name: path.stat().st_mode & 0o777 for path, _ in source.files()}
+        index = source.root / INDEX_NAME
+        index_mode = (index.stat().st_mode & 0o777 if source.path.is_dir()
+                      and index.is_file() else next(iter(files.values()), 0o644))
+        dir_mode = source.root.stat().st_mode & 0o777 | stat.S_IRWXU
+    except OSError as e:
+        raise CheckpointError(f"{source.root}: cannot read the input's mode bits: {e}") from e
+    return dir_mode, files, index_mode
 
 
 def _file_piece(
@@ -964,390 +634,4 @@ def _file_piece(
     fd, begin, end = found
     return FileRange(fd, begin, end - begin, fallback)
 
-
-def _companion_files(source: SafetensorsSource) -> list[Path]:
-    """The input's small non-weight files (config, tokenizer) to copy into each rank."""
-    if not source.path.is_dir():
-        config = source.root / "config.json"
-        return [config] if config.is_file() else []
-    return [
-        p
-        for p in sorted(source.root.iterdir())
-        if p.is_file()
-        and not p.name.startswith(".")
-        and not p.name.endswith(".safetensors")
-        and p.name != INDEX_NAME
-    ]
-
-
-@dataclass
-class VerifyReport:
-    """The outcome of :func:`verify_shards`.
-
-    Attributes:
-        tp_size: world size found in the output (0 when none was found).
-        tensors: tensors checked (each across every rank).
-        bytes_checked: input tensor bytes compared.
-        problems: one line per mismatch, missing or unreadable piece; empty when everything
-            matches.
-        numeric: the numerical equivalence report, when requested.
-        byte_seconds: wall time of the byte check (seconds).
-        numeric_seconds: wall time of the numerical check (seconds; 0 when not run).
-    """
-
-    tp_size: int = 0
-    tensors: int = 0
-    bytes_checked: int = 0
-    problems: list[str] = field(default_factory=list)
-    numeric: EquivalenceReport | None = None
-    byte_seconds: float = 0.0
-    numeric_seconds: float = 0.0
-
-    @property
-    def ok(self) -> bool:
-        """True when every tensor matched (and the numerical check passed, if run)."""
-        return not self.problems and (self.numeric is None or self.numeric.passed)
-
-    def summary(self) -> str:
-        """One line: what was checked and the verdict. A single problem is given in full;
-        several are counted (they are in ``problems``)."""
-        if len(self.problems) == 1:
-            return f"FAIL: {self.problems[0]}"
-        if self.problems:
-            return f"FAIL: {len(self.problems)} problems"
-        # The bytes match; the verdict is the numeric check's when it ran and failed.
-        line = (
-            f"{'OK' if self.ok else 'FAIL'}: {self.tensors} tensors x {self.tp_size} ranks "
-            "rejoin to the input byte for "
-            f"byte ({self.bytes_checked / 1e9:.3f} GB checked in {self.byte_seconds:.1f} s)"
-        )
-        if self.numeric is not None:
-            verdict = "passes" if self.numeric.passed else "FAILS"
-            n = len(self.numeric.layers)
-            line += (f"; numerical TP equivalence {verdict} ({n} KDA layer{'s' * (n != 1)} in "
-                     f"{self.numeric_seconds:.1f} s)")
-        return line
-
-
-def verify_shards(
-    checkpoint: str | os.PathLike[str],
-    out_dir: str | os.PathLike[str],
-    *,
-    numeric: bool = False,
-    seq_len: int = 16,
-    seed: int = 0,
-    layers: Iterable[int] | None = None,
-    progress: ProgressFactory | None = None,
-    numeric_progress: ProgressFactory | None = None,
-) -> VerifyReport:
-    """Check a ``kda-tp shard`` output against its input, byte for byte.
-
-    For every tensor of the input: each rank holds it with the dtype and the local shape the
-    plan gives; KDA tensors rejoin to the input (row slices concatenated in rank order,
-    ``o_proj`` column slices side by side, replicated tensors equal on every rank; a zero-padded
-    ``A_log`` rejoins to its heads, its padding checked to be zero); every other
-    tensor is identical on every rank. Every rank ``0..tp_size-1`` must be present and complete,
-    with matching ``tp_rank``/``tp_size`` metadata, and no rank may hold extra tensors, nor
-    any file ``shard`` does not write (an extra ``.safetensors`` no index names, a stray file:
-    a problem naming the file). A problem names the tensor and the rank(s) whose bytes differ.
-    Each rank must hold the input's companion files (``config.json``, tokenizer files: every
-    file ``shard`` copies) byte for byte; one missing or different is a problem naming the rank
-    and the file.
-    ``--kda-only`` output (``kda_tp_kda_only`` in its metadata) is checked on the KDA tensors
-    alone (it holds no companion file), and a rank holding any other tensor fails.
-
-    With ``numeric``, also runs :func:`~kda_tp.check_tp_equivalence` on the rank directories:
-    each KDA layer's full output against the sum of the ranks' partial outputs.
-
-    Args:
-        checkpoint: the input given to ``shard`` (directory or single file).
-        out_dir: the ``--out`` directory holding ``rank{r}/``.
-        numeric: also run the numerical check.
-        seq_len: tokens of the numerical check's random input.
-        seed: seed of that input's random generator.
-        layers: 0-based KDA layers to check numerically (default: every KDA layer); the byte
-            check always covers every tensor.
-        progress: called once with the number of input tensors; returns ``advance(n)``, called
-            after each tensor is checked.
-        numeric_progress: the same for the numerical check, per KDA layer.
-
-    Memory: each tensor's mapped pages (input and ranks) are dropped from the process once it
-    is checked, and a copy held whole by every rank is compared one rank at a time, so the byte
-    check's resident set stays near the largest tensor's size plus its rejoined copy (Kimi K3
-    demo, TP 8: 0.77 GB peak RSS, 6.2 GB before). The numerical check holds one KDA layer's weights as float32
-    at a time (see :func:`~kda_tp.check_tp_equivalence`): on the Kimi K3 demo (1.4 GB input,
-    one 0.89 GB BF16 KDA layer, 1.78 GB as float32) ``verify --numeric`` peaks at 2.0 GB RSS
-    (7.9 GB before pages were dropped and float32 copies shared).
-
-    A rank directory that cannot be read (a truncated or damaged file, a broken index) is a
-    problem of the output, so the report fails; it is not raised.
-
-    Raises:
-        CheckpointError: the input cannot be read; ``out_dir``
-            holds other things but no ``rank{r}`` directory (not a kda-tp output), or was
-            sharded from another checkpoint (its headers record a digest of the input's
-            tensor names, dtypes, shapes and some data bytes, and it differs).
-        PlanError: ``layers`` refused (negative, repeated, out of range or
-            1-based).
-    """
-    source = SafetensorsSource(checkpoint)
-    out = Path(out_dir)
-    report = VerifyReport()
-    entries = _listdir(out)
-    present = {int(m.group(1)) for p in entries if (m := _RANK_DIR.match(p.name))}
-    if not present:
-        if all(_PARTIAL_DIR.match(p.name) or _LOCK_FILE.match(p.name) for p in entries):
-            # Empty, or only what a killed run leaves: an output not yet complete.
-            report.problems.append(f"{out}: no rank directory yet (incomplete run?)")
-            return report
-        hint = (f"; it is one rank of an output: pass its parent directory {out.parent}"
-                if _RANK_DIR.match(out.name) else "")
-        raise CheckpointError(
-            f"{out}: not a kda-tp shard output (no rank{{r}} directory in it){hint}"
-        )
-    start = time.perf_counter()
-    # A rank that cannot be read is damaged output: a failed verification, not refused input.
-    opened: dict[int, SafetensorsSource] = {}
-    for r in sorted(present):
-        try:
-            opened[r] = SafetensorsSource(rank_dir(out, r))
-        except CheckpointError as e:
-            report.problems.append(f"{rank_dir(out, r)}: rank {r} cannot be read: {e}")
-            continue
-        if not opened[r].files():
-            del opened[r]
-            report.problems.append(f"{rank_dir(out, r)}: holds no safetensors file")
-    if not opened:
-        return report
-    first = rank_dir(out, min(opened))
-    meta = opened[min(opened)].files()[0][1] or {}
-    try:
-        tp_size = parse_metadata_int(meta["tp_size"], "tp_size", str(first))
-        qk_multiple = parse_metadata_int(meta.get("kda_tp_qk_multiple", "256"),
-                                         "kda_tp_qk_multiple", str(first))
-        kda_layers = (parse_json(meta["kda_tp_layers"], f"{first}: metadata kda_tp_layers")
-                      if "kda_tp_layers" in meta else None)
-        if tp_size < 1:
-            raise ValueError(f"tp_size {tp_size} is not positive")
-        if kda_layers is not None and not (
-            isinstance(kda_layers, list)
-            and all(isinstance(i, int) and not isinstance(i, bool) for i in kda_layers)
-        ):
-            raise ValueError(f"kda_tp_layers {meta['kda_tp_layers']!r} is not a list of ints")
-    except (KeyError, ValueError) as e:
-        raise CheckpointError(
-            f"{first}: no valid kda-tp metadata ({e}); not a kda-tp shard output"
-        ) from None
-    recorded = meta.get("kda_tp_input")
-    if recorded is not None and recorded != _input_fingerprint(source):
-        raise CheckpointError(
-            f"{out} was sharded from another checkpoint, not {checkpoint} (or this one has "
-            "changed since): the tensor names, dtypes, shapes and data samples its headers "
-            "record differ from this checkpoint's; verify it against the checkpoint it was made "
-            "from"
-        )
-    report.tp_size = tp_size
-    if numeric and layers is not None:
-        known = kda_layers if kda_layers is not None else kda_layer_indices(source, None)
-        layers = check_layers(layers, known, layer_count(source))
-    # The plan refuses a tp_size the heads cannot split (so it stays small) before any listing.
-    plans = [KdaTpPlan.from_config(source, 0, tp_size, qk_multiple=qk_multiple, layers=kda_layers)]
-    extra = sorted(r for r in present if r >= tp_size)
-    if extra:
-        report.problems.append(f"{out}: rank directories {extra[:8]} beyond tp_size {tp_size}")
-    missing = [r for r in range(tp_size) if r not in present]
-    if missing:
-        shown = ", ".join(map(str, missing[:8])) + (
-            f", ... ({len(missing) - 8} more)" if len(missing) > 8 else ""
-        )
-        report.problems.append(
-            f"{out}: {len(missing)} of {tp_size} ranks missing: [{shown}] (incomplete run?); "
-            f"finish with: {finish_command(checkpoint, out, tp_size, missing, qk_multiple)}"
-        )
-    if report.problems:
-        return report
-    ranks = [opened[r] for r in range(tp_size)]
-    plans += [
-        KdaTpPlan.from_config(source, r, tp_size, qk_multiple=qk_multiple, layers=kda_layers)
-        for r in range(1, tp_size)
-    ]
-    shards = [KdaShardedSource(source, plan, kda_layers) for plan in plans]
-    # A --kda-only output holds the KDA tensors and nothing else.
-    kda_only = meta.get("kda_tp_kda_only") == "1"
-    names = [n for n in source.names() if not kda_only or shards[0].is_sharded(n)]
-    # The files shard writes into every rank; anything else in a rank directory (an extra
-    # .safetensors no index names, a stray file) is not the output shard made.
-    files = _names_by_file(source)
-    written = {INDEX_NAME, *(kda_only_files(files, shards[0]) if kda_only else files)}
-    if not kda_only:
-        written.update(p.name for p in _companion_files(source))
-    for r, rank in enumerate(ranks):
-        for entry in sorted(_listdir(rank_dir(out, r))):
-            if entry.name not in written:
-                report.problems.append(
-                    f"{entry}: rank {r} holds {entry.name}, which shard does not write (the "
-                    f"input has no such file); remove it, or shard again"
-                )
-        for path, file_meta in rank.files():
-            got = (file_meta or {}).get("tp_rank"), (file_meta or {}).get("tp_size")
-            if got != (str(r), str(tp_size)):
-                report.problems.append(f"{path}: metadata tp_rank/tp_size {got}, expected {(r, tp_size)}")
-        unexpected = sorted(set(rank.names()) - set(names))
-        if unexpected:
-            what = "KDA tensors of the input" if kda_only else "the input"
-            report.problems.append(
-                f"{rank.root}: {len(unexpected)} tensor(s) not in {what}, e.g. {unexpected[0]}"
-            )
-
-    if not kda_only:
-        report.problems += _companion_problems(source, out, tp_size)
-
-    advance = progress(len(names)) if progress else None
-    for name in names:
-        full = checked_get(source, name)
-        parts = [rank.get(name) for rank in ranks]
-        report.tensors += 1
-        report.bytes_checked += full.nbytes
-        problem = _check_tensor(name, full, parts, shards, lambda r: ranks[r].release(name))
-        if problem:
-            report.problems.append(problem)
-        # Done with this tensor: drop its pages from this process (the page cache keeps them),
-        # so the resident set stays near one tensor, not the input plus every rank.
-        del full, parts
-        source.release(name)
-        for rank in ranks:
-            rank.release(name)
-        if advance:
-            advance(1)
-    report.byte_seconds = time.perf_counter() - start
-    if numeric:
-        from .equivalence import check_tp_equivalence  # noqa: PLC0415 - start-up time
-
-        start = time.perf_counter()
-        report.numeric = check_tp_equivalence(
-            source,
-            tp_size,
-            kda_layers if layers is None else layers,
-            seq_len=seq_len,
-            seed=seed,
-            qk_multiple=qk_multiple,
-            shard_source_factory=lambda _source, plan, _layers: ranks[plan.tp_rank],
-            progress=numeric_progress,
-        )
-        report.numeric_seconds = time.perf_counter() - start
-    return report
-
-
-def _companion_problems(source: SafetensorsSource, out: Path, tp_size: int) -> list[str]:
-    """One line per rank whose copy of an input companion file (:func:`_companion_files`:
-    ``config.json``, tokenizer files) is missing or differs from the input's, byte for byte."""
-    problems = []
-    for r in range(tp_size):
-        for original in _companion_files(source):
-            copy = rank_dir(out, r) / original.name
-            if not copy.is_file():
-                problems.append(
-                    f"{copy}: rank {r} lacks {original.name} (shard copies the input's "
-                    f"{original} into every rank)"
-                )
-                continue
-            try:
-                want = original.read_bytes()
-            except OSError as e:
-                raise CheckpointError(f"{original}: the input's file cannot be read: {e}") from e
-            try:
-                same = want == copy.read_bytes()
-            except OSError as e:
-                problems.append(f"{copy}: rank {r}'s {original.name} cannot be read: {e}")
-                continue
-            if not same:
-                problems.append(
-                    f"{copy}: rank {r}'s {original.name} differs from the input's {original}"
-                )
-    return problems
-
-
-def _listdir(path: Path) -> list[Path]:
-    try:
-        return list(path.iterdir())
-    except OSError as e:
-        raise CheckpointError(f"{path}: cannot list the shard directory: {e}") from e
-
-
-def _check_tensor(
-    name: str,
-    full: Tensor,
-    records: list[Tensor | None],
-    shards: list[KdaShardedSource],
-    release: Callable[[int], None],
-) -> str | None:
-    """One line describing how ``records`` (one per rank, None where the rank lacks ``name``)
-    fail to rejoin to ``full``, naming the ranks whose bytes differ. A whole copy on every rank
-    (passed through or replicated) is compared rank by rank, calling ``release(r)`` after rank
-    ``r``'s, so only one copy is resident at a time."""
-    parts: list[Tensor] = []  # the records, each checked to be there with the planned shape
-    for r, (part, shard) in enumerate(zip(records, shards)):
-        if part is None:
-            return f"{name}: missing from rank {r}"
-        expected = checked_info(shard, name)
-        if (part.dtype, tuple(part.shape)) != expected:
-            return f"{name}: rank {r} has {part.dtype} {list(part.shape)}, expected {expected[0]} {list(expected[1])}"
-        parts.append(part)
-    full_bytes = full.data
-    entry = shards[0].plan_entry(name)
-    if entry is None or entry.kind == KdaShard.REPLICATED:
-        differ = []
-        for r, p in enumerate(parts):
-            if not np.array_equal(p.data, full_bytes):
-                differ.append(r)
-            release(r)
-        if entry is None:  # not sliced: the same bytes on every rank
-            return f"{name}: the copy on {_ranks(differ)} differs from the input" if differ else None
-        return (
-            f"{name}: the replicated copy on {_ranks(differ)} differs from the input"
-            if differ
-            else None
-        )
-    if entry.name.endswith(".scale"):
-        # Block scales: each rank holds the blocks covering its weight range; ranks whose range
-        # lies inside one block share it, so check each rank's grid instead of rejoining.
-        grid = full_bytes.reshape(entry.full_rows, -1)
-        for r, (part, shard) in enumerate(zip(parts, shards)):
-            e = shard.plan_entry(name)
-            # Every rank's adapter plans the same tensors (one source, one layer list), and
-            # rank 0's plans this one.
-            assert e is not None
-            cols = slice(e.src_col_offset * e.elem_bytes,
-                         (e.src_col_offset + e.local_row_elems) * e.elem_bytes)
-            want = grid[e.src_row_offset : e.src_row_offset + e.local_rows, cols]
-            if not np.array_equal(part.data, want.ravel()):
-                return f"{name}: rank {r}'s scale blocks differ from the input's covering blocks"
-        return None
-    if entry.kind == KdaShard.CHANNEL_COLS:
-        rows = entry.full_rows
-        pieces = [p.data.reshape(rows, -1) for p in parts]
-        rejoined = np.concatenate(pieces, axis=1).ravel()
-        bounds = np.cumsum([0] + [piece.shape[1] for piece in pieces])
-        full_2d = full_bytes.reshape(rows, -1)
-        slices = [full_2d[:, lo:hi] for lo, hi in zip(bounds[:-1], bounds[1:])]
-    else:
-        rejoined = np.concatenate([p.data for p in parts])
-        # A zero-padded A_log (Kimi K3) rejoins to its heads; the adapter checked the padding.
-        full_bytes = full_bytes[: rejoined.nbytes]
-        pieces = [p.data for p in parts]
-        bounds = np.cumsum([0] + [p.nbytes for p in parts])
-        slices = [full_bytes[lo:hi] for lo, hi in zip(bounds[:-1], bounds[1:])]
-    if np.array_equal(rejoined, full_bytes):
-        return None
-    differ = [r for r, (got, want) in enumerate(zip(pieces, slices))
-              if not np.array_equal(got, want)]
-    return (
-        f"{name}: the ranks' {entry.kind.name} slices do not rejoin to the input "
-        f"(the slice on {_ranks(differ)} differs)"
-    )
-
-
-def _ranks(ranks: list[int]) -> str:
-    """``rank 1`` or ``ranks 0, 2``, for messages."""
-    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
 
