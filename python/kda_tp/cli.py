@@ -1067,28 +1067,19 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         return status if report.ok else 1
 
 
-def _torchrun_processes() -> int:
-    """The number of processes of the torchrun job this process is part of; 1 outside torchrun."""
-    if "TORCHELASTIC_RUN_ID" not in os.environ:
-        return 1
-    world = os.environ.get("WORLD_SIZE", "1")
-    if not world.isdigit() or int(world) < 1:
-        raise PlanError(f"WORLD_SIZE={world!r} (set by torchrun) is not a positive integer")
-    return int(world)
-
-
 def _run_shard(args: argparse.Namespace) -> int:
-    """``shard``; under torchrun with several processes, the ranks are split over them."""
-    if _torchrun_processes() == 1:
-        return _cmd_shard(args)
-    from .torch import shard_checkpoint_distributed, torchrun_group
+    """``shard``; under torchrun with several processes, the ranks are split over them
+    (:mod:`kda_tp.torchrun`), and process 0 alone prints."""
+    from .torchrun import torchrun_job, torchrun_processes
 
-    with torchrun_group() as (process, processes):
+    if torchrun_processes() == 1:
+        return _cmd_shard(args)
+    with torchrun_job() as job:
         try:
             # Every process checks its input the same way; process 0 alone says so.
-            layers, skipped = _shard_input(args, warn=process == 0)
+            layers, skipped = _shard_input(args, warn=job.speaks)
             sizes: list[ShardSizes] = []
-            result = shard_checkpoint_distributed(
+            result = job.shard(
                 args.checkpoint,
                 args.out,
                 args.tp_size,
@@ -1097,71 +1088,39 @@ def _run_shard(args: argparse.Namespace) -> int:
                 qk_multiple=args.qk_multiple,
                 force=args.force,
                 backend=args.backend,
-                progress=_progress(args.quiet) if process == 0 else None,
+                progress=_progress(args.quiet),
                 allow_resharding=args.allow_resharding,
                 skip_unindexed=args.skip_unindexed,
                 kda_only=args.kda_only,
                 wait=args.wait,
-                report_sizes=_size_reporter(args, sizes) if process == 0 else None,
+                report_sizes=_size_reporter(args, sizes),
             )
         except KdaTpError as e:
-            if process == 0:
+            if job.speaks:
                 message = _with_hints(args, e)
                 print(f"kda-tp: error: {type(e).__name__}: {message}", file=sys.stderr)
                 _emit_json(args, {"ok": False,
                                   "error": {"type": type(e).__name__, "message": message}})
             return 2
-        if process == 0:
-            _print_shard(args, result, skipped, processes, sizes)
+        if job.speaks:
+            _print_shard(args, result, skipped, job.processes, sizes)
         return 0
 
 
 def _run_verify(args: argparse.Namespace) -> int:
     """``verify``; under torchrun with several processes, process 0 checks the bytes and
-    ``--numeric`` spreads the ranks' forwards over the processes with a real all-reduce."""
-    if _torchrun_processes() == 1:
+    ``--numeric`` spreads the ranks' forwards over the processes with a real all-reduce
+    (:mod:`kda_tp.torchrun`); process 0 alone prints, every process exits the same."""
+    from .torchrun import torchrun_job, torchrun_processes
+
+    if torchrun_processes() == 1:
         return _cmd_verify(args)
-    # kda_tp.torch first: without torch it raises MissingDependencyError, a KdaTpError.
-    from .shard import verify_shards
-    from .torch import check_tp_equivalence_distributed, rank_dir_metadata, torchrun_group
-
-    import torch.distributed as dist
-
-    with torchrun_group() as (process, _):
-        report, failure = None, None
-        if process == 0:
-            try:
-                report = verify_shards(args.checkpoint, args.out)
-            except KdaTpError as e:
-                failure = f"kda-tp: error: {type(e).__name__}: {e}"
-        state = [report is not None and report.ok, failure]
-        dist.broadcast_object_list(state, src=0)
-        if state[0] and args.numeric:
-            start = time.perf_counter()
-            meta = rank_dir_metadata(args.out)
-            numeric = check_tp_equivalence_distributed(
-                args.checkpoint,
-                meta["tp_size"],
-                shard_dir=args.out,
-                layers=meta["layers"],
-                seq_len=args.seq_len,
-                seed=args.seed,
-                qk_multiple=meta["qk_multiple"],
-            )
-            if report is not None:
-                report.numeric = numeric
-                report.numeric_seconds = time.perf_counter() - start
-        if process != 0:
-            status = [0]
-            dist.broadcast_object_list(status, src=0)
-            return status[0]
-        if failure is not None:
-            print(failure, file=sys.stderr)
-            status = [2]
-        else:
-            # Process 0 got a report: verify_shards returned, or failure would be set.
-            assert report is not None
-            _print_verify(report)
-            status = [0 if report.ok else 1]
-        dist.broadcast_object_list(status, src=0)
-        return status[0]
+    with torchrun_job() as job:
+        outcome = job.verify(args.checkpoint, args.out, numeric=args.numeric,
+                             seq_len=args.seq_len, seed=args.seed)
+        if outcome.error is not None:
+            print(f"kda-tp: error: {type(outcome.error).__name__}: {outcome.error}",
+                  file=sys.stderr)
+        elif outcome.report is not None:
+            _print_verify(outcome.report)
+        return 2 if outcome.refused else 0 if outcome.passed else 1
