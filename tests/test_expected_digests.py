@@ -119,3 +119,55 @@ def test_refusals():
         kda_tp.expected_digests(tensors, ckpt, engine="sglang-0.5.23-kimi-linear", tp_size=2)
     with pytest.raises(EngineLayoutError, match="this layout is for kimi-k3"):
         kda_tp.expected_digests(tensors, ckpt, engine="vllm-0.33-k3", tp_size=2)
+
+
+def test_each_layer_is_dropped_once_hashed(tmp_path):
+    """The streaming promise: by the time the next KDA layer's tensors arrive, nothing of the
+    previous layer's is held (the trainer's tensors included, once it lets them go)."""
+    import gc
+    import weakref
+
+    torch = pytest.importorskip("torch")
+    ckpt = write_small_checkpoint(tmp_path / "ckpt", hidden=64, heads=4, head_dim=64,
+                                  conv_kernel=4, gate_rank=64, num_layers=3, kda_layers=[0, 1, 2],
+                                  weight_dtype="BF16")
+    source = SafetensorsSource(ckpt)
+    names = sorted(source.names(), key=lambda n: (".layers." not in n, n))
+    alive: dict[int, list[weakref.ref]] = {}
+    checked = []
+
+    def stream():
+        for name in names:
+            layer = int(name.split(".layers.")[1].split(".")[0]) if ".layers." in name else None
+            if layer is not None and layer - 1 in alive and layer - 1 not in checked:
+                gc.collect()
+                assert all(ref() is None for ref in alive[layer - 1]), f"layer {layer - 1} held"
+                checked.append(layer - 1)
+            tensor = source.get(name).to_torch().clone()  # the trainer's own copy
+            if layer is not None:
+                alive.setdefault(layer, []).append(weakref.ref(tensor))
+            yield name, tensor
+            del tensor
+
+    got = kda_tp.expected_digests(stream(), ckpt, engine="vllm-0.33-kimi-linear", tp_size=2)
+    params = get_layout("vllm-0.33-kimi-linear").params_for(
+        kda_tp.KdaTpPlan.from_config(source, 0, 2, qk_multiple=1))
+    assert checked == [0, 1] and len(got) == 2 * 3 * len(params)
+
+
+@pytest.mark.engines
+@pytest.mark.parametrize("kind", ["k3", "kimi_linear", "glm"])
+def test_equal_to_what_vllms_own_load_weights_leaves(kind):
+    """The trainer's digests, from the tensors it feeds, equal vLLM 0.33's own checksums of
+    what its own KDA layer's ``load_weights`` left from those tensors (tests/test_digests_vllm.py's
+    engine run), rank by rank."""
+    pytest.importorskip("vllm")
+    from test_digests_vllm import CASES, vllm_checksums
+
+    ckpt, layout, runs = CASES[kind]
+    engine = vllm_checksums(kind)
+    tensors = fed(ckpt)
+    for tp_size, rank in runs:
+        ours = kda_tp.expected_digests(tensors, ckpt, engine=layout, tp_size=tp_size,
+                                       ranks=[rank])
+        assert len(ours) >= 7 and ours == engine[f"{tp_size}:{rank}"]

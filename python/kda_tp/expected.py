@@ -140,49 +140,81 @@ def expected_digests(
     # size the heads refuse, refused before any tensor is read.
     required = {checkpoint_suffix(t.name) for t in
                 KdaTpPlan.from_config(config_dict, 0, tp_size, qk_multiple=1).tensors}
-    layers = set(kda.kda_layers)
-    pending: dict[tuple[str, int], _LayerTensors] = {}
-    done: dict[tuple[str, int], list[list[tuple[str, str]]]] = {}
-    plans: list[KdaTpPlan] = []
-    items = tensors.items() if isinstance(tensors, Mapping) else tensors
-    for name, value in items:
+    digests = _Digests(kda, required, layout, tp_size, wanted, model_dtype)
+    for name, value in tensors.items() if isinstance(tensors, Mapping) else tensors:
+        digests.feed(name, value)
+        del value  # nothing here holds a tensor while the next one is produced
+    return digests.result(where)
+
+
+class _Digests:
+    """The digests of the KDA layers fed so far: each layer's tensors kept until the layer is
+    complete, then hashed for every wanted rank and dropped."""
+
+    def __init__(self, kda: KdaConfig, required: set[str], layout: EngineLayout, tp_size: int,
+                 wanted: list[int], model_dtype: str | None) -> None:
+        self.kda, self.required, self.layout = kda, required, layout
+        self.tp_size, self.wanted, self.model_dtype = tp_size, wanted, model_dtype
+        self.layers = set(kda.kda_layers or ())
+        self.pending: dict[tuple[str, int], _LayerTensors] = {}
+        self.done: dict[tuple[str, int], list[list[tuple[str, str]]]] = {}
+        self.plans: list[KdaTpPlan] = []
+
+    def feed(self, name: str, value: Any) -> None:
+        """Take one fed tensor: kept if it is a KDA layer's, its layer hashed once complete.
+
+        Raises:
+            CheckpointError: a KDA tensor sent twice, or after its layer was hashed.
+        """
         match = _ATTENTION.match(name)
-        if match is None or int(match.group(2)) not in layers:
-            continue
+        if match is None or int(match.group(2)) not in self.layers:
+            return
         key = (match.group(1), int(match.group(2)))
-        if key in done:
+        if key in self.done:
             raise CheckpointError(f"{name}: KDA layer {key[1]} was complete and hashed when "
                                   "this tensor arrived; send each KDA tensor once")
-        group = pending.setdefault(key, _LayerTensors(*key))
+        group = self.pending.setdefault(key, _LayerTensors(*key))
         if name in group.tensors:
             raise CheckpointError(f"{name}: sent twice; send each KDA tensor once")
         group.tensors[name] = as_record(name, value)
-        if required <= set(_suffixes(group)):
-            if not plans:
-                plans = [_plan(kda, group, required, r, tp_size) for r in range(tp_size)]
-            done[key] = [_hash_layer(group, plans[r], layout, model_dtype) for r in wanted]
-            del pending[key]
-    prefixes = sorted({prefix for prefix, _ in done})
-    if len(prefixes) > 1:
-        raise CheckpointError(f"KDA tensors under several prefixes {prefixes}: cannot tell "
-                              "which stack the engine loads them into")
-    missing = sorted(layers - {layer for _, layer in done})
-    if missing:
-        lacking = "; ".join(
-            f"layer {layer} lacks {', '.join(sorted(required - set(_suffixes(g))))}"
-            for (_, layer), g in sorted(pending.items(), key=lambda kv: kv[0][1])
-            if layer in missing
-        )
-        raise CheckpointError(
-            f"the tensors fed do not complete KDA layers {missing} of the {len(layers)} the "
-            f"{where} lists{': ' + lacking if lacking else ' (none of their tensors came)'}; "
-            "feed every KDA tensor of every KDA layer"
-        )
-    out: dict[str, str] = {}
-    for i in range(len(wanted)):
-        for key in sorted(done, key=lambda k: k[1]):
-            out.update(done[key][i])
-    return out
+        if not self.required <= set(_suffixes(group)):
+            return
+        if not self.plans:
+            self.plans = [_plan(self.kda, group, self.required, r, self.tp_size)
+                          for r in range(self.tp_size)]
+        self.done[key] = [_hash_layer(group, self.plans[r], self.layout, self.model_dtype)
+                          for r in self.wanted]
+        del self.pending[key]
+
+    def result(self, where: str) -> dict[str, str]:
+        """Every digest, ranks in order, then layers, then parameters.
+
+        Raises:
+            CheckpointError: a KDA layer of the config incomplete or never fed, or KDA tensors
+                under several prefixes.
+        """
+        prefixes = sorted({prefix for prefix, _ in self.done})
+        if len(prefixes) > 1:
+            raise CheckpointError(f"KDA tensors under several prefixes {prefixes}: cannot tell "
+                                  "which stack the engine loads them into")
+        missing = sorted(self.layers - {layer for _, layer in self.done})
+        if missing:
+            lacking = "; ".join(
+                f"layer {layer} lacks {', '.join(sorted(self.required - set(_suffixes(g))))}"
+                for (_, layer), g in sorted(self.pending.items(), key=lambda kv: kv[0][1])
+                if layer in missing
+            )
+            raise CheckpointError(
+                f"the tensors fed do not complete KDA layers {missing} of the "
+                f"{len(self.layers)} the {where} lists"
+                f"{': ' + lacking if lacking else ' (none of their tensors came)'}; "
+                "feed every KDA tensor of every KDA layer"
+            )
+        out: dict[str, str] = {}
+        for i in range(len(self.wanted)):
+            for key in sorted(self.done, key=lambda k: k[1]):
+                out.update(self.done[key][i])
+        return out
 
 
 def _ranks(ranks: Sequence[int] | None, tp_size: int) -> list[int]:
