@@ -504,6 +504,25 @@ def test_verify_under_torchrun_without_torch_is_a_named_error(tmp_path):
     assert "WORLD_SIZE='abc' (set by torchrun) is not a positive integer" in done.stderr
 
 
+def test_torchrun_processes_reads_torchruns_environment_without_importing_torch(monkeypatch):
+    from kda_tp.torchrun import torchrun_processes
+
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "8")  # another launcher's: not a torchrun job
+    assert torchrun_processes() == 1
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "x")
+    assert torchrun_processes() == 8
+    for bad in ("0", "-1", "two"):
+        monkeypatch.setenv("WORLD_SIZE", bad)
+        with pytest.raises(PlanError, match=f"WORLD_SIZE={bad!r} .set by torchrun."):
+            torchrun_processes()
+    done = subprocess.run([sys.executable, "-c", "import sys, kda_tp.torchrun as t; "
+                           "print(t.torchrun_processes(), 'torch' in sys.modules)"],
+                          capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "TORCHELASTIC_RUN_ID": "x", "WORLD_SIZE": "2"})
+    assert done.stdout.strip() == "2 False", done.stderr
+
+
 def test_a_plan_from_the_config_alone_says_its_shapes_are_assumed(capsys):
     assert main(["plan", str(DATA / "k3_small" / "config.json"), "--tp-size", "2"]) == 0
     assert "from the config alone: on-disk shapes and dtypes are assumed" in capsys.readouterr().out
