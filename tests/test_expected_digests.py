@@ -171,3 +171,14 @@ def test_equal_to_what_vllms_own_load_weights_leaves(kind):
         ours = kda_tp.expected_digests(tensors, ckpt, engine=layout, tp_size=tp_size,
                                        ranks=[rank])
         assert len(ours) >= 7 and ours == engine[f"{tp_size}:{rank}"]
+
+
+def test_block_fp8_tensors_are_refused_with_the_checkpoint_route(tmp_path):
+    from kda_tp.errors import DtypeMismatchError
+
+    ckpt = write_small_checkpoint(tmp_path / "fp8", hidden=256, heads=2, head_dim=128,
+                                  conv_kernel=4, gate_rank=128, num_layers=1, kda_layers=[0],
+                                  style="k3", fp8=True)
+    with pytest.raises(DtypeMismatchError, match="block-FP8 KDA weights are not handled from "
+                       "tensors in memory; hash the checkpoint with kda_tp.engine_digests"):
+        kda_tp.expected_digests(fed(ckpt), ckpt, engine="vllm-0.33-k3", tp_size=2)

@@ -31,6 +31,7 @@ from .engines import LAYOUTS, EngineLayout, get_layout, model_family, param_name
 from .errors import CheckpointError, DtypeMismatchError, EngineLayoutError, PlanError
 from .layout import checkpoint_suffix, kda_tensor_name
 from .plan import KdaTpPlan
+from .quant import FP8_DTYPES
 from .source import KdaShardedSource, checked_get
 
 __all__ = ["expected_digests"]
@@ -38,7 +39,6 @@ __all__ = ["expected_digests"]
 # `language_model.model.layers.3.self_attn.q_proj.weight` -> ("language_model.model.layers.",
 # "3", "q_proj.weight"): a decoder layer's attention tensor (layout.LAYER_TENSOR's digits).
 _ATTENTION = re.compile(r"^((?:.*\.)?layers\.)([0-9]{1,10})\.self_attn\.(.+)$")
-_FP8 = ("F8_E4M3", "F8_E5M2")
 
 
 class _LayerTensors:
@@ -246,7 +246,7 @@ def _plan(kda: KdaConfig, first: _LayerTensors, required: set[str], rank: int,
         suffix = name.rsplit(".self_attn.", 1)[1]
         if suffix not in required:
             continue  # KdaShardedSource names what a KDA layer must not hold
-        if tensor.dtype in _FP8:
+        if tensor.dtype in FP8_DTYPES:
             raise DtypeMismatchError(
                 f"{name}: dtype {tensor.dtype}: block-FP8 KDA weights are not handled from "
                 "tensors in memory; hash the checkpoint with kda_tp.engine_digests"
