@@ -109,6 +109,12 @@ baseline measured alongside it; the last columns give the target and PASS/MISS.
    sampled from /proc every 10 ms (RSS counts touched pages of file mappings, so a
    mmap-based reader's RSS includes mapped checkpoint pages; RssAnon is the private memory).
    When the CLI has ``--backend``, the same with ``--backend pread`` is shown for information.
+10. Refusals (``--only refuse``): every hostile command line of ``tests/malformed.py``
+   (``CLI_KINDS``), each ``python -m kda_tp`` in a process of its own measured by a parent of
+   its own (wall time, peak RSS of that child alone): the slowest and the largest, against
+   ``python -m kda_tp --help`` measured alongside (ratio for information); targets issue 21's
+   acceptance bounds, under 5 s and 600 MB each (``tests/test_malformed.py`` checks the one
+   ``kda-tp: error:`` line and exit 2, not these bounds).
 
 If the ``kda-tp shard`` CLI is not available, sections 3-4 print n/a for it (the baselines still
 run). torch is optional. OPENBLAS/OMP settings are irrelevant (no BLAS is used).
@@ -150,7 +156,8 @@ BASELINE = HERE / "safetensors_baseline.py"
 MIB = 2**20
 # --only: the sections by name (numbers as in the module docstring)
 SECTIONS = {"start": "0", "gather": "1", "get": "2", "shard": "3", "k3": "5, 6", "guard": "7",
-            "wide": "8", "diagnosis": "9", "rss": "4"}
+            "wide": "8", "diagnosis": "9", "refuse": "10",
+            "rss": "4"}
 # Section 8: Kimi K3's header width (layers, experts per layer, files).
 WIDE_LAYERS, WIDE_EXPERTS, WIDE_FILES = 60, 384, 8
 ROWS: list[tuple] = []  # (section, case, value, unit, ratio text, target, verdict)
@@ -893,6 +900,62 @@ def section_diagnosis(scratch: Path, reps: int) -> None:
     shutil.rmtree(ckpt)
 
 
+# ------------------------------------------------------------------------------------------------
+# section 10: refusals of hostile command lines
+
+# Runs the command given as its arguments and prints its exit status, wall seconds and the peak
+# RSS (MB) of that one child (RUSAGE_CHILDREN of a parent that has no other child).
+_MEASURED_CHILD = (
+    "import resource, subprocess, sys, time\n"
+    "t = time.monotonic()\n"
+    "done = subprocess.run(sys.argv[1:], capture_output=True, text=True, timeout=120)\n"
+    "seconds = time.monotonic() - t\n"
+    "peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024\n"
+    "print(done.returncode, f'{seconds:.3f}', f'{peak:.0f}')\n"
+)
+
+
+def _measured(argv: list[str], env: dict[str, str]) -> tuple[int, float, float]:
+    """``python -m kda_tp *argv`` in a measured child: (exit status, seconds, peak MB)."""
+    run = subprocess.run([sys.executable, "-c", _MEASURED_CHILD, sys.executable, "-m",
+                          "kda_tp", *argv], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, **env})
+    status, seconds, peak = run.stdout.split()
+    return int(status), float(seconds), float(peak)
+
+
+def section_refuse(scratch: Path) -> None:
+    """Section 10: every hostile command line of tests/malformed.py, refused; the slowest and
+    the largest against ``kda-tp --help`` in the same run (bounds: issue 21's 5 s, 600 MB)."""
+    sys.path.insert(0, str(HERE.parent / "tests"))
+    import malformed
+
+    log(f"section 10: {len(malformed.CLI_KINDS)} hostile command lines")
+    root = scratch / "malformed"
+    root.mkdir()
+    malformed.base_checkpoint(root)
+    _, help_s, help_mb = _measured(["--help"], {})
+    runs = {}
+    for kind, build in malformed.CLI_KINDS.items():
+        case = build(root)
+        runs[kind] = _measured(list(case.argv), dict(case.env))
+    wrong = sorted(k for k, (status, _, _) in runs.items() if status != 2)
+    slowest = max(runs, key=lambda k: runs[k][1])
+    largest = max(runs, key=lambda k: runs[k][2])
+    sec = "10 refusals"
+    row(sec, "python -m kda_tp --help (baseline)", f"{help_s:.2f}", "s", f"{help_mb:.0f} MB")
+    row(sec, f"slowest refusal ({slowest}) of {len(runs)}, exit 2: "
+        f"{len(runs) - len(wrong)}/{len(runs)}", f"{runs[slowest][1]:.2f}", "s",
+        f"/--help {runs[slowest][1] / help_s:.2f}x", "< 5 s, exit 2",
+        verdict(runs[slowest][1] < 5.0 and not wrong))
+    row(sec, f"largest refusal ({largest})", f"{runs[largest][2]:.0f}", "MB",
+        f"/--help {runs[largest][2] / help_mb:.2f}x", "< 600 MB",
+        verdict(runs[largest][2] < 600))
+    log(f"  slowest {slowest} {runs[slowest][1]:.2f} s, largest {largest} "
+        f"{runs[largest][2]:.0f} MB; not exit 2: {wrong or 'none'}")
+    shutil.rmtree(root)
+
+
 def section_vllm_fused(src: SafetensorsSource, reps: int) -> None:
     """Section 6: vLLM's fused K3 ``in_proj_qkvgfab`` (q, k, v, g, f_a, b, zero rows to a
     multiple of 16) for rank 3 of 8, built by ``KdaShardedSource.build_param`` into a
@@ -1325,6 +1388,8 @@ def main(argv: list[str] | None = None) -> int:
             section_diagnosis(scratch, reps)
         if "rss" in only and not args.quick:
             section4(scratch, cli)
+        if "refuse" in only:
+            section_refuse(scratch)
     finally:
         if args.keep:
             log(f"kept {scratch}")

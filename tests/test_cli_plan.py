@@ -40,8 +40,9 @@ def test_a_bare_config_gives_the_config_s_layers_and_totals(ckpt, capsys):
     assert from_dir["total_local_bytes"] == 2 * from_dir["layer_local_bytes"]
     # The text form has the same total line.
     status, text, _ = run(capsys, "plan", ckpt / "config.json", "--tp-size", 2)
-    mib = f"{2 * layer / 2**20:,.2f} MiB"
-    assert status == 0 and f"2 KDA layers: {mib} per rank of" in text
+    # Decimal units, 3 significant digits, as shard prints its sizes (here some 100 kB).
+    assert 1e5 <= 2 * layer < 1e6
+    assert status == 0 and f"2 KDA layers: {2 * layer / 1e3:.0f} kB per rank of" in text
     status, text, _ = run(capsys, "plan", ckpt / "config.json", "--tp-size", 2, "--layers", "2")
     assert status == 0 and "1 KDA layer:" in text
 

@@ -202,9 +202,14 @@ def test_ctrl_c_stops_cleans_up_and_says_how_to_finish(ckpt, tmp_path):
                      out, "--quiet"),
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
-    # Interrupt once rank 1 is being written.
+    # Interrupt once rank 1 is being written (held there until the signal; the deadline only
+    # turns a regression into a failure instead of a hung suite).
+    deadline = time.monotonic() + 120
     while not list(out.glob(".rank1.partial-*")):
         assert child.poll() is None, child.communicate()
+        if time.monotonic() > deadline:
+            child.kill()
+            pytest.fail(f"rank 1 was not being written after 120 s: {child.communicate()}")
         time.sleep(0.01)
     child.send_signal(signal.SIGINT)
     stdout, stderr = child.communicate()
@@ -499,6 +504,25 @@ def test_verify_under_torchrun_without_torch_is_a_named_error(tmp_path):
     assert "WORLD_SIZE='abc' (set by torchrun) is not a positive integer" in done.stderr
 
 
+def test_torchrun_processes_reads_torchruns_environment_without_importing_torch(monkeypatch):
+    from kda_tp.torchrun import torchrun_processes
+
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "8")  # another launcher's: not a torchrun job
+    assert torchrun_processes() == 1
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "x")
+    assert torchrun_processes() == 8
+    for bad in ("0", "-1", "two"):
+        monkeypatch.setenv("WORLD_SIZE", bad)
+        with pytest.raises(PlanError, match=f"WORLD_SIZE={bad!r} .set by torchrun."):
+            torchrun_processes()
+    done = subprocess.run([sys.executable, "-c", "import sys, kda_tp.torchrun as t; "
+                           "print(t.torchrun_processes(), 'torch' in sys.modules)"],
+                          capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "TORCHELASTIC_RUN_ID": "x", "WORLD_SIZE": "2"})
+    assert done.stdout.strip() == "2 False", done.stderr
+
+
 def test_a_plan_from_the_config_alone_says_its_shapes_are_assumed(capsys):
     assert main(["plan", str(DATA / "k3_small" / "config.json"), "--tp-size", "2"]) == 0
     assert "from the config alone: on-disk shapes and dtypes are assumed" in capsys.readouterr().out
@@ -547,6 +571,54 @@ def test_a_misspelt_flag_is_named_with_the_closest_real_one(ckpt, capsys):
     assert info.value.code == 2
     assert "kda-tp: error: plan: unrecognized argument --tp-szie; did you mean --tp-size?" in err
     assert "required" not in err
+
+
+def _refusal(capsys, *argv: str) -> str:
+    """The last stderr line of ``kda-tp ARGV``, which must be argparse's refusal (exit 2) and the
+    only ``kda-tp: error:`` line."""
+    with pytest.raises(SystemExit) as info:
+        main(list(argv))
+    err = capsys.readouterr().err
+    assert info.value.code == 2, err
+    assert sum(line.startswith("kda-tp: error:") for line in err.splitlines()) == 1, err
+    return err.splitlines()[-1]
+
+
+@pytest.mark.parametrize("flag", ["--tp", "--tp-s", "-tp"])
+def test_an_abbreviated_or_one_dash_flag_is_refused_with_the_real_one(ckpt, capsys, flag):
+    """No abbreviations (allow_abbrev=False): ``--tp 4`` is not silently ``--tp-size 4``."""
+    assert _refusal(capsys, "plan", str(ckpt), flag, "4") == (
+        f"kda-tp: error: plan: unrecognized argument {flag}; did you mean --tp-size?")
+
+
+def test_a_misspelt_command_is_named_with_the_closest_real_one(capsys):
+    assert _refusal(capsys, "shrad", "ckpt", "--tp-size", "4") == (
+        "kda-tp: error: unknown command 'shrad'; did you mean shard?")
+    assert _refusal(capsys, "bogus") == (
+        "kda-tp: error: unknown command 'bogus'; choose from plan, shard, verify, audit, dump, "
+        "digests, demo")
+    assert _refusal(capsys, "--vers") == (
+        "kda-tp: error: unrecognized argument --vers; did you mean --version?")
+
+
+def test_a_bare_kda_tp_lists_its_commands_and_exits_2(capsys):
+    with pytest.raises(SystemExit) as info:
+        main([])
+    err = capsys.readouterr().err
+    assert info.value.code == 2
+    for command, words in [("plan", "print the shard table"), ("shard", "write one checkpoint"),
+                           ("verify", "check a shard output"), ("audit", "check the KDA weights"),
+                           ("dump", "write the KDA parameters"), ("digests", "print the SHA-256"),
+                           ("demo", "plan, shard and verify")]:
+        assert re.search(rf"^ +{command} +{words}", err, re.M), (command, err)
+    assert err.splitlines()[-1] == (
+        "kda-tp: error: a command is required: plan, shard, verify, audit, dump, digests, demo "
+        "(kda-tp COMMAND --help says more)")
+
+
+def test_a_negative_number_stays_a_value_for_argparse_to_judge(ckpt, capsys):
+    assert _refusal(capsys, "plan", str(ckpt), "--tp-size", "2", "--rank", "-1") == (
+        "kda-tp: error: plan: argument --rank: must be an integer >= 0, got -1")
 
 
 def test_a_subcommand_s_bad_flag_prints_that_subcommand_s_usage(ckpt, sharded, capsys):

@@ -170,41 +170,21 @@ def test_the_script_dumps_the_corpus(tmp_path: Path) -> None:
         assert (tmp_path / "corpus" / kind).is_dir(), kind
 
 
-# A refusal's bounds (issue 21): 5 s and 600 MB are the acceptance bounds; each case takes well
-# under 1 s here, so a loaded single core still fits.
-TIME_BOUND_S = 5.0
-MEMORY_BOUND_MB = 600
-_CHILD = (
-    "import resource, subprocess, sys, time\n"
-    "t = time.monotonic()\n"
-    "done = subprocess.run(sys.argv[1:], capture_output=True, text=True, timeout=60)\n"
-    "seconds = time.monotonic() - t\n"
-    "peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024\n"
-    "sys.stderr.write(done.stderr)\n"
-    "print(done.returncode, f'{seconds:.3f}', f'{peak:.0f}')\n"
-)
-
-
 @pytest.mark.parametrize("kind", list(malformed.CLI_KINDS))
-def test_hostile_command_lines_are_refused_fast_in_one_line(
-    corpus_root: Path, kind: str
-) -> None:
+def test_hostile_command_lines_are_refused_in_one_line(corpus_root: Path, kind: str) -> None:
     """Each hostile command line, in its own process: exit 2, exactly one ``kda-tp: error:``
-    line holding the expected words, no traceback, within the time and memory bounds (the
-    child's peak RSS, measured by a parent of its own so that nothing else is counted)."""
+    line holding the expected words, no traceback. Its time and peak memory (issue 21's 5 s and
+    600 MB) are measured by ``benchmarks/bench.py --only refuse``, not asserted here."""
     case = malformed.CLI_KINDS[kind](corpus_root)
     env = {**os.environ, **case.env}
     run = subprocess.run(
-        [sys.executable, "-c", _CHILD, sys.executable, "-m", "kda_tp", *case.argv],
+        [sys.executable, "-m", "kda_tp", *case.argv],
         capture_output=True, text=True, timeout=120, env=env,
     )
-    status, seconds, peak_mb = run.stdout.split()
     errors = [line for line in run.stderr.splitlines() if line.startswith("kda-tp: error:")]
-    assert int(status) == 2, run.stderr
+    assert run.returncode == 2, run.stderr
     assert len(errors) == 1 and case.contains in errors[0], run.stderr
     assert "Traceback" not in run.stderr
-    assert float(seconds) < TIME_BOUND_S, f"{kind}: {seconds} s"
-    assert float(peak_mb) < MEMORY_BOUND_MB, f"{kind}: {peak_mb} MB"
 
 
 def test_the_api_refuses_bools_bad_offsets_backends_and_plans(corpus_root: Path) -> None:

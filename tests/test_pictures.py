@@ -3,6 +3,7 @@ installed package's plan and engine tables, byte for byte."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -50,6 +51,15 @@ def test_the_pictures_carry_the_plans_numbers(drawn):
     plan = (drawn / "plan-kimi-linear-tp4.svg").read_text()
     assert "rank r keeps rows [1024r, 1024(r+1)), its 8 heads' channels" in plan
     assert "rank r keeps rows [8r, 8(r+1))" in plan
+    # CHANNEL_ROWS wraps onto the second line: its tensors there (f_b_proj, g_b_proj, dt_bias)
+    # stand under their own heading, left of HEAD_ROWS' (which once looked like theirs).
+    headings = {m[2]: (float(m[0]), float(m[1])) for m in re.findall(
+        r'<text x="([0-9.]+)" y="([0-9.]+)"[^>]*font-weight="bold">([A-Z_]+[^<]*)</text>', plan)}
+    continued, head_rows = headings["CHANNEL_ROWS (continued)"], headings[
+        "HEAD_ROWS: rows are heads"]
+    assert continued[1] == head_rows[1] and continued[0] < head_rows[0]
+    dt_bias = re.search(r'<text x="([0-9.]+)" y="[0-9.]+"[^>]*>dt_bias</text>', plan)
+    assert dt_bias and continued[0] < float(dt_bias[1]) < head_rows[0]
     a_log = (drawn / "k3-a-log.svg").read_text()
     assert "rank r keeps entries [12r, 12(r+1))" in a_log
     fused = (drawn / "vllm-k3-in-proj.svg").read_text()

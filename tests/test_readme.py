@@ -104,7 +104,7 @@ def test_the_try_it_path_runs_verbatim(tmp_path):
         outputs.append(done.stdout)
     names = [shlex.split(line)[1] for line in commands]
     assert names == ["demo", "plan", "shard", "verify", "dump", "audit"]
-    assert "per KDA layer: 19.69 MiB per rank of 75.38 MiB" in outputs[1]
+    assert "per KDA layer: 20.6 MB per rank of 79.0 MB (26.1%)" in outputs[1]
     assert "numerical TP equivalence passes (2 KDA layers" in outputs[3]
     assert outputs[5].splitlines()[-1] == (
         "OK: 72 of 72 KDA parameters exact on ranks 0, 1, 2, 3 of 4 (vllm-0.33-kimi-linear); "

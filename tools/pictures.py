@@ -283,9 +283,13 @@ def picture_plan(family: str = "kimi-linear", tp_size: int = 4) -> str:
                 x += KIND_GAP - GAP
             title, rule = kind_heading(kind, p0)
             head_x = x - 40 if kind in (KdaShard.CHANNEL_ROWS, KdaShard.HEAD_ROWS) else x
-            if first:  # a kind continued from the line above has no heading
+            if first:
                 svg.text(head_x, y, title, 13, bold=True)
                 svg.text(head_x, y + 17, rule, 12, fill=MUTED)
+            else:  # a kind continued from the line above: its name again, or its tensors
+                # would stand under the next kind's heading
+                title = f"{kind.name} (continued)"
+                svg.text(head_x, y, title, 13, bold=True)
             start = x
             for j, i in enumerate(idx):
                 t = p0.tensors[i]
@@ -295,6 +299,8 @@ def picture_plan(family: str = "kimi-linear", tp_size: int = 4) -> str:
                 x += slot_width(t) + GAP
             if first:
                 x = max(x, start + text_width(rule, 12) + GAP)
+            else:
+                x = max(x, head_x + text_width(title, 13) + GAP)
         y = top + tallest + 33 + 36
     local, full = p0.local_bytes, p0.full_bytes
     svg.text(20, y - 4, f"Each rank keeps {p0.local_heads} of {p0.full_heads} heads: "

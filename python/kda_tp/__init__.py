@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from ._native import __version__
     from .engine_audit import AuditReport, audit
     from .engine_dump import engine_digests, write_engine_dump
+    from .expected import expected_digests
     from .equivalence import check_tp_equivalence
     from .errors import (
         BufferLayoutError,
@@ -74,6 +75,7 @@ __all__ = [
     "AuditReport",
     "write_engine_dump",
     "engine_digests",
+    "expected_digests",
 ]
 
 #: The module each public name is imported from on first use.
@@ -108,6 +110,7 @@ _LAZY = {
     "AuditReport": "engine_audit",
     "write_engine_dump": "engine_dump",
     "engine_digests": "engine_dump",
+    "expected_digests": "expected",
 }
 
 

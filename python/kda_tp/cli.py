@@ -101,7 +101,17 @@ def _emit_json(args: argparse.Namespace, document: dict[str, Any]) -> None:
 
 class _Parser(argparse.ArgumentParser):
     """argparse with kda-tp's refusals: one ``kda-tp: error:`` line after the usage of the
-    (sub)command that refused, and a misspelt flag named with the closest real one."""
+    (sub)command that refused; no abbreviated flags (``--tp`` is not ``--tp-size``); a misspelt
+    or abbreviated flag (also with one dash, ``-tp``) or command (``shrad``) named with the
+    closest real one; a bare ``kda-tp`` lists the commands."""
+
+    #: The subcommand names, in the order ``_parser`` adds them (set on the top parser).
+    commands: list[str] = []
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # A flag's abbreviation would silently change meaning the day a longer flag is added.
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
         self.print_usage(sys.stderr)
@@ -111,16 +121,34 @@ class _Parser(argparse.ArgumentParser):
     def parse_known_args(  # type: ignore[override]
         self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
     ) -> tuple[argparse.Namespace, list[str]]:
+        given = list(sys.argv[1:] if args is None else args)
         if self.prog != "kda-tp":
             # A subcommand: its own unknown flags are its own error (with its usage), and are
             # named before any "required" complaint they may cause.
-            given = list(sys.argv[1:] if args is None else args)
             self._refuse_unknown(given)
             parsed, extras = super().parse_known_args(given, namespace)
             if extras:
                 self.error(f"unrecognized arguments: {' '.join(extras)}")
             return parsed, extras
-        return super().parse_known_args(args, namespace)
+        self._refuse_bad_command(given)
+        return super().parse_known_args(given, namespace)
+
+    def _refuse_bad_command(self, given: list[str]) -> None:
+        """A bare ``kda-tp`` (the help, then the refusal naming the commands, exit 2) or an
+        unknown command (the closest one suggested)."""
+        commands = self.commands
+        command = next((t for t in given if not t.startswith("-")), None)
+        self._refuse_unknown(given if command is None else given[:given.index(command)])
+        if command is None:
+            if not any(t in ("-h", "--help", "--version") for t in given):
+                self.print_help(sys.stderr)
+                self.exit(2, f"kda-tp: error: a command is required: {', '.join(commands)} "
+                             "(kda-tp COMMAND --help says more)\n")
+            return
+        if command not in commands:
+            close = difflib.get_close_matches(command, commands, n=1, cutoff=0.6)
+            hint = f"did you mean {close[0]}?" if close else f"choose from {', '.join(commands)}"
+            self.error(f"unknown command {command!r}; {hint}")
 
     def _refuse_unknown(self, given: list[str]) -> None:
         known = [o for o in self._option_string_actions if o.startswith("--")]
@@ -128,12 +156,26 @@ class _Parser(argparse.ArgumentParser):
             if token == "--":
                 return
             flag = token.split("=", 1)[0]
-            if not flag.startswith("--") or any(k.startswith(flag) for k in known):
+            if flag in self._option_string_actions or _is_value(token):
                 continue
-            close = difflib.get_close_matches(flag, known, n=1, cutoff=0.6)
-            command = self.prog.split()[-1]
-            hint = f"; did you mean {close[0]}?" if close else f" (see kda-tp {command} --help)"
+            # `-tp` (one dash, as some other tools spell long flags) is looked up as `--tp`.
+            wanted = flag if flag.startswith("--") else "-" + flag
+            close = ([k for k in known if k.startswith(wanted)]
+                     or difflib.get_close_matches(wanted, known, n=1, cutoff=0.6))
+            hint = f"; did you mean {close[0]}?" if close else f" (see {self.prog} --help)"
             self.error(f"unrecognized argument {flag}{hint}")
+
+
+def _is_value(token: str) -> bool:
+    """Whether a command-line token is not a flag: it does not start with ``-``, or it is a
+    number (``--rank -1`` is argparse's to refuse, as a value)."""
+    if not token.startswith("-"):
+        return True
+    try:
+        float(token)
+    except ValueError:
+        return token == "-"
+    return True
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -235,6 +277,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--keep", type=Path, help="write DIR/checkpoint and DIR/tp{N} here instead of a temporary directory (a new or empty DIR, or one an earlier demo made: what it wrote there is replaced)")
     _add_numeric(p, default_on=True)
     p.set_defaults(run=_cmd_demo)
+    parser.commands = list(sub.choices)
     return parser
 
 
@@ -584,14 +627,14 @@ def format_plan(
     share = plan.local_bytes / plan.full_bytes
     lines += [
         "",
-        f"per KDA layer: {_mib(plan.local_bytes)} per rank of {_mib(plan.full_bytes)} "
+        f"per KDA layer: {_bytes(plan.local_bytes)} per rank of {_bytes(plan.full_bytes)} "
         f"({share:.1%})",
     ]
     if n_layers:
         lines.append(
             f"{n_layers} KDA layer{'s' if n_layers != 1 else ''}: "
-            f"{_mib(n_layers * plan.local_bytes)} per rank of "
-            f"{_mib(n_layers * plan.full_bytes)}"
+            f"{_bytes(n_layers * plan.local_bytes)} per rank of "
+            f"{_bytes(n_layers * plan.full_bytes)}"
         )
     if plan.needs_output_all_reduce:
         lines.append(
@@ -605,10 +648,6 @@ def format_plan(
 
 def _shape(shape: Sequence[int]) -> str:
     return "[" + ", ".join(str(d) for d in shape) + "]"
-
-
-def _mib(n: int) -> str:
-    return f"{n / 2**20:,.2f} MiB"
 
 
 def _progress(
@@ -727,7 +766,9 @@ def format_sizes(sizes: ShardSizes) -> str:
 
 
 def _bytes(n: int) -> str:
-    """``n`` bytes in decimal units, 3 significant digits: ``512 B``, ``12.3 kB``, ``4.60 GB``."""
+    """``n`` bytes in decimal units, 3 significant digits: ``512 B``, ``12.3 kB``, ``4.60 GB``.
+    Every size the command line prints is in these units (kB = 10^3 bytes, MB = 10^6, GB =
+    10^9), the unit of the writer's and verifier's GB figures and of tqdm's byte counts."""
     for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
         if n >= scale:
             x = n / scale
@@ -1039,28 +1080,19 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         return status if report.ok else 1
 
 
-def _torchrun_processes() -> int:
-    """The number of processes of the torchrun job this process is part of; 1 outside torchrun."""
-    if "TORCHELASTIC_RUN_ID" not in os.environ:
-        return 1
-    world = os.environ.get("WORLD_SIZE", "1")
-    if not world.isdigit() or int(world) < 1:
-        raise PlanError(f"WORLD_SIZE={world!r} (set by torchrun) is not a positive integer")
-    return int(world)
-
-
 def _run_shard(args: argparse.Namespace) -> int:
-    """``shard``; under torchrun with several processes, the ranks are split over them."""
-    if _torchrun_processes() == 1:
-        return _cmd_shard(args)
-    from .torch import shard_checkpoint_distributed, torchrun_group
+    """``shard``; under torchrun with several processes, the ranks are split over them
+    (:mod:`kda_tp.torchrun`), and process 0 alone prints."""
+    from .torchrun import torchrun_job, torchrun_processes
 
-    with torchrun_group() as (process, processes):
+    if torchrun_processes() == 1:
+        return _cmd_shard(args)
+    with torchrun_job() as job:
         try:
             # Every process checks its input the same way; process 0 alone says so.
-            layers, skipped = _shard_input(args, warn=process == 0)
+            layers, skipped = _shard_input(args, warn=job.speaks)
             sizes: list[ShardSizes] = []
-            result = shard_checkpoint_distributed(
+            result = job.shard(
                 args.checkpoint,
                 args.out,
                 args.tp_size,
@@ -1069,71 +1101,39 @@ def _run_shard(args: argparse.Namespace) -> int:
                 qk_multiple=args.qk_multiple,
                 force=args.force,
                 backend=args.backend,
-                progress=_progress(args.quiet) if process == 0 else None,
+                progress=_progress(args.quiet),
                 allow_resharding=args.allow_resharding,
                 skip_unindexed=args.skip_unindexed,
                 kda_only=args.kda_only,
                 wait=args.wait,
-                report_sizes=_size_reporter(args, sizes) if process == 0 else None,
+                report_sizes=_size_reporter(args, sizes),
             )
         except KdaTpError as e:
-            if process == 0:
+            if job.speaks:
                 message = _with_hints(args, e)
                 print(f"kda-tp: error: {type(e).__name__}: {message}", file=sys.stderr)
                 _emit_json(args, {"ok": False,
                                   "error": {"type": type(e).__name__, "message": message}})
             return 2
-        if process == 0:
-            _print_shard(args, result, skipped, processes, sizes)
+        if job.speaks:
+            _print_shard(args, result, skipped, job.processes, sizes)
         return 0
 
 
 def _run_verify(args: argparse.Namespace) -> int:
     """``verify``; under torchrun with several processes, process 0 checks the bytes and
-    ``--numeric`` spreads the ranks' forwards over the processes with a real all-reduce."""
-    if _torchrun_processes() == 1:
+    ``--numeric`` spreads the ranks' forwards over the processes with a real all-reduce
+    (:mod:`kda_tp.torchrun`); process 0 alone prints, every process exits the same."""
+    from .torchrun import torchrun_job, torchrun_processes
+
+    if torchrun_processes() == 1:
         return _cmd_verify(args)
-    # kda_tp.torch first: without torch it raises MissingDependencyError, a KdaTpError.
-    from .shard import verify_shards
-    from .torch import check_tp_equivalence_distributed, rank_dir_metadata, torchrun_group
-
-    import torch.distributed as dist
-
-    with torchrun_group() as (process, _):
-        report, failure = None, None
-        if process == 0:
-            try:
-                report = verify_shards(args.checkpoint, args.out)
-            except KdaTpError as e:
-                failure = f"kda-tp: error: {type(e).__name__}: {e}"
-        state = [report is not None and report.ok, failure]
-        dist.broadcast_object_list(state, src=0)
-        if state[0] and args.numeric:
-            start = time.perf_counter()
-            meta = rank_dir_metadata(args.out)
-            numeric = check_tp_equivalence_distributed(
-                args.checkpoint,
-                meta["tp_size"],
-                shard_dir=args.out,
-                layers=meta["layers"],
-                seq_len=args.seq_len,
-                seed=args.seed,
-                qk_multiple=meta["qk_multiple"],
-            )
-            if report is not None:
-                report.numeric = numeric
-                report.numeric_seconds = time.perf_counter() - start
-        if process != 0:
-            status = [0]
-            dist.broadcast_object_list(status, src=0)
-            return status[0]
-        if failure is not None:
-            print(failure, file=sys.stderr)
-            status = [2]
-        else:
-            # Process 0 got a report: verify_shards returned, or failure would be set.
-            assert report is not None
-            _print_verify(report)
-            status = [0 if report.ok else 1]
-        dist.broadcast_object_list(status, src=0)
-        return status[0]
+    with torchrun_job() as job:
+        outcome = job.verify(args.checkpoint, args.out, numeric=args.numeric,
+                             seq_len=args.seq_len, seed=args.seed)
+        if outcome.error is not None:
+            print(f"kda-tp: error: {type(outcome.error).__name__}: {outcome.error}",
+                  file=sys.stderr)
+        elif outcome.report is not None:
+            _print_verify(outcome.report)
+        return 2 if outcome.refused else 0 if outcome.passed else 1

@@ -73,6 +73,22 @@ def engine_model_dtype(source: SafetensorsSource, engine: str,
     Raises:
         DtypeMismatchError: ``model_dtype`` is not a model dtype.
     """
+    if model_dtype is None and config_dtype(source.config, engine) is None and engine == "vllm":
+        return config_model_dtype(source.config, engine, tensors_dtype=_tensors_dtype(source))
+    return config_model_dtype(source.config, engine, model_dtype)
+
+
+def config_model_dtype(config: Mapping[str, Any] | None, engine: str,
+                       model_dtype: str | None = None, *,
+                       tensors_dtype: str | None = None) -> str:
+    """:func:`engine_model_dtype` from a config alone (no checkpoint on disk: an RL refit's
+    tensors are in memory): ``model_dtype`` when given, else the config's dtype as ``engine``
+    reads it, else ``tensors_dtype`` (vLLM's dtype for a config without one, when known),
+    with F32 or none becoming the engine's default (vLLM BF16, SGLang F16).
+
+    Raises:
+        DtypeMismatchError: ``model_dtype`` is not a model dtype.
+    """
     if model_dtype is not None:
         name = _NAMES.get(str(model_dtype).lower(), str(model_dtype))
         if name not in MODEL_DTYPES:
@@ -82,9 +98,7 @@ def engine_model_dtype(source: SafetensorsSource, engine: str,
                 "for the engine's default"
             )
         return name
-    found = config_dtype(source.config, engine)
-    if found is None and engine == "vllm":
-        found = _tensors_dtype(source)
+    found = config_dtype(config, engine) or tensors_dtype
     if found in (None, "F32"):
         return {"vllm": "BF16", "sglang": "F16"}.get(engine, "F32")
     return found
