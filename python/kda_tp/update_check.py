@@ -1,0 +1,303 @@
+"""The guard after a weight update: what the update fed is the reference (issue 26).
+
+An RL refit has no checkpoint on disk: the bytes a rank must hold after it are this rank's
+slices, by the plan and the engine's layout, of the checkpoint-format tensors the update handed
+to the model's ``load_weights``. :class:`UpdateCheck` builds that reference as the tensors pass
+(:meth:`UpdateCheck.wrap` around the iterator the engine consumes): of each KDA tensor it keeps
+only this rank's slice (a copy, on the host), never the full tensor, and nothing of any other
+tensor. When the update ends (one ``load_weights`` call, or a whole session: a reload, a
+weight-transfer session whose parts arrive in several calls), :meth:`UpdateCheck.check`
+compares every region of every KDA parameter the update touched with what was fed for it, byte
+for byte, in the parameter's dtype (the engine's cast of the fed values).
+
+A region that differs is named with what it holds instead, when kda_tp can tell without any
+other rank's data:
+
+* what was fed for another part of the same layer (``q_proj``'s slice in ``k_proj``'s place);
+* the values from before the update (the engine never applied what was fed): each region's
+  sampled fingerprint is taken when the update starts (:meth:`UpdateCheck.__init__`);
+* else the first differing element, expected and found.
+
+This module imports no engine and no torch; torch tensors (any device) are sliced in torch and
+only the slice is copied to the host.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .checkpoint import SafetensorsSource, numpy_dtype
+from .engine_audit import as_record
+from .engines import EngineLayout, get_layout, model_family, param_location, recognise
+from .errors import CheckpointError, EngineLayoutError
+from .guard import model_dtype_name
+from .layout import checkpoint_suffix, decoder_prefix, kda_layer_indices
+from .plan import KdaTensorPlan, KdaTpPlan
+from .quant import SCALE_SUFFIXES
+
+__all__ = ["FINGERPRINT_ELEMENTS", "UpdateCheck", "UpdateReport"]
+
+#: Elements sampled (evenly spaced) per region for the fingerprint of its values before an
+#: update, which tells "never applied" apart from other wrong values.
+FINGERPRINT_ELEMENTS = 64
+
+
+@dataclass
+class UpdateReport:
+    """What :meth:`UpdateCheck.check` found.
+
+    Attributes:
+        params: KDA parameters the update touched (some part of them was fed).
+        regions: regions (a part of one parameter) checked.
+        bytes: bytes of the regions checked, in the parameters' dtypes.
+        seconds: wall time of the check, in seconds (feeding not included).
+        problems: one line per wrong region (``"<param name>: <part>: ..."``), or per fed
+            tensor that could not be placed; empty when every touched region holds what was
+            fed.
+    """
+
+    params: int = 0
+    regions: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        """True when every region the update touched holds exactly what was fed for it."""
+        return not self.problems
+
+
+@dataclass(frozen=True)
+class _Place:
+    """One region of one engine parameter: the parameter's name and its elements."""
+
+    name: str
+    suffix: str
+    dtype: str
+    start: int
+    stop: int
+
+
+class UpdateCheck:
+    """One rank's reference for one weight update, built from what the update feeds.
+
+    Args:
+        checkpoint: a local checkpoint directory (or ``.safetensors`` file) of the model, for
+            its config and tensor headers: the geometry and the plan (an RL refit changes
+            values, not shapes). Its values are never read.
+        params: the rank's parameters as the engine holds them now, before the update
+            (``model.named_parameters()``): the KDA ones are found by name and the layout is
+            recognised from them; each region's fingerprint is taken now.
+        tp_rank: this rank in the engine's tensor-parallel group.
+        tp_size: that group's size.
+        engine: a layout name (``kda_tp.engines.LAYOUTS``); None: recognised from the names.
+
+    Raises:
+        CheckpointError: the checkpoint cannot be read, has no config, or its config has no
+            KDA layer.
+        EngineLayoutError: no layout, or several, fit the parameter names, or the layout does
+            not fit the plan.
+        PlanError: the world size does not divide the heads.
+    """
+
+    def __init__(self, checkpoint: str | os.PathLike[str], params: Mapping[str, Any], *,
+                 tp_rank: int, tp_size: int, engine: str | None = None):
+        source = SafetensorsSource(checkpoint)
+        self.plan = KdaTpPlan.from_config(source, tp_rank, tp_size, qk_multiple=1)
+        self.prefix = decoder_prefix(source)
+        layers = frozenset(kda_layer_indices(source, None))
+        # Checkpoint suffix (after `self_attn.`) -> (part name in the layouts, its plan).
+        self._parts: dict[str, tuple[str, KdaTensorPlan]] = {}
+        for t in self.plan.tensors:
+            self._parts[checkpoint_suffix(t.name)] = (t.name, t)
+            if t.scale is not None:
+                for spelling in SCALE_SUFFIXES:
+                    self._parts[f"{t.name}.{spelling}"] = (f"{t.name}.scale", t.scale)
+        found: dict[tuple[int, str], str] = {}
+        for name in params:
+            location = param_location(name) if isinstance(name, str) else None
+            if location is not None and location[1] in layers:
+                found[(location[1], location[2])] = name
+        self.layout = self._layout({s for _, s in found}, model_family(source.config), engine)
+        known = self.layout.suffixes
+        self._names = {key: name for key, name in found.items() if key[1] in known}
+        # (layer, part) -> the regions it fills.
+        self._places: dict[tuple[int, str], list[_Place]] = {}
+        for param in self.layout.params_for(self.plan):
+            for layer in sorted(layers):
+                held = self._names.get((layer, param.suffix))
+                if held is None:
+                    continue  # another pipeline stage's layer, or a parameter the engine lacks
+                plan = self.layout.param_plan(param.suffix, self.plan, _dtype(params[held]))
+                size = numpy_dtype(plan.dtype).itemsize
+                for region in plan.regions:
+                    self._places.setdefault((layer, region.part), []).append(_Place(
+                        held, param.suffix, plan.dtype, region.byte_range[0] // size,
+                        region.byte_range[1] // size))
+        self._before = {(key, place.name): _fingerprint(params[place.name], place)
+                        for key, places in self._places.items() for place in places}
+        self._fed: dict[tuple[int, str], tuple[str, np.ndarray]] = {}
+        self._unplaced: list[str] = []
+
+    @staticmethod
+    def _layout(suffixes: set[str], family: str, engine: str | None) -> EngineLayout:
+        if engine is not None:
+            return get_layout(engine)
+        fitting = recognise(suffixes, family)
+        if len(fitting) != 1:
+            raise EngineLayoutError(
+                f"the engine's KDA parameter names {sorted(suffixes)} fit "
+                f"{'no' if not fitting else 'several'} {family} engine layouts"
+                f"{': ' + ', '.join(lay.name for lay in fitting) if fitting else ''}")
+        return fitting[0]
+
+    def feed(self, name: Any, tensor: Any) -> None:
+        """Take note of one tensor the update hands to the model: for a KDA tensor of one of
+        the engine's KDA layers (its checkpoint name, under the checkpoint's decoder prefix),
+        a host copy of this rank's slice; nothing for any other name. A tensor fed twice
+        counts with its last value (as the engine applies it last)."""
+        location = param_location(name) if isinstance(name, str) else None
+        if location is None or location[0] != self.prefix:
+            return
+        _, layer, suffix = location
+        part = self._parts.get(suffix)
+        if part is None or (layer, part[0]) not in self._places:
+            return
+        label, t = part
+        try:
+            view = tensor.reshape(t.full_rows, t.full_row_elems)
+        except (RuntimeError, ValueError, AttributeError):
+            shape = list(getattr(tensor, "shape", ()))
+            self._unplaced.append(
+                f"{name}: fed with shape {shape}, which does not hold the checkpoint's "
+                f"{list(t.disk_shape)}; not applied as the plan places it")
+            return
+        rows = slice(t.src_row_offset, t.src_row_offset + t.local_rows)
+        cols = slice(t.src_col_offset, t.src_col_offset + t.local_row_elems)
+        local = view[rows, cols]
+        if hasattr(local, "contiguous"):
+            local = local.contiguous()
+        record = as_record(name, local)
+        self._fed[(layer, label)] = (name, np.array(record.array, copy=True).reshape(-1))
+
+    def wrap(self, weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+        """``weights``, each pair passed on unchanged after :meth:`feed` took note of it."""
+        for name, tensor in weights:
+            self.feed(name, tensor)
+            yield name, tensor
+
+    @property
+    def touched(self) -> bool:
+        """Whether any KDA tensor of this rank's layers was fed (or could not be placed)."""
+        return bool(self._fed or self._unplaced)
+
+    def check(self, params: Mapping[str, Any]) -> UpdateReport:
+        """Compare every region the update touched with what was fed for it.
+
+        Args:
+            params: the rank's parameters now, after the update (``named_parameters()``:
+                parameters an engine re-registered are looked up again by name).
+
+        Returns:
+            The :class:`UpdateReport` (``problems`` empty when all is right).
+        """
+        start = time.perf_counter()
+        report = UpdateReport(problems=list(self._unplaced))
+        arrays: dict[str, np.ndarray] = {}
+        touched: set[str] = set()
+        for (layer, part), (fed_name, fed) in self._fed.items():
+            for place in self._places[(layer, part)]:
+                value = params.get(place.name)
+                if value is None:
+                    report.problems.append(f"{place.name}: missing after the update")
+                    continue
+                if place.name not in arrays:
+                    arrays[place.name] = as_record(place.name, value).array.reshape(-1)
+                touched.add(place.name)
+                got = arrays[place.name][place.start:place.stop]
+                report.regions += 1
+                report.bytes += got.nbytes
+                problem = self._compare(layer, part, place, got, fed_name, fed, value)
+                if problem:
+                    report.problems.append(f"{place.name}: {part}: {problem}")
+        report.params = len(touched)
+        report.seconds = time.perf_counter() - start
+        return report
+
+    def _compare(self, layer: int, part: str, place: _Place, got: np.ndarray, fed_name: str,
+                 fed: np.ndarray, value: Any) -> str | None:
+        """None when ``got`` holds ``fed`` cast to the parameter's dtype, else what it holds."""
+        if fed.size != got.size:
+            return (f"{fed_name} was fed with {fed.size} elements for this rank, the engine's "
+                    f"region holds {got.size}")
+        want = _cast(fed, got.dtype)
+        if _bytes_equal(got, want):
+            return None
+        for (other_layer, other_part), (other_name, other) in self._fed.items():
+            if (other_layer == layer and other_part != part and other.size == got.size
+                    and _bytes_equal(got, _cast(other, got.dtype))):
+                return (f"holds what was fed as {other_name} (this rank's slice), not "
+                        f"{fed_name}: parts swapped by the update's loader")
+        before = self._before.get(((layer, part), place.name))
+        if before is not None and before == _fingerprint(value, place) \
+                and before != _sample_bytes(want, place.stop - place.start):
+            return (f"holds the values from before the update: {fed_name} was fed but the "
+                    "engine never applied it")
+        first = int(np.flatnonzero(_bits(got) != _bits(want))[0])
+        return (f"differs from what was fed as {fed_name} at element {first} (expected "
+                f"{float(want[first])!r}, got {float(got[first])!r})")
+
+
+def _dtype(value: Any) -> str | None:
+    """The safetensors dtype name of a parameter's dtype (torch or numpy), None if unknown."""
+    return model_dtype_name(getattr(value, "dtype", None))
+
+
+def _cast(values: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """``values`` in ``dtype`` as an engine's ``copy_`` casts them (round to nearest even)."""
+    if values.dtype == dtype:
+        return values
+    with np.errstate(over="ignore", invalid="ignore"):
+        return values.astype(dtype)
+
+
+def _bits(a: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(a).reshape(-1).view(f"<u{a.dtype.itemsize}")
+
+
+def _bytes_equal(a: np.ndarray, b: np.ndarray) -> bool:
+    """Byte equality (-0.0 and 0.0 differ, a NaN equals the same NaN)."""
+    return a.dtype.itemsize == b.dtype.itemsize and np.array_equal(_bits(a), _bits(b))
+
+
+def _indices(count: int) -> np.ndarray:
+    """The evenly spaced element indices a fingerprint samples from ``count`` elements."""
+    return np.unique(np.linspace(0, max(count - 1, 0), min(count, FINGERPRINT_ELEMENTS),
+                                 dtype=np.int64))
+
+
+def _sample_bytes(flat: np.ndarray, count: int) -> bytes:
+    return np.ascontiguousarray(flat.reshape(-1)[_indices(count)]).tobytes()
+
+
+def _fingerprint(value: Any, place: _Place) -> bytes | None:
+    """The sampled elements of one region of a parameter (torch: gathered on its device, only
+    the samples copied to the host); None when the parameter cannot be read (meta, lazy)."""
+    index = _indices(place.stop - place.start) + place.start
+    try:
+        if hasattr(value, "detach"):
+            import torch
+
+            flat = value.detach().reshape(-1)
+            picked = flat[torch.as_tensor(index, device=flat.device)]
+            return bytes(as_record(place.name, picked.contiguous()).array.tobytes())
+        return np.ascontiguousarray(np.asarray(value).reshape(-1)[index]).tobytes()
+    except (CheckpointError, RuntimeError, ValueError, IndexError, NotImplementedError):
+        return None
