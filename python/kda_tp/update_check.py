@@ -24,9 +24,14 @@ only the slice is copied to the host.
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import logging
 import os
 import time
-from collections.abc import Iterable, Iterator, Mapping
+import warnings
+import weakref
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,13 +40,16 @@ import numpy as np
 from .checkpoint import SafetensorsSource, numpy_dtype
 from .engine_audit import as_record
 from .engines import EngineLayout, get_layout, model_family, param_location, recognise
-from .errors import CheckpointError, EngineLayoutError
-from .guard import model_dtype_name
+from .errors import CheckpointError, EngineLayoutError, GuardError, KdaTpError
+from .guard import CHECKPOINT_ENV, MODE_ENV, cannot_check, derived_problem, mode, model_dtype_name
 from .layout import checkpoint_suffix, decoder_prefix, kda_layer_indices
 from .plan import KdaTensorPlan, KdaTpPlan
 from .quant import SCALE_SUFFIXES
 
-__all__ = ["FINGERPRINT_ELEMENTS", "UpdateCheck", "UpdateReport"]
+__all__ = ["FINGERPRINT_ELEMENTS", "Followed", "UpdateCheck", "UpdateReport", "follow",
+           "followed"]
+
+logger = logging.getLogger("kda_tp.guard")
 
 #: Elements sampled (evenly spaced) per region for the fingerprint of its values before an
 #: update, which tells "never applied" apart from other wrong values.
@@ -301,3 +309,160 @@ def _fingerprint(value: Any, place: _Place) -> bytes | None:
         return np.ascontiguousarray(np.asarray(value).reshape(-1)[index]).tobytes()
     except (CheckpointError, RuntimeError, ValueError, IndexError, NotImplementedError):
         return None
+
+
+# ------------------------------------------------------------------------------------------
+# Following a live model: every call of its load_weights after the first load is an update
+
+
+@dataclass
+class Followed:
+    """How an engine plugin checks one model's updates (what :func:`follow` needs of it).
+
+    Attributes:
+        engine: the engine's name for the lines (``"vllm"``, ``"sglang"``).
+        checkpoint: the local checkpoint whose config and headers give the plan (None: none;
+            the updates are then not checked, with one warning).
+        rank: ``(tp_rank, tp_size)`` of the engine's tensor-parallel group, now.
+        params: the model's parameters as the layouts describe them, now.
+        derived: the model's derived copies kda_tp knows (:data:`kda_tp.guard.DERIVED`), now.
+        repair: run after every update before the derived copies are checked (the opt-in
+            repair of stale caches; a no-op when off).
+        ran: told each verdict line (the plugin's armed record).
+        session: the open update session, if any.
+        quiet: > 0 while a loader fills the model (its own full check covers that load).
+    """
+
+    engine: str
+    checkpoint: Callable[[], str | None]
+    rank: Callable[[], tuple[int, int]]
+    params: Callable[[], Mapping[str, Any]]
+    derived: Callable[[], Mapping[str, Any]]
+    repair: Callable[[], None]
+    ran: Callable[[str], None]
+    session: UpdateCheck | None = None
+    quiet: int = 0
+
+    @contextlib.contextmanager
+    def quietly(self) -> Iterator[None]:
+        """No update session while a loader fills the model (its own check covers it)."""
+        self.quiet += 1
+        try:
+            yield
+        finally:
+            self.quiet -= 1
+
+    @contextlib.contextmanager
+    def update(self, where: str) -> Iterator[UpdateCheck | None]:
+        """One update session: opened now (unless one is open: then it joins that one),
+        checked when the block ends without an error (:meth:`close`); yields the session
+        (None when nothing is checked)."""
+        if self.session is not None:
+            yield self.session
+            return
+        session = self.open(where)
+        try:
+            yield session
+        except BaseException:
+            self.session = None
+            raise
+        self.close(where)
+
+    def open(self, where: str) -> UpdateCheck | None:
+        """Open an update session (each region's fingerprint taken now); None, and no session,
+        in mode ``off`` or without a local checkpoint config (one warning).
+
+        Raises:
+            GuardError: mode ``fail`` and the checkpoint's config cannot give the plan for the
+                engine's parameters.
+        """
+        if mode() == "off":
+            return None
+        rank, size = self.rank()
+        label = f"{self.engine} {where}: tp rank {rank}/{size}"
+        path = self.checkpoint()
+        if not path or "://" in path or not os.path.exists(path):
+            _once(f"kda_tp guard: {label}: no local checkpoint config for the model ({path!r}); "
+                  f"its weight updates are not checked (set {CHECKPOINT_ENV} to a local copy "
+                  "of its config.json and safetensors files)")
+            return None
+        try:
+            self.session = UpdateCheck(path, self.params(), tp_rank=rank, tp_size=size)
+        except KdaTpError as error:
+            cannot_check(f"kda_tp guard: {label}: cannot check the update against {path}: "
+                         f"{error}")
+        return self.session
+
+    def close(self, where: str) -> None:
+        """Check the open session (every region it touched) and the derived copies; the
+        verdict as the mode says: INFO line, WARNING with the diagnosis, or raised.
+
+        Raises:
+            GuardError: mode ``fail`` and a KDA parameter or derived copy is wrong.
+        """
+        session, self.session = self.session, None
+        if session is None:
+            return
+        rank, size = self.rank()
+        params = self.params()
+        report = session.check(params)
+        self.repair()
+        for name, value in self.derived().items():
+            problem = derived_problem(name, value, params, session.layout.name)
+            if isinstance(problem, str):
+                report.problems.append(f"{name}: {problem}")
+        if not session.touched and report.passed:
+            return
+        verdict = "OK" if report.passed else f"FAIL ({len(report.problems)} wrong)"
+        line = (f"kda_tp guard: {self.engine} {where}: tp rank {rank}/{size}: {report.params} "
+                f"KDA parameters updated ({session.layout.name}), {report.bytes} bytes, "
+                f"{report.seconds:.3f} s: {verdict}")
+        self.ran(line)
+        if report.passed:
+            logger.info("%s", line)
+            return
+        text = (f"{line}\nthe KDA weights this rank holds after the update differ from what "
+                "the update fed:\n" + "\n".join(f"  rank {rank} {p}" for p in report.problems))
+        if mode() == "fail":
+            raise GuardError(text + f"\n(set {MODE_ENV}=warn to go on anyway)")
+        logger.warning("%s", text)
+
+
+_followed: weakref.WeakKeyDictionary[Any, Followed] = weakref.WeakKeyDictionary()
+_warned: set[str] = set()
+
+
+def _once(text: str) -> None:
+    """One warning per process for an update path the guard cannot check."""
+    if text not in _warned:
+        _warned.add(text)
+        warnings.warn(text, RuntimeWarning, stacklevel=4)
+
+
+def followed(model: Any) -> Followed | None:
+    """The :class:`Followed` record of ``model``, or None when its updates are not followed."""
+    return _followed.get(model)
+
+
+def follow(model: Any, how: Followed) -> None:
+    """Check every later update of ``model``: its own ``load_weights`` is wrapped (an instance
+    attribute) so that each call feeds the open session of ``how``, or is one update by
+    itself, checked when it returns. Idempotent (the first record stays).
+
+    Raises (from the wrapped ``load_weights``):
+        GuardError: mode ``fail`` and the update left a KDA parameter wrong.
+    """
+    if model in _followed:
+        return
+    _followed[model] = how
+    original = model.load_weights
+
+    @functools.wraps(original)
+    def load_weights(weights: Iterable[tuple[str, Any]], *args: Any, **kwargs: Any) -> Any:
+        if how.quiet:
+            return original(weights, *args, **kwargs)
+        with how.update("load_weights") as session:
+            fed = session.wrap(weights) if session is not None else weights
+            return original(fed, *args, **kwargs)
+
+    model.load_weights = load_weights

@@ -69,7 +69,7 @@ import sys
 import threading
 import warnings
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -77,17 +77,16 @@ from .errors import GuardError, KdaTpError
 from .guard import (
     CHECKPOINT_ENV,
     DERIVED,
-    MODE_ENV,
     GuardResult,
     cannot_check,
     check,
-    derived_problem,
     explicit_checkpoint,
     looks_kda,
     mode,
     model_dtype_name,
     stage_layers,
 )
+from .update_check import Followed, follow, followed
 
 __all__ = ["REPAIR_ENV", "WORKER_METHOD", "audit_llm", "follow_updates", "guard_model",
            "register", "status"]
@@ -378,10 +377,9 @@ def follow_transfer(engine: Any, vllm_config: Any) -> None:
     def start_weight_update() -> None:
         model = engine.model
         main = model is getattr(engine, "_default_model", model)
-        follow = _followed.get(model) if main else None
-        if follow is not None and follow.session is None:
-            follow.session = _begin(model, follow, "weight transfer")
-            opened.append(model)
+        how = followed(model) if main else None
+        if how is not None and how.session is None and how.open("weight transfer"):
+            opened.append(how)
         try:
             start()
         except BaseException:
@@ -395,11 +393,7 @@ def follow_transfer(engine: Any, vllm_config: Any) -> None:
             _drop(opened)
             raise
         while opened:
-            model = opened.pop()
-            follow = _followed.get(model)
-            if follow is not None:
-                session, follow.session = follow.session, None
-                _end(model, follow, session, "weight transfer")
+            opened.pop().close("weight transfer")
 
     setattr(start_weight_update, _WRAPPED, True)
     engine.start_weight_update = start_weight_update
@@ -409,9 +403,7 @@ def follow_transfer(engine: Any, vllm_config: Any) -> None:
 def _drop(opened: list[Any]) -> None:
     """Forget the sessions of a failed transfer (vLLM reports that failure itself)."""
     while opened:
-        follow = _followed.get(opened.pop())
-        if follow is not None:
-            follow.session = None
+        opened.pop().session = None
 
 
 def _wrap_tensorizer(module: Any) -> None:  # ...model_loader.tensorizer_loader
@@ -634,33 +626,18 @@ def _stage_layers(names: Iterable[str]) -> list[int] | None:
 # Updates: what the model's load_weights is fed after the first load
 
 
-@dataclass
-class _Follow:
-    """A followed model: its config, the open update session, and quiet (a first load or a
-    reload from disk, which the full check covers)."""
-
-    model_config: Any
-    vllm_config: Any
-    session: Any = None
-    quiet: int = 0
-    tried: bool = False
-
-
-_followed: weakref.WeakKeyDictionary[Any, _Follow] = weakref.WeakKeyDictionary()
-
-
 def follow_updates(model: Any, model_config: Any, vllm_config: Any = None) -> None:
-    """Check every later update of ``model`` (the main model of this worker): wraps the
-    model's own ``load_weights`` (an instance attribute) so that each call feeds the open
-    update session, or is one update by itself, checked when it returns. Idempotent; a draft
-    model or a model without KDA names is not followed.
+    """Check every later update of ``model`` (the main model of this worker): its own
+    ``load_weights`` is wrapped (:func:`kda_tp.update_check.follow`) so that each call feeds
+    the open update session, or is one update by itself, checked when it returns.
+    Idempotent; a draft model or a model without KDA names is not followed.
 
     Args:
         model: the loaded ``torch.nn.Module``.
         model_config: its vLLM ``ModelConfig`` (None: the current vLLM config's).
         vllm_config: vLLM's config (None: the current one).
     """
-    if model in _followed or not callable(getattr(model, "load_weights", None)):
+    if followed(model) is not None or not callable(getattr(model, "load_weights", None)):
         return
     if not looks_kda(n for n, _ in model.named_parameters()):
         return
@@ -671,112 +648,34 @@ def follow_updates(model: Any, model_config: Any, vllm_config: Any = None) -> No
     model_config = model_config or getattr(vllm_config, "model_config", None)
     if _is_draft(model_config, vllm_config):
         return
-    follow = _Follow(model_config, vllm_config)
-    _followed[model] = follow
-    original = model.load_weights
+    download = getattr(getattr(vllm_config, "load_config", None), "download_dir", None)
+    ref: Callable[[], Any] = weakref.ref(model)  # the record must not keep the model alive
 
-    @functools.wraps(original)
-    def load_weights(weights: Iterable[tuple[str, Any]], *args: Any, **kwargs: Any) -> Any:
-        if follow.quiet:
-            return original(weights, *args, **kwargs)
-        if follow.session is not None:
-            return original(follow.session.wrap(weights), *args, **kwargs)
-        with _session(model, "load_weights") as session:
-            fed = session.wrap(weights) if session is not None else weights
-            return original(fed, *args, **kwargs)
+    def checkpoint() -> str | None:
+        if model_config is None:
+            return None
+        rank, size = _rank()
+        return _checkpoint(model_config, "update", None, download,
+                           f"vllm update: tp rank {rank}/{size}")
 
-    setattr(load_weights, _WRAPPED, True)
-    model.load_weights = load_weights
+    follow(model, Followed(
+        "vllm", checkpoint, _rank,
+        lambda: {n: _as_processed(n, p) for n, p in ref().named_parameters()},
+        lambda: _derived(ref()), lambda: _repair(ref()),
+        lambda line: _armed.ran("update", line)))
     _armed.hooks.setdefault("model.load_weights (updates)", "armed")
 
 
-@contextlib.contextmanager
-def _quiet(model: Any) -> Iterator[None]:
+def _quiet(model: Any) -> contextlib.AbstractContextManager[Any]:
     """No update session while a loader fills ``model`` (its own check covers it)."""
-    follow = _followed.get(model)
-    if follow is not None:
-        follow.quiet += 1
-    try:
-        yield
-    finally:
-        if follow is not None:
-            follow.quiet -= 1
+    how = followed(model)
+    return how.quietly() if how is not None else contextlib.nullcontext()
 
 
-@contextlib.contextmanager
-def _session(model: Any, where: str) -> Iterator[Any]:
-    """One update session on ``model``: opened now (unless one is open: then that one), checked
-    when the block ends without an error; yields the session (None when nothing is checked)."""
-    follow = _followed.get(model)
-    if follow is None or follow.session is not None:
-        yield None if follow is None else follow.session
-        return
-    session = follow.session = _begin(model, follow, where)
-    try:
-        yield session
-    except BaseException:
-        follow.session = None
-        raise
-    follow.session = None
-    _end(model, follow, session, where)
-
-
-def _begin(model: Any, follow: _Follow, where: str) -> Any:
-    """A new :class:`~kda_tp.update_check.UpdateCheck` for ``model`` (fingerprints now), or
-    None when nothing can be checked (mode ``off``; no local checkpoint config: one warning;
-    in mode ``fail`` a config the guard cannot use is a ``GuardError``)."""
-    if mode() == "off":
-        return None
-    from .update_check import UpdateCheck
-
-    rank, size = _rank()
-    label = f"vllm {where}: tp rank {rank}/{size}"
-    config = follow.model_config
-    download = getattr(getattr(follow.vllm_config, "load_config", None), "download_dir", None)
-    path = None if config is None else _checkpoint(config, "update", None, download, label)
-    if not path or "://" in path or not os.path.exists(path):
-        _unchecked_once(f"{label}: no local checkpoint config for the model ({path!r}); its "
-                        f"weight updates are not checked (set {CHECKPOINT_ENV} to a local copy "
-                        "of its config.json and safetensors headers)")
-        return None
-    try:
-        return UpdateCheck(path, dict(model.named_parameters()), tp_rank=rank, tp_size=size)
-    except KdaTpError as error:
-        cannot_check(f"kda_tp guard: {label}: cannot check the update against {path}: {error}")
-        return None
-
-
-def _end(model: Any, follow: _Follow, session: Any, where: str) -> None:
-    """Check an ended update session and the derived copies; the verdict as the mode says.
-
-    Raises:
-        GuardError: mode ``fail`` and a KDA parameter or derived copy is wrong.
-    """
-    if session is None:
-        return
-    rank, size = _rank()
-    params = {n: _as_processed(n, p) for n, p in model.named_parameters()}
-    report = session.check(params)
-    _repair(model)
-    for name, value in _derived(model).items():
-        problem = derived_problem(name, value, params, session.layout.name)
-        if isinstance(problem, str):
-            report.problems.append(f"{name}: {problem}")
-    if not session.touched and report.passed:
-        return
-    verdict = "OK" if report.passed else f"FAIL ({len(report.problems)} wrong)"
-    line = (f"kda_tp guard: vllm {where}: tp rank {rank}/{size}: {report.params} KDA "
-            f"parameters updated ({session.layout.name}), {report.bytes} bytes, "
-            f"{report.seconds:.3f} s: {verdict}")
-    _armed.ran("update", line)
-    if report.passed:
-        logger.info("%s", line)
-        return
-    text = (f"{line}\nthe KDA weights this rank holds after the update differ from what the "
-            "update fed:\n" + "\n".join(f"  rank {rank} {p}" for p in report.problems))
-    if mode() == "fail":
-        raise GuardError(text + f"\n(set {MODE_ENV}=warn to go on anyway)")
-    logger.warning("%s", text)
+def _session(model: Any, where: str) -> contextlib.AbstractContextManager[Any]:
+    """One update session on ``model``, checked when the block ends without an error."""
+    how = followed(model)
+    return how.update(where) if how is not None else contextlib.nullcontext()
 
 
 def _repair(model: Any) -> None:
