@@ -184,8 +184,9 @@ class UpdateCheck:
         except (RuntimeError, ValueError, AttributeError):
             shape = list(getattr(tensor, "shape", ()))
             self._unplaced.append(
-                f"{name}: fed with shape {shape}, which does not hold the checkpoint's "
-                f"{list(t.disk_shape)}; not applied as the plan places it")
+                f"{name}: fed with shape {shape}, which does not hold the "
+                f"{t.full_rows * t.full_row_elems} elements of {label} the plan places; the "
+                "update cannot be right")
             return
         rows = slice(t.src_row_offset, t.src_row_offset + t.local_rows)
         cols = slice(t.src_col_offset, t.src_col_offset + t.local_row_elems)
@@ -200,6 +201,11 @@ class UpdateCheck:
         for name, tensor in weights:
             self.feed(name, tensor)
             yield name, tensor
+
+    @property
+    def kept_bytes(self) -> int:
+        """Host bytes the reference holds now: this rank's slices of the KDA tensors fed."""
+        return sum(array.nbytes for _, array in self._fed.values())
 
     @property
     def touched(self) -> bool:
