@@ -783,6 +783,7 @@ def test_glm_merged_conv_weight_stale_after_a_reload_is_named_and_the_repair_swi
             "k_conv1d.weight and v_conv1d.weight makes of it at [0, 0]") in text
     assert "stale (built before the last update and never rebuilt: " \
            "https://github.com/vllm-project/vllm/issues/55087)" in text
+    print(text)
     monkeypatch.setenv(REPAIR_ENV, "1")
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="kda_tp.guard"), set_current_vllm_config(vc):
