@@ -84,8 +84,11 @@ baseline measured alongside it; the last columns give the target and PASS/MISS.
    arrays a loader filled) against ``np.copyto`` of the same number of contiguous bytes of the
    mapped checkpoint into a prefaulted buffer (single thread), best of N interleaved (target:
    the guard within 2x the memcpy); and its cost on a non-KDA model's parameters (an 80-layer
-   Llama's 723 names), time per call (target: under 1 ms). ``--only guard`` runs this section
-   alone.
+   Llama's 723 names), time per call (target: under 1 ms); and the check of one refit of the
+   same rank (``kda_tp.update_check``: the layer's full checkpoint-format tensors fed, this
+   rank's slices kept, every touched region compared) against a single-thread memcpy of the
+   rank's KDA bytes it touched (target: within 2x), with the host memory the reference held.
+   ``--only guard`` runs this section alone.
 4. (full run only) Peak RSS of ``kda-tp shard`` at TP=4 on a 2-layer and an 8-layer GLM-5.3
    checkpoint; the bound is the largest single tensor + 256 MiB. RssAnon/RssFile peaks are
    sampled from /proc every 10 ms (RSS counts touched pages of file mappings, so a
@@ -686,6 +689,7 @@ def section_guard(scratch: Path, reps: int, calls: int, loops: int) -> None:
     row(sec, "kda_tp.guard.check (mode fail, passes)", f"{t['guard'] * 1e3:.1f}", "ms",
         f"guard/memcpy {ratio:.2f}x", "<= 2.00x", verdict(ratio <= 2.0))
     log(f"  guard {t['guard'] * 1e3:.1f} ms, memcpy {t['memcpy'] * 1e3:.1f} ms, {ratio:.2f}x")
+    section_guard_update(ckpt, src, params, rank, tp, reps)
     del params, source, dst, src
     shutil.rmtree(ckpt)
     # A non-KDA model: an 80-layer Llama's parameter names (the values are never read).
@@ -701,6 +705,51 @@ def section_guard(scratch: Path, reps: int, calls: int, loops: int) -> None:
     row("7 guard non-KDA", f"kda_tp.guard.check on a non-KDA model ({len(llama)} parameters)",
         f"{us:.1f}", "us", "skipped: no KDA parameter name", "< 1000 us", verdict(us < 1000))
     log(f"  non-KDA: {us:.1f} us per call")
+
+
+def section_guard_update(ckpt: Path, src: SafetensorsSource, params: dict, rank: int, tp: int,
+                         reps: int) -> None:
+    """Section 7, updates: one refit of the K3 layer checked against what it fed
+    (``kda_tp.update_check.UpdateCheck``: fingerprints when the update starts, this rank's
+    slices kept as the trainer's full checkpoint-format tensors pass, every touched region
+    compared at the end) vs a single-thread memcpy of the rank's KDA bytes the update touched."""
+    from kda_tp.update_check import UpdateCheck
+
+    fed = [(n, src.get(n).array) for n in src.names() if ".self_attn." in n]
+    session = UpdateCheck(ckpt, params, tp_rank=rank, tp_size=tp)
+    for name, value in fed:
+        session.feed(name, value)
+    report = session.check(params)
+    assert report.passed, report.problems
+    touched, kept = report.bytes, session.kept_bytes
+    largest = max(a.nbytes for a in params.values())
+    source = np.concatenate([a.reshape(-1).view(np.uint8) for _, a in fed])[:touched]
+    dst = np.ones(touched, np.uint8)  # prefaulted
+
+    def via_update():
+        update = UpdateCheck(ckpt, params, tp_rank=rank, tp_size=tp)
+        for name, value in fed:
+            update.feed(name, value)
+        update.check(params)
+
+    def via_memcpy():
+        np.copyto(dst, source)
+
+    t = best_interleaved({"update": via_update, "memcpy": via_memcpy}, reps)
+    ratio = t["update"] / t["memcpy"]
+    sec = f"7 guard update K3 TP={tp} r{rank}"
+    row(sec, f"one refit of the K3 layer (the trainer's full tensors fed), rank {rank} of {tp}: "
+        f"{report.regions} regions of {report.params} parameters, {touched / 1e6:.0f} MB touched",
+        "", "", "numpy parameters; fed tensors mapped and warm")
+    row(sec, "single-thread memcpy of the rank's KDA bytes touched", f"{t['memcpy'] * 1e3:.1f}",
+        "ms")
+    row(sec, "update check: start (fingerprints) + feed (this rank's slices) + check",
+        f"{t['update'] * 1e3:.1f}", "ms", f"update/memcpy {ratio:.2f}x", "<= 2.00x",
+        verdict(ratio <= 2.0))
+    row(sec, "  (info) host memory the reference held (this rank's slices of the fed tensors)",
+        f"{kept / 1e6:.0f}", "MB", f"{kept / largest:.2f}x the largest parameter "
+        f"({largest / 1e6:.0f} MB)")
+    log(f"  update {t['update'] * 1e3:.1f} ms, memcpy {t['memcpy'] * 1e3:.1f} ms, {ratio:.2f}x")
 
 
 def section_vllm_fused(src: SafetensorsSource, reps: int) -> None:
