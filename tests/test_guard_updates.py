@@ -122,3 +122,32 @@ def test_names_of_other_stacks_and_non_kda_tensors_are_not_kept():
     session.feed("model.layers.7.self_attn.q_proj.weight", np.zeros((4, 4)))  # not a KDA layer
     assert not session.touched
     assert session.check(before).passed
+
+
+def test_wrap_verifies_each_part_as_the_engine_consumes_it_and_keeps_no_copy(tmp_path):
+    before = held(CKPT["kimi_linear"], LAYOUTS["kimi_linear"], 2, 4)
+    after = held(scaled("kimi_linear", tmp_path, 2.0), LAYOUTS["kimi_linear"], 2, 4)
+    live = {n: a.copy() for n, a in before.items()}  # the engine's parameters
+    session = UpdateCheck(CKPT["kimi_linear"], live, tp_rank=2, tp_size=4)
+    for name, _ in session.wrap(tensors("kimi_linear", 2.0).items()):
+        for n in live:  # the engine applies what it was fed (here: all of it at the first)
+            live[n][...] = after[n]
+        assert session.kept_bytes == 0  # verified on the fly: nothing kept
+    report = session.check(live)
+    assert report.passed and report.params == len(live)
+    live[PRE + "o_norm.weight"][...] = 0  # changed after it was applied
+    (problem,) = session.check(live).problems
+    assert problem == (f"{PRE}o_norm.weight: o_norm: {PRE}o_norm.weight was applied, then "
+                       "changed before the update ended (its sampled elements differ from what "
+                       "was fed)")
+
+
+def test_wrap_keeps_what_the_engine_has_not_applied_and_names_it():
+    before = held(CKPT["glm"], LAYOUTS["glm"], 0, 2)
+    live = {n: a.copy() for n, a in before.items()}
+    session = UpdateCheck(CKPT["glm"], live, tp_rank=0, tp_size=2)
+    for _ in session.wrap(tensors("glm", 2.0).items()):
+        pass  # an engine that applies nothing
+    assert session.kept_bytes == sum(t.local_bytes for t in session.plan.tensors)
+    problems = session.check(live).problems
+    assert problems and all("holds the values from before the update" in p for p in problems)

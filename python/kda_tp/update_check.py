@@ -153,6 +153,10 @@ class UpdateCheck:
         self._before = {(key, place.name): _fingerprint(params[place.name], place)
                         for key, places in self._places.items() for place in places}
         self._fed: dict[tuple[int, str], tuple[str, np.ndarray]] = {}
+        # Parts found applied right after they were fed (:meth:`wrap`): (layer, part) -> the
+        # fed name and each region's sampled fingerprint then; no copy kept.
+        self._verified: dict[tuple[int, str], tuple[str, dict[str, bytes | None]]] = {}
+        self._objects = {name: params[name] for name in self._names.values()}
         self._unplaced: list[str] = []
 
     @staticmethod
@@ -167,19 +171,28 @@ class UpdateCheck:
                 f"{': ' + ', '.join(lay.name for lay in fitting) if fitting else ''}")
         return fitting[0]
 
+    def _part(self, name: Any) -> tuple[int, str, KdaTensorPlan] | None:
+        """``(layer, part, plan entry)`` of a fed name, None for a name of no KDA region of
+        this rank."""
+        location = param_location(name) if isinstance(name, str) else None
+        if location is None or location[0] != self.prefix:
+            return None
+        _, layer, suffix = location
+        part = self._parts.get(suffix)
+        if part is None or (layer, part[0]) not in self._places:
+            return None
+        return layer, part[0], part[1]
+
     def feed(self, name: Any, tensor: Any) -> None:
         """Take note of one tensor the update hands to the model: for a KDA tensor of one of
         the engine's KDA layers (its checkpoint name, under the checkpoint's decoder prefix),
         a host copy of this rank's slice; nothing for any other name. A tensor fed twice
         counts with its last value (as the engine applies it last)."""
-        location = param_location(name) if isinstance(name, str) else None
-        if location is None or location[0] != self.prefix:
+        found = self._part(name)
+        if found is None:
             return
-        _, layer, suffix = location
-        part = self._parts.get(suffix)
-        if part is None or (layer, part[0]) not in self._places:
-            return
-        label, t = part
+        layer, label, t = found
+        self._verified.pop((layer, label), None)
         if isinstance(tensor, np.ndarray) and tensor.dtype == numpy_dtype(t.dtype) \
                 and tensor.nbytes == t.full_bytes:
             # The checkpoint's own dtype: the rank's bytes by the plan (a view of a row range,
@@ -209,10 +222,49 @@ class UpdateCheck:
         self._fed[(layer, label)] = (name, np.array(record.array, copy=True).reshape(-1))
 
     def wrap(self, weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
-        """``weights``, each pair passed on unchanged after :meth:`feed` took note of it."""
+        """``weights``, each pair passed on unchanged, what the engine's ``load_weights``
+        consumes. When the engine asks for the next pair, the last KDA one has usually been
+        applied: its regions are compared then, on the tensors' own device, with this rank's
+        slice of what was fed (a view, no copy); found right, only a sampled fingerprint of
+        each region is kept (re-checked at the end), else a host copy of the slice is kept
+        (:meth:`feed`) for the end of the update: a layer an engine applies only when all its
+        parts are in (vLLM's layerwise reload), or a wrong one. Kept copies of the same layer
+        are retried each time, so memory stays about one layer's parts of this rank."""
         for name, tensor in weights:
-            self.feed(name, tensor)
             yield name, tensor
+            found = self._part(name)
+            if found is None:
+                continue
+            layer, label, t = found
+            if not self._settle(layer, label, name, self._local(t, tensor)):
+                self.feed(name, tensor)
+            for key in [k for k in self._fed if k[0] == layer and k != (layer, label)]:
+                kept_name, kept = self._fed[key]
+                if self._settle(key[0], key[1], kept_name, kept):
+                    del self._fed[key]
+
+    @staticmethod
+    def _local(t: KdaTensorPlan, tensor: Any) -> Any:
+        """This rank's slice of a fed tensor, flat, as a view where the layout allows (numpy
+        or torch on its device); None when the tensor does not hold the plan's elements."""
+        try:
+            view = tensor.reshape(t.full_rows, t.full_row_elems)
+        except (RuntimeError, ValueError, AttributeError):
+            return None
+        return view[t.src_row_offset:t.src_row_offset + t.local_rows,
+                    t.src_col_offset:t.src_col_offset + t.local_row_elems].reshape(-1)
+
+    def _settle(self, layer: int, label: str, name: str, local: Any) -> bool:
+        """Whether every region of part ``label`` holds ``local`` (what was fed for it) now;
+        if so it is recorded as verified, with each region's fingerprint."""
+        if local is None:
+            return False
+        places = self._places[(layer, label)]
+        if not all(_equal_now(self._objects[p.name], p, local) for p in places):
+            return False
+        self._verified[(layer, label)] = (name, {
+            p.name: _fingerprint(self._objects[p.name], p) for p in places})
+        return True
 
     @property
     def kept_bytes(self) -> int:
@@ -222,7 +274,7 @@ class UpdateCheck:
     @property
     def touched(self) -> bool:
         """Whether any KDA tensor of this rank's layers was fed (or could not be placed)."""
-        return bool(self._fed or self._unplaced)
+        return bool(self._fed or self._verified or self._unplaced)
 
     def check(self, params: Mapping[str, Any]) -> UpdateReport:
         """Compare every region the update touched with what was fed for it.
@@ -238,6 +290,18 @@ class UpdateCheck:
         report = UpdateReport(problems=list(self._unplaced))
         arrays: dict[str, np.ndarray] = {}
         touched: set[str] = set()
+        for (layer, part), (fed_name, prints) in self._verified.items():
+            for place in self._places[(layer, part)]:
+                value = params.get(place.name)
+                touched.add(place.name)
+                report.regions += 1
+                report.bytes += (place.stop - place.start) * numpy_dtype(place.dtype).itemsize
+                if value is None:
+                    report.problems.append(f"{place.name}: missing after the update")
+                elif _fingerprint(value, place) != prints[place.name]:
+                    report.problems.append(
+                        f"{place.name}: {part}: {fed_name} was applied, then changed before "
+                        "the update ended (its sampled elements differ from what was fed)")
         for (layer, part), (fed_name, fed) in self._fed.items():
             for place in self._places[(layer, part)]:
                 value = params.get(place.name)
@@ -250,7 +314,7 @@ class UpdateCheck:
                 got = arrays[place.name][place.start:place.stop]
                 report.regions += 1
                 report.bytes += got.nbytes
-                problem = self._compare(layer, part, place, got, fed_name, fed, value)
+                problem = self._compare(layer, part, place, got, fed_name, fed, value, arrays)
                 if problem:
                     report.problems.append(f"{place.name}: {part}: {problem}")
         report.params = len(touched)
@@ -258,17 +322,26 @@ class UpdateCheck:
         return report
 
     def _compare(self, layer: int, part: str, place: _Place, got: np.ndarray, fed_name: str,
-                 fed: np.ndarray, value: Any) -> str | None:
-        """None when ``got`` holds ``fed`` cast to the parameter's dtype, else what it holds."""
+                 fed: np.ndarray, value: Any, arrays: dict[str, np.ndarray]) -> str | None:
+        """None when ``got`` holds ``fed`` cast to the parameter's dtype, else what it holds
+        (another part fed: a kept copy, or a verified part's region as the engine holds it)."""
         if fed.size != got.size:
             return (f"{fed_name} was fed with {fed.size} elements for this rank, the engine's "
                     f"region holds {got.size}")
         want = _cast(fed, got.dtype)
         if _bytes_equal(got, want):
             return None
-        for (other_layer, other_part), (other_name, other) in self._fed.items():
+        others = [(key, fed_name_, _cast(array, got.dtype))
+                  for key, (fed_name_, array) in self._fed.items()]
+        for key, (fed_name_, _) in self._verified.items():
+            for spot in self._places[key]:
+                if spot.name not in arrays:
+                    arrays[spot.name] = as_record(spot.name, self._objects[spot.name]
+                                                  ).array.reshape(-1)
+                others.append((key, fed_name_, arrays[spot.name][spot.start:spot.stop]))
+        for (other_layer, other_part), other_name, other in others:
             if (other_layer == layer and other_part != part and other.size == got.size
-                    and _bytes_equal(got, _cast(other, got.dtype))):
+                    and _bytes_equal(got, other)):
                 return (f"holds what was fed as {other_name} (this rank's slice), not "
                         f"{fed_name}: parts swapped by the update's loader")
         before = self._before.get(((layer, part), place.name))
@@ -279,6 +352,29 @@ class UpdateCheck:
         first = int(np.flatnonzero(_bits(got) != _bits(want))[0])
         return (f"differs from what was fed as {fed_name} at element {first} (expected "
                 f"{float(want[first])!r}, got {float(got[first])!r})")
+
+
+def _equal_now(value: Any, place: _Place, local: Any) -> bool:
+    """Whether ``place``'s region of a parameter holds ``local`` (a fed slice, flat) cast to
+    the parameter's dtype, bit for bit: torch on the parameter's device (nothing copied to
+    the host), numpy as numpy. False when it cannot tell (meta, another kind of array)."""
+    try:
+        if hasattr(value, "detach") and hasattr(local, "detach"):
+            import torch
+
+            region = value.detach().reshape(-1)[place.start:place.stop]
+            want = local.to(device=region.device, dtype=region.dtype)
+            if region.numel() != want.numel() or region.is_meta:
+                return False
+            ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+            kind = ints[region.element_size()]
+            return bool(torch.equal(region.view(kind), want.contiguous().view(kind)))
+        if isinstance(value, np.ndarray) and isinstance(local, np.ndarray):
+            region = value.reshape(-1)[place.start:place.stop]
+            return region.size == local.size and _bytes_equal(region, _cast(local, region.dtype))
+    except (RuntimeError, ValueError, TypeError, KeyError, NotImplementedError):
+        return False
+    return False
 
 
 def _dtype(value: Any) -> str | None:
