@@ -66,7 +66,7 @@ from typing import Any
 
 from .errors import GuardError, KdaTpError
 from .guard import CHECKPOINT_ENV, explicit_checkpoint, holds_kda, model_dtype_name
-from .update_check import Followed, follow, followed
+from .update_check import Followed, follow, followed, warn_once
 
 __all__ = ["RPC_METHOD", "TARGETS", "audit_engine", "audit_runner", "checkpoint_of",
            "guard_runner", "rank_and_size", "register", "status"]
@@ -221,8 +221,9 @@ def _around_update_from_tensor(original: Callable[..., tuple[bool, str]], update
                                *args: Any, **kwargs: Any) -> tuple[bool, str]:
     """Around ``WeightUpdater.update_weights_from_tensor``: one checked update session."""
     if load_format not in (None, "flattened_bucket"):
-        _unchecked(f"update_weights_from_tensor(load_format={load_format!r}) writes tensors "
-                   "without the model's load_weights; its KDA weights are not checked")
+        warn_once(f"kda_tp guard: sglang: update_weights_from_tensor(load_format={load_format!r})"
+                  " writes tensors without the model's load_weights; its KDA weights are not "
+                  "checked")
         return original(updater, named_tensors, load_format, *args, **kwargs)
     return _updated(updater.get_model_runner(), "update_weights_from_tensor",
                     lambda: original(updater, named_tensors, load_format, *args, **kwargs))
@@ -242,14 +243,6 @@ def _around_update_from_ipc(original: Callable[..., tuple[bool, str]], updater: 
                     lambda: original(updater, *args, **kwargs))
 
 
-_warned: set[str] = set()
-
-
-def _unchecked(text: str) -> None:
-    """One warning per process for an update path the guard cannot check."""
-    if text not in _warned:
-        _warned.add(text)
-        warnings.warn(f"kda_tp guard: sglang: {text}", RuntimeWarning, stacklevel=3)
 
 
 def _around_update_from_disk(original: Callable[..., tuple[bool, str]], updater: Any,

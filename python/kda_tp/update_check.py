@@ -48,7 +48,7 @@ from .plan import KdaTensorPlan, KdaTpPlan
 from .quant import SCALE_SUFFIXES
 
 __all__ = ["FINGERPRINT_ELEMENTS", "Followed", "UpdateCheck", "UpdateReport", "follow",
-           "followed"]
+           "followed", "warn_once"]
 
 logger = logging.getLogger("kda_tp.guard")
 
@@ -506,7 +506,7 @@ class Followed:
         label = f"{self.engine} {where}: tp rank {rank}/{size}"
         path = self.checkpoint()
         if not path or "://" in path or not os.path.exists(path):
-            _once(f"kda_tp guard: {label}: no local checkpoint config for the model ({path!r}); "
+            warn_once(f"kda_tp guard: {label}: no local checkpoint config for the model ({path!r}); "
                   f"its weight updates are not checked (set {CHECKPOINT_ENV} to a local copy "
                   "of its config.json and safetensors files)")
             return None
@@ -556,11 +556,12 @@ _followed: weakref.WeakKeyDictionary[Any, Followed] = weakref.WeakKeyDictionary(
 _warned: set[str] = set()
 
 
-def _once(text: str) -> None:
-    """One warning per process for an update path the guard cannot check."""
+def warn_once(text: str) -> None:
+    """One ``RuntimeWarning`` per process for a load or update path the guard cannot check
+    (the same text again is not repeated)."""
     if text not in _warned:
         _warned.add(text)
-        warnings.warn(text, RuntimeWarning, stacklevel=4)
+        warnings.warn(text, RuntimeWarning, stacklevel=3)
 
 
 def followed(model: Any) -> Followed | None:

@@ -60,8 +60,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import importlib.abc
-import importlib.util
 import inspect
 import logging
 import os
@@ -86,7 +84,8 @@ from .guard import (
     model_dtype_name,
     stage_layers,
 )
-from .update_check import Followed, follow, followed
+from .import_hooks import after_import, subclasses
+from .update_check import Followed, follow, followed, warn_once
 
 __all__ = ["REPAIR_ENV", "WORKER_METHOD", "audit_llm", "follow_updates", "guard_model",
            "register", "status"]
@@ -169,45 +168,7 @@ def register() -> None:
     _attach_vllm_logging()
     logger.info("kda_tp guard: registered in vLLM (mode %s): checks the KDA weights of every "
                 "model load and weight update on every rank", chosen)
-    pending = {name: install for name, install in _INSTALLERS.items()
-               if not _apply(name, install)}
-    if pending:
-        sys.meta_path.insert(0, _AfterImport(pending))
-
-
-def _apply(name: str, install: Callable[[Any], None]) -> bool:
-    """Run ``install`` on module ``name`` if it is imported (fully); whether it was."""
-    module = sys.modules.get(name)
-    spec = getattr(module, "__spec__", None)
-    if module is None or getattr(spec, "_initializing", False):
-        return False
-    install(module)
-    return True
-
-
-class _AfterImport(importlib.abc.MetaPathFinder):
-    """Runs an installer right after one of vLLM's modules is imported (it finds nothing
-    itself: it wraps the loader that the other finders return)."""
-
-    def __init__(self, pending: dict[str, Callable[[Any], None]]):
-        self.pending = pending
-
-    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
-        install = self.pending.pop(name, None)
-        if install is None:
-            return None
-        spec = importlib.util.find_spec(name)  # the other finders (this one no longer has it)
-        loader = getattr(spec, "loader", None)
-        execute = getattr(loader, "exec_module", None)
-        if spec is None or execute is None:
-            return spec
-
-        def exec_module(module: Any) -> None:
-            execute(module)
-            install(module)
-
-        loader.exec_module = exec_module  # type: ignore[union-attr]
-        return spec
+    after_import(_INSTALLERS)
 
 
 def _hook(target: str, found: Any, why: str = "") -> bool:
@@ -230,7 +191,7 @@ def _install_loaders(model_loader: Any) -> None:
                    "BaseModelLoader", None)
     if not _hook("vllm.model_executor.model_loader.base_loader.BaseModelLoader", base):
         return
-    for cls in _subclasses(base):
+    for cls in subclasses(base):
         _wrap_loader(cls)
     original_register: Any = getattr(model_loader, "register_model_loader", None)
     if not _hook("vllm.model_executor.model_loader.register_model_loader", original_register):
@@ -244,7 +205,7 @@ def _install_loaders(model_loader: Any) -> None:
 
         def wrap(cls: type) -> type:
             out: type = decorate(cls)
-            for sub in (cls, *_subclasses(cls)):
+            for sub in (cls, *subclasses(cls)):
                 _wrap_loader(sub)
             return out
         return wrap
@@ -257,16 +218,6 @@ def _add_worker_method(worker_base: Any) -> None:
     target = getattr(worker_base, "WorkerBase", None)
     if _hook("vllm.v1.worker.worker_base.WorkerBase", target):
         setattr(target, WORKER_METHOD, _worker_audit)
-
-
-def _subclasses(cls: type) -> list[type]:
-    found: list[type] = []
-    todo: list[type] = list(cls.__subclasses__())
-    while todo:
-        sub = todo.pop()
-        found.append(sub)
-        todo.extend(sub.__subclasses__())
-    return found
 
 
 def _wrap_loader(cls: type) -> None:
@@ -322,7 +273,7 @@ def _wrap_reload(inplace: Any) -> None:  # vllm.model_executor.model_loader.relo
                 _repair(model)
             return out
         if not checkpoint_format:
-            _unchecked_once("a reload_weights with is_checkpoint_format=False feeds kernel-format "
+            warn_once("kda_tp guard: a reload_weights with is_checkpoint_format=False feeds kernel-format "
                             "tensors (already sharded and repacked), which kda_tp cannot place "
                             "by the plan; its KDA weights are not checked")
             return original(*args, **kwargs)
@@ -422,7 +373,7 @@ def _wrap_tensorizer(module: Any) -> None:  # ...model_loader.tensorizer_loader
     def load(self: Any, *args: Any, **kwargs: Any) -> Any:
         model = original(self, *args, **kwargs)
         if looks_kda(n for n, _ in model.named_parameters()):
-            _unchecked_once("a tensorizer load of a model that is not vLLM-tensorized streams "
+            warn_once("kda_tp guard: a tensorizer load of a model that is not vLLM-tensorized streams "
                             "its weights from a tensorizer URI, not a checkpoint directory; its "
                             "KDA weights are not checked at load (later updates are)")
             follow_updates(model, None)
@@ -430,17 +381,6 @@ def _wrap_tensorizer(module: Any) -> None:  # ...model_loader.tensorizer_loader
 
     setattr(load, _WRAPPED, True)
     cls._load_model_serialized_cpu = load
-
-
-_warned: set[str] = set()
-
-
-def _unchecked_once(text: str) -> None:
-    """One warning per process for a load path the guard cannot check."""
-    if text in _warned:
-        return
-    _warned.add(text)
-    warnings.warn(f"kda_tp guard: {text}", RuntimeWarning, stacklevel=3)
 
 
 # What register() installs, by the vLLM module it patches.
@@ -747,7 +687,7 @@ def audit_llm(llm: Any) -> list[dict[str, Any]]:
     hint = ""
     if plugins is not None and "kda_tp_guard" not in [p.strip() for p in plugins.split(",")]:
         hint = f" (VLLM_PLUGINS={plugins!r} leaves out kda_tp_guard: the workers are unguarded)"
-        _unchecked_once(f"VLLM_PLUGINS={plugins!r} leaves out kda_tp_guard: vLLM does not "
+        warn_once(f"kda_tp guard: VLLM_PLUGINS={plugins!r} leaves out kda_tp_guard: vLLM does not "
                         "load the guard, no load or update is checked")
     try:
         answers = list(llm.collective_rpc(WORKER_METHOD))
