@@ -353,3 +353,19 @@ def test_bad_argument_types_are_named_errors():
         check(list(params), CKPT["k3"], tp_rank=0, tp_size=4)
     with pytest.raises(TypeError, match=r"params: item 0 is a tuple, not a \(name, tensor\)"):
         check([(1, 2, 3)], CKPT["k3"], tp_rank=0, tp_size=4)
+
+
+def test_audit_engine_reports_a_rank_that_wrote_no_report_as_unguarded(tmp_path):
+    from kda_tp.sglang_plugin import audit_engine
+
+    def collective_rpc(method, report_dir, checkpoint):  # only rank 0 of 2 has the guard
+        (Path(report_dir) / "kda_tp-guard-tp0.json").write_text(json.dumps(
+            {"ok": True, "guarded": True, "tp_rank": 0, "tp_size": 2, "where": "sglang",
+             "line": "kda_tp guard: sglang: tp rank 0/2: OK"}))
+
+    engine = type("Engine", (), {"collective_rpc": staticmethod(collective_rpc)})()
+    first, second = audit_engine(engine, report_dir=tmp_path)
+    assert (first["tp_rank"], first["guarded"]) == (0, True)
+    assert (second["tp_rank"], second["guarded"], second["ok"]) == (1, False, None)
+    assert second["line"] == ("kda_tp guard: sglang: tp rank 1/2: unguarded: this rank wrote no "
+                              "report (no guard loaded, or no answer)")

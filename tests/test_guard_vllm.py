@@ -370,8 +370,9 @@ def test_register_imports_nothing_and_installs_when_vllm_imports_its_loaders():
     import subprocess
     import sys
     code = """
-import sys, warnings
+import logging, sys, warnings
 warnings.simplefilter("ignore")
+logging.basicConfig(level=logging.INFO)
 from vllm.plugins import load_general_plugins
 load_general_plugins()
 late = [m for m in ("vllm.model_executor.model_loader", "vllm.v1.worker.worker_base") if m in sys.modules]
@@ -387,6 +388,9 @@ print(late, [getattr(f, "__kda_tp_guard__", False) for f in (
                           timeout=300, env={**os.environ, "VLLM_TARGET_DEVICE": "cpu"})
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip().splitlines()[-1] == "[] [True, True, True] True"
+    (line,) = [x for x in done.stderr.splitlines() if "kda_tp guard: registered" in x]
+    assert line.endswith("kda_tp guard: registered in vLLM (mode fail): checks the KDA weights "
+                         "of every model load and weight update on every rank")
 
 
 def test_a_reload_from_a_path_is_checked_against_that_path_not_the_variable(
