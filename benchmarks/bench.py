@@ -712,7 +712,7 @@ def section_guard(scratch: Path, reps: int, calls: int, loops: int) -> None:
 def section_guard_update(ckpt: Path, src: SafetensorsSource, params: dict, rank: int, tp: int,
                          reps: int) -> None:
     """Section 7, updates: one refit of the K3 layer checked against what it fed
-    (``kda_tp.update_check.UpdateCheck``: fingerprints when the update starts, this rank's
+    (``kda_tp.update_check.UpdateCheck``: fingerprints as each part is fed, this rank's
     slices kept as the trainer's full checkpoint-format tensors pass, every touched region
     compared at the end) vs a single-thread memcpy of the rank's KDA bytes the update touched."""
     from kda_tp.update_check import UpdateCheck
@@ -751,7 +751,7 @@ def section_guard_update(ckpt: Path, src: SafetensorsSource, params: dict, rank:
         "", "", "numpy parameters; fed tensors mapped and warm")
     row(sec, "single-thread memcpy of the rank's KDA bytes touched", f"{t['memcpy'] * 1e3:.1f}",
         "ms")
-    row(sec, "update check: start (fingerprints) + each part verified as fed + end check",
+    row(sec, "update check: start + each part fingerprinted and verified as fed + end check",
         f"{t['update'] * 1e3:.1f}", "ms", f"update/memcpy {ratio:.2f}x", "<= 2.00x",
         verdict(ratio <= 2.0))
     row(sec, "extra host memory held (parts applied as fed: fingerprints only)",

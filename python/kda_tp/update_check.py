@@ -15,7 +15,7 @@ other rank's data:
 
 * what was fed for another part of the same layer (``q_proj``'s slice in ``k_proj``'s place);
 * the values from before the update (the engine never applied what was fed): each region's
-  sampled fingerprint is taken when the update starts (:meth:`UpdateCheck.__init__`);
+  sampled fingerprint is taken when its part is first fed, before the engine applies it;
 * else the first differing element, expected and found.
 
 This module imports no engine and no torch; torch tensors (any device) are sliced in torch and
@@ -103,7 +103,8 @@ class UpdateCheck:
             values, not shapes). Its values are never read.
         params: the rank's parameters as the engine holds them now, before the update
             (``model.named_parameters()``): the KDA ones are found by name and the layout is
-            recognised from them; each region's fingerprint is taken now.
+            recognised from them. They are read again when a part is first fed (its
+            regions' fingerprints, before the engine applies it) and after the update.
         tp_rank: this rank in the engine's tensor-parallel group.
         tp_size: that group's size.
         engine: a layout name (``kda_tp.engines.LAYOUTS``); None: recognised from the names.
@@ -118,10 +119,8 @@ class UpdateCheck:
 
     def __init__(self, checkpoint: str | os.PathLike[str], params: Mapping[str, Any], *,
                  tp_rank: int, tp_size: int, engine: str | None = None):
-        source = SafetensorsSource(checkpoint)
-        self.plan = KdaTpPlan.from_config(source, tp_rank, tp_size, qk_multiple=1)
-        self.prefix = decoder_prefix(source)
-        layers = frozenset(kda_layer_indices(source, None))
+        self.plan, self.prefix, layers, family = _geometry(os.fspath(checkpoint), tp_rank,
+                                                           tp_size)
         # Checkpoint suffix (after `self_attn.`) -> (part name in the layouts, its plan).
         self._parts: dict[str, tuple[str, KdaTensorPlan]] = {}
         for t in self.plan.tensors:
@@ -134,7 +133,7 @@ class UpdateCheck:
             location = param_location(name) if isinstance(name, str) else None
             if location is not None and location[1] in layers:
                 found[(location[1], location[2])] = name
-        self.layout = self._layout({s for _, s in found}, model_family(source.config), engine)
+        self.layout = self._layout({s for _, s in found}, family, engine)
         known = self.layout.suffixes
         self._names = {key: name for key, name in found.items() if key[1] in known}
         # (layer, part) -> the regions it fills.
@@ -150,8 +149,9 @@ class UpdateCheck:
                     self._places.setdefault((layer, region.part), []).append(_Place(
                         held, param.suffix, plan.dtype, region.byte_range[0] // size,
                         region.byte_range[1] // size))
-        self._before = {(key, place.name): _fingerprint(params[place.name], place)
-                        for key, places in self._places.items() for place in places}
+        # Each region's fingerprint before the update, taken when its part is first fed
+        # (before the engine applies it): (layer, part) -> {parameter name: fingerprint}.
+        self._before: dict[tuple[int, str], dict[str, bytes | None]] = {}
         self._fed: dict[tuple[int, str], tuple[str, np.ndarray]] = {}
         # Parts found applied right after they were fed (:meth:`wrap`): (layer, part) -> the
         # fed name and each region's sampled fingerprint then; no copy kept.
@@ -192,6 +192,7 @@ class UpdateCheck:
         if found is None:
             return
         layer, label, t = found
+        self._remember(layer, label)
         self._verified.pop((layer, label), None)
         if isinstance(tensor, np.ndarray) and tensor.dtype == numpy_dtype(t.dtype) \
                 and tensor.nbytes == t.full_bytes:
@@ -231,17 +232,27 @@ class UpdateCheck:
         parts are in (vLLM's layerwise reload), or a wrong one. Kept copies of the same layer
         are retried each time, so memory stays about one layer's parts of this rank."""
         for name, tensor in weights:
-            yield name, tensor
             found = self._part(name)
             if found is None:
+                yield name, tensor
                 continue
             layer, label, t = found
+            self._remember(layer, label)
+            yield name, tensor
             if not self._settle(layer, label, name, self._local(t, tensor)):
                 self.feed(name, tensor)
             for key in [k for k in self._fed if k[0] == layer and k != (layer, label)]:
                 kept_name, kept = self._fed[key]
                 if self._settle(key[0], key[1], kept_name, kept):
                     del self._fed[key]
+
+    def _remember(self, layer: int, label: str) -> None:
+        """Take the fingerprints of part ``label``'s regions as they are before the update
+        (once per update: the first time the part is fed)."""
+        if (layer, label) not in self._before:
+            self._before[(layer, label)] = {
+                p.name: _fingerprint(self._objects[p.name], p)
+                for p in self._places[(layer, label)]}
 
     @staticmethod
     def _local(t: KdaTensorPlan, tensor: Any) -> Any:
@@ -344,7 +355,7 @@ class UpdateCheck:
                     and _bytes_equal(got, other)):
                 return (f"holds what was fed as {other_name} (this rank's slice), not "
                         f"{fed_name}: parts swapped by the update's loader")
-        before = self._before.get(((layer, part), place.name))
+        before = self._before.get((layer, part), {}).get(place.name)
         if before is not None and before == _fingerprint(value, place) \
                 and before != _sample_bytes(want, place.stop - place.start):
             return (f"holds the values from before the update: {fed_name} was fed but the "
@@ -352,6 +363,17 @@ class UpdateCheck:
         first = int(np.flatnonzero(_bits(got) != _bits(want))[0])
         return (f"differs from what was fed as {fed_name} at element {first} (expected "
                 f"{float(want[first])!r}, got {float(got[first])!r})")
+
+
+@functools.lru_cache(maxsize=8)
+def _geometry(checkpoint: str, tp_rank: int, tp_size: int
+              ) -> tuple[KdaTpPlan, str, frozenset[int], str]:
+    """The plan, decoder prefix, KDA layers and model family of a checkpoint for one rank,
+    read once per process (its config and headers; an RL run refits values, not shapes)."""
+    source = SafetensorsSource(checkpoint)
+    return (KdaTpPlan.from_config(source, tp_rank, tp_size, qk_multiple=1),
+            decoder_prefix(source), frozenset(kda_layer_indices(source, None)),
+            model_family(source.config))
 
 
 def _equal_now(value: Any, place: _Place, local: Any) -> bool:
@@ -493,7 +515,7 @@ class Followed:
         self.close(where)
 
     def open(self, where: str) -> UpdateCheck | None:
-        """Open an update session (each region's fingerprint taken now); None, and no session,
+        """Open an update session on the parameters as they are now; None, and no session,
         in mode ``off`` or without a local checkpoint config (one warning).
 
         Raises:
