@@ -17,7 +17,11 @@ What is SGLang's and what stands in for it:
   engine's own msgpack messages; the TP rank in ``get_parallel().override(...)``.
 * Stand-ins (installed before ``load_plugins()``, so the hooks wrap them as they wrap SGLang's
   bodies): the bodies of ``ModelRunner.load_model``, ``finalize_startup_weight_load`` and
-  ``WeightUpdater.update_weights_from_disk`` (SGLang's need CUDA and a full model; the
+  ``WeightUpdater.update_weights_from_disk``; for the RL updates (SGLang's own
+  ``WeightUpdater.update_weights_from_tensor``, ``load_weights_from_distributed``,
+  ``update_weights_from_ipc``), the runtime context's weight-cache mode ("off"), and
+  checkpoint-engine's ZMQ / CUDA IPC transport and the GPU's id (SGLang's checkpoint-engine
+  worker and its ``get_model_loader`` are its own) (SGLang's need CUDA and a full model; the
   stand-ins build one KDA layer under a module holding only ``model.layers.0.self_attn``, as
   the fixtures' recipe in ``tests/data/engine_ranks/make`` does), the RPC socket, and a
   one-process gloo group for the scheduler's barrier.
@@ -370,12 +374,37 @@ def update(kind: str, T: int, R: int, buckets: list, path: str = "tensor", bug: 
         for bucket in buckets:
             if path == "distributed":
                 results.append(updater.load_weights_from_distributed(bucket))
+            elif path == "ipc":
+                _IpcHandles.bucket = bucket
+                results.append(updater.update_weights_from_ipc(
+                    types.SimpleNamespace(zmq_handles={"GPU-0": "ipc://kda_tp-test"})))
             else:
                 fmt = "direct" if path == "direct" else None
                 results.append(updater.update_weights_from_tensor(bucket, fmt))
     return {"results": [list(r) for r in results], "lines": list(lines),
             "caught": [str(w.message) for w in caught if "kda_tp" in str(w.message)]}
 
+
+class _IpcHandles:
+    """The checkpoint-engine side: the tensors the ZMQ handles would carry."""
+
+    bucket: list = []
+
+
+def _ipc_transport(zmq_ctx: object, handle: str, device_id: int, run: object,
+                   post_hook: object = None) -> None:
+    """checkpoint-engine's ``update_weights_from_ipc`` without ZMQ and CUDA IPC: ``run`` (SGLang's
+    ``get_model_loader()``, the model's own ``load_weights``) on the received tensors."""
+    run(list(_IpcHandles.bucket))  # type: ignore[operator]
+
+
+sys.modules["checkpoint_engine"] = types.ModuleType("checkpoint_engine")
+sys.modules["checkpoint_engine.worker"] = types.SimpleNamespace(  # type: ignore[assignment]
+    update_weights_from_ipc=_ipc_transport)
+import sglang.srt.checkpoint_engine.checkpoint_engine_worker as cew  # noqa: E402
+
+cew.SGLangCheckpointEngineWorkerExtensionImpl.get_device_uuid = lambda self: "GPU-0"
+cew.SGLangCheckpointEngineWorkerExtensionImpl.get_device_id = lambda self: 0
 
 out["updates"] = {}
 for kind in CKPT:
@@ -387,6 +416,9 @@ for kind in CKPT:
         kind, 4, 3, [[t for t in tensors if "v_proj" not in t[0]],
                      [t for t in tensors if "v_proj" in t[0]]], drops_later=True)
 out["updates"]["dt_bias_dropped"] = update("glm", 2, 1, [refit("glm")], bug="dt_bias_dropped")
+out["updates"]["ipc"] = update("kimi_linear", 4, 3, [refit("kimi_linear")], path="ipc")
+out["updates"]["ipc_dt_bias_dropped"] = update("k3", 2, 0, [refit("k3")], path="ipc",
+                                               bug="dt_bias_dropped")
 os.environ["KDA_TP_GUARD"] = "warn"
 out["updates"]["warn"] = update("k3", 4, 2, [refit("k3")], bug="q_in_k")
 del os.environ["KDA_TP_GUARD"]

@@ -231,3 +231,14 @@ def test_audit_engine_reports_the_armed_record_of_every_rank(outcome: dict[str, 
         assert report["versions"]["sglang"] == "0.5.23" and report["versions"]["kda_tp"]
         assert report["checks"]["first load"] >= 1 and report["checks"]["update"] >= 1
         assert report["last"].startswith("kda_tp guard: sglang")
+
+
+def test_update_weights_from_ipc_is_checked(outcome: dict[str, Any]) -> None:
+    run = outcome["updates"]["ipc"]
+    assert run["results"] == [[True, "IPC weight update completed successfully"]]
+    (line,) = run["lines"]
+    assert line.startswith("INFO kda_tp.guard: kda_tp guard: sglang update_weights_from_ipc: "
+                           "tp rank 3/4: ") and line.endswith(": OK")
+    ((ok, message),) = outcome["updates"]["ipc_dt_bias_dropped"]["results"]
+    assert ok is False
+    assert f"rank 0 {P}dt_bias: dt_bias: holds the values from before the update" in message

@@ -805,3 +805,24 @@ def test_a_kernel_format_reload_warns_that_it_is_not_checked(vc):
     with pytest.warns(RuntimeWarning, match="is_checkpoint_format=False feeds kernel-format"), \
             set_current_vllm_config(vc), torch.no_grad():
         inplace.reload_weights(config, model, iter(state), None, False)
+
+
+def test_k3s_decode_copies_are_checked_after_every_update(vc, caplog):
+    from vllm.model_executor.model_loader.reload import record_metadata_for_reloading
+    model = build(vc, "k3", 4, 1, decode_copies=True)
+    record_metadata_for_reloading(model)
+    default_load(vc, model, CKPT["k3"])
+    layer = model.model.layers[0].self_attn
+    old = layer.decode_conv1d_weight.detach().clone()
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="kda_tp.guard"), set_current_vllm_config(vc):
+        model.load_weights(iter(fed("k3")))  # vLLM's decode loaders refresh the copies
+    assert guard_lines(caplog)[-1].endswith(": OK")
+    assert not torch.equal(layer.decode_conv1d_weight, old)
+    with torch.no_grad():
+        layer.decode_conv1d_weight.copy_(old)  # a copy an update path left stale
+    dt_bias = [(n, t) for n, t in fed("k3") if n.endswith("dt_bias")]
+    with pytest.raises(GuardError) as caught, set_current_vllm_config(vc):
+        model.load_weights(iter(dt_bias))  # the next update, of dt_bias alone
+    assert (f"rank 1 {ATTN}decode_conv1d_weight: differs from what conv1d.weight makes of it "
+            "at [0, 0, 0]") in str(caught.value)
