@@ -596,8 +596,9 @@ def follow(model: Any, how: Followed) -> None:
     attribute) so that each call feeds the open session of ``how``, or is one update by
     itself, checked when it returns. Idempotent (the first record stays).
 
-    Raises (from the wrapped ``load_weights``):
-        GuardError: mode ``fail`` and the update left a KDA parameter wrong.
+    Raises:
+        GuardError: from the wrapped ``load_weights``, in mode ``fail``, when the update left
+            a KDA parameter wrong.
     """
     if model in _followed:
         return

@@ -271,6 +271,10 @@ def _wrap_reload(inplace: Any) -> None:  # vllm.model_executor.model_loader.relo
                 guard_model(model, config.model_config, loader="reload_weights",
                             vllm_config=config, checkpoint=str(path) if path else None)
                 _repair(model)
+            else:
+                warn_once("kda_tp guard: a reload_weights from disk with "
+                          "is_checkpoint_format=False is not checked (vLLM itself warns that "
+                          "weights read from disk are in checkpoint format)")
             return out
         if not checkpoint_format:
             warn_once("kda_tp guard: a reload_weights with is_checkpoint_format=False feeds kernel-format "
@@ -316,8 +320,9 @@ def follow_transfer(engine: Any, vllm_config: Any) -> None:
     ``start_weight_update`` opens an update session on the main model (a session aimed at a
     draft model is not checked), its ``finish_weight_update`` checks what the session touched.
 
-    Raises (from ``finish_weight_update``):
-        GuardError: mode ``fail`` and a KDA parameter the session touched is wrong.
+    Raises:
+        GuardError: from ``finish_weight_update``, in mode ``fail``, when a KDA parameter the
+            session touched is wrong.
     """
     start, finish = engine.start_weight_update, engine.finish_weight_update
     if getattr(start, _WRAPPED, False):
