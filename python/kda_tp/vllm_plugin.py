@@ -171,16 +171,16 @@ def register() -> None:
     after_import(_INSTALLERS)
 
 
-def _hook(target: str, found: Any, why: str = "") -> bool:
+def _hook(target: str, found: Any) -> bool:
     """Record hook ``target`` as armed (``found`` is not None) or missing. A missing target is
     an error in mode ``fail`` (raised into vLLM's import of the module, which it does not
     swallow), a warning in ``warn``; whether it is armed."""
     if found is not None:
         _armed.hooks[target] = "armed"
         return True
-    _armed.hooks[target] = f"missing: {why or 'not in this vLLM version'}"
-    cannot_check(f"kda_tp guard: cannot hook {target} ({why or 'not in this vLLM version'}); "
-                 "the weights it loads are not checked (a vLLM version kda_tp does not know?)")
+    _armed.hooks[target] = "missing: not in this vLLM version"
+    cannot_check(f"kda_tp guard: cannot hook {target} (not in this vLLM version); the weights "
+                 "it loads are not checked (a vLLM version kda_tp does not know?)")
     return False
 
 
