@@ -86,9 +86,13 @@ baseline measured alongside it; the last columns give the target and PASS/MISS.
    arrays a loader filled) against ``np.copyto`` of the same number of contiguous bytes of the
    mapped checkpoint into a prefaulted buffer (single thread), best of N interleaved (target:
    the guard within 2x the memcpy); and its cost on a non-KDA model's parameters (an 80-layer
-   Llama's 723 names), time per call (target: under 1 ms). ``--only guard`` runs this section
-   alone.
-8. A Kimi-K3-wide header: 60 layers of which 45 KDA (K3's wrapper config and names, full-rank
+   Llama's 723 names), time per call (target: under 1 ms); and the check of one refit of the
+   same rank (``kda_tp.update_check``: the layer's full checkpoint-format tensors fed through
+   ``UpdateCheck.wrap`` as an engine consumes them, each part verified against the parameter
+   as it is applied, fingerprints re-checked at the end) against a single-thread memcpy of the
+   rank's KDA bytes it touched (target: within 2x), with the extra host memory held (target: at
+   most the rank's largest parameter).
+   ``--only guard`` runs this section alone.
    ``g_proj``, padded ``A_log``; tiny geometry, 8 heads of 16), 384 experts x 3 projections per
    layer as zero-size tensors, about 70k names in 8 files with an index, generated in the run.
    One rank's view, ``kda_tp.open_rank(ckpt, tp_rank=3, tp_size=8)`` (headers, config,
@@ -713,6 +717,7 @@ def section_guard(scratch: Path, reps: int, calls: int, loops: int) -> None:
     row(sec, "kda_tp.guard.check (mode fail, passes)", f"{t['guard'] * 1e3:.1f}", "ms",
         f"guard/memcpy {ratio:.2f}x", "<= 2.00x", verdict(ratio <= 2.0))
     log(f"  guard {t['guard'] * 1e3:.1f} ms, memcpy {t['memcpy'] * 1e3:.1f} ms, {ratio:.2f}x")
+    section_guard_update(ckpt, src, params, rank, tp, reps)
     del params, source, dst, src
     shutil.rmtree(ckpt)
     # A non-KDA model: an 80-layer Llama's parameter names (the values are never read).
@@ -728,6 +733,59 @@ def section_guard(scratch: Path, reps: int, calls: int, loops: int) -> None:
     row("7 guard non-KDA", f"kda_tp.guard.check on a non-KDA model ({len(llama)} parameters)",
         f"{us:.1f}", "us", "skipped: no KDA parameter name", "< 1000 us", verdict(us < 1000))
     log(f"  non-KDA: {us:.1f} us per call")
+
+
+def section_guard_update(ckpt: Path, src: SafetensorsSource, params: dict, rank: int, tp: int,
+                         reps: int) -> None:
+    """Section 7, updates: one refit of the K3 layer checked against what it fed
+    (``kda_tp.update_check.UpdateCheck``: fingerprints as each part is fed, this rank's
+    slices kept as the trainer's full checkpoint-format tensors pass, every touched region
+    compared at the end) vs a single-thread memcpy of the rank's KDA bytes the update touched."""
+    from kda_tp.update_check import UpdateCheck
+
+    fed = [(n, src.get(n).array) for n in src.names() if ".self_attn." in n]
+    # The engine applied each tensor as it was fed (the parameters hold the rank's slices):
+    # wrap() verifies each part when the engine asks for the next one.
+    session = UpdateCheck(ckpt, params, tp_rank=rank, tp_size=tp)
+    for _ in session.wrap(fed):
+        pass
+    report = session.check(params)
+    assert report.passed, report.problems
+    touched, kept = report.bytes, session.kept_bytes
+    feed = UpdateCheck(ckpt, params, tp_rank=rank, tp_size=tp)  # an engine that defers: copies
+    for name, value in fed:
+        feed.feed(name, value)
+    deferred = feed.kept_bytes
+    largest = max(a.nbytes for a in params.values())
+    source = np.concatenate([a.reshape(-1).view(np.uint8) for _, a in fed])[:touched]
+    dst = np.ones(touched, np.uint8)  # prefaulted
+
+    def via_update():
+        update = UpdateCheck(ckpt, params, tp_rank=rank, tp_size=tp)
+        for _ in update.wrap(fed):
+            pass
+        update.check(params)
+
+    def via_memcpy():
+        np.copyto(dst, source)
+
+    t = best_interleaved({"update": via_update, "memcpy": via_memcpy}, reps)
+    ratio = t["update"] / t["memcpy"]
+    sec = f"7 guard update K3 TP={tp} r{rank}"
+    row(sec, f"one refit of the K3 layer (the trainer's full tensors fed), rank {rank} of {tp}: "
+        f"{report.regions} regions of {report.params} parameters, {touched / 1e6:.0f} MB touched",
+        "", "", "numpy parameters; fed tensors mapped and warm")
+    row(sec, "single-thread memcpy of the rank's KDA bytes touched", f"{t['memcpy'] * 1e3:.1f}",
+        "ms")
+    row(sec, "update check: start + each part fingerprinted and verified as fed + end check",
+        f"{t['update'] * 1e3:.1f}", "ms", f"update/memcpy {ratio:.2f}x", "<= 2.00x",
+        verdict(ratio <= 2.0))
+    row(sec, "extra host memory held (parts applied as fed: fingerprints only)",
+        f"{kept / 1e6:.0f}", "MB", f"largest parameter {largest / 1e6:.0f} MB",
+        "<= largest", verdict(kept <= largest))
+    row(sec, "  (info) host memory if every part were deferred (this rank's slices, copied)",
+        f"{deferred / 1e6:.0f}", "MB", f"{deferred / largest:.2f}x the largest parameter")
+    log(f"  update {t['update'] * 1e3:.1f} ms, memcpy {t['memcpy'] * 1e3:.1f} ms, {ratio:.2f}x")
 
 
 def write_k3_wide(out: Path) -> tuple[int, int]:

@@ -17,7 +17,11 @@ What is SGLang's and what stands in for it:
   engine's own msgpack messages; the TP rank in ``get_parallel().override(...)``.
 * Stand-ins (installed before ``load_plugins()``, so the hooks wrap them as they wrap SGLang's
   bodies): the bodies of ``ModelRunner.load_model``, ``finalize_startup_weight_load`` and
-  ``WeightUpdater.update_weights_from_disk`` (SGLang's need CUDA and a full model; the
+  ``WeightUpdater.update_weights_from_disk``; for the RL updates (SGLang's own
+  ``WeightUpdater.update_weights_from_tensor``, ``load_weights_from_distributed``,
+  ``update_weights_from_ipc``), the runtime context's weight-cache mode ("off"), and
+  checkpoint-engine's ZMQ / CUDA IPC transport and the GPU's id (SGLang's checkpoint-engine
+  worker and its ``get_model_loader`` are its own) (SGLang's need CUDA and a full model; the
   stand-ins build one KDA layer under a module holding only ``model.layers.0.self_attn``, as
   the fixtures' recipe in ``tests/data/engine_ranks/make`` does), the RPC socket, and a
   one-process gloo group for the scheduler's barrier.
@@ -121,6 +125,7 @@ def build(kind: str) -> torch.nn.Module:
     top.num_fused_shared_experts = 0
     top.quant_config = None
     top.kda_load_weights = types.MethodType(Model.load_weights, top)
+    top.load_weights = top.kda_load_weights  # what SGLang's update functions call
     return top
 
 
@@ -168,6 +173,15 @@ def stand_in_load_model(self: mr.ModelRunner) -> None:
     if "load_rank" in s:  # SGLang's layers keep the rank they were built with
         with rank(s["T"], s["load_rank"]):
             model = build(s["kind"])
+    if s.get("drops_later"):  # SGLang #38298's pattern: in the model's own load_weights, a
+        real, calls = model.load_weights, [0]  # fused part arriving in a later call than the
+
+        def drops_later(weights):  # parameter's first part is dropped
+            calls[0] += 1
+            return real((n, w) for n, w in weights
+                        if not (calls[0] > 1 and n.endswith("v_proj.weight")))
+
+        model.load_weights = drops_later
     self.model = model
 
     def commit() -> None:
@@ -325,6 +339,95 @@ for name, how in (("right", {}), ("stale", dict(update_reads=os.path.join(DATA, 
     updates[name] = {"ok": ok, "message": message, "lines": list(lines)}
 out["update"] = updates
 
+# 7. RL updates through SGLang's own WeightUpdater (update_weights_from_tensor,
+#    load_weights_from_distributed): right refits in several calls, and update bugs.
+wu.get_model = lambda: types.SimpleNamespace(weight_cache_mode="off")  # no CUDA IPC weight cache
+
+
+def refit(kind: str, scale: float = 2.0) -> list[tuple[str, torch.Tensor]]:
+    """A trainer's new weights: the checkpoint's tensors x ``scale``, q_proj and k_proj first."""
+    full = load_file(os.path.join(DATA, CKPT[kind], "model.safetensors"))
+    order = {PREFIX + "q_proj.weight": 0, PREFIX + "k_proj.weight": 1}
+    return sorted(((k, v * scale) for k, v in full.items()), key=lambda t: (order.get(t[0], 2), t[0]))
+
+
+def update(kind: str, T: int, R: int, buckets: list, path: str = "tensor", bug: str = "",
+           **scenario: object) -> dict[str, object]:
+    runner = start(kind, T, R, **scenario)["runner"]
+    layer = runner.model.model.layers[0].self_attn
+    if bug == "q_in_k":  # the fused loader writes q's rows where k's belong
+        param = dict(runner.model.named_parameters())[PREFIX + FUSED[kind]]
+        original, seen = param.weight_loader, []
+
+        def swapped(p, w, *args):
+            seen.append(w)
+            return original(p, seen[0] if len(seen) == 2 else w, *args)
+
+        param.weight_loader = swapped
+    elif bug == "dt_bias_dropped":
+        layer.dt_bias.weight_loader = lambda *a, **k: None
+    updater = wu.WeightUpdater(
+        tp_rank=R, device="cpu", gpu_id=0, model_config=None, custom_weight_loaders={},
+        get_model=lambda: runner.model, update_model_fields=lambda **k: None,
+        recapture_cuda_graph=lambda: None, get_model_runner=lambda: runner)
+    results = []
+    del lines[:]
+    with rank(T, R), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for bucket in buckets:
+            if path == "distributed":
+                results.append(updater.load_weights_from_distributed(bucket))
+            elif path == "ipc":
+                _IpcHandles.bucket = bucket
+                results.append(updater.update_weights_from_ipc(
+                    types.SimpleNamespace(zmq_handles={"GPU-0": "ipc://kda_tp-test"})))
+            else:
+                fmt = "direct" if path == "direct" else None
+                results.append(updater.update_weights_from_tensor(bucket, fmt))
+    return {"results": [list(r) for r in results], "lines": list(lines),
+            "caught": [str(w.message) for w in caught if "kda_tp" in str(w.message)]}
+
+
+class _IpcHandles:
+    """The checkpoint-engine side: the tensors the ZMQ handles would carry."""
+
+    bucket: list = []
+
+
+def _ipc_transport(zmq_ctx: object, handle: str, device_id: int, run: object,
+                   post_hook: object = None) -> None:
+    """checkpoint-engine's ``update_weights_from_ipc`` without ZMQ and CUDA IPC: ``run`` (SGLang's
+    ``get_model_loader()``, the model's own ``load_weights``) on the received tensors."""
+    run(list(_IpcHandles.bucket))  # type: ignore[operator]
+
+
+sys.modules["checkpoint_engine"] = types.ModuleType("checkpoint_engine")
+sys.modules["checkpoint_engine.worker"] = types.SimpleNamespace(  # type: ignore[assignment]
+    update_weights_from_ipc=_ipc_transport)
+import sglang.srt.checkpoint_engine.checkpoint_engine_worker as cew  # noqa: E402
+
+cew.SGLangCheckpointEngineWorkerExtensionImpl.get_device_uuid = lambda self: "GPU-0"
+cew.SGLangCheckpointEngineWorkerExtensionImpl.get_device_id = lambda self: 0
+
+out["updates"] = {}
+for kind in CKPT:
+    tensors = refit(kind)
+    out["updates"][f"{kind} tensor"] = update(kind, 4, 1, [tensors[:6], tensors[6:]])
+    out["updates"][f"{kind} distributed"] = update(kind, 2, 0, [tensors], path="distributed")
+    out["updates"][f"{kind} q_in_k"] = update(kind, 4, 2, [tensors], bug="q_in_k")
+    out["updates"][f"{kind} dropped_later"] = update(
+        kind, 4, 3, [[t for t in tensors if "v_proj" not in t[0]],
+                     [t for t in tensors if "v_proj" in t[0]]], drops_later=True)
+out["updates"]["dt_bias_dropped"] = update("glm", 2, 1, [refit("glm")], bug="dt_bias_dropped")
+out["updates"]["ipc"] = update("kimi_linear", 4, 3, [refit("kimi_linear")], path="ipc")
+out["updates"]["ipc_dt_bias_dropped"] = update("k3", 2, 0, [refit("k3")], path="ipc",
+                                               bug="dt_bias_dropped")
+os.environ["KDA_TP_GUARD"] = "warn"
+out["updates"]["warn"] = update("k3", 4, 2, [refit("k3")], bug="q_in_k")
+del os.environ["KDA_TP_GUARD"]
+direct = [(n, p.detach().clone()) for n, p in start("k3", 2, 0)["runner"].model.named_parameters()]
+out["updates"]["direct"] = update("k3", 2, 0, [direct], path="direct")
+
 # 6. A running engine: SGLang's Engine.collective_rpc -> Scheduler.handle_rpc_request on each
 #    of 2 schedulers (one rank wrong), through the engine's own message encoding.
 import torch.distributed as dist  # noqa: E402
@@ -370,6 +473,7 @@ engine = object.__new__(Engine)
 engine.send_to_rpc = _RpcSocket()
 reports = sglang_plugin.audit_engine(engine, report_dir=os.path.join(WORK, "reports"))
 out["rpc"] = [{k: r[k] for k in ("tp_rank", "tp_size", "ok", "line", "engine", "summary",
-                                 "text", "skipped")} for r in reports]
+                                 "text", "skipped", "guarded", "hooks", "versions", "checks",
+                                 "last")} for r in reports]
 out["rpc_files"] = sorted(os.listdir(os.path.join(WORK, "reports")))
 print(json.dumps(out))

@@ -119,14 +119,17 @@ def test_non_kda_parameters_are_skipped_without_touching_the_checkpoint():
     assert check(params, "/no/such/checkpoint", tp_rank=0, tp_size=8, model_dtype="F32") is None
 
 
-def test_a_config_without_kda_layers_is_skipped(tmp_path):
+def test_a_config_without_kda_layers_fails_in_fail_and_warns_in_warn(tmp_path, monkeypatch):
     (tmp_path / "config.json").write_text(json.dumps(
         {"model_type": "deepseek_v3", "hidden_size": 64, "num_hidden_layers": 2}))
     params = {f"model.layers.0.self_attn.{n}": np.zeros(4, np.float32) for n in ("A_log", "dt_bias")}
-    # KDA parameters and a config without KDA layers: skipped, but never silently.
-    with pytest.warns(RuntimeWarning, match=r"describes no KDA layer; the KDA weights are not "
-                      r"checked \(is it the checkpoint the engine loaded\?") as seen:
-        assert check(params, tmp_path, tp_rank=0, tp_size=2, model_dtype="F32") is None
+    # KDA parameters and a config without KDA layers: a check that cannot run (issue 27.2).
+    with pytest.raises(GuardError, match=r"describes no KDA layer; the KDA weights are not "
+                       r"checked \(is it the checkpoint the engine loaded\?"):
+        check(params, tmp_path, tp_rank=0, tp_size=2)
+    monkeypatch.setenv(MODE_ENV, "warn")
+    with pytest.warns(RuntimeWarning, match=r"describes no KDA layer") as seen:
+        assert check(params, tmp_path, tp_rank=0, tp_size=2) is None
     assert len(seen) == 1
 
 
@@ -223,13 +226,47 @@ def test_the_vllm_plugin_is_an_entry_point_and_imports_no_engine():
 # -- the hostile tester's findings ------------------------------------------------------------
 
 
-def test_a_kda_layer_without_a_log_and_dt_bias_is_skipped_with_a_warning():
+def test_a_kda_layer_without_a_log_and_dt_bias_fails_in_fail_and_warns_in_warn(monkeypatch):
     params = built(CKPT["kimi_linear"], "vllm-0.33-kimi-linear", 0, 2)
     del params[PRE + "A_log"], params[PRE + "dt_bias"]
-    with pytest.warns(RuntimeWarning, match=r"tp rank 0/2: the parameters hold KDA layer names "
-                      r".* but no ...self_attn.A_log or ...self_attn.dt_bias") as seen:
-        assert check(params, CKPT["kimi_linear"], tp_rank=0, tp_size=2, model_dtype="F32") is None
+    with pytest.raises(GuardError, match=r"tp rank 0/2: the parameters hold KDA layer names "
+                       r".* but no ...self_attn.A_log or ...self_attn.dt_bias"):
+        check(params, CKPT["kimi_linear"], tp_rank=0, tp_size=2)
+    monkeypatch.setenv(MODE_ENV, "warn")
+    with pytest.warns(RuntimeWarning, match=r"but no ...self_attn.A_log") as seen:
+        assert check(params, CKPT["kimi_linear"], tp_rank=0, tp_size=2) is None
     assert len(seen) == 1
+
+
+def test_the_layers_of_a_stage_come_from_every_kda_name_so_missing_markers_are_missing(tmp_path):
+    from kda_tp.guard import stage_layers
+    params = built(CKPT["glm"], "vllm-0.33-glm-5.3", 1, 2)
+    moved = {k.replace("layers.0.", "layers.3."): v for k, v in params.items()
+             if not k.endswith(("A_log", "dt_bias"))}
+    assert stage_layers(params | moved) == [0, 3]  # layer 3 has no A_log / dt_bias
+
+
+def test_the_checkpoint_variable_is_stripped_and_a_missing_one_fails(monkeypatch, tmp_path):
+    from kda_tp.guard import CHECKPOINT_ENV, explicit_checkpoint
+    monkeypatch.setenv(CHECKPOINT_ENV, f"  {CKPT['k3']} ")
+    assert explicit_checkpoint("w") == str(CKPT["k3"])
+    monkeypatch.setenv(CHECKPOINT_ENV, str(tmp_path / "typo"))
+    with pytest.raises(GuardError, match=rf"w: {CHECKPOINT_ENV}='.*typo' does not exist"):
+        explicit_checkpoint("w")
+    monkeypatch.setenv(MODE_ENV, "warn")
+    with pytest.warns(RuntimeWarning, match="does not exist"):
+        assert explicit_checkpoint("w") == ""
+    monkeypatch.setenv(CHECKPOINT_ENV, "  ")
+    assert explicit_checkpoint("w") is None
+
+
+def test_the_model_dtype_names():
+    import ml_dtypes
+    from kda_tp.guard import model_dtype_name
+    torch = pytest.importorskip("torch")
+    assert [model_dtype_name(d) for d in (torch.bfloat16, torch.float16, torch.float32, "bfloat16",
+                                          np.dtype(ml_dtypes.bfloat16), torch.int8)] == [
+        "BF16", "F16", "F32", "BF16", "BF16", None]
 
 
 def test_a_parameter_in_another_float_dtype_than_the_ranks_others_fails_naming_both():
@@ -322,3 +359,19 @@ def test_bad_argument_types_are_named_errors():
         check(list(params), CKPT["k3"], tp_rank=0, tp_size=4, model_dtype="F32")
     with pytest.raises(TypeError, match=r"params: item 0 is a tuple, not a \(name, tensor\)"):
         check([(1, 2, 3)], CKPT["k3"], tp_rank=0, tp_size=4, model_dtype="F32")
+
+
+def test_audit_engine_reports_a_rank_that_wrote_no_report_as_unguarded(tmp_path):
+    from kda_tp.sglang_plugin import audit_engine
+
+    def collective_rpc(method, report_dir, checkpoint):  # only rank 0 of 2 has the guard
+        (Path(report_dir) / "kda_tp-guard-tp0.json").write_text(json.dumps(
+            {"ok": True, "guarded": True, "tp_rank": 0, "tp_size": 2, "where": "sglang",
+             "line": "kda_tp guard: sglang: tp rank 0/2: OK"}))
+
+    engine = type("Engine", (), {"collective_rpc": staticmethod(collective_rpc)})()
+    first, second = audit_engine(engine, report_dir=tmp_path)
+    assert (first["tp_rank"], first["guarded"]) == (0, True)
+    assert (second["tp_rank"], second["guarded"], second["ok"]) == (1, False, None)
+    assert second["line"] == ("kda_tp guard: sglang: tp rank 1/2: unguarded: this rank wrote no "
+                              "report (no guard loaded, or no answer)")

@@ -159,3 +159,86 @@ def test_audit_engine_returns_every_ranks_report(outcome: dict[str, Any]) -> Non
     assert second["line"].startswith("kda_tp guard: sglang: tp rank 1/2: FAIL: 6 KDA ")
     assert "equals rank 0's slice of q_proj" in second["text"]
     assert outcome["rpc_files"] == ["kda_tp-guard-tp0.json", "kda_tp-guard-tp1.json"]
+
+
+# -- issue 26: RL updates through SGLang's own WeightUpdater ----------------------------------
+
+
+@pytest.mark.parametrize("kind", FAMILIES)
+def test_right_refits_pass_on_the_tensor_and_distributed_paths(outcome: dict[str, Any],
+                                                               kind: str) -> None:
+    for path, T, R, calls in (("tensor", 4, 1, 2), ("distributed", 2, 0, 1)):
+        run = outcome["updates"][f"{kind} {path}"]
+        assert run["results"] == [[True, "Success" if path == "tensor" else
+                                   "Succeeded to update parameter online."]] * calls
+        where = ("update_weights_from_tensor" if path == "tensor"
+                 else "update_weights_from_distributed")
+        assert len(run["lines"]) == calls, run["lines"]
+        for line in run["lines"]:
+            assert line.startswith(f"INFO kda_tp.guard: kda_tp guard: sglang {where}: "
+                                   f"tp rank {R}/{T}: ")
+            assert f"KDA parameters updated ({FAMILIES[kind]})" in line and line.endswith(": OK")
+
+
+@pytest.mark.parametrize("kind", FAMILIES)
+def test_q_rows_in_ks_place_fail_the_update_naming_the_part(outcome: dict[str, Any],
+                                                            kind: str) -> None:
+    ((ok, message),) = outcome["updates"][f"{kind} q_in_k"]["results"]
+    assert ok is False
+    assert message.startswith("the update is loaded, but the kda_tp guard found this rank's KDA")
+    assert (f"rank 2 {P}{FUSED[kind]}: k_proj: holds what was fed as {P}q_proj.weight (this "
+            f"rank's slice), not {P}k_proj.weight") in message
+
+
+@pytest.mark.parametrize("kind", FAMILIES)
+def test_a_fused_part_dropped_from_a_later_call_fails_that_update(outcome: dict[str, Any],
+                                                                 kind: str) -> None:
+    first, later = outcome["updates"][f"{kind} dropped_later"]["results"]
+    assert first == [True, "Success"]
+    assert later[0] is False
+    assert (f"rank 3 {P}{FUSED[kind]}: v_proj: holds the values from before the update: "
+            f"{P}v_proj.weight was fed but the engine never applied it") in later[1]
+
+
+def test_a_sent_parameter_never_applied_is_named(outcome: dict[str, Any]) -> None:
+    ((ok, message),) = outcome["updates"]["dt_bias_dropped"]["results"]
+    assert ok is False
+    assert (f"rank 1 {P}dt_bias: dt_bias: holds the values from before the update: "
+            f"{P}dt_bias was fed but the engine never applied it") in message
+
+
+def test_a_wrong_update_in_warn_mode_is_logged_and_succeeds(outcome: dict[str, Any]) -> None:
+    run = outcome["updates"]["warn"]
+    assert run["results"] == [[True, "Success"]]
+    (line,) = run["lines"]
+    assert line.startswith("WARNING kda_tp.guard: kda_tp guard: sglang update_weights_from_tensor")
+    assert "FAIL (1 wrong)" in line and "k_proj: holds what was fed as" in line
+
+
+def test_a_direct_tensor_update_warns_that_it_is_not_checked(outcome: dict[str, Any]) -> None:
+    run = outcome["updates"]["direct"]
+    assert run["results"] == [[True, "Success"]] and run["lines"] == []
+    (warning,) = run["caught"]
+    assert "load_format='direct') writes tensors without the model's load_weights" in warning
+
+
+def test_audit_engine_reports_the_armed_record_of_every_rank(outcome: dict[str, Any]) -> None:
+    from kda_tp import sglang_plugin
+
+    for report in outcome["rpc"]:
+        assert report["guarded"] is True
+        assert report["hooks"] == {t: "armed" for t in sglang_plugin.TARGETS}
+        assert report["versions"]["sglang"] == "0.5.23" and report["versions"]["kda_tp"]
+        assert report["checks"]["first load"] >= 1 and report["checks"]["update"] >= 1
+        assert report["last"].startswith("kda_tp guard: sglang")
+
+
+def test_update_weights_from_ipc_is_checked(outcome: dict[str, Any]) -> None:
+    run = outcome["updates"]["ipc"]
+    assert run["results"] == [[True, "IPC weight update completed successfully"]]
+    (line,) = run["lines"]
+    assert line.startswith("INFO kda_tp.guard: kda_tp guard: sglang update_weights_from_ipc: "
+                           "tp rank 3/4: ") and line.endswith(": OK")
+    ((ok, message),) = outcome["updates"]["ipc_dt_bias_dropped"]["results"]
+    assert ok is False
+    assert f"rank 0 {P}dt_bias: dt_bias: holds the values from before the update" in message

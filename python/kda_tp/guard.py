@@ -18,11 +18,12 @@ On a pass, one INFO line per rank goes to the logger ``kda_tp.guard``:
 
 Nothing is checked, at no measurable cost, for a model without KDA parameters (no
 ``...self_attn.A_log`` or ``...self_attn.dt_bias`` name nor another name only a KDA layer has:
-any non-KDA model, a draft or MTP model). A KDA-looking model that cannot be checked is one
-``RuntimeWarning``: KDA layer names without ``A_log`` and ``dt_bias``, a checkpoint whose config
-describes no KDA layer, a checkpoint that is not a local path (a remote streamer, ``s3://...``).
-The guard's own failure to check (a tensor it cannot read) is a ``GuardError`` in mode ``fail``
-and a WARNING in mode ``warn``, never a crash.
+any non-KDA model, a draft or MTP model). A checkpoint that is not a local path (a remote
+streamer, ``s3://...``) is one ``RuntimeWarning``: that load path cannot be checked. A check
+that could not run is never silent (:func:`cannot_check`): KDA layer names without ``A_log``
+and ``dt_bias``, a checkpoint whose config describes no KDA layer, an explicitly set
+``KDA_TP_GUARD_CHECKPOINT`` that is not there, a tensor the guard cannot read: each a
+``GuardError`` in mode ``fail``, a warning in mode ``warn``, never a crash.
 
 This module imports no engine and no torch; torch tensors are read only when torch is imported
 already (they come from an engine).
@@ -48,8 +49,9 @@ from .engine_audit import AuditReport, as_record, audit
 from .engines import kda_only_suffixes, param_location
 from .errors import CheckpointError, GuardError, GuardModeError, KdaTpError
 
-__all__ = ["CHECKPOINT_ENV", "DERIVED", "MODES", "MODE_ENV", "GuardResult", "check", "holds_kda",
-           "looks_kda", "mode"]
+__all__ = ["CHECKPOINT_ENV", "DERIVED", "MODES", "MODE_ENV", "Derived", "GuardResult",
+           "cannot_check", "check", "checkpoint_env", "derived_problem", "explicit_checkpoint",
+           "holds_kda", "looks_kda", "mode", "model_dtype_name", "stage_layers"]
 
 #: The environment variable that sets the guard's mode.
 MODE_ENV = "KDA_TP_GUARD"
@@ -82,23 +84,105 @@ def _norm_decode(o_norm: np.ndarray) -> np.ndarray:
     return o_norm.astype(np.float32)
 
 
+def _merged_conv(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
+    """vLLM GLM-5.3's ``_merged_conv_weight`` from ``q/k/v_conv1d.weight`` (each ``[Cl, 1, K]``):
+    ``[3 * Cl, K]``, the three viewed ``[Cl, K]`` and concatenated (``Glm5NextLinearAttention
+    ._forward``, built on the first forward)."""
+    return np.ascontiguousarray(np.concatenate(
+        [w.reshape(w.shape[0], w.shape[-1]) for w in (q, k, v)], axis=0))
+
+
+@dataclass(frozen=True)
+class Derived:
+    """One copy an engine derives from KDA parameters and keeps outside ``state_dict()``.
+
+    Attributes:
+        sources: the parameters it is derived from (names after ``...self_attn.``).
+        derive: the derivation, from the sources' values (numpy, in their dtypes).
+        attribute: True for a plain attribute of the layer (not a buffer: no
+            ``named_buffers()`` lists it); None in it means "not built yet".
+        issue: the engine issue about it going stale, if any.
+    """
+
+    sources: tuple[str, ...]
+    derive: Callable[..., np.ndarray]
+    attribute: bool = False
+    issue: str = ""
+
+
 #: The derived copies an engine keeps outside ``state_dict()``, by layout name: the copy's
-#: name after ``...self_attn.`` -> (the parameter it is derived from, the derivation). A copy
-#: is checked against the derivation of its parameter once that parameter is exact.
-#: Source: vllm 0.33.0 ``vllm/models/kimi_k3/nvidia/kda.py`` (``KimiK3DeltaAttention``: the
-#: buffers exist only with a non-Triton decode backend).
-DERIVED: Mapping[str, Mapping[str, tuple[str, Callable[[np.ndarray], np.ndarray]]]] = {
+#: name after ``...self_attn.`` -> :class:`Derived`. A copy is checked against the
+#: derivation of its parameters once those are exact, at the first load, after every update
+#: and in every live audit. Sources: vllm 0.33.0 ``vllm/models/kimi_k3/nvidia/kda.py``
+#: (``KimiK3DeltaAttention``: the buffers exist only with a non-Triton decode backend) and
+#: ``vllm/models/glm5next/common/kda.py`` (``_merged_conv_weight``, never invalidated: vLLM
+#: #55087).
+DERIVED: Mapping[str, Mapping[str, Derived]] = {
     "vllm-0.33-k3": {
-        "decode_conv1d_weight": ("conv1d.weight", _conv_decode),
-        "decode_norm_weight": ("o_norm.weight", _norm_decode),
+        "decode_conv1d_weight": Derived(("conv1d.weight",), _conv_decode),
+        "decode_norm_weight": Derived(("o_norm.weight",), _norm_decode),
+    },
+    "vllm-0.33-glm-5.3": {
+        "_merged_conv_weight": Derived(
+            ("q_conv1d.weight", "k_conv1d.weight", "v_conv1d.weight"), _merged_conv,
+            attribute=True, issue="https://github.com/vllm-project/vllm/issues/55087"),
     },
 }
-
 
 # Names only a KDA layer has (any engine layout, and the derived copies): a model holding
 # some under `.self_attn.` without the markers is a KDA model whose markers are missing.
 _KDA_LOOKING = tuple(f".{end}" for end in sorted(kda_only_suffixes()) if f".{end}" not in _MARKERS
                      ) + tuple(f".{copy}" for copies in DERIVED.values() for copy in copies)
+
+
+def derived_problem(name: str, value: Any, params: Mapping[str, Any], layout: str
+                    ) -> str | None | bool:
+    """The verdict on one derived copy against the parameters it derives from, as they are
+    in ``params`` now: None (exact), a problem (its shape, dtype, or the first element that
+    differs), or False when ``layout`` keeps no such copy (:data:`DERIVED`) or one of its
+    parameters is not in ``params`` (not checked).
+
+    Args:
+        name: the copy's full name (``model.layers.0.self_attn._merged_conv_weight``).
+        value: its tensor (torch on any device, numpy).
+        params: the rank's parameters by full name.
+        layout: the engine layout's name.
+    """
+    location = param_location(name)
+    known = DERIVED.get(layout, {})
+    if location is None or location[2] not in known:
+        return False
+    prefix, layer, suffix = location
+    copy = known[suffix]
+    origins = [f"{prefix}{layer}.self_attn.{source}" for source in copy.sources]
+    if any(origin not in params for origin in origins):
+        return False
+    try:
+        got, got_dtype = _array(name, value)
+    except KdaTpError as error:
+        return f"cannot be read: {error}"
+    bases = [_array(origin, params[origin]) for origin in origins]
+    want = np.ascontiguousarray(copy.derive(*(array for array, _ in bases)))
+    want_dtype = next((d for d in ("F64", "F32", "F16", "BF16") if numpy_dtype(d) == want.dtype),
+                      bases[0][1])
+    what = " and ".join(copy.sources)
+    if got.shape != want.shape or got_dtype != want_dtype:
+        return (f"shape {list(got.shape)} x {got_dtype}, expected {list(want.shape)} x "
+                f"{want_dtype} (derived from {what})")
+    size = want.dtype.itemsize
+    got_bits = np.ascontiguousarray(got).reshape(-1).view(f"<u{size}")
+    want_bits = want.reshape(-1).view(f"<u{size}")
+    if np.array_equal(got_bits, want_bits):
+        return None
+    # The first element whose bytes differ (-0.0 and 0.0 compare equal as values).
+    first = int(np.flatnonzero(got_bits != want_bits)[0])
+    index = [int(i) for i in np.unravel_index(first, got.shape)]
+    stale = (f"the engine's copy is stale (built before the last update and never rebuilt: "
+             f"{copy.issue})" if copy.issue else
+             "the engine's decode copy is stale or was filled from another slice")
+    return (f"differs from what {what} makes of it at {index} (expected "
+            f"{float(want.reshape(-1)[first])!r}, got {float(got.reshape(-1)[first])!r}): "
+            f"{stale}")
 
 
 def holds_kda(names: Iterable[str]) -> bool:
@@ -143,6 +227,65 @@ def mode() -> str:
             "warn or off"
         )
     return value
+
+
+def checkpoint_env() -> str | None:
+    """``KDA_TP_GUARD_CHECKPOINT`` (:data:`CHECKPOINT_ENV`) with surrounding spaces stripped;
+    None when unset or blank."""
+    return os.environ.get(CHECKPOINT_ENV, "").strip() or None
+
+
+def cannot_check(text: str, guard_mode: str | None = None) -> None:
+    """A check that could not run, as the mode says: in ``fail`` a :class:`GuardError`
+    carrying ``text`` (and how to start anyway), in ``warn`` one ``RuntimeWarning`` and a
+    WARNING line on ``kda_tp.guard``; nothing in ``off``.
+
+    Raises:
+        GuardError: mode ``fail``.
+        GuardModeError: ``KDA_TP_GUARD`` holds another value than the modes.
+    """
+    chosen = mode() if guard_mode is None else guard_mode
+    if chosen == "off":
+        return
+    if chosen == "fail":
+        raise GuardError(f"{text} (set {MODE_ENV}=warn to start anyway)")
+    logger.warning("%s", text)
+    warnings.warn(text, RuntimeWarning, stacklevel=3)
+
+
+def explicit_checkpoint(where: str, guard_mode: str | None = None) -> str | None:
+    """The checkpoint ``KDA_TP_GUARD_CHECKPOINT`` names (stripped), when set; None when unset.
+    A path that is not there is a check that cannot run (:func:`cannot_check`: a
+    ``GuardError`` in ``fail``; in ``warn`` one warning and ``""``, which the caller checks
+    nothing against).
+
+    Raises:
+        GuardError: mode ``fail`` and the variable names a path that does not exist.
+    """
+    chosen = checkpoint_env()
+    if chosen is None or "://" in chosen or os.path.exists(chosen):
+        return chosen
+    cannot_check(f"kda_tp guard: {where}: {CHECKPOINT_ENV}={chosen!r} does not exist; the KDA "
+                 "weights are not checked (a typo? set it to the checkpoint directory the "
+                 "engine loaded)", guard_mode)
+    return ""
+
+
+def stage_layers(names: Iterable[Any]) -> list[int]:
+    """The decoder layers whose KDA parameters ``names`` hold: every layer with a KDA name
+    (:func:`looks_kda`'s, not only ``A_log`` / ``dt_bias``), so that a layer whose markers are
+    missing is checked, and reported missing, instead of dropped."""
+    return sorted({loc[1] for n in names
+                   if isinstance(n, str) and looks_kda([n]) and (loc := param_location(n))})
+
+
+def model_dtype_name(dtype: Any) -> str | None:
+    """The safetensors name (``"BF16"``) of an engine's model dtype (a torch dtype, a numpy
+    dtype or a string such as ``"bfloat16"``); None when it is not a float dtype kda_tp knows."""
+    text = str(dtype).removeprefix("torch.").lower()
+    return {"bfloat16": "BF16", "float16": "F16", "half": "F16", "float32": "F32",
+            "float": "F32", "float64": "F64", "bf16": "BF16", "f16": "F16", "f32": "F32",
+            "fp16": "F16"}.get(text)
 
 
 @dataclass(frozen=True)
@@ -248,24 +391,28 @@ def check(
             stage's); None: every KDA layer of the checkpoint.
         guard_mode: one of :data:`MODES` instead of ``KDA_TP_GUARD``'s (e.g. ``"warn"`` to
             report on a running engine without raising); None: the variable's.
-        model_dtype: the engine's model dtype (``"BF16"``, or torch's ``str(dtype)``,
-            ``"torch.bfloat16"``), passed to the audit; None: the engine's default for the
+        model_dtype: the engine's model dtype as a safetensors name (``"BF16"``; see
+            :func:`model_dtype_name`), passed to the audit so that a parameter held in
+            another float dtype (a lossy cast) is wrong; None: the engine's default for the
             checkpoint's config (``kda_tp.model_dtype.engine_model_dtype``).
 
     Returns:
         None without checking anything when the mode is ``off`` or ``params`` has no KDA
-        parameter name; also, with one ``RuntimeWarning`` saying why, when ``params`` has KDA
-        layer names but no ``A_log`` or ``dt_bias``, the config describes no KDA layer, or
-        ``checkpoint`` is not a local path; and in mode ``warn`` when the check itself fails
-        (logged at WARNING); else the :class:`GuardResult` (in mode
-        ``warn`` also when it failed). The result's :meth:`~GuardResult.line` is logged at
-        INFO on a pass, the diagnosis at WARNING on a failure in mode ``warn``.
+        parameter name; also, with one ``RuntimeWarning`` saying why, when ``checkpoint`` is
+        not a local path; and in mode ``warn`` when the check could not run (KDA layer names
+        but no ``A_log`` or ``dt_bias``, a config that describes no KDA layer, a tensor the
+        audit cannot read: a warning, see :func:`cannot_check`); else the
+        :class:`GuardResult` (in mode ``warn`` also when it failed). The result's
+        :meth:`~GuardResult.line` is logged at INFO on a pass, the diagnosis at WARNING on a
+        failure in mode ``warn``.
 
     Raises:
         GuardError: mode ``fail``, and some KDA parameter (or derived copy) is wrong or missing,
-            or the parameters cannot be audited (no engine layout fits their names, a config
-            the audit refuses, a tensor it cannot read: sparse, uninitialized, meta); the message is the audit's diagnosis, ``.report`` the report
-            (None when the audit could not run).
+            or the check could not run (KDA layer names without ``A_log`` and ``dt_bias``, a
+            config describing no KDA layer, no engine layout fits the names, a config the
+            audit refuses, a tensor it cannot read: sparse, uninitialized, meta); the message
+            is the audit's diagnosis, ``.report`` the report (None when the audit could not
+            run).
         GuardModeError: ``KDA_TP_GUARD`` (or ``guard_mode``) holds another value than
             ``fail``, ``warn``, ``off``.
         CheckpointError: a KDA model's ``params`` has a key that is not a ``str``.
@@ -287,10 +434,10 @@ def check(
     if not looks_kda(named):  # one pass over a non-KDA model's names
         return None
     if not holds_kda(named):
-        _skipped(f"kda_tp guard: {label}tp rank {tp_rank}/{tp_size}: the parameters hold "
-                 "KDA layer names (gate projections, o_norm, fused projections, convs) but no "
-                 "...self_attn.A_log or ...self_attn.dt_bias; the KDA weights are not checked "
-                 "(a loader that dropped them?)")
+        cannot_check(f"kda_tp guard: {label}tp rank {tp_rank}/{tp_size}: the parameters hold "
+                     "KDA layer names (gate projections, o_norm, fused projections, convs) but "
+                     "no ...self_attn.A_log or ...self_attn.dt_bias; the KDA weights are not "
+                     "checked (a loader that dropped them?)", chosen)
         return None
     for key in named:
         if not isinstance(key, str):
@@ -307,15 +454,16 @@ def check(
     root = Path(checkpoint)
     root = root if root.is_dir() else root.parent
     try:
-        if not describes_kda(load_config(root)):
-            _skipped(f"kda_tp guard: {label}tp rank {tp_rank}/{tp_size}: the "
-                     f"parameters are KDA layers' (...self_attn.A_log / dt_bias) but the config "
-                     f"of {os.fspath(checkpoint)} describes no KDA layer; the KDA weights are not "
-                     f"checked (is it the checkpoint the engine loaded? set {CHECKPOINT_ENV} to "
-                     "it)")
-            return None
+        describes = describes_kda(load_config(root))
     except KdaTpError:
-        pass  # no or a broken config.json: the audit below says so
+        describes = True  # no or a broken config.json: the audit below says so
+    if not describes:
+        cannot_check(f"kda_tp guard: {label}tp rank {tp_rank}/{tp_size}: the parameters are "
+                     "KDA layers' (...self_attn.A_log / dt_bias) but the config of "
+                     f"{os.fspath(checkpoint)} describes no KDA layer; the KDA weights are not "
+                     f"checked (is it the checkpoint the engine loaded? set {CHECKPOINT_ENV} "
+                     "to it)", chosen)
+        return None
     start = time.perf_counter()
     try:
         report = audit(named, checkpoint, tp_rank=tp_rank, tp_size=tp_size, engine=engine,
@@ -371,46 +519,20 @@ def _pairs(params: Iterable[Any]) -> dict[str, Any]:
     return out
 
 
-def _skipped(text: str) -> None:
-    """A KDA-looking model that is not checked: one ``RuntimeWarning`` (in every mode but
-    ``off``; never an error: the guard cannot tell that the weights are wrong)."""
-    warnings.warn(text, RuntimeWarning, stacklevel=3)
-
-
 def _check_derived(name: str, value: Any, named: Mapping[str, Any],
                    report: AuditReport) -> str | None | bool:
-    """The verdict on one derived copy: None (exact), a problem, or False when the layout
-    keeps no such copy (not checked). Checked against its parameter only when that parameter
-    is exact (else the parameter's failure says it all)."""
-    known = DERIVED.get(report.engine, {})
+    """:func:`derived_problem` after the first load: checked only when every parameter it
+    derives from is exact (else the parameter's failure says it all)."""
     location = param_location(name)
+    known = DERIVED.get(report.engine, {})
     if location is None or location[2] not in known:
         return False
     prefix, layer, suffix = location
-    source, derive = known[suffix]
     verdicts = {p.name: p for p in report.params}
-    origin = f"{prefix}{layer}.self_attn.{source}"
-    if origin not in verdicts or not verdicts[origin].passed:
-        return None if origin in verdicts else f"its parameter {origin} was not checked"
-    try:
-        got, got_dtype = _array(name, value)
-    except KdaTpError as error:
-        return f"cannot be read: {error}"
-    base, base_dtype = _array(origin, named[origin])  # read by the audit already
-    want = np.ascontiguousarray(derive(base))
-    want_dtype = next((d for d in ("F64", "F32", "F16", "BF16") if numpy_dtype(d) == want.dtype),
-                      base_dtype)
-    if got.shape != want.shape or got_dtype != want_dtype:
-        return (f"shape {list(got.shape)} x {got_dtype}, expected {list(want.shape)} x "
-                f"{want_dtype} (derived from {source})")
-    size = want.dtype.itemsize
-    got_bits = np.ascontiguousarray(got).reshape(-1).view(f"<u{size}")
-    want_bits = want.reshape(-1).view(f"<u{size}")
-    if np.array_equal(got_bits, want_bits):
-        return None
-    # The first element whose bytes differ (-0.0 and 0.0 compare equal as values).
-    first = int(np.flatnonzero(got_bits != want_bits)[0])
-    index = [int(i) for i in np.unravel_index(first, got.shape)]
-    return (f"differs from what {source} makes of it at {index} (expected "
-            f"{float(want.reshape(-1)[first])!r}, got {float(got.reshape(-1)[first])!r}): the "
-            "engine's decode copy is stale or was filled from another slice")
+    for source in known[suffix].sources:
+        origin = f"{prefix}{layer}.self_attn.{source}"
+        if origin not in verdicts:
+            return f"its parameter {origin} was not checked"
+        if not verdicts[origin].passed:
+            return None
+    return derived_problem(name, value, named, report.engine)

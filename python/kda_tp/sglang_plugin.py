@@ -13,6 +13,13 @@ registered with ``sglang.srt.plugins.hook_registry.HookRegistry``:
 * around ``WeightUpdater.update_weights_from_disk``: after a successful update the guard runs
   again, on the new checkpoint; a wrong update is reported as a failed update (the message is
   the diagnosis);
+* around ``WeightUpdater.update_weights_from_tensor``, ``load_weights_from_distributed`` (the
+  load step of ``update_weights_from_distributed``) and ``update_weights_from_ipc``: each is
+  one update session (:mod:`kda_tp.update_check`): what it feeds the model's
+  ``load_weights`` is the reference, every KDA parameter it touched is checked when it
+  returns, and a wrong one makes it a failed update ``(False, diagnosis)`` in mode ``fail``
+  (logged in ``warn``). A ``load_format="direct"`` or custom-loader tensor update writes
+  engine-format tensors without ``load_weights``: one warning that it is not checked;
 * around ``Scheduler.handle_rpc_request``: the scheduler answers SGLang's own
   ``Engine.collective_rpc`` for the method ``kda_tp_guard_audit`` (:data:`RPC_METHOD`), which
   :func:`audit_engine` uses to audit a running engine on all its ranks.
@@ -28,9 +35,17 @@ slices of the checkpoint, in the SGLang 0.5.23 layout the parameter names fit
 by the guard's own name test.
 
 The checkpoint is the runner's ``model_config.model_path`` (a Hugging Face repository id is
-resolved to its local cache, never downloaded); ``KDA_TP_GUARD_CHECKPOINT``
-(``kda_tp.guard.CHECKPOINT_ENV``) overrides it, which a ``--load-format sharded_state`` start
-needs (its directory holds the ranks' dumps, not the checkpoint they came from).
+resolved to its local cache in the engine's ``download_dir``, never downloaded);
+``KDA_TP_GUARD_CHECKPOINT`` (``kda_tp.guard.CHECKPOINT_ENV``, stripped; a path that is not
+there is a ``GuardError`` in mode ``fail``) overrides it, which a ``--load-format
+sharded_state`` start needs (its directory holds the ranks' dumps, not the checkpoint they came
+from). The engine's model dtype (``model_config.dtype``) is passed to the check.
+
+Armed, provably: at the first load each rank records which of :data:`TARGETS` SGLang's
+``HookRegistry`` applied (``apply_hooks`` only logs a target it could not resolve); a missing
+one is a ``GuardError`` raised from the load (mode ``fail``) or a warning (``warn``).
+:func:`audit_engine` reports it per rank with the engine and kda_tp versions, the checks run
+and the last verdict.
 
 This module imports SGLang only inside the functions SGLang calls; ``import kda_tp`` imports
 neither it nor SGLang.
@@ -38,6 +53,7 @@ neither it nor SGLang.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -48,10 +64,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .guard import CHECKPOINT_ENV, holds_kda
+from .errors import GuardError, KdaTpError
+from .guard import CHECKPOINT_ENV, explicit_checkpoint, holds_kda, model_dtype_name
+from .update_check import Followed, follow, followed, warn_once
 
 __all__ = ["RPC_METHOD", "TARGETS", "audit_engine", "audit_runner", "checkpoint_of",
-           "guard_runner", "rank_and_size", "register"]
+           "guard_runner", "rank_and_size", "register", "status"]
 
 logger = logging.getLogger("kda_tp.guard")
 
@@ -67,8 +85,20 @@ TARGETS = (
     f"{_RUNNER}.load_model",
     f"{_RUNNER}.finalize_startup_weight_load",
     f"{_UPDATER}.update_weights_from_disk",
+    f"{_UPDATER}.update_weights_from_tensor",
+    f"{_UPDATER}.load_weights_from_distributed",
+    f"{_UPDATER}.update_weights_from_ipc",
     f"{_SCHEDULER}.handle_rpc_request",
 )
+
+# This process's record: checks run by kind, and the last verdict line.
+_checks: dict[str, int] = {}
+_last: list[str] = [""]
+
+
+def _ran(kind: str, line: str) -> None:
+    _checks[kind] = _checks.get(kind, 0) + 1
+    _last[0] = line
 
 
 def register() -> None:
@@ -79,11 +109,58 @@ def register() -> None:
     """
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    load, finalize, update, rpc = TARGETS
+    load, finalize, disk, tensor, distributed, ipc, rpc = TARGETS
     HookRegistry.register(load, _after_load_model, HookType.AFTER)
     HookRegistry.register(finalize, _after_finalize, HookType.AFTER)
-    HookRegistry.register(update, _around_update_from_disk, HookType.AROUND)
+    HookRegistry.register(disk, _around_update_from_disk, HookType.AROUND)
+    HookRegistry.register(tensor, _around_update_from_tensor, HookType.AROUND)
+    HookRegistry.register(distributed, _around_load_from_distributed, HookType.AROUND)
+    HookRegistry.register(ipc, _around_update_from_ipc, HookType.AROUND)
     HookRegistry.register(rpc, _around_rpc, HookType.AROUND)
+
+
+def hooks() -> dict[str, str]:
+    """Each of :data:`TARGETS`: ``"armed"`` when SGLang's ``HookRegistry`` applied it in this
+    process, else why not."""
+    try:
+        from sglang.srt.plugins.hook_registry import HookRegistry
+
+        applied = set(getattr(HookRegistry, "_patched", ()))
+    except ImportError as error:
+        return {t: f"missing: {error}" for t in TARGETS}
+    return {t: "armed" if t in applied else
+            "missing: not applied by SGLang's HookRegistry (renamed in this SGLang version, or "
+            "SGLANG_PLUGINS leaves out kda_tp_guard?)" for t in TARGETS}
+
+
+def status() -> dict[str, Any]:
+    """This process's guard: ``versions`` (SGLang's, kda_tp's), ``mode``, ``hooks``
+    (:func:`hooks`), ``checks`` (run, by kind: ``first load``, ``update``) and ``last`` (the
+    last verdict line)."""
+    import sys
+
+    from . import __version__
+    from .guard import mode
+
+    try:
+        chosen = mode()
+    except KdaTpError as error:
+        chosen = f"invalid: {error}"
+    sglang = sys.modules.get("sglang")
+    return {"versions": {"sglang": str(getattr(sglang, "__version__", "not imported")),
+                         "kda_tp": __version__},
+            "mode": chosen, "hooks": hooks(), "checks": dict(_checks), "last": _last[0]}
+
+
+def _check_armed() -> None:
+    """At the first load: every hook target applied, else a ``GuardError`` (mode ``fail``,
+    raised from the load, which SGLang does not swallow) or a warning (``warn``)."""
+    from .guard import cannot_check
+
+    missing = {t: why for t, why in hooks().items() if why != "armed"}
+    if missing:
+        cannot_check("kda_tp guard: sglang: hooks not armed, so these paths are not checked: "
+                     + "; ".join(f"{t}: {why}" for t, why in missing.items()))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -93,13 +170,79 @@ def register() -> None:
 def _after_load_model(result: Any, runner: Any, *args: Any, **kwargs: Any) -> None:
     """After ``ModelRunner.load_model``: check, unless the overlap mode commits the weights
     later (``runner.startup_weight_load`` set: the finalize hook checks)."""
+    _check_armed()
     if getattr(runner, "startup_weight_load", None) is None:
         guard_runner(runner)
+        follow_runner(runner)
 
 
 def _after_finalize(result: Any, runner: Any, *args: Any, **kwargs: Any) -> None:
     """After ``ModelRunner.finalize_startup_weight_load`` (overlap mode): check."""
     guard_runner(runner)
+    follow_runner(runner)
+
+
+def follow_runner(runner: Any) -> None:
+    """Check every later update of a (non-draft) runner's model: its ``load_weights`` feeds
+    the update sessions the update hooks open (:func:`kda_tp.update_check.follow`)."""
+    model = getattr(runner, "model", None)
+    if (getattr(runner, "is_draft_worker", False) or model is None
+            or followed(model) is not None or not callable(getattr(model, "load_weights", None))
+            or not holds_kda(n for n, _ in model.named_parameters())):
+        return
+    import weakref
+
+    ref: Callable[[], Any] = weakref.ref(model)
+    follow(model, Followed("sglang", lambda: checkpoint_of(runner, quiet=True), rank_and_size,
+                           lambda: dict(ref().named_parameters()), dict, lambda: None,
+                           lambda line: _ran("update", line)))
+
+
+def _updated(runner: Any, where: str, call: Callable[[], tuple[bool, str]]) -> tuple[bool, str]:
+    """Run one update of ``runner``'s model as an update session; a wrong result (mode
+    ``fail``) turns a successful update into ``(False, diagnosis)``."""
+    follow_runner(runner)
+    how = followed(getattr(runner, "model", None))
+    if how is None:
+        return call()
+    try:
+        with how.update(where):
+            ok, message = call()
+            if not ok:  # SGLang reports its own failure; nothing to check
+                how.session = None
+    except GuardError as error:
+        return False, (f"the update is loaded, but the kda_tp guard found this rank's KDA "
+                       f"weights wrong; the engine serves them until a correct update: {error}")
+    return ok, message
+
+
+def _around_update_from_tensor(original: Callable[..., tuple[bool, str]], updater: Any,
+                               named_tensors: Any, load_format: str | None = None,
+                               *args: Any, **kwargs: Any) -> tuple[bool, str]:
+    """Around ``WeightUpdater.update_weights_from_tensor``: one checked update session."""
+    if load_format not in (None, "flattened_bucket"):
+        warn_once(f"kda_tp guard: sglang: update_weights_from_tensor(load_format={load_format!r})"
+                  " writes tensors without the model's load_weights; its KDA weights are not "
+                  "checked")
+        return original(updater, named_tensors, load_format, *args, **kwargs)
+    return _updated(updater.get_model_runner(), "update_weights_from_tensor",
+                    lambda: original(updater, named_tensors, load_format, *args, **kwargs))
+
+
+def _around_load_from_distributed(original: Callable[..., tuple[bool, str]], updater: Any,
+                                  *args: Any, **kwargs: Any) -> tuple[bool, str]:
+    """Around ``WeightUpdater.load_weights_from_distributed``: one checked update session."""
+    return _updated(updater.get_model_runner(), "update_weights_from_distributed",
+                    lambda: original(updater, *args, **kwargs))
+
+
+def _around_update_from_ipc(original: Callable[..., tuple[bool, str]], updater: Any,
+                            *args: Any, **kwargs: Any) -> tuple[bool, str]:
+    """Around ``WeightUpdater.update_weights_from_ipc``: one checked update session."""
+    return _updated(updater.get_model_runner(), "update_weights_from_ipc",
+                    lambda: original(updater, *args, **kwargs))
+
+
 
 
 def _around_update_from_disk(original: Callable[..., tuple[bool, str]], updater: Any,
@@ -110,7 +253,9 @@ def _around_update_from_disk(original: Callable[..., tuple[bool, str]], updater:
     into ``(False, diagnosis)``. A filtered (partial) update is not checked."""
     from .errors import GuardError
 
-    ok, message = original(updater, model_path, load_format, *args, **kwargs)
+    how = followed(getattr(updater.get_model_runner(), "model", None))
+    with how.quietly() if how is not None else contextlib.nullcontext():
+        ok, message = original(updater, model_path, load_format, *args, **kwargs)
     if not ok:
         return ok, message
     if kwargs.get("weight_name_filter") is not None or (args and args[0] is not None):
@@ -166,21 +311,29 @@ def _label() -> str:
     return label
 
 
-def checkpoint_of(runner: Any) -> str | None:
-    """The local checkpoint a model runner loaded: ``KDA_TP_GUARD_CHECKPOINT`` if set, else
-    ``runner.model_config.model_path`` (a Hugging Face repository id: its local snapshot, if
-    cached). None, after one warning, for a ``sharded_state`` load without
-    ``KDA_TP_GUARD_CHECKPOINT`` (its directory holds the dumps, not the checkpoint)."""
-    chosen = os.environ.get(CHECKPOINT_ENV, "").strip()
-    if chosen:
+def checkpoint_of(runner: Any, quiet: bool = False) -> str | None:
+    """The local checkpoint a model runner loaded: ``KDA_TP_GUARD_CHECKPOINT`` if set
+    (stripped), else ``runner.model_config.model_path`` (a Hugging Face repository id: its
+    local snapshot, if cached, in the engine's ``download_dir``). None, after one warning
+    (unless ``quiet``), for a ``sharded_state`` load without ``KDA_TP_GUARD_CHECKPOINT`` (its
+    directory holds the dumps, not the checkpoint); ``""`` for a variable naming a path that
+    is not there, in mode ``warn`` (warned).
+
+    Raises:
+        GuardError: mode ``fail`` and ``KDA_TP_GUARD_CHECKPOINT`` names a path that is not there.
+    """
+    chosen = explicit_checkpoint("sglang")
+    if chosen is not None:
         return chosen
-    load_format = getattr(getattr(runner, "load_config", None), "load_format", "")
+    load_config = getattr(runner, "load_config", None)
+    load_format = getattr(load_config, "load_format", "")
     if str(getattr(load_format, "value", load_format)).lower() == "sharded_state":
-        warnings.warn(
-            f"kda_tp guard: a sharded_state load is checked against the checkpoint it was saved "
-            f"from; set {CHECKPOINT_ENV} to that checkpoint's directory (not checked now)",
-            RuntimeWarning, stacklevel=2,
-        )
+        if not quiet:
+            warnings.warn(
+                f"kda_tp guard: a sharded_state load is checked against the checkpoint it was "
+                f"saved from; set {CHECKPOINT_ENV} to that checkpoint's directory (not checked "
+                "now)", RuntimeWarning, stacklevel=2,
+            )
         return None
     config = runner.model_config
     path = str(config.model_path)
@@ -190,6 +343,7 @@ def checkpoint_of(runner: Any) -> str | None:
         from huggingface_hub import snapshot_download
 
         return str(snapshot_download(path, revision=getattr(config, "revision", None),
+                                     cache_dir=getattr(load_config, "download_dir", None),
                                      local_files_only=True))
     except Exception:  # noqa: BLE001 - not cached or no huggingface_hub: the guard warns
         return path
@@ -217,58 +371,65 @@ def guard_runner(runner: Any, checkpoint: str | None = None) -> Any:
     if mode() == "off":
         return None
     path = checkpoint if checkpoint is not None else checkpoint_of(runner)
-    if path is None:
+    if not path:
         return None
     tp_rank, tp_size = rank_and_size()
-    return check(dict(runner.model.named_parameters()), path, tp_rank=tp_rank,
-                 tp_size=tp_size, where=_label(), model_dtype=_model_dtype(runner))
+    dtype = model_dtype_name(getattr(getattr(runner, "model_config", None), "dtype", None))
+    result = check(dict(runner.model.named_parameters()), path, tp_rank=tp_rank,
+                   tp_size=tp_size, where=_label(), model_dtype=dtype)
+    if result is not None:
+        _ran("first load" if checkpoint is None else "update_weights_from_disk", result.line())
+    return result
 
 
 # ------------------------------------------------------------------------------------------------
 # A running engine
 
 
-def _model_dtype(runner: Any) -> str | None:
-    """The engine's model dtype (``runner.model_config.dtype``, a torch dtype) as
-    ``kda_tp.guard.check`` takes it; None when the runner has none."""
-    dtype = getattr(getattr(runner, "model_config", None), "dtype", None)
-    return None if dtype is None else str(dtype)
-
-
 def audit_runner(runner: Any, checkpoint: str | None = None) -> dict[str, Any]:
     """One rank's audit of one SGLang ``ModelRunner``, whatever the guard's mode, as a dict
-    (what :func:`audit_engine` returns per rank).
+    (what :func:`audit_engine` returns per rank); never raises for a wrong rank or a check
+    that could not run (its reason is in ``skipped``).
 
-    Keys: ``ok`` (True, False, or None when nothing was checked), ``line`` (the one-line
-    verdict), ``tp_rank``, ``tp_size`` (SGLang's attention TP group), ``where``,
-    ``checkpoint``, ``skipped`` (why nothing was checked, or None), ``engine`` (the layout),
-    ``seconds``, ``summary`` and ``text`` (the audit's summary and full diagnosis), ``report``
-    (``AuditReport.to_dict()``, as ``kda-tp audit --json``).
+    Keys: ``ok`` (True, False, or None when nothing was checked), ``guarded`` (True: this
+    rank answered with the guard loaded), ``line`` (the one-line verdict), ``tp_rank``,
+    ``tp_size`` (SGLang's attention TP group), ``where``, ``checkpoint``, ``skipped`` (why
+    nothing was checked, or None), ``engine`` (the layout), ``seconds``, ``summary`` and
+    ``text`` (the audit's summary and full diagnosis), ``report``
+    (``AuditReport.to_dict()``, as ``kda-tp audit --json``), and :func:`status`'s
+    ``versions``, ``mode``, ``hooks``, ``checks`` and ``last``.
     """
     from .engine_audit import audit
 
     tp_rank, tp_size = rank_and_size()
-    out: dict[str, Any] = {"ok": None, "line": "", "tp_rank": tp_rank, "tp_size": tp_size,
-                           "where": _label(), "checkpoint": None, "skipped": None,
-                           "engine": None, "seconds": 0.0, "summary": "", "text": "",
-                           "report": None}
-    path = None if getattr(runner, "is_draft_worker", False) else (
-        checkpoint or checkpoint_of(runner))
-    out["checkpoint"] = path
-    params = {} if path is None else dict(runner.model.named_parameters())
+    out: dict[str, Any] = {"ok": None, "guarded": True, "line": "", "tp_rank": tp_rank,
+                           "tp_size": tp_size, "where": _label(), "checkpoint": None,
+                           "skipped": None, "engine": None, "seconds": 0.0, "summary": "",
+                           "text": "", "report": None, **status()}
     start = time.perf_counter()
-    if getattr(runner, "is_draft_worker", False):
-        out["skipped"] = "a draft model runner"
-    elif path is None or "://" in path or not os.path.exists(path):
-        out["skipped"] = f"no local checkpoint ({path!r})"
-    elif not holds_kda(params):
-        out["skipped"] = "no KDA parameter"
-    else:
-        report = audit(params, path, tp_rank=tp_rank, tp_size=tp_size,
-                       model_dtype=_model_dtype(runner))
-        out.update(ok=report.passed, engine=report.engine,
-                   seconds=time.perf_counter() - start, summary=report.summary(),
-                   text=report.format(), report=report.to_dict())
+    try:
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            path = None if getattr(runner, "is_draft_worker", False) else (
+                checkpoint or checkpoint_of(runner))
+        out["checkpoint"] = path
+        params = {} if not path else dict(runner.model.named_parameters())
+        if getattr(runner, "is_draft_worker", False):
+            out["skipped"] = "a draft model runner"
+        elif not path or "://" in path or not os.path.exists(path):
+            why = "; ".join(str(w.message) for w in seen)
+            out["skipped"] = f"no local checkpoint ({path!r})" + (f": {why}" if why else "")
+        elif not holds_kda(params):
+            out["skipped"] = "no KDA parameter"
+        else:
+            report = audit(params, path, tp_rank=tp_rank, tp_size=tp_size,
+                           model_dtype=model_dtype_name(getattr(getattr(
+                               runner, "model_config", None), "dtype", None)))
+            out.update(ok=report.passed, engine=report.engine,
+                       seconds=time.perf_counter() - start, summary=report.summary(),
+                       text=report.format(), report=report.to_dict())
+    except KdaTpError as error:  # the check could not run: its reason, not a crash
+        out["skipped"] = f"the check could not run: {error}"
     out["line"] = (f"kda_tp guard: {out['where']}: tp rank {tp_rank}/{tp_size}: "
                    f"{out['summary'] or 'not checked: ' + str(out['skipped'])}")
     return out
@@ -309,7 +470,9 @@ def audit_engine(engine: Any, *, checkpoint: str | None = None,
         report_dir: where the ranks write ``kda_tp-guard-...-tp{r}.json``; kept when given.
 
     Returns:
-        One dict per rank (see :func:`audit_runner`), by DP / pipeline / TP rank.
+        One dict per rank (see :func:`audit_runner`), by DP / pipeline / TP rank; a rank of
+        the engine's TP group that wrote no report (no guard loaded in it, or it did not
+        answer) is one entry with ``guarded`` False and ``ok`` None.
 
     Raises:
         AssertionError: from SGLang's ``collective_rpc`` when a scheduler's call failed (its
@@ -319,6 +482,12 @@ def audit_engine(engine: Any, *, checkpoint: str | None = None,
         engine.collective_rpc(RPC_METHOD, report_dir=directory, checkpoint=checkpoint or "")
         found = sorted(Path(directory).glob("kda_tp-guard*-tp*.json"))
         reports = [json.loads(p.read_text()) for p in found]
+        size = max((int(r["tp_size"]) for r in reports), default=0)
+        answered = {int(r["tp_rank"]) for r in reports}
+        reports += [{"ok": None, "guarded": False, "tp_rank": r, "tp_size": size,
+                     "where": "sglang", "line": f"kda_tp guard: sglang: tp rank {r}/{size}: "
+                     "unguarded: this rank wrote no report (no guard loaded, or no answer)"}
+                    for r in range(size) if r not in answered]
         return sorted(reports, key=lambda r: (r["where"], r["tp_rank"]))
 
     if report_dir is not None:
