@@ -157,15 +157,18 @@ def test_each_layer_is_dropped_once_hashed(tmp_path):
 
 @pytest.mark.engines
 @pytest.mark.parametrize("kind", ["k3", "kimi_linear", "glm"])
-def test_equal_to_what_vllms_own_load_weights_leaves(kind):
-    """The trainer's digests, from the tensors it feeds, equal vLLM 0.33's own checksums of
-    what its own KDA layer's ``load_weights`` left from those tensors (tests/test_digests_vllm.py's
-    engine run), rank by rank."""
+def test_equal_to_what_vllms_own_load_weights_leaves(kind, tmp_path):
+    """The trainer's digests, from the tensors it feeds (in the release dtypes), equal vLLM
+    0.33's own checksums of what its own KDA layer's ``load_weights`` left from those tensors
+    in a BF16 model (tests/test_digests_vllm.py's engine run), rank by rank, with no dtype
+    given: the engine's default."""
     pytest.importorskip("vllm")
     from test_digests_vllm import CASES, vllm_checksums
+    from tp_fixtures import release_dtypes
 
-    ckpt, layout, runs = CASES[kind]
-    engine = vllm_checksums(kind)
+    source, layout, runs = CASES[kind]
+    ckpt = release_dtypes(source, tmp_path / "ckpt")
+    engine = vllm_checksums(kind, ckpt, "bfloat16")
     tensors = fed(ckpt)
     for tp_size, rank in runs:
         ours = kda_tp.expected_digests(tensors, ckpt, engine=layout, tp_size=tp_size,
