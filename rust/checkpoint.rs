@@ -318,7 +318,8 @@ impl SafetensorsFile {
     ///
     /// # Errors
     /// [`Error::TensorNotFound`]; [`Error::Checkpoint`] when `span > stride` (with several
-    /// spans), when the last span ends past the tensor, or when the file is now too short
+    /// spans), when the last span ends past the tensor (its end offset overflowing `usize`
+    /// included: no arguments panic or allocate more than the tensor), or when the file is now too short
     /// (truncated while open); [`Error::Io`] when a read fails otherwise.
     pub fn read_spans(
         &self,
@@ -342,18 +343,28 @@ impl SafetensorsFile {
                 "spans of {span} bytes every {stride} bytes overlap"
             )));
         }
-        let end = count
-            .checked_sub(1)
-            .and_then(|n| n.checked_mul(stride))
-            .and_then(|n| n.checked_add(start))
-            .and_then(|n| n.checked_add(span))
-            .unwrap_or(start);
+        // The end of the last span; no spans end where they start.
+        let end = match count.checked_sub(1) {
+            None => Some(start),
+            Some(n) => n
+                .checked_mul(stride)
+                .and_then(|n| n.checked_add(start))
+                .and_then(|n| n.checked_add(span)),
+        };
+        let Some(end) = end else {
+            return Err(bad(format!(
+                "{count} spans of {span} bytes every {stride} bytes from byte {start} end past \
+                 its {tensor_len} bytes (the end offset overflows a {}-bit size)",
+                usize::BITS
+            )));
+        };
         if end > tensor_len || start > tensor_len {
             return Err(bad(format!(
                 "{count} spans of {span} bytes every {stride} bytes from byte {start} end at \
                  byte {end}, past its {tensor_len} bytes"
             )));
         }
+        // No overflow below: `count * span <= end - start` when the spans do not overlap.
         if count <= 1 || span == 0 || span == stride {
             return self.read_range(name, start..start + count * span);
         }

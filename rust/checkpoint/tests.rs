@@ -1075,6 +1075,38 @@ fn read_spans_refuses_ranges_past_the_tensor_and_overlapping_spans() {
 }
 
 #[test]
+fn read_spans_refuses_an_end_offset_that_overflows() {
+    let dir = TempDir::new("spans-overflow");
+    let (path, _, _) = matrix_file(&dir, 4, 8);
+    let max = usize::MAX;
+    for backend in BACKENDS {
+        let ckpt = Checkpoint::open(&path, backend).unwrap();
+        // (count - 1) * stride, + start, + span: each step overflowing on its own.
+        for (start, span, stride, count) in [
+            (0, 1, max, 3),
+            (0, 1, max / 2 + 1, 3),
+            (max, 1, 1, 2),
+            (1, max, max, 2),
+            (0, 0, max, max),
+            (max, max, max, max),
+        ] {
+            let err = ckpt
+                .read_spans("w", start, span, stride, count)
+                .err()
+                .unwrap();
+            assert!(matches!(err, Error::Checkpoint { .. }), "{err}");
+            assert!(err.to_string().contains("overflows"), "{err}");
+        }
+        // A start past the tensor with no spans, or an empty span past it: refused, no panic.
+        let past = ckpt.read_spans("w", max, 0, 0, 0).err().unwrap();
+        assert!(past.to_string().contains("past its 32 bytes"), "{past}");
+        // At the edge: the last span ending exactly at the tensor's end is read.
+        let edge = ckpt.read_spans("w", 7, 1, 8, 4).unwrap();
+        assert_eq!(edge.as_slice().len(), 4);
+    }
+}
+
+#[test]
 fn read_spans_refuses_a_file_truncated_while_open() {
     let dir = TempDir::new("spans-trunc");
     let (path, bytes, header) = matrix_file(&dir, 64, 64);
@@ -1129,6 +1161,60 @@ proptest::proptest! {
             proptest::prop_assert_eq!(ckpt.bytes_read(), header + counted);
         }
     }
+
+    /// Any arguments at all (huge ones, whose end offset overflows, included): `read_spans`
+    /// returns the spans or an error, never panics, and both backends agree; `read_range`
+    /// likewise.
+    #[test]
+    fn read_spans_and_read_range_take_any_arguments(
+        start in spans_arg(),
+        span in spans_arg(),
+        stride in spans_arg(),
+        count in spans_arg(),
+    ) {
+        let dir = TempDir::new("spans-any");
+        let (path, bytes, _) = matrix_file(&dir, 4, 8);
+        let [mapped, copied] = BACKENDS.map(|b| Checkpoint::open(&path, b).unwrap());
+        let (m, c) = (
+            mapped.read_spans("w", start, span, stride, count),
+            copied.read_spans("w", start, span, stride, count),
+        );
+        match (&m, &c) {
+            (Ok(m), Ok(c)) => {
+                // Empty spans may come in any number: only non-empty ones are counted out.
+                let spans = if span == 0 { 0 } else { count };
+                let want: Vec<u8> = (0..spans)
+                    .flat_map(|i| bytes[start + i * stride..][..span].to_vec())
+                    .collect();
+                proptest::prop_assert_eq!(m.as_slice(), &want[..]);
+                proptest::prop_assert_eq!(c.as_slice(), &want[..]);
+            }
+            (Err(m), Err(c)) => proptest::prop_assert_eq!(m.to_string(), c.to_string()),
+            _ => proptest::prop_assert!(false, "backends disagree: {:?} {:?}", m.is_ok(), c.is_ok()),
+        }
+        let part = start..span;
+        match (mapped.read_range("w", part.clone()), copied.read_range("w", part.clone())) {
+            (Ok(m), Ok(c)) => {
+                let want = &bytes[start..span.min(bytes.len())];
+                proptest::prop_assert_eq!(m.as_slice(), want);
+                proptest::prop_assert_eq!(c.as_slice(), want);
+            }
+            (Err(m), Err(c)) => proptest::prop_assert_eq!(m.to_string(), c.to_string()),
+            _ => proptest::prop_assert!(false, "backends disagree on read_range {part:?}"),
+        }
+    }
+}
+
+/// A `read_spans` argument: small (in and around a 32-byte tensor) or anywhere up to
+/// `usize::MAX`, where sums and products overflow.
+fn spans_arg() -> impl proptest::strategy::Strategy<Value = usize> {
+    use proptest::prelude::*;
+    prop_oneof![
+        0usize..40,
+        Just(usize::MAX),
+        usize::MAX - 40..=usize::MAX,
+        any::<usize>()
+    ]
 }
 
 #[test]
