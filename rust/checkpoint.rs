@@ -18,6 +18,9 @@
 //! rule for mappings), which no library can turn into an error; use `Pread` where files may be
 //! truncated or rewritten in place. A file replaced by rename (the usual atomic rewrite) is safe
 //! on both backends: the open handle and mapping keep the old contents.
+//!
+//! Unix only (positioned reads with `FileExt::read_exact_at`), as is the package: its writer
+//! locks output directories with `flock`.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fmt;
@@ -914,24 +917,10 @@ impl<'de> Deserialize<'de> for HeaderEntries {
     }
 }
 
-#[cfg(unix)]
+/// Reads exactly `buf.len()` bytes at `offset` (a positioned read: the file position is not
+/// used, so threads share the handle). Unix only, as is the package (see the module docs).
 fn read_exact_at(file: &File, buf: &mut [u8], offset: u64) -> std::io::Result<()> {
     std::os::unix::fs::FileExt::read_exact_at(file, buf, offset)
-}
-
-#[cfg(windows)]
-fn read_exact_at(file: &File, mut buf: &mut [u8], mut offset: u64) -> std::io::Result<()> {
-    use std::os::windows::fs::FileExt;
-    while !buf.is_empty() {
-        match file.seek_read(buf, offset)? {
-            0 => return Err(std::io::ErrorKind::UnexpectedEof.into()),
-            n => {
-                buf = &mut buf[n..];
-                offset += n as u64;
-            }
-        }
-    }
-    Ok(())
 }
 
 #[cfg(test)]
