@@ -168,22 +168,23 @@ impl KdaTpPlan {
             return Err(Error::HeadsNotDivisible {
                 heads: full_heads,
                 tp_size,
+                head_dim,
+                qk_multiple: options.qk_multiple,
             });
         }
         let local_heads = full_heads / tp_size;
         let overflow = |tensor: &str| Error::Overflow {
             tensor: tensor.to_string(),
         };
-        let channels = local_heads
-            .checked_mul(head_dim)
-            .and_then(|c| c.checked_mul(2))
-            .ok_or_else(|| overflow("q|k width"))?;
+        let channels = qk_channels(local_heads, head_dim).ok_or_else(|| overflow("q|k width"))?;
         if channels % options.qk_multiple != 0 {
             return Err(Error::QkWidth {
                 channels,
                 multiple: options.qk_multiple,
                 local_heads,
                 head_dim,
+                heads: full_heads,
+                tp_size,
             });
         }
         let a_log_len = options.a_log_len.unwrap_or(full_heads);
@@ -343,6 +344,26 @@ impl KdaTpPlan {
     pub fn names(&self) -> Vec<&'static str> {
         self.tensors.iter().map(|t| t.name).collect()
     }
+}
+
+/// The local q|k width `2 · local_heads · head_dim` (q and k side by side, as the fused conv +
+/// L2-norm kernel reads them), or `None` when it overflows.
+fn qk_channels(local_heads: usize, head_dim: usize) -> Option<usize> {
+    local_heads.checked_mul(head_dim)?.checked_mul(2)
+}
+
+/// The world sizes that [`KdaTpPlan::with_options`] accepts for `heads` heads of `head_dim`
+/// under the q|k rule `qk_multiple` (1: no rule): the divisors `t` of `heads` whose local q|k
+/// width `2 · (heads / t) · head_dim` is a multiple of `qk_multiple`, ascending. `None` above
+/// 2^20 heads (see [`crate::error::divisors`]). Arithmetic only: no plan is built.
+pub fn allowed_tp_sizes(heads: usize, head_dim: usize, qk_multiple: usize) -> Option<Vec<usize>> {
+    let mut sizes = crate::error::divisors(heads)?;
+    sizes.retain(|&t| {
+        qk_channels(heads / t, head_dim)
+            .and_then(|c| c.checked_rem(qk_multiple))
+            .is_some_and(|r| r == 0)
+    });
+    Some(sizes)
 }
 
 /// Resolves dtype overrides into a lookup by plan name, refusing names not in `names` (this

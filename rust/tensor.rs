@@ -88,13 +88,9 @@ impl KdaTensorPlan {
         let mismatch = || Error::Shape {
             tensor: self.name.to_string(),
             actual: disk_shape.to_vec(),
-            expected: format!(
-                "{} elements as [{}, {}] (e.g. {:?})",
-                self.full_rows * self.full_row_elems,
-                self.full_rows,
-                self.full_row_elems,
-                self.disk_shape
-            ),
+            rows: self.full_rows,
+            row_elems: self.full_row_elems,
+            example: self.disk_shape.clone(),
         };
         let numel = disk_shape
             .iter()
