@@ -34,6 +34,7 @@ use std::sync::Arc;
 use memmap2::{Mmap, MmapOptions, UncheckedAdvice};
 use rayon::prelude::*;
 use safetensors::tensor::{Metadata, TensorInfo};
+use safetensors::SafeTensorError;
 use serde::de::{Deserialize, Deserializer, MapAccess, Visitor};
 
 use crate::error::{Error, Result};
@@ -667,9 +668,59 @@ impl Checkpoint {
 /// nor followed by trailing bytes). Errors are [`Error::Safetensors`] naming `path` and, where
 /// there is one, the tensor. Public so that fuzzers can drive header parsing from memory.
 ///
+/// One validator: the entries' sizes and offsets are checked once, by the safetensors crate
+/// (`Metadata::new`); this function checks only what that does not (JSON shape, duplicate
+/// names, the metadata map, the data section's length), and words a refusal of the crate's
+/// (which names no tensor or offset) for the user ([`explain_refusal`], on that path only).
+///
 /// # Errors
 /// [`Error::Safetensors`] for each refusal above.
 pub fn parse_header(path: &Path, header: &[u8], data_len: u64) -> Result<Metadata> {
+    let bad = |reason: String| Error::Safetensors {
+        path: path.to_path_buf(),
+        reason,
+    };
+    let (user_metadata, tensors) = header_entries(path, header)?;
+    let metadata = Metadata::new(user_metadata, tensors)
+        .map_err(|refusal| explain_refusal(path, header, &refusal))?;
+    // Back to back from data byte 0 (checked above): the data section is the last end offset.
+    let described = metadata.data_len();
+    let prefix = 8 + header.len() as u128;
+    let file_len = prefix + u128::from(data_len);
+    let described_total = prefix + described as u128;
+    if described as u128 > u128::from(data_len) {
+        let (name, end) = metadata
+            .offset_keys()
+            .into_iter()
+            .filter_map(|name| {
+                let end = metadata.info(&name)?.data_offsets.1;
+                (end as u128 > u128::from(data_len)).then_some((name, end))
+            })
+            .next()
+            .unwrap_or_default();
+        return Err(bad(format!(
+            "the header describes {described_total} bytes but the file has {file_len} \
+             (truncated: tensor {name:?} ends at data byte {end}, past the {data_len} data bytes \
+             after the header)"
+        )));
+    }
+    if (described as u128) < u128::from(data_len) {
+        return Err(bad(format!(
+            "the header describes {described_total} bytes but the file has {file_len} \
+             ({} trailing bytes after the data)",
+            u128::from(data_len) - described as u128
+        )));
+    }
+    Ok(metadata)
+}
+
+/// A header's `__metadata__` map and its tensor entries, in data order.
+type ParsedHeader = (Option<HashMap<String, String>>, Vec<(String, TensorInfo)>);
+
+/// The header's `__metadata__` map and its tensor entries in data order (by offsets, then by
+/// name, so that the order is deterministic): the checks that are not the safetensors crate's
+/// (UTF-8, a JSON object, no name twice, the metadata a map of strings, each entry's fields).
+fn header_entries(path: &Path, header: &[u8]) -> Result<ParsedHeader> {
     let bad = |reason: String| Error::Safetensors {
         path: path.to_path_buf(),
         reason,
@@ -698,48 +749,26 @@ pub fn parse_header(path: &Path, header: &[u8], data_len: u64) -> Result<Metadat
         }
         let info = TensorInfo::deserialize(value)
             .map_err(|e| bad(format!("invalid header: tensor {name:?}: {e}")))?;
-        let (begin, end) = info.data_offsets;
-        if end < begin {
-            return Err(bad(format!(
-                "invalid header: tensor {name:?} has data_offsets [{begin}, {end}], which end \
-                 before they begin"
-            )));
-        }
-        let bits = info
-            .shape
-            .iter()
-            .try_fold(1usize, |n, &d| n.checked_mul(d))
-            .and_then(|n| n.checked_mul(info.dtype.bitsize()));
-        match bits {
-            None => {
-                return Err(bad(format!(
-                    "invalid header: tensor {name:?}: shape {:?} of {} overflows the byte size",
-                    info.shape, info.dtype
-                )))
-            }
-            Some(bits) if bits % 8 != 0 => {
-                return Err(bad(format!(
-                    "invalid header: tensor {name:?}: shape {:?} of {} is {bits} bits, not a \
-                     whole number of bytes",
-                    info.shape, info.dtype
-                )))
-            }
-            Some(bits) if bits / 8 != end - begin => {
-                return Err(bad(format!(
-                    "invalid header: tensor {name:?}: shape {:?} of {} is {} bytes, but its \
-                     data_offsets [{begin}, {end}] span {} bytes",
-                    info.shape,
-                    info.dtype,
-                    bits / 8,
-                    end - begin
-                )))
-            }
-            Some(_) => {}
-        }
         tensors.push((name, info));
     }
-    // Data order; equal offsets (empty tensors) by name, so the order is deterministic.
     tensors.sort_by(|(a, x), (b, y)| (x.data_offsets, a).cmp(&(y.data_offsets, b)));
+    Ok((user_metadata, tensors))
+}
+
+/// Words a refusal of the safetensors crate's validation for the user: the first tensor, in
+/// data order, that the crate refuses (its checks in its order: offsets that end before they
+/// begin, overlap the previous tensor or leave a gap after it, then a byte size that overflows,
+/// is not whole bytes or differs from the offsets), with its name and numbers. Runs only after
+/// the crate refused, so a valid header is checked once.
+fn explain_refusal(path: &Path, header: &[u8], refusal: &SafeTensorError) -> Error {
+    let bad = |reason: String| Error::Safetensors {
+        path: path.to_path_buf(),
+        reason: format!("invalid header: {reason}"),
+    };
+    let tensors = match header_entries(path, header) {
+        Ok((_, tensors)) => tensors,
+        Err(e) => return e,
+    };
     let mut described = 0usize;
     let mut previous: Option<&str> = None;
     for (name, info) in &tensors {
@@ -748,44 +777,56 @@ pub fn parse_header(path: &Path, header: &[u8], data_len: u64) -> Result<Metadat
             || "the start of the data section".to_string(),
             |p| format!("tensor {p:?}"),
         );
+        if end < begin {
+            return bad(format!(
+                "tensor {name:?} has data_offsets [{begin}, {end}], which end before they begin"
+            ));
+        }
         if begin < described {
-            return Err(bad(format!(
-                "invalid header: tensor {name:?} (data bytes [{begin}, {end})) overlaps {after}, \
-                 which ends at data byte {described}"
-            )));
+            return bad(format!(
+                "tensor {name:?} (data bytes [{begin}, {end})) overlaps {after}, which ends at \
+                 data byte {described}"
+            ));
         }
         if begin > described {
-            return Err(bad(format!(
-                "invalid header: a gap of {} bytes between {after} (ending at data byte \
-                 {described}) and tensor {name:?} (starting at {begin})",
+            return bad(format!(
+                "a gap of {} bytes between {after} (ending at data byte {described}) and tensor \
+                 {name:?} (starting at {begin})",
                 begin - described
-            )));
+            ));
+        }
+        let bits = info
+            .shape
+            .iter()
+            .try_fold(1usize, |n, &d| n.checked_mul(d))
+            .and_then(|n| n.checked_mul(info.dtype.bitsize()));
+        let (shape, dtype) = (&info.shape, info.dtype);
+        match bits {
+            None => {
+                return bad(format!(
+                    "tensor {name:?}: shape {shape:?} of {dtype} overflows the byte size"
+                ))
+            }
+            Some(bits) if bits % 8 != 0 => {
+                return bad(format!(
+                    "tensor {name:?}: shape {shape:?} of {dtype} is {bits} bits, not a whole \
+                     number of bytes"
+                ))
+            }
+            Some(bits) if bits / 8 != end - begin => {
+                return bad(format!(
+                    "tensor {name:?}: shape {shape:?} of {dtype} is {} bytes, but its \
+                     data_offsets [{begin}, {end}] span {} bytes",
+                    bits / 8,
+                    end - begin
+                ))
+            }
+            Some(_) => {}
         }
         described = end;
         previous = Some(name);
     }
-    let prefix = 8 + header.len() as u128;
-    let file_len = prefix + u128::from(data_len);
-    let described_total = prefix + described as u128;
-    if let Some((name, info)) = tensors
-        .iter()
-        .find(|(_, info)| info.data_offsets.1 as u128 > u128::from(data_len))
-    {
-        return Err(bad(format!(
-            "the header describes {described_total} bytes but the file has {file_len} \
-             (truncated: tensor {name:?} ends at data byte {}, past the {data_len} data bytes \
-             after the header)",
-            info.data_offsets.1
-        )));
-    }
-    if (described as u128) < u128::from(data_len) {
-        return Err(bad(format!(
-            "the header describes {described_total} bytes but the file has {file_len} \
-             ({} trailing bytes after the data)",
-            u128::from(data_len) - described as u128
-        )));
-    }
-    Metadata::new(user_metadata, tensors).map_err(|e| bad(format!("invalid header: {e}")))
+    bad(refusal.to_string())
 }
 
 const METADATA_KEY: &str = "__metadata__";

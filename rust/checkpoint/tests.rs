@@ -943,6 +943,57 @@ fn parse_header_does_not_overflow_on_huge_offsets() {
     assert_eq!(m.offset_keys(), ["z1", "z2", "a"]);
 }
 
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig::with_cases(256))]
+    /// One validator: the safetensors crate decides what is valid, and every refusal it makes
+    /// is worded with the tensor at fault (never its bare message). The header is accepted
+    /// exactly when the tensors, in data order, run back to back from byte 0, each the size
+    /// its dtype and shape give, together `data_len` bytes.
+    #[test]
+    fn parse_header_accepts_what_the_crate_accepts_and_names_each_refusal(
+        entries in proptest::collection::vec(
+            (0usize..3, 0usize..6, 0usize..3, 0usize..20, 0usize..20),
+            0..4,
+        ),
+        data_len in 0u64..40,
+    ) {
+        let dtypes = ["U8", "F32", "F4"];
+        let mut header = serde_json::Map::new();
+        let mut spans = Vec::new();
+        for (i, &(dtype, dim, dims, begin, len)) in entries.iter().enumerate() {
+            let shape = vec![dim; dims];
+            // Mostly consistent, sometimes reversed offsets.
+            let end = if i % 3 == 2 { begin.saturating_sub(len) } else { begin + len };
+            let bits = shape.iter().product::<usize>() * [8, 32, 4][dtype];
+            spans.push((begin, end, bits));
+            header.insert(
+                format!("t{i}"),
+                json!({"dtype": dtypes[dtype], "shape": shape, "data_offsets": [begin, end]}),
+            );
+        }
+        spans.sort_unstable();
+        let mut at = 0;
+        let mut valid = true;
+        for &(begin, end, bits) in &spans {
+            valid &= begin == at && end >= begin && bits % 8 == 0 && bits / 8 == end - begin;
+            at = end;
+        }
+        valid &= at as u64 == data_len;
+        let text = serde_json::Value::Object(header).to_string();
+        match parse_header(Path::new("p"), text.as_bytes(), data_len) {
+            Ok(_) => proptest::prop_assert!(valid, "accepted {text}"),
+            Err(Error::Safetensors { reason, .. }) => {
+                proptest::prop_assert!(!valid, "refused {text}: {reason}");
+                proptest::prop_assert!(
+                    reason.contains("tensor \"") || reason.contains("trailing bytes"),
+                    "{reason}"
+                );
+            }
+            Err(e) => proptest::prop_assert!(false, "{e:?}"),
+        }
+    }
+}
+
 #[test]
 fn a_file_truncated_after_open_is_an_error_on_both_backends() {
     let dir = TempDir::new("truncated-later");
