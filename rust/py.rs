@@ -572,7 +572,10 @@ fn shard_bytes<'py>(
     if plan.0.local_bytes() >= slice::PARALLEL_MIN_BYTES {
         pages::advise_huge_pages(dst, plan.0.local_bytes());
     }
-    py.detach(|| unsafe { slice::gather_cols_uninit(&plan.0, src, dst as *mut u8) })?;
+    py.detach(|| {
+        // SAFETY: `dst` is the new array's `local_bytes()` bytes, which only this call sees.
+        unsafe { slice::gather_cols_uninit(&plan.0, src, dst as *mut u8) }
+    })?;
     Ok(out.into_any())
 }
 
