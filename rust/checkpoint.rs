@@ -721,11 +721,22 @@ type ParsedHeader = (Option<HashMap<String, String>>, Vec<(String, TensorInfo)>)
 /// name, so that the order is deterministic): the checks that are not the safetensors crate's
 /// (UTF-8, a JSON object, no name twice, the metadata a map of strings, each entry's fields).
 fn header_entries(path: &Path, header: &[u8]) -> Result<ParsedHeader> {
+    let text = std::str::from_utf8(header).map_err(|e| Error::Safetensors {
+        path: path.to_path_buf(),
+        reason: format!("header is not UTF-8: {e}"),
+    })?;
+    // Something is wrong when the fast path gives up: parsed again, as JSON values entry by
+    // entry, for the message.
+    typed_entries(text).map_or_else(|| value_entries(path, text), Ok)
+}
+
+/// [`header_entries`]' slow path, which finds what is wrong: the header as JSON values (every
+/// key seen, in document order), then each entry converted and refused with its name.
+fn value_entries(path: &Path, text: &str) -> Result<ParsedHeader> {
     let bad = |reason: String| Error::Safetensors {
         path: path.to_path_buf(),
         reason,
     };
-    let text = std::str::from_utf8(header).map_err(|e| bad(format!("header is not UTF-8: {e}")))?;
     let HeaderEntries { entries, duplicate } =
         serde_json::from_str(text).map_err(|e| bad(format!("header is not a JSON object: {e}")))?;
     if let Some(name) = duplicate {
@@ -922,6 +933,45 @@ pub fn open_regular_file(path: &Path) -> Result<File> {
         return Err(not_regular());
     }
     Ok(file)
+}
+
+/// [`header_entries`]' fast path: the entries parsed straight into their types, in one pass with
+/// no intermediate JSON values (about half the time on a header of 70,000 names), sorted in
+/// data order. `None` for anything it does not accept: a duplicate name, a malformed entry,
+/// not a JSON object; the slow path then finds and words the refusal.
+fn typed_entries(text: &str) -> Option<ParsedHeader> {
+    struct Typed;
+    impl<'de> Visitor<'de> for Typed {
+        type Value = ParsedHeader;
+        fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+            f.write_str("a JSON object")
+        }
+        fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<ParsedHeader, A::Error> {
+            let mut user_metadata: Option<Option<HashMap<String, String>>> = None;
+            let mut tensors = Vec::with_capacity(map.size_hint().unwrap_or(0));
+            while let Some(key) = map.next_key::<String>()? {
+                if key == METADATA_KEY {
+                    if user_metadata.is_some() {
+                        return Err(serde::de::Error::custom("__metadata__ twice"));
+                    }
+                    user_metadata = Some(map.next_value()?);
+                } else {
+                    tensors.push((key, map.next_value::<TensorInfo>()?));
+                }
+            }
+            Ok((user_metadata.flatten(), tensors))
+        }
+    }
+    let mut json = serde_json::Deserializer::from_str(text);
+    let (user_metadata, mut tensors) = (&mut json).deserialize_map(Typed).ok()?;
+    // Nothing but whitespace after the object, as `serde_json::from_str` (the slow path) has it.
+    json.end().ok()?;
+    let mut seen = HashSet::with_capacity(tensors.len());
+    if !tensors.iter().all(|(name, _)| seen.insert(name.as_str())) {
+        return None;
+    }
+    tensors.sort_by(|(a, x), (b, y)| (x.data_offsets, a).cmp(&(y.data_offsets, b)));
+    Some((user_metadata, tensors))
 }
 
 /// A JSON object's entries in document order, and the first key seen twice (serde_json's own

@@ -922,6 +922,47 @@ fn parse_header_names_the_tensor() {
     );
 }
 
+/// The fast path of header parsing (typed, one pass) gives what the slow path (JSON values)
+/// gives, and gives up (`None`) where the slow path must word a refusal.
+#[test]
+fn typed_entries_agree_with_value_entries() {
+    let flat = |(meta, tensors): ParsedHeader| {
+        let mut meta: Vec<_> = meta.map(|m| m.into_iter().collect()).unwrap_or_default();
+        meta.sort();
+        let tensors: Vec<_> = tensors
+            .into_iter()
+            .map(|(n, i)| (n, i.dtype, i.shape, i.data_offsets))
+            .collect();
+        (meta, tensors)
+    };
+    for text in [
+        "{}",
+        "  {}  ",
+        r#"{"__metadata__": null}"#,
+        r#"{"__metadata__": {"format": "pt", "k": "v"}, "b": {"dtype": "U8", "shape": [2], "data_offsets": [4, 6]}, "a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}"#,
+        r#"{"z": {"dtype": "F32", "shape": [0], "data_offsets": [0, 0], "extra": [1, {"x": 2}]}}"#,
+        // A field twice inside an entry: serde_json's values keep the last, the typed path
+        // gives up, and the slow path accepts it as before.
+        r#"{"w": {"dtype": "U8", "dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}"#,
+    ] {
+        let slow = flat(value_entries(Path::new("p"), text).unwrap());
+        if let Some(fast) = typed_entries(text) {
+            assert_eq!(flat(fast), slow, "{text}");
+        }
+    }
+    for text in [
+        r#"{"w": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1]}, "w": {"dtype": "U8", "shape": [1], "data_offsets": [1, 2]}}"#,
+        r#"{"__metadata__": null, "__metadata__": {}}"#,
+        r#"{"w": {"dtype": "Q7", "shape": [1], "data_offsets": [0, 1]}}"#,
+        r#"{"__metadata__": {"k": 1}}"#,
+        "{} x",
+        "[]",
+    ] {
+        assert!(typed_entries(text).is_none(), "{text}");
+        assert!(value_entries(Path::new("p"), text).is_err(), "{text}");
+    }
+}
+
 #[test]
 fn parse_header_does_not_overflow_on_huge_offsets() {
     // One U8 tensor whose end offset is as large as the bit count allows: the described length
