@@ -4,7 +4,7 @@
 #
 #   bash fuzz/smoke.sh [SECONDS_PER_TARGET] [PYTHON]
 #
-# SECONDS_PER_TARGET defaults to 20 (four targets: about 80 s of fuzzing, plus the first build);
+# SECONDS_PER_TARGET defaults to 20 (six targets: about 120 s of fuzzing, plus the first build);
 # PYTHON is an interpreter with kda_tp installed, used to write the seed corpus (default python3).
 # Works on a stable toolchain: RUSTC_BOOTSTRAP=1 lets cargo-fuzz pass its -Z flags. Installs
 # cargo-fuzz from crates.io when it is missing. Prints the inputs tried per target; exits
@@ -21,7 +21,7 @@ trap 'rm -rf "$work"' EXIT
 "$python" tests/malformed.py "$work/seeds" >/dev/null
 
 total=0
-for target in header open_read plan_shard index; do
+for target in header open_read plan_shard index read_range read_spans; do
     mkdir -p "$work/corpus/$target"
     cargo fuzz build -a "$target" 2>&1 | tail -1
     log="$work/$target.log"

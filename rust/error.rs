@@ -14,15 +14,26 @@ pub enum Error {
     #[error("degenerate KDA TP geometry: {field} is 0")]
     ZeroSize { field: &'static str },
 
-    /// The head count does not split evenly over the ranks.
+    /// The head count does not split evenly over the ranks. `head_dim` and `qk_multiple` are
+    /// the rest of the geometry, for listing the world sizes that pass
+    /// ([`crate::plan::allowed_tp_sizes`]).
     #[error(
         "KDA TP requires heads ({heads}) divisible by tp_size ({tp_size}); tp_size may be one of \
          {}",
-        divisors(*heads)
+        divisors(*heads).map_or_else(
+            || "a divisor of the head count".to_string(),
+            |all| all.iter().map(usize::to_string).collect::<Vec<_>>().join(", ")
+        )
     )]
-    HeadsNotDivisible { heads: usize, tp_size: usize },
+    HeadsNotDivisible {
+        heads: usize,
+        tp_size: usize,
+        head_dim: usize,
+        qk_multiple: usize,
+    },
 
-    /// The local q|k width breaks the kernel's channel-multiple rule.
+    /// The local q|k width breaks the kernel's channel-multiple rule. `heads` and `tp_size`
+    /// are the full head count and the world size that gave `local_heads`.
     #[error(
         "KDA TP: local qk_channels ({channels}) must be a multiple of {multiple} \
          (local heads={local_heads}, head_dim={head_dim}); the fused causal_conv1d + L2-norm \
@@ -33,6 +44,8 @@ pub enum Error {
         multiple: usize,
         local_heads: usize,
         head_dim: usize,
+        heads: usize,
+        tp_size: usize,
     },
 
     /// A stored `A_log` length shorter than the head count.
@@ -81,14 +94,6 @@ pub enum Error {
         first: usize,
     },
 
-    /// A KDA tensor whose dtype differs from the plan's.
-    #[error("{tensor}: dtype {actual}, expected {expected}")]
-    DtypeMismatch {
-        tensor: String,
-        expected: String,
-        actual: String,
-    },
-
     /// A buffer whose length disagrees with the plan's full shape.
     #[error(
         "{tensor}: buffer is {actual} bytes, the plan's full shape [{rows}, {row_elems}] x \
@@ -103,12 +108,19 @@ pub enum Error {
         elem_bytes: usize,
     },
 
-    /// An on-disk shape that cannot hold the plan's tensor.
-    #[error("{tensor}: on-disk shape {actual:?} does not match the plan; expected {expected}")]
+    /// An on-disk shape that cannot hold the plan's tensor: the plan's tensor is
+    /// `[rows, row_elems]`, stored as `example` by Kimi-Linear.
+    #[error(
+        "{tensor}: on-disk shape {actual:?} does not match the plan; expected {} elements as \
+         [{rows}, {row_elems}] (e.g. {example:?})",
+        rows * row_elems
+    )]
     Shape {
         tensor: String,
         actual: Vec<usize>,
-        expected: String,
+        rows: usize,
+        row_elems: usize,
+        example: Vec<usize>,
     },
 
     /// An I/O failure on a checkpoint file.
@@ -132,17 +144,10 @@ pub enum Error {
     TensorNotFound { path: PathBuf, name: String },
 }
 
-/// The divisors of `n`, comma-separated: the world sizes a head count can be split over.
-/// Listed only for head counts up to 2^20 (real models have at most a few hundred heads).
-fn divisors(n: usize) -> String {
-    if n > 1 << 20 {
-        return "a divisor of the head count".to_string();
-    }
-    let all: Vec<String> = (1..=n)
-        .filter(|d| n % d == 0)
-        .map(|d| d.to_string())
-        .collect();
-    all.join(", ")
+/// The divisors of `n`, ascending: the world sizes a head count can be split over. `None`
+/// above 2^20 (real models have at most a few hundred heads; listing is linear in `n`).
+pub fn divisors(n: usize) -> Option<Vec<usize>> {
+    (n <= 1 << 20).then(|| (1..=n).filter(|d| n % d == 0).collect())
 }
 
 /// Result alias of the core.

@@ -1,6 +1,8 @@
 //! `kda_tp`: tensor-parallel sharding of KDA (Kimi Delta Attention) weights.
 //!
 //! * [`plan`]: which part of each KDA tensor a rank keeps (pure arithmetic).
+//! * [`tensor`]: one tensor's placement on one rank ([`KdaTensorPlan`], [`KdaShard`]), shared
+//!   by the plan and the block-scale grids.
 //! * [`quant`]: which part of a block-quantized (FP8) weight's scale grid a rank keeps.
 //! * [`slice`]: applying a plan entry to a tensor's bytes (contiguous row ranges, strided
 //!   column gather).
@@ -17,6 +19,7 @@ pub mod pages;
 pub mod plan;
 pub mod quant;
 pub mod slice;
+pub mod tensor;
 
 #[cfg(feature = "python")]
 mod py;

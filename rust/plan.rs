@@ -19,20 +19,7 @@ use safetensors::Dtype;
 
 use crate::error::{Error, Result};
 use crate::quant::{self, BlockQuant};
-
-/// How one KDA tensor maps onto tensor-parallel ranks.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum KdaShard {
-    /// Every rank holds the whole tensor.
-    Replicated,
-    /// Leading dimension is `heads`: each rank keeps its head range.
-    HeadRows,
-    /// Leading dimension is `heads · head_dim`: each rank keeps its channel range.
-    ChannelRows,
-    /// Trailing (input) dimension is `heads · head_dim`: a row-parallel GEMM weight; each rank
-    /// keeps every row's channel range and its output is all-reduced.
-    ChannelCols,
-}
+pub use crate::tensor::{KdaShard, KdaTensorPlan};
 
 /// Plan names of the tensors of one Kimi-Linear KDA block (low-rank output gate), in the order
 /// of [`KdaTpPlan::tensors`].
@@ -47,134 +34,6 @@ pub const FULL_RANK_GATE_TENSOR_NAMES: [&str; 14] = [
     "q_proj", "k_proj", "v_proj", "q_conv1d", "k_conv1d", "v_conv1d", "f_a_proj", "f_b_proj",
     "g_proj", "b_proj", "A_log", "dt_bias", "o_norm", "o_proj",
 ];
-
-/// One tensor's placement, in a flat `[rows, row_elems]` view of the on-disk tensor.
-///
-/// All counts are elements except where a name says bytes. For [`KdaShard::ChannelCols`] the
-/// sharded axis is `row_elems`; for the row kinds it is `rows`.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct KdaTensorPlan {
-    /// Plan name, e.g. `q_proj` (the checkpoint name without layer prefix and `.weight`).
-    pub name: &'static str,
-    /// How the tensor is sharded.
-    pub kind: KdaShard,
-    /// On-disk dtype.
-    pub dtype: Dtype,
-    /// Bytes per element.
-    pub elem_bytes: usize,
-    /// Rows of the full (on-disk) tensor.
-    pub full_rows: usize,
-    /// Elements per row of the full tensor.
-    pub full_row_elems: usize,
-    /// Rows this rank keeps.
-    pub local_rows: usize,
-    /// Elements per row this rank keeps (differs from full only for `ChannelCols`).
-    pub local_row_elems: usize,
-    /// First row of this rank's slice. 0 for `Replicated` and `ChannelCols`.
-    pub src_row_offset: usize,
-    /// First element of this rank's column slice. 0 except for `ChannelCols`.
-    pub src_col_offset: usize,
-    /// The full tensor's shape as Kimi-Linear stores it: conv weights `[C, 1, K]`, `A_log`
-    /// `[1, 1, H, 1]` (Kimi K3's zero-padded `A_log`: `[a_log_len]`), `dt_bias` `[C]`, `o_norm`
-    /// `[head_dim]`.
-    pub disk_shape: Vec<usize>,
-    /// Block edge `[rows, columns]` (elements) when the weight is block-quantized (FP8).
-    pub block: Option<[usize; 2]>,
-    /// The plan of the weight's scale grid when block-quantized: same kind, counts and offsets
-    /// in blocks (see [`crate::quant`]).
-    pub scale: Option<Box<KdaTensorPlan>>,
-}
-
-impl KdaTensorPlan {
-    /// Bytes this rank stores for this tensor.
-    pub fn local_bytes(&self) -> usize {
-        self.local_rows * self.local_row_elems * self.elem_bytes
-    }
-
-    /// Bytes the full tensor occupies on disk.
-    pub fn full_bytes(&self) -> usize {
-        self.full_rows * self.full_row_elems * self.elem_bytes
-    }
-
-    /// Bytes of one full row.
-    pub fn row_bytes(&self) -> usize {
-        self.full_row_elems * self.elem_bytes
-    }
-
-    /// The on-disk axis this plan shards in a tensor of shape `disk_shape`, or `None` when the
-    /// tensor is replicated.
-    ///
-    /// The shape may have any rank that flattens to `[full_rows, full_row_elems]`: for the row
-    /// kinds the sharded axis is the first one whose extent is `full_rows` with only unit axes
-    /// before it (`[1, 1, H, 1]` → 2, `[H]` → 0, `[C, 1, K]` → 0); for `ChannelCols` it is the
-    /// last one whose extent is `full_row_elems` with only unit axes after it (`[d, C]` → 1, a
-    /// ModelOpt scale grid `[ob, 1, ib, 1]` → 2).
-    ///
-    /// # Errors
-    /// [`Error::Shape`] when `disk_shape` does not hold exactly this tensor.
-    pub fn sharded_axis(&self, disk_shape: &[usize]) -> Result<Option<usize>> {
-        let mismatch = || Error::Shape {
-            tensor: self.name.to_string(),
-            actual: disk_shape.to_vec(),
-            expected: format!(
-                "{} elements as [{}, {}] (e.g. {:?})",
-                self.full_rows * self.full_row_elems,
-                self.full_rows,
-                self.full_row_elems,
-                self.disk_shape
-            ),
-        };
-        let numel = disk_shape
-            .iter()
-            .try_fold(1usize, |acc, &d| acc.checked_mul(d))
-            .ok_or_else(mismatch)?;
-        if numel != self.full_rows * self.full_row_elems {
-            return Err(mismatch());
-        }
-        match self.kind {
-            KdaShard::Replicated => Ok(None),
-            KdaShard::HeadRows | KdaShard::ChannelRows => {
-                let lead = disk_shape.iter().take_while(|&&d| d == 1).count();
-                let axis = if self.full_rows == 1 { 0 } else { lead };
-                match disk_shape.get(axis) {
-                    Some(&d) if d == self.full_rows => Ok(Some(axis)),
-                    _ => Err(mismatch()),
-                }
-            }
-            KdaShard::ChannelCols => {
-                let trail = disk_shape.iter().rev().take_while(|&&d| d == 1).count();
-                let axis = if self.full_row_elems == 1 {
-                    disk_shape.len()
-                } else {
-                    disk_shape.len() - trail
-                };
-                match axis
-                    .checked_sub(1)
-                    .and_then(|a| disk_shape.get(a).map(|&d| (a, d)))
-                {
-                    Some((a, d)) if d == self.full_row_elems => Ok(Some(a)),
-                    _ => Err(mismatch()),
-                }
-            }
-        }
-    }
-
-    /// This rank's shape of a tensor stored as `disk_shape`: the same rank, with the sharded
-    /// axis (see [`Self::sharded_axis`]) reduced to the local extent.
-    ///
-    /// # Errors
-    /// [`Error::Shape`] when `disk_shape` does not hold exactly this tensor.
-    pub fn local_shape(&self, disk_shape: &[usize]) -> Result<Vec<usize>> {
-        let mut shape = disk_shape.to_vec();
-        if let Some(axis) = self.sharded_axis(disk_shape)? {
-            shape[axis] = match self.kind {
-                KdaShard::ChannelCols => self.local_row_elems,
-                _ => self.local_rows,
-            };
-        }
-        Ok(shape)
-    }
-}
 
 /// Settings beyond the geometry, for callers whose kernels or checkpoints differ from the
 /// defaults.
@@ -309,22 +168,23 @@ impl KdaTpPlan {
             return Err(Error::HeadsNotDivisible {
                 heads: full_heads,
                 tp_size,
+                head_dim,
+                qk_multiple: options.qk_multiple,
             });
         }
         let local_heads = full_heads / tp_size;
         let overflow = |tensor: &str| Error::Overflow {
             tensor: tensor.to_string(),
         };
-        let channels = local_heads
-            .checked_mul(head_dim)
-            .and_then(|c| c.checked_mul(2))
-            .ok_or_else(|| overflow("q|k width"))?;
+        let channels = qk_channels(local_heads, head_dim).ok_or_else(|| overflow("q|k width"))?;
         if channels % options.qk_multiple != 0 {
             return Err(Error::QkWidth {
                 channels,
                 multiple: options.qk_multiple,
                 local_heads,
                 head_dim,
+                heads: full_heads,
+                tp_size,
             });
         }
         let a_log_len = options.a_log_len.unwrap_or(full_heads);
@@ -484,6 +344,26 @@ impl KdaTpPlan {
     pub fn names(&self) -> Vec<&'static str> {
         self.tensors.iter().map(|t| t.name).collect()
     }
+}
+
+/// The local q|k width `2 · local_heads · head_dim` (q and k side by side, as the fused conv +
+/// L2-norm kernel reads them), or `None` when it overflows.
+fn qk_channels(local_heads: usize, head_dim: usize) -> Option<usize> {
+    local_heads.checked_mul(head_dim)?.checked_mul(2)
+}
+
+/// The world sizes that [`KdaTpPlan::with_options`] accepts for `heads` heads of `head_dim`
+/// under the q|k rule `qk_multiple` (1: no rule): the divisors `t` of `heads` whose local q|k
+/// width `2 · (heads / t) · head_dim` is a multiple of `qk_multiple`, ascending. `None` above
+/// 2^20 heads (see [`crate::error::divisors`]). Arithmetic only: no plan is built.
+pub fn allowed_tp_sizes(heads: usize, head_dim: usize, qk_multiple: usize) -> Option<Vec<usize>> {
+    let mut sizes = crate::error::divisors(heads)?;
+    sizes.retain(|&t| {
+        qk_channels(heads / t, head_dim)
+            .and_then(|c| c.checked_rem(qk_multiple))
+            .is_some_and(|r| r == 0)
+    });
+    Some(sizes)
 }
 
 /// Resolves dtype overrides into a lookup by plan name, refusing names not in `names` (this

@@ -5,44 +5,141 @@ use std::collections::HashMap;
 use std::path::PathBuf;
 
 use numpy::{PyArray1, PyArrayMethods, PyReadonlyArray1, PyReadwriteArray1};
-use pyo3::exceptions::{PyKeyError, PyValueError};
+use pyo3::exceptions::PyKeyError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyDict, PySlice, PyTuple};
+use pyo3::PyTypeInfo;
 use safetensors::Dtype;
 
 use crate::checkpoint::{Backend, Checkpoint, TensorData};
-use crate::error::Error;
+use crate::error::{divisors, Error};
 use crate::pages;
-use crate::plan::{KdaShard, KdaTensorPlan, KdaTpPlan, PlanOptions};
+use crate::plan::{allowed_tp_sizes, KdaShard, KdaTensorPlan, KdaTpPlan, PlanOptions};
 use crate::quant::{self, BlockQuant, ScaleLayout};
 use crate::slice;
 
 pyo3::import_exception!(kda_tp.errors, PlanError);
 pyo3::import_exception!(kda_tp.errors, ShapeMismatchError);
-pyo3::import_exception!(kda_tp.errors, DtypeMismatchError);
 pyo3::import_exception!(kda_tp.errors, CheckpointError);
+pyo3::import_exception!(kda_tp.errors, BufferLayoutError);
+pyo3::import_exception!(kda_tp.errors, UsageError);
 
+/// An exception of class `E` (a `kda_tp.errors` class) with `message` and the keyword fields
+/// that `fields` sets, which its `__init__` stores as attributes.
+fn error_with<E: PyTypeInfo>(
+    message: String,
+    fields: impl FnOnce(&Bound<'_, PyDict>) -> PyResult<()>,
+) -> PyErr {
+    Python::attach(|py| {
+        let build = || -> PyResult<PyErr> {
+            let kwargs = PyDict::new(py);
+            fields(&kwargs)?;
+            let value = E::type_object(py).call((message,), Some(&kwargs))?;
+            Ok(PyErr::from_value(value))
+        };
+        // Building the exception failed (out of memory): raise that instead.
+        build().unwrap_or_else(|failed| failed)
+    })
+}
+
+/// A `PlanError` naming the argument `field` that was refused.
+fn plan_error(field: &str, message: String) -> PyErr {
+    error_with::<PlanError>(message, |f| f.set_item("field", field))
+}
+
+/// The world sizes passing the rules for this geometry, and the head count's divisors (the
+/// sizes with no q|k rule), as the attributes of a `PlanError` about `tp_size`.
+fn set_tp_sizes(
+    f: &Bound<'_, PyDict>,
+    heads: usize,
+    head_dim: usize,
+    qk_multiple: usize,
+    tp_size: usize,
+) -> PyResult<()> {
+    f.set_item("tp_size", tp_size)?;
+    f.set_item("heads", heads)?;
+    f.set_item("head_dim", head_dim)?;
+    f.set_item("qk_multiple", qk_multiple)?;
+    let tuple = |sizes: Option<Vec<usize>>| sizes.map(|s| PyTuple::new(f.py(), s)).transpose();
+    f.set_item(
+        "allowed_tp_sizes",
+        tuple(allowed_tp_sizes(heads, head_dim, qk_multiple))?,
+    )?;
+    f.set_item("head_divisors", tuple(divisors(heads))?)
+}
+
+/// Each variant becomes its `kda_tp.errors` class, with the variant's fields as keyword
+/// arguments (attributes); the message is the variant's `Display`, unchanged.
 impl From<Error> for PyErr {
     fn from(err: Error) -> PyErr {
         let message = err.to_string();
         match err {
-            Error::RankOutOfRange { .. }
-            | Error::ZeroSize { .. }
-            | Error::HeadsNotDivisible { .. }
-            | Error::QkWidth { .. }
-            | Error::ALogLength { .. }
-            | Error::BlockSize { .. }
-            | Error::NotQuantizable { .. }
-            | Error::BlockSplit { .. }
-            | Error::Overflow { .. }
-            | Error::UnknownTensor { .. }
-            | Error::UnsupportedDtype { .. } => PlanError::new_err(message),
-            Error::DtypeMismatch { .. } => DtypeMismatchError::new_err(message),
-            Error::BufferSize { .. } | Error::Shape { .. } => ShapeMismatchError::new_err(message),
-            Error::Io { .. }
-            | Error::Safetensors { .. }
-            | Error::Checkpoint { .. }
-            | Error::TensorNotFound { .. } => CheckpointError::new_err(message),
+            Error::RankOutOfRange { tp_rank, tp_size } => error_with::<PlanError>(message, |f| {
+                f.set_item("tp_rank", tp_rank)?;
+                f.set_item("tp_size", tp_size)
+            }),
+            Error::ZeroSize { field } => plan_error(field, message),
+            Error::HeadsNotDivisible {
+                heads,
+                tp_size,
+                head_dim,
+                qk_multiple,
+            } => error_with::<PlanError>(message, |f| {
+                set_tp_sizes(f, heads, head_dim, qk_multiple, tp_size)
+            }),
+            Error::QkWidth {
+                multiple,
+                head_dim,
+                heads,
+                tp_size,
+                ..
+            } => error_with::<PlanError>(message, |f| {
+                set_tp_sizes(f, heads, head_dim, multiple, tp_size)
+            }),
+            Error::ALogLength { heads, .. } => error_with::<PlanError>(message, |f| {
+                f.set_item("field", "a_log_len")?;
+                f.set_item("heads", heads)
+            }),
+            Error::BlockSize { .. } => plan_error("block", message),
+            Error::NotQuantizable { tensor }
+            | Error::Overflow { tensor }
+            | Error::BlockSplit { tensor, .. }
+            | Error::UnknownTensor { name: tensor, .. } => {
+                error_with::<PlanError>(message, |f| f.set_item("tensor", tensor))
+            }
+            Error::UnsupportedDtype { tensor, dtype } => error_with::<PlanError>(message, |f| {
+                f.set_item("tensor", tensor)?;
+                f.set_item("dtype", dtype)
+            }),
+            Error::BufferSize {
+                tensor,
+                actual,
+                expected,
+                ..
+            } => error_with::<ShapeMismatchError>(message, |f| {
+                f.set_item("tensor", tensor)?;
+                f.set_item("expected_bytes", expected)?;
+                f.set_item("actual_bytes", actual)
+            }),
+            Error::Shape {
+                tensor,
+                actual,
+                example,
+                ..
+            } => error_with::<ShapeMismatchError>(message, |f| {
+                f.set_item("tensor", tensor)?;
+                f.set_item("expected_shape", PyTuple::new(f.py(), example)?)?;
+                f.set_item("actual_shape", PyTuple::new(f.py(), actual)?)
+            }),
+            Error::TensorNotFound { path, name } => error_with::<CheckpointError>(message, |f| {
+                f.set_item("path", path)?;
+                f.set_item("tensor", name)
+            }),
+            Error::Io { path, .. }
+            | Error::Safetensors { path, .. }
+            | Error::Checkpoint { path, .. } => {
+                error_with::<CheckpointError>(message, |f| f.set_item("path", path))
+            }
         }
     }
 }
@@ -229,10 +326,13 @@ impl PyTensorPlan {
 /// int, and `tp_rank=True` is a bug, not rank 1) is a `PlanError` naming the field.
 fn size_arg(value: &Bound<'_, PyAny>, field: &str) -> PyResult<usize> {
     let refused = || {
-        PlanError::new_err(format!(
-            "{field} must be a non-negative integer that fits in 64 bits, got {}",
-            value.repr().map_or_else(|_| "?".into(), |r| r.to_string())
-        ))
+        plan_error(
+            field,
+            format!(
+                "{field} must be a non-negative integer that fits in 64 bits, got {}",
+                value.repr().map_or_else(|_| "?".into(), |r| r.to_string())
+            ),
+        )
     };
     if value.is_instance_of::<PyBool>() {
         return Err(refused());
@@ -242,9 +342,15 @@ fn size_arg(value: &Bound<'_, PyAny>, field: &str) -> PyResult<usize> {
 
 fn parse_dtype(tensor: &str, dtype: &str) -> PyResult<Dtype> {
     serde_json::from_value(serde_json::Value::String(dtype.to_string())).map_err(|_| {
-        PlanError::new_err(format!(
-            "{tensor}: unknown dtype {dtype:?} (expected a safetensors dtype such as \"BF16\")"
-        ))
+        error_with::<PlanError>(
+            format!(
+                "{tensor}: unknown dtype {dtype:?} (expected a safetensors dtype such as \"BF16\")"
+            ),
+            |f| {
+                f.set_item("tensor", tensor)?;
+                f.set_item("dtype", dtype)
+            },
+        )
     })
 }
 
@@ -282,10 +388,13 @@ impl PyPlan {
             Some(block) => {
                 let (rows, cols): (Bound<'_, PyAny>, Bound<'_, PyAny>) =
                     block.extract().map_err(|_| {
-                        PlanError::new_err(format!(
-                            "quant_block must be a (rows, cols) pair of block sizes, got {}",
-                            block.repr().map_or_else(|_| "?".into(), |r| r.to_string())
-                        ))
+                        plan_error(
+                            "quant_block",
+                            format!(
+                                "quant_block must be a (rows, cols) pair of block sizes, got {}",
+                                block.repr().map_or_else(|_| "?".into(), |r| r.to_string())
+                            ),
+                        )
                     })?;
                 Some((
                     size_arg(&rows, "quant_block rows")?,
@@ -305,9 +414,10 @@ impl PyPlan {
             "grid" => ScaleLayout::Grid,
             "modelopt" => ScaleLayout::ModelOpt,
             other => {
-                return Err(PlanError::new_err(format!(
-                    "scale_layout must be \"grid\" or \"modelopt\", got {other:?}"
-                )))
+                return Err(plan_error(
+                    "scale_layout",
+                    format!("scale_layout must be \"grid\" or \"modelopt\", got {other:?}"),
+                ))
             }
         };
         options.block_quant = match (quant_block, quantized) {
@@ -317,8 +427,9 @@ impl PyPlan {
                 layout,
             }),
             (None, Some(_)) => {
-                return Err(PlanError::new_err(
-                    "quantized= needs quant_block=(rows, cols), the block size",
+                return Err(plan_error(
+                    "quantized",
+                    "quantized= needs quant_block=(rows, cols), the block size".into(),
                 ))
             }
             (None, None) => None,
@@ -448,7 +559,7 @@ fn shard_bytes<'py>(
 ) -> PyResult<Bound<'py, PyAny>> {
     let src = full
         .as_slice()
-        .map_err(|_| PyValueError::new_err("the buffer must be C-contiguous"))?;
+        .map_err(|_| BufferLayoutError::new_err("the buffer must be C-contiguous"))?;
     slice::check_full_len(&plan.0, src.len())?;
     if let Some(range) = slice::row_byte_range(&plan.0) {
         let view = PySlice::new(py, range.start as isize, range.end as isize, 1);
@@ -461,7 +572,10 @@ fn shard_bytes<'py>(
     if plan.0.local_bytes() >= slice::PARALLEL_MIN_BYTES {
         pages::advise_huge_pages(dst, plan.0.local_bytes());
     }
-    py.detach(|| unsafe { slice::gather_cols_uninit(&plan.0, src, dst as *mut u8) })?;
+    py.detach(|| {
+        // SAFETY: `dst` is the new array's `local_bytes()` bytes, which only this call sees.
+        unsafe { slice::gather_cols_uninit(&plan.0, src, dst as *mut u8) }
+    })?;
     Ok(out.into_any())
 }
 
@@ -474,7 +588,7 @@ fn shard_bytes<'py>(
 ///
 /// Raises:
 ///     ShapeMismatchError: ``full`` or ``out`` has the wrong number of bytes.
-///     ValueError: an array is not C-contiguous.
+///     BufferLayoutError: an array is not C-contiguous.
 #[pyfunction]
 fn shard_into(
     py: Python<'_>,
@@ -485,7 +599,7 @@ fn shard_into(
     let src = contiguous(full.as_slice())?;
     let dst = out
         .as_slice_mut()
-        .map_err(|_| PyValueError::new_err("the output buffer must be C-contiguous"))?;
+        .map_err(|_| BufferLayoutError::new_err("the output buffer must be C-contiguous"))?;
     py.detach(|| slice::shard_into(&plan.0, src, dst))?;
     Ok(())
 }
@@ -495,7 +609,7 @@ fn shard_into(
 ///
 /// Raises:
 ///     ShapeMismatchError: the lengths differ (the message gives both, in bytes).
-///     ValueError: an array is not C-contiguous.
+///     BufferLayoutError: an array is not C-contiguous.
 #[pyfunction]
 fn copy_into(
     py: Python<'_>,
@@ -505,20 +619,24 @@ fn copy_into(
     let src = contiguous(src.as_slice())?;
     let dst = out
         .as_slice_mut()
-        .map_err(|_| PyValueError::new_err("the output buffer must be C-contiguous"))?;
+        .map_err(|_| BufferLayoutError::new_err("the output buffer must be C-contiguous"))?;
     if src.len() != dst.len() {
-        return Err(ShapeMismatchError::new_err(format!(
+        let message = format!(
             "the output buffer is {} bytes, the source is {} bytes",
             dst.len(),
             src.len()
-        )));
+        );
+        return Err(error_with::<ShapeMismatchError>(message, |f| {
+            f.set_item("expected_bytes", src.len())?;
+            f.set_item("actual_bytes", dst.len())
+        }));
     }
     py.detach(|| slice::copy_parallel(src, dst));
     Ok(())
 }
 
 fn contiguous<T, E>(slice: Result<T, E>) -> PyResult<T> {
-    slice.map_err(|_| PyValueError::new_err("the buffer must be C-contiguous"))
+    slice.map_err(|_| BufferLayoutError::new_err("the buffer must be C-contiguous"))
 }
 
 /// The raw bytes of one tensor, exposed to numpy through ``__array_interface__`` without a copy.
@@ -556,7 +674,7 @@ impl PyCheckpoint {
             "mmap" => Backend::Mmap,
             "pread" => Backend::Pread,
             other => {
-                return Err(PyValueError::new_err(format!(
+                return Err(UsageError::new_err(format!(
                     "backend must be \"mmap\" or \"pread\", got {other:?}"
                 )))
             }

@@ -14,7 +14,7 @@
 use safetensors::Dtype;
 
 use crate::error::{Error, Result};
-use crate::plan::{KdaShard, KdaTensorPlan};
+use crate::tensor::{KdaShard, KdaTensorPlan};
 
 /// Largest block edge accepted (real checkpoints use 128).
 pub const MAX_BLOCK: usize = 1 << 16;

@@ -15,7 +15,7 @@ use rayon::prelude::*;
 
 use crate::error::{Error, Result};
 use crate::pages;
-use crate::plan::{KdaShard, KdaTensorPlan};
+use crate::tensor::{KdaShard, KdaTensorPlan};
 
 /// Below this many output bytes a copy or column gather runs on the calling thread with ordinary
 /// stores. From this size on it is split across the rayon pool and, on x86_64, written with

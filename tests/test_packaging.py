@@ -49,9 +49,10 @@ def test_python_versions_and_operating_systems() -> None:
         "Programming Language :: Python :: Implementation :: CPython",
         "Operating System :: POSIX :: Linux",
         "Operating System :: MacOS",
-        "Operating System :: Microsoft :: Windows",
         "Typing :: Typed",
     } <= classifiers
+    # The writer locks output directories with fcntl.flock (kda_tp.shard): no Windows claim.
+    assert not [c for c in classifiers if "Windows" in c]
 
 
 def test_the_console_script_is_the_interruptible_entry_point() -> None:
@@ -73,14 +74,13 @@ def test_the_release_workflow() -> None:
     triggers = workflow["on"] if "on" in workflow else workflow[True]  # YAML 1.1: `on` is true
     assert triggers["push"]["tags"] == ["v*"]
     jobs = workflow["jobs"]
-    assert set(jobs) == {"linux", "windows", "macos", "sdist", "release"}
+    assert set(jobs) == {"linux", "macos", "sdist", "release"}  # no Windows: see above
     targets = {
         job: {p["target"] for p in jobs[job]["strategy"]["matrix"]["platform"]}
-        for job in ("linux", "windows", "macos")
+        for job in ("linux", "macos")
     }
-    assert targets == {"linux": {"x86_64", "aarch64"}, "windows": {"x64"},
-                       "macos": {"x86_64", "aarch64"}}
-    for job in ("linux", "windows", "macos"):
+    assert targets == {"linux": {"x86_64", "aarch64"}, "macos": {"x86_64", "aarch64"}}
+    for job in ("linux", "macos"):
         builds = [s for s in jobs[job]["steps"] if s.get("uses", "").startswith("PyO3/maturin-action")]
         assert len(builds) == 1, job  # one abi3 wheel per platform
         assert "--locked" in builds[0]["with"]["args"] and "-i" not in builds[0]["with"]["args"]
@@ -88,5 +88,5 @@ def test_the_release_workflow() -> None:
     assert "auditwheel show" in linux_checks and "abi3audit" in linux_checks
     release = jobs["release"]
     assert release["if"] == "${{ startsWith(github.ref, 'refs/tags/v') }}"
-    assert set(release["needs"]) == {"linux", "windows", "macos", "sdist"}
+    assert set(release["needs"]) == {"linux", "macos", "sdist"}
     assert release["permissions"]["id-token"] == "write"  # trusted publishing

@@ -16,13 +16,12 @@ import difflib
 import json
 import math
 import os
-import re
 import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NoReturn, cast
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from . import __version__
 from .config import load_config, parse_config
@@ -845,65 +844,31 @@ def _finish_command(args: argparse.Namespace, ranks: Sequence[int]) -> str:
 def _with_hints(args: argparse.Namespace, error: KdaTpError) -> str:
     """``error``'s message in command-line terms: flags instead of keyword arguments, and a
     plan refusal lists the TP sizes this model allows when the requested one is not among
-    them."""
+    them (from the refusal's attributes: ``PlanError.allowed_tp_sizes``, ``head_divisors``)."""
     message = str(error).replace("pass layers=[...] (0-based)", "pass --layers (0-based)")
-    if m := re.fullmatch(r"tp_rank ([0-9]+) >= tp_size ([0-9]+)", message):
-        message += f": {_rank_message(int(m.group(1)), int(m.group(2)))}"
-    if not isinstance(error, PlanError) or not isinstance(getattr(args, "tp_size", None), int):
+    if not isinstance(error, PlanError):
+        return message
+    if error.tp_rank is not None and error.tp_size is not None:
+        message += f": {_rank_message(error.tp_rank, error.tp_size)}"
+    if not isinstance(getattr(args, "tp_size", None), int):
         return message
     message = message.replace("pass qk_multiple=1", "pass --qk-multiple 1")
+    sizes, loose = error.allowed_tp_sizes, error.head_divisors
+    if sizes is None or loose is None or args.tp_size in sizes:
+        return message
+    if args.tp_size not in loose and sizes == loose:
+        return message  # the plan's own list of divisors is already the answer
+    listed = ", ".join(map(str, sizes)) or "none"
     # Only plan and shard have --qk-multiple; demo plans with the default rule, audit, dump
     # and digests with none (the engine chose the world size): name the flag only where it is.
-    has_flag = hasattr(args, "qk_multiple")
-    qk_multiple = (args.qk_multiple if has_flag
-                   else 256 if getattr(args, "run", None) is _cmd_demo else 1)
-    sizes = _allowed_tp_sizes(args, qk_multiple)
-    if sizes is None or args.tp_size in sizes:
-        return message
-    if "may be one of" in message and sizes == _allowed_tp_sizes(args, 1):
-        return message  # the plan's own list of divisors is already the answer
-    if not has_flag:
-        return message + f"; the TP sizes that pass are {', '.join(map(str, sizes)) or 'none'}"
+    if not hasattr(args, "qk_multiple"):
+        return message + f"; the TP sizes that pass are {listed}"
+    qk_multiple = error.qk_multiple
     default = " (the default)" if qk_multiple == 256 else ""
-    message += (
-        f"; with --qk-multiple {qk_multiple}{default} the TP sizes that pass are "
-        f"{', '.join(map(str, sizes)) or 'none'}"
-    )
-    if qk_multiple != 1:
-        loose = _allowed_tp_sizes(args, 1)
-        if loose and loose != sizes:
-            message += f" ({', '.join(map(str, loose))} with --qk-multiple 1)"
+    message += f"; with --qk-multiple {qk_multiple}{default} the TP sizes that pass are {listed}"
+    if qk_multiple != 1 and loose and loose != sizes:
+        message += f" ({', '.join(map(str, loose))} with --qk-multiple 1)"
     return message
-
-
-def _allowed_tp_sizes(args: argparse.Namespace, qk_multiple: int) -> list[int] | None:
-    """The world sizes the plan accepts for the command's model, or None when its geometry
-    cannot be read."""
-    from .plan import KdaTpPlan
-
-    if getattr(args, "model", None) is not None:
-        from .synth import GEOMETRIES
-
-        g = GEOMETRIES[args.model]
-        hidden, head_dim, heads, kernel = (
-            cast(int, g[key]) for key in ("hidden", "head_dim", "heads", "conv_kernel")
-        )
-    else:
-        path = getattr(args, "input", None) or args.checkpoint
-        try:
-            kda = parse_config(load_config(_config_location(path)))
-        except KdaTpError:
-            return None
-        hidden, head_dim, heads, kernel = kda.hidden, kda.head_dim, kda.heads, kda.conv_kernel
-    sizes: list[int] = []
-    for tp_size in range(1, heads + 1):
-        if heads % tp_size == 0:
-            try:
-                KdaTpPlan(0, tp_size, hidden, head_dim, heads, kernel, 1, qk_multiple=qk_multiple)
-            except PlanError:
-                continue
-            sizes.append(tp_size)
-    return sizes
 
 
 def _print_verify(report: VerifyReport) -> None:

@@ -6,7 +6,10 @@ a buffer, a tensor) also derive from ``ValueError``. Messages name the tensor (o
 give the expected and the actual value.
 
 The Rust core raises these same classes (it imports them from this module), so there is one
-definition of each. :class:`ShardInterrupted` (Ctrl-C during ``shard_checkpoint``) is a
+definition of each. An error from the Rust core also keeps the fields of the Rust error as
+attributes (the allowed TP sizes of a refused ``tp_size``, the tensor, the expected and actual
+size or shape), so code reacts to them without parsing the message; an attribute a refusal does
+not have is None, as it is on the same class raised from Python. :class:`ShardInterrupted` (Ctrl-C during ``shard_checkpoint``) is a
 ``KeyboardInterrupt``, not an error; it lives here so that the command line can catch it without
 importing the writer.
 """
@@ -50,7 +53,55 @@ class PlanError(KdaTpError, ValueError):
     256-thread block), an unknown tensor or dtype name, or sizes whose byte counts overflow.
 
     Example message: ``KDA TP requires heads (6) divisible by tp_size (4)``.
+
+    Attributes (set by the Rust plan, ``rust/error.rs``; None where the refusal has no such
+    field, and on a ``PlanError`` raised from Python):
+        field: the argument refused: a size that is 0 (``"hidden"``, ``"tp_size"``, ...) or
+            not a non-negative 64-bit integer, ``"a_log_len"`` (shorter than the heads),
+            ``"block"`` (an edge of ``quant_block`` that is 0 or over 65536),
+            ``"quant_block"`` (not a pair), ``"quantized"`` (without ``quant_block``) or
+            ``"scale_layout"``.
+        tp_rank: the refused rank (``tp_rank >= tp_size``, with ``tp_size``).
+        tp_size: the refused world size (a rank out of range, heads not divisible by it, or
+            its local q|k width breaking the ``qk_multiple`` rule).
+        heads, head_dim, qk_multiple: the geometry a ``tp_size`` was refused for (``heads``
+            also for a short ``a_log_len``).
+        allowed_tp_sizes: the world sizes this geometry passes with this ``qk_multiple``,
+            ascending (tuple of int; ``()`` when none does), for a refused ``tp_size``; None
+            also above 2**20 heads (not listed).
+        head_divisors: the divisors of ``heads``, ascending: the world sizes that pass with
+            ``qk_multiple=1`` (the rule off); None when ``allowed_tp_sizes`` is.
+        tensor: the plan name refused (unknown, not quantizable, an unsupported dtype, a byte
+            size that overflows, block scales that cannot follow a rank's range).
+        dtype: the refused dtype name of ``tensor``, e.g. ``"I32"``.
     """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        field: str | None = None,
+        tp_rank: int | None = None,
+        tp_size: int | None = None,
+        heads: int | None = None,
+        head_dim: int | None = None,
+        qk_multiple: int | None = None,
+        allowed_tp_sizes: tuple[int, ...] | None = None,
+        head_divisors: tuple[int, ...] | None = None,
+        tensor: str | None = None,
+        dtype: str | None = None,
+    ):
+        super().__init__(message)
+        self.field = field
+        self.tp_rank = tp_rank
+        self.tp_size = tp_size
+        self.heads = heads
+        self.head_dim = head_dim
+        self.qk_multiple = qk_multiple
+        self.allowed_tp_sizes = allowed_tp_sizes
+        self.head_divisors = head_divisors
+        self.tensor = tensor
+        self.dtype = dtype
 
 
 class ShapeMismatchError(KdaTpError, ValueError):
@@ -58,7 +109,33 @@ class ShapeMismatchError(KdaTpError, ValueError):
 
     Example message: ``q_proj: buffer is 2046 bytes, the plan's full shape [256, 4] x 2 bytes
     implies 2048 bytes``.
+
+    Attributes (set by the Rust core; None where the refusal has no such field, and on a
+    ``ShapeMismatchError`` raised from Python):
+        tensor: the plan name, e.g. ``"q_proj"`` (``"q_proj (local output)"`` for an output
+            buffer of the wrong size).
+        expected_bytes, actual_bytes: the buffer's required and actual length in bytes.
+        expected_shape, actual_shape: for an on-disk shape that cannot hold the tensor, the
+            shape the plan expects (Kimi-Linear's, e.g. ``(1, 1, 32, 1)``; any shape with the
+            same elements in the same order is accepted) and the shape found (tuples of int).
     """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        tensor: str | None = None,
+        expected_bytes: int | None = None,
+        actual_bytes: int | None = None,
+        expected_shape: tuple[int, ...] | None = None,
+        actual_shape: tuple[int, ...] | None = None,
+    ):
+        super().__init__(message)
+        self.tensor = tensor
+        self.expected_bytes = expected_bytes
+        self.actual_bytes = actual_bytes
+        self.expected_shape = expected_shape
+        self.actual_shape = actual_shape
 
 
 class DtypeMismatchError(KdaTpError, ValueError):
@@ -72,7 +149,8 @@ class BufferLayoutError(KdaTpError, ValueError):
     """An output buffer that cannot be written in place: read-only, not C-contiguous, holding
     Python objects, or not a buffer at all.
 
-    Raised by ``KdaShardedSource.read_into`` before anything is read or written.
+    Raised by ``KdaShardedSource.read_into`` before anything is read or written, and by the
+    Rust slicers (``kda_tp._native``) for an input or output array that is not C-contiguous.
 
     Example message: ``model.layers.0.self_attn.o_proj.weight: the output buffer is read-only``.
     """
@@ -84,7 +162,17 @@ class CheckpointError(KdaTpError):
     Covers unreadable or malformed safetensors files (header, offsets, length), a broken
     ``model.safetensors.index.json``, a missing or invalid ``config.json``, and a KDA layer that
     lacks one of its tensors. Messages name the file and, where there is one, the tensor.
+
+    Attributes (set by the Rust reader; None on a ``CheckpointError`` raised from Python):
+        path: the file or directory refused (``pathlib.Path``): the safetensors file, the
+            index, or the checkpoint directory.
+        tensor: the tensor name asked for and not found, else None.
     """
+
+    def __init__(self, message: str, *, path: Path | None = None, tensor: str | None = None):
+        super().__init__(message)
+        self.path = path
+        self.tensor = tensor
 
 
 class TensorNotFoundError(CheckpointError, KeyError):
@@ -187,8 +275,8 @@ class GuardModeError(GuardError, ValueError):
 class UsageError(KdaTpError, ValueError):
     """An argument or setting outside what the function takes, where no other class applies.
 
-    Raised for a read backend other than ``"mmap"`` or ``"pread"`` (the ``backend`` argument or
-    ``$KDA_TP_BACKEND``), and a byte offset of ``SafetensorsSource.read_range`` that is
+    Raised for a read backend other than ``"mmap"`` or ``"pread"`` (the ``backend`` argument,
+    ``$KDA_TP_BACKEND`` or ``kda_tp._native.Checkpoint``'s), and a byte offset of ``SafetensorsSource.read_range`` that is
     negative, ``>= 2**64``, a bool or not an integer. (A bad geometry is a :class:`PlanError`.)
 
     Example message: ``KDA_TP_BACKEND='bogus': the read backend must be "mmap" or "pread"``.

@@ -922,6 +922,47 @@ fn parse_header_names_the_tensor() {
     );
 }
 
+/// The fast path of header parsing (typed, one pass) gives what the slow path (JSON values)
+/// gives, and gives up (`None`) where the slow path must word a refusal.
+#[test]
+fn typed_entries_agree_with_value_entries() {
+    let flat = |(meta, tensors): ParsedHeader| {
+        let mut meta: Vec<_> = meta.map(|m| m.into_iter().collect()).unwrap_or_default();
+        meta.sort();
+        let tensors: Vec<_> = tensors
+            .into_iter()
+            .map(|(n, i)| (n, i.dtype, i.shape, i.data_offsets))
+            .collect();
+        (meta, tensors)
+    };
+    for text in [
+        "{}",
+        "  {}  ",
+        r#"{"__metadata__": null}"#,
+        r#"{"__metadata__": {"format": "pt", "k": "v"}, "b": {"dtype": "U8", "shape": [2], "data_offsets": [4, 6]}, "a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}"#,
+        r#"{"z": {"dtype": "F32", "shape": [0], "data_offsets": [0, 0], "extra": [1, {"x": 2}]}}"#,
+        // A field twice inside an entry: serde_json's values keep the last, the typed path
+        // gives up, and the slow path accepts it as before.
+        r#"{"w": {"dtype": "U8", "dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}"#,
+    ] {
+        let slow = flat(value_entries(Path::new("p"), text).unwrap());
+        if let Some(fast) = typed_entries(text) {
+            assert_eq!(flat(fast), slow, "{text}");
+        }
+    }
+    for text in [
+        r#"{"w": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1]}, "w": {"dtype": "U8", "shape": [1], "data_offsets": [1, 2]}}"#,
+        r#"{"__metadata__": null, "__metadata__": {}}"#,
+        r#"{"w": {"dtype": "Q7", "shape": [1], "data_offsets": [0, 1]}}"#,
+        r#"{"__metadata__": {"k": 1}}"#,
+        "{} x",
+        "[]",
+    ] {
+        assert!(typed_entries(text).is_none(), "{text}");
+        assert!(value_entries(Path::new("p"), text).is_err(), "{text}");
+    }
+}
+
 #[test]
 fn parse_header_does_not_overflow_on_huge_offsets() {
     // One U8 tensor whose end offset is as large as the bit count allows: the described length
@@ -941,6 +982,57 @@ fn parse_header_does_not_overflow_on_huge_offsets() {
     });
     let m = parse_header(Path::new("m"), h.to_string().as_bytes(), 2).unwrap();
     assert_eq!(m.offset_keys(), ["z1", "z2", "a"]);
+}
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig::with_cases(256))]
+    /// One validator: the safetensors crate decides what is valid, and every refusal it makes
+    /// is worded with the tensor at fault (never its bare message). The header is accepted
+    /// exactly when the tensors, in data order, run back to back from byte 0, each the size
+    /// its dtype and shape give, together `data_len` bytes.
+    #[test]
+    fn parse_header_accepts_what_the_crate_accepts_and_names_each_refusal(
+        entries in proptest::collection::vec(
+            (0usize..3, 0usize..6, 0usize..3, 0usize..20, 0usize..20),
+            0..4,
+        ),
+        data_len in 0u64..40,
+    ) {
+        let dtypes = ["U8", "F32", "F4"];
+        let mut header = serde_json::Map::new();
+        let mut spans = Vec::new();
+        for (i, &(dtype, dim, dims, begin, len)) in entries.iter().enumerate() {
+            let shape = vec![dim; dims];
+            // Mostly consistent, sometimes reversed offsets.
+            let end = if i % 3 == 2 { begin.saturating_sub(len) } else { begin + len };
+            let bits = shape.iter().product::<usize>() * [8, 32, 4][dtype];
+            spans.push((begin, end, bits));
+            header.insert(
+                format!("t{i}"),
+                json!({"dtype": dtypes[dtype], "shape": shape, "data_offsets": [begin, end]}),
+            );
+        }
+        spans.sort_unstable();
+        let mut at = 0;
+        let mut valid = true;
+        for &(begin, end, bits) in &spans {
+            valid &= begin == at && end >= begin && bits % 8 == 0 && bits / 8 == end - begin;
+            at = end;
+        }
+        valid &= at as u64 == data_len;
+        let text = serde_json::Value::Object(header).to_string();
+        match parse_header(Path::new("p"), text.as_bytes(), data_len) {
+            Ok(_) => proptest::prop_assert!(valid, "accepted {text}"),
+            Err(Error::Safetensors { reason, .. }) => {
+                proptest::prop_assert!(!valid, "refused {text}: {reason}");
+                proptest::prop_assert!(
+                    reason.contains("tensor \"") || reason.contains("trailing bytes"),
+                    "{reason}"
+                );
+            }
+            Err(e) => proptest::prop_assert!(false, "{e:?}"),
+        }
+    }
 }
 
 #[test]
@@ -1075,6 +1167,38 @@ fn read_spans_refuses_ranges_past_the_tensor_and_overlapping_spans() {
 }
 
 #[test]
+fn read_spans_refuses_an_end_offset_that_overflows() {
+    let dir = TempDir::new("spans-overflow");
+    let (path, _, _) = matrix_file(&dir, 4, 8);
+    let max = usize::MAX;
+    for backend in BACKENDS {
+        let ckpt = Checkpoint::open(&path, backend).unwrap();
+        // (count - 1) * stride, + start, + span: each step overflowing on its own.
+        for (start, span, stride, count) in [
+            (0, 1, max, 3),
+            (0, 1, max / 2 + 1, 3),
+            (max, 1, 1, 2),
+            (1, max, max, 2),
+            (0, 0, max, max),
+            (max, max, max, max),
+        ] {
+            let err = ckpt
+                .read_spans("w", start, span, stride, count)
+                .err()
+                .unwrap();
+            assert!(matches!(err, Error::Checkpoint { .. }), "{err}");
+            assert!(err.to_string().contains("overflows"), "{err}");
+        }
+        // A start past the tensor with no spans, or an empty span past it: refused, no panic.
+        let past = ckpt.read_spans("w", max, 0, 0, 0).err().unwrap();
+        assert!(past.to_string().contains("past its 32 bytes"), "{past}");
+        // At the edge: the last span ending exactly at the tensor's end is read.
+        let edge = ckpt.read_spans("w", 7, 1, 8, 4).unwrap();
+        assert_eq!(edge.as_slice().len(), 4);
+    }
+}
+
+#[test]
 fn read_spans_refuses_a_file_truncated_while_open() {
     let dir = TempDir::new("spans-trunc");
     let (path, bytes, header) = matrix_file(&dir, 64, 64);
@@ -1129,6 +1253,60 @@ proptest::proptest! {
             proptest::prop_assert_eq!(ckpt.bytes_read(), header + counted);
         }
     }
+
+    /// Any arguments at all (huge ones, whose end offset overflows, included): `read_spans`
+    /// returns the spans or an error, never panics, and both backends agree; `read_range`
+    /// likewise.
+    #[test]
+    fn read_spans_and_read_range_take_any_arguments(
+        start in spans_arg(),
+        span in spans_arg(),
+        stride in spans_arg(),
+        count in spans_arg(),
+    ) {
+        let dir = TempDir::new("spans-any");
+        let (path, bytes, _) = matrix_file(&dir, 4, 8);
+        let [mapped, copied] = BACKENDS.map(|b| Checkpoint::open(&path, b).unwrap());
+        let (m, c) = (
+            mapped.read_spans("w", start, span, stride, count),
+            copied.read_spans("w", start, span, stride, count),
+        );
+        match (&m, &c) {
+            (Ok(m), Ok(c)) => {
+                // Empty spans may come in any number: only non-empty ones are counted out.
+                let spans = if span == 0 { 0 } else { count };
+                let want: Vec<u8> = (0..spans)
+                    .flat_map(|i| bytes[start + i * stride..][..span].to_vec())
+                    .collect();
+                proptest::prop_assert_eq!(m.as_slice(), &want[..]);
+                proptest::prop_assert_eq!(c.as_slice(), &want[..]);
+            }
+            (Err(m), Err(c)) => proptest::prop_assert_eq!(m.to_string(), c.to_string()),
+            _ => proptest::prop_assert!(false, "backends disagree: {:?} {:?}", m.is_ok(), c.is_ok()),
+        }
+        let part = start..span;
+        match (mapped.read_range("w", part.clone()), copied.read_range("w", part.clone())) {
+            (Ok(m), Ok(c)) => {
+                let want = &bytes[start..span.min(bytes.len())];
+                proptest::prop_assert_eq!(m.as_slice(), want);
+                proptest::prop_assert_eq!(c.as_slice(), want);
+            }
+            (Err(m), Err(c)) => proptest::prop_assert_eq!(m.to_string(), c.to_string()),
+            _ => proptest::prop_assert!(false, "backends disagree on read_range {part:?}"),
+        }
+    }
+}
+
+/// A `read_spans` argument: small (in and around a 32-byte tensor) or anywhere up to
+/// `usize::MAX`, where sums and products overflow.
+fn spans_arg() -> impl proptest::strategy::Strategy<Value = usize> {
+    use proptest::prelude::*;
+    prop_oneof![
+        0usize..40,
+        Just(usize::MAX),
+        usize::MAX - 40..=usize::MAX,
+        any::<usize>()
+    ]
 }
 
 #[test]

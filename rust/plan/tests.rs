@@ -156,7 +156,9 @@ fn glm_tp4_and_tp8_are_legal_and_tp128_is_not() {
         KdaTpPlan::new(0, 128, 4096, 128, 64, 4, 128),
         Err(Error::HeadsNotDivisible {
             heads: 64,
-            tp_size: 128
+            tp_size: 128,
+            head_dim: 128,
+            qk_multiple: 256,
         })
     ));
 }
@@ -332,9 +334,12 @@ fn zero_size_reports_the_first_zero_field_in_order() {
 fn heads_not_divisible() {
     for (heads, tp) in [(64, 3), (32, 5), (6, 4), (1, 2)] {
         match KdaTpPlan::with_options(0, tp, 16, 128, heads, 4, 8, &opts(1, &[])) {
-            Err(Error::HeadsNotDivisible { heads: h, tp_size }) => {
-                assert_eq!((h, tp_size), (heads, tp))
-            }
+            Err(Error::HeadsNotDivisible {
+                heads: h,
+                tp_size,
+                head_dim,
+                qk_multiple,
+            }) => assert_eq!((h, tp_size, head_dim, qk_multiple), (heads, tp, 128, 1)),
             other => panic!("{heads}/{tp}: {other:?}"),
         }
     }
@@ -357,10 +362,12 @@ fn qk_width_256_rule() {
             multiple,
             local_heads,
             head_dim,
+            heads,
+            tp_size,
         }) => {
             assert_eq!(
-                (channels, multiple, local_heads, head_dim),
-                (128, 256, 1, 64)
+                (channels, multiple, local_heads, head_dim, heads, tp_size),
+                (128, 256, 1, 64, 4, 4)
             );
         }
         other => panic!("{other:?}"),
@@ -373,7 +380,9 @@ fn qk_width_256_rule() {
             channels: 384,
             multiple: 256,
             local_heads: 3,
-            head_dim: 64
+            head_dim: 64,
+            heads: 3,
+            tp_size: 1,
         })
     ));
     // Kimi-Linear at TP=32 keeps one head (width 256): legal. GLM at TP=64 also one head.
@@ -411,8 +420,13 @@ fn a_custom_qk_multiple() {
             multiple,
             local_heads,
             head_dim,
+            heads,
+            tp_size,
         }) => {
-            assert_eq!((channels, multiple, local_heads, head_dim), (48, 64, 3, 8));
+            assert_eq!(
+                (channels, multiple, local_heads, head_dim, heads, tp_size),
+                (48, 64, 3, 8, 6, 2)
+            );
         }
         other => panic!("{other:?}"),
     }
@@ -677,14 +691,14 @@ fn shape_err(t: &KdaTensorPlan, shape: &[usize]) {
             Err(Error::Shape {
                 tensor,
                 actual,
-                expected,
+                rows,
+                row_elems,
+                example,
             }) => {
                 assert_eq!(tensor, t.name);
                 assert_eq!(actual, shape);
-                assert!(
-                    expected.contains(&format!("[{}, {}]", t.full_rows, t.full_row_elems)),
-                    "{expected}"
-                );
+                assert_eq!((rows, row_elems), (t.full_rows, t.full_row_elems));
+                assert_eq!(example, t.disk_shape);
             }
             other => panic!("{} {shape:?}: {other:?}", t.name),
         }
@@ -830,8 +844,39 @@ fn legal(heads: usize, head_dim: usize, tp: usize, qk: usize) -> bool {
     heads % tp == 0 && (2 * (heads / tp) * head_dim) % qk == 0
 }
 
+#[test]
+fn allowed_tp_sizes_lists_the_world_sizes_the_plan_accepts() {
+    // 4 heads of 64: the 256 rule keeps TP 1 and 2 (widths 512, 256), not 4 (128).
+    assert_eq!(allowed_tp_sizes(4, 64, 256), Some(vec![1, 2]));
+    assert_eq!(allowed_tp_sizes(4, 64, 1), Some(vec![1, 2, 4]));
+    // GLM-5.3 (64 heads of 128): every divisor passes; Kimi K3 (96 of 128) too.
+    assert_eq!(
+        allowed_tp_sizes(64, 128, 256),
+        Some(vec![1, 2, 4, 8, 16, 32, 64])
+    );
+    assert_eq!(
+        allowed_tp_sizes(96, 128, 256),
+        Some(vec![1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 96])
+    );
+    // No size passes a rule no width meets; widths that overflow pass nothing; and absurd head
+    // counts get no list (and no loop over them).
+    assert_eq!(allowed_tp_sizes(6, 8, usize::MAX), Some(vec![]));
+    assert_eq!(allowed_tp_sizes(1, usize::MAX, 1), Some(vec![]));
+    assert_eq!(allowed_tp_sizes(1 << 62, 1, 1), None);
+}
+
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(256))]
+
+    /// `allowed_tp_sizes` is exactly the TP sizes whose plan is built: no trial plan needed.
+    #[test]
+    fn allowed_tp_sizes_agrees_with_the_plan((heads, head_dim, hidden, kernel, gate, qk) in small_geometry()) {
+        let o = opts(qk, &[]);
+        let built: Vec<usize> = (1..=heads + 1)
+            .filter(|&tp| KdaTpPlan::with_options(0, tp, hidden, head_dim, heads, kernel, gate, &o).is_ok())
+            .collect();
+        prop_assert_eq!(allowed_tp_sizes(heads, head_dim, qk), Some(built));
+    }
 
     /// For every TP size dividing the heads: either the plan refuses with the exact QkWidth
     /// fields, or the ranks' offsets tile each sharded axis in order, without gaps or overlaps.
@@ -847,7 +892,7 @@ proptest! {
             if !legal(heads, head_dim, tp, qk) {
                 let want = (2 * (heads / tp) * head_dim, qk, heads / tp, head_dim);
                 match first {
-                    Err(Error::QkWidth { channels, multiple, local_heads, head_dim }) =>
+                    Err(Error::QkWidth { channels, multiple, local_heads, head_dim, .. }) =>
                         prop_assert_eq!((channels, multiple, local_heads, head_dim), want),
                     other => prop_assert!(false, "{other:?}"),
                 }
@@ -1005,7 +1050,8 @@ fn k3_refuses_tp_64_and_a_short_a_log() {
         err,
         Error::HeadsNotDivisible {
             heads: 96,
-            tp_size: 64
+            tp_size: 64,
+            ..
         }
     ));
     assert!(err
