@@ -35,7 +35,7 @@ from .config import load_config
 from .errors import CheckpointError, KdaTpError, PlanError
 
 if TYPE_CHECKING:
-    from .shard import ShardSizes
+    from .shard import ShardResult, ShardSizes
     from .source import SafetensorsSource
 
 __all__ = [
@@ -205,12 +205,15 @@ def _size_reporter(
     return report
 
 
-def _cmd_shard(args: argparse.Namespace) -> int:
-    from .shard import shard_checkpoint
-
-    layers, skipped = _shard_input(args)
+def _write_shards(
+    args: argparse.Namespace, shard: Callable[..., ShardResult], warn: bool = True
+) -> tuple[ShardResult, list[Path], list[ShardSizes]]:
+    """``shard``'s input checked (:func:`_shard_input`), then the ranks written with ``shard``
+    (``shard_checkpoint``, or a torchrun job's ``shard``) and ``shard``'s flags: the result,
+    the files ``--skip-unindexed`` left out, and the sizes reported before writing."""
+    layers, skipped = _shard_input(args, warn=warn)
     sizes: list[ShardSizes] = []
-    result = shard_checkpoint(
+    result = shard(
         args.checkpoint,
         args.out,
         args.tp_size,
@@ -226,38 +229,23 @@ def _cmd_shard(args: argparse.Namespace) -> int:
         wait=args.wait,
         report_sizes=_size_reporter(args, sizes),
     )
-    print_shard(args, result, skipped, sizes=sizes)
-    return 0
+    return result, skipped, sizes
 
 
 def run_shard(args: argparse.Namespace) -> int:
     """``shard``; under torchrun with several processes, the ranks are split over them
     (:mod:`kda_tp.torchrun`), and process 0 alone prints."""
+    from .shard import shard_checkpoint
     from .torchrun import torchrun_job, torchrun_processes
 
     if torchrun_processes() == 1:
-        return _cmd_shard(args)
+        result, skipped, sizes = _write_shards(args, shard_checkpoint)
+        print_shard(args, result, skipped, sizes=sizes)
+        return 0
     with torchrun_job() as job:
         try:
             # Every process checks its input the same way; process 0 alone says so.
-            layers, skipped = _shard_input(args, warn=job.speaks)
-            sizes: list[ShardSizes] = []
-            result = job.shard(
-                args.checkpoint,
-                args.out,
-                args.tp_size,
-                ranks=args.ranks,
-                layers=layers,
-                qk_multiple=args.qk_multiple,
-                force=args.force,
-                backend=args.backend,
-                progress=make_progress(args.quiet),
-                allow_resharding=args.allow_resharding,
-                skip_unindexed=args.skip_unindexed,
-                kda_only=args.kda_only,
-                wait=args.wait,
-                report_sizes=_size_reporter(args, sizes),
-            )
+            result, skipped, sizes = _write_shards(args, job.shard, warn=job.speaks)
         except KdaTpError as e:
             if job.speaks:
                 print_refusal(args, e)
