@@ -116,7 +116,7 @@ class ParamAudit:
 
 @dataclass
 class AuditReport:
-    """The outcome of :func:`audit` (one rank) or :func:`audit_path` (one or every rank).
+    """The outcome of :func:`audit` (one rank) or :func:`~kda_tp.engine_audit.audit_path` (one or every rank).
 
     Attributes:
         engine: the engine layout audited against (a :data:`kda_tp.engines.LAYOUTS` key).

@@ -263,7 +263,7 @@ class _Auditor:
         return self.shard(rank).param_plan(layout, suffix, model_dtype="F64").dtype == "F64"
 
     def model_dtype(self, layout: EngineLayout) -> str:
-        """The engine's model dtype (:func:`kda_tp.model_dtype.engine_model_dtype`): the one
+        """The engine's model dtype (``kda_tp.model_dtype.engine_model_dtype``): the one
         asked for, else ``layout``'s engine's default for this checkpoint."""
         return engine_model_dtype(self.source, layout.engine, self.requested_dtype)
 
@@ -346,7 +346,7 @@ def audit(
             KDA layer of the checkpoint; None: every KDA layer of the checkpoint.
         model_dtype: the engine's model dtype (its ``--dtype``) as safetensors names it:
             ``"BF16"``, ``"F16"`` or ``"F32"``; None: the engine's default for this
-            checkpoint (:func:`kda_tp.model_dtype.engine_model_dtype`: the config's
+            checkpoint (``kda_tp.model_dtype.engine_model_dtype``: the config's
             ``dtype``/``torch_dtype`` as vLLM or SGLang reads it; an F32 or dtype-less config
             runs in BF16 under vLLM, F16 under SGLang). A parameter the engine casts to its
             model dtype held in another dtype is wrong (F16 held by a BF16 engine is a lossy
@@ -448,7 +448,7 @@ def _world_size(root: Path, files: Mapping[int, Sequence[Path]], given: int | No
     Raises:
         PlanError: ``given`` disagrees with the dump (its metadata, or a rank ``>= given`` in
             its file names), or neither says.
-        CheckpointError: the dump's files disagree (:func:`~kda_tp.dump_files.dump_world_size`).
+        CheckpointError: the dump's files disagree (``kda_tp.dump_files.dump_world_size``).
     """
     directory = root.is_dir()
     told = dump_world_size(files, by_names=directory)
@@ -495,7 +495,7 @@ def audit_path(
         checkpoint: the checkpoint the engine loaded.
         path: the directory given to ``save_sharded_state``, or one rank's ``.safetensors``.
         tp_size: the engine's tensor-parallel world size; None: the one the dump tells
-            (:func:`kda_tp.dump_files.dump_world_size`: its files' ``tp_size`` metadata, else
+            (``kda_tp.dump_files.dump_world_size``: its files' ``tp_size`` metadata, else
             the highest rank in a directory's file names plus one).
         rank: see above.
         engine: see :func:`audit`; the ranks' names must fit one layout.

@@ -91,7 +91,7 @@ def expected_digests(
         ranks: the ranks (default: all).
         model_dtype: the engine's model dtype for the parameters it casts to it (``"BF16"``,
             ``"F16"``, ``"F32"``): the engine's ``--dtype``; None: its default for ``config``
-            (:func:`kda_tp.model_dtype.config_model_dtype`: the config's ``dtype`` /
+            (``kda_tp.model_dtype.config_model_dtype``: the config's ``dtype`` /
             ``torch_dtype``, F32 or none meaning BF16), as for ``engine_digests``.
 
     Returns:

@@ -60,7 +60,7 @@ __all__ = [
 
 #: Bytes of a lock file's holder line read back (for a refusal message, and to recognise it).
 _HOLDER_BYTES = 512
-#: The line a writer records in its lock file (see :func:`_lock_rank`).
+#: The line a writer records in its lock file (see ``_lock_rank``).
 _HOLDER_LINE = re.compile(rb"pid [0-9]+ on [^\n]*, started [0-9TZ:-]+\n")
 #: ``O_NOFOLLOW`` where the platform has it.
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
@@ -386,7 +386,7 @@ class RankLocks:
         """Remove each lock file (when it is still this writer's file) while still holding its
         lock, then unlock it (by closing). A process that opened the file before it was removed
         and then gets the lock sees that its file is no longer at that path, and locks the new
-        one (:func:`_lock_rank`)."""
+        one (``_lock_rank``)."""
         for path, fd in self.held.values():
             try:
                 if _same_file(path, fd):
@@ -402,7 +402,7 @@ def lock_ranks(out: Path, ranks: Iterable[int], wait: bool) -> RankLocks:
     deadlock); on any failure the locks taken so far are released.
 
     Raises:
-        OutputError: as :func:`_lock_rank`.
+        OutputError: as ``_lock_rank``.
     """
     locks = RankLocks()
     try:
