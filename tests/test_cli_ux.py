@@ -276,11 +276,11 @@ def test_already_exists_and_missing_ranks_name_the_finishing_ranks(ckpt, tmp_pat
 
 
 def test_progress_lines_when_not_a_terminal(ckpt, tmp_path, capsys, monkeypatch):
-    import kda_tp.cli as cli
+    import kda_tp.cli_progress as cli_progress
 
     # A clock that stands still: the lines come every few seconds, not per tensor, so the run
     # prints its last line only, however long it takes.
-    monkeypatch.setattr(cli, "time", SimpleNamespace(monotonic=lambda: 0.0))
+    monkeypatch.setattr(cli_progress, "time", SimpleNamespace(monotonic=lambda: 0.0))
     out = tmp_path / "out"
     status, _, err = run(capsys, "shard", ckpt, "--tp-size", 2, "--out", out)
     # After what it will write (and the --kda-only hint: tests/test_shard_sizes.py), the

@@ -31,6 +31,7 @@ from .audit_diagnosis import Candidates, audit_overflow, compare, exact_in_place
 from .audit_report import AuditReport, ParamAudit, PartDifference
 from .audit_values import CASTABLE, as_record, cast_overflow
 from .checkpoint import SafetensorsSource
+from .description import describe
 from .dump_files import (
     RankFiles,
     dump_world_size,
@@ -43,14 +44,12 @@ from .engines import (
     EngineLayout,
     EngineParam,
     get_layout,
-    model_family,
     param_location,
     param_name,
     recognise,
 )
 from .errors import CheckpointError, EngineLayoutError, PlanError
 from .families import FAMILIES
-from .layout import kda_layer_indices
 from .model_dtype import engine_model_dtype
 from .plan import KdaTpPlan
 from .source import KdaShardedSource
@@ -95,10 +94,12 @@ class _Auditor:
         # Checked now (a bad name is refused before anything is read); resolved per layout.
         self.requested_dtype = (None if model_dtype is None
                                 else engine_model_dtype(self.source, "", model_dtype))
-        self.family = model_family(self.source.config)
+        # The checkpoint's description (read once, shared with every rank's plan and view).
+        description = describe(self.source)
+        self.family = description.family.name
         self.tp_size = tp_size
         self.forced = None if engine is None else get_layout(engine)
-        self.layers = self.described = kda_layer_indices(self.source, None)
+        self.layers = self.described = description.kda_layers()
         if layers is not None:  # a pipeline stage's KDA layers
             wanted = set(layers)
             if not wanted <= set(self.layers):

@@ -22,10 +22,11 @@ full-attention layers, norms outside ``self_attn``) are not.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,13 +37,13 @@ from ._io import resolve_out, write_safetensors
 from .audit_values import cast_overflow
 from ._native import __version__
 from .checkpoint import SafetensorsSource
+from .description import describe
 from .engines import (
     LAYOUTS,
     EngineLayout,
     EngineParamPlan,
     get_layout,
     layouts_for,
-    model_family,
     param_name,
 )
 from .errors import (
@@ -62,7 +63,16 @@ from .dump_files import DUMP_FILE, sharded_state_files
 from .model_dtype import engine_model_dtype
 from .source import KdaShardedSource, checked_get
 
-__all__ = ["DIGEST_KEY", "DumpResult", "engine_digests", "write_engine_dump"]
+__all__ = [
+    "DIGEST_KEY",
+    "DumpResult",
+    "build_checked",
+    "checked_ranks",
+    "engine_digests",
+    "param_digest",
+    "vllm_layout",
+    "write_engine_dump",
+]
 
 #: vLLM 0.33's key of one parameter's checksum (``Worker._weight_checksum_prefix`` + the
 #: parameter's name): data-parallel index, pipeline, prefill-context-parallel and
@@ -139,25 +149,15 @@ def _ranks_of(
     # Any split the heads allow (no q|k width rule: the engine chose the world size); checked
     # before anything is sized by tp_size.
     plan0 = KdaTpPlan.from_config(source, 0, tp_size, qk_multiple=1)
-    family = model_family(source.config)
+    family = describe(source).family.name  # the description from_config read
     if layout.family != family:
         fitting = ", ".join(lay.name for lay in layouts_for(family, plan0)) or "none"
         raise EngineLayoutError(
             f"{layout.name}: this layout is for {layout.family}, but the checkpoint "
             f"{source.path} is {family}; layouts that fit it: {fitting}"
         )
-    wanted = list(range(tp_size)) if ranks is None else list(ranks)
-    if not wanted:
-        raise PlanError("no ranks to write: --ranks is empty (ranks=[]); pass at least one rank, "
-                        "or none for all")
-    for r in wanted:
-        if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < tp_size:
-            raise PlanError(f"rank {r!r} is out of range for tp_size {tp_size}: valid ranks "
-                            f"are 0..{tp_size - 1}; pass ranks of that world size")
-    if len(set(wanted)) != len(wanted):
-        raise PlanError(f"ranks {sorted(wanted)} name a rank twice; pass each rank once")
     out = []
-    for r in sorted(wanted):
+    for r in checked_ranks(ranks, tp_size):
         shard = KdaShardedSource(source, KdaTpPlan.from_config(source, r, tp_size,
                                                                qk_multiple=1))
         prefix = layout.state_dict_prefix(shard.prefix)
@@ -165,22 +165,11 @@ def _ranks_of(
         for layer, param in shard.engine_params(layout):
             plan = shard.param_plan(layout, param.suffix, model_dtype=model_dtype)
 
-            def build(shard: KdaShardedSource = shard, suffix: str = param.suffix,
-                      layer: int = layer, plan: EngineParamPlan = plan,
-                      name: str = param_name(prefix, layer, param.suffix)) -> np.ndarray:
-                with np.errstate(over="ignore"):  # an overflow is refused below
-                    built: np.ndarray = shard.build_param(layout, suffix, layer,
-                                                          model_dtype=model_dtype)
-                overflow = cast_overflow(plan, built.reshape(-1), lambda part: checked_get(
-                    shard, kda_tensor_name(shard.prefix, layer, part)).array.reshape(-1))
-                if overflow is not None:
-                    raise DtypeMismatchError(
-                        f"rank {shard.plan.tp_rank} {name}: {overflow}; pass another --dtype "
-                        "(model_dtype=), the one the engine runs in"
-                    )
-                return built
-
-            params.append(_Param(param_name(prefix, layer, param.suffix), plan, build))
+            name = param_name(prefix, layer, param.suffix)
+            build = functools.partial(
+                build_checked, shard, layout, layer, plan, name, model_dtype,
+                "pass another --dtype (model_dtype=), the one the engine runs in")
+            params.append(_Param(name, plan, build))
         out.append((r, params))
     return layout, out
 
@@ -368,6 +357,19 @@ def engine_digests(
             any, are keyed otherwise), and as :func:`write_engine_dump`.
         PlanError, CheckpointError, DtypeMismatchError: as :func:`write_engine_dump`.
     """
+    _, by_rank = _ranks_of(checkpoint, vllm_layout(engine), tp_size, ranks, model_dtype)
+    return {DIGEST_KEY.format(rank=r, name=p.name): param_digest(p.build())
+            for r, params in by_rank for p in params}
+
+
+def vllm_layout(engine: str | EngineLayout) -> EngineLayout:
+    """``engine``'s layout, which must be a vLLM one: digests are vLLM's weight checksums
+    (``engine_digests`` and ``kda_tp.expected.expected_digests``).
+
+    Raises:
+        EngineLayoutError: an unknown layout, or one of another engine (the message lists the
+            vLLM layouts).
+    """
     layout = get_layout(engine)
     if layout.engine != "vllm":
         vllm = ", ".join(n for n, lay in LAYOUTS.items() if lay.engine == "vllm")
@@ -375,12 +377,57 @@ def engine_digests(
             f"{layout.name}: digests are vLLM's weight checksums (compute_weight_checksums); "
             f"{layout.engine} computes none of its own keyed so. Pass a vLLM layout: {vllm}"
         )
-    _, by_rank = _ranks_of(checkpoint, layout, tp_size, ranks, model_dtype)
-    return dict(_digests(by_rank))
+    return layout
 
 
-def _digests(by_rank: list[tuple[int, list[_Param]]]) -> Iterator[tuple[str, str]]:
-    for r, params in by_rank:
-        for p in params:
-            data = np.ascontiguousarray(p.build()).reshape(-1).view(np.uint8)
-            yield DIGEST_KEY.format(rank=r, name=p.name), hashlib.sha256(data.data).hexdigest()
+def checked_ranks(ranks: Sequence[int] | None, tp_size: int) -> list[int]:
+    """The engine ranks asked for, sorted (None: all ``tp_size`` of them).
+
+    Raises:
+        PlanError: an empty list, a rank that is not an integer in ``0..tp_size-1``, or a rank
+            named twice.
+    """
+    wanted = list(range(tp_size)) if ranks is None else list(ranks)
+    if not wanted:
+        raise PlanError("no ranks to write: --ranks is empty (ranks=[]); pass at least one rank, "
+                        "or none for all")
+    for r in wanted:
+        if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < tp_size:
+            raise PlanError(f"rank {r!r} is out of range for tp_size {tp_size}: valid ranks "
+                            f"are 0..{tp_size - 1}; pass ranks of that world size")
+    if len(set(wanted)) != len(wanted):
+        raise PlanError(f"ranks {sorted(wanted)} name a rank twice; pass each rank once")
+    return sorted(wanted)
+
+
+def build_checked(shard: KdaShardedSource, layout: EngineLayout, layer: int,
+                  plan: EngineParamPlan, name: str, model_dtype: str | None,
+                  fix: str) -> np.ndarray:
+    """Engine parameter ``plan.suffix`` of KDA layer ``layer`` on ``shard``'s rank, as the
+    engine's loader leaves it (``KdaShardedSource.build_param``), refused when a cast to the
+    model dtype overflows.
+
+    Args:
+        plan: the parameter's plan (``KdaShardedSource.param_plan``, for ``model_dtype``).
+        name: the parameter's engine name, for the message.
+        fix: what the refusal tells the caller to do.
+
+    Raises:
+        DtypeMismatchError: a finite value becomes inf in the cast
+            (``kda_tp.audit_values.cast_overflow``): the rank, the parameter and the value.
+    """
+    with np.errstate(over="ignore"):  # an overflow is refused below
+        built: np.ndarray = shard.build_param(layout, plan.suffix, layer,
+                                              model_dtype=model_dtype)
+    overflow = cast_overflow(plan, built.reshape(-1), lambda part: checked_get(
+        shard, kda_tensor_name(shard.prefix, layer, part)).array.reshape(-1))
+    if overflow is not None:
+        raise DtypeMismatchError(f"rank {shard.plan.tp_rank} {name}: {overflow}; {fix}")
+    return built
+
+
+def param_digest(built: np.ndarray) -> str:
+    """The SHA-256 (hex) of a parameter's row-major raw bytes, as vLLM's
+    ``compute_tensor_digests`` hashes them."""
+    data = np.ascontiguousarray(built).reshape(-1).view(np.uint8)
+    return hashlib.sha256(data.data).hexdigest()

@@ -13,34 +13,26 @@ that layer's tensors have all arrived.
 
 from __future__ import annotations
 
-import hashlib
 import math
 import os
-import re
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from .checkpoint import Tensor
 from .config import KdaConfig, load_config, parse_config
-from .audit_values import as_record, cast_overflow
-from .engine_dump import DIGEST_KEY
-from .engines import LAYOUTS, EngineLayout, get_layout, model_family, param_name
+from .audit_values import as_record
+from .engine_dump import DIGEST_KEY, build_checked, checked_ranks, param_digest, vllm_layout
+from .engines import EngineLayout, param_location, param_name
 from .errors import CheckpointError, DtypeMismatchError, EngineLayoutError, PlanError
 from .layout import checkpoint_suffix, kda_tensor_name
 from .model_dtype import config_model_dtype
 from .plan import KdaTpPlan
 from .quant import FP8_DTYPES
-from .source import KdaShardedSource, checked_get
+from .families import family_for
+from .source import KdaShardedSource
 
 __all__ = ["expected_digests"]
-
-# `language_model.model.layers.3.self_attn.q_proj.weight` -> ("language_model.model.layers.",
-# "3", "q_proj.weight"): a decoder layer's attention tensor (layout.LAYER_TENSOR's digits).
-_ATTENTION = re.compile(r"^((?:.*\.)?layers\.)([0-9]{1,10})\.self_attn\.(.+)$")
-
 
 class _LayerTensors:
     """One KDA layer's tensors as they arrived, as the source a :class:`KdaShardedSource`
@@ -118,13 +110,7 @@ def expected_digests(
             ``model_dtype`` that overflows.
         ShapeMismatchError: a KDA tensor whose shape does not hold the plan's.
     """
-    layout = get_layout(engine)
-    if layout.engine != "vllm":
-        vllm = ", ".join(n for n, lay in LAYOUTS.items() if lay.engine == "vllm")
-        raise EngineLayoutError(
-            f"{layout.name}: digests are vLLM's weight checksums (compute_weight_checksums); "
-            f"{layout.engine} computes none of its own keyed so. Pass a vLLM layout: {vllm}"
-        )
+    layout = vllm_layout(engine)
     if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
         raise PlanError(f"tp_size must be a positive integer, got {tp_size!r}")
     config_dict = (load_config(Path(config)) if isinstance(config, (str, os.PathLike))
@@ -134,11 +120,11 @@ def expected_digests(
     if kda.kda_layers is None:
         raise CheckpointError(f"{where}: the config does not list the KDA layers "
                               "(linear_attn_config.kda_layers or layer_types)")
-    family = model_family(config_dict)
+    family = family_for(kda.rules, kda.full_rank_gate).name
     if layout.family != family:
         raise EngineLayoutError(f"{layout.name}: this layout is for {layout.family}, but the "
                                 f"config is {family}'s")
-    wanted = _ranks(ranks, tp_size)
+    wanted = checked_ranks(ranks, tp_size)
     # The plan with the family's assumed dtypes: which tensors a KDA layer holds, and a world
     # size the heads refuse, refused before any tensor is read.
     required = {checkpoint_suffix(t.name) for t in
@@ -170,10 +156,11 @@ class _Digests:
         Raises:
             CheckpointError: a KDA tensor sent twice, or after its layer was hashed.
         """
-        match = _ATTENTION.match(name)
-        if match is None or int(match.group(2)) not in self.layers:
+        # A decoder layer's attention tensor: (prefix, layer, name after self_attn.).
+        location = param_location(name)
+        if location is None or location[1] not in self.layers:
             return
-        key = (match.group(1), int(match.group(2)))
+        key = location[:2]
         if key in self.done:
             raise CheckpointError(f"{name}: KDA layer {key[1]} was complete and hashed when "
                                   "this tensor arrived; send each KDA tensor once")
@@ -221,20 +208,6 @@ class _Digests:
         return out
 
 
-def _ranks(ranks: Sequence[int] | None, tp_size: int) -> list[int]:
-    """The ranks asked for, sorted; refused as ``engine_digests`` refuses them."""
-    wanted = list(range(tp_size)) if ranks is None else list(ranks)
-    if not wanted:
-        raise PlanError("no ranks: ranks=[]; pass at least one rank, or none for all")
-    for r in wanted:
-        if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < tp_size:
-            raise PlanError(f"rank {r!r} is out of range for tp_size {tp_size}: valid ranks "
-                            f"are 0..{tp_size - 1}; pass ranks of that world size")
-    if len(set(wanted)) != len(wanted):
-        raise PlanError(f"ranks {sorted(wanted)} name a rank twice; pass each rank once")
-    return sorted(wanted)
-
-
 def _suffixes(group: _LayerTensors) -> list[str]:
     """The names after ``self_attn.`` of the tensors a layer received (``q_proj.weight``)."""
     return [name.rsplit(".self_attn.", 1)[1] for name in group.tensors]
@@ -275,14 +248,7 @@ def _hash_layer(group: _LayerTensors, plan: KdaTpPlan, layout: EngineLayout,
     for layer, param in shard.engine_params(layout):
         name = param_name(prefix, layer, param.suffix)
         param_plan = shard.param_plan(layout, param.suffix, model_dtype=model_dtype)
-        with np.errstate(over="ignore"):  # an overflow is refused below
-            built = shard.build_param(layout, param.suffix, layer, model_dtype=model_dtype)
-        overflow = cast_overflow(param_plan, built.reshape(-1), lambda part: checked_get(
-            shard, kda_tensor_name(shard.prefix, layer, part)).array.reshape(-1))
-        if overflow is not None:
-            raise DtypeMismatchError(f"rank {plan.tp_rank} {name}: {overflow}; pass another "
-                                     "model_dtype, or none for the tensors' own")
-        data = np.ascontiguousarray(built).reshape(-1).view(np.uint8)
-        out.append((DIGEST_KEY.format(rank=plan.tp_rank, name=name),
-                    hashlib.sha256(data.data).hexdigest()))
+        built = build_checked(shard, layout, layer, param_plan, name, model_dtype,
+                              "pass another model_dtype, or none for the tensors' own")
+        out.append((DIGEST_KEY.format(rank=plan.tp_rank, name=name), param_digest(built)))
     return out
