@@ -748,7 +748,7 @@ def kda_wrong_size(root: Path) -> Case:
 
 def kda_sub_byte_dtype(root: Path) -> Case:
     """Layer 1's o_norm is packed F4: a KDA tensor must be BF16/F16/F32/F64 (a tensor outside
-    the KDA layers may be F4; it is copied through, see tests/test_file_quirks.py)."""
+    the KDA layers may be F4; it is copied through, see tests/unit/test_file_quirks.py)."""
     name = ATTN.format(1) + "o_norm.weight"
 
     def edit(ts: list) -> list:
@@ -826,7 +826,7 @@ KINDS: dict[str, Callable[[Path], Case]] = {
 
 # ----------------------------------------------------------------------------------------------
 # hostile input for the command line (issue 21): each is one `kda-tp` command line, refused with
-# exit 2 and one `kda-tp: error:` line, fast and in little memory (tests/test_malformed.py runs
+# exit 2 and one `kda-tp: error:` line, fast and in little memory (tests/unit/test_malformed.py runs
 # each in a subprocess under a time and a memory bound).
 
 

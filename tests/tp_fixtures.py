@@ -10,11 +10,10 @@ from pathlib import Path
 
 import ml_dtypes
 import numpy as np
-import pytest
 from kda_tp._io import write_safetensors
 from kda_tp.synth import write_small_checkpoint
 
-DATA = Path(__file__).parent / "data"
+from paths import DATA, ENGINE_RANKS
 
 
 @dataclass(frozen=True)
@@ -93,19 +92,10 @@ def write_one_file(out: Path, arrays: dict[str, np.ndarray], config: dict) -> Pa
 
 
 #: The small two-layer Kimi-Linear geometry of the shard writer and safety tests
-#: (tests/test_shard_writers.py, tests/test_shard_safety.py), for ``write_small_checkpoint``.
+#: (tests/cli/: the ``checkpoint`` fixture of cli/conftest.py), for ``write_small_checkpoint``.
 SHARD_GEOMETRY = dict(
     hidden=64, heads=4, head_dim=64, conv_kernel=4, gate_rank=16, num_layers=2, kda_layers=[0, 1]
 )
-
-
-@pytest.fixture(scope="module", name="checkpoint")
-def shard_checkpoint_fixture(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The ``checkpoint`` fixture of those tests (imported there): a checkpoint of
-    :data:`SHARD_GEOMETRY`, written once per test module."""
-    return write_small_checkpoint(
-        tmp_path_factory.mktemp("ckpt") / "ckpt", **SHARD_GEOMETRY, seed=3
-    )
 
 
 def tree(path: Path) -> dict[str, str]:
@@ -118,7 +108,6 @@ def tree(path: Path) -> dict[str, str]:
 
 
 # The engine per-rank fixtures (tests/data/engine_ranks: vLLM's and SGLang's own loaders' output).
-ENGINE_RANKS = Path(__file__).parent / "data" / "engine_ranks"
 CKPT = {"k3": ENGINE_RANKS / "ckpt_k3", "kimi_linear": ENGINE_RANKS / "ckpt_kl",
         "glm": ENGINE_RANKS / "ckpt_glm"}
 DUMPS = sorted(ENGINE_RANKS.glob("*_tp*_r*.safetensors"))

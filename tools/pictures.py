@@ -7,7 +7,7 @@ Every number in the pictures comes from the installed package: ``kda_tp.KdaTpPla
 rank after another (which rows or columns each rank keeps), ``kda_tp.synth.GEOMETRIES`` for the
 models' real geometries and ``kda_tp.engines`` for an engine's fused parameter. The SVG is
 written as plain text (no drawing library, no timestamps, integers and one-decimal floats), so
-the same package draws the same bytes; tests/test_pictures.py redraws them and compares.
+the same package draws the same bytes; tests/integration/test_pictures.py redraws them and compares.
 """
 
 from __future__ import annotations

@@ -1,0 +1,20 @@
+"""Shared set-up of the test suite, for every directory under tests/:
+
+* unit/ (one module of the package each), cli/ (the ``kda-tp`` command line), integration/
+  (end to end, torch and gloo, transformers, packaging, documentation, types) and engines/
+  (vLLM's and SGLang's own classes, ``-m engines``); data/ holds the fixture checkpoints;
+* the helper modules stay here in tests/ (``paths``: ROOT, DATA, ENGINE_RANKS; ``tp_fixtures``;
+  ``children``; ``malformed``; ``dist_workers``): this directory goes first on ``sys.path`` so a
+  test in any subdirectory imports them by name. Child processes started with
+  ``multiprocessing``'s spawn inherit ``sys.path``; scripts run as ``python FILE`` get the
+  directory they need as an argument (see tests/engines/).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+_TESTS = str(Path(__file__).resolve().parent)
+if _TESTS not in sys.path:
+    sys.path.insert(0, _TESTS)

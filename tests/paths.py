@@ -1,0 +1,15 @@
+"""Where the tests' files are, computed once for every test directory (unit/, cli/,
+integration/, engines/): the repository root, tests/ itself, and the fixture checkpoints."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+#: tests/: the shared helper modules (tp_fixtures, children, malformed, dist_workers, this one).
+TESTS = Path(__file__).resolve().parent
+#: The repository root (README.md, docs/, tools/, examples/, pyproject.toml).
+ROOT = TESTS.parent
+#: The fixture checkpoints (kda_small, k3_small, k3_fp8_small, engine_ranks; each has a README).
+DATA = TESTS / "data"
+#: One rank's KDA parameters as vLLM 0.33.0 and SGLang 0.5.23 load them, with their checkpoints.
+ENGINE_RANKS = DATA / "engine_ranks"

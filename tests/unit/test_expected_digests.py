@@ -1,0 +1,188 @@
+"""kda_tp.expected_digests: a trainer's expected per-rank digests from the tensors it sends (no
+checkpoint on disk) equal ``kda-tp digests`` / ``engine_digests`` on a checkpoint holding the
+same tensors, for every vLLM layout, from numpy and torch tensors, streamed or as a mapping."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import kda_tp
+from kda_tp import SafetensorsSource
+from kda_tp.cli import main
+from kda_tp.engines import LAYOUTS, get_layout
+from kda_tp.errors import CheckpointError, EngineLayoutError, PlanError
+from kda_tp.synth import write_small_checkpoint
+
+from paths import ENGINE_RANKS as DATA
+
+CKPTS = {"kimi-k3": DATA / "ckpt_k3", "kimi-linear": DATA / "ckpt_kl", "glm-5.3": DATA / "ckpt_glm"}
+VLLM = [name for name, lay in LAYOUTS.items() if lay.engine == "vllm"]
+
+
+def fed(ckpt: Path) -> list[tuple[str, np.ndarray]]:
+    """Every tensor of ``ckpt`` as a trainer would send it: full, typed numpy arrays."""
+    source = SafetensorsSource(ckpt)
+    return [(name, source.get(name).array) for name in source.names()]
+
+
+def cli_digests(capsys, ckpt: Path, engine: str, tp_size: int, *extra: str) -> dict[str, str]:
+    """What ``kda-tp digests --json`` prints for ``ckpt``."""
+    assert main(["digests", str(ckpt), "--engine", engine, "--tp-size", str(tp_size),
+                 "--json", *extra]) == 0
+    return json.loads(capsys.readouterr().out)["checksums"]
+
+
+@pytest.mark.parametrize("engine", VLLM)
+def test_equal_to_kda_tp_digests_for_every_vllm_layout(engine, capsys):
+    ckpt = CKPTS[get_layout(engine).family]
+    want = cli_digests(capsys, ckpt, engine, 4)
+    got = kda_tp.expected_digests(fed(ckpt), ckpt / "config.json", engine=engine, tp_size=4)
+    assert list(got.items()) == list(want.items())  # the same keys, in the same order
+    # A config dict, a mapping of tensors, one rank, the engine's model dtype.
+    config = json.loads((ckpt / "config.json").read_text())
+    got = kda_tp.expected_digests(dict(fed(ckpt)), config, engine=engine, tp_size=4, ranks=[2],
+                                  model_dtype="BF16")
+    assert got == cli_digests(capsys, ckpt, engine, 4, "--ranks", "2", "--dtype", "BF16")
+
+
+def test_a_generator_in_any_order_is_read_once(capsys):
+    ckpt, engine = CKPTS["kimi-linear"], "vllm-0.33-kimi-linear"
+    tensors = fed(ckpt)[::-1]
+    reads = []
+
+    def stream():
+        for name, array in tensors:
+            reads.append(name)
+            yield name, array
+
+    got = kda_tp.expected_digests(stream(), ckpt, engine=engine, tp_size=2)
+    assert got == cli_digests(capsys, ckpt, engine, 2)
+    assert len(reads) == len(tensors)
+
+
+STYLES = {"vllm-0.33-kimi-linear": "kimi", "vllm-0.33-glm-5.3": "glm", "vllm-0.33-k3": "k3"}
+
+
+@pytest.mark.parametrize("engine", VLLM)
+def test_torch_bf16_tensors_give_the_same_digests(engine, tmp_path, capsys):
+    """BF16 projections (the engine fixtures are F32 throughout), torch tensors the trainer
+    owns (clones, not views of a file), K3 under its language_model. prefix."""
+    torch = pytest.importorskip("torch")
+    ckpt = write_small_checkpoint(tmp_path / "ckpt", hidden=64, heads=4, head_dim=64,
+                                  conv_kernel=4, gate_rank=64, num_layers=3, kda_layers=[0, 2],
+                                  style=STYLES[engine], weight_dtype="BF16")
+    source = SafetensorsSource(ckpt)
+    tensors = {name: source.get(name).to_torch().clone() for name in source.names()}
+    assert any(t.dtype == torch.bfloat16 for t in tensors.values())
+    got = kda_tp.expected_digests(tensors, ckpt, engine=engine, tp_size=2)
+    assert list(got.items()) == list(cli_digests(capsys, ckpt, engine, 2).items())
+    assert len(got) == 2 * 2 * len(get_layout(engine).params_for(
+        kda_tp.KdaTpPlan.from_config(source, 0, 2, qk_multiple=1)))
+    got = kda_tp.expected_digests(tensors.items(), ckpt, engine=engine, tp_size=2,
+                                  model_dtype="F32")
+    assert got == cli_digests(capsys, ckpt, engine, 2, "--dtype", "F32")
+
+
+def test_a_changed_tensor_changes_only_the_parameters_it_feeds(capsys):
+    ckpt, engine = CKPTS["kimi-linear"], "vllm-0.33-kimi-linear"
+    before = kda_tp.expected_digests(fed(ckpt), ckpt, engine=engine, tp_size=2)
+    tensors = dict(fed(ckpt))
+    name = next(n for n in tensors if n.endswith("self_attn.o_proj.weight"))
+    tensors[name] = tensors[name] + tensors[name].dtype.type(1)
+    after = kda_tp.expected_digests(tensors, ckpt, engine=engine, tp_size=2)
+    changed = sorted(k for k in before if before[k] != after[k])
+    layer = name.split(".self_attn.")[0]
+    assert changed == [f"dp0:pp0:pcp0:tp{r}:{layer}.self_attn.o_proj.weight" for r in (0, 1)]
+
+
+def test_refusals():
+    ckpt, engine = CKPTS["kimi-linear"], "vllm-0.33-kimi-linear"
+    tensors = fed(ckpt)
+    dropped = next(n for n, _ in tensors if n.endswith("self_attn.dt_bias"))
+    layer = int(dropped.split(".layers.")[1].split(".")[0])
+    with pytest.raises(CheckpointError, match=rf"KDA layers \[{layer}\].*lacks dt_bias"):
+        kda_tp.expected_digests([t for t in tensors if t[0] != dropped], ckpt, engine=engine,
+                                tp_size=2)
+    again = [t for t in tensors if t[0] == dropped]
+    with pytest.raises(CheckpointError, match="was complete and hashed when this tensor"):
+        kda_tp.expected_digests(tensors + again, ckpt, engine=engine, tp_size=2)
+    with pytest.raises(CheckpointError, match="sent twice"):
+        kda_tp.expected_digests(again + tensors, ckpt, engine=engine, tp_size=2)
+    with pytest.raises(PlanError, match=r"heads \(12\) divisible by tp_size \(5\)"):
+        kda_tp.expected_digests(tensors, ckpt, engine=engine, tp_size=5)
+    with pytest.raises(PlanError, match="rank 2 is out of range"):
+        kda_tp.expected_digests(tensors, ckpt, engine=engine, tp_size=2, ranks=[2])
+    with pytest.raises(EngineLayoutError, match="Pass a vLLM layout"):
+        kda_tp.expected_digests(tensors, ckpt, engine="sglang-0.5.23-kimi-linear", tp_size=2)
+    with pytest.raises(EngineLayoutError, match="this layout is for kimi-k3"):
+        kda_tp.expected_digests(tensors, ckpt, engine="vllm-0.33-k3", tp_size=2)
+
+
+def test_each_layer_is_dropped_once_hashed(tmp_path):
+    """The streaming promise: by the time the next KDA layer's tensors arrive, nothing of the
+    previous layer's is held (the trainer's tensors included, once it lets them go)."""
+    import gc
+    import weakref
+
+    torch = pytest.importorskip("torch")
+    ckpt = write_small_checkpoint(tmp_path / "ckpt", hidden=64, heads=4, head_dim=64,
+                                  conv_kernel=4, gate_rank=64, num_layers=3, kda_layers=[0, 1, 2],
+                                  weight_dtype="BF16")
+    source = SafetensorsSource(ckpt)
+    names = sorted(source.names(), key=lambda n: (".layers." not in n, n))
+    alive: dict[int, list[weakref.ref]] = {}
+    checked = []
+
+    def stream():
+        for name in names:
+            layer = int(name.split(".layers.")[1].split(".")[0]) if ".layers." in name else None
+            if layer is not None and layer - 1 in alive and layer - 1 not in checked:
+                gc.collect()
+                assert all(ref() is None for ref in alive[layer - 1]), f"layer {layer - 1} held"
+                checked.append(layer - 1)
+            tensor = source.get(name).to_torch().clone()  # the trainer's own copy
+            if layer is not None:
+                alive.setdefault(layer, []).append(weakref.ref(tensor))
+            yield name, tensor
+            del tensor
+
+    got = kda_tp.expected_digests(stream(), ckpt, engine="vllm-0.33-kimi-linear", tp_size=2)
+    params = get_layout("vllm-0.33-kimi-linear").params_for(
+        kda_tp.KdaTpPlan.from_config(source, 0, 2, qk_multiple=1))
+    assert checked == [0, 1] and len(got) == 2 * 3 * len(params)
+
+
+@pytest.mark.engines
+@pytest.mark.parametrize("kind", ["k3", "kimi_linear", "glm"])
+def test_equal_to_what_vllms_own_load_weights_leaves(kind, tmp_path):
+    """The trainer's digests, from the tensors it feeds (in the release dtypes), equal vLLM
+    0.33's own checksums of what its own KDA layer's ``load_weights`` left from those tensors
+    in a BF16 model (tests/engines/test_digests_vllm.py's engine run), rank by rank, with no dtype
+    given: the engine's default."""
+    pytest.importorskip("vllm")
+    from test_digests_vllm import CASES, vllm_checksums
+    from tp_fixtures import release_dtypes
+
+    source, layout, runs = CASES[kind]
+    ckpt = release_dtypes(source, tmp_path / "ckpt")
+    engine = vllm_checksums(kind, ckpt, "bfloat16")
+    tensors = fed(ckpt)
+    for tp_size, rank in runs:
+        ours = kda_tp.expected_digests(tensors, ckpt, engine=layout, tp_size=tp_size,
+                                       ranks=[rank])
+        assert len(ours) >= 7 and ours == engine[f"{tp_size}:{rank}"]
+
+
+def test_block_fp8_tensors_are_refused_with_the_checkpoint_route(tmp_path):
+    from kda_tp.errors import DtypeMismatchError
+
+    ckpt = write_small_checkpoint(tmp_path / "fp8", hidden=256, heads=2, head_dim=128,
+                                  conv_kernel=4, gate_rank=128, num_layers=1, kda_layers=[0],
+                                  style="k3", fp8=True)
+    with pytest.raises(DtypeMismatchError, match="block-FP8 KDA weights are not handled from "
+                       "tensors in memory; hash the checkpoint with kda_tp.engine_digests"):
+        kda_tp.expected_digests(fed(ckpt), ckpt, engine="vllm-0.33-k3", tp_size=2)

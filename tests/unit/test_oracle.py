@@ -1,0 +1,862 @@
+"""Tests of the pure-Python oracle (``kda_tp.oracle``) on its own; no Rust build needed.
+
+The first group ports the tests of ``spec/tp_bind.rs``; the second checks each invariant and
+refusal stated in ``spec/tp.rs``; then real geometries (GLM-5.3-Flash, Kimi-Linear-48B), the
+``kda_small`` fixture's independent slice manifest, and the checkpoint verifier.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shutil
+import struct
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from kda_tp import oracle
+from kda_tp.cli import main
+from kda_tp.errors import CheckpointError, PlanError, ShapeMismatchError
+from kda_tp.shard import shard_checkpoint, verify_shards
+from kda_tp.synth import write_small_checkpoint
+
+from paths import DATA
+
+FIXTURE = DATA / "kda_small"
+
+
+def glm(rank: int) -> oracle.OraclePlan:
+    """GLM-5.3-Flash's KDA geometry at TP=2 (the spec's ``plan(rank)``)."""
+    return oracle.plan(rank, 2, 4096, 128, 64, 4, 128)
+
+
+def smallest(rank: int) -> oracle.OraclePlan:
+    """The smallest geometry the 256-channel rule allows at TP=2: 4 heads of 64, hidden 4."""
+    return oracle.plan(rank, 2, 4, 64, 4, 2, 4)
+
+
+# --- spec/tp_bind.rs tests --------------------------------------------------------------------
+
+
+def test_plan_names_strip_the_prefix_but_not_a_missing_suffix():
+    assert oracle.plan_name("self_attn.q_proj.weight") == "q_proj"
+    assert oracle.plan_name("self_attn.q_conv1d.weight") == "q_conv1d"
+    assert oracle.plan_name("self_attn.A_log") == "A_log"
+    assert oracle.plan_name("self_attn.dt_bias") == "dt_bias"
+    for t in glm(0).tensors:
+        candidates = [f"self_attn.{t.name}.weight", f"self_attn.{t.name}"]
+        assert any(oracle.plan_name(c) == t.name for c in candidates), t.name
+
+
+def test_channel_rows_partition_the_tensor():
+    q = smallest(0).get("q_proj")
+    assert q.kind == "CHANNEL_ROWS"
+    # [256 channels, hidden 4] BF16: every byte of row r is r.
+    full = b"".join(bytes([r]) * 8 for r in range(256))
+    q1 = replace(q, src_row_offset=q.local_rows)
+    assert q1 == smallest(1).get("q_proj"), "rank 1's entry is rank 0's shifted by local_rows"
+
+    r0, r1 = oracle.shard_bytes(q, full), oracle.shard_bytes(q1, full)
+    assert len(r0) + len(r1) == len(full)
+    assert r0 + r1 == full, "the two ranks rejoin to the original, in order"
+    assert all(b < 128 for b in r0), "rank 0 keeps the low rows"
+    assert all(b >= 128 for b in r1), "rank 1 keeps the high rows"
+
+
+def test_o_proj_is_column_sliced_not_row_sliced():
+    o = smallest(1).get("o_proj")
+    assert o.kind == "CHANNEL_COLS"
+    assert (o.full_rows, o.full_row_elems, o.local_rows, o.local_row_elems) == (4, 256, 4, 128)
+
+    # [4, 256] BF16 whose element (row, c) has low byte c.
+    full = b"".join(bytes([c, 0]) for _ in range(4) for c in range(256))
+    got = oracle.shard_bytes(o, full)
+    want = b"".join(bytes([c, 0]) for _ in range(4) for c in range(128, 256))
+    assert got == want, "rank 1 keeps columns 128..256 of every row"
+
+    row_sliced = full[len(full) // 2 :]
+    assert len(row_sliced) == len(got), "a row slice has the same size ..."
+    assert row_sliced != got, "... and different bytes"
+
+
+def test_o_norm_and_the_low_rank_down_projections_are_replicated():
+    p = glm(1)
+    for name in ("o_norm", "f_a_proj", "g_a_proj"):
+        t = p.get(name)
+        assert t.kind == "REPLICATED", name
+        full = b"\xab" * t.full_bytes
+        assert oracle.shard_bytes(t, full) == full, name
+    assert p.get("o_norm").full_bytes == 256
+
+
+def test_a_log_and_dt_bias_shard_at_different_granularity():
+    p = glm(1)
+    a, d = p.get("A_log"), p.get("dt_bias")
+    assert (a.kind, a.full_rows, a.local_rows) == ("HEAD_ROWS", 64, 32)
+    assert (d.kind, d.full_rows, d.local_rows) == ("CHANNEL_ROWS", 8192, 4096)
+    assert (a.src_row_offset, d.src_row_offset) == (32, 4096)
+    assert d.src_row_offset == a.src_row_offset * 128
+
+
+def test_tp1_is_the_identity():
+    p = oracle.plan(0, 1, 4096, 128, 64, 4, 128)
+    for t in p.tensors:
+        assert t.local_bytes == t.full_bytes, t.name
+        assert (t.src_row_offset, t.src_col_offset) == (0, 0), t.name
+        full = b"\x5a" * t.full_bytes
+        assert oracle.shard_bytes(t, full) == full, t.name
+    assert p.needs_output_all_reduce is False
+
+
+def test_a_size_mismatch_is_refused():
+    q = glm(0).get("q_proj")
+    with pytest.raises(ShapeMismatchError) as err:
+        oracle.shard_bytes(q, bytes(q.full_bytes - 2))
+    message = str(err.value)
+    assert "q_proj" in message
+    assert "67108862" in message and "67108864" in message
+    with pytest.raises(ShapeMismatchError):
+        oracle.shard_bytes(q, bytes(q.full_bytes + 2))
+
+
+def test_local_shape_preserves_the_on_disk_rank():
+    p = glm(1)
+    assert oracle.local_shape(p.get("q_conv1d"), (8192, 1, 4)) == (4096, 1, 4)
+    assert oracle.local_shape(p.get("o_proj"), (4096, 8192)) == (4096, 4096)
+    assert oracle.local_shape(p.get("o_norm"), (128,)) == (128,)
+
+
+def test_the_verifier_sees_local_slices_and_passed_through_tensors(tmp_path):
+    """Port of the adapter test: a KDA tensor becomes this rank's slice with a local shape; a
+    non-KDA tensor (``input_layernorm``) passes through untouched; the census is unchanged."""
+    p = smallest(1)
+    q_full = b"".join(bytes([r]) * 8 for r in range(256))
+    norm = b"\xee" * 8
+    src = tmp_path / "src"
+    write_checkpoint(
+        src,
+        kimi_config(hidden=4, head_dim=64, heads=4, conv=2, kda_layers=[1]),
+        {
+            "model.layers.0.self_attn.q_proj.weight": ("BF16", (256, 4), q_full),
+            "model.layers.0.self_attn.f_a_proj.weight": ("BF16", (4, 4), bytes(32)),
+            "model.layers.0.input_layernorm.weight": ("BF16", (4,), norm),
+        },
+    )
+    out = tmp_path / "out"
+    for rank in range(2):
+        write_checkpoint(
+            out / f"rank{rank}",
+            kimi_config(hidden=4, head_dim=64, heads=4, conv=2, kda_layers=[1]),
+            {
+                "model.layers.0.self_attn.q_proj.weight": (
+                    "BF16",
+                    (128, 4),
+                    q_full[rank * 1024 : (rank + 1) * 1024],
+                ),
+                "model.layers.0.self_attn.f_a_proj.weight": ("BF16", (4, 4), bytes(32)),
+                "model.layers.0.input_layernorm.weight": ("BF16", (4,), norm),
+            },
+            metadata={"tp_rank": str(rank), "tp_size": "2"},
+        )
+    assert oracle.verify(src, out) == []
+    rank1 = dict(read_checkpoint_tensors(out / "rank1"))
+    _, shape, data = rank1["model.layers.0.self_attn.q_proj.weight"]
+    assert shape == oracle.local_shape(p.get("q_proj"), (256, 4)) == (128, 4)
+    assert len(data) == p.get("q_proj").local_bytes
+    assert all(b >= 128 for b in data), "rank 1 keeps the high rows"
+    assert rank1["model.layers.0.input_layernorm.weight"][2] == norm
+    assert len(rank1) == 3, "the census still sees everything"
+
+
+# --- spec/tp.rs invariants and refusals -------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("args", "kwargs", "needle"),
+    [
+        ((2, 2, 4096, 128, 64, 4, 128), {}, "tp_rank 2"),
+        ((5, 4, 4096, 128, 64, 4, 128), {}, "tp_rank 5"),
+        ((0, 0, 4096, 128, 64, 4, 128), {}, "tp_size 0"),
+        ((0, 2, 0, 128, 64, 4, 128), {}, "hidden"),
+        ((0, 2, 4096, 0, 64, 4, 128), {}, "head_dim"),
+        ((0, 2, 4096, 128, 0, 4, 128), {}, "full_heads"),
+        ((0, 2, 4096, 128, 64, 0, 128), {}, "conv_kernel"),
+        ((0, 2, 4096, 128, 64, 4, 0), {}, "gate_rank"),
+        ((0, 2, 4096, 128, 64, 4, 128), {"qk_multiple": 0}, "qk_multiple"),
+        ((0, 4, 4096, 128, 6, 4, 128), {}, "heads (6) divisible by tp_size (4)"),
+        ((0, 4, 256, 64, 4, 4, 64), {}, "128"),
+        ((0, 2, 4096, 128, 64, 4, 128), {"dtypes": {"q": "BF16"}}, "'q'"),
+        ((0, 2, 4096, 128, 64, 4, 128), {"dtypes": {"q_proj": "I32"}}, "'I32'"),
+        ((0, 2, 4096, 128, 64, 4, 128), {"dtypes": {"q_proj": "bf16"}}, "'bf16'"),
+        ((0, 1, 2**62, 128, 64, 4, 128), {}, "too large"),
+        ((0, 1, 4, 2**40, 2**40, 1, 1), {"qk_multiple": 1}, "too large"),
+    ],
+)
+def test_refused_geometry(args, kwargs, needle):
+    with pytest.raises(PlanError) as err:
+        oracle.plan(*args, **kwargs)
+    assert needle in str(err.value)
+
+
+def test_byte_size_limit_is_per_tensor_and_per_block():
+    # q_proj = 2^21 channels x 2^41 hidden x 2 bytes = 2^63 bytes: one tensor too many.
+    with pytest.raises(PlanError, match="q_proj"):
+        oracle.plan(0, 1, 2**41, 128, 2**14, 1, 1)
+    # Halve hidden: q/k/v_proj and o_proj are 2^62 bytes each, legal one by one, but the block
+    # (over 4 x 2^62 bytes) is not.
+    with pytest.raises(PlanError, match="block"):
+        oracle.plan(0, 1, 2**40, 128, 2**14, 1, 1)
+    # A large but representable block is planned with exact integer sizes.
+    p = oracle.plan(1, 2, 2**30, 128, 2**10, 1, 1)
+    assert p.get("q_proj").full_bytes == 2**17 * 2**30 * 2
+    assert p.get("o_proj").local_bytes == 2**30 * 2**16 * 2
+    assert p.get("o_proj").src_col_offset == 2**16
+
+
+def test_qk_multiple_sets_the_local_width_rule():
+    # heads 4, head_dim 64, TP 4: local q|k width 2 * 1 * 64 = 128.
+    with pytest.raises(PlanError):
+        oracle.plan(0, 4, 256, 64, 4, 4, 64)
+    assert oracle.plan(0, 4, 256, 64, 4, 4, 64, qk_multiple=128).qk_multiple == 128
+    loose = oracle.plan(3, 4, 256, 64, 4, 4, 64, qk_multiple=1)
+    assert (loose.local_heads, loose.qk_multiple) == (1, 1)
+    # The rule is on the LOCAL width: TP 2 of the same block gives 256 and passes by default.
+    assert oracle.plan(1, 2, 256, 64, 4, 4, 64).qk_multiple == 256
+
+
+def test_tensors_come_in_spec_order_with_their_kinds_and_default_dtypes():
+    p = glm(0)
+    assert [t.name for t in p.tensors] == list(oracle.TENSOR_NAMES) == [
+        "q_proj", "k_proj", "v_proj", "q_conv1d", "k_conv1d", "v_conv1d", "f_a_proj",
+        "f_b_proj", "g_a_proj", "g_b_proj", "b_proj", "A_log", "dt_bias", "o_norm", "o_proj",
+    ]  # fmt: skip
+    kinds = {t.name: t.kind for t in p.tensors}
+    assert kinds == {
+        "q_proj": "CHANNEL_ROWS", "k_proj": "CHANNEL_ROWS", "v_proj": "CHANNEL_ROWS",
+        "q_conv1d": "CHANNEL_ROWS", "k_conv1d": "CHANNEL_ROWS", "v_conv1d": "CHANNEL_ROWS",
+        "f_a_proj": "REPLICATED", "f_b_proj": "CHANNEL_ROWS", "g_a_proj": "REPLICATED",
+        "g_b_proj": "CHANNEL_ROWS", "b_proj": "HEAD_ROWS", "A_log": "HEAD_ROWS",
+        "dt_bias": "CHANNEL_ROWS", "o_norm": "REPLICATED", "o_proj": "CHANNEL_COLS",
+    }  # fmt: skip
+    dtypes = {t.name: (t.dtype, t.elem_bytes) for t in p.tensors}
+    for name, got in dtypes.items():
+        assert got == (("F32", 4) if name in ("A_log", "dt_bias") else ("BF16", 2)), name
+    assert p.get("nope") is None
+
+
+def test_dtype_overrides_change_element_and_byte_sizes():
+    p = oracle.plan(
+        1, 2, 8, 64, 4, 3, 2, dtypes={"q_conv1d": "F32", "o_norm": "F64", "A_log": "F16"}
+    )
+    conv, norm, a_log = p.get("q_conv1d"), p.get("o_norm"), p.get("A_log")
+    assert (conv.dtype, conv.elem_bytes, conv.full_bytes, conv.local_bytes) == (
+        "F32",
+        4,
+        3072,
+        1536,
+    )
+    assert (norm.dtype, norm.elem_bytes, norm.full_bytes) == ("F64", 8, 512)
+    assert (a_log.dtype, a_log.elem_bytes, a_log.local_bytes) == ("F16", 2, 4)
+    assert p.get("k_conv1d").dtype == "BF16", "only the named tensors change"
+
+
+@pytest.mark.parametrize("tp_size", [1, 2, 4, 8])
+def test_sharded_tensors_split_into_equal_contiguous_ranges_ordered_by_rank(tp_size):
+    plans = [oracle.plan(r, tp_size, 16, 32, 8, 3, 5, qk_multiple=1) for r in range(tp_size)]
+    for i, name in enumerate(oracle.TENSOR_NAMES):
+        entries = [p.tensors[i] for p in plans]
+        assert all(e.name == name for e in entries)
+        kind = entries[0].kind
+        if kind == "REPLICATED":
+            assert all(e == entries[0] for e in entries), name
+            continue
+        for rank, e in enumerate(entries):
+            if kind == "CHANNEL_COLS":
+                assert (e.local_rows, e.src_row_offset) == (e.full_rows, 0), name
+                assert e.local_row_elems * tp_size == e.full_row_elems, name
+                assert e.src_col_offset == rank * e.local_row_elems, name
+            else:
+                assert (e.local_row_elems, e.src_col_offset) == (e.full_row_elems, 0), name
+                assert e.local_rows * tp_size == e.full_rows, name
+                assert e.src_row_offset == rank * e.local_rows, name
+
+
+def test_each_rank_owns_a_contiguous_head_range_in_every_tensor():
+    head_dim = 32
+    for rank in range(4):
+        p = oracle.plan(rank, 4, 16, head_dim, 8, 3, 5, qk_multiple=1)
+        first_head = p.get("b_proj").src_row_offset
+        assert (first_head, p.local_heads) == (rank * 2, 2)
+        assert p.get("A_log").src_row_offset == first_head
+        for name in ("q_proj", "k_proj", "v_proj", "q_conv1d", "f_b_proj", "g_b_proj", "dt_bias"):
+            assert p.get(name).src_row_offset == first_head * head_dim, name
+            assert p.get(name).local_rows == p.local_heads * head_dim, name
+        assert p.get("o_proj").src_col_offset == first_head * head_dim
+
+
+def test_all_reduce_follows_o_proj_only_when_split():
+    assert oracle.plan(0, 1, 4, 64, 4, 2, 4).needs_output_all_reduce is False
+    assert smallest(0).needs_output_all_reduce is True
+    assert smallest(1).needs_output_all_reduce is True
+
+
+# --- real geometries --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_glm_5_3_flash_at_tp2(rank):
+    p = glm(rank)
+    assert (p.tp_rank, p.tp_size, p.hidden, p.head_dim) == (rank, 2, 4096, 128)
+    assert (p.full_heads, p.local_heads, p.conv_kernel, p.gate_rank) == (64, 32, 4, 128)
+    assert p.qk_multiple == 256
+    q = p.get("q_proj")
+    assert (q.full_rows, q.full_row_elems, q.local_rows, q.local_row_elems) == (
+        8192,
+        4096,
+        4096,
+        4096,
+    )
+    assert q.src_row_offset == 4096 * rank
+    assert (q.full_bytes, q.local_bytes) == (67108864, 33554432)
+    b = p.get("b_proj")
+    assert (b.full_rows, b.local_rows, b.src_row_offset) == (64, 32, 32 * rank)
+    o = p.get("o_proj")
+    assert (o.full_rows, o.full_row_elems, o.local_rows, o.local_row_elems) == (
+        4096,
+        8192,
+        4096,
+        4096,
+    )
+    assert (o.src_row_offset, o.src_col_offset) == (0, 4096 * rank)
+    assert p.get("f_a_proj").full_bytes == p.get("f_a_proj").local_bytes == 1048576
+    assert p.get("q_conv1d").local_bytes == 32768
+    assert p.full_bytes == 275481088
+    assert p.local_bytes == 138789248
+    assert p.needs_output_all_reduce is True
+
+
+def test_kimi_linear_48b_at_tp8_rank3():
+    p = oracle.plan(3, 8, 2304, 128, 32, 4, 128)
+    assert p.local_heads == 4
+    shapes = {t.name: (t.disk_shape, oracle.local_shape(t, t.disk_shape)) for t in p.tensors}
+    assert shapes == {
+        "q_proj": ((4096, 2304), (512, 2304)),
+        "k_proj": ((4096, 2304), (512, 2304)),
+        "v_proj": ((4096, 2304), (512, 2304)),
+        "q_conv1d": ((4096, 1, 4), (512, 1, 4)),
+        "k_conv1d": ((4096, 1, 4), (512, 1, 4)),
+        "v_conv1d": ((4096, 1, 4), (512, 1, 4)),
+        "f_a_proj": ((128, 2304), (128, 2304)),
+        "f_b_proj": ((4096, 128), (512, 128)),
+        "g_a_proj": ((128, 2304), (128, 2304)),
+        "g_b_proj": ((4096, 128), (512, 128)),
+        "b_proj": ((32, 2304), (4, 2304)),
+        "A_log": ((1, 1, 32, 1), (1, 1, 4, 1)),
+        "dt_bias": ((4096,), (512,)),
+        "o_norm": ((128,), (128,)),
+        "o_proj": ((2304, 4096), (2304, 512)),
+    }
+    assert p.get("A_log").src_row_offset == 12
+    assert p.get("dt_bias").src_row_offset == 1536
+    assert p.get("o_proj").src_col_offset == 1536
+    # 39,514,272 parameters per KDA layer: the published count (kda_in_the_field.md §1.3).
+    assert sum(t.full_rows * t.full_row_elems for t in p.tensors) == 39514272
+    assert p.full_bytes == 79036800
+    assert p.local_bytes == 10912016
+
+
+def test_kimi_linear_accepts_every_head_divisor_and_no_other_tp_size():
+    legal = [t for t in range(1, 65) if _plans(2304, 128, 32, 4, 128, t)]
+    assert legal == [1, 2, 4, 8, 16, 32]
+
+
+def _plans(hidden, head_dim, heads, conv, gate, tp_size):
+    try:
+        oracle.plan(0, tp_size, hidden, head_dim, heads, conv, gate)
+    except PlanError:
+        return False
+    return True
+
+
+# --- local_shape ------------------------------------------------------------------------------
+
+
+def test_local_shape_accepts_the_alternative_layouts():
+    p = oracle.plan(3, 8, 2304, 128, 32, 4, 128)
+    assert oracle.local_shape(p.get("A_log"), (32,)) == (4,)
+    assert oracle.local_shape(p.get("A_log"), [32, 1]) == (4, 1)
+    assert oracle.local_shape(p.get("q_conv1d"), (4096, 4)) == (512, 4)
+    assert oracle.local_shape(p.get("dt_bias"), (1, 4096)) == (1, 512)
+    assert oracle.local_shape(p.get("q_proj"), (1, 4096, 2304)) == (1, 512, 2304)
+    assert oracle.local_shape(p.get("o_proj"), (1, 2304, 4096)) == (1, 2304, 512)
+    assert oracle.local_shape(p.get("f_a_proj"), (128, 1, 2304)) == (128, 1, 2304)
+
+
+@pytest.mark.parametrize(
+    ("name", "shape"),
+    [
+        ("q_proj", (2304, 4096)),  # transposed: right element count, wrong sharded axis
+        ("q_proj", (4096, 2305)),
+        ("o_proj", (4096, 2304)),  # transposed row-parallel weight
+        ("A_log", (1, 32, 1, 2)),
+        ("A_log", (2, 16)),
+        ("q_conv1d", (4, 4096)),
+        ("o_norm", (64,)),
+        ("dt_bias", ()),
+    ],
+)
+def test_local_shape_refuses_a_shape_that_does_not_hold_the_tensor(name, shape):
+    t = oracle.plan(3, 8, 2304, 128, 32, 4, 128).get(name)
+    with pytest.raises(ShapeMismatchError, match=name):
+        oracle.local_shape(t, shape)
+
+
+def test_local_shape_of_a_single_row_tensor():
+    # One head of width 1: every channel-row tensor has one row, so axis 0 is the row axis even
+    # when it is a unit axis and a later axis is not.
+    p = oracle.plan(0, 1, 3, 1, 1, 5, 2, qk_multiple=1)
+    assert oracle.local_shape(p.get("q_conv1d"), (1, 1, 5)) == (1, 1, 5)
+    assert oracle.local_shape(p.get("A_log"), (1, 1, 1, 1)) == (1, 1, 1, 1)
+    with pytest.raises(ShapeMismatchError):
+        oracle.local_shape(p.get("q_conv1d"), (5, 1))
+
+
+def test_shard_bytes_takes_any_bytes_like_buffer():
+    o = smallest(0).get("o_proj")
+    data = bytes(range(256)) * 8
+    want = oracle.shard_bytes(o, data)
+    assert oracle.shard_bytes(o, bytearray(data)) == want
+    assert oracle.shard_bytes(o, memoryview(data)) == want
+    assert len(want) == o.local_bytes == 1024
+
+
+# --- the kda_small fixture: slices written down independently (manifest.json) ----------------
+
+
+def narrow(data: bytes, shape, elem_bytes: int, dim: int, start: int, stop: int) -> bytes:
+    """``torch.narrow(tensor, dim, start, stop - start)`` on raw row-major bytes."""
+    inner = math.prod(shape[dim + 1 :]) * elem_bytes
+    block = shape[dim] * inner
+    return b"".join(
+        data[o * block + start * inner : o * block + stop * inner]
+        for o in range(math.prod(shape[:dim]))
+    )
+
+
+@pytest.mark.parametrize(("tp_size", "rank"), [(2, 0), (2, 1), (4, 0), (4, 1), (4, 2), (4, 3)])
+def test_fixture_manifest_slices_match_the_plan(tp_size, rank):
+    manifest = json.loads((FIXTURE / "manifest.json").read_text())
+    tensors = read_safetensors(FIXTURE / "model.safetensors")
+    prefix = manifest["tensor_prefix"]
+    geometry = manifest["geometry"]
+    # At TP=4 the local q|k width is 128, which the 256 rule refuses; the fixture relaxes it.
+    p = oracle.plan(
+        rank, tp_size, geometry["hidden_size"], geometry["head_dim"], geometry["num_heads"],
+        geometry["conv_size"], 64, qk_multiple=1,
+    )  # fmt: skip
+    slices = manifest["tp_slices"][str(tp_size)][rank]
+    assert len(slices) == 15
+    for name, where in slices.items():
+        entry = p.get(oracle.plan_name("self_attn." + name))
+        dtype, shape, data = tensors[prefix + name]
+        assert (dtype, shape) == (entry.dtype, entry.disk_shape), name
+        local = oracle.local_shape(entry, shape)
+        got = oracle.shard_bytes(entry, data)
+        if where is None:
+            assert entry.kind == "REPLICATED", name
+            assert (local, got) == (shape, data), name
+            continue
+        dim, start, stop = where
+        want_shape = shape[:dim] + (stop - start,) + shape[dim + 1 :]
+        assert local == want_shape, name
+        assert got == narrow(data, shape, entry.elem_bytes, dim, start, stop), name
+
+
+# --- the verifier -----------------------------------------------------------------------------
+
+
+def write_safetensors(path: Path, tensors: dict, metadata: dict | None = None) -> None:
+    """Write ``{name: (dtype, shape, bytes)}`` as a safetensors file."""
+    header = {"__metadata__": metadata} if metadata else {}
+    offset = 0
+    for name, (dtype, shape, data) in tensors.items():
+        header[name] = {
+            "dtype": dtype,
+            "shape": list(shape),
+            "data_offsets": [offset, offset + len(data)],
+        }
+        offset += len(data)
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + b"".join(t[2] for t in tensors.values()))
+
+
+def read_safetensors(path: Path) -> dict:
+    """``{name: (dtype, shape tuple, bytes)}`` of a safetensors file, plus nothing else."""
+    blob = path.read_bytes()
+    (n,) = struct.unpack("<Q", blob[:8])
+    header = json.loads(blob[8 : 8 + n])
+    header.pop("__metadata__", None)
+    return {
+        name: (
+            e["dtype"],
+            tuple(e["shape"]),
+            blob[8 + n + e["data_offsets"][0] : 8 + n + e["data_offsets"][1]],
+        )
+        for name, e in header.items()
+    }
+
+
+def read_checkpoint_tensors(directory: Path):
+    """(name, (dtype, shape, bytes)) for every tensor of every safetensors file in a dir."""
+    for path in sorted(directory.glob("*.safetensors")):
+        yield from read_safetensors(path).items()
+
+
+def write_checkpoint(directory: Path, config: dict, tensors: dict, metadata=None, files=1) -> None:
+    """A checkpoint dir: config.json, the tensors spread over ``files`` safetensors files, and
+    model.safetensors.index.json."""
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(config))
+    names = list(tensors)
+    weight_map = {}
+    for i in range(files):
+        file_name = f"model-{i + 1:05d}-of-{files:05d}.safetensors"
+        part = {n: tensors[n] for n in names[i::files]}
+        write_safetensors(directory / file_name, part, metadata)
+        weight_map.update(dict.fromkeys(part, file_name))
+    (directory / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+
+
+def kimi_config(*, hidden, head_dim, heads, conv, kda_layers):
+    return {
+        "hidden_size": hidden,
+        "linear_attn_config": {
+            "head_dim": head_dim,
+            "num_heads": heads,
+            "short_conv_kernel_size": conv,
+            "kda_layers": kda_layers,
+        },
+    }
+
+
+#: Sharded axis of each KDA tensor in its canonical on-disk shape (None = replicated), and the
+#: unit it is split in; written from kda_in_the_field.md §2.5, not from the plan.
+DISK_AXIS = {
+    "q_proj": 0, "k_proj": 0, "v_proj": 0, "q_conv1d": 0, "k_conv1d": 0, "v_conv1d": 0,
+    "f_a_proj": None, "f_b_proj": 0, "g_a_proj": None, "g_b_proj": 0, "b_proj": 0,
+    "A_log": 2, "dt_bias": 0, "o_norm": None, "o_proj": 1,
+}  # fmt: skip
+
+
+def shard_checkpoint_by_hand(tensors: dict, kda_layers, tp_size: int) -> list[dict]:
+    """Each rank's tensors, sliced with :func:`narrow` and :data:`DISK_AXIS` (independent of
+    ``oracle.shard_bytes``). ``kda_layers`` are 0-based."""
+    ranks = []
+    for rank in range(tp_size):
+        out = {}
+        for name, (dtype, shape, data) in tensors.items():
+            parts = name.split(".")
+            kda = parts[:2] == ["model", "layers"] and int(parts[2]) in kda_layers
+            axis = DISK_AXIS.get(parts[4]) if kda and parts[3] == "self_attn" else None
+            if axis is None:
+                out[name] = (dtype, shape, data)
+                continue
+            size = shape[axis] // tp_size
+            local = shape[:axis] + (size,) + shape[axis + 1 :]
+            elem = {"BF16": 2, "F32": 4}[dtype]
+            out[name] = (
+                dtype,
+                local,
+                narrow(data, shape, elem, axis, rank * size, (rank + 1) * size),
+            )
+        ranks.append(out)
+    return ranks
+
+
+def pattern(n: int, seed: int) -> bytes:
+    """``n`` distinct-looking bytes (every position differs from its neighbours)."""
+    return bytes((i * 31 + seed * 7 + (i >> 8)) % 251 for i in range(n))
+
+
+def two_layer_checkpoint():
+    """Layer 0 is KDA (hidden 8, 4 heads of 64, conv 3, gate 16); layer 1 is MLA, whose
+    ``q_proj``/``o_proj`` share KDA's names and ``o_proj`` shape and must pass through."""
+    hidden, heads, head_dim, conv, gate = 8, 4, 64, 3, 16
+    channels = heads * head_dim
+    p = oracle.plan(0, 1, hidden, head_dim, heads, conv, gate)
+    tensors = {"model.embed_tokens.weight": ("BF16", (5, hidden), pattern(80, 1))}
+    for i, t in enumerate(p.tensors):
+        suffix = "" if t.name in ("A_log", "dt_bias") else ".weight"
+        data = pattern(t.full_bytes, 10 + i)
+        tensors[f"model.layers.0.self_attn.{t.name}{suffix}"] = (t.dtype, t.disk_shape, data)
+    tensors["model.layers.1.self_attn.q_proj.weight"] = (
+        "BF16",
+        (channels, hidden),
+        pattern(4096, 3),
+    )
+    tensors["model.layers.1.self_attn.o_proj.weight"] = (
+        "BF16",
+        (hidden, channels),
+        pattern(4096, 4),
+    )
+    tensors["model.norm.weight"] = ("BF16", (hidden,), pattern(16, 5))
+    config = kimi_config(hidden=hidden, head_dim=head_dim, heads=heads, conv=conv, kda_layers=[1])
+    return config, tensors
+
+
+def write_sharded(out: Path, config: dict, ranks: list[dict]) -> None:
+    for rank, tensors in enumerate(ranks):
+        meta = {"tp_rank": str(rank), "tp_size": str(len(ranks))}
+        write_checkpoint(out / f"rank{rank}", config, tensors, metadata=meta, files=2)
+
+
+@pytest.fixture
+def sharded_pair(tmp_path):
+    """(source dir, output dir, config, per-rank tensors) for a correct TP=2 sharding."""
+    config, tensors = two_layer_checkpoint()
+    src = tmp_path / "src"
+    write_checkpoint(src, config, tensors, files=3)
+    ranks = shard_checkpoint_by_hand(tensors, {0}, 2)
+    out = tmp_path / "out"
+    write_sharded(out, config, ranks)
+    return src, out, config, ranks
+
+
+def test_verify_accepts_a_correct_sharding(sharded_pair):
+    src, out, _, ranks = sharded_pair
+    assert oracle.verify(src, out) == []
+    mla = ranks[1]["model.layers.1.self_attn.o_proj.weight"]
+    assert mla[1] == (8, 256), "the MLA layer's o_proj is not a KDA tensor"
+
+
+def test_verify_accepts_the_fixture_at_every_tp_size(tmp_path):
+    tensors = read_safetensors(FIXTURE / "model.safetensors")
+    config = json.loads((FIXTURE / "config.json").read_text())
+    for tp_size in (1, 2, 4):
+        out = tmp_path / f"tp{tp_size}"
+        write_sharded(out, config, shard_checkpoint_by_hand(tensors, {0}, tp_size))
+        # Each rank holds the input's other files byte for byte, as shard copies them.
+        for rank in range(tp_size):
+            for extra in FIXTURE.iterdir():
+                if extra.suffix != ".safetensors":
+                    shutil.copy(extra, out / f"rank{rank}" / extra.name)
+        assert oracle.verify(FIXTURE, out) == [], tp_size
+
+
+def test_verify_reads_a_qwen3_next_style_config(tmp_path):
+    _, tensors = two_layer_checkpoint()
+    config = {
+        "hidden_size": 8,
+        "linear_key_head_dim": 64,
+        "linear_num_key_heads": 4,
+        "linear_conv_kernel_dim": 3,
+        "layer_types": ["linear_attention", "full_attention"],
+    }
+    assert oracle.read_kda_config(config) == oracle.KdaConfig(8, 64, 4, 3, frozenset({0}))
+    src = tmp_path / "src"
+    write_checkpoint(src, config, tensors)
+    out = tmp_path / "out"
+    write_sharded(out, config, shard_checkpoint_by_hand(tensors, {0}, 2))
+    assert oracle.verify(src, out) == []
+
+
+def mutate(ranks, rank, name, new):
+    changed = [dict(r) for r in ranks]
+    if new is None:
+        del changed[rank][name]
+    else:
+        changed[rank][name] = new
+    return changed
+
+
+O_PROJ = "model.layers.0.self_attn.o_proj.weight"
+MLA_O_PROJ = "model.layers.1.self_attn.o_proj.weight"
+
+
+@pytest.mark.parametrize(
+    ("how", "needle"),
+    [
+        ("row_sliced_o_proj", "rank1: model.layers.0.self_attn.o_proj.weight: bytes differ"),
+        ("sliced_mla_o_proj", "rank0: model.layers.1.self_attn.o_proj.weight: shape [8, 128]"),
+        ("missing", "rank1: model.norm.weight: missing"),
+        ("extra", "rank0: model.layers.0.self_attn.bonus.weight: not in the input"),
+        ("changed_passthrough", "rank1: model.embed_tokens.weight: bytes differ"),
+        ("wrong_dtype", "rank0: model.norm.weight: dtype F16, input has BF16"),
+        (
+            "unsliced_a_log",
+            "rank0: model.layers.0.self_attn.A_log: shape [1, 1, 4, 1], expected [1, 1, 2, 1]",
+        ),
+    ],
+)
+def test_verify_names_each_problem(tmp_path, sharded_pair, how, needle):
+    src, _, config, ranks = sharded_pair
+    if how == "row_sliced_o_proj":
+        dtype, shape, data = ranks[1][O_PROJ]
+        full = dict(read_checkpoint_tensors(src))[O_PROJ][2]
+        ranks = mutate(ranks, 1, O_PROJ, (dtype, shape, full[len(full) // 2 :]))
+    elif how == "sliced_mla_o_proj":
+        ranks = shard_checkpoint_by_hand(two_layer_checkpoint()[1], {0, 1}, 2)
+    elif how == "missing":
+        ranks = mutate(ranks, 1, "model.norm.weight", None)
+    elif how == "extra":
+        ranks = mutate(ranks, 0, "model.layers.0.self_attn.bonus.weight", ("BF16", (2,), b"abcd"))
+    elif how == "changed_passthrough":
+        dtype, shape, data = ranks[1]["model.embed_tokens.weight"]
+        ranks = mutate(ranks, 1, "model.embed_tokens.weight", (dtype, shape, data[:-1] + b"\x00"))
+    elif how == "wrong_dtype":
+        _, shape, data = ranks[0]["model.norm.weight"]
+        ranks = mutate(ranks, 0, "model.norm.weight", ("F16", shape, data))
+    elif how == "unsliced_a_log":
+        name = "model.layers.0.self_attn.A_log"
+        ranks = mutate(ranks, 0, name, dict(read_checkpoint_tensors(src))[name])
+    out = tmp_path / "bad"
+    write_sharded(out, config, ranks)
+    problems = oracle.verify(src, out)
+    assert any(p.startswith(needle) for p in problems), problems
+    assert len(problems) == (4 if how == "sliced_mla_o_proj" else 1), problems
+
+
+def test_verify_checks_the_layout_of_the_output(tmp_path, sharded_pair):
+    src, out, config, ranks = sharded_pair
+
+    def broken(name):
+        copy = tmp_path / name
+        shutil.copytree(out, copy)
+        return copy
+
+    wrong_meta = broken("meta")
+    write_checkpoint(
+        wrong_meta / "rank1", config, ranks[1], metadata={"tp_rank": "0", "tp_size": "2"}
+    )
+    problems = oracle.verify(src, wrong_meta)
+    assert problems and all("__metadata__ tp_rank is '0', expected '1'" in p for p in problems)
+
+    gap = broken("gap")
+    (gap / "rank1").rename(gap / "rank2")
+    assert oracle.verify(src, gap) == [
+        "output: rank directories ['rank0', 'rank2'] are not rank0 .. rank1 "
+        "(tp_size 2; incomplete run?)"
+    ]
+
+    one_rank = broken("one_rank")
+    shutil.rmtree(one_rank / "rank1")
+    problems = oracle.verify(src, one_rank)
+    assert problems == [
+        "output: rank directories ['rank0'] are not rank0 .. rank1 (tp_size 2; incomplete run?)"
+    ]
+
+    no_index = broken("no_index")
+    (no_index / "rank0" / "model.safetensors.index.json").unlink()
+    [problem] = oracle.verify(src, no_index)
+    assert problem.startswith("rank0: ") and "model.safetensors.index.json: missing" in problem
+
+    assert oracle.verify(src, tmp_path / "nowhere") == [
+        f"output: {tmp_path / 'nowhere'} is not a directory"
+    ]
+    assert oracle.verify(tmp_path / "nowhere", out)[0].startswith("input: ")
+
+
+def test_verify_command_line(sharded_pair, tmp_path):
+    src, out, config, ranks = sharded_pair
+    env = dict(os.environ, PYTHONPATH=str(Path(oracle.__file__).parents[2]))
+
+    def run(*args):
+        return subprocess.run(
+            [sys.executable, "-m", "kda_tp.oracle", "verify", *map(str, args)],
+            capture_output=True, text=True, env=env, check=False, timeout=120,
+        )  # fmt: skip
+
+    good = run(src, out)
+    assert good.returncode == 0, good.stderr
+    assert good.stdout.count("\n") == 1 and good.stdout.startswith("OK")
+
+    bad_dir = tmp_path / "bad"
+    write_sharded(bad_dir, config, mutate(ranks, 0, "model.norm.weight", None))
+    bad = run(src, bad_dir)
+    assert bad.returncode == 1
+    assert bad.stdout.count("\n") == 1 and bad.stdout.startswith("FAIL: 1 problem")
+    assert "rank0: model.norm.weight: missing" in bad.stderr
+
+
+
+
+@pytest.mark.parametrize("fixture", ["kda_small", "k3_small", "k3_fp8_small"])
+def test_the_oracle_checks_kda_only_output(tmp_path, fixture):
+    out = tmp_path / "out"
+    shard_checkpoint(DATA / fixture, out, 2, qk_multiple=1, kda_only=True)
+    assert verify_shards(DATA / fixture, out).ok
+    assert oracle.verify(DATA / fixture, out) == []
+    # It still catches a flipped byte of a KDA tensor.
+    path = sorted((out / "rank1").glob("*.safetensors"))[-1]
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF
+    path.write_bytes(bytes(data))
+    assert any("bytes differ" in p for p in oracle.verify(DATA / fixture, out))
+
+
+def test_the_oracle_uses_the_recorded_layers_when_the_config_lists_none(tmp_path):
+    ckpt = write_small_checkpoint(tmp_path / "k3", hidden=128, heads=4, head_dim=64,
+                                  conv_kernel=4, gate_rank=64, num_layers=2, kda_layers=[0],
+                                  style="k3", a_log_len=16)
+    config = json.loads((ckpt / "config.json").read_text())
+    del config["text_config"]["linear_attn_config"]["kda_layers"]
+    (ckpt / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "out"
+    assert main(["shard", str(ckpt), "--tp-size", "2", "--out", str(out), "--layers", "0",
+                 "--quiet"]) == 0
+    assert main(["verify", str(ckpt), str(out)]) == 0
+    assert oracle.verify(ckpt, out) == []
+
+
+def test_glm_configs_are_read_as_transformers_reads_them():
+    """GLM-5.3-Flash: layer_types (or every index not 3 mod 4), never kda_layers; a
+    linear_attn_config key wins over the flat one; the same as kda_tp.config."""
+    from kda_tp.config import parse_config
+
+    text = {"model_type": "glm5_next_text", "hidden_size": 64, "linear_head_dim": 32,
+            "linear_num_heads": 4, "linear_conv_kernel_dim": 4, "num_hidden_layers": 6,
+            "linear_attn_config": {"num_heads": 8, "kda_layers": [1, 2, 3, 4, 5, 6]}}  # fmt: skip
+    wrapper = {"model_type": "glm5_next", "text_config": text}
+    flat = {**text, "model_type": "glm5_next"}
+    for config in (wrapper, flat):
+        want = oracle.KdaConfig(64, 32, 8, 4, frozenset({0, 1, 2, 4, 5}))
+        assert oracle.read_kda_config(config) == want
+        ours = parse_config(config)
+        assert (ours.hidden, ours.head_dim, ours.heads, ours.conv_kernel) == (64, 32, 8, 4)
+        assert frozenset(ours.kda_layers or ()) == want.kda_layers
+    typed = {**text, "layer_types": ["linear_attention", "indexed_attention"] * 3}
+    read = oracle.read_kda_config({"model_type": "glm5_next", "text_config": typed})
+    assert read.kda_layers == {0, 2, 4}
+
+
+def test_the_oracle_refuses_the_configs_transformers_refuses():
+    """Kimi kda_layers listed twice or beyond num_hidden_layers; a GLM layer_types of the wrong
+    length or with a type transformers does not know. kda_tp.config refuses them too."""
+    from kda_tp.config import parse_config
+
+    lac = {"head_dim": 16, "num_heads": 4, "short_conv_kernel_size": 4}
+    kimi = {"model_type": "kimi_linear", "hidden_size": 64, "num_hidden_layers": 4}
+    text = {"model_type": "glm5_next_text", "hidden_size": 64, "num_hidden_layers": 4}
+    bad = [
+        ({**kimi, "linear_attn_config": {**lac, "kda_layers": [1, 1]}}, "repeats a layer"),
+        ({**kimi, "linear_attn_config": {**lac, "kda_layers": [1, 5]}},
+         "goes beyond num_hidden_layers 4"),
+        ({"model_type": "glm5_next", "text_config": {**text, "layer_types": ["mamba"] * 3}},
+         "layer_types has 3 entries, num_hidden_layers is 4"),
+        ({**text, "layer_types": ["linear_attention", "kda_attention"] * 2},
+         "layer_types has ['kda_attention', 'kda_attention']: transformers allows only"),
+    ]
+    for config, needle in bad:
+        with pytest.raises(oracle.CheckpointError, match=re.escape(needle)):
+            oracle.read_kda_config(config)
+        with pytest.raises(CheckpointError):
+            parse_config(config)
+    legacy = {**text, "layer_types": ["mamba", "attention", "mamba", "full_attention"]}
+    assert oracle.read_kda_config(legacy).kda_layers == {0, 2}

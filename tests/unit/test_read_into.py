@@ -1,0 +1,283 @@
+"""KdaShardedSource.read_into: this rank's bytes written into a caller-owned buffer.
+
+Bytes equal ``get()`` for every tensor kind, rank and TP of the fixture; every kind of buffer
+the docstring promises is accepted; bad buffers raise the named errors and are left untouched;
+and the GIL is released during a large gather (another Python thread runs meanwhile).
+"""
+
+from __future__ import annotations
+
+import mmap
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from kda_tp import (
+    BufferLayoutError,
+    CheckpointError,
+    KdaShardedSource,
+    KdaTpPlan,
+    SafetensorsSource,
+    ShapeMismatchError,
+    Tensor,
+)
+
+from paths import DATA
+
+FIXTURE = DATA / "kda_small"
+O_PROJ = "model.layers.0.self_attn.o_proj.weight"
+Q_PROJ = "model.layers.0.self_attn.q_proj.weight"
+
+
+def sharded(tp: int, rank: int, backend: str = "mmap") -> KdaShardedSource:
+    source = SafetensorsSource(FIXTURE, backend)
+    # The fixture's 4 heads of 64 break the 256-channel rule at TP=4; the rule is not the point.
+    return KdaShardedSource(source, KdaTpPlan.from_config(source, rank, tp, qk_multiple=1))
+
+
+def kind_of(shard: KdaShardedSource, name: str) -> str:
+    if not shard.is_sharded(name):
+        return "PASSED_THROUGH"
+    tail = name.rsplit("self_attn.", 1)[1].removesuffix(".weight")
+    return shard.plan[tail].kind.name
+
+
+@pytest.mark.parametrize("backend", ["mmap", "pread"])
+@pytest.mark.parametrize("tp", [2, 4])
+def test_bytes_equal_get_for_every_tensor_rank_and_tp(tp, backend):
+    kinds = set()
+    for rank in range(tp):
+        shard = sharded(tp, rank, backend)
+        for name in shard.names():
+            want = shard.get(name).data
+            out = np.full(want.nbytes, 0xAB, np.uint8)  # stale bytes must all be overwritten
+            assert shard.read_into(name, out) is None
+            assert np.array_equal(out, want), (name, rank)
+            kinds.add(kind_of(shard, name))
+    assert kinds == {
+        "PASSED_THROUGH", "REPLICATED", "HEAD_ROWS", "CHANNEL_ROWS", "CHANNEL_COLS"
+    }
+
+
+def test_typed_and_shaped_numpy_outputs():
+    shard = sharded(2, 1)
+    for name in (O_PROJ, Q_PROJ, "model.layers.0.self_attn.A_log"):
+        t = shard.get(name)
+        out = np.zeros(t.shape, t.array.dtype)  # bfloat16 / float32, the local shape
+        shard.read_into(name, out)
+        assert np.array_equal(out.view(np.uint8).reshape(-1), t.data), name
+        assert np.array_equal(out.view(np.uint8), t.array.view(np.uint8)), name
+    # int16 has BF16's item size, so it can hold the raw bits too.
+    out = np.zeros(shard.info(O_PROJ)[1], np.int16)
+    shard.read_into(O_PROJ, out)
+    assert np.array_equal(out.view(np.uint8).reshape(-1), shard.get(O_PROJ).data)
+
+
+@pytest.mark.parametrize("make", ["bytearray", "memoryview", "mmap", "2d_memoryview"])
+def test_other_buffer_protocol_outputs(make):
+    shard = sharded(4, 3)
+    for name in (O_PROJ, Q_PROJ, "model.norm.weight"):
+        want = shard.get(name).data
+        n = want.nbytes
+        if make == "bytearray":
+            out = bytearray(n)
+        elif make == "memoryview":
+            out = memoryview(bytearray(n))
+        elif make == "mmap":
+            out = mmap.mmap(-1, n)
+        else:
+            out = memoryview(bytearray(n)).cast("B", (2, n // 2))
+        shard.read_into(name, out)
+        assert bytes(out) == want.tobytes(), name
+        if make == "mmap":
+            out.close()
+
+
+def test_a_generic_source_without_read_range():
+    """Any object with names() and get() works: the row kinds take the full-tensor path."""
+    full = SafetensorsSource(FIXTURE)
+
+    class Plain:
+        config = full.config
+
+        def names(self):
+            return full.names()
+
+        def get(self, name):
+            return full.get(name)
+
+    shard = KdaShardedSource(Plain(), KdaTpPlan.from_config(full, 1, 2))
+    reference = sharded(2, 1)
+    for name in shard.names():
+        want = reference.get(name).data
+        out = np.empty(want.nbytes, np.uint8)
+        shard.read_into(name, out)
+        assert np.array_equal(out, want), name
+
+
+def test_a_wrong_size_is_a_shape_mismatch_naming_both_sizes():
+    shard = sharded(2, 0)
+    n = shard.get(O_PROJ).nbytes  # [256, 128] BF16
+    assert n == 65536
+    for name, size in ((O_PROJ, n - 2), (O_PROJ, n + 2), (Q_PROJ, 0), ("model.norm.weight", 1)):
+        out = np.full(size, 7, np.uint8)
+        expected = shard.get(name).nbytes
+        with pytest.raises(ShapeMismatchError) as e:
+            shard.read_into(name, out)
+        message = str(e.value)
+        assert name in message
+        assert f"{size} bytes" in message and f"{expected} bytes" in message, message
+        assert isinstance(e.value, ValueError)
+        assert (out == 7).all(), "nothing is written on refusal"
+
+
+def test_a_wrong_item_size_is_a_shape_mismatch():
+    shard = sharded(2, 0)
+    out = np.zeros(shard.get(O_PROJ).nbytes // 4, np.float32)  # right bytes, BF16 is 2 each
+    with pytest.raises(ShapeMismatchError, match=r"o_proj.*4-byte items.*BF16 has 2-byte"):
+        shard.read_into(O_PROJ, out)
+
+
+def test_unusable_buffers_raise_buffer_layout_error_naming_the_tensor():
+    shard = sharded(2, 1)
+    n = shard.get(O_PROJ).nbytes
+    readonly = np.zeros(n, np.uint8)
+    readonly.flags.writeable = False
+    strided = np.zeros(2 * n, np.uint8)[::2]
+    fortran = np.zeros((256, 128), np.uint16, order="F")
+    cases = {
+        "read-only": readonly,
+        "bytes": bytes(n),
+        "strided": strided,
+        "fortran": fortran,
+        "strided memoryview": memoryview(bytearray(2 * n))[::2],
+        "objects": np.empty(n // 8, object),
+        "not a buffer": [0] * n,
+    }
+    for what, out in cases.items():
+        with pytest.raises(BufferLayoutError) as e:
+            shard.read_into(O_PROJ, out)
+        assert O_PROJ in str(e.value), what
+        assert isinstance(e.value, ValueError), what
+    assert not strided.any() and not fortran.any(), "nothing is written on refusal"
+
+
+def test_an_unknown_name_is_a_checkpoint_error():
+    shard = sharded(2, 0)
+    with pytest.raises(CheckpointError, match="nope"):
+        shard.read_into("nope", np.empty(4, np.uint8))
+
+
+class _LazySource:
+    """A one-KDA-layer source whose only materialised tensor is a large o_proj."""
+
+    def __init__(self, plan: KdaTpPlan):
+        self.plan = plan
+        self.o_proj = np.arange(plan["o_proj"].full_bytes // 8, dtype=np.uint64).view(np.uint8)
+
+    def names(self):
+        return [f"model.layers.0.self_attn.{self._suffix(t.name)}" for t in self.plan.tensors]
+
+    @staticmethod
+    def _suffix(name):
+        return name if name in ("A_log", "dt_bias") else f"{name}.weight"
+
+    def info(self, name):
+        entry = self.plan[name.rsplit("self_attn.", 1)[1].removesuffix(".weight")]
+        return entry.dtype, tuple(entry.disk_shape)
+
+    def get(self, name):
+        assert name == O_PROJ, "only o_proj is read"
+        dtype, shape = self.info(name)
+        return Tensor(name, dtype, shape, self.o_proj)
+
+
+def _large_o_proj(tp_rank: int = 0) -> tuple[KdaShardedSource, _LazySource]:
+    # hidden 16384, 64 heads of 128: o_proj [16384, 8192] BF16 = 256 MiB, 128 MiB per rank.
+    plan = KdaTpPlan(tp_rank, 2, 16384, 128, 64, 4, 128)
+    source = _LazySource(plan)
+    return KdaShardedSource(source, plan, layers=[0]), source
+
+
+def test_a_large_parallel_gather_equals_numpy():
+    shard, source = _large_o_proj(tp_rank=1)
+    entry = shard.plan["o_proj"]
+    out = np.empty(entry.local_bytes, np.uint8)
+    shard.read_into(O_PROJ, out)
+    lo, w = entry.src_col_offset, entry.local_row_elems
+    want = source.o_proj.view(np.uint16).reshape(entry.full_rows, -1)[:, lo : lo + w]
+    assert np.array_equal(out.view(np.uint16).reshape(entry.full_rows, w), want)
+    assert np.array_equal(shard.get(O_PROJ).data, out)
+
+
+def test_the_gil_is_released_during_a_large_gather():
+    """Another Python thread makes progress while read_into gathers 128 MiB.
+
+    With a huge switch interval this thread never hands the GIL over on its own, and the
+    counter thread gives it back after every step (time.sleep releases it). So the counter can
+    only move during the read_into call if the call itself releases the GIL: no timing
+    threshold is involved. The OS may not schedule the counter thread during one call on a busy
+    machine, so the call is repeated until it does (up to 50 times).
+    """
+    shard, _ = _large_o_proj()
+    out = np.empty(shard.plan["o_proj"].local_bytes, np.uint8)
+    shard.read_into(O_PROJ, out)  # fault the output in once
+    counter = [0]
+    stop = threading.Event()
+
+    def count():
+        while not stop.is_set():
+            counter[0] += 1
+            time.sleep(0)  # releases the GIL
+
+    old = sys.getswitchinterval()
+    worker = threading.Thread(target=count)
+    sys.setswitchinterval(1000.0)
+    try:
+        worker.start()
+        moved = []
+        for _ in range(50):
+            before = counter[0]
+            shard.read_into(O_PROJ, out)
+            moved.append(counter[0] - before)
+            if moved[-1]:
+                break
+    finally:
+        stop.set()
+        sys.setswitchinterval(old)
+        worker.join()
+    assert any(moved), f"the counter never moved during read_into: {moved}"
+
+
+def test_the_gil_test_would_catch_a_gil_holding_copy():
+    """The same harness around a copy that holds the GIL sees the counter stand still, so the
+    test above is not passing by accident (numpy's tobytes() copies under the GIL)."""
+    _, source = _large_o_proj()
+    data = source.o_proj[: 64 << 20]
+    counter = [0]
+    stop = threading.Event()
+
+    def count():
+        while not stop.is_set():
+            counter[0] += 1
+            time.sleep(0)
+
+    old = sys.getswitchinterval()
+    worker = threading.Thread(target=count)
+    sys.setswitchinterval(1000.0)
+    try:
+        worker.start()
+        moved = []
+        for _ in range(3):
+            before = counter[0]
+            data.tobytes()
+            moved.append(counter[0] - before)
+    finally:
+        stop.set()
+        sys.setswitchinterval(old)
+        worker.join()
+    assert moved == [0, 0, 0]
+
