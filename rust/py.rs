@@ -363,7 +363,7 @@ impl PyPlan {
     #[new]
     #[pyo3(signature = (tp_rank, tp_size, hidden, head_dim, full_heads, conv_kernel, gate_rank, *, qk_multiple=None, dtypes=None, full_rank_gate=false, a_log_len=None, quant_block=None, quantized=None, scale_layout="grid"))]
     // What help() and inspect.signature() show: `None` above only means "not passed", which
-    // becomes PlanOptions::default()'s 256 (tests/test_types.py checks the two agree).
+    // becomes PlanOptions::default()'s 256 (tests/integration/test_types.py checks the two agree).
     #[pyo3(
         text_signature = "(tp_rank, tp_size, hidden, head_dim, full_heads, conv_kernel, gate_rank, *, qk_multiple=256, dtypes=None, full_rank_gate=False, a_log_len=None, quant_block=None, quantized=None, scale_layout='grid')"
     )]

@@ -1,6 +1,6 @@
 """Types of the Rust extension module ``kda_tp._native`` (rust/py.rs), for type checkers.
 
-Hand-written; ``tests/test_types.py`` runs ``mypy.stubtest`` against the built module, so a
+Hand-written; ``tests/integration/test_types.py`` runs ``mypy.stubtest`` against the built module, so a
 class, method or argument added in Rust without a line here fails the tests. The API reference
 (mkdocstrings) documents ``KdaShard`` and ``KdaTensorPlan`` from the docstrings here;
 ``KdaTpPlan`` is documented on its subclass in ``kda_tp.plan``, the readers in
