@@ -284,7 +284,7 @@ def test_progress_lines_when_not_a_terminal(ckpt, tmp_path, capsys, monkeypatch)
     monkeypatch.setattr(cli_progress, "time", SimpleNamespace(monotonic=lambda: 0.0))
     out = tmp_path / "out"
     status, _, err = run(capsys, "shard", ckpt, "--tp-size", 2, "--out", out)
-    # After what it will write (and the --kda-only hint: tests/cli/test_kda_only.py), the
+    # After what it will write (and the --kda-only hint: tests/cli/test_shard_writers.py), the
     # progress line.
     lines = err.splitlines(keepends=True)
     assert status == 0 and lines[0].startswith("shard: writing ") and len(lines) == 3
