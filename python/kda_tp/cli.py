@@ -12,6 +12,7 @@ instead of the text; progress and errors go to stderr.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import difflib
 import json
 import math
@@ -270,9 +271,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--tp-size", type=_tp_size, default=4, help="world size (default 4)")
     p.add_argument("--model", choices=[family.demo for family in FAMILIES.values()],
                    default="kimi-linear")
-    p.add_argument("--num-layers", type=int,
-                   help="decoder layers to generate (default 4; kimi-k3: 2, one KDA layer of "
-                   "0.89 GB and one MLA layer)")
+    p.add_argument("--num-layers", type=_demo_layers,
+                   help="decoder layers to generate, 1 to 64 (default 4; kimi-k3: 2, one KDA "
+                   "layer of 0.89 GB and one MLA layer)")
     p.add_argument("--keep", type=Path, help="write DIR/checkpoint and DIR/tp{N} here instead of a temporary directory (a new or empty DIR, or one an earlier demo made: what it wrote there is replaced)")
     _add_numeric(p, default_on=True)
     p.set_defaults(run=_cmd_demo)
@@ -368,6 +369,13 @@ def _bounded_int(text: str, low: int, high: int, what: str) -> int:
 def _tp_size(text: str) -> int:
     return _bounded_int(text, 1, MAX_TP_SIZE, "a world size divides the KDA head count, which is "
                         "below 2**31")
+
+
+def _demo_layers(text: str) -> int:
+    from .outdir import DEMO_MAX_LAYERS
+
+    return _bounded_int(text, 1, DEMO_MAX_LAYERS, "the demo stays small (kda_tp.outdir."
+                        "DEMO_MAX_LAYERS); shard a checkpoint of your own for more")
 
 
 def _rank(text: str) -> int:
@@ -1004,7 +1012,7 @@ def _cmd_digests(args: argparse.Namespace) -> int:
 def _cmd_demo(args: argparse.Namespace) -> int:
     import tempfile
 
-    from .outdir import claim_demo_dir
+    from .outdir import DEMO_STAGING_PREFIX, claim_demo_dir, replace_demo_dir
     from .plan import KdaTpPlan
     from .shard import shard_checkpoint, verify_shards
     from .source import SafetensorsSource, kda_layer_indices
@@ -1016,17 +1024,19 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     # Refuse a tp_size the model cannot split before generating anything.
     KdaTpPlan(0, args.tp_size, g["hidden"], g["head_dim"], g["heads"], g["conv_kernel"],
               g["gate_rank"])
-    with tempfile.TemporaryDirectory(prefix="kda-tp-demo-") as tmp:
-        base = args.keep or Path(tmp)
-        checkpoint, out = base / "checkpoint", base / f"tp{args.tp_size}"
-        if args.keep:
-            # Refuses a DIR demo did not make; empties its own of what it wrote before.
-            claim_demo_dir(args.keep, [checkpoint.name, out.name])
+    entries = ["checkpoint", f"tp{args.tp_size}"]
+    if args.keep:  # refuses a DIR holding what kda-tp did not write, changing nothing
+        claim_demo_dir(args.keep, entries)
+    # With --keep, built in DIR/.kda-tp-demo-*, then swapped in (replace_demo_dir).
+    with tempfile.TemporaryDirectory(prefix=DEMO_STAGING_PREFIX, dir=args.keep) as tmp:
+        base = Path(tmp)
+        checkpoint, out = base / entries[0], base / entries[1]
         t0 = time.perf_counter()
         write_checkpoint(checkpoint, args.model, args.num_layers)
         size = sum(p.stat().st_size for p in checkpoint.glob("*.safetensors"))
         print(f"generated a {args.num_layers}-layer {args.model} checkpoint "
-              f"({size / 1e9:.3f} GB) in {time.perf_counter() - t0:.1f} s: {checkpoint}"
+              f"({size / 1e9:.3f} GB) in {time.perf_counter() - t0:.1f} s: "
+              f"{(args.keep or base) / checkpoint.name}"
               + ("" if args.keep else " (deleted on exit; --keep DIR keeps it)"))
         kda = set(kda_layer_indices(SafetensorsSource(checkpoint), None))
         mla = [i for i in range(args.num_layers) if i not in kda]
@@ -1037,7 +1047,10 @@ def _cmd_demo(args: argparse.Namespace) -> int:
                                               gate_rank=None, qk_multiple=256))
         print()
         result = shard_checkpoint(checkpoint, out, args.tp_size, progress=_progress(False))
-        print(f"shard: {_written_line(result)}")
+        if args.keep:
+            replace_demo_dir(args.keep, base, entries)
+            checkpoint, out = args.keep / entries[0], args.keep / entries[1]
+        print(f"shard: {_written_line(dataclasses.replace(result, out_dir=out))}")
         report = verify_shards(checkpoint, out, numeric=args.numeric, seq_len=args.seq_len,
                                seed=args.seed, numeric_progress=_progress(
                                    False, "verify --numeric", "KDA layers", every=0.0))
