@@ -7,11 +7,14 @@
 * ``open_rank``'s view iterates and counts its names like a dict; ``5 in view`` is False, and
   membership after ``close()`` raises the closed-view error as ``view[name]`` does. Opening a
   rank directory ``shard`` wrote says it is already a shard.
+* ``audit`` with a bad config value names ``DIR/config.json``, as ``plan`` does.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import stat
 from pathlib import Path
 
@@ -158,3 +161,25 @@ def test_open_rank_on_a_rank_directory_says_it_is_already_a_shard(kept: Path) ->
     assert "already a tensor-parallel shard (rank 0 of 2, its header says); open the original " \
         "checkpoint" in str(raised.value)
     assert str(kept / "tp2" / "rank0") in str(raised.value)
+
+
+# --- audit: a bad config value names the config file --------------------------------------------
+
+
+def test_audit_names_the_config_file_of_a_bad_config_value(
+    kept: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    status, _, err = run(capsys, "dump", kept / "checkpoint", "--engine",
+                         "vllm-0.33-kimi-linear", "--tp-size", 2, "--out", tmp_path / "dump")
+    assert status == 0, err
+    bad = tmp_path / "bad"
+    shutil.copytree(kept / "checkpoint", bad)
+    config = json.loads((bad / "config.json").read_text())
+    config["linear_attn_config"]["head_dim"] = "many"
+    (bad / "config.json").write_text(json.dumps(config))
+    expected = (f"kda-tp: error: CheckpointError: {bad / 'config.json'}: "
+                "'linear_attn_config.head_dim' = 'many' is not an integer in [1, 2**31)\n")
+    for command in (["audit", bad, tmp_path / "dump", "--tp-size", 2],
+                    ["plan", bad, "--tp-size", 2]):
+        status, out, err = run(capsys, *command)
+        assert (status, out, err) == (2, "", expected)

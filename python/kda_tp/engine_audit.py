@@ -31,6 +31,7 @@ from .audit_diagnosis import Candidates, audit_overflow, compare, exact_in_place
 from .audit_report import AuditReport, ParamAudit, PartDifference
 from .audit_values import CASTABLE, as_record, cast_overflow
 from .checkpoint import SafetensorsSource
+from .description import describe
 from .dump_files import (
     RankFiles,
     dump_world_size,
@@ -49,7 +50,7 @@ from .engines import (
     recognise,
 )
 from .errors import CheckpointError, EngineLayoutError, PlanError
-from .families import FAMILIES
+from .families import FAMILIES, family_for
 from .layout import kda_layer_indices
 from .model_dtype import engine_model_dtype
 from .plan import KdaTpPlan
@@ -95,7 +96,10 @@ class _Auditor:
         # Checked now (a bad name is refused before anything is read); resolved per layout.
         self.requested_dtype = (None if model_dtype is None
                                 else engine_model_dtype(self.source, "", model_dtype))
-        self.family = model_family(self.source.config)
+        # The config parsed naming its file (as plan and digests do) before the family's rules.
+        described = describe(self.source).kda if self.source.config is not None else None
+        self.family = model_family(self.source.config) if described is None else family_for(
+            described.rules, described.full_rank_gate).name
         self.tp_size = tp_size
         self.forced = None if engine is None else get_layout(engine)
         self.layers = self.described = kda_layer_indices(self.source, None)
