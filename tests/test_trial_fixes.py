@@ -8,12 +8,16 @@
   membership after ``close()`` raises the closed-view error as ``view[name]`` does. Opening a
   rank directory ``shard`` wrote says it is already a shard.
 * ``audit`` with a bad config value names ``DIR/config.json``, as ``plan`` does.
+* ``expected_digests`` refuses ``A_log``/``dt_bias`` of a layer its config does not list as
+  KDA (another model's config), and items that are not ``(name, tensor)`` pairs.
+* ``shard`` prints its sizes, progress and summary in one unit (that of its ``writing`` line).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import stat
 from pathlib import Path
@@ -21,7 +25,7 @@ from pathlib import Path
 import kda_tp
 import pytest
 from kda_tp.cli import main
-from kda_tp.errors import CheckpointError
+from kda_tp.errors import CheckpointError, UsageError
 from kda_tp.outdir import DEMO_MAX_LAYERS
 from kda_tp.rankdir import MARK_NAME
 from kda_tp.shard import verify_shards
@@ -183,3 +187,53 @@ def test_audit_names_the_config_file_of_a_bad_config_value(
                     ["plan", bad, "--tp-size", 2]):
         status, out, err = run(capsys, *command)
         assert (status, out, err) == (2, "", expected)
+
+
+# --- expected_digests: another model's config, a list of names ---------------------------------
+
+
+def test_expected_digests_refuses_kda_tensors_of_a_layer_the_config_does_not_list(
+    kept: Path,
+) -> None:
+    source = kda_tp.SafetensorsSource(kept / "checkpoint")
+    tensors = {n: source.get(n) for n in source.names()}
+    engine = {"engine": "vllm-0.33-kimi-linear", "tp_size": 2}
+    digests = kda_tp.expected_digests(tensors, kept / "checkpoint", **engine)
+    assert digests == kda_tp.engine_digests(kept / "checkpoint", **engine)
+    copies = {n.replace("layers.0.", "layers.2."): t for n, t in tensors.items()
+              if n.startswith("model.layers.0.self_attn.")}
+    with pytest.raises(CheckpointError) as raised:
+        kda_tp.expected_digests({**tensors, **copies}, kept / "checkpoint", **engine)
+    message = str(raised.value)
+    assert message.startswith("model.layers.2.self_attn.A_log, model.layers.2.self_attn.dt_bias:"
+                               " layer 2 holds KDA tensors, but the ")
+    assert message.endswith("lists no KDA layer 2 (its KDA layers: [0]); is this the config of "
+                            "the model being updated?")
+
+
+@pytest.mark.parametrize("tensors", [["model.layers.0.self_attn.A_log"], [("a", 1, 2)], [7]])
+def test_expected_digests_refuses_what_is_not_name_tensor_pairs(
+    kept: Path, tensors: list[object]
+) -> None:
+    with pytest.raises(UsageError, match=r"^tensors: expected \(name, tensor\) pairs or a "
+                       r"mapping of names to tensors, got an item "):
+        kda_tp.expected_digests(tensors, kept / "checkpoint",  # type: ignore[arg-type]
+                                engine="vllm-0.33-kimi-linear", tp_size=2)
+
+
+# --- shard: one unit per output ---------------------------------------------------------------
+
+
+def test_shard_prints_its_sizes_progress_and_summary_in_one_unit(
+    kept: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    status, out, err = run(capsys, "shard", kept / "checkpoint", "--tp-size", 2, "--out",
+                           tmp_path / "out")
+    assert status == 0, err
+    writing = re.match(r"shard: writing ([\d.]+) (MB) of tensors for 2 ranks \(", err)
+    assert writing, err
+    total = writing.group(1)
+    assert f"shard: {total} of {total} MB (100%), " in err
+    assert re.fullmatch(rf"wrote ranks \[0, 1\] of 2 to {re.escape(str(tmp_path / 'out'))}: "
+                        rf"{total} MB of tensors in [\d.]+ s \([\d.]+ MB/s written\)\n", out), out
+    assert " GB" not in err + out

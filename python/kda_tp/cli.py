@@ -697,7 +697,7 @@ class _ProgressLines:
 
     def _print(self, now: float) -> None:
         if self.unit == "B":
-            amount = f"{self.done / 1e9:.2f} of {self.total / 1e9:.2f} GB"
+            amount = f"{_in_unit(self.done, self.total).split()[0]} of {_bytes(self.total)}"
         else:
             amount = f"{self.done:,} of {self.total:,} {self.unit}"
         share = self.done / self.total if self.total else 1.0
@@ -776,12 +776,18 @@ def _bytes(n: int) -> str:
     """``n`` bytes in decimal units, 3 significant digits: ``512 B``, ``12.3 kB``, ``4.60 GB``.
     Every size the command line prints is in these units (kB = 10^3 bytes, MB = 10^6, GB =
     10^9), the unit of the writer's and verifier's GB figures and of tqdm's byte counts."""
+    return _in_unit(n, n)
+
+
+def _in_unit(n: float, size: int) -> str:
+    """``n`` bytes in the unit and with the decimals :func:`_bytes` writes ``size`` in (a
+    progress count and a rate in the unit of the total they go with)."""
     for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if n >= scale:
-            x = n / scale
+        if size >= scale:
+            x = size / scale
             digits = 2 if x < 10 else 1 if x < 100 else 0
-            return f"{x:.{digits}f} {unit}"
-    return f"{n} B"
+            return f"{n / scale:.{digits}f} {unit}"
+    return f"{n:.0f} B"
 
 
 def _print_shard(
@@ -955,11 +961,11 @@ def _finite(x: float) -> float | None:
 
 
 def _written_line(result: ShardResult) -> str:
-    rate = result.bytes_written / result.seconds / 1e9 if result.seconds else 0.0
-    return (
+    rate = result.bytes_written / result.seconds if result.seconds else 0.0
+    return (  # one unit, the one the "writing" line and the progress use (_bytes)
         f"wrote ranks {list(result.ranks)} of {result.tp_size} to {result.out_dir}: "
-        f"{result.bytes_written / 1e9:.3f} GB of tensors in {result.seconds:.2f} s "
-        f"({rate:.2f} GB/s written)"
+        f"{_bytes(result.bytes_written)} of tensors in {result.seconds:.2f} s "
+        f"({_in_unit(rate, result.bytes_written)}/s written)"
     )
 
 
