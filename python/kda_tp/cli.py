@@ -1034,7 +1034,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     if args.keep:  # refuses a DIR holding what kda-tp did not write, changing nothing
         claim_demo_dir(args.keep, entries)
     # With --keep, built in DIR/.kda-tp-demo-*, then swapped in (replace_demo_dir).
-    with tempfile.TemporaryDirectory(prefix=DEMO_STAGING_PREFIX, dir=args.keep) as tmp:
+    prefix = DEMO_STAGING_PREFIX if args.keep else "kda-tp-demo-"
+    with tempfile.TemporaryDirectory(prefix=prefix, dir=args.keep) as tmp:
         base = Path(tmp)
         checkpoint, out = base / entries[0], base / entries[1]
         t0 = time.perf_counter()
