@@ -254,9 +254,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--tp-size", type=_tp_size, default=4, help="world size (default 4)")
     p.add_argument("--model", choices=[family.demo for family in FAMILIES.values()],
                    default="kimi-linear")
-    p.add_argument("--num-layers", type=int,
-                   help="decoder layers to generate (default 4; kimi-k3: 2, one KDA layer of "
-                   "0.89 GB and one MLA layer)")
+    p.add_argument("--num-layers", type=_demo_layers,
+                   help="decoder layers to generate, 1 to 64 (default 4; kimi-k3: 2, one KDA "
+                   "layer of 0.89 GB and one MLA layer)")
     p.add_argument("--keep", type=Path, help="write DIR/checkpoint and DIR/tp{N} here instead of a temporary directory (a new or empty DIR, or one an earlier demo made: what it wrote there is replaced)")
     _add_numeric(p, default_on=True)
     p.set_defaults(run=cmd_demo)
@@ -347,6 +347,13 @@ def _bounded_int(text: str, low: int, high: int, what: str) -> int:
     if value > high:
         raise argparse.ArgumentTypeError(f"{value} is more than {high}: {what}")
     return value
+
+
+def _demo_layers(text: str) -> int:
+    from .outdir import DEMO_MAX_LAYERS
+
+    return _bounded_int(text, 1, DEMO_MAX_LAYERS, "the demo stays small (kda_tp.outdir."
+                        "DEMO_MAX_LAYERS); shard a checkpoint of your own for more")
 
 
 def _tp_size(text: str) -> int:

@@ -12,6 +12,7 @@ plan`` no writer. What they print is :mod:`kda_tp.cli_format`'s.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -370,7 +371,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     the verification fails."""
     import tempfile
 
-    from .outdir import claim_demo_dir
+    from .outdir import DEMO_STAGING_PREFIX, claim_demo_dir, replace_demo_dir
     from .plan import KdaTpPlan
     from .shard import shard_checkpoint, verify_shards
     from .source import SafetensorsSource, kda_layer_indices
@@ -382,17 +383,20 @@ def cmd_demo(args: argparse.Namespace) -> int:
     # Refuse a tp_size the model cannot split before generating anything.
     KdaTpPlan(0, args.tp_size, g["hidden"], g["head_dim"], g["heads"], g["conv_kernel"],
               g["gate_rank"])
-    with tempfile.TemporaryDirectory(prefix="kda-tp-demo-") as tmp:
-        base = args.keep or Path(tmp)
-        checkpoint, out = base / "checkpoint", base / f"tp{args.tp_size}"
-        if args.keep:
-            # Refuses a DIR demo did not make; empties its own of what it wrote before.
-            claim_demo_dir(args.keep, [checkpoint.name, out.name])
+    entries = ["checkpoint", f"tp{args.tp_size}"]
+    if args.keep:  # refuses a DIR holding what kda-tp did not write, changing nothing
+        claim_demo_dir(args.keep, entries)
+    # With --keep, built in DIR/.kda-tp-demo-*, then swapped in (replace_demo_dir).
+    prefix = DEMO_STAGING_PREFIX if args.keep else "kda-tp-demo-"
+    with tempfile.TemporaryDirectory(prefix=prefix, dir=args.keep) as tmp:
+        base = Path(tmp)
+        checkpoint, out = base / entries[0], base / entries[1]
         t0 = time.perf_counter()
         write_checkpoint(checkpoint, args.model, args.num_layers)
         size = sum(p.stat().st_size for p in checkpoint.glob("*.safetensors"))
         print(f"generated a {args.num_layers}-layer {args.model} checkpoint "
-              f"({size / 1e9:.3f} GB) in {time.perf_counter() - t0:.1f} s: {checkpoint}"
+              f"({size / 1e9:.3f} GB) in {time.perf_counter() - t0:.1f} s: "
+              f"{(args.keep or base) / checkpoint.name}"
               + ("" if args.keep else " (deleted on exit; --keep DIR keeps it)"))
         kda = set(kda_layer_indices(SafetensorsSource(checkpoint), None))
         mla = [i for i in range(args.num_layers) if i not in kda]
@@ -403,7 +407,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
                                               gate_rank=None, qk_multiple=256))
         print()
         result = shard_checkpoint(checkpoint, out, args.tp_size, progress=make_progress(False))
-        print(f"shard: {written_line(result)}")
+        if args.keep:
+            replace_demo_dir(args.keep, base, entries)
+            checkpoint, out = args.keep / entries[0], args.keep / entries[1]
+        print(f"shard: {written_line(dataclasses.replace(result, out_dir=out))}")
         report = verify_shards(checkpoint, out, numeric=args.numeric, seq_len=args.seq_len,
                                seed=args.seed, numeric_progress=make_progress(
                                    False, "verify --numeric", "KDA layers", every=0.0))

@@ -253,22 +253,29 @@ def format_bytes(n: int) -> str:
     """``n`` bytes in decimal units, 3 significant digits: ``512 B``, ``12.3 kB``, ``4.60 GB``.
     Every size the command line prints is in these units (kB = 10^3 bytes, MB = 10^6, GB =
     10^9), the unit of the writer's and verifier's GB figures and of tqdm's byte counts."""
+    return in_unit(n, n)
+
+
+def in_unit(n: float, size: int) -> str:
+    """``n`` bytes in the unit and with the decimals :func:`format_bytes` writes ``size`` in
+    (a progress count and a rate in the unit of the total they go with)."""
     for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if n >= scale:
-            x = n / scale
+        if size >= scale:
+            x = size / scale
             digits = 2 if x < 10 else 1 if x < 100 else 0
-            return f"{x:.{digits}f} {unit}"
-    return f"{n} B"
+            return f"{n / scale:.{digits}f} {unit}"
+    return f"{n:.0f} B"
 
 
 def written_line(result: ShardResult) -> str:
-    """The line saying what ``shard`` wrote: ranks, output directory, GB of tensors, seconds
-    and the write rate (GB/s)."""
-    rate = result.bytes_written / result.seconds / 1e9 if result.seconds else 0.0
+    """The line saying what ``shard`` wrote: ranks, output directory, bytes of tensors,
+    seconds and the write rate, in one unit (the one the "writing" line and the progress use:
+    :func:`format_bytes`)."""
+    rate = result.bytes_written / result.seconds if result.seconds else 0.0
     return (
         f"wrote ranks {list(result.ranks)} of {result.tp_size} to {result.out_dir}: "
-        f"{result.bytes_written / 1e9:.3f} GB of tensors in {result.seconds:.2f} s "
-        f"({rate:.2f} GB/s written)"
+        f"{format_bytes(result.bytes_written)} of tensors in {result.seconds:.2f} s "
+        f"({in_unit(rate, result.bytes_written)}/s written)"
     )
 
 

@@ -8,6 +8,8 @@ import threading
 import time
 from collections.abc import Callable
 
+from .cli_format import format_bytes, in_unit
+
 __all__ = ["make_progress"]
 
 
@@ -51,7 +53,7 @@ class _ProgressLines:
 
     def _print(self, now: float) -> None:
         if self.unit == "B":
-            amount = f"{self.done / 1e9:.2f} of {self.total / 1e9:.2f} GB"
+            amount = f"{in_unit(self.done, self.total).split()[0]} of {format_bytes(self.total)}"
         else:
             amount = f"{self.done:,} of {self.total:,} {self.unit}"
         share = self.done / self.total if self.total else 1.0

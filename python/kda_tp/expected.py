@@ -24,7 +24,13 @@ from .config import KdaConfig, load_config, parse_config
 from .audit_values import as_record
 from .engine_dump import DIGEST_KEY, build_checked, checked_ranks, param_digest, vllm_layout
 from .engines import EngineLayout, param_location, param_name
-from .errors import CheckpointError, DtypeMismatchError, EngineLayoutError, PlanError
+from .errors import (
+    CheckpointError,
+    DtypeMismatchError,
+    EngineLayoutError,
+    PlanError,
+    UsageError,
+)
 from .layout import checkpoint_suffix, kda_tensor_name
 from .model_dtype import config_model_dtype
 from .plan import KdaTpPlan
@@ -33,6 +39,16 @@ from .families import family_for
 from .source import KdaShardedSource
 
 __all__ = ["expected_digests"]
+
+#: The last name part of the tensors only a KDA layer holds (as the audit's markers).
+_MARKERS = ("A_log", "dt_bias")
+
+
+def _shown(item: object) -> str:
+    """A short description of a fed item that is not a ``(name, tensor)`` pair."""
+    text = repr(item)
+    return f"{type(item).__name__} {text[:60]}{'...' if len(text) > 60 else ''}"
+
 
 class _LayerTensors:
     """One KDA layer's tensors as they arrived, as the source a :class:`KdaShardedSource`
@@ -104,7 +120,10 @@ def expected_digests(
             out of range or repeated; an empty rank list.
         CheckpointError: an invalid config, a config that does not list its KDA layers, a KDA
             layer whose tensors are incomplete, unknown or sent twice, a value that is not a
-            tensor.
+            tensor; ``A_log``/``dt_bias`` of a layer the config does not list as KDA (under the
+            KDA layers' prefix: the config of another model).
+        UsageError: ``tensors`` yields something other than ``(name, tensor)`` pairs (a list
+            of names, say).
         DtypeMismatchError: a KDA tensor of a dtype the plan does not take (block-FP8 tensors
             are not handled here: use ``engine_digests`` on the checkpoint), or a cast to
             ``model_dtype`` that overflows.
@@ -131,9 +150,14 @@ def expected_digests(
                 KdaTpPlan.from_config(config_dict, 0, tp_size, qk_multiple=1).tensors}
     model_dtype = config_model_dtype(config_dict, layout.engine, model_dtype)
     digests = _Digests(kda, required, layout, tp_size, wanted, model_dtype)
-    for name, value in tensors.items() if isinstance(tensors, Mapping) else tensors:
-        digests.feed(name, value)
-        del value  # nothing here holds a tensor while the next one is produced
+    for item in tensors.items() if isinstance(tensors, Mapping) else tensors:
+        if not isinstance(item, tuple | list) or len(item) != 2 or not isinstance(item[0], str):
+            raise UsageError(
+                f"tensors: expected (name, tensor) pairs or a mapping of names to tensors, got "
+                f"an item {_shown(item)}; pass state_dict.items() or the state dict itself"
+            )
+        digests.feed(*item)
+        del item  # nothing here holds a tensor while the next one is produced
     return digests.result(where)
 
 
@@ -149,6 +173,8 @@ class _Digests:
         self.pending: dict[tuple[str, int], _LayerTensors] = {}
         self.done: dict[tuple[str, int], list[list[tuple[str, str]]]] = {}
         self.plans: list[KdaTpPlan] = []
+        #: KDA markers (``A_log``, ``dt_bias``) fed for layers the config does not list.
+        self.strays: dict[tuple[str, int], list[str]] = {}
 
     def feed(self, name: str, value: Any) -> None:
         """Take one fed tensor: kept if it is a KDA layer's, its layer hashed once complete.
@@ -158,7 +184,11 @@ class _Digests:
         """
         # A decoder layer's attention tensor: (prefix, layer, name after self_attn.).
         location = param_location(name)
-        if location is None or location[1] not in self.layers:
+        if location is not None and location[1] not in self.layers:
+            if location[2].rsplit(".", 1)[-1] in _MARKERS:
+                self.strays.setdefault(location[:2], []).append(name)
+            return
+        if location is None:
             return
         key = location[:2]
         if key in self.done:
@@ -188,6 +218,13 @@ class _Digests:
         if len(prefixes) > 1:
             raise CheckpointError(f"KDA tensors under several prefixes {prefixes}: cannot tell "
                                   "which stack the engine loads them into")
+        for (prefix, layer), names in sorted(self.strays.items()):
+            if prefix in prefixes:
+                raise CheckpointError(
+                    f"{', '.join(sorted(names))}: layer {layer} holds KDA tensors, but the "
+                    f"{where} lists no KDA layer {layer} (its KDA layers: {sorted(self.layers)});"
+                    " is this the config of the model being updated?"
+                )
         missing = sorted(self.layers - {layer for _, layer in self.done})
         if missing:
             lacking = "; ".join(

@@ -42,6 +42,8 @@ __all__ = [
     "RankLocks",
     "check_out_dir",
     "check_out_location",
+    "DEMO_MAX_LAYERS",
+    "DEMO_STAGING_PREFIX",
     "claim_demo_dir",
     "discard",
     "foreign_dir",
@@ -53,6 +55,7 @@ __all__ = [
     "remove_created",
     "remove_dir",
     "refuse_foreign_files",
+    "replace_demo_dir",
     "replace_files",
     "staged_name",
     "write_mark",
@@ -208,8 +211,8 @@ _FIXES = {
                "another output directory",
     "writes": "kda-tp never writes to a file it did not create: remove it, or choose another "
               "--out",
-    "demo": "demo --keep takes a new or empty directory, or one an earlier demo made: choose "
-            "another --keep DIR",
+    "demo": "demo --keep takes a new or empty directory, or one an earlier demo made, and "
+            "replaces only what kda-tp wrote: move it away, or choose another --keep DIR",
 }
 
 
@@ -242,23 +245,130 @@ def replace_files(staged: Mapping[Path, Path], stale: Iterable[Path]) -> None:
             raise OutputError(f"{path}: cannot remove it (--force): {e}") from e
 
 
+#: The most decoder layers ``demo --num-layers`` generates: the demo stays small (a Kimi-Linear
+#: layer is about 80 MB, a GLM-5.3-Flash layer about 280 MB, a Kimi K3 layer up to 0.9 GB).
+DEMO_MAX_LAYERS = 64
+#: The staging directory ``demo --keep DIR`` builds in, inside ``DIR`` (:func:`claim_demo_dir`).
+DEMO_STAGING_PREFIX = ".kda-tp-demo-"
+
+
+def _foreign_output(path: Path) -> str | None:
+    """Why ``path`` (an entry of a ``demo --keep`` directory that the demo does not replace)
+    is not an output kda-tp wrote, or None when it is: a ``shard`` output (rank directories
+    carrying kda-tp's rank mark, their locks and partial directories), a rank directory, a
+    ``dump`` (safetensors files carrying :data:`~kda_tp.rankdir.FILE_MARK`, and the JSON files
+    beside them), a demo staging directory, or an empty directory."""
+    if path.is_symlink():
+        return "a symbolic link (kda-tp writes directories, never links)"
+    if path.name.startswith(DEMO_STAGING_PREFIX) and path.is_dir():
+        return None
+    if path.is_file():
+        return foreign_file(path) if path.name.endswith(".safetensors") else (
+            "a file kda-tp did not write")
+    if not path.is_dir():
+        return "not a directory"
+    mark = _read_mark(path)
+    if mark is not None:
+        return foreign_dir(path, mark[0])
+    try:
+        names = sorted(os.listdir(path))
+    except OSError as e:
+        return f"cannot be listed ({e})"
+    for name in names:
+        entry = path / name
+        if RANK_DIR.match(name) and not entry.is_symlink() and entry.is_dir():
+            why = foreign_dir(entry, "rank")
+        elif PARTIAL_DIR.match(name):
+            why = foreign_dir(entry, "rank", complete=False)
+        elif LOCK_FILE.match(name) and not entry.is_symlink() and entry.is_file():
+            why = None
+        elif name.endswith(".safetensors"):
+            why = foreign_file(entry)
+        elif name.endswith(".json") and not entry.is_symlink() and entry.is_file() and any(
+                n.endswith(".safetensors") for n in names):
+            why = None  # a dump's manifest or config beside its marked files
+        else:
+            why = "it was not written by kda-tp"
+        if why is not None:
+            return f"{name}: {why}"
+    return None
+
+
 def claim_demo_dir(path: Path, entries: Iterable[str]) -> None:
-    """Make ``path`` a directory of ``demo --keep``'s own for ``entries``: create it, or take
-    it when empty, or, when an earlier demo marked it, remove the entries its mark names;
-    then mark it as holding ``entries``.
+    """Check that ``demo --keep`` may write ``entries`` (``checkpoint``, ``tp{N}``) into
+    ``path``, and create ``path`` if missing. Nothing already in ``path`` is changed: the demo
+    builds in a staging directory inside it (named :data:`DEMO_STAGING_PREFIX`...) and
+    :func:`replace_demo_dir` moves the entries into place once built, so a refused or failed
+    demo leaves the earlier one as it was.
+
+    ``path`` may be missing, empty, or an earlier demo's (carrying its mark); the entries an
+    earlier demo wrote and the new ``entries`` must be kda-tp's (``checkpoint/`` with its
+    ``checkpoint`` mark, ``tp{N}/`` a ``shard`` output of marked rank directories), and
+    anything else in it must be an output kda-tp wrote (``shard`` outputs, dumps: left in
+    place).
 
     Raises:
-        OutputError: ``path`` is not demo's (:func:`foreign_dir`: the user's files, another
+        OutputError: ``path`` or something in it is not kda-tp's (the user's files, another
             tool's, a link, a file), naming what is in the way; nothing is changed.
     """
-    why = foreign_dir(path, "demo")
-    if why is not None:
-        raise _refuse(path, why, "demo")
+    _check_demo_dir(path, set(entries))
     make_dirs(path)
+
+
+def _check_demo_dir(path: Path, entries: set[str]) -> None:
+    """Refuse (OutputError) a ``demo --keep`` directory holding what kda-tp did not write
+    (:func:`claim_demo_dir`)."""
+    if path.is_symlink() or not path.is_dir():
+        why = foreign_dir(path, "demo")
+        if why is not None:
+            raise _refuse(path, why, "demo")
+        return
+    try:
+        # A demo's staging directory (this one's, or a killed one's) is its own.
+        names = sorted(n for n in os.listdir(path) if not n.startswith(DEMO_STAGING_PREFIX))
+    except OSError as e:
+        raise _refuse(path, f"cannot be listed ({e})", "demo") from e
+    if not names:
+        return
+    mark = _read_mark(path)
+    if mark is None or mark[0] != "demo":
+        raise _refuse(path, foreign_dir(path, "demo") or "no demo mark", "demo")
+    replaced = mark[1] | entries
+    for name in names:
+        entry = path / name
+        if name == MARK_NAME:
+            continue
+        if name not in replaced:
+            why = _foreign_output(entry)
+        elif name == "checkpoint":
+            why = foreign_dir(entry, "checkpoint")
+        else:
+            why = _foreign_output(entry)
+        if why is not None:
+            raise _refuse(entry, why, "demo")
+
+
+def replace_demo_dir(path: Path, staging: Path, entries: Iterable[str]) -> None:
+    """Move the ``entries`` built in ``staging`` (:func:`claim_demo_dir`) into ``path``,
+    replacing an earlier demo's, and mark ``checkpoint/`` and ``path`` as kda-tp's. ``path`` is checked again first, so files put there meanwhile are kept.
+
+    Raises:
+        OutputError: something in ``path`` is not kda-tp's, or a move fails.
+    """
+    names = list(entries)
+    _check_demo_dir(path, set(names))
+    checkpoint = staging / "checkpoint"
+    write_mark(checkpoint, "checkpoint", os.listdir(checkpoint))
     mark = _read_mark(path)
     for name in set() if mark is None else mark[1]:
         discard(path / name)
-    write_mark(path, "demo", entries)
+    for name in names:
+        discard(path / name)
+        try:
+            os.replace(staging / name, path / name)
+        except OSError as e:
+            raise OutputError(f"{path / name}: cannot move the new output into place: {e}") from e
+    write_mark(path, "demo", names)
 
 
 def prepare_out_dir(

@@ -9,7 +9,7 @@ and the naming rules it uses are re-exported here for convenience.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import numpy as np
@@ -475,10 +475,35 @@ class KdaShardedSource:
     def __getitem__(self, name: str) -> Tensor:
         return self.get_tensor(name)
 
+    def __iter__(self) -> Iterator[str]:
+        """The tensor names (:meth:`names`), as iterating a dict gives its keys.
+
+        Raises:
+            CheckpointError: the view is closed.
+        """
+        self._check_open()
+        return iter(self.names())
+
+    def __len__(self) -> int:
+        """How many tensors the checkpoint holds (``len(names())``).
+
+        Raises:
+            CheckpointError: the view is closed.
+        """
+        self._check_open()
+        return len(self.names())
+
     def __contains__(self, name: object) -> bool:
-        """Whether the checkpoint holds ``name``: a dictionary lookup for a KDA tensor and for a
-        source that answers membership itself (a ``SafetensorsSource``), else a set of its
-        names built once."""
+        """Whether the checkpoint holds ``name`` (False for a non-``str``): a dictionary lookup
+        for a KDA tensor and for a source that answers membership itself (a
+        ``SafetensorsSource``), else a set of its names built once.
+
+        Raises:
+            CheckpointError: the view is closed (as ``view[name]`` does).
+        """
+        self._check_open()
+        if not isinstance(name, str):
+            return False
         if name in self._planned:
             return True
         if hasattr(type(self.source), "__contains__"):
@@ -577,6 +602,8 @@ def open_rank(
         file mappings.
 
     Raises:
+        CheckpointError: a file is already a tensor-parallel shard (its header names a
+            ``tp_rank`` and ``tp_size``: a rank ``shard`` wrote), or as below.
         CheckpointError, DtypeMismatchError, ShapeMismatchError, PlanError: as
             ``KdaTpPlan.from_config`` and :class:`KdaShardedSource`.
         UsageError: an unknown ``backend``.
@@ -585,6 +612,12 @@ def open_rank(
               else SafetensorsSource(checkpoint, backend))
     selected = None if layers is None else list(layers)
     try:
+        for path, meta in source.files():
+            if meta and "tp_rank" in meta and "tp_size" in meta:
+                raise CheckpointError(
+                    f"{path}: already a tensor-parallel shard (rank {meta['tp_rank']} of "
+                    f"{meta['tp_size']}, its header says); open the original checkpoint"
+                )
         plan = KdaTpPlan.from_description(describe(source), tp_rank, tp_size,
                                           qk_multiple=qk_multiple, layers=selected)
         return KdaShardedSource(source, plan, selected)
