@@ -946,7 +946,7 @@ def section_diagnosis(scratch: Path, reps: int) -> None:
 
     t = best_interleaved({"exact": via_exact, "garbage": via_garbage}, reps)
     ratio = t["garbage"] / t["exact"]
-    sec = f"8 audit diagnosis K3 TP={tp} r{rank}"
+    sec = f"9 audit diagnosis K3 TP={tp} r{rank}"
     row(sec, f"one K3 KDA layer, rank {rank} of {tp}: {len(exact)} vllm-0.33-k3 parameters, "
         f"{nbytes / 1e6:.0f} MB", "", "", "numpy parameters, checkpoint mapped and warm")
     row(sec, "kda_tp.audit of the exact rank", f"{t['exact'] * 1e3:.1f}", "ms")
