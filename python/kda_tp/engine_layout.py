@@ -11,9 +11,13 @@ them by name (``LAYOUTS``) and re-exports these classes. The rules every table f
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
-from .checkpoint import numpy_dtype
+import numpy as np
+
+from .checkpoint import check_out, numpy_dtype, writable_bytes
 from .errors import EngineLayoutError
 from .plan import KdaTensorPlan, KdaTpPlan
 from .quant import FP8_DTYPES
@@ -98,6 +102,47 @@ class EngineParamPlan:
     regions: tuple[Region, ...]
     padding: tuple[int, int] | None
     nbytes: int
+
+    def fill(self, out: Any, read_part: Callable[[str, np.ndarray], None],
+             part_nbytes: Callable[[str], int]) -> Any:
+        """Build the parameter in ``out`` as the engine's loader leaves it: every part copied
+        into its region by ``read_part(part, destination)`` (a rank's slice of a plan tensor,
+        or of its FP8 block-scale grid: ``KdaShardedSource.read_into``), cast first where the
+        engine casts (e.g. BF16 conv weights to F32), the padding rows zeroed.
+
+        Args:
+            out: None to allocate a numpy array of ``shape`` and ``dtype``; or a writable
+                C-contiguous buffer of exactly ``nbytes`` bytes (a numpy array of any shape
+                with item size 1 or the dtype's, a ``bytearray``), every byte overwritten.
+            read_part: copies part ``part``'s bytes (in the source dtype) into the given
+                ``uint8`` array of exactly its size.
+            part_nbytes: the size in bytes of part ``part`` in its source dtype (for the
+                parts the engine casts, which are read into a temporary first).
+
+        Returns:
+            ``out``, or the new array.
+
+        Raises:
+            ShapeMismatchError: ``out`` is not ``nbytes`` bytes, or its item size is neither 1
+                nor the dtype's.
+            BufferLayoutError: ``out`` is read-only, not C-contiguous, or not a buffer.
+        """
+        if out is None:
+            out = np.empty(self.shape, numpy_dtype(self.dtype))
+        target = writable_bytes(self.suffix, out)
+        check_out(self.suffix, self.dtype, out, target, self.nbytes)
+        for region in self.regions:
+            dst = target[region.byte_range[0] : region.byte_range[1]]
+            if region.source_dtype == self.dtype:
+                read_part(region.part, dst)
+            else:
+                raw = np.empty(part_nbytes(region.part), np.uint8)
+                read_part(region.part, raw)
+                np.copyto(dst.view(numpy_dtype(self.dtype)),
+                          raw.view(numpy_dtype(region.source_dtype)), casting="unsafe")
+        if self.padding is not None:
+            target[self.padding[0] : self.padding[1]] = 0
+        return out
 
 
 @dataclass(frozen=True)

@@ -390,23 +390,11 @@ class KdaShardedSource:
                 f"{plan.layout}: {suffix}: layer {layer} is not a KDA layer of this checkpoint "
                 f"(KDA layers: {list(self.layers)})"
             )
-        if out is None:
-            out = np.empty(plan.shape, numpy_dtype(plan.dtype))
-        target = writable_bytes(suffix, out)
-        check_out(suffix, plan.dtype, out, target, plan.nbytes)
-        for region in plan.regions:
-            name = self._part_name(layer, region.part)
-            dst = target[region.byte_range[0] : region.byte_range[1]]
-            if region.source_dtype == plan.dtype:
-                self.read_into(name, dst)
-            else:
-                raw = np.empty(self._planned[name][0].local_bytes, np.uint8)
-                self.read_into(name, raw)
-                np.copyto(dst.view(numpy_dtype(plan.dtype)),
-                          raw.view(numpy_dtype(region.source_dtype)), casting="unsafe")
-        if plan.padding is not None:
-            target[plan.padding[0] : plan.padding[1]] = 0
-        return out
+        # The parameter is built by the engine layer (EngineParamPlan.fill); this view gives it
+        # the parts' bytes.
+        return plan.fill(
+            out, lambda part, dst: self.read_into(self._part_name(layer, part), dst),
+            lambda part: self._planned[self._part_name(layer, part)][0].local_bytes)
 
     def engine_params(self, layout: str | EngineLayout) -> list[tuple[int, EngineParam]]:
         """Every engine parameter this rank holds for the KDA layers: ``(layer, parameter)``
