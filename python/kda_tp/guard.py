@@ -319,8 +319,9 @@ def rank_report(run: Callable[[], GuardResult | None], *, tp_rank: int, tp_size:
         (``AuditReport.to_dict()``, as ``kda-tp audit --json``).
     """
     out: dict[str, Any] = {"ok": None, "guarded": True, "line": "", "tp_rank": tp_rank,
-                           "tp_size": tp_size, "where": where, "skipped": None, "engine": None, "params": 0, "bytes": 0,
-                           "seconds": 0.0, "summary": "", "text": "", "report": None}
+                           "tp_size": tp_size, "where": where, "skipped": None, "engine": None,
+                           "params": 0, "bytes": 0, "seconds": 0.0, "summary": "", "text": "",
+                           "report": None}
     report: AuditReport | None = None
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
@@ -333,9 +334,8 @@ def rank_report(run: Callable[[], GuardResult | None], *, tp_rank: int, tp_size:
             result, report = None, error.report
             out["line"] = str(error).splitlines()[0]
     if result is not None:
-        report = result.report
-        out.update(line=result.line(), params=result.params, bytes=result.bytes,
-                   seconds=result.seconds)
+        out.update(result.to_dict())
+        return out
     if report is None:
         why = "; ".join(str(w.message) for w in seen) or "no KDA parameter in this model"
         out.update(skipped=why, line=f"not checked: {why}")
@@ -391,6 +391,18 @@ class GuardResult:
     def passed(self) -> bool:
         """True when every KDA parameter and derived copy is exactly right."""
         return self.report.passed
+
+    def to_dict(self) -> dict[str, Any]:
+        """The result as a JSON-ready dict (each checked rank's part of the plugins' live
+        audit, :func:`rank_report`): ``ok`` (:attr:`passed`), ``line`` (:meth:`line`),
+        ``tp_rank``, ``tp_size``, ``where``, ``engine``, ``params``, ``bytes``, ``seconds``,
+        ``summary`` and ``text`` (the audit's summary line and full diagnosis) and ``report``
+        (``AuditReport.to_dict()``, as ``kda-tp audit --json`` prints it)."""
+        return {"ok": self.passed, "line": self.line(), "tp_rank": self.tp_rank,
+                "tp_size": self.tp_size, "where": self.where, "engine": self.engine,
+                "params": self.params, "bytes": self.bytes, "seconds": self.seconds,
+                "summary": self.report.summary(), "text": self.report.format(),
+                "report": self.report.to_dict()}
 
     def line(self) -> str:
         """The one-line verdict: ``kda_tp guard: <where>: tp rank r/T: N KDA parameters, B

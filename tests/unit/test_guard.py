@@ -413,3 +413,19 @@ def test_resolve_checkpoint_keeps_local_paths_and_urls_and_never_downloads(tmp_p
     assert resolve_checkpoint("no-such-org/no-such-model",
                               download_dir=str(tmp_path)) == "no-such-org/no-such-model"
     assert list(tmp_path.iterdir()) == []
+
+
+def test_guard_result_to_dict_is_the_checked_ranks_report():
+    from kda_tp.guard import rank_report
+
+    params = built(CKPT["k3"], "vllm-0.33-k3", 1, 2)
+    result = check(params, CKPT["k3"], tp_rank=1, tp_size=2, where="w1", model_dtype="F32")
+    assert isinstance(result, GuardResult)
+    assert result.to_dict() == {
+        "ok": True, "line": result.line(), "tp_rank": 1, "tp_size": 2, "where": "w1",
+        "engine": result.engine, "params": result.params, "bytes": result.bytes,
+        "seconds": result.seconds, "summary": result.report.summary(),
+        "text": result.report.format(), "report": result.report.to_dict()}
+    assert json.loads(json.dumps(result.to_dict())) == result.to_dict()
+    report = rank_report(lambda: result, tp_rank=1, tp_size=2, where="w1")
+    assert report == {**result.to_dict(), "guarded": True, "skipped": None}
