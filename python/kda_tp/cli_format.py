@@ -286,16 +286,10 @@ def print_shard(
     sizes: Sequence[ShardSizes] = (),
 ) -> None:
     """What ``shard`` wrote: the JSON document with ``--json``, else one line."""
-    from .shard import rank_dir
-
     if args.json:
         emit_json(args, {
-            "ok": True, "out_dir": str(result.out_dir), "tp_size": result.tp_size,
-            "ranks": list(result.ranks),
-            "rank_dirs": [str(rank_dir(result.out_dir, r)) for r in result.ranks],
-            "bytes_written": result.bytes_written, "seconds": result.seconds,
-            "skipped_unindexed": [str(p) for p in skipped], "processes": processes,
-            "sizes": sizes[0].to_dict() if sizes else None,
+            **result.to_dict(), "skipped_unindexed": [str(p) for p in skipped],
+            "processes": processes, "sizes": sizes[0].to_dict() if sizes else None,
         })
     elif processes > 1:
         print(f"{written_line(result)}; {processes} torchrun processes")
