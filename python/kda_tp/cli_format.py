@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -287,16 +286,10 @@ def print_shard(
     sizes: Sequence[ShardSizes] = (),
 ) -> None:
     """What ``shard`` wrote: the JSON document with ``--json``, else one line."""
-    from .shard import rank_dir
-
     if args.json:
         emit_json(args, {
-            "ok": True, "out_dir": str(result.out_dir), "tp_size": result.tp_size,
-            "ranks": list(result.ranks),
-            "rank_dirs": [str(rank_dir(result.out_dir, r)) for r in result.ranks],
-            "bytes_written": result.bytes_written, "seconds": result.seconds,
-            "skipped_unindexed": [str(p) for p in skipped], "processes": processes,
-            "sizes": sizes[0].to_dict() if sizes else None,
+            **result.to_dict(), "skipped_unindexed": [str(p) for p in skipped],
+            "processes": processes, "sizes": sizes[0].to_dict() if sizes else None,
         })
     elif processes > 1:
         print(f"{written_line(result)}; {processes} torchrun processes")
@@ -318,39 +311,8 @@ def print_verify(report: VerifyReport) -> None:
 
 
 def verify_json(report: VerifyReport, unindexed: Sequence[Path] = ()) -> dict[str, Any]:
-    """``report`` as a JSON-ready dict (what ``kda-tp verify --json`` prints).
-
-    Keys: ``ok`` (the verdict), ``tp_size``, ``tensors`` and ``bytes_checked`` (input tensor
-    bytes), ``problems`` (one string each), ``numeric`` (None when not run, else ``passed``,
-    ``seq_len``, ``seed``, ``atol``, ``rtol`` and ``layers``: per layer ``layer``,
-    ``max_abs_error``, ``max_rel_error`` (None when infinite), ``y_abs_max``, ``tolerance``,
-    ``passed``, ``non_finite``: ``"full"`` when the full weights' reference output holds NaN
-    or inf, ``"ranks"`` when only the ranks' summed output does, else None), ``unindexed``
-    (input files the index does not name, unchecked),
-    ``byte_seconds`` and ``numeric_seconds`` (each phase's wall time; 0 when not run).
-    """
-    numeric = None
-    if report.numeric is not None:
-        n = report.numeric
-        numeric = {
-            "passed": n.passed, "seq_len": n.seq_len, "seed": n.seed, "atol": n.atol,
-            "rtol": n.rtol,
-            "layers": [
-                {"layer": e.layer, "max_abs_error": _finite(e.max_abs_error),
-                 "max_rel_error": _finite(e.max_rel_error), "y_abs_max": _finite(e.y_abs_max),
-                 "tolerance": _finite(e.tolerance), "passed": e.passed,
-                 "non_finite": e.non_finite}
-                for e in n.layers
-            ],
-        }
-    return {
-        "ok": report.ok, "tp_size": report.tp_size, "tensors": report.tensors,
-        "bytes_checked": report.bytes_checked, "problems": list(report.problems),
-        "numeric": numeric, "unindexed": [str(p) for p in unindexed],
-        "byte_seconds": report.byte_seconds, "numeric_seconds": report.numeric_seconds,
-    }
+    """``report`` as a JSON-ready dict (what ``kda-tp verify --json`` prints):
+    ``report.to_dict(unindexed)`` (see :meth:`kda_tp.verify.VerifyReport.to_dict`)."""
+    return report.to_dict(unindexed)
 
 
-def _finite(x: float) -> float | None:
-    """``x``, or None for NaN and infinities (which JSON cannot hold)."""
-    return x if math.isfinite(x) else None

@@ -48,7 +48,7 @@ from .engines import (
     param_name,
     recognise,
 )
-from .errors import CheckpointError, EngineLayoutError, PlanError
+from .errors import CheckpointError, EngineLayoutError, PlanError, UsageError
 from .families import FAMILIES
 from .model_dtype import engine_model_dtype
 from .plan import KdaTpPlan
@@ -473,10 +473,11 @@ def audit_path(
     path: str | os.PathLike[str],
     *,
     tp_size: int | None = None,
-    rank: int | None = None,
+    tp_rank: int | None = None,
     engine: str | None = None,
     model_dtype: str | None = None,
     progress: Callable[[int], Callable[[int], None]] | None = None,
+    rank: int | None = None,
 ) -> AuditReport:
     """:func:`audit` on files: a ``save_sharded_state`` directory, or one rank's file.
 
@@ -485,8 +486,8 @@ def audit_path(
     files together are its state dict. Every rank ``0..tp_size-1`` is audited and must be
     there: a missing rank is a problem in the report (it does not pass), not a refusal, so the
     ranks that are there are still audited; a rank whose files hold no KDA parameter has them
-    all ``"missing"``. With ``rank``, only that rank is audited (and only it must be there). A
-    single ``.safetensors`` file is one rank's whole state dict; its rank is ``rank``, else the
+    all ``"missing"``. With ``tp_rank``, only that rank is audited (and only it must be there).
+    A single ``.safetensors`` file is one rank's whole state dict; its rank is ``tp_rank``, else the
     one in its name, else its header's ``tp_rank`` metadata. Where the files' header metadata
     has ``tp_size``/``tp_rank``, they must agree with ``tp_size`` and the rank; a ``model`` of
     another family than the checkpoint's is a problem in the report.
@@ -497,13 +498,15 @@ def audit_path(
         tp_size: the engine's tensor-parallel world size; None: the one the dump tells
             (``kda_tp.dump_files.dump_world_size``: its files' ``tp_size`` metadata, else
             the highest rank in a directory's file names plus one).
-        rank: see above.
+        tp_rank: see above (the keyword name every kda_tp function uses for a TP rank).
         engine: see :func:`audit`; the ranks' names must fit one layout.
         model_dtype: the engine's model dtype, as for :func:`audit`.
         progress: called once with the number of parameters to check; returns
             ``advance(n)``, called after each (as for :func:`~kda_tp.shard.verify_shards`).
+        rank: the former name of ``tp_rank``, kept as an alias.
 
     Raises:
+        UsageError: both ``tp_rank`` and its alias ``rank`` given.
         CheckpointError: ``path`` does not exist, is a directory without ``sharded_state``
             files, no rank's files hold a KDA parameter, a file's rank is not known (its
             metadata's ``tp_rank`` not ASCII digits), or two files' metadata name different
@@ -514,9 +517,14 @@ def audit_path(
             ``tp_size`` metadata of another size), ``tp_rank`` metadata that disagrees with the
             rank, and no ``tp_size`` for a dump that does not tell it.
     """
+    if rank is not None and tp_rank is not None:
+        raise UsageError(f"audit_path: tp_rank={tp_rank!r} and rank={rank!r} given; rank is the "
+                         "former name of tp_rank: pass tp_rank only")
     root = Path(path)
     given = None if tp_size is None else _whole("tp_size", tp_size, 1)
-    rank = None if rank is None else _whole("rank", rank, 0)
+    chosen = tp_rank if tp_rank is not None else rank
+    name = "tp_rank" if tp_rank is not None else "rank"
+    rank = None if chosen is None else _whole(name, chosen, 0)
     auditor = None if given is None else _Auditor(checkpoint, given, engine,
                                                   model_dtype=model_dtype)
     if auditor is not None:

@@ -51,7 +51,8 @@ from .errors import CheckpointError, GuardError, GuardModeError, KdaTpError
 
 __all__ = ["CHECKPOINT_ENV", "DERIVED", "MODES", "MODE_ENV", "Derived", "GuardResult",
            "cannot_check", "check", "checkpoint_env", "derived_problem", "explicit_checkpoint",
-           "holds_kda", "looks_kda", "mode", "model_dtype_name", "stage_layers"]
+           "holds_kda", "looks_kda", "mode", "model_dtype_name", "rank_report",
+           "resolve_checkpoint", "stage_layers"]
 
 #: The environment variable that sets the guard's mode.
 MODE_ENV = "KDA_TP_GUARD"
@@ -271,6 +272,79 @@ def explicit_checkpoint(where: str, guard_mode: str | None = None) -> str | None
     return ""
 
 
+def resolve_checkpoint(path: str, *, revision: str | None = None,
+                       download_dir: str | None = None) -> str:
+    """A model path as the local checkpoint both engine plugins check against: a URL or an
+    existing path as it is; a Hugging Face repository id as its snapshot in the local cache
+    (in ``download_dir`` when the engine downloads there; never a download); anything else
+    unchanged (:func:`check` then warns that it is not local).
+
+    Args:
+        path: the engine's model path or repository id.
+        revision: the repository revision the engine loaded (None: the default branch).
+        download_dir: the engine's download directory (None: the Hugging Face cache).
+
+    Returns:
+        The local path, or ``path`` unchanged.
+    """
+    if "://" in path or os.path.exists(path):
+        return path
+    try:  # a repository id: the snapshot the engine downloaded
+        from huggingface_hub import snapshot_download
+
+        return str(snapshot_download(path, revision=revision, cache_dir=download_dir,
+                                     local_files_only=True))
+    except Exception:  # noqa: BLE001 - not cached or no huggingface_hub: check() warns
+        return path
+
+
+def rank_report(run: Callable[[], GuardResult | None], *, tp_rank: int, tp_size: int,
+                where: str) -> dict[str, Any]:
+    """One rank's live audit as the plain dict both engine plugins return per rank
+    (``vllm_plugin.audit_llm``, ``sglang_plugin.audit_engine``); never raises for a wrong
+    rank or a check that could not run.
+
+    Args:
+        run: the rank's check: a call of :func:`check` in mode ``fail`` (a failure raises
+            :class:`GuardError` with its report; a check that cannot run raises it without).
+        tp_rank, tp_size: the rank and the tensor-parallel world size checked.
+        where: the caller's label (``"sglang"``, ``"vllm audit"``).
+
+    Returns:
+        Keys ``ok`` (True, False, or None when nothing was checked), ``guarded`` (True),
+        ``line`` (the guard's one-line verdict, or ``not checked: <why>``), ``tp_rank``,
+        ``tp_size``, ``where``, ``skipped`` (why nothing was checked, or
+        None), ``engine`` (the layout), ``params``, ``bytes``, ``seconds``, ``summary`` and
+        ``text`` (the audit's summary and full diagnosis) and ``report``
+        (``AuditReport.to_dict()``, as ``kda-tp audit --json``).
+    """
+    out: dict[str, Any] = {"ok": None, "guarded": True, "line": "", "tp_rank": tp_rank,
+                           "tp_size": tp_size, "where": where, "skipped": None, "engine": None,
+                           "params": 0, "bytes": 0, "seconds": 0.0, "summary": "", "text": "",
+                           "report": None}
+    report: AuditReport | None = None
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        try:
+            result = run()
+        except GuardError as error:
+            if error.report is None:
+                out.update(skipped=str(error), line=f"not checked: {error}")
+                return out
+            result, report = None, error.report
+            out["line"] = str(error).splitlines()[0]
+    if result is not None:
+        out.update(result.to_dict())
+        return out
+    if report is None:
+        why = "; ".join(str(w.message) for w in seen) or "no KDA parameter in this model"
+        out.update(skipped=why, line=f"not checked: {why}")
+        return out
+    out.update(ok=report.passed, engine=report.engine, summary=report.summary(),
+               text=report.format(), report=report.to_dict())
+    return out
+
+
 def stage_layers(names: Iterable[Any]) -> list[int]:
     """The decoder layers whose KDA parameters ``names`` hold: every layer with a KDA name
     (:func:`looks_kda`'s, not only ``A_log`` / ``dt_bias``), so that a layer whose markers are
@@ -317,6 +391,18 @@ class GuardResult:
     def passed(self) -> bool:
         """True when every KDA parameter and derived copy is exactly right."""
         return self.report.passed
+
+    def to_dict(self) -> dict[str, Any]:
+        """The result as a JSON-ready dict (each checked rank's part of the plugins' live
+        audit, :func:`rank_report`): ``ok`` (:attr:`passed`), ``line`` (:meth:`line`),
+        ``tp_rank``, ``tp_size``, ``where``, ``engine``, ``params``, ``bytes``, ``seconds``,
+        ``summary`` and ``text`` (the audit's summary line and full diagnosis) and ``report``
+        (``AuditReport.to_dict()``, as ``kda-tp audit --json`` prints it)."""
+        return {"ok": self.passed, "line": self.line(), "tp_rank": self.tp_rank,
+                "tp_size": self.tp_size, "where": self.where, "engine": self.engine,
+                "params": self.params, "bytes": self.bytes, "seconds": self.seconds,
+                "summary": self.report.summary(), "text": self.report.format(),
+                "report": self.report.to_dict()}
 
     def line(self) -> str:
         """The one-line verdict: ``kda_tp guard: <where>: tp rank r/T: N KDA parameters, B

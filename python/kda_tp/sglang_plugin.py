@@ -58,14 +58,22 @@ import json
 import logging
 import os
 import tempfile
-import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from .errors import GuardError, KdaTpError
-from .guard import CHECKPOINT_ENV, explicit_checkpoint, holds_kda, model_dtype_name
+from .guard import (
+    CHECKPOINT_ENV,
+    GuardResult,
+    check,
+    explicit_checkpoint,
+    holds_kda,
+    model_dtype_name,
+    rank_report,
+    resolve_checkpoint,
+)
 from .update_check import Followed, follow, followed, warn_once
 
 __all__ = ["RPC_METHOD", "TARGETS", "audit_engine", "audit_runner", "checkpoint_of",
@@ -336,17 +344,8 @@ def checkpoint_of(runner: Any, quiet: bool = False) -> str | None:
             )
         return None
     config = runner.model_config
-    path = str(config.model_path)
-    if "://" in path or os.path.exists(path):
-        return path
-    try:  # a repository id: the snapshot SGLang downloaded, never a download here
-        from huggingface_hub import snapshot_download
-
-        return str(snapshot_download(path, revision=getattr(config, "revision", None),
-                                     cache_dir=getattr(load_config, "download_dir", None),
-                                     local_files_only=True))
-    except Exception:  # noqa: BLE001 - not cached or no huggingface_hub: the guard warns
-        return path
+    return resolve_checkpoint(str(config.model_path), revision=getattr(config, "revision", None),
+                              download_dir=getattr(load_config, "download_dir", None))
 
 
 def guard_runner(runner: Any, checkpoint: str | None = None) -> Any:
@@ -366,7 +365,7 @@ def guard_runner(runner: Any, checkpoint: str | None = None) -> Any:
     """
     if getattr(runner, "is_draft_worker", False) or getattr(runner, "model", None) is None:
         return None
-    from .guard import check, mode
+    from .guard import mode
 
     if mode() == "off":
         return None
@@ -391,46 +390,36 @@ def audit_runner(runner: Any, checkpoint: str | None = None) -> dict[str, Any]:
     (what :func:`audit_engine` returns per rank); never raises for a wrong rank or a check
     that could not run (its reason is in ``skipped``).
 
-    Keys: ``ok`` (True, False, or None when nothing was checked), ``guarded`` (True: this
-    rank answered with the guard loaded), ``line`` (the one-line verdict), ``tp_rank``,
-    ``tp_size`` (SGLang's attention TP group), ``where``, ``checkpoint``, ``skipped`` (why
-    nothing was checked, or None), ``engine`` (the layout), ``seconds``, ``summary`` and
-    ``text`` (the audit's summary and full diagnosis), ``report``
-    (``AuditReport.to_dict()``, as ``kda-tp audit --json``), and :func:`status`'s
-    ``versions``, ``mode``, ``hooks``, ``checks`` and ``last``.
+    The check is ``kda_tp.guard.check`` (derived copies included) in mode ``fail``, its
+    outcome the dict of ``kda_tp.guard.rank_report`` (the vLLM plugin's ``audit_llm`` returns
+    the same keys): ``ok`` (True, False, or None when nothing was checked), ``guarded``,
+    ``tp_rank``, ``tp_size`` (SGLang's attention TP group), ``where``, ``skipped`` (why
+    nothing was checked, or None), ``engine``, ``params``, ``bytes``, ``seconds``,
+    ``summary``, ``text`` and ``report`` (``AuditReport.to_dict()``); plus ``checkpoint``,
+    :func:`status`'s ``versions``, ``mode``, ``hooks``, ``checks`` and ``last``, and
+    ``line``: ``kda_tp guard: <where>: tp rank r/T: <summary>`` (or ``not checked: <why>``).
     """
-    from .engine_audit import audit
-
     tp_rank, tp_size = rank_and_size()
-    out: dict[str, Any] = {"ok": None, "guarded": True, "line": "", "tp_rank": tp_rank,
-                           "tp_size": tp_size, "where": _label(), "checkpoint": None,
-                           "skipped": None, "engine": None, "seconds": 0.0, "summary": "",
-                           "text": "", "report": None, **status()}
-    start = time.perf_counter()
-    try:
+    where = _label()
+    found: dict[str, str | None] = {"path": None}
+
+    def run() -> GuardResult | None:
+        if getattr(runner, "is_draft_worker", False):
+            raise GuardError("a draft model runner")
         with warnings.catch_warnings(record=True) as seen:
             warnings.simplefilter("always")
-            path = None if getattr(runner, "is_draft_worker", False) else (
-                checkpoint or checkpoint_of(runner))
-        out["checkpoint"] = path
-        params = {} if not path else dict(runner.model.named_parameters())
-        if getattr(runner, "is_draft_worker", False):
-            out["skipped"] = "a draft model runner"
-        elif not path or "://" in path or not os.path.exists(path):
+            path = found["path"] = checkpoint or checkpoint_of(runner)
+        if not path:
             why = "; ".join(str(w.message) for w in seen)
-            out["skipped"] = f"no local checkpoint ({path!r})" + (f": {why}" if why else "")
-        elif not holds_kda(params):
-            out["skipped"] = "no KDA parameter"
-        else:
-            report = audit(params, path, tp_rank=tp_rank, tp_size=tp_size,
-                           model_dtype=model_dtype_name(getattr(getattr(
-                               runner, "model_config", None), "dtype", None)))
-            out.update(ok=report.passed, engine=report.engine,
-                       seconds=time.perf_counter() - start, summary=report.summary(),
-                       text=report.format(), report=report.to_dict())
-    except KdaTpError as error:  # the check could not run: its reason, not a crash
-        out["skipped"] = f"the check could not run: {error}"
-    out["line"] = (f"kda_tp guard: {out['where']}: tp rank {tp_rank}/{tp_size}: "
+            raise GuardError(f"no local checkpoint ({path!r})" + (f": {why}" if why else ""))
+        return check(dict(runner.model.named_parameters()), path, tp_rank=tp_rank,
+                     tp_size=tp_size, where=where, guard_mode="fail",
+                     model_dtype=model_dtype_name(getattr(getattr(
+                         runner, "model_config", None), "dtype", None)))
+
+    out = {**rank_report(run, tp_rank=tp_rank, tp_size=tp_size, where=where), **status()}
+    out["checkpoint"] = found["path"]
+    out["line"] = (f"kda_tp guard: {where}: tp rank {tp_rank}/{tp_size}: "
                    f"{out['summary'] or 'not checked: ' + str(out['skipped'])}")
     return out
 

@@ -111,6 +111,15 @@ class ShardResult:
     bytes_written: int
     seconds: float
 
+    def to_dict(self) -> dict[str, object]:
+        """The result as a JSON-ready dict, the first keys ``kda-tp shard --json`` prints:
+        ``ok`` (True), ``out_dir``, ``tp_size``, ``ranks``, ``rank_dirs`` (each rank's
+        directory, :func:`rank_dir`), ``bytes_written`` and ``seconds`` (wall time)."""
+        return {"ok": True, "out_dir": str(self.out_dir), "tp_size": self.tp_size,
+                "ranks": list(self.ranks),
+                "rank_dirs": [str(rank_dir(self.out_dir, r)) for r in self.ranks],
+                "bytes_written": self.bytes_written, "seconds": self.seconds}
+
 
 @dataclass(frozen=True)
 class ShardSizes:

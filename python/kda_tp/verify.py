@@ -6,12 +6,13 @@ checks that each rank directory holds exactly what ``shard`` writes (:mod:`kda_t
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -74,6 +75,45 @@ class VerifyReport:
         """True when every tensor matched (and the numerical check passed, if run)."""
         return not self.problems and (self.numeric is None or self.numeric.passed)
 
+    def to_dict(self, unindexed: Iterable[Path] = ()) -> dict[str, Any]:
+        """The report as a JSON-ready dict (what ``kda-tp verify --json`` prints).
+
+        Args:
+            unindexed: input files the index does not name (left unchecked; the CLI lists
+                them, :func:`verify_shards` does not see them).
+
+        Returns:
+            Keys ``ok`` (the verdict), ``tp_size``, ``tensors`` and ``bytes_checked`` (input
+            tensor bytes), ``problems`` (one string each), ``numeric`` (None when not run, else
+            ``passed``, ``seq_len``, ``seed``, ``atol``, ``rtol`` and ``layers``: per layer
+            ``layer``, ``max_abs_error``, ``max_rel_error`` (None when infinite),
+            ``y_abs_max``, ``tolerance``, ``passed``, ``non_finite``: ``"full"`` when the full
+            weights' reference output holds NaN or inf, ``"ranks"`` when only the ranks'
+            summed output does, else None), ``unindexed`` (``unindexed`` as strings),
+            ``byte_seconds`` and ``numeric_seconds`` (each phase's wall time, in seconds; 0
+            when not run).
+        """
+        numeric = None
+        if self.numeric is not None:
+            n = self.numeric
+            numeric = {
+                "passed": n.passed, "seq_len": n.seq_len, "seed": n.seed, "atol": n.atol,
+                "rtol": n.rtol,
+                "layers": [
+                    {"layer": e.layer, "max_abs_error": _finite(e.max_abs_error),
+                     "max_rel_error": _finite(e.max_rel_error),
+                     "y_abs_max": _finite(e.y_abs_max), "tolerance": _finite(e.tolerance),
+                     "passed": e.passed, "non_finite": e.non_finite}
+                    for e in n.layers
+                ],
+            }
+        return {
+            "ok": self.ok, "tp_size": self.tp_size, "tensors": self.tensors,
+            "bytes_checked": self.bytes_checked, "problems": list(self.problems),
+            "numeric": numeric, "unindexed": [str(p) for p in unindexed],
+            "byte_seconds": self.byte_seconds, "numeric_seconds": self.numeric_seconds,
+        }
+
     def summary(self) -> str:
         """One line: what was checked and the verdict. A single problem is given in full;
         several are counted (they are in ``problems``)."""
@@ -93,6 +133,11 @@ class VerifyReport:
             line += (f"; numerical TP equivalence {verdict} ({n} KDA layer{'s' * (n != 1)} in "
                      f"{self.numeric_seconds:.1f} s)")
         return line
+
+
+def _finite(x: float) -> float | None:
+    """``x``, or None for NaN and infinities (which JSON cannot hold)."""
+    return x if math.isfinite(x) else None
 
 
 def verify_shards(

@@ -71,7 +71,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import GuardError, KdaTpError
+from .errors import KdaTpError
 from .guard import (
     CHECKPOINT_ENV,
     DERIVED,
@@ -82,6 +82,8 @@ from .guard import (
     looks_kda,
     mode,
     model_dtype_name,
+    rank_report,
+    resolve_checkpoint,
     stage_layers,
 )
 from .import_hooks import after_import, subclasses
@@ -417,15 +419,8 @@ def _checkpoint(model_config: Any, loader: str, given: str | None = None,
     if given is None and loader == "ShardedStateLoader":
         return None
     path = given or str(getattr(model_config, "model_weights", "") or model_config.model)
-    if "://" in path or os.path.exists(path):
-        return path
-    try:
-        from huggingface_hub import snapshot_download
-
-        return str(snapshot_download(path, revision=getattr(model_config, "revision", None),
-                                     cache_dir=download_dir, local_files_only=True))
-    except Exception:  # not in the local cache: check() warns that it is not local
-        return path
+    return resolve_checkpoint(path, revision=getattr(model_config, "revision", None),
+                              download_dir=download_dir)
 
 
 def _attach_vllm_logging() -> None:
@@ -644,27 +639,10 @@ def _worker_audit(worker: Any) -> dict[str, Any]:
     model = worker.model_runner.get_model()
     model_config = worker.vllm_config.model_config
     rank, size = _rank()
-    out: dict[str, Any] = {"ok": None, "guarded": True, "tp_rank": rank, "tp_size": size,
-                           "report": None, **status()}
-    with warnings.catch_warnings(record=True) as seen:
-        warnings.simplefilter("always")
-        try:  # "fail" to get the reason; a running engine is never stopped from here
-            result = guard_model(model, model_config, loader="audit",
-                                 vllm_config=worker.vllm_config, guard_mode="fail")
-        except GuardError as error:
-            report = error.report
-            out.update(ok=False if report is not None else None,
-                       line=str(error).splitlines()[0] if report is not None
-                       else f"not checked: {error}",
-                       report=None if report is None else report.to_dict())
-            return out
-    if result is None:
-        why = "; ".join(str(w.message) for w in seen) or "no KDA parameter in this model"
-        out["line"] = f"not checked: {why}"
-        return out
-    out.update(ok=result.passed, line=result.line(), params=result.params,
-               bytes=result.bytes, seconds=result.seconds, report=result.report.to_dict())
-    return out
+    # "fail" to get the reason; a running engine is never stopped from here
+    return {**rank_report(lambda: guard_model(model, model_config, loader="audit",
+                                              vllm_config=worker.vllm_config, guard_mode="fail"),
+                          tp_rank=rank, tp_size=size, where="vllm audit"), **status()}
 
 
 def audit_llm(llm: Any) -> list[dict[str, Any]]:
@@ -680,13 +658,15 @@ def audit_llm(llm: Any) -> list[dict[str, Any]]:
         llm: a ``vllm.LLM``.
 
     Returns:
-        One dict per worker, in vLLM's worker order: ``ok`` (True, False, or None when
-        nothing was checked), ``guarded`` (False for a worker without the guard, or one that
-        did not answer), ``tp_rank``, ``tp_size``, ``line`` (the guard's one-line verdict, or
-        why nothing was checked), ``params``, ``bytes``, ``seconds``, ``report``
-        (``AuditReport.to_dict()``: every parameter's verdict and diagnosis), and the worker's
-        ``versions``, ``mode``, ``hooks`` (armed or missing), ``checks`` (run, by kind) and
-        ``last`` (the last verdict before this audit).
+        One dict per worker, in vLLM's worker order, with the keys of
+        ``kda_tp.guard.rank_report`` (the SGLang plugin's audit returns the same): ``ok``
+        (True, False, or None when nothing was checked), ``guarded`` (False for a worker
+        without the guard, or one that did not answer), ``tp_rank``, ``tp_size``, ``where``
+        (``"vllm audit"``), ``line`` (the guard's one-line verdict, or ``not checked:
+        <why>``), ``skipped``, ``engine``, ``params``, ``bytes``, ``seconds``, ``summary``,
+        ``text``, ``report`` (``AuditReport.to_dict()``: every parameter's verdict and
+        diagnosis), and the worker's ``versions``, ``mode``, ``hooks`` (armed or missing),
+        ``checks`` (run, by kind) and ``last`` (the last verdict before this audit).
     """
     plugins = os.environ.get("VLLM_PLUGINS")
     hint = ""

@@ -500,3 +500,18 @@ def _decimal(n: int) -> str:
             digits = 2 if x < 10 else 1 if x < 100 else 0
             return f"{x:.{digits}f} {unit}"
     return f"{n} B"
+
+
+def test_shard_result_to_dict_is_what_shard_json_prints_first(checkpoint: Path, tmp_path: Path,
+                                                              capsys) -> None:
+    result = shard_checkpoint(checkpoint, tmp_path / "api", 2)
+    mine = result.to_dict()
+    assert mine == {"ok": True, "out_dir": str(tmp_path / "api"), "tp_size": 2, "ranks": [0, 1],
+                    "rank_dirs": [str(tmp_path / "api" / "rank0"), str(tmp_path / "api" / "rank1")],
+                    "bytes_written": result.bytes_written, "seconds": result.seconds}
+    out = tmp_path / "cli"
+    assert main(["shard", str(checkpoint), "--tp-size", "2", "--out", str(out), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert list(doc)[:len(mine)] == list(mine)
+    assert doc["rank_dirs"] == [str(out / "rank0"), str(out / "rank1")]
+    assert doc["bytes_written"] == result.bytes_written and doc["ok"] is True

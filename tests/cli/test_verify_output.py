@@ -258,3 +258,15 @@ def test_a_non_finite_reference_output_is_named_without_numpy_warnings(tmp_path,
         status, text, _ = run(capsys, "verify", ckpt, out, "--numeric", "--quiet", "--json")
         layer = json.loads(text)["numeric"]["layers"][0]
         assert (status, layer["passed"], layer["non_finite"]) == (1, False, "full")
+
+
+def test_verify_report_to_dict_is_what_verify_json_prints(ckpt, sharded, capsys):
+    report = verify_shards(ckpt, sharded, numeric=True)
+    status, out, _ = run(capsys, "verify", ckpt, sharded, "--numeric", "--quiet", "--json")
+    doc, mine = json.loads(out), report.to_dict()
+    assert status == 0 and list(doc) == list(mine) and mine["ok"] is True
+    timings = ("byte_seconds", "numeric_seconds")  # each run's own wall times
+    assert {k: v for k, v in doc.items() if k not in timings} == {
+        k: v for k, v in mine.items() if k not in timings}
+    assert mine["numeric"]["layers"][0]["layer"] == 0 and mine["unindexed"] == []
+    assert report.to_dict([Path("extra.bin")])["unindexed"] == ["extra.bin"]

@@ -21,7 +21,13 @@ from kda_tp.cli import main
 from kda_tp.engine_audit import audit_path
 from kda_tp.engine_dump import DIGEST_KEY
 from kda_tp.engines import LAYOUTS, get_layout, layouts_for, model_family
-from kda_tp.errors import DtypeMismatchError, EngineLayoutError, OutputError, PlanError
+from kda_tp.errors import (
+    DtypeMismatchError,
+    EngineLayoutError,
+    OutputError,
+    PlanError,
+    UsageError,
+)
 from kda_tp.rankdir import FILE_MARK
 from kda_tp.synth import write_small_checkpoint
 
@@ -232,6 +238,21 @@ def test_dtype_casts_the_model_dtype_parameters_only(tmp_path):
     assert dtypes["A_log"] == dtypes["dt_bias"] == dtypes["conv1d.weight"] == "float32"
     # vLLM's default model dtype for this dtype-less F32 checkpoint is BF16 (issue 27.4)
     assert audit_path(ckpt, tmp_path, tp_size=2, rank=0).passed
+
+
+def test_audit_paths_rank_is_tp_rank_with_rank_a_thin_alias(tmp_path):
+    ckpt = CKPTS["kimi-linear"]
+    kda_tp.write_engine_dump(ckpt, tmp_path, engine="vllm-0.33-kimi-linear", tp_size=2,
+                             ranks=[1], model_dtype="F32")
+    by_name = audit_path(ckpt, tmp_path, tp_size=2, tp_rank=1, model_dtype="F32")
+    by_alias = audit_path(ckpt, tmp_path, tp_size=2, rank=1, model_dtype="F32")
+    assert by_name.passed and by_name.ranks == by_alias.ranks == (1,)
+    assert by_name.to_dict() == by_alias.to_dict()
+    with pytest.raises(UsageError, match=r"tp_rank=1 and rank=1 given; rank is the former name "
+                                         r"of tp_rank: pass tp_rank only"):
+        audit_path(ckpt, tmp_path, tp_size=2, tp_rank=1, rank=1)
+    with pytest.raises(PlanError, match=r"tp_rank must be an integer >= 0, got -1"):
+        audit_path(ckpt, tmp_path, tp_size=2, tp_rank=-1)
 
 
 # ------------------------------------------------------------------------------------------

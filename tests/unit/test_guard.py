@@ -375,3 +375,57 @@ def test_audit_engine_reports_a_rank_that_wrote_no_report_as_unguarded(tmp_path)
     assert (second["tp_rank"], second["guarded"], second["ok"]) == (1, False, None)
     assert second["line"] == ("kda_tp guard: sglang: tp rank 1/2: unguarded: this rank wrote no "
                               "report (no guard loaded, or no answer)")
+
+
+def test_rank_report_is_one_shape_for_a_pass_a_failure_and_a_check_not_run():
+    from kda_tp.guard import rank_report
+
+    def audit(params, checkpoint, rank):
+        return rank_report(lambda: check(params, checkpoint, tp_rank=rank, tp_size=4,
+                                         where="w", guard_mode="fail", model_dtype="F32"),
+                           tp_rank=rank, tp_size=4, where="w")
+
+    good = audit(built(CKPT["k3"], "vllm-0.33-k3", 2, 4), CKPT["k3"], 2)
+    wrong = audit(built(CKPT["k3"], "vllm-0.33-k3", 0, 4), CKPT["k3"], 2)
+    remote = audit(built(CKPT["k3"], "vllm-0.33-k3", 2, 4), "s3://bucket/k3", 2)
+    assert set(good) == set(wrong) == set(remote) == {
+        "ok", "guarded", "line", "tp_rank", "tp_size", "where", "skipped", "engine", "params",
+        "bytes", "seconds", "summary", "text", "report"}
+    assert (good["ok"], good["skipped"], good["tp_rank"], good["engine"]) == (
+        True, None, 2, "vllm-0.33-k3")
+    assert good["line"].startswith("kda_tp guard: w: tp rank 2/4: ") and good["line"].endswith(
+        ": OK")
+    assert good["params"] > 0 and good["report"]["ok"] is True
+    assert wrong["ok"] is False and wrong["line"].startswith("kda_tp guard: w: tp rank 2/4: ")
+    assert "equals rank 0's slice of o_proj" in wrong["text"]
+    assert wrong["summary"].startswith("FAIL: ") and wrong["report"]["ok"] is False
+    assert remote["ok"] is None and remote["report"] is None
+    assert "is not a local path" in remote["skipped"]
+    assert remote["line"] == f"not checked: {remote['skipped']}"
+
+
+def test_resolve_checkpoint_keeps_local_paths_and_urls_and_never_downloads(tmp_path):
+    from kda_tp.guard import resolve_checkpoint
+
+    assert resolve_checkpoint(str(CKPT["k3"])) == str(CKPT["k3"])
+    assert resolve_checkpoint("s3://bucket/k3") == "s3://bucket/k3"
+    # an id not in the (empty) cache stays as it is: check() then warns it is not local
+    assert resolve_checkpoint("no-such-org/no-such-model",
+                              download_dir=str(tmp_path)) == "no-such-org/no-such-model"
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_guard_result_to_dict_is_the_checked_ranks_report():
+    from kda_tp.guard import rank_report
+
+    params = built(CKPT["k3"], "vllm-0.33-k3", 1, 2)
+    result = check(params, CKPT["k3"], tp_rank=1, tp_size=2, where="w1", model_dtype="F32")
+    assert isinstance(result, GuardResult)
+    assert result.to_dict() == {
+        "ok": True, "line": result.line(), "tp_rank": 1, "tp_size": 2, "where": "w1",
+        "engine": result.engine, "params": result.params, "bytes": result.bytes,
+        "seconds": result.seconds, "summary": result.report.summary(),
+        "text": result.report.format(), "report": result.report.to_dict()}
+    assert json.loads(json.dumps(result.to_dict())) == result.to_dict()
+    report = rank_report(lambda: result, tp_rank=1, tp_size=2, where="w1")
+    assert report == {**result.to_dict(), "guarded": True, "skipped": None}
