@@ -307,7 +307,8 @@ def rank_report(run: Callable[[], GuardResult | None], *, tp_rank: int, tp_size:
     Args:
         run: the rank's check: a call of :func:`check` in mode ``fail`` (a failure raises
             :class:`GuardError` with its report; a check that cannot run raises it without).
-        tp_rank, tp_size: the rank and the tensor-parallel world size checked.
+        tp_rank: the rank checked.
+        tp_size: the tensor-parallel world size.
         where: the caller's label (``"sglang"``, ``"vllm audit"``).
 
     Returns:
