@@ -1,0 +1,408 @@
+//! One open, validated safetensors file and the reads of its tensors: whole, a byte range, or
+//! strided spans (a column block), from a mapping or with positioned reads.
+
+use std::fs::File;
+use std::ops::Range;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use memmap2::{Mmap, MmapOptions, UncheckedAdvice};
+use rayon::prelude::*;
+use safetensors::tensor::{Metadata, TensorInfo};
+
+use super::{open_regular_file, parse_header, read_exact_at, Backend};
+use crate::error::{Error, Result};
+
+/// The largest header the safetensors format allows, in bytes.
+const MAX_HEADER_BYTES: u64 = 100_000_000;
+
+enum Storage {
+    /// The mapping, and the file handle (kept to check the file's length before each read).
+    Mapped(Arc<Mmap>, File),
+    File(File),
+}
+
+/// The bytes of one tensor: a range of a shared mapping, or an owned copy.
+pub enum TensorData {
+    /// `range` of the file mapping `map` (which the value keeps alive).
+    Mapped { map: Arc<Mmap>, range: Range<usize> },
+    /// A copy read from the file.
+    Owned(Vec<u8>),
+}
+
+impl TensorData {
+    /// The tensor's raw little-endian bytes.
+    pub fn as_slice(&self) -> &[u8] {
+        match self {
+            Self::Mapped { map, range } => &map[range.clone()],
+            Self::Owned(bytes) => bytes,
+        }
+    }
+}
+
+/// One open, validated safetensors file.
+pub struct SafetensorsFile {
+    path: PathBuf,
+    /// Offset of the data section: 8 + header length.
+    data_start: usize,
+    metadata: Metadata,
+    storage: Storage,
+    /// Bytes read from the file with read calls: the header at open, then (`Pread`) tensor data.
+    bytes_read: AtomicU64,
+}
+
+impl SafetensorsFile {
+    /// Opens and validates `path`.
+    ///
+    /// # Errors
+    /// [`Error::Io`] when the file cannot be opened or read; [`Error::Safetensors`] for a file
+    /// shorter than 8 bytes, a header length past the file or above 100 MB, a header that is not
+    /// valid UTF-8 JSON of the safetensors shape, duplicate tensor names, invalid offsets, and a
+    /// file length that differs from what the header describes.
+    pub fn open(path: &Path, backend: Backend) -> Result<Self> {
+        let io = |source| Error::Io {
+            path: path.to_path_buf(),
+            source,
+        };
+        let bad = |reason: String| Error::Safetensors {
+            path: path.to_path_buf(),
+            reason,
+        };
+        let file = open_regular_file(path)?;
+        let file_len = file.metadata().map_err(io)?.len();
+        if file_len < 8 {
+            return Err(bad(format!(
+                "the file is {file_len} bytes, shorter than the 8-byte header length"
+            )));
+        }
+        let mut len_bytes = [0u8; 8];
+        read_exact_at(&file, &mut len_bytes, 0).map_err(io)?;
+        let header_len = u64::from_le_bytes(len_bytes);
+        if header_len > MAX_HEADER_BYTES {
+            return Err(bad(format!(
+                "header length {header_len} bytes exceeds the format's {MAX_HEADER_BYTES}-byte limit"
+            )));
+        }
+        if header_len > file_len - 8 {
+            return Err(bad(format!(
+                "header length {header_len} bytes runs past the end of the {file_len}-byte file"
+            )));
+        }
+        // Fits in usize: bounded by MAX_HEADER_BYTES.
+        let mut header = vec![0u8; header_len as usize];
+        read_exact_at(&file, &mut header, 8).map_err(io)?;
+        let metadata = parse_header(path, &header, file_len - 8 - header_len)?;
+        let storage = match backend {
+            Backend::Mmap => {
+                // SAFETY: a read-only private mapping. If another process truncates the file
+                // while it is mapped, reads of the lost pages raise SIGBUS (see the module
+                // docs); the length was checked against the header just now, and the mapping's
+                // length is checked against it below.
+                let map = unsafe { MmapOptions::new().map_copy_read_only(&file) }.map_err(io)?;
+                if map.len() as u64 != file_len {
+                    return Err(bad(format!(
+                        "the file changed size while it was being opened ({file_len} bytes, \
+                         then {})",
+                        map.len()
+                    )));
+                }
+                Storage::Mapped(Arc::new(map), file)
+            }
+            Backend::Pread => Storage::File(file),
+        };
+        Ok(Self {
+            path: path.to_path_buf(),
+            data_start: 8 + header_len as usize,
+            metadata,
+            storage,
+            bytes_read: AtomicU64::new(8 + header_len),
+        })
+    }
+
+    /// Bytes read from this file with read calls since it was opened: the 8-byte length and
+    /// the header, plus, with `Pread`, every tensor byte read. Pages of a `Mmap` mapping reach
+    /// the process through page faults and are not counted.
+    pub fn bytes_read(&self) -> u64 {
+        self.bytes_read.load(Ordering::Relaxed)
+    }
+
+    /// The file's path.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Tensor names in data-offset order.
+    pub fn names(&self) -> Vec<String> {
+        self.metadata.offset_keys()
+    }
+
+    /// Dtype, shape and offsets of one tensor.
+    pub fn info(&self, name: &str) -> Option<&TensorInfo> {
+        self.metadata.info(name)
+    }
+
+    /// The `__metadata__` string map of the header.
+    pub fn user_metadata(&self) -> Option<&std::collections::HashMap<String, String>> {
+        self.metadata.metadata().as_ref()
+    }
+
+    /// The address range of the mapping, when the file is mapped (used to prove zero copy).
+    pub fn mapping(&self) -> Option<Range<usize>> {
+        match &self.storage {
+            Storage::Mapped(map, _) => {
+                Some(map.as_ptr() as usize..map.as_ptr() as usize + map.len())
+            }
+            Storage::File(_) => None,
+        }
+    }
+
+    /// The open file and the absolute byte range in it of bytes `part` of tensor `name`
+    /// (offsets within the tensor; `part.end` is clamped to the tensor's length), for copies the
+    /// kernel does file to file (`copy_file_range`, `sendfile`) from the file this value opened,
+    /// even if the path has since been replaced. `None` for an unknown name or a `part` that
+    /// starts past the tensor.
+    pub fn file_range(&self, name: &str, part: Range<usize>) -> Option<(&File, Range<u64>)> {
+        let (begin, end) = self.info(name)?.data_offsets;
+        let part = part.start..part.end.min(end - begin);
+        if part.start > part.end {
+            return None;
+        }
+        let start = (self.data_start + begin + part.start) as u64;
+        Some((self.handle(), start..start + part.len() as u64))
+    }
+
+    /// Drops this process's resident pages of tensor `name` from the mapping (the kernel's page
+    /// cache keeps them), so a streaming pass over a large checkpoint does not grow the resident
+    /// set. Arrays already viewing the tensor stay valid: their next access maps the pages again
+    /// from the file, which has not changed. Only whole 64 KiB blocks inside the tensor are
+    /// dropped; a no-op for `Pread` and for unknown names.
+    pub fn release(&self, name: &str) {
+        const BLOCK: usize = 64 << 10;
+        let (Storage::Mapped(map, _), Some(info)) = (&self.storage, self.info(name)) else {
+            return;
+        };
+        let start = (self.data_start + info.data_offsets.0).next_multiple_of(BLOCK);
+        let end = (self.data_start + info.data_offsets.1) / BLOCK * BLOCK;
+        if start < end {
+            // SAFETY: the mapping is private and read-only, so it has no dirty pages: after
+            // MADV_DONTNEED every access repopulates the same bytes from the unchanged file, and
+            // borrows of the range keep reading valid data. A failure only means the pages stay.
+            let _ = unsafe {
+                map.unchecked_advise_range(UncheckedAdvice::DontNeed, start, end - start)
+            };
+        }
+    }
+
+    /// The bytes of tensor `name`.
+    ///
+    /// The file's current length is checked first, so a file truncated since it was opened
+    /// gives an error instead of a short read (or, with `Mmap`, a SIGBUS).
+    ///
+    /// # Errors
+    /// [`Error::TensorNotFound`]; [`Error::Checkpoint`] when the file is now too short for the
+    /// tensor (truncated while open); [`Error::Io`] when a read fails otherwise.
+    pub fn read(&self, name: &str) -> Result<TensorData> {
+        self.read_range(name, 0..usize::MAX)
+    }
+
+    /// Bytes `part` of tensor `name` (offsets within the tensor; `part.end` is clamped to the
+    /// tensor's length). With `Pread` only those bytes are read, so a rank reading its row
+    /// slice reads `1/tp_size` of the tensor.
+    ///
+    /// # Errors
+    /// As [`Self::read`], plus [`Error::Checkpoint`] when `part.start` lies past the tensor.
+    pub fn read_range(&self, name: &str, part: Range<usize>) -> Result<TensorData> {
+        let info = self.tensor_info(name)?;
+        let (begin, end) = info.data_offsets;
+        let part = part.start..part.end.min(end - begin);
+        if part.start > part.end {
+            return Err(Error::Checkpoint {
+                path: self.path.clone(),
+                reason: format!(
+                    "tensor {name:?}: byte range {}..{} is empty or past its {} bytes",
+                    part.start,
+                    part.end,
+                    end - begin
+                ),
+            });
+        }
+        // In range: the header was checked against the file's length at open.
+        let range = self.data_start + begin + part.start..self.data_start + begin + part.end;
+        let truncated = |now: String| Error::Checkpoint {
+            path: self.path.clone(),
+            reason: format!(
+                "tensor {name:?} (file bytes {}..{}) cannot be read: the file is {now}, shorter \
+                 than when it was opened (truncated or rewritten in place while open)",
+                range.start, range.end
+            ),
+        };
+        let len_now = self.len_now()?;
+        if len_now < range.end as u64 {
+            return Err(truncated(format!("now {len_now} bytes")));
+        }
+        match &self.storage {
+            Storage::Mapped(map, _) => Ok(TensorData::Mapped {
+                map: Arc::clone(map),
+                range,
+            }),
+            Storage::File(file) => {
+                let mut bytes = vec![0u8; range.len()];
+                read_exact_at(file, &mut bytes, range.start as u64).map_err(|source| {
+                    self.read_failed(source, || {
+                        truncated("cut short during the read".to_string())
+                    })
+                })?;
+                self.bytes_read
+                    .fetch_add(range.len() as u64, Ordering::Relaxed);
+                Ok(TensorData::Owned(bytes))
+            }
+        }
+    }
+
+    /// `count` spans of `span` bytes of tensor `name`, the first at byte `start` of the tensor
+    /// and each next one `stride` bytes further, concatenated into one buffer of
+    /// `count * span` bytes. This is a column block of a row-major matrix: for rows of
+    /// `stride` bytes, the columns `[start, start + span)` of every row.
+    ///
+    /// With `Pread` only those bytes are read: one positioned read per span (one read in all
+    /// when the spans touch, `span == stride`), spread over the rayon pool for large outputs.
+    /// With `Mmap` the spans are copied out of the mapping.
+    ///
+    /// # Errors
+    /// [`Error::TensorNotFound`]; [`Error::Checkpoint`] when `span > stride` (with several
+    /// spans), when the last span ends past the tensor (its end offset overflowing `usize`
+    /// included: no arguments panic or allocate more than the tensor), or when the file is now too short
+    /// (truncated while open); [`Error::Io`] when a read fails otherwise.
+    pub fn read_spans(
+        &self,
+        name: &str,
+        start: usize,
+        span: usize,
+        stride: usize,
+        count: usize,
+    ) -> Result<TensorData> {
+        let info = self.tensor_info(name)?;
+        let tensor_len = info.data_offsets.1 - info.data_offsets.0;
+        let bad = |reason: String| Error::Checkpoint {
+            path: self.path.clone(),
+            reason: format!("tensor {name:?}: {reason}"),
+        };
+        if count > 1 && span > stride {
+            return Err(bad(format!(
+                "spans of {span} bytes every {stride} bytes overlap"
+            )));
+        }
+        // The end of the last span; no spans end where they start.
+        let end = match count.checked_sub(1) {
+            None => Some(start),
+            Some(n) => n
+                .checked_mul(stride)
+                .and_then(|n| n.checked_add(start))
+                .and_then(|n| n.checked_add(span)),
+        };
+        let Some(end) = end else {
+            return Err(bad(format!(
+                "{count} spans of {span} bytes every {stride} bytes from byte {start} end past \
+                 its {tensor_len} bytes (the end offset overflows a {}-bit size)",
+                usize::BITS
+            )));
+        };
+        if end > tensor_len || start > tensor_len {
+            return Err(bad(format!(
+                "{count} spans of {span} bytes every {stride} bytes from byte {start} end at \
+                 byte {end}, past its {tensor_len} bytes"
+            )));
+        }
+        // No overflow below: `count * span <= end - start` when the spans do not overlap.
+        if count <= 1 || span == 0 || span == stride {
+            return self.read_range(name, start..start + count * span);
+        }
+        let total = count * span;
+        let base = self.data_start + info.data_offsets.0 + start;
+        let last = self.data_start + info.data_offsets.0 + end;
+        let len_now = self.len_now()?;
+        if len_now < last as u64 {
+            return Err(bad(format!(
+                "file bytes up to {last} cannot be read: the file is now {len_now} bytes, \
+                 shorter than when it was opened (truncated or rewritten in place while open)"
+            )));
+        }
+        let mut out = vec![0u8; total];
+        match &self.storage {
+            Storage::Mapped(map, _) => {
+                for (i, dst) in out.chunks_exact_mut(span).enumerate() {
+                    let from = base + i * stride;
+                    dst.copy_from_slice(&map[from..from + span]);
+                }
+            }
+            Storage::File(file) => {
+                // About 1 MiB of output per task, whole spans.
+                let spans_per_task = ((1usize << 20) / span.max(1)).max(1);
+                let read = |(task, chunk): (usize, &mut [u8])| -> std::io::Result<()> {
+                    for (i, dst) in chunk.chunks_exact_mut(span).enumerate() {
+                        let offset = base + (task * spans_per_task + i) * stride;
+                        read_exact_at(file, dst, offset as u64)?;
+                    }
+                    Ok(())
+                };
+                let chunks = out.chunks_mut(spans_per_task * span).enumerate();
+                let done: std::io::Result<()> = if total >= PARALLEL_SPAN_BYTES {
+                    chunks
+                        .collect::<Vec<_>>()
+                        .into_par_iter()
+                        .try_for_each(read)
+                } else {
+                    chunks.into_iter().try_for_each(read)
+                };
+                done.map_err(|source| {
+                    self.read_failed(source, || {
+                        bad("cut short during the read (the file was truncated while open)".into())
+                    })
+                })?;
+                self.bytes_read.fetch_add(total as u64, Ordering::Relaxed);
+            }
+        }
+        Ok(TensorData::Owned(out))
+    }
+
+    /// The header entry of tensor `name`, or [`Error::TensorNotFound`].
+    fn tensor_info(&self, name: &str) -> Result<&TensorInfo> {
+        self.info(name).ok_or_else(|| Error::TensorNotFound {
+            path: self.path.clone(),
+            name: name.to_string(),
+        })
+    }
+
+    /// The open file handle (both backends keep one).
+    fn handle(&self) -> &File {
+        match &self.storage {
+            Storage::Mapped(_, file) | Storage::File(file) => file,
+        }
+    }
+
+    /// The file's length now, which a truncation since it was opened makes shorter.
+    fn len_now(&self) -> Result<u64> {
+        let metadata = self.handle().metadata().map_err(|source| Error::Io {
+            path: self.path.clone(),
+            source,
+        })?;
+        Ok(metadata.len())
+    }
+
+    /// The error for a failed positioned read: the end of the file met early is `cut_short` (the
+    /// file was truncated during the read), anything else [`Error::Io`].
+    fn read_failed(&self, source: std::io::Error, cut_short: impl FnOnce() -> Error) -> Error {
+        if source.kind() == std::io::ErrorKind::UnexpectedEof {
+            cut_short()
+        } else {
+            Error::Io {
+                path: self.path.clone(),
+                source,
+            }
+        }
+    }
+}
+
+/// Below this many output bytes, `read_spans` reads on the calling thread.
+const PARALLEL_SPAN_BYTES: usize = 4 << 20;
