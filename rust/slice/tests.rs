@@ -333,6 +333,24 @@ fn gather_cols_refuses_wrong_lengths() {
     assert!(gather_cols(o, &full, &mut out).is_ok());
 }
 
+/// `write` (a slicer filling a caller's buffer), given a buffer of `fill` bytes, leaves in it
+/// exactly the bytes `shard_bytes` gives for `t` on `rank`.
+fn assert_writes_shard_bytes(
+    write: fn(&KdaTensorPlan, &[u8], &mut [u8]) -> Result<()>,
+    t: &KdaTensorPlan,
+    full: &[u8],
+    fill: u8,
+    rank: usize,
+) {
+    let mut out = vec![fill; t.local_bytes()];
+    write(t, full, &mut out).unwrap();
+    assert!(
+        out[..] == shard_bytes(t, full).unwrap()[..],
+        "{} rank {rank}",
+        t.name
+    );
+}
+
 /// `gather_cols` is public; on a row-sliced plan it must give this rank's rows, not rank 0's.
 #[test]
 fn gather_cols_on_row_kinds_matches_shard_bytes() {
@@ -340,13 +358,7 @@ fn gather_cols_on_row_kinds_matches_shard_bytes() {
         let p = small(rank);
         for t in &p.tensors {
             let full = noise(t.full_bytes(), 11);
-            let mut out = vec![0u8; t.local_bytes()];
-            gather_cols(t, &full, &mut out).unwrap();
-            assert!(
-                out[..] == shard_bytes(t, &full).unwrap()[..],
-                "{} rank {rank}",
-                t.name
-            );
+            assert_writes_shard_bytes(gather_cols, t, &full, 0, rank);
         }
     }
 }
@@ -425,13 +437,7 @@ fn shard_into_equals_shard_bytes_for_every_kind() {
             let p = make(rank);
             for t in &p.tensors {
                 let full = noise(t.full_bytes(), 23 + rank as u64);
-                let mut out = vec![0xEEu8; t.local_bytes()];
-                shard_into(t, &full, &mut out).unwrap();
-                assert!(
-                    out[..] == shard_bytes(t, &full).unwrap()[..],
-                    "{} rank {rank}",
-                    t.name
-                );
+                assert_writes_shard_bytes(shard_into, t, &full, 0xEE, rank);
             }
         }
     }
