@@ -13,6 +13,10 @@
 //! The Python bindings (`kda_tp._native`) live behind the `python` cargo feature, so
 //! `cargo test` builds and tests the core without Python.
 
+#[cfg(test)]
+#[macro_use]
+mod test_util;
+
 pub mod checkpoint;
 pub mod error;
 pub mod pages;

@@ -112,3 +112,29 @@ const BACKENDS: [Backend; 2] = [Backend::Mmap, Backend::Pread];
 fn assert_contains(reason: &str, want: &str) {
     assert!(reason.contains(want), "{want:?} not in {reason:?}");
 }
+
+/// `a` U8 [8] at data bytes [0, 8) and `b` U8 [8] at [4, 12), overlapping it (12 data bytes).
+fn overlapping_header() -> serde_json::Value {
+    json!({
+        "a": {"dtype": "U8", "shape": [8], "data_offsets": [0, 8]},
+        "b": {"dtype": "U8", "shape": [8], "data_offsets": [4, 12]},
+    })
+}
+
+/// `a` U8 [4] at data bytes [0, 4) and `b` U8 [4] at [8, 12): a gap of 4 bytes (12 data bytes).
+fn gapped_header() -> serde_json::Value {
+    json!({
+        "a": {"dtype": "U8", "shape": [4], "data_offsets": [0, 4]},
+        "b": {"dtype": "U8", "shape": [4], "data_offsets": [8, 12]},
+    })
+}
+
+/// `a` U8 [4] at data bytes [4, 8): the data does not start at offset 0 (8 data bytes).
+fn late_start_header() -> serde_json::Value {
+    json!({"a": {"dtype": "U8", "shape": [4], "data_offsets": [4, 8]}})
+}
+
+/// `w` F32 [3] (12 bytes) whose offsets span 8 bytes.
+fn size_mismatch_header() -> serde_json::Value {
+    json!({"w": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}})
+}

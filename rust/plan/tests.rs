@@ -37,8 +37,5 @@ fn opts(qk_multiple: usize, dtypes: &[(&str, Dtype)]) -> PlanOptions {
 }
 
 fn overflow_tensor(r: Result<KdaTpPlan>) -> String {
-    match r {
-        Err(Error::Overflow { tensor }) => tensor,
-        other => panic!("expected Overflow, got {other:?}"),
-    }
+    error_fields!(r, Overflow { tensor })
 }

@@ -55,17 +55,17 @@ fn naive_cols(t: &KdaTensorPlan, full: &[u8]) -> Vec<u8> {
 }
 
 fn buffer_size(r: Result<impl std::fmt::Debug>) -> (String, usize, usize, usize, usize, usize) {
-    match r {
-        Err(Error::BufferSize {
+    error_fields!(
+        r,
+        BufferSize {
             tensor,
             actual,
             expected,
             rows,
             row_elems,
             elem_bytes,
-        }) => (tensor, actual, expected, rows, row_elems, elem_bytes),
-        other => panic!("expected BufferSize, got {other:?}"),
-    }
+        }
+    )
 }
 
 // ---------------------------------------------------------------------------------------------

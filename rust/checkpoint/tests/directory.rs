@@ -1,6 +1,5 @@
 //! Checkpoints: a single file, a directory with one file, a directory with an index (and the
 //! index parsed from memory).
-#![allow(clippy::unwrap_used)]
 
 use super::*;
 
@@ -139,6 +138,19 @@ fn an_index_may_name_files_in_a_subdirectory() {
     assert_eq!(ckpt.read("x").unwrap().as_slice(), &bytes[..]);
 }
 
+/// A fresh directory holding [`two_shards`] (and no index yet).
+fn sharded_dir(tag: &str) -> TempDir {
+    let dir = TempDir::new(tag);
+    two_shards(&dir);
+    dir
+}
+
+/// Writes `index` as the directory's index and returns the reason the checkpoint is refused.
+fn index_refusal(dir: &TempDir, index: &[u8]) -> String {
+    dir.write(INDEX_NAME, index);
+    index_err(dir)
+}
+
 fn index_err(dir: &TempDir) -> String {
     let (path, reason) = checkpoint_err(dir.path());
     assert_eq!(path, dir.path().join(INDEX_NAME));
@@ -147,36 +159,32 @@ fn index_err(dir: &TempDir) -> String {
 
 #[test]
 fn refuses_an_index_that_is_not_json() {
-    let dir = TempDir::new("index-notjson");
-    two_shards(&dir);
-    dir.write(INDEX_NAME, b"{\"weight_map\": ");
-    assert_contains(&index_err(&dir), "not JSON");
+    let dir = sharded_dir("index-notjson");
+    assert_contains(&index_refusal(&dir, b"{\"weight_map\": "), "not JSON");
 }
 
 #[test]
 fn refuses_an_index_without_a_weight_map() {
-    let dir = TempDir::new("index-nomap");
-    two_shards(&dir);
-    dir.write(INDEX_NAME, br#"{"metadata": {}}"#);
-    assert_contains(&index_err(&dir), "no \"weight_map\" object");
-    dir.write(INDEX_NAME, br#"{"weight_map": ["a"]}"#);
-    assert_contains(&index_err(&dir), "no \"weight_map\" object");
-    dir.write(INDEX_NAME, b"[]");
-    assert_contains(&index_err(&dir), "no \"weight_map\" object");
+    let dir = sharded_dir("index-nomap");
+    for index in [
+        &br#"{"metadata": {}}"#[..],
+        br#"{"weight_map": ["a"]}"#,
+        b"[]",
+    ] {
+        assert_contains(&index_refusal(&dir, index), "no \"weight_map\" object");
+    }
 }
 
 #[test]
 fn refuses_a_weight_map_entry_that_is_not_a_string() {
-    let dir = TempDir::new("index-nonstring");
-    two_shards(&dir);
+    let dir = sharded_dir("index-nonstring");
     write_index(&dir, json!({"a": F1, "b": F1, "c": 2}));
     assert_contains(&index_err(&dir), "weight_map[\"c\"] is not a file name");
 }
 
 #[test]
 fn refuses_an_index_naming_a_missing_file() {
-    let dir = TempDir::new("index-missing");
-    two_shards(&dir);
+    let dir = sharded_dir("index-missing");
     write_index(
         &dir,
         json!({"a": F1, "b": F1, "c": "model-00003-of-00002.safetensors"}),
@@ -191,8 +199,7 @@ fn refuses_an_index_naming_a_missing_file() {
 
 #[test]
 fn refuses_a_tensor_mapped_to_a_file_that_lacks_it() {
-    let dir = TempDir::new("index-lacks");
-    two_shards(&dir);
+    let dir = sharded_dir("index-lacks");
     write_index(&dir, json!({"a": F1, "b": F1, "c": F1}));
     let reason = index_err(&dir);
     assert_contains(
@@ -203,8 +210,7 @@ fn refuses_a_tensor_mapped_to_a_file_that_lacks_it() {
 
 #[test]
 fn refuses_paths_that_leave_the_directory() {
-    let dir = TempDir::new("index-escape");
-    two_shards(&dir);
+    let dir = sharded_dir("index-escape");
     let outside =
         std::env::temp_dir().join(format!("kda_tp-outside-{}.safetensors", std::process::id()));
     for bad in [
@@ -228,9 +234,8 @@ fn refuses_paths_that_leave_the_directory() {
 #[test]
 fn a_symlink_into_a_blob_store_is_followed() {
     // The Hugging Face cache: snapshots/<rev>/<file> -> ../../blobs/<sha>.
-    let dir = TempDir::new("index-symlink");
+    let dir = sharded_dir("index-symlink");
     let outside = TempDir::new("index-symlink-target");
-    two_shards(&dir);
     let bytes = data(5, 0);
     let target = outside.write(
         "c.safetensors",
@@ -255,8 +260,7 @@ fn a_symlink_inside_the_directory_is_followed() {
 
 #[test]
 fn refuses_a_file_tensor_missing_from_the_index() {
-    let dir = TempDir::new("index-unlisted");
-    two_shards(&dir);
+    let dir = sharded_dir("index-unlisted");
     write_index(&dir, json!({"a": F1, "c": F2}));
     assert_contains(
         &index_err(&dir),
@@ -266,8 +270,7 @@ fn refuses_a_file_tensor_missing_from_the_index() {
 
 #[test]
 fn refuses_a_tensor_held_by_two_files() {
-    let dir = TempDir::new("index-twice");
-    two_shards(&dir);
+    let dir = sharded_dir("index-twice");
     // F2 also holds `a`; the index says `a` lives in F1.
     dir.write(
         F2,
@@ -285,8 +288,7 @@ fn refuses_a_tensor_held_by_two_files() {
 
 #[test]
 fn a_bad_shard_file_is_refused_through_the_index() {
-    let dir = TempDir::new("index-badshard");
-    two_shards(&dir);
+    let dir = sharded_dir("index-badshard");
     dir.write(F2, b"tiny");
     write_index(&dir, json!({"a": F1, "b": F1, "c": F2}));
     for backend in BACKENDS {
@@ -320,8 +322,7 @@ fn refuses_an_index_nested_too_deep_or_too_large() {
     let deep = format!("{}{}", "[".repeat(100_000), "]".repeat(100_000));
     let err = parse_index(Path::new("index.json"), deep.as_bytes()).unwrap_err();
     assert_contains(&err.to_string(), "recursion limit");
-    let dir = TempDir::new("index-huge");
-    two_shards(&dir);
+    let dir = sharded_dir("index-huge");
     let file = File::create(dir.path().join(INDEX_NAME)).unwrap();
     file.set_len(MAX_INDEX_BYTES + 1).unwrap();
     assert_contains(&index_err(&dir), "more than the 100000000 bytes");

@@ -1,6 +1,5 @@
 //! One file: round trips on both backends, files truncated while open, and paths that are not
 //! regular files.
-#![allow(clippy::unwrap_used)]
 
 use super::*;
 

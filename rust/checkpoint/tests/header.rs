@@ -1,5 +1,4 @@
 //! Named refusals from `parse_header` (no file I/O), and its fast and slow paths agreeing.
-#![allow(clippy::unwrap_used)]
 
 use super::*;
 use crate::checkpoint::header::{typed_entries, value_entries, ParsedHeader};
@@ -27,7 +26,7 @@ fn parse_header_names_the_tensor() {
             "tensor \"odd\": unknown variant",
         ),
         (
-            json!({"w": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}}),
+            size_mismatch_header(),
             8,
             "tensor \"w\": shape [3] of F32 is 12 bytes, but its data_offsets [0, 8] span 8 bytes",
         ),
@@ -47,23 +46,13 @@ fn parse_header_names_the_tensor() {
             "tensor \"w\": shape",
         ),
         (
-            json!({
-                "a": {"dtype": "U8", "shape": [8], "data_offsets": [0, 8]},
-                "b": {"dtype": "U8", "shape": [8], "data_offsets": [4, 12]},
-            }),
+            overlapping_header(),
             12,
             "tensor \"b\" (data bytes [4, 12)) overlaps tensor \"a\"",
         ),
+        (gapped_header(), 12, "a gap of 4 bytes between tensor \"a\""),
         (
-            json!({
-                "a": {"dtype": "U8", "shape": [4], "data_offsets": [0, 4]},
-                "b": {"dtype": "U8", "shape": [4], "data_offsets": [8, 12]},
-            }),
-            12,
-            "a gap of 4 bytes between tensor \"a\"",
-        ),
-        (
-            json!({"a": {"dtype": "U8", "shape": [4], "data_offsets": [4, 8]}}),
+            late_start_header(),
             8,
             "between the start of the data section",
         ),

@@ -1,5 +1,4 @@
 //! Refusals of one malformed file, each with its error variant and reason.
-#![allow(clippy::unwrap_used)]
 
 use super::*;
 
@@ -96,75 +95,69 @@ fn refuses_a_header_that_is_not_a_json_object() {
     }
 }
 
+/// A file of `header` and `data_len` zero bytes is refused as an invalid header.
+fn assert_invalid_header(header: &serde_json::Value, data_len: usize) {
+    assert_contains(&refused(&st(header, &vec![0; data_len])), "invalid header");
+}
+
 #[test]
 fn refuses_an_unknown_dtype() {
-    let h = json!({"w": {"dtype": "Q7", "shape": [2], "data_offsets": [0, 2]}});
-    assert_contains(&refused(&st(&h, &[0, 0])), "invalid header");
+    assert_invalid_header(
+        &json!({"w": {"dtype": "Q7", "shape": [2], "data_offsets": [0, 2]}}),
+        2,
+    );
 }
 
 #[test]
 fn refuses_a_byte_range_that_disagrees_with_the_shape() {
     // F32 [3] is 12 bytes, the offsets say 8.
-    let h = json!({"w": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}});
-    assert_contains(&refused(&st(&h, &[0; 8])), "invalid header");
+    assert_invalid_header(&size_mismatch_header(), 8);
     // Missing fields.
-    let h = json!({"w": {"dtype": "F32", "shape": [2]}});
-    assert_contains(&refused(&st(&h, &[0; 8])), "invalid header");
+    assert_invalid_header(&json!({"w": {"dtype": "F32", "shape": [2]}}), 8);
     // A shape whose byte size overflows.
-    let h = json!({"w": {"dtype": "F32", "shape": [u64::MAX, 4], "data_offsets": [0, 8]}});
-    assert_contains(&refused(&st(&h, &[0; 8])), "invalid header");
+    assert_invalid_header(
+        &json!({"w": {"dtype": "F32", "shape": [u64::MAX, 4], "data_offsets": [0, 8]}}),
+        8,
+    );
 }
 
 #[test]
 fn refuses_overlapping_tensors() {
-    let h = json!({
-        "a": {"dtype": "U8", "shape": [8], "data_offsets": [0, 8]},
-        "b": {"dtype": "U8", "shape": [8], "data_offsets": [4, 12]},
-    });
-    assert_contains(&refused(&st(&h, &[0; 12])), "invalid header");
+    assert_invalid_header(&overlapping_header(), 12);
 }
 
 #[test]
 fn refuses_a_gap_between_tensors() {
-    let h = json!({
-        "a": {"dtype": "U8", "shape": [4], "data_offsets": [0, 4]},
-        "b": {"dtype": "U8", "shape": [4], "data_offsets": [8, 12]},
-    });
-    assert_contains(&refused(&st(&h, &[0; 12])), "invalid header");
+    assert_invalid_header(&gapped_header(), 12);
     // Data that does not start at offset 0.
-    let h = json!({"a": {"dtype": "U8", "shape": [4], "data_offsets": [4, 8]}});
-    assert_contains(&refused(&st(&h, &[0; 8])), "invalid header");
+    assert_invalid_header(&late_start_header(), 8);
+}
+
+/// The refusal of a file of `header` and `data_len` zero bytes, where the header describes
+/// `described` data bytes: the reason, checked to give both file lengths (8 + header + data).
+fn length_refusal(header: &serde_json::Value, data_len: usize, described: usize) -> String {
+    let header_len = header.to_string().len();
+    let reason = refused(&st(header, &vec![0; data_len]));
+    assert_contains(
+        &reason,
+        &format!(
+            "the header describes {} bytes but the file has {}",
+            8 + header_len + described,
+            8 + header_len + data_len
+        ),
+    );
+    reason
 }
 
 #[test]
 fn refuses_offsets_past_the_end_of_the_file() {
     let h = header_for(&[("a", "F32", &[2]), ("b", "U8", &[4])]);
-    let header_len = h.to_string().len() as u64;
-    let reason = refused(&st(&h, &[0; 8]));
-    assert_contains(
-        &reason,
-        &format!(
-            "the header describes {} bytes but the file has {}",
-            8 + header_len + 12,
-            8 + header_len + 8
-        ),
-    );
-    assert_contains(&reason, "truncated");
+    assert_contains(&length_refusal(&h, 8, 12), "truncated");
 }
 
 #[test]
 fn refuses_trailing_bytes() {
-    let h = header_for(&[("a", "F32", &[2])]);
-    let header_len = h.to_string().len() as u64;
-    let reason = refused(&st(&h, &[0; 9]));
-    assert_contains(
-        &reason,
-        &format!(
-            "describes {} bytes but the file has {}",
-            8 + header_len + 8,
-            8 + header_len + 9
-        ),
-    );
+    length_refusal(&header_for(&[("a", "F32", &[2])]), 9, 8);
     // An empty header followed by data.
     assert_contains(
         &refused(&st_raw(b"{}", &[0])),
@@ -232,8 +225,7 @@ fn sub_byte_dtypes_are_sized_by_bits() {
 
 #[test]
 fn refuses_a_non_string_metadata_value() {
-    let h = json!({"__metadata__": {"n": 3}});
-    assert_contains(&refused(&st(&h, b"")), "invalid header");
+    assert_invalid_header(&json!({"__metadata__": {"n": 3}}), 0);
 }
 
 #[test]

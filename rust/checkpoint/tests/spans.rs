@@ -1,5 +1,4 @@
 //! Column blocks (`read_spans`) and the read counter.
-#![allow(clippy::unwrap_used)]
 
 use super::*;
 

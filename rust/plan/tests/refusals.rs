@@ -89,17 +89,17 @@ fn heads_not_divisible() {
 /// The fields of an [`Error::QkWidth`]: `(channels, multiple, local_heads, head_dim, heads,
 /// tp_size)`; panics on anything else.
 fn qk_width(r: Result<KdaTpPlan>) -> (usize, usize, usize, usize, usize, usize) {
-    match r {
-        Err(Error::QkWidth {
+    error_fields!(
+        r,
+        QkWidth {
             channels,
             multiple,
             local_heads,
             head_dim,
             heads,
             tp_size,
-        }) => (channels, multiple, local_heads, head_dim, heads, tp_size),
-        other => panic!("{other:?}"),
-    }
+        }
+    )
 }
 
 /// Spec: the smallest legal stand-in is heads=4, head_dim=64 at TP=2 (local width 2*2*64 = 256).
