@@ -1,8 +1,10 @@
 //! The PyO3 binding layer (`kda_tp._native`): type and error conversion only; the logic lives in
-//! the core modules. The Python package re-exports these names and documents them.//!
+//! the core modules. The Python package re-exports these names and documents them.
+//!
 //! One module per concern: [`errors`] (the core's errors as `kda_tp.errors` exceptions),
 //! [`tensor`] (`KdaShard`, `KdaTensorPlan`), [`plan`] (`KdaTpPlan` and its argument checks),
-//! [`slice`] (the byte slicers on numpy buffers), [`checkpoint`] (`Checkpoint`, `TensorBytes`).
+//! [`slice`](mod@slice) (the byte slicers on numpy buffers), [`checkpoint`] (`Checkpoint`,
+//! `TensorBytes`).
 
 use pyo3::prelude::*;
 

@@ -122,7 +122,7 @@ pub(super) fn value_entries(path: &Path, text: &str) -> Result<ParsedHeader> {
             .map_err(|e| bad(format!("invalid header: tensor {name:?}: {e}")))?;
         tensors.push((name, info));
     }
-    tensors.sort_by(|(a, x), (b, y)| (x.data_offsets, a).cmp(&(y.data_offsets, b)));
+    sort_in_data_order(&mut tensors);
     Ok((user_metadata, tensors))
 }
 
@@ -235,8 +235,14 @@ pub(super) fn typed_entries(text: &str) -> Option<ParsedHeader> {
     if !tensors.iter().all(|(name, _)| seen.insert(name.as_str())) {
         return None;
     }
-    tensors.sort_by(|(a, x), (b, y)| (x.data_offsets, a).cmp(&(y.data_offsets, b)));
+    sort_in_data_order(&mut tensors);
     Some((user_metadata, tensors))
+}
+
+/// Sorts tensor entries in data order: by offsets, then by name (zero-length tensors share an
+/// offset), so that the order is deterministic.
+fn sort_in_data_order(tensors: &mut [(String, TensorInfo)]) {
+    tensors.sort_by(|(a, x), (b, y)| (x.data_offsets, a).cmp(&(y.data_offsets, b)));
 }
 
 /// A JSON object's entries in document order, and the first key seen twice (serde_json's own
