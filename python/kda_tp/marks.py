@@ -37,7 +37,8 @@ __all__ = [
 #: ``O_NOFOLLOW`` where the platform has it.
 NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 
-#: The staging directory ``demo --keep DIR`` builds in, inside ``DIR`` (:func:`claim_demo_dir`).
+#: The staging directory ``demo --keep DIR`` builds in, inside ``DIR``
+#: (:func:`kda_tp.outdir.claim_demo_dir`).
 DEMO_STAGING_PREFIX = ".kda-tp-demo-"
 
 

@@ -124,8 +124,7 @@ def write_checkpoint(
     """Write a synthetic checkpoint with the geometry of a real KDA model.
 
     Args:
-        out_dir: directory to write into (created if missing; files of the same names are
-            replaced).
+        out_dir, seed, max_file_bytes, progress: as for :func:`write_small_checkpoint`.
         model: a key of :data:`GEOMETRIES`: ``"kimi-linear"`` (Kimi-Linear-48B-A3B attention:
             every 4th layer MLA, Kimi config), ``"glm-5.3-flash"`` (all layers KDA, listed in
             ``layer_types``; GLM config, ``style="glm"``), ``"kimi-k3"`` (Kimi K3: every 4th
@@ -135,12 +134,7 @@ def write_checkpoint(
             NVIDIA's ModelOpt release stores them, ``fp8=True``).
         num_layers: number of decoder layers (default 4: 0-based layer 3 is MLA for Kimi and
             K3; with K3 and 2 layers, layer 0 is KDA and layer 1 MLA).
-        seed: non-negative int; the same arguments give byte-identical files.
         vocab_size: rows of ``embed_tokens`` and ``lm_head``; small by default to keep files small.
-        max_file_bytes: byte budget per safetensors file (tensor data; a file exceeds it by at
-            most one tensor). At least two files are always written.
-        progress: optional ``progress(bytes_done, bytes_total)``, called after each tensor is
-            generated, with byte counts of tensor data.
 
     Sizes with the defaults: Kimi-Linear 4 layers about 305 MB in 2 files, GLM-5.3-Flash 4 layers
     about 1.1 GB in 3 files, Kimi K3 2 layers (one KDA, one MLA) about 1.4 GB in 4 files.
