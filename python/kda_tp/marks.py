@@ -168,7 +168,6 @@ def refuse(path: Path, why: str, what: str) -> OutputError:
     return OutputError(f"{path}: {why}; {_FIXES[what]}")
 
 
-
 def foreign_output(path: Path) -> str | None:
     """Why ``path`` (an entry of a ``demo --keep`` directory that the demo does not replace)
     is not an output kda-tp wrote, or None when it is: a ``shard`` output (rank directories

@@ -295,7 +295,6 @@ def write_small_checkpoint(
     return out
 
 
-
 def _write_tensor_files(
     out: Path, specs: list[Spec], seed: int, max_file_bytes: int, progress: ProgressFn | None
 ) -> None:

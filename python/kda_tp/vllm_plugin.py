@@ -74,10 +74,11 @@ from typing import Any, TypeVar
 from .errors import KdaTpError
 from .guard import (
     CHECKPOINT_ENV,
-    DERIVED,
+    DERIVED_ATTRIBUTES,
     GuardResult,
     cannot_check,
     check,
+    derived_copies,
     explicit_checkpoint,
     looks_kda,
     mode,
@@ -102,10 +103,6 @@ logger = logging.getLogger("kda_tp.guard")
 
 # Loader classes whose load_weights only fill random or no weights: nothing to check.
 _UNCHECKED_LOADERS = ("DummyModelLoader",)
-# The derived copies' names any layout keeps (after `self_attn.`), buffers and attributes.
-_DERIVED_NAMES = frozenset(n for copies in DERIVED.values() for n in copies)
-_ATTRIBUTES = frozenset(n for copies in DERIVED.values() for n, d in copies.items()
-                        if d.attribute)
 _WRAPPED = "__kda_tp_guard__"
 _F = TypeVar("_F", bound=Callable[..., Any])
 _state = threading.local()  # nested load_weights calls (a subclass calling super()): guard once
@@ -185,8 +182,7 @@ def _hook(target: str, found: Any) -> bool:
 
 
 def _unwrapped(owner: Any, attr: str, target: str) -> Any:
-    """``owner.attr``, what hook ``target`` wraps, when it is there (:func:`_hook` records
-    it armed or missing) and not kda_tp's wrapper already; else None."""
+    """``owner.attr`` (hook ``target``: :func:`_hook`) unless missing or wrapped already."""
     original = getattr(owner, attr, None)
     if not _hook(target, original) or getattr(original, _WRAPPED, False):
         return None
@@ -473,18 +469,6 @@ def _rank() -> tuple[int, int]:
     return int(tp.rank_in_group), int(tp.world_size)
 
 
-def _derived(model: Any) -> dict[str, Any]:
-    """The model's derived copies kda_tp knows: buffers, and plain attributes once built."""
-    found = {n: b for n, b in model.named_buffers()
-             if b is not None and n.rpartition(".")[2] in _DERIVED_NAMES}
-    for name, module in model.named_modules():
-        for attribute in _ATTRIBUTES:
-            value = module.__dict__.get(attribute)
-            if value is not None:
-                found[f"{name}.{attribute}" if name else attribute] = value
-    return found
-
-
 def guard_model(model: Any, model_config: Any, *, loader: str = "",
                 vllm_config: Any = None, guard_mode: str | None = None,
                 checkpoint: str | None = None) -> GuardResult | None:
@@ -536,7 +520,7 @@ def guard_model(model: Any, model_config: Any, *, loader: str = "",
         return None
     if not found:
         return None  # a KDA_TP_GUARD_CHECKPOINT that is not there, in mode warn: warned
-    result = check(params, found, tp_rank=rank, tp_size=size, derived=_derived(model),
+    result = check(params, found, tp_rank=rank, tp_size=size, derived=derived_copies(model),
                    where=where, layers=_stage_layers(params), guard_mode=guard_mode,
                    model_dtype=model_dtype_name(getattr(model_config, "dtype", None)))
     if result is not None:
@@ -608,7 +592,7 @@ def follow_updates(model: Any, model_config: Any, vllm_config: Any = None) -> No
     follow(model, Followed(
         "vllm", checkpoint, _rank,
         lambda: {n: _as_processed(n, p) for n, p in ref().named_parameters()},
-        lambda: _derived(ref()), lambda: _repair(ref()),
+        lambda: derived_copies(ref()), lambda: _repair(ref()),
         lambda line: _armed.ran("update", line)))
     _armed.hooks.setdefault("model.load_weights (updates)", "armed")
 
@@ -631,7 +615,7 @@ def _repair(model: Any) -> None:
     if os.environ.get(REPAIR_ENV, "").strip() not in ("1", "true", "yes", "on"):
         return
     for module in model.modules():
-        for attribute in _ATTRIBUTES:
+        for attribute in DERIVED_ATTRIBUTES:
             if module.__dict__.get(attribute) is not None:
                 setattr(module, attribute, None)
 
