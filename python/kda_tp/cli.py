@@ -234,7 +234,6 @@ def _parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("dump", help="write the KDA parameters an engine's ranks must hold, as "
                        "its save_sharded_state would (model-rank-{r}-part-0.safetensors)")
-    p.add_argument("checkpoint", type=Path)
     _add_engine_output(p)
     p.add_argument("--out", type=_nonempty_path, required=True, help="output directory")
     p.add_argument("--force", action="store_true",
@@ -245,7 +244,6 @@ def _parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("digests", help="print the SHA-256 of every rank's expected KDA "
                        "parameters, keyed as vLLM's weight checksums (dp0:pp0:pcp0:tp{r}:name)")
-    p.add_argument("checkpoint", type=Path)
     _add_engine_output(p)
     _add_json(p, "the digests (under checksums, as vLLM's /weight_checker returns them)")
     p.set_defaults(run=cmd_digests)
@@ -265,7 +263,9 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _add_engine_output(p: argparse.ArgumentParser) -> None:
-    """``dump``'s and ``digests``' flags: the engine layout, world size, ranks and dtype."""
+    """``dump``'s and ``digests``' arguments: the checkpoint, the engine layout, world size,
+    ranks and dtype."""
+    p.add_argument("checkpoint", type=Path)
     p.add_argument("--engine", required=True, help="the engine layout (kda_tp.engines.LAYOUTS, "
                    "e.g. vllm-0.33-kimi-linear; docs/engine-layouts.md)")
     p.add_argument("--tp-size", type=int, required=True, help="tensor-parallel world size")

@@ -37,9 +37,9 @@ RULES_KIMI = "kimi"
 RULES_GENERIC = "generic"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ModelFamily:
-    """One model family.
+    """One model family (an entry states only what differs from the defaults: Kimi-Linear's).
 
     Attributes:
         name: the engine tables' name (``EngineLayout.family``): ``"kimi-k3"``.
@@ -69,11 +69,11 @@ class ModelFamily:
     display: str
     model_types: tuple[str, ...]
     rules: str
-    full_rank_gate: bool
+    full_rank_gate: bool = False
     decoder_prefix: str
-    lm_head: str
-    stored_dtypes: Mapping[str, str] | None
-    flat_a_log: bool
+    lm_head: str = "lm_head.weight"
+    stored_dtypes: Mapping[str, str] | None = None
+    flat_a_log: bool = False
     demo: str
     style: str
     geometry: Mapping[str, Any]
@@ -87,21 +87,23 @@ class ModelFamily:
 
 _F32 = "F32"
 
+
+def _geometry(hidden: int, heads: int, full_attn_every: int | None) -> dict[str, Any]:
+    """A demo geometry (:attr:`ModelFamily.geometry`); every family's KDA layers have
+    ``head_dim`` 128, a conv kernel of 4 and (synthetic) gate rank 128."""
+    return {"hidden": hidden, "heads": heads, "head_dim": 128, "conv_kernel": 4,
+            "gate_rank": 128, "full_attn_every": full_attn_every}
+
 _ENTRIES = (
     ModelFamily(
         name="kimi-linear",
         display="Kimi-Linear",
         model_types=("kimi_linear",),
         rules=RULES_KIMI,
-        full_rank_gate=False,
         decoder_prefix="model.layers.",
-        lm_head="lm_head.weight",
-        stored_dtypes=None,
-        flat_a_log=False,
         demo="kimi-linear",
         style="kimi",
-        geometry={"hidden": 2304, "heads": 32, "head_dim": 128, "conv_kernel": 4,
-                  "gate_rank": 128, "full_attn_every": 4},
+        geometry=_geometry(hidden=2304, heads=32, full_attn_every=4),
     ),
     # transformers' modeling_glm5_next.py creates the convs, A_log (1-D [H]) and dt_bias in
     # float32, so its checkpoints store them as F32.
@@ -110,16 +112,13 @@ _ENTRIES = (
         display="GLM-5.3-Flash",
         model_types=("glm5_next", "glm5_next_text"),
         rules=RULES_GLM,
-        full_rank_gate=False,
         decoder_prefix="model.language_model.layers.",
-        lm_head="lm_head.weight",
         stored_dtypes=dict.fromkeys(("q_conv1d", "k_conv1d", "v_conv1d", "A_log", "dt_bias"),
                                     _F32),
         flat_a_log=True,
         demo="glm-5.3-flash",
         style="glm",
-        geometry={"hidden": 4096, "heads": 64, "head_dim": 128, "conv_kernel": 4,
-                  "gate_rank": 128, "full_attn_every": None},
+        geometry=_geometry(hidden=4096, heads=64, full_attn_every=None),
     ),
     # Kimi K3 (2.8T): 93 layers, every 4th and the last MLA; one KDA layer is about 0.89 GB.
     ModelFamily(
@@ -130,12 +129,9 @@ _ENTRIES = (
         full_rank_gate=True,
         decoder_prefix="language_model.model.layers.",
         lm_head="language_model.lm_head.weight",
-        stored_dtypes=None,
-        flat_a_log=False,
         demo="kimi-k3",
         style="k3",
-        geometry={"hidden": 7168, "heads": 96, "head_dim": 128, "conv_kernel": 4,
-                  "gate_rank": 128, "full_attn_every": 4},
+        geometry=_geometry(hidden=7168, heads=96, full_attn_every=4),
         # The attention projections in FP8 128x128 blocks (NVIDIA's ModelOpt release).
         variants={"kimi-k3-fp8": {"fp8": True}},
     ),

@@ -49,8 +49,9 @@ from .engine_audit import AuditReport, as_record, audit
 from .engines import kda_only_suffixes, param_location
 from .errors import CheckpointError, GuardError, GuardModeError, KdaTpError
 
-__all__ = ["CHECKPOINT_ENV", "DERIVED", "MODES", "MODE_ENV", "Derived", "GuardResult",
-           "cannot_check", "check", "checkpoint_env", "derived_problem", "explicit_checkpoint",
+__all__ = ["CHECKPOINT_ENV", "DERIVED", "DERIVED_ATTRIBUTES", "MODES", "MODE_ENV", "Derived",
+           "GuardResult", "cannot_check", "check", "checkpoint_env", "derived_copies",
+           "derived_problem", "explicit_checkpoint",
            "holds_kda", "looks_kda", "mode", "model_dtype_name", "rank_report",
            "resolve_checkpoint", "stage_layers"]
 
@@ -69,7 +70,6 @@ logger = logging.getLogger("kda_tp.guard")
 # Parameter names only a KDA layer has (every engine layout holds A_log and dt_bias; other
 # linear-attention layers such as Qwen3-Next's hold theirs under `linear_attn.`).
 _MARKERS = (".A_log", ".dt_bias")
-
 
 
 def _conv_decode(conv1d: np.ndarray) -> np.ndarray:
@@ -129,6 +129,25 @@ DERIVED: Mapping[str, Mapping[str, Derived]] = {
             attribute=True, issue="https://github.com/vllm-project/vllm/issues/55087"),
     },
 }
+
+#: The derived copies that are plain attributes of a layer (not buffers), by name.
+DERIVED_ATTRIBUTES = frozenset(n for copies in DERIVED.values() for n, d in copies.items()
+                               if d.attribute)
+_DERIVED_NAMES = frozenset(n for copies in DERIVED.values() for n in copies)
+
+
+def derived_copies(model: Any) -> dict[str, Any]:
+    """The derived copies (:data:`DERIVED`) a ``torch.nn.Module`` holds, by full name: its
+    buffers of those names, and the plain attributes once built (not None)."""
+    found = {n: b for n, b in model.named_buffers()
+             if b is not None and n.rpartition(".")[2] in _DERIVED_NAMES}
+    for name, module in model.named_modules():
+        for attribute in DERIVED_ATTRIBUTES:
+            value = module.__dict__.get(attribute)
+            if value is not None:
+                found[f"{name}.{attribute}" if name else attribute] = value
+    return found
+
 
 # Names only a KDA layer has (any engine layout, and the derived copies): a model holding
 # some under `.self_attn.` without the markers is a KDA model whose markers are missing.

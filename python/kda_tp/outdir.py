@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import errno
 import fcntl
-import json
 import os
 import re
 import shutil
@@ -31,12 +30,25 @@ import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
-from ._io import TEMP_FILE, resolve_out, write_json
-from ._native import __version__
+from ._io import resolve_out
 from .checkpoint import SafetensorsSource
 from .config import parse_metadata_int
 from .errors import KdaTpError, OutputError
-from .rankdir import FILE_MARK, LOCK_FILE, MARK_NAME, PARTIAL_DIR, RANK_DIR, rank_dir
+
+# What kda-tp wrote (its marks) and the refusals of anything else: kda_tp.marks, and names
+# from there kept importable from here.
+from .marks import (
+    DEMO_STAGING_PREFIX,
+    NOFOLLOW,
+    foreign_dir,
+    foreign_file,
+    foreign_output,
+    read_mark,
+    refuse,
+    refuse_foreign_files,
+    write_mark,
+)
+from .rankdir import LOCK_FILE, MARK_NAME, PARTIAL_DIR, RANK_DIR, rank_dir
 
 __all__ = [
     "RankLocks",
@@ -65,117 +77,6 @@ __all__ = [
 _HOLDER_BYTES = 512
 #: The line a writer records in its lock file (see ``_lock_rank``).
 _HOLDER_LINE = re.compile(rb"pid [0-9]+ on [^\n]*, started [0-9TZ:-]+\n")
-#: ``O_NOFOLLOW`` where the platform has it.
-_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
-
-
-def write_mark(directory: Path, kind: str, entries: Iterable[str], mode: int | None = None) -> None:
-    """Write kda-tp's mark (:data:`~kda_tp.rankdir.MARK_NAME`) into ``directory``: a JSON
-    object ``{"written_by": "kda-tp", "version", "kind", "entries"}``, ``entries`` sorted.
-
-    Args:
-        directory: a directory kda-tp made.
-        kind: what it is: ``"rank"`` (a shard rank directory) or ``"demo"`` (``demo --keep``).
-        entries: the names kda-tp wrote into it (the mark itself not included).
-        mode: the file's mode bits (default: ``0o666`` less the umask).
-
-    Raises:
-        OutputError: the file cannot be written.
-    """
-    document = {"written_by": "kda-tp", "version": __version__, "kind": kind,
-                "entries": sorted(entries)}
-    write_json(directory / MARK_NAME, document, sync=False, mode=mode)
-
-
-def _read_mark(directory: Path) -> tuple[str, set[str]] | None:
-    """The kind and the entries of ``directory``'s mark, or None when it has none (or one
-    kda-tp did not write)."""
-    path = directory / MARK_NAME
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | _NOFOLLOW)
-    except OSError:
-        return None
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return None
-        with open(fd, "rb", closefd=False) as f:
-            document = json.loads(f.read(1 << 20))
-    except (OSError, ValueError):
-        return None
-    finally:
-        os.close(fd)
-    if not isinstance(document, dict) or document.get("written_by") != "kda-tp":
-        return None
-    kind, entries = document.get("kind"), document.get("entries")
-    if not isinstance(kind, str) or not isinstance(entries, list):
-        return None
-    # Names in the directory itself: a mark naming a path elsewhere is not kda-tp's.
-    if not all(isinstance(e, str) and e not in ("", ".", "..") and "/" not in e
-               and os.sep not in e for e in entries):
-        return None
-    return kind, set(entries)
-
-
-def foreign_dir(path: Path, kind: str, *, complete: bool = True) -> str | None:
-    """Why kda-tp must not remove or replace ``path``, or None when it may (it is kda-tp's).
-
-    kda-tp's: an empty directory, or one carrying the mark of ``kind`` and, with
-    ``complete``, holding only the entries the mark names (a partial directory, ``complete``
-    False, holds files still being written, or only kda-tp's temporary files when its writer
-    was killed while writing the mark).
-    """
-    if path.is_symlink():
-        return "a symbolic link (kda-tp writes directories, never links)"
-    if not path.is_dir():
-        return "not a directory" if path.exists() else None
-    try:
-        names = set(os.listdir(path))
-    except OSError as e:
-        return f"cannot be listed ({e})"
-    if not names:
-        return None
-    mark = _read_mark(path)
-    if mark is None and not complete and all(TEMP_FILE.match(n) for n in names):
-        return None
-    if mark is None:
-        shown = sorted(names)[0]
-        return f"it holds {shown} and no {MARK_NAME} (kda-tp's mark), so kda-tp did not write it"
-    if mark[0] != kind:
-        return f"its {MARK_NAME} marks a kda-tp {mark[0]} directory, not a {kind} directory"
-    extra = sorted(names - {MARK_NAME} - mark[1])
-    if complete and extra:
-        more = f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""
-        return f"it holds {extra[0]}{more}, which kda-tp did not write"
-    return None
-
-
-def foreign_file(path: Path) -> str | None:
-    """Why kda-tp must not remove or replace the safetensors file ``path``, or None when its
-    header's ``__metadata__`` carries :data:`~kda_tp.rankdir.FILE_MARK` (kda-tp wrote it)."""
-    if path.is_symlink():
-        return "a symbolic link (kda-tp writes files, never links)"
-    try:
-        files = SafetensorsSource(path).files()
-        meta = (files[0][1] or {}) if files else {}
-    except (KdaTpError, OSError):
-        meta = {}
-    if FILE_MARK in meta:
-        return None
-    return (f"its header carries no {FILE_MARK}, so kda-tp did not write it (an engine's own "
-            "dump?)")
-
-
-def refuse_foreign_files(paths: Iterable[Path]) -> None:
-    """Refuse to go on when one of ``paths`` (safetensors files a ``--force`` run would
-    replace or remove) was not written by kda-tp (:func:`foreign_file`).
-
-    Raises:
-        OutputError: naming the first such file and why; nothing is changed.
-    """
-    for path in paths:
-        why = foreign_file(path)
-        if why is not None:
-            raise _refuse(path, why, "replaces")
 
 
 def staged_name(final: Path) -> Path:
@@ -201,24 +102,6 @@ def input_mode(checkpoint: Path) -> int:
     except OSError as e:
         raise OutputError(f"{checkpoint}: cannot read the input's mode bits: {e}") from e
     return mode & 0o777 if files else 0o644
-
-
-#: What to do about a refused entry, by what kda-tp would have done with it.
-_FIXES = {
-    "replaces": "kda-tp replaces only what it wrote, even with --force: move it away, or "
-                "choose another output directory",
-    "removes": "kda-tp removes only what it wrote, even with --force: move it away, or choose "
-               "another output directory",
-    "writes": "kda-tp never writes to a file it did not create: remove it, or choose another "
-              "--out",
-    "demo": "demo --keep takes a new or empty directory, or one an earlier demo made, and "
-            "replaces only what kda-tp wrote: move it away, or choose another --keep DIR",
-}
-
-
-def _refuse(path: Path, why: str, what: str) -> OutputError:
-    """The refusal to touch ``path``, saying why and what to do (:data:`_FIXES`)."""
-    return OutputError(f"{path}: {why}; {_FIXES[what]}")
 
 
 def replace_files(staged: Mapping[Path, Path], stale: Iterable[Path]) -> None:
@@ -248,50 +131,6 @@ def replace_files(staged: Mapping[Path, Path], stale: Iterable[Path]) -> None:
 #: The most decoder layers ``demo --num-layers`` generates: the demo stays small (a Kimi-Linear
 #: layer is about 80 MB, a GLM-5.3-Flash layer about 280 MB, a Kimi K3 layer up to 0.9 GB).
 DEMO_MAX_LAYERS = 64
-#: The staging directory ``demo --keep DIR`` builds in, inside ``DIR`` (:func:`claim_demo_dir`).
-DEMO_STAGING_PREFIX = ".kda-tp-demo-"
-
-
-def _foreign_output(path: Path) -> str | None:
-    """Why ``path`` (an entry of a ``demo --keep`` directory that the demo does not replace)
-    is not an output kda-tp wrote, or None when it is: a ``shard`` output (rank directories
-    carrying kda-tp's rank mark, their locks and partial directories), a rank directory, a
-    ``dump`` (safetensors files carrying :data:`~kda_tp.rankdir.FILE_MARK`, and the JSON files
-    beside them), a demo staging directory, or an empty directory."""
-    if path.is_symlink():
-        return "a symbolic link (kda-tp writes directories, never links)"
-    if path.name.startswith(DEMO_STAGING_PREFIX) and path.is_dir():
-        return None
-    if path.is_file():
-        return foreign_file(path) if path.name.endswith(".safetensors") else (
-            "a file kda-tp did not write")
-    if not path.is_dir():
-        return "not a directory"
-    mark = _read_mark(path)
-    if mark is not None:
-        return foreign_dir(path, mark[0])
-    try:
-        names = sorted(os.listdir(path))
-    except OSError as e:
-        return f"cannot be listed ({e})"
-    for name in names:
-        entry = path / name
-        if RANK_DIR.match(name) and not entry.is_symlink() and entry.is_dir():
-            why = foreign_dir(entry, "rank")
-        elif PARTIAL_DIR.match(name):
-            why = foreign_dir(entry, "rank", complete=False)
-        elif LOCK_FILE.match(name) and not entry.is_symlink() and entry.is_file():
-            why = None
-        elif name.endswith(".safetensors"):
-            why = foreign_file(entry)
-        elif name.endswith(".json") and not entry.is_symlink() and entry.is_file() and any(
-                n.endswith(".safetensors") for n in names):
-            why = None  # a dump's manifest or config beside its marked files
-        else:
-            why = "it was not written by kda-tp"
-        if why is not None:
-            return f"{name}: {why}"
-    return None
 
 
 def claim_demo_dir(path: Path, entries: Iterable[str]) -> None:
@@ -321,31 +160,31 @@ def _check_demo_dir(path: Path, entries: set[str]) -> None:
     if path.is_symlink() or not path.is_dir():
         why = foreign_dir(path, "demo")
         if why is not None:
-            raise _refuse(path, why, "demo")
+            raise refuse(path, why, "demo")
         return
     try:
         # A demo's staging directory (this one's, or a killed one's) is its own.
         names = sorted(n for n in os.listdir(path) if not n.startswith(DEMO_STAGING_PREFIX))
     except OSError as e:
-        raise _refuse(path, f"cannot be listed ({e})", "demo") from e
+        raise refuse(path, f"cannot be listed ({e})", "demo") from e
     if not names:
         return
-    mark = _read_mark(path)
+    mark = read_mark(path)
     if mark is None or mark[0] != "demo":
-        raise _refuse(path, foreign_dir(path, "demo") or "no demo mark", "demo")
+        raise refuse(path, foreign_dir(path, "demo") or "no demo mark", "demo")
     replaced = mark[1] | entries
     for name in names:
         entry = path / name
         if name == MARK_NAME:
             continue
         if name not in replaced:
-            why = _foreign_output(entry)
+            why = foreign_output(entry)
         elif name == "checkpoint":
             why = foreign_dir(entry, "checkpoint")
         else:
-            why = _foreign_output(entry)
+            why = foreign_output(entry)
         if why is not None:
-            raise _refuse(entry, why, "demo")
+            raise refuse(entry, why, "demo")
 
 
 def replace_demo_dir(path: Path, staging: Path, entries: Iterable[str]) -> None:
@@ -359,7 +198,7 @@ def replace_demo_dir(path: Path, staging: Path, entries: Iterable[str]) -> None:
     _check_demo_dir(path, set(names))
     checkpoint = staging / "checkpoint"
     write_mark(checkpoint, "checkpoint", os.listdir(checkpoint))
-    mark = _read_mark(path)
+    mark = read_mark(path)
     for name in set() if mark is None else mark[1]:
         discard(path / name)
     for name in names:
@@ -550,11 +389,11 @@ def _lock_rank(out: Path, rank: int, wait: bool) -> tuple[Path, int]:
     path = out / f".rank{rank}.lock"
     while True:
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NONBLOCK | _NOFOLLOW,
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NONBLOCK | NOFOLLOW,
                          0o644)
         except OSError as e:
             if e.errno == errno.ELOOP or path.is_symlink():
-                raise _refuse(path, f"a symbolic link where rank {rank}'s lock file goes "
+                raise refuse(path, f"a symbolic link where rank {rank}'s lock file goes "
                               "(kda-tp's lock files are regular files it creates)",
                               "writes") from None
             raise OutputError(f"{path}: cannot create the lock file of rank {rank}: {e}") from e
@@ -563,7 +402,7 @@ def _lock_rank(out: Path, rank: int, wait: bool) -> tuple[Path, int]:
             if not stat.S_ISREG(info.st_mode) or info.st_nlink != 1:
                 what = ("not a regular file" if not stat.S_ISREG(info.st_mode)
                         else f"a file with {info.st_nlink} hard links")
-                raise _refuse(path, f"{what} where rank {rank}'s lock file goes", "writes")
+                raise refuse(path, f"{what} where rank {rank}'s lock file goes", "writes")
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
             except BlockingIOError:
@@ -577,7 +416,7 @@ def _lock_rank(out: Path, rank: int, wait: bool) -> tuple[Path, int]:
             if _same_file(path, fd):
                 held = os.pread(fd, _HOLDER_BYTES, 0)
                 if held and not _HOLDER_LINE.fullmatch(held):
-                    raise _refuse(path, "holds something else than a kda-tp lock's holder line",
+                    raise refuse(path, "holds something else than a kda-tp lock's holder line",
                                   "writes")
                 started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
                 line = f"pid {os.getpid()} on {socket.gethostname()}, started {started}\n"
@@ -639,12 +478,12 @@ def check_out_dir(
         if partial and int(partial.group(1)) in ranks:
             why = foreign_dir(entry, "rank", complete=False)
             if why is not None:
-                raise _refuse(entry, why, "removes")
+                raise refuse(entry, why, "removes")
             discard(entry)  # left by a killed run
         elif final and int(final.group(1)) in ranks:
             why = foreign_dir(entry, "rank")
             if why is not None:
-                raise _refuse(entry, why, "replaces")
+                raise refuse(entry, why, "replaces")
             if force:
                 continue  # replaced once this run's rank is complete
             found = _rank_tp_size(entry)
@@ -665,7 +504,7 @@ def check_out_dir(
                     )
                 why = foreign_dir(entry, "rank")
                 if why is not None:
-                    raise _refuse(entry, why, "removes")
+                    raise refuse(entry, why, "removes")
                 # Another rank: removed only while no live writer holds it (never waiting
                 # here: the ranks' locks are taken in order, and this one is out of order).
                 locks.add(out, int(final.group(1)))

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -70,6 +70,8 @@ __all__ = [
     "scale_tensor_name",
     "shard_bytes",
 ]
+
+_T = TypeVar("_T")
 
 class KdaShardedSource:
     """One tensor-parallel rank's view of a checkpoint.
@@ -538,10 +540,7 @@ def checked_info(
     Raises:
         CheckpointError: ``source`` has no tensor ``name`` after all.
     """
-    found = source.info(name)
-    if found is None:
-        raise missing_tensor(source, name)
-    return found
+    return _found(source.info(name), source, name)
 
 
 def checked_get(source: SafetensorsSource | KdaShardedSource, name: str) -> Tensor:
@@ -550,7 +549,11 @@ def checked_get(source: SafetensorsSource | KdaShardedSource, name: str) -> Tens
     Raises:
         CheckpointError: ``source`` has no tensor ``name`` after all.
     """
-    found = source.get(name)
+    return _found(source.get(name), source, name)
+
+
+def _found(found: _T | None, source: Any, name: str) -> _T:
+    """``found``, what ``source`` answered for ``name``; :func:`missing_tensor` when None."""
     if found is None:
         raise missing_tensor(source, name)
     return found

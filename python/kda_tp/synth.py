@@ -73,7 +73,20 @@ from numpy.lib.stride_tricks import sliding_window_view
 
 from kda_tp import _io
 from kda_tp.errors import DtypeMismatchError, OutputError, PlanError
-from kda_tp.families import FAMILIES, demo_geometries
+from kda_tp.families import demo_geometries
+
+# The tensors and config.json per dialect; the gate bounds stay importable from here.
+from kda_tp.synth_layout import (
+    GLM_GATE_LOWER_BOUND,
+    K3_GATE_LOWER_BOUND,
+    STYLES,
+    Geometry,
+    Spec,
+    config_json,
+    model_tensors,
+    modelopt_config,
+    quantize_attention,
+)
 
 __all__ = ["GEOMETRIES", "write_checkpoint", "write_small_checkpoint"]
 
@@ -85,18 +98,8 @@ __all__ = ["GEOMETRIES", "write_checkpoint", "write_small_checkpoint"]
 #: projections in FP8 128x128 blocks (NVIDIA's ModelOpt release of Kimi K3).
 GEOMETRIES: dict[str, dict[str, Any]] = demo_geometries()
 
-# The config dialects, by style: the family whose synthetic checkpoints use it.
-_STYLES = {family.style: family for family in FAMILIES.values()}
-#: Kimi K3's forget-gate lower bound (``linear_attn_config.gate_lower_bound``).
-K3_GATE_LOWER_BOUND = -5.0
-#: GLM-5.3-Flash's forget-gate lower bound (``text_config.linear_lower_bound``; transformers'
-#: default).
-GLM_GATE_LOWER_BOUND = -5.0
-# Hidden size of the synthetic K3 vision tower (small: only its names matter to sharding).
-_VISION_HIDDEN = 256
 _WEIGHT_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
 _DEFAULT_MAX_FILE_BYTES = 400 * 2**20
-_RMS_NORM_EPS = 1e-5
 _PROJ_STD = 0.02
 # Projection matrices with more elements than this are built from pool windows; others are drawn.
 _DIRECT_LIMIT = 1 << 16
@@ -104,7 +107,6 @@ _MIN_POOL_ELEMS = 1 << 22
 _POOL_STREAM = 0x706F6F6C  # second seed word of the pool's generator
 # FP8 weights: N(0, 1) * this in F8_E4M3 (max 448), scales about _PROJ_STD / this.
 _FP8_SPREAD = 64.0
-_FP8_BLOCK = 128
 
 ProgressFn = Callable[[int, int], None]
 
@@ -122,8 +124,7 @@ def write_checkpoint(
     """Write a synthetic checkpoint with the geometry of a real KDA model.
 
     Args:
-        out_dir: directory to write into (created if missing; files of the same names are
-            replaced).
+        out_dir, seed, max_file_bytes, progress: as for :func:`write_small_checkpoint`.
         model: a key of :data:`GEOMETRIES`: ``"kimi-linear"`` (Kimi-Linear-48B-A3B attention:
             every 4th layer MLA, Kimi config), ``"glm-5.3-flash"`` (all layers KDA, listed in
             ``layer_types``; GLM config, ``style="glm"``), ``"kimi-k3"`` (Kimi K3: every 4th
@@ -133,12 +134,7 @@ def write_checkpoint(
             NVIDIA's ModelOpt release stores them, ``fp8=True``).
         num_layers: number of decoder layers (default 4: 0-based layer 3 is MLA for Kimi and
             K3; with K3 and 2 layers, layer 0 is KDA and layer 1 MLA).
-        seed: non-negative int; the same arguments give byte-identical files.
         vocab_size: rows of ``embed_tokens`` and ``lm_head``; small by default to keep files small.
-        max_file_bytes: byte budget per safetensors file (tensor data; a file exceeds it by at
-            most one tensor). At least two files are always written.
-        progress: optional ``progress(bytes_done, bytes_total)``, called after each tensor is
-            generated, with byte counts of tensor data.
 
     Sizes with the defaults: Kimi-Linear 4 layers about 305 MB in 2 files, GLM-5.3-Flash 4 layers
     about 1.1 GB in 3 files, Kimi K3 2 layers (one KDA, one MLA) about 1.4 GB in 4 files.
@@ -252,8 +248,8 @@ def write_small_checkpoint(
     )
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise PlanError(f"seed must be a non-negative int, got {seed!r}")
-    if style not in _STYLES:
-        raise PlanError(f"unknown config style {style!r}; expected one of {tuple(_STYLES)}")
+    if style not in STYLES:
+        raise PlanError(f"unknown config style {style!r}; expected one of {tuple(STYLES)}")
     if weight_dtype not in _WEIGHT_DTYPES:
         raise DtypeMismatchError(
             f"weight_dtype {weight_dtype!r} is not supported; "
@@ -283,14 +279,14 @@ def write_small_checkpoint(
     except OSError as exc:
         raise OutputError(f"{out}: cannot create output directory: {exc}") from exc
 
-    geometry = _Geometry(
+    geometry = Geometry(
         hidden, heads, head_dim, conv_kernel, gate_rank, style, flat_a_log, flat_conv, a_log_len
     )
-    specs = _model_tensors(geometry, num_layers, set(kda), vocab_size, weight_dtype)
-    config = _config(geometry, num_layers, set(kda), vocab_size, _WEIGHT_DTYPES[weight_dtype])
+    specs = model_tensors(geometry, num_layers, set(kda), vocab_size, weight_dtype)
+    config = config_json(geometry, num_layers, set(kda), vocab_size, _WEIGHT_DTYPES[weight_dtype])
     if fp8:
-        specs = _quantize_attention(specs)
-        quant = _modelopt_config([s.name for s in specs if s.name.endswith(".weight_scale")])
+        specs = quantize_attention(specs)
+        quant = modelopt_config([s.name for s in specs if s.name.endswith(".weight_scale")])
         config["quantization_config"] = {"quant_method": "modelopt_mixed", **quant}
         _io.write_json(out / "hf_quant_config.json",
                        {"producer": {"name": "modelopt"}, "quantization": quant})
@@ -299,285 +295,8 @@ def write_small_checkpoint(
     return out
 
 
-class _Geometry:
-    """Sizes of one synthetic model (element counts) plus its layout switches."""
-
-    def __init__(
-        self,
-        hidden: int,
-        heads: int,
-        head_dim: int,
-        conv_kernel: int,
-        gate_rank: int,
-        style: str,
-        flat_a_log: bool,
-        flat_conv: bool,
-        a_log_len: int | None,
-    ):
-        self.hidden = hidden
-        self.heads = heads
-        self.head_dim = head_dim
-        self.channels = heads * head_dim
-        self.conv_kernel = conv_kernel
-        self.gate_rank = gate_rank
-        self.style = style
-        self.flat_a_log = flat_a_log
-        self.flat_conv = flat_conv
-        self.a_log_len = a_log_len
-        # The decoder stack's name prefix (K3 and GLM nest it in a wrapper) and lm_head's.
-        family = _STYLES[style]
-        self.stack = family.decoder_prefix.removesuffix("layers.")
-        self.lm_head = family.lm_head
-        # K3's MLA: q_lora_rank = 12 D, rope = D / 2 (1536 and 64 at D = 128).
-        self.q_lora_rank = 12 * head_dim
-        # MLA sizes follow Kimi-Linear's ratios: rope = D/2, kv_lora_rank = 4D, nope = v = D.
-        self.rope_dim = max(1, head_dim // 2)
-        self.kv_lora_rank = 4 * head_dim
-
-
-class _Spec:
-    """One tensor to generate: name, safetensors dtype, shape and value distribution.
-
-    ``kind`` is ``"proj"`` (N(0, 0.02)), ``"conv"`` (U(-0.5, 0.5)), ``"norm"`` (1 + N(0, 0.02)),
-    ``"a_log"`` (log U(1, 16)), ``"a_log_pad:H"`` (the first H entries log U(1, 16), the rest
-    zero), ``"dt_bias"`` (inverse softplus of a log-uniform step in [1e-3, 1e-1], as
-    flash-linear-attention initialises it), ``"fp8"`` (N(0, 1) · 64 in F8_E4M3) or ``"scale"``
-    (U(0.5, 1.5) · 0.02 / 64, so that dequantized FP8 weights are about N(0, 0.02)).
-    """
-
-    __slots__ = ("dtype", "kind", "name", "nbytes", "shape")
-
-    def __init__(self, name: str, dtype: str, shape: tuple[int, ...], kind: str):
-        self.name = name
-        self.dtype = dtype
-        self.shape = shape
-        self.kind = kind
-        self.nbytes = math.prod(shape) * _io.DTYPE_SIZES[dtype]
-
-
-def _model_tensors(
-    g: _Geometry, num_layers: int, kda: set[int], vocab: int, wdt: str
-) -> list[_Spec]:
-    """All tensors of the model in file order: embeddings, layers 0.., final norm, lm_head, and
-    for K3 the vision tower and projector."""
-    specs = [_Spec(g.stack + "embed_tokens.weight", wdt, (vocab, g.hidden), "proj")]
-    for i in range(num_layers):
-        layer = f"{g.stack}layers.{i}."
-        specs.append(_Spec(layer + "input_layernorm.weight", wdt, (g.hidden,), "norm"))
-        if i in kda:
-            attention = _kda_tensors(g, wdt)
-        elif g.style == "kimi":
-            attention = _mla_tensors(g, wdt)
-        elif g.style == "k3":
-            attention = _k3_mla_tensors(g, wdt)
-        else:
-            attention = _glm_mla_tensors(g, wdt)
-        specs.extend(_Spec(layer + "self_attn." + n, dt, s, k) for n, dt, s, k in attention)
-        specs.append(_Spec(layer + "post_attention_layernorm.weight", wdt, (g.hidden,), "norm"))
-    specs.append(_Spec(g.stack + "norm.weight", wdt, (g.hidden,), "norm"))
-    specs.append(_Spec(g.lm_head, wdt, (vocab, g.hidden), "proj"))
-    if g.style == "k3":
-        # A vision tower whose `self_attn.q_proj`/`o_proj` must never be taken for KDA.
-        tower, width = "vision_tower.encoder.blocks.0.self_attn.", _VISION_HIDDEN
-        specs.append(_Spec(tower + "q_proj.weight", wdt, (width, width), "proj"))
-        specs.append(_Spec(tower + "o_proj.weight", wdt, (width, width), "proj"))
-        specs.append(_Spec("mm_projector.proj.0.weight", wdt, (g.hidden, width), "proj"))
-    return specs
-
-
-def _kda_tensors(g: _Geometry, wdt: str) -> list[tuple[str, str, tuple[int, ...], str]]:
-    """A KDA layer's ``self_attn`` tensors in the plan's spec order."""
-    c, d, r = g.channels, g.hidden, g.gate_rank
-    conv = (c, g.conv_kernel) if g.flat_conv else (c, 1, g.conv_kernel)
-    if g.style == "k3":
-        # K3: full-rank output gate, A_log zero-padded, F32 convs and o_norm.
-        return [
-            ("q_proj.weight", wdt, (c, d), "proj"),
-            ("k_proj.weight", wdt, (c, d), "proj"),
-            ("v_proj.weight", wdt, (c, d), "proj"),
-            ("q_conv1d.weight", "F32", conv, "conv"),
-            ("k_conv1d.weight", "F32", conv, "conv"),
-            ("v_conv1d.weight", "F32", conv, "conv"),
-            ("f_a_proj.weight", wdt, (r, d), "proj"),
-            ("f_b_proj.weight", wdt, (c, r), "proj"),
-            ("g_proj.weight", wdt, (c, d), "proj"),
-            ("b_proj.weight", wdt, (g.heads, d), "proj"),
-            ("A_log", "F32", (g.a_log_len or g.heads,), f"a_log_pad:{g.heads}"),
-            ("dt_bias", "F32", (c,), "dt_bias"),
-            ("o_norm.weight", "F32", (g.head_dim,), "norm"),
-            ("o_proj.weight", wdt, (d, c), "proj"),
-        ]
-    a_log = (g.heads,) if g.flat_a_log or g.style == "glm" else (1, 1, g.heads, 1)
-    # GLM-5.3-Flash (transformers modeling_glm5_next.py) creates its conv in float32.
-    conv_dtype = "F32" if g.style == "glm" else wdt
-    return [
-        ("q_proj.weight", wdt, (c, d), "proj"),
-        ("k_proj.weight", wdt, (c, d), "proj"),
-        ("v_proj.weight", wdt, (c, d), "proj"),
-        ("q_conv1d.weight", conv_dtype, conv, "conv"),
-        ("k_conv1d.weight", conv_dtype, conv, "conv"),
-        ("v_conv1d.weight", conv_dtype, conv, "conv"),
-        ("f_a_proj.weight", wdt, (r, d), "proj"),
-        ("f_b_proj.weight", wdt, (c, r), "proj"),
-        ("g_a_proj.weight", wdt, (r, d), "proj"),
-        ("g_b_proj.weight", wdt, (c, r), "proj"),
-        ("b_proj.weight", wdt, (g.heads, d), "proj"),
-        ("A_log", "F32", a_log, "a_log"),
-        ("dt_bias", "F32", (c,), "dt_bias"),
-        ("o_norm.weight", wdt, (g.head_dim,), "norm"),
-        ("o_proj.weight", wdt, (d, c), "proj"),
-    ]
-
-
-def _mla_tensors(g: _Geometry, wdt: str) -> list[tuple[str, str, tuple[int, ...], str]]:
-    """A Kimi-Linear MLA layer's ``self_attn`` tensors (q_lora_rank null, nope = v = D)."""
-    d, h, hd, lora, rope = g.hidden, g.heads, g.head_dim, g.kv_lora_rank, g.rope_dim
-    return [
-        ("q_proj.weight", wdt, (h * (hd + rope), d), "proj"),
-        ("kv_a_proj_with_mqa.weight", wdt, (lora + rope, d), "proj"),
-        ("kv_a_layernorm.weight", wdt, (lora,), "norm"),
-        ("kv_b_proj.weight", wdt, (h * 2 * hd, lora), "proj"),
-        ("o_proj.weight", wdt, (d, h * hd), "proj"),
-    ]
-
-
-def _k3_mla_tensors(g: _Geometry, wdt: str) -> list[tuple[str, str, tuple[int, ...], str]]:
-    """A Kimi K3 MLA layer's ``self_attn`` tensors (q-LoRA, output gate). Its ``g_proj`` and
-    ``o_proj`` have exactly a KDA layer's names and shapes."""
-    d, h, hd, lora, rope, q_rank = (
-        g.hidden, g.heads, g.head_dim, g.kv_lora_rank, g.rope_dim, g.q_lora_rank
-    )
-    return [
-        ("q_a_proj.weight", wdt, (q_rank, d), "proj"),
-        ("q_a_layernorm.weight", wdt, (q_rank,), "norm"),
-        ("q_b_proj.weight", wdt, (h * (hd + rope), q_rank), "proj"),
-        ("kv_a_proj_with_mqa.weight", wdt, (lora + rope, d), "proj"),
-        ("kv_a_layernorm.weight", wdt, (lora,), "norm"),
-        ("kv_b_proj.weight", wdt, (h * 2 * hd, lora), "proj"),
-        ("g_proj.weight", wdt, (h * hd, d), "proj"),
-        ("o_proj.weight", wdt, (d, h * hd), "proj"),
-    ]
-
-
-def _quantize_attention(specs: list[_Spec]) -> list[_Spec]:
-    """Every attention projection as FP8_PB_WO: an F8_E4M3 weight followed by its F32 scale
-    grid ``[ceil(out/128), 1, ceil(in/128), 1]``; everything else unchanged."""
-    out = []
-    for spec in specs:
-        is_proj = ".self_attn." in spec.name and spec.name.endswith("_proj.weight")
-        is_proj = is_proj or spec.name.endswith("kv_a_proj_with_mqa.weight")
-        if not is_proj or spec.name.startswith("vision_tower."):
-            out.append(spec)
-            continue
-        rows, cols = spec.shape
-        grid = (-(-rows // _FP8_BLOCK), 1, -(-cols // _FP8_BLOCK), 1)
-        out.append(_Spec(spec.name, "F8_E4M3", spec.shape, "fp8"))
-        out.append(_Spec(spec.name + "_scale", "F32", grid, "scale"))
-    return out
-
-
-def _modelopt_config(scale_names: list[str]) -> dict[str, Any]:
-    """ModelOpt's ``MIXED_PRECISION`` description of the FP8_PB_WO modules."""
-    modules = sorted(n.removesuffix(".weight_scale") for n in scale_names)
-    return {
-        "quant_algo": "MIXED_PRECISION",
-        "kv_cache_quant_algo": None,
-        "quantized_layers": {m: {"quant_algo": "FP8_PB_WO"} for m in modules},
-        "exclude_modules": ["*_conv1d*", "*o_norm*", "*A_log*", "*dt_bias*",
-                            "language_model.lm_head", "vision_tower*"],
-    }
-
-
-def _glm_mla_tensors(g: _Geometry, wdt: str) -> list[tuple[str, str, tuple[int, ...], str]]:
-    """A GLM-5.3-Flash MLA (DSA) layer's ``self_attn`` tensors (transformers
-    ``Glm5NextTextAttention``: q-LoRA, no RoPE dims, nope = v = D); its ``o_proj`` has the KDA
-    name."""
-    d, h, hd, lora, q_rank = g.hidden, g.heads, g.head_dim, g.kv_lora_rank, g.q_lora_rank
-    return [
-        ("q_a_proj.weight", wdt, (q_rank, d), "proj"),
-        ("q_a_layernorm.weight", wdt, (q_rank,), "norm"),
-        ("q_b_proj.weight", wdt, (h * hd, q_rank), "proj"),
-        ("kv_a_proj_with_mqa.weight", wdt, (lora, d), "proj"),
-        ("kv_a_layernorm.weight", wdt, (lora,), "norm"),
-        ("kv_b_proj.weight", wdt, (h * 2 * hd, lora), "proj"),
-        ("o_proj.weight", wdt, (d, h * hd), "proj"),
-    ]
-
-
-def _config(
-    g: _Geometry, num_layers: int, kda: set[int], vocab: int, torch_dtype: str
-) -> dict[str, Any]:
-    """config.json contents in the geometry's dialect."""
-    common = {
-        "hidden_size": g.hidden,
-        "num_hidden_layers": num_layers,
-        "num_attention_heads": g.heads,
-        "rms_norm_eps": _RMS_NORM_EPS,
-        "vocab_size": vocab,
-        "tie_word_embeddings": False,
-        "torch_dtype": torch_dtype,
-    }
-    if g.style == "k3":
-        text = _config(_Geometry(g.hidden, g.heads, g.head_dim, g.conv_kernel, g.gate_rank,
-                                 "kimi", False, False, None), num_layers, kda, vocab, torch_dtype)
-        text["linear_attn_config"].update(
-            use_full_rank_gate=True, gate_lower_bound=K3_GATE_LOWER_BOUND
-        )
-        text.pop("architectures")
-        text.update(q_lora_rank=g.q_lora_rank, mla_use_output_gate=True)
-        return {
-            "architectures": ["KimiK3ForConditionalGeneration"],
-            "model_type": "kimi_k3",
-            "text_config": text,
-            "vision_config": {"hidden_size": _VISION_HIDDEN, "num_hidden_layers": 1},
-        }
-    if g.style == "kimi":
-        return {
-            "architectures": ["KimiLinearForCausalLM"],
-            "model_type": "kimi_linear",
-            **common,
-            "num_key_value_heads": g.heads,
-            "q_lora_rank": None,
-            "kv_lora_rank": g.kv_lora_rank,
-            "qk_nope_head_dim": g.head_dim,
-            "qk_rope_head_dim": g.rope_dim,
-            "v_head_dim": g.head_dim,
-            "mla_use_nope": True,
-            "linear_attn_config": {
-                "head_dim": g.head_dim,
-                "num_heads": g.heads,
-                "short_conv_kernel_size": g.conv_kernel,
-                "kda_layers": [i + 1 for i in range(num_layers) if i in kda],
-                "full_attn_layers": [i + 1 for i in range(num_layers) if i not in kda],
-            },
-        }
-    text = {
-        "model_type": "glm5_next_text",
-        **common,
-        "num_key_value_heads": g.heads,
-        "q_lora_rank": g.q_lora_rank,
-        "kv_lora_rank": g.kv_lora_rank,
-        "qk_nope_head_dim": g.head_dim,
-        "qk_rope_head_dim": 0,
-        "v_head_dim": g.head_dim,
-        "linear_head_dim": g.head_dim,
-        "linear_num_heads": g.heads,
-        "linear_conv_kernel_dim": g.conv_kernel,
-        "linear_lower_bound": GLM_GATE_LOWER_BOUND,
-        "layer_types": [
-            "linear_attention" if i in kda else "indexed_attention" for i in range(num_layers)
-        ],
-    }
-    return {
-        "architectures": ["Glm5NextForConditionalGeneration"],
-        "model_type": "glm5_next",
-        "text_config": text,
-        "torch_dtype": torch_dtype,
-    }
-
-
 def _write_tensor_files(
-    out: Path, specs: list[_Spec], seed: int, max_file_bytes: int, progress: ProgressFn | None
+    out: Path, specs: list[Spec], seed: int, max_file_bytes: int, progress: ProgressFn | None
 ) -> None:
     """Write the safetensors files and the index, generating one tensor at a time."""
     generator = _Generator(specs, seed)
@@ -585,7 +304,7 @@ def _write_tensor_files(
     total = sum(s.nbytes for s in specs)
     done = 0
 
-    def producer(spec: _Spec) -> Callable[[], np.ndarray]:
+    def producer(spec: Spec) -> Callable[[], np.ndarray]:
         def get_bytes() -> np.ndarray:
             nonlocal done
             data = generator.tensor(spec)
@@ -633,21 +352,21 @@ def _split_into_files(sizes: list[int], max_file_bytes: int) -> list[list[int]]:
 class _Generator:
     """Deterministic tensor values for one checkpoint (see the module docstring)."""
 
-    def __init__(self, specs: list[_Spec], seed: int):
+    def __init__(self, specs: list[Spec], seed: int):
         self._seed = seed
         pooled = [s for s in specs if self._uses_pool(s)]
         self._pool_elems = max([_MIN_POOL_ELEMS] + [4 * (s.shape[0] + s.shape[1]) for s in pooled])
         self._pools: dict[str, np.ndarray] = {}
 
     @staticmethod
-    def _uses_pool(spec: _Spec) -> bool:
+    def _uses_pool(spec: Spec) -> bool:
         return (
             spec.kind in ("proj", "fp8")
             and len(spec.shape) == 2
             and math.prod(spec.shape) > _DIRECT_LIMIT
         )
 
-    def tensor(self, spec: _Spec) -> np.ndarray:
+    def tensor(self, spec: Spec) -> np.ndarray:
         """The tensor's little-endian data as a C-contiguous array of ``spec.nbytes`` bytes."""
         rng = np.random.default_rng([self._seed, zlib.crc32(spec.name.encode("utf-8"))])
         if self._uses_pool(spec):

@@ -69,15 +69,16 @@ import warnings
 import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from .errors import KdaTpError
 from .guard import (
     CHECKPOINT_ENV,
-    DERIVED,
+    DERIVED_ATTRIBUTES,
     GuardResult,
     cannot_check,
     check,
+    derived_copies,
     explicit_checkpoint,
     looks_kda,
     mode,
@@ -102,11 +103,8 @@ logger = logging.getLogger("kda_tp.guard")
 
 # Loader classes whose load_weights only fill random or no weights: nothing to check.
 _UNCHECKED_LOADERS = ("DummyModelLoader",)
-# The derived copies' names any layout keeps (after `self_attn.`), buffers and attributes.
-_DERIVED_NAMES = frozenset(n for copies in DERIVED.values() for n in copies)
-_ATTRIBUTES = frozenset(n for copies in DERIVED.values() for n, d in copies.items()
-                        if d.attribute)
 _WRAPPED = "__kda_tp_guard__"
+_F = TypeVar("_F", bound=Callable[..., Any])
 _state = threading.local()  # nested load_weights calls (a subclass calling super()): guard once
 _installed = False
 
@@ -150,12 +148,9 @@ def register() -> None:
     and weight-update paths of this process, and say so in one INFO line. vLLM may call it
     several times per process; it installs once, and imports nothing of vLLM itself.
 
-    Wraps the ``load_weights`` of every ``BaseModelLoader`` subclass vLLM defines (and of
-    those later given to ``register_model_loader``), vLLM's in-place ``reload_weights``,
-    ``WeightTransferEngineFactory.create_engine``, the tensorizer loader's direct path, and
-    adds the worker method ``kda_tp_audit`` to ``WorkerBase``: at once for the modules this
-    process has imported already, else as soon as it imports them (an import hook), so that a
-    process that never loads a model (vLLM's API server) pays nothing.
+    What it wraps: see the module docstring. Each hook is installed at once for the modules
+    this process has imported already, else as soon as it imports them (an import hook), so
+    that a process that never loads a model (vLLM's API server) pays nothing.
 
     Raises:
         GuardModeError: ``KDA_TP_GUARD`` holds another value than ``fail``, ``warn``, ``off``
@@ -186,6 +181,20 @@ def _hook(target: str, found: Any) -> bool:
     return False
 
 
+def _unwrapped(owner: Any, attr: str, target: str) -> Any:
+    """``owner.attr`` (hook ``target``: :func:`_hook`) unless missing or wrapped already."""
+    original = getattr(owner, attr, None)
+    if not _hook(target, original) or getattr(original, _WRAPPED, False):
+        return None
+    return original
+
+
+def _mark(wrapper: _F) -> _F:
+    """``wrapper``, marked as kda_tp's (so that it is never wrapped again)."""
+    setattr(wrapper, _WRAPPED, True)
+    return wrapper
+
+
 def _install_loaders(model_loader: Any) -> None:
     """Wrap every loader class's ``load_weights`` and ``register_model_loader``
     (``vllm.model_executor.model_loader``, which imports every loader class)."""
@@ -195,12 +204,12 @@ def _install_loaders(model_loader: Any) -> None:
         return
     for cls in subclasses(base):
         _wrap_loader(cls)
-    original_register: Any = getattr(model_loader, "register_model_loader", None)
-    if not _hook("vllm.model_executor.model_loader.register_model_loader", original_register):
-        return
-    if getattr(original_register, _WRAPPED, False):
+    original_register = _unwrapped(model_loader, "register_model_loader",
+                                   "vllm.model_executor.model_loader.register_model_loader")
+    if original_register is None:
         return
 
+    @_mark
     @functools.wraps(original_register)
     def register_model_loader(load_format: str) -> Callable[[type], type]:
         decorate = original_register(load_format)
@@ -212,7 +221,6 @@ def _install_loaders(model_loader: Any) -> None:
             return out
         return wrap
 
-    setattr(register_model_loader, _WRAPPED, True)
     model_loader.register_model_loader = register_model_loader
 
 
@@ -229,6 +237,7 @@ def _wrap_loader(cls: type) -> None:
     if original is None or getattr(original, _WRAPPED, False) or inspect.isabstract(cls):
         return
 
+    @_mark
     @functools.wraps(original)
     def load_weights(self: Any, model: Any, model_config: Any, *args: Any, **kwargs: Any) -> Any:
         depth = getattr(_state, "depth", 0)
@@ -245,7 +254,6 @@ def _wrap_loader(cls: type) -> None:
             _repair(model)
         return out
 
-    setattr(load_weights, _WRAPPED, True)
     cls.load_weights = load_weights  # type: ignore[attr-defined]
 
 
@@ -253,13 +261,13 @@ def _wrap_reload(inplace: Any) -> None:  # vllm.model_executor.model_loader.relo
     """Wrap vLLM's in-place ``reload_weights`` (and rebind it where vLLM imported it already):
     a reload from disk is checked against the new checkpoint, one from an iterator is an
     update session."""
-    original: Any = getattr(inplace, "reload_weights", None)
-    if not _hook("vllm.model_executor.model_loader.reload.inplace.reload_weights", original):
-        return
-    if getattr(original, _WRAPPED, False):
+    original = _unwrapped(inplace, "reload_weights",
+                          "vllm.model_executor.model_loader.reload.inplace.reload_weights")
+    if original is None:
         return
     signature = inspect.signature(original)
 
+    @_mark
     @functools.wraps(original)
     def reload_weights(*args: Any, **kwargs: Any) -> Any:
         bound = signature.bind_partial(*args, **kwargs).arguments
@@ -287,7 +295,6 @@ def _wrap_reload(inplace: Any) -> None:  # vllm.model_executor.model_loader.relo
         with _session(model, "reload_weights"):
             return original(*args, **kwargs)
 
-    setattr(reload_weights, _WRAPPED, True)
     inplace.reload_weights = reload_weights
     for name, module in list(sys.modules.items()):  # `from ... import reload_weights`
         if name.startswith("vllm.") and getattr(module, "reload_weights", None) is original:
@@ -298,14 +305,13 @@ def _wrap_transfer(factory: Any) -> None:  # vllm.distributed.weight_transfer.fa
     """Wrap ``WeightTransferEngineFactory.create_engine``: every engine it makes is followed
     (its sessions checked at ``finish_weight_update``)."""
     cls: Any = getattr(factory, "WeightTransferEngineFactory", None)
-    original: Any = getattr(cls, "create_engine", None)
-    if not _hook("vllm.distributed.weight_transfer.factory.WeightTransferEngineFactory."
-                 "create_engine", original):
-        return
-    if getattr(original, _WRAPPED, False):
+    original = _unwrapped(cls, "create_engine", "vllm.distributed.weight_transfer.factory."
+                          "WeightTransferEngineFactory.create_engine")
+    if original is None:
         return
     create = original.__func__
 
+    @_mark
     @functools.wraps(create)
     def create_engine(klass: Any, config: Any, vllm_config: Any, device: Any, model: Any
                       ) -> Any:
@@ -313,7 +319,6 @@ def _wrap_transfer(factory: Any) -> None:  # vllm.distributed.weight_transfer.fa
         follow_transfer(engine, vllm_config)
         return engine
 
-    setattr(create_engine, _WRAPPED, True)
     cls.create_engine = classmethod(create_engine)
 
 
@@ -332,6 +337,7 @@ def follow_transfer(engine: Any, vllm_config: Any) -> None:
     follow_updates(engine.model, getattr(engine, "model_config", None), vllm_config)
     opened: list[Any] = []
 
+    @_mark
     def start_weight_update() -> None:
         model = engine.model
         main = model is getattr(engine, "_default_model", model)
@@ -353,7 +359,6 @@ def follow_transfer(engine: Any, vllm_config: Any) -> None:
         while opened:
             opened.pop().close("weight transfer")
 
-    setattr(start_weight_update, _WRAPPED, True)
     engine.start_weight_update = start_weight_update
     engine.finish_weight_update = finish_weight_update
 
@@ -369,13 +374,12 @@ def _wrap_tensorizer(module: Any) -> None:  # ...model_loader.tensorizer_loader
     ``model.load_weights`` itself with no checkpoint directory: one warning that it is not
     checked."""
     cls: Any = getattr(module, "TensorizerLoader", None)
-    original: Any = getattr(cls, "_load_model_serialized_cpu", None)
-    if not _hook("vllm.model_executor.model_loader.tensorizer_loader.TensorizerLoader."
-                 "_load_model_serialized_cpu", original):
-        return
-    if getattr(original, _WRAPPED, False):
+    original = _unwrapped(cls, "_load_model_serialized_cpu", "vllm.model_executor.model_loader."
+                          "tensorizer_loader.TensorizerLoader._load_model_serialized_cpu")
+    if original is None:
         return
 
+    @_mark
     @functools.wraps(original)
     def load(self: Any, *args: Any, **kwargs: Any) -> Any:
         model = original(self, *args, **kwargs)
@@ -386,7 +390,6 @@ def _wrap_tensorizer(module: Any) -> None:  # ...model_loader.tensorizer_loader
             follow_updates(model, None)
         return model
 
-    setattr(load, _WRAPPED, True)
     cls._load_model_serialized_cpu = load
 
 
@@ -466,18 +469,6 @@ def _rank() -> tuple[int, int]:
     return int(tp.rank_in_group), int(tp.world_size)
 
 
-def _derived(model: Any) -> dict[str, Any]:
-    """The model's derived copies kda_tp knows: buffers, and plain attributes once built."""
-    found = {n: b for n, b in model.named_buffers()
-             if b is not None and n.rpartition(".")[2] in _DERIVED_NAMES}
-    for name, module in model.named_modules():
-        for attribute in _ATTRIBUTES:
-            value = module.__dict__.get(attribute)
-            if value is not None:
-                found[f"{name}.{attribute}" if name else attribute] = value
-    return found
-
-
 def guard_model(model: Any, model_config: Any, *, loader: str = "",
                 vllm_config: Any = None, guard_mode: str | None = None,
                 checkpoint: str | None = None) -> GuardResult | None:
@@ -529,7 +520,7 @@ def guard_model(model: Any, model_config: Any, *, loader: str = "",
         return None
     if not found:
         return None  # a KDA_TP_GUARD_CHECKPOINT that is not there, in mode warn: warned
-    result = check(params, found, tp_rank=rank, tp_size=size, derived=_derived(model),
+    result = check(params, found, tp_rank=rank, tp_size=size, derived=derived_copies(model),
                    where=where, layers=_stage_layers(params), guard_mode=guard_mode,
                    model_dtype=model_dtype_name(getattr(model_config, "dtype", None)))
     if result is not None:
@@ -601,7 +592,7 @@ def follow_updates(model: Any, model_config: Any, vllm_config: Any = None) -> No
     follow(model, Followed(
         "vllm", checkpoint, _rank,
         lambda: {n: _as_processed(n, p) for n, p in ref().named_parameters()},
-        lambda: _derived(ref()), lambda: _repair(ref()),
+        lambda: derived_copies(ref()), lambda: _repair(ref()),
         lambda line: _armed.ran("update", line)))
     _armed.hooks.setdefault("model.load_weights (updates)", "armed")
 
@@ -624,7 +615,7 @@ def _repair(model: Any) -> None:
     if os.environ.get(REPAIR_ENV, "").strip() not in ("1", "true", "yes", "on"):
         return
     for module in model.modules():
-        for attribute in _ATTRIBUTES:
+        for attribute in DERIVED_ATTRIBUTES:
             if module.__dict__.get(attribute) is not None:
                 setattr(module, attribute, None)
 
@@ -677,10 +668,13 @@ def audit_llm(llm: Any) -> list[dict[str, Any]]:
     try:
         answers = list(llm.collective_rpc(WORKER_METHOD))
     except Exception as error:  # noqa: BLE001 - a worker without the method: unguarded
-        return [{"ok": None, "guarded": False, "tp_rank": None, "tp_size": None,
-                 "line": f"unguarded: the workers do not answer {WORKER_METHOD} "
-                         f"({type(error).__name__}: {error}){hint}", "report": None}]
+        return [_unguarded(f"the workers do not answer {WORKER_METHOD} "
+                           f"({type(error).__name__}: {error}){hint}")]
     return [answer if isinstance(answer, dict) else
-            {"ok": None, "guarded": False, "tp_rank": None, "tp_size": None,
-             "line": f"unguarded: worker {i} answered {answer!r}{hint}", "report": None}
-            for i, answer in enumerate(answers)]
+            _unguarded(f"worker {i} answered {answer!r}{hint}") for i, answer in enumerate(answers)]
+
+
+def _unguarded(why: str) -> dict[str, Any]:
+    """A worker's report when it has no guard to answer (:func:`audit_llm`)."""
+    return {"ok": None, "guarded": False, "tp_rank": None, "tp_size": None,
+            "line": f"unguarded: {why}", "report": None}
