@@ -227,7 +227,7 @@ def kda_file(scratch: Path) -> tuple[Path, bytes]:
     """A one-file KDA checkpoint directory (config.json + model.safetensors) to mutate."""
     root = scratch / "kda_base"
     malformed.base_checkpoint(root)
-    case_dir = malformed._rewritten(root, "single", lambda ts: ts)
+    case_dir = malformed.rewritten(root, "single", lambda ts: ts)
     return case_dir, (case_dir / "model.safetensors").read_bytes()
 
 
