@@ -11,6 +11,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 from kda_tp._io import write_safetensors
+from kda_tp.rankdir import MARK_NAME
 from kda_tp.synth import write_small_checkpoint
 
 from paths import DATA, ENGINE_RANKS
@@ -105,6 +106,13 @@ def tree(path: Path) -> dict[str, str]:
         for p in sorted(path.rglob("*"))
         if p.is_file()
     }
+
+
+def hidden_entries(out: Path) -> list[str]:
+    """Partial directories and temporary files left anywhere under ``out`` (kda-tp's mark in
+    each rank directory, ``.kda-tp.json``, is part of the output, not left over)."""
+    return sorted(str(p.relative_to(out)) for p in out.rglob(".*")
+                  if p.name != MARK_NAME) if out.exists() else []
 
 
 # The engine per-rank fixtures (tests/data/engine_ranks: vLLM's and SGLang's own loaders' output).

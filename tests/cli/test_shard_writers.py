@@ -35,18 +35,11 @@ from kda_tp.outdir import write_mark
 from kda_tp.shard import ShardSizes, shard_checkpoint, shard_sizes, verify_shards
 from kda_tp.synth import write_small_checkpoint
 
-from children import kda_tp_child
+from children import counting_setup, kda_tp_child
 from tp_fixtures import SHARD_GEOMETRY, tree
 
 #: How long any one child may take on a loaded 2-core machine (a bound, not a synchronisation).
 BOUND = 120
-
-
-@pytest.fixture(scope="module")
-def reference(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("reference") / "out"
-    shard_checkpoint(checkpoint, out, 2)
-    return out
 
 
 def everything(path: Path) -> list[str]:
@@ -67,29 +60,11 @@ def shard_cmd(checkpoint: Path, out: Path, *extra: str) -> list[str]:
 # directory removal. Just before event PAUSE_AT it writes the event to the TOLD pipe and blocks
 # reading the RESUME pipe: the test holds the run at that state while it starts a second writer.
 # With PAUSE_AT 0 it runs through and writes all its events to TOLD at exit.
-_PAUSING_CLI = """
-import os, shutil, sys
-from pathlib import Path
-from kda_tp import _io
-told, resume, pause_at = (int(sys.argv.pop(1)) for _ in range(3))
-events = []
-def counted(kind, function, arg):
-    def call(*args, **kwargs):
-        events.append(f"{kind} {Path(args[arg]).name}")
-        if len(events) == pause_at:
-            os.write(told, (events[-1] + "\\n").encode())
-            os.read(resume, 1)
-        return function(*args, **kwargs)
-    return call
-_io._checked_write = counted("write", _io._checked_write, 1)
-_io._copy_file_range = counted("copy", _io._copy_file_range, 1)
-os.replace = counted("rename", os.replace, 0)
-shutil.rmtree = counted("remove", shutil.rmtree, 0)
-os.cpu_count = lambda: 1
-if not pause_at:
-    import atexit
-    atexit.register(lambda: os.write(told, "\\n".join(events).encode()))
-"""
+_PAUSING_CLI = counting_setup(
+    "told, resume, event_at = (int(sys.argv.pop(1)) for _ in range(3))",
+    'os.write(told, (events[-1] + "\\n").encode()); os.read(resume, 1)',
+    'os.write(told, "\\n".join(events).encode())',
+)
 
 # A second writer that says on TOLD when it is about to block on a lock (--wait).
 _WAITING_CLI = """
