@@ -22,6 +22,13 @@ def kda_tp_child(setup: str, *args: object) -> list[str]:
     return [sys.executable, "-c", code, *map(str, args)]
 
 
+def shard_cmd(checkpoint: object, out: object, *extra: object, tp_size: int = 2) -> list[str]:
+    """The command line of ``python -m kda_tp shard CHECKPOINT --tp-size TP_SIZE --out OUT
+    --quiet EXTRA`` (in this interpreter)."""
+    return [sys.executable, "-m", "kda_tp", "shard", str(checkpoint), "--tp-size", str(tp_size),
+            "--out", str(out), "--quiet", *map(str, extra)]
+
+
 # Runs kda-tp with one writer thread (the ranks one after the other, always in the same order)
 # and counts its output events: each write and copy_file_range into a file, each rename
 # (os.replace) and each directory removal (shutil.rmtree), as "kind file-name" in ``events``.

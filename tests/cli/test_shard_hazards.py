@@ -30,6 +30,7 @@ from kda_tp._io import write_safetensors
 from kda_tp.errors import CheckpointError, OutputError
 from kda_tp.shard import shard_checkpoint
 
+from children import shard_cmd
 from tp_fixtures import hidden_entries, tree
 
 
@@ -65,18 +66,7 @@ def test_full_disk_on_a_small_tmpfs(checkpoint: Path, reference: Path, tmp_path:
         assert usage.used <= 8192, usage
         # The CLI says so too, exit status 2.
         run = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "kda_tp",
-                "shard",
-                str(checkpoint),
-                "--tp-size",
-                "2",
-                "--out",
-                str(out),
-                "--quiet",
-            ],
+            shard_cmd(checkpoint, out),
             capture_output=True,
             text=True,
             timeout=120,
@@ -243,20 +233,7 @@ def test_the_backend_is_chosen_by_argument_or_environment(
     assert tree(out) == tree(reference)
     monkeypatch.delenv("KDA_TP_BACKEND")
     run = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "kda_tp",
-            "shard",
-            str(checkpoint),
-            "--tp-size",
-            "2",
-            "--out",
-            str(tmp_path / "cli"),
-            "--backend",
-            "pread",
-            "--quiet",
-        ],
+        shard_cmd(checkpoint, tmp_path / "cli", "--backend", "pread"),
         capture_output=True,
         text=True,
         timeout=120,
@@ -307,22 +284,7 @@ def test_processes_writing_different_ranks_into_one_directory(
     shard_checkpoint(checkpoint, single, 4, qk_multiple=128)
     out = tmp_path / "shared"
     cmds = [
-        [
-            sys.executable,
-            "-m",
-            "kda_tp",
-            "shard",
-            str(checkpoint),
-            "--tp-size",
-            "4",
-            "--qk-multiple",
-            "128",
-            "--out",
-            str(out),
-            "--ranks",
-            ranks,
-            "--quiet",
-        ]
+        shard_cmd(checkpoint, out, "--qk-multiple", "128", "--ranks", ranks, tp_size=4)
         for ranks in ("0,1", "2,3")
     ]
     for attempt in range(2):  # twice: once into a missing directory, once with --force

@@ -35,7 +35,7 @@ from kda_tp.outdir import write_mark
 from kda_tp.shard import ShardSizes, shard_checkpoint, shard_sizes, verify_shards
 from kda_tp.synth import write_small_checkpoint
 
-from children import counting_setup, kda_tp_child
+from children import counting_setup, kda_tp_child, shard_cmd
 from tp_fixtures import SHARD_GEOMETRY, tree
 
 #: How long any one child may take on a loaded 2-core machine (a bound, not a synchronisation).
@@ -45,11 +45,6 @@ BOUND = 120
 def everything(path: Path) -> list[str]:
     """Every entry under ``path`` (directories, hidden ones included), relative, sorted."""
     return sorted(str(p.relative_to(path)) for p in path.rglob("*"))
-
-
-def shard_cmd(checkpoint: Path, out: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "kda_tp", "shard", str(checkpoint), "--tp-size", "2",
-            "--out", str(out), "--quiet", *extra]
 
 
 # ----------------------------------------------------------------------------------------------
