@@ -11,6 +11,13 @@ import struct
 from pathlib import Path
 
 
+def read_file(path: Path) -> tuple[dict, int, bytes]:
+    """(header dict, data start offset, data section bytes) of a safetensors file."""
+    raw = path.read_bytes()
+    (length,) = struct.unpack("<Q", raw[:8])
+    return json.loads(raw[8 : 8 + length]), 8 + length, raw[8 + length :]
+
+
 def write_safetensors(path: Path, tensors: dict, metadata: dict | None = None) -> None:
     """Write ``{name: (dtype, shape, bytes)}`` as a safetensors file."""
     header = {"__metadata__": metadata} if metadata else {}
