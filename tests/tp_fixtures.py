@@ -99,6 +99,28 @@ SHARD_GEOMETRY = dict(
 )
 
 
+def small_checkpoint_fixtures(geometry: dict, seed: int, **shard_options: object) -> tuple:
+    """Two pytest fixtures for a test module (``ckpt, sharded = small_checkpoint_fixtures(...)``
+    at its top level), both per test: ``ckpt``, a checkpoint of ``geometry`` (the keyword
+    arguments of ``write_small_checkpoint``, ``kda_layers`` included) written with ``seed`` under
+    the test's ``tmp_path``; and ``sharded``, that checkpoint sharded at TP 2 with
+    ``shard_options`` (``shard_checkpoint``'s keyword arguments) into ``tmp_path / "out"``."""
+    import pytest
+    from kda_tp.shard import shard_checkpoint
+
+    @pytest.fixture(name="ckpt")
+    def ckpt(tmp_path: Path) -> Path:
+        return write_small_checkpoint(tmp_path / "ckpt", **geometry, seed=seed)
+
+    @pytest.fixture(name="sharded")
+    def sharded(ckpt: Path, tmp_path: Path) -> Path:
+        out = tmp_path / "out"
+        shard_checkpoint(ckpt, out, 2, **shard_options)
+        return out
+
+    return ckpt, sharded
+
+
 def tree(path: Path) -> dict[str, str]:
     """Relative path -> sha256 of every file under ``path`` (hidden ones included)."""
     return {

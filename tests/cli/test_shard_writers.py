@@ -462,14 +462,15 @@ def test_sizes_before_writing_are_what_is_written(
 
 
 def _decimal(n: int) -> str:
-    """The CLI's byte format, restated: 3 significant digits (2 decimals under 10, 1 under
-    100) in decimal units."""
-    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if n >= scale:
-            x = n / scale
-            digits = 2 if x < 10 else 1 if x < 100 else 0
-            return f"{x:.{digits}f} {unit}"
-    return f"{n} B"
+    """The CLI's byte format, restated from its rule rather than copied from its code: 3
+    significant digits (2 decimals under 10, 1 under 100) in the decimal unit that the number of
+    digits of ``n`` calls for (kB from 4 digits, MB from 7, GB from 10, TB from 13 on)."""
+    if n < 1000:
+        return f"{n} B"
+    power = min((len(str(n)) - 1) // 3, 4)
+    x = n / 10 ** (3 * power)
+    digits = 2 if x < 10 else 1 if x < 100 else 0
+    return f"{x:.{digits}f} {'kMGT'[power - 1]}B"
 
 
 def test_shard_result_to_dict_is_what_shard_json_prints_first(checkpoint: Path, tmp_path: Path,
