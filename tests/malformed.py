@@ -1,10 +1,9 @@
 """A corpus of malformed checkpoints, generated (never committed as binaries).
 
 Each *kind* (``KINDS``) is a function ``kind(root) -> Case`` that writes its input under
-``root/<kind>/``
-and says what must happen: the :mod:`kda_tp.errors` class expected, and substrings the message
-must contain (the file's path and, where there is one, the tensor's name). One kind
-(``misaligned_offset``) is valid and must load correctly.
+``root/<kind>/`` and says what must happen: the :mod:`kda_tp.errors` class expected, and
+substrings the message must contain (the file's path and, where there is one, the tensor's
+name). One kind (``misaligned_offset``) is valid and must load correctly.
 
 Usage as a script, to dump the corpus for manual fuzzing or as a libFuzzer seed corpus::
 

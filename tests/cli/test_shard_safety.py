@@ -49,10 +49,10 @@ def assert_complete_or_absent(out: Path, reference: Path) -> list[int]:
 
 # Runs the CLI with one writer thread (the ranks one after the other, always in the same order)
 # and counts its output events (children.counting_setup): each write and copy_file_range into a
-# file, each rename (os.replace) and each directory removal (shutil.rmtree). With KILL_AT > 0 it SIGKILLs itself
-# just before event KILL_AT, so that a test kills a run inside the write of a file, between
-# files, between ranks and around the renames, on any machine; with 0 it runs to the end and
-# writes its events (kind and file name, one per line) to TRACE.
+# file, each rename (os.replace) and each directory removal (shutil.rmtree). With KILL_AT > 0
+# it SIGKILLs itself just before event KILL_AT, so that a test kills a run inside the write of a
+# file, between files, between ranks and around the renames, on any machine; with 0 it runs to
+# the end and writes its events (kind and file name, one per line) to TRACE.
 _COUNTING_CLI = counting_setup(
     "trace, event_at = Path(sys.argv.pop(1)), int(sys.argv.pop(1))",
     "os.kill(os.getpid(), signal.SIGKILL)",

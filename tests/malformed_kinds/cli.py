@@ -27,8 +27,8 @@ CLI_KINDS = CliKinds()
 
 
 def _shard(target: Path, *extra: str) -> tuple[str, ...]:
-    return ("shard", str(target), "--tp-size", "2", "--out", str(target.parent / f"{target.name}-out"),
-            "--quiet", *extra)
+    return ("shard", str(target), "--tp-size", "2", "--out",
+            str(target.parent / f"{target.name}-out"), "--quiet", *extra)
 
 
 def _sharded(root: Path) -> Path:
@@ -48,7 +48,7 @@ def _rank_meta(root: Path, kind: str, **meta: str) -> tuple[str, ...]:
     first = sorted((out / "rank0").glob("*.safetensors"))[0]
     header, entries, data = parse(first.read_bytes())
     header["__metadata__"].update(meta)
-    packed, body = pack([(n, i["dtype"], i["shape"], data[i["data_offsets"][0]:i["data_offsets"][1]])
+    packed, body = pack([(n, i["dtype"], i["shape"], data[slice(*i["data_offsets"])])
                          for n, i in entries], header["__metadata__"])
     write_raw(first, packed, body)
     return ("verify", str(base_checkpoint(root)), str(out))
@@ -78,7 +78,8 @@ def cli_config_huge(root: Path, kind: str) -> tuple[str, ...]:
 @CLI_KINDS.kind("MAX_JSON_DEPTH")
 def cli_quant_config_deep(root: Path, kind: str) -> tuple[str, ...]:
     t = copy_base(root, kind)
-    (t / "hf_quant_config.json").write_text('{"quantization": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    deep = "[" * 100_000 + "]" * 100_000
+    (t / "hf_quant_config.json").write_text('{"quantization": ' + deep + "}")
     return _shard(t)
 
 
@@ -110,8 +111,8 @@ def cli_index_many_files(root: Path, kind: str) -> tuple[str, ...]:
 def cli_arabic_layer_number(root: Path, kind: str) -> tuple[str, ...]:
     name = ATTN.format(1) + "q_proj.weight"
     arabic = name.replace(".1.", ".\u0661.")
-    return _shard(rewritten(root, kind,
-                            lambda ts: [(arabic if n == name else n, d, sh, b) for n, d, sh, b in ts]))
+    return _shard(rewritten(
+        root, kind, lambda ts: [(arabic if n == name else n, d, sh, b) for n, d, sh, b in ts]))
 
 
 @CLI_KINDS.kind("more than 2147483647")

@@ -107,7 +107,8 @@ class Kinds(dict[str, Callable[[Path], Case]]):
         it; ``how`` is ``add``'s ``action``, ``subject`` and ``blocking``."""
 
         def register(write: Callable[[Path, str], Path]) -> Callable[[Path], Case]:
-            build = self.add(write.__name__, write, error, contains, **how)  # type: ignore[arg-type]
+            build = self.add(
+                write.__name__, write, error, contains, **how)  # type: ignore[arg-type]
             return functools.update_wrapper(build, write)
 
         return register
