@@ -20,3 +20,43 @@ def kda_tp_child(setup: str, *args: object) -> list[str]:
     code = (SIGINT_DEFAULT + setup
             + "\nimport runpy\nrunpy.run_module('kda_tp', run_name='__main__', alter_sys=True)\n")
     return [sys.executable, "-c", code, *map(str, args)]
+
+
+def shard_cmd(checkpoint: object, out: object, *extra: object, tp_size: int = 2) -> list[str]:
+    """The command line of ``python -m kda_tp shard CHECKPOINT --tp-size TP_SIZE --out OUT
+    --quiet EXTRA`` (in this interpreter)."""
+    return [sys.executable, "-m", "kda_tp", "shard", str(checkpoint), "--tp-size", str(tp_size),
+            "--out", str(out), "--quiet", *map(str, extra)]
+
+
+# Runs kda-tp with one writer thread (the ranks one after the other, always in the same order)
+# and counts its output events: each write and copy_file_range into a file, each rename
+# (os.replace) and each directory removal (shutil.rmtree), as "kind file-name" in ``events``.
+_COUNTED = """
+events = []
+def counted(kind, function, arg):
+    def call(*args, **kwargs):
+        events.append(f"{kind} {Path(args[arg]).name}")
+        if len(events) == event_at:
+            AT_EVENT
+        return function(*args, **kwargs)
+    return call
+_io._checked_write = counted("write", _io._checked_write, 1)
+_io._copy_file_range = counted("copy", _io._copy_file_range, 1)
+os.replace = counted("rename", os.replace, 0)
+shutil.rmtree = counted("remove", shutil.rmtree, 0)
+os.cpu_count = lambda: 1
+if not event_at:
+    import atexit
+    atexit.register(lambda: AT_EXIT)
+"""
+
+
+def counting_setup(arguments: str, at_event: str, at_exit: str) -> str:
+    """``setup`` code for :func:`kda_tp_child` that counts kda-tp's output events, run with one
+    writer thread (see ``_COUNTED``). ``arguments`` (lines of code) takes the child's own
+    arguments off ``sys.argv`` and sets ``event_at``; just before event ``event_at`` (1-based)
+    the child runs ``at_event`` (one line); with ``event_at`` 0 it runs to the end and evaluates
+    ``at_exit`` (an expression of ``events``) at exit."""
+    return ("import os, shutil, signal, sys\nfrom pathlib import Path\nfrom kda_tp import _io\n"
+            + arguments + _COUNTED.replace("AT_EVENT", at_event).replace("AT_EXIT", at_exit))

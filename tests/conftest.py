@@ -4,7 +4,8 @@
   (end to end, torch and gloo, transformers, packaging, documentation, types) and engines/
   (vLLM's and SGLang's own classes, ``-m engines``); data/ holds the fixture checkpoints;
 * the helper modules stay here in tests/ (``paths``: ROOT, DATA, ENGINE_RANKS; ``tp_fixtures``;
-  ``children``; ``malformed``; ``dist_workers``): this directory goes first on ``sys.path`` so a
+  ``children``; ``malformed`` and its kinds in ``malformed_kinds/``; ``dist_workers``;
+  ``audit_helpers``; ``checkpoint_files``): this directory goes first on ``sys.path`` so a
   test in any subdirectory imports them by name. Child processes started with
   ``multiprocessing``'s spawn inherit ``sys.path``; scripts run as ``python FILE`` get the
   directory they need as an argument (see tests/engines/).

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-#: tests/: the shared helper modules (tp_fixtures, children, malformed, dist_workers, this one).
+#: tests/: the shared helper modules (tp_fixtures, children, malformed, dist_workers,
+#: audit_helpers, checkpoint_files, this one).
 TESTS = Path(__file__).resolve().parent
 #: The repository root (README.md, docs/, tools/, examples/, pyproject.toml).
 ROOT = TESTS.parent

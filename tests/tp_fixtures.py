@@ -11,6 +11,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 from kda_tp._io import write_safetensors
+from kda_tp.rankdir import MARK_NAME
 from kda_tp.synth import write_small_checkpoint
 
 from paths import DATA, ENGINE_RANKS
@@ -98,6 +99,28 @@ SHARD_GEOMETRY = dict(
 )
 
 
+def small_checkpoint_fixtures(geometry: dict, seed: int, **shard_options: object) -> tuple:
+    """Two pytest fixtures for a test module (``ckpt, sharded = small_checkpoint_fixtures(...)``
+    at its top level), both per test: ``ckpt``, a checkpoint of ``geometry`` (the keyword
+    arguments of ``write_small_checkpoint``, ``kda_layers`` included) written with ``seed`` under
+    the test's ``tmp_path``; and ``sharded``, that checkpoint sharded at TP 2 with
+    ``shard_options`` (``shard_checkpoint``'s keyword arguments) into ``tmp_path / "out"``."""
+    import pytest
+    from kda_tp.shard import shard_checkpoint
+
+    @pytest.fixture(name="ckpt")
+    def ckpt(tmp_path: Path) -> Path:
+        return write_small_checkpoint(tmp_path / "ckpt", **geometry, seed=seed)
+
+    @pytest.fixture(name="sharded")
+    def sharded(ckpt: Path, tmp_path: Path) -> Path:
+        out = tmp_path / "out"
+        shard_checkpoint(ckpt, out, 2, **shard_options)
+        return out
+
+    return ckpt, sharded
+
+
 def tree(path: Path) -> dict[str, str]:
     """Relative path -> sha256 of every file under ``path`` (hidden ones included)."""
     return {
@@ -105,6 +128,13 @@ def tree(path: Path) -> dict[str, str]:
         for p in sorted(path.rglob("*"))
         if p.is_file()
     }
+
+
+def hidden_entries(out: Path) -> list[str]:
+    """Partial directories and temporary files left anywhere under ``out`` (kda-tp's mark in
+    each rank directory, ``.kda-tp.json``, is part of the output, not left over)."""
+    return sorted(str(p.relative_to(out)) for p in out.rglob(".*")
+                  if p.name != MARK_NAME) if out.exists() else []
 
 
 # The engine per-rank fixtures (tests/data/engine_ranks: vLLM's and SGLang's own loaders' output).

@@ -27,22 +27,13 @@ from kda_tp.synth import write_small_checkpoint
 
 from children import kda_tp_child
 from paths import DATA
+from tp_fixtures import small_checkpoint_fixtures
 
 # 4 decoder layers, 0-based 0..2 KDA and 3 full attention (MLA); Kimi's config says 1,2,3.
 # TP 1 and 2 pass the 256-channel rule, TP 4 only with --qk-multiple 1.
 SMALL = dict(hidden=96, heads=4, head_dim=64, conv_kernel=4, gate_rank=16, num_layers=4)
 
-
-@pytest.fixture
-def ckpt(tmp_path) -> Path:
-    return write_small_checkpoint(tmp_path / "ckpt", **SMALL, kda_layers=[0, 1, 2], seed=3)
-
-
-@pytest.fixture
-def sharded(ckpt, tmp_path) -> Path:
-    out = tmp_path / "out"
-    shard_checkpoint(ckpt, out, 2)
-    return out
+ckpt, sharded = small_checkpoint_fixtures({**SMALL, "kda_layers": [0, 1, 2]}, seed=3)
 
 
 def run(capsys, *args: object) -> tuple[int, str, str]:
@@ -468,8 +459,6 @@ def test_an_unindexed_file_is_refused_or_skipped_by_flag(ckpt, tmp_path, capsys)
     status, out_text, err = run(capsys, "verify", ckpt, out, "--json", "--quiet")
     assert status == 0 and json.loads(out_text)["unindexed"] == [str(extra)]
     assert f"warning: {extra} is not named by" in err
-
-
 
 
 THREE_LAYERS = dict(hidden=96, heads=4, head_dim=64, conv_kernel=4, gate_rank=16, num_layers=3)

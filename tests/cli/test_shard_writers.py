@@ -35,28 +35,16 @@ from kda_tp.outdir import write_mark
 from kda_tp.shard import ShardSizes, shard_checkpoint, shard_sizes, verify_shards
 from kda_tp.synth import write_small_checkpoint
 
-from children import kda_tp_child
+from children import counting_setup, kda_tp_child, shard_cmd
 from tp_fixtures import SHARD_GEOMETRY, tree
 
 #: How long any one child may take on a loaded 2-core machine (a bound, not a synchronisation).
 BOUND = 120
 
 
-@pytest.fixture(scope="module")
-def reference(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("reference") / "out"
-    shard_checkpoint(checkpoint, out, 2)
-    return out
-
-
 def everything(path: Path) -> list[str]:
     """Every entry under ``path`` (directories, hidden ones included), relative, sorted."""
     return sorted(str(p.relative_to(path)) for p in path.rglob("*"))
-
-
-def shard_cmd(checkpoint: Path, out: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "kda_tp", "shard", str(checkpoint), "--tp-size", "2",
-            "--out", str(out), "--quiet", *extra]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -67,29 +55,11 @@ def shard_cmd(checkpoint: Path, out: Path, *extra: str) -> list[str]:
 # directory removal. Just before event PAUSE_AT it writes the event to the TOLD pipe and blocks
 # reading the RESUME pipe: the test holds the run at that state while it starts a second writer.
 # With PAUSE_AT 0 it runs through and writes all its events to TOLD at exit.
-_PAUSING_CLI = """
-import os, shutil, sys
-from pathlib import Path
-from kda_tp import _io
-told, resume, pause_at = (int(sys.argv.pop(1)) for _ in range(3))
-events = []
-def counted(kind, function, arg):
-    def call(*args, **kwargs):
-        events.append(f"{kind} {Path(args[arg]).name}")
-        if len(events) == pause_at:
-            os.write(told, (events[-1] + "\\n").encode())
-            os.read(resume, 1)
-        return function(*args, **kwargs)
-    return call
-_io._checked_write = counted("write", _io._checked_write, 1)
-_io._copy_file_range = counted("copy", _io._copy_file_range, 1)
-os.replace = counted("rename", os.replace, 0)
-shutil.rmtree = counted("remove", shutil.rmtree, 0)
-os.cpu_count = lambda: 1
-if not pause_at:
-    import atexit
-    atexit.register(lambda: os.write(told, "\\n".join(events).encode()))
-"""
+_PAUSING_CLI = counting_setup(
+    "told, resume, event_at = (int(sys.argv.pop(1)) for _ in range(3))",
+    'os.write(told, (events[-1] + "\\n").encode()); os.read(resume, 1)',
+    'os.write(told, "\\n".join(events).encode())',
+)
 
 # A second writer that says on TOLD when it is about to block on a lock (--wait).
 _WAITING_CLI = """
@@ -492,14 +462,15 @@ def test_sizes_before_writing_are_what_is_written(
 
 
 def _decimal(n: int) -> str:
-    """The CLI's byte format, restated: 3 significant digits (2 decimals under 10, 1 under
-    100) in decimal units."""
-    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if n >= scale:
-            x = n / scale
-            digits = 2 if x < 10 else 1 if x < 100 else 0
-            return f"{x:.{digits}f} {unit}"
-    return f"{n} B"
+    """The CLI's byte format, restated from its rule rather than copied from its code: 3
+    significant digits (2 decimals under 10, 1 under 100) in the decimal unit that the number of
+    digits of ``n`` calls for (kB from 4 digits, MB from 7, GB from 10, TB from 13 on)."""
+    if n < 1000:
+        return f"{n} B"
+    power = min((len(str(n)) - 1) // 3, 4)
+    x = n / 10 ** (3 * power)
+    digits = 2 if x < 10 else 1 if x < 100 else 0
+    return f"{x:.{digits}f} {'kMGT'[power - 1]}B"
 
 
 def test_shard_result_to_dict_is_what_shard_json_prints_first(checkpoint: Path, tmp_path: Path,

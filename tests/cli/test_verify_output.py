@@ -18,24 +18,15 @@ from kda_tp import oracle
 from kda_tp.checkpoint import SafetensorsSource
 from kda_tp.cli import main
 from kda_tp.shard import rank_dir, shard_checkpoint, verify_shards
-from kda_tp.synth import write_small_checkpoint
 
 from paths import ENGINE_RANKS
+from tp_fixtures import small_checkpoint_fixtures
 
 # 3 decoder layers, 0-based 0..2 all KDA; 8 heads, so TP 8 works with --qk-multiple 1.
 SMALL = dict(hidden=96, heads=8, head_dim=32, conv_kernel=4, gate_rank=16, num_layers=3)
 
-
-@pytest.fixture
-def ckpt(tmp_path) -> Path:
-    return write_small_checkpoint(tmp_path / "ckpt", **SMALL, kda_layers=[0, 1, 2], seed=5)
-
-
-@pytest.fixture
-def sharded(ckpt, tmp_path) -> Path:
-    out = tmp_path / "out"
-    shard_checkpoint(ckpt, out, 2, qk_multiple=1)
-    return out
+ckpt, sharded = small_checkpoint_fixtures({**SMALL, "kda_layers": [0, 1, 2]}, seed=5,
+                                          qk_multiple=1)
 
 
 def run(capsys, *args: object) -> tuple[int, str, str]:

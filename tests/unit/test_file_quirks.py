@@ -27,11 +27,11 @@ from paths import DATA
 # Tensors outside the KDA layers in every dtype the writer sizes by bits, not bytes (plus the
 # one-byte E8M0 block scales MX formats pair with them): name, dtype, shape, bytes.
 SUB_BYTE = [
-    ("model.layers.0.mlp.experts.w1.weight_packed", "F4", [4, 6], malformed._pattern(12, 1)),
-    ("model.layers.0.mlp.experts.w1.weight_scale", "F8_E8M0", [4, 1], malformed._pattern(4, 2)),
-    ("model.layers.0.mlp.experts.w2.weight_packed", "F6_E2M3", [4, 4], malformed._pattern(12, 3)),
-    ("model.layers.1.mlp.experts.w3.weight_packed", "F6_E3M2", [8], malformed._pattern(6, 4)),
-    ("model.layers.1.mlp.experts.w4.weight_packed", "F4", [2, 1], malformed._pattern(1, 5)),
+    ("model.layers.0.mlp.experts.w1.weight_packed", "F4", [4, 6], malformed.pattern(12, 1)),
+    ("model.layers.0.mlp.experts.w1.weight_scale", "F8_E8M0", [4, 1], malformed.pattern(4, 2)),
+    ("model.layers.0.mlp.experts.w2.weight_packed", "F6_E2M3", [4, 4], malformed.pattern(12, 3)),
+    ("model.layers.1.mlp.experts.w3.weight_packed", "F6_E3M2", [8], malformed.pattern(6, 4)),
+    ("model.layers.1.mlp.experts.w4.weight_packed", "F4", [2, 1], malformed.pattern(1, 5)),
 ]
 
 
@@ -53,7 +53,7 @@ def raw_tensor(path: Path, name: str) -> tuple[str, list[int], bytes]:
 def sub_byte_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The small two-KDA-layer checkpoint of ``malformed.py`` plus the ``SUB_BYTE`` tensors."""
     root = tmp_path_factory.mktemp("quirks")
-    return malformed._rewritten(root, "sub_byte", lambda ts: [*ts, *SUB_BYTE])
+    return malformed.rewritten(root, "sub_byte", lambda ts: [*ts, *SUB_BYTE])
 
 
 @pytest.mark.parametrize("backend", ["mmap", "pread"])
@@ -106,7 +106,7 @@ def test_sub_byte_tensors_read_as_raw_bytes(sub_byte_checkpoint: Path) -> None:
 
 def null_metadata_file(path: Path) -> bytes:
     """A one-tensor file whose header carries ``"__metadata__": null``; returns its data."""
-    data = malformed._pattern(6, 9)
+    data = malformed.pattern(6, 9)
     header = {
         "__metadata__": None,
         "w": {"dtype": "F16", "shape": [3], "data_offsets": [0, 6]},
@@ -133,7 +133,7 @@ def test_null_metadata_opens_as_no_metadata(tmp_path: Path, backend: str) -> Non
 def test_a_checkpoint_with_null_metadata_shards(tmp_path: Path) -> None:
     """A whole checkpoint whose file header has ``"__metadata__": null`` shards and verifies."""
     root = tmp_path / "ckpt"
-    base = malformed._rewritten(tmp_path, "base", lambda ts: ts)
+    base = malformed.rewritten(tmp_path, "base", lambda ts: ts)
     header, data = read_raw(base / "model.safetensors")
     header["__metadata__"] = None
     root.mkdir()

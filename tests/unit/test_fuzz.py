@@ -31,6 +31,8 @@ from kda_tp.errors import CheckpointError, KdaTpError
 from kda_tp.plan import KdaShard
 from kda_tp.shard import shard_checkpoint
 
+from checkpoint_files import kimi_config, qwen3_next_config
+
 EXAMPLES = int(os.environ.get("KDA_TP_FUZZ_EXAMPLES", "300"))
 FUZZ = settings(
     max_examples=EXAMPLES,
@@ -227,7 +229,7 @@ def kda_file(scratch: Path) -> tuple[Path, bytes]:
     """A one-file KDA checkpoint directory (config.json + model.safetensors) to mutate."""
     root = scratch / "kda_base"
     malformed.base_checkpoint(root)
-    case_dir = malformed._rewritten(root, "single", lambda ts: ts)
+    case_dir = malformed.rewritten(root, "single", lambda ts: ts)
     return case_dir, (case_dir / "model.safetensors").read_bytes()
 
 
@@ -310,25 +312,14 @@ _plan_dtypes = st.one_of(
 
 @FUZZ
 @given(
-    tp_rank=_size,
-    tp_size=_size,
-    hidden=_size,
-    head_dim=_size,
-    heads=_size,
-    conv=_size,
-    gate=_size,
+    # KdaTpPlan's positional sizes: tp_rank, tp_size, hidden, head_dim, heads, conv, gate
+    sizes=st.tuples(*[_size] * 7),
     qk_multiple=st.one_of(st.none(), _size),
     dtypes=_plan_dtypes,
     extra=st.integers(-3, 3),
 )
 def test_random_plan_parameters_never_crash(
-    tp_rank: int,
-    tp_size: int,
-    hidden: int,
-    head_dim: int,
-    heads: int,
-    conv: int,
-    gate: int,
+    sizes: tuple[int, int, int, int, int, int, int],
     qk_multiple: int | None,
     dtypes: dict[str, str] | None,
     extra: int,
@@ -337,7 +328,7 @@ def test_random_plan_parameters_never_crash(
         kwargs: dict[str, Any] = {"dtypes": dtypes}
         if qk_multiple is not None:
             kwargs["qk_multiple"] = qk_multiple
-        plan = KdaTpPlan(tp_rank, tp_size, hidden, head_dim, heads, conv, gate, **kwargs)
+        plan = KdaTpPlan(*sizes, **kwargs)
         assert plan.local_heads * plan.tp_size == plan.full_heads
         _ = plan.local_bytes, plan.full_bytes, plan.needs_output_all_reduce
         for t in plan.tensors:
@@ -370,23 +361,10 @@ _json = st.recursive(
 @st.composite
 def configs(draw: st.DrawFn) -> Any:
     """A Kimi- or Qwen3-Next-style config with any value replaced by random JSON, or random JSON."""
-    kimi = {
-        "hidden_size": 64,
-        "rms_norm_eps": 1e-5,
-        "linear_attn_config": {
-            "head_dim": 64,
-            "num_heads": 4,
-            "short_conv_kernel_size": 4,
-            "kda_layers": [1, 2],
-        },
-    }
-    qwen = {
-        "hidden_size": 64,
-        "linear_key_head_dim": 64,
-        "linear_num_key_heads": 4,
-        "linear_conv_kernel_dim": 4,
-        "layer_types": ["linear_attention", "full_attention"],
-    }
+    kimi = {**kimi_config(hidden=64, head_dim=64, heads=4, conv=4, kda_layers=[1, 2]),
+            "rms_norm_eps": 1e-5}
+    qwen = qwen3_next_config(hidden=64, head_dim=64, heads=4, conv=4,
+                             layer_types=["linear_attention", "full_attention"])
     config = draw(st.sampled_from([kimi, qwen, None]))
     if config is None:
         return draw(_json)

@@ -162,18 +162,24 @@ def rust_shard(entry, data: bytes) -> bytes:
     return arr.tobytes()
 
 
+def assert_plans_agree(g: Geometry, rank: int, tp_size: int) -> None:
+    """The Rust plan and the oracle's both refuse ``g`` at ``rank`` of ``tp_size`` with a
+    PlanError, or both build the same plan."""
+    try:
+        want = oracle_plan(g, rank, tp_size)
+    except PlanError:
+        with pytest.raises(PlanError):
+            rust_plan(g, rank, tp_size)
+        return
+    assert_same_plan(rust_plan(g, rank, tp_size), want)
+
+
 @PROPERTY
 @given(legal_geometries())
 def test_plan_matches_the_oracle_for_every_tp_size_and_rank(g):
     for tp_size in g.tp_sizes():
         for rank in range(tp_size):
-            try:
-                want = oracle_plan(g, rank, tp_size)
-            except PlanError:
-                with pytest.raises(PlanError):
-                    rust_plan(g, rank, tp_size)
-                continue
-            assert_same_plan(rust_plan(g, rank, tp_size), want)
+            assert_plans_agree(g, rank, tp_size)
 
 
 @PROPERTY
@@ -287,13 +293,7 @@ raw_dtypes = st.none() | st.dictionaries(
     ),
 )
 def test_refusals_agree_on_any_geometry(rank, tp_size, g):
-    try:
-        want = oracle_plan(g, rank, tp_size)
-    except PlanError:
-        with pytest.raises(PlanError):
-            rust_plan(g, rank, tp_size)
-        return
-    assert_same_plan(rust_plan(g, rank, tp_size), want)
+    assert_plans_agree(g, rank, tp_size)
 
 
 @st.composite
@@ -321,13 +321,7 @@ def near_the_byte_limit(draw) -> tuple[int, int, Geometry]:
 @given(near_the_byte_limit())
 def test_byte_size_limits_agree(case):
     rank, tp_size, g = case
-    try:
-        want = oracle_plan(g, rank, tp_size)
-    except PlanError:
-        with pytest.raises(PlanError):
-            rust_plan(g, rank, tp_size)
-        return
-    assert_same_plan(rust_plan(g, rank, tp_size), want)
+    assert_plans_agree(g, rank, tp_size)
 
 
 def candidate_shapes(entry: oracle.OracleTensor, data: st.DataObject) -> list[tuple[int, ...]]:

@@ -11,6 +11,7 @@ import mmap
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -213,18 +214,13 @@ def test_a_large_parallel_gather_equals_numpy():
     assert np.array_equal(shard.get(O_PROJ).data, out)
 
 
-def test_the_gil_is_released_during_a_large_gather():
-    """Another Python thread makes progress while read_into gathers 128 MiB.
+def counter_moves(work: Callable[[], object], tries: int, until_moved: bool) -> list[int]:
+    """How far a counter thread moved during each of up to ``tries`` calls of ``work`` (stopping
+    at the first call it moved during, with ``until_moved``).
 
-    With a huge switch interval this thread never hands the GIL over on its own, and the
-    counter thread gives it back after every step (time.sleep releases it). So the counter can
-    only move during the read_into call if the call itself releases the GIL: no timing
-    threshold is involved. The OS may not schedule the counter thread during one call on a busy
-    machine, so the call is repeated until it does (up to 50 times).
-    """
-    shard, _ = _large_o_proj()
-    out = np.empty(shard.plan["o_proj"].local_bytes, np.uint8)
-    shard.read_into(O_PROJ, out)  # fault the output in once
+    The switch interval is set huge, so this thread never hands the GIL over on its own, and the
+    counter thread gives it back after every step (time.sleep releases it): the counter moves
+    during a call only if the call releases the GIL."""
     counter = [0]
     stop = threading.Event()
 
@@ -239,16 +235,32 @@ def test_the_gil_is_released_during_a_large_gather():
     try:
         worker.start()
         moved = []
-        for _ in range(50):
+        for _ in range(tries):
             before = counter[0]
-            shard.read_into(O_PROJ, out)
+            work()
             moved.append(counter[0] - before)
-            if moved[-1]:
+            if until_moved and moved[-1]:
                 break
     finally:
         stop.set()
         sys.setswitchinterval(old)
         worker.join()
+    return moved
+
+
+def test_the_gil_is_released_during_a_large_gather():
+    """Another Python thread makes progress while read_into gathers 128 MiB.
+
+    With a huge switch interval this thread never hands the GIL over on its own, and the
+    counter thread gives it back after every step (time.sleep releases it). So the counter can
+    only move during the read_into call if the call itself releases the GIL: no timing
+    threshold is involved. The OS may not schedule the counter thread during one call on a busy
+    machine, so the call is repeated until it does (up to 50 times).
+    """
+    shard, _ = _large_o_proj()
+    out = np.empty(shard.plan["o_proj"].local_bytes, np.uint8)
+    shard.read_into(O_PROJ, out)  # fault the output in once
+    moved = counter_moves(lambda: shard.read_into(O_PROJ, out), tries=50, until_moved=True)
     assert any(moved), f"the counter never moved during read_into: {moved}"
 
 
@@ -257,27 +269,6 @@ def test_the_gil_test_would_catch_a_gil_holding_copy():
     test above is not passing by accident (numpy's tobytes() copies under the GIL)."""
     _, source = _large_o_proj()
     data = source.o_proj[: 64 << 20]
-    counter = [0]
-    stop = threading.Event()
-
-    def count():
-        while not stop.is_set():
-            counter[0] += 1
-            time.sleep(0)
-
-    old = sys.getswitchinterval()
-    worker = threading.Thread(target=count)
-    sys.setswitchinterval(1000.0)
-    try:
-        worker.start()
-        moved = []
-        for _ in range(3):
-            before = counter[0]
-            data.tobytes()
-            moved.append(counter[0] - before)
-    finally:
-        stop.set()
-        sys.setswitchinterval(old)
-        worker.join()
+    moved = counter_moves(data.tobytes, tries=3, until_moved=False)
     assert moved == [0, 0, 0]
 
