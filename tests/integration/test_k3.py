@@ -24,7 +24,7 @@ from kda_tp.shard import rank_dir, shard_checkpoint, verify_shards
 from kda_tp.synth import write_checkpoint, write_small_checkpoint
 
 from paths import DATA
-from reference_partials import assert_rank_partials
+from fixture_checks import assert_rank_partials, cli_shard_and_verify
 
 FIXTURE = DATA / "k3_small"
 LAYERS = "language_model.model.layers."
@@ -104,10 +104,7 @@ def test_cli_plan_shard_verify_numeric_on_the_fixture(tmp_path, capsys, tp_size,
     table = capsys.readouterr().out
     assert "g_proj" in table and "g_a_proj" not in table
     assert "A_log stores 16 entries for 4 heads" in table
-    assert main(["shard", str(FIXTURE), "--tp-size", str(tp_size), "--out", str(out),
-                 "--quiet", *extra]) == 0
-    assert main(["verify", str(FIXTURE), str(out), "--numeric"]) == 0
-    assert "numerical TP equivalence passes" in capsys.readouterr().out
+    cli_shard_and_verify(FIXTURE, out, tp_size, capsys, *extra)
     assert oracle.verify(FIXTURE, out) == []
     full = kda_tp.SafetensorsSource(FIXTURE)
     a_log = full.get(KDA + "A_log").array
@@ -326,10 +323,7 @@ def test_k3_real_geometry_tp2_and_tp8(tmp_path, capsys):
     for tp_size in (2, 8):
         out = tmp_path / f"tp{tp_size}"
         assert main(["plan", str(ckpt), "--tp-size", str(tp_size)]) == 0
-        assert main(["shard", str(ckpt), "--tp-size", str(tp_size), "--out", str(out),
-                     "--quiet"]) == 0
-        assert main(["verify", str(ckpt), str(out), "--numeric"]) == 0
-        assert "numerical TP equivalence passes" in capsys.readouterr().out
+        cli_shard_and_verify(ckpt, out, tp_size, capsys)
         rank = kda_tp.SafetensorsSource(rank_dir(out, 3 if tp_size == 8 else 1))
         if tp_size == 8:
             assert rank.get(KDA + "A_log").shape == (12,)
