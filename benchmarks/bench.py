@@ -93,6 +93,7 @@ baseline measured alongside it; the last columns give the target and PASS/MISS.
    rank's KDA bytes it touched (target: within 2x), with the extra host memory held (target: at
    most the rank's largest parameter).
    ``--only guard`` runs this section alone.
+8. A Kimi-K3-wide header: 60 layers of which 45 KDA (K3's wrapper config and names, full-rank
    ``g_proj``, padded ``A_log``; tiny geometry, 8 heads of 16), 384 experts x 3 projections per
    layer as zero-size tensors, about 70k names in 8 files with an index, generated in the run.
    One rank's view, ``kda_tp.open_rank(ckpt, tp_rank=3, tp_size=8)`` (headers, config,
