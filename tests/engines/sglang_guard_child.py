@@ -76,6 +76,7 @@ import sglang.srt.model_executor.model_runner_components.weight_updater as wu  #
 import sglang.srt.managers.scheduler as sched  # noqa: E402
 import sglang.srt.model_loader.loader as loader  # noqa: E402
 from sglang.srt.configs.load_config import LoadConfig  # noqa: E402
+from sglang_layers import kda_classes, stand_in  # noqa: E402
 
 
 def rank(T: int, R: int) -> object:
@@ -87,43 +88,10 @@ def rank(T: int, R: int) -> object:
 
 def build(kind: str) -> torch.nn.Module:
     """A module holding SGLang's own KDA layer at ``model.layers.0.self_attn`` (unloaded)."""
-    if kind in ("k3", "kimi_linear"):
-        from sglang.srt.configs.kimi_linear import KimiLinearConfig
-        lac = dict(head_dim=D, num_heads=H, short_conv_kernel_size=K, kda_layers=[1],
-                   full_attn_layers=[])
-        if kind == "k3":
-            lac.update(use_full_rank_gate=True, gate_lower_bound=-5.0)
-        cfg = KimiLinearConfig(hidden_size=HIDDEN, num_hidden_layers=1, vocab_size=16,
-                               linear_attn_config=lac, hidden_act="silu", rms_norm_eps=1e-5)
-        if kind == "k3":
-            from sglang.srt.models.kimi_k3 import KimiK3DeltaAttention as Layer
-            from sglang.srt.models.kimi_k3 import KimiK3LinearForCausalLM as Model
-        else:
-            from sglang.srt.models.kimi_linear import KimiDeltaAttention as Layer
-            from sglang.srt.models.kimi_linear import KimiLinearForCausalLM as Model
-    else:
-        from sglang.srt.configs.glm5_next import Glm5NextTextConfig
-        cfg = Glm5NextTextConfig(hidden_size=HIDDEN, num_hidden_layers=1, vocab_size=16,
-                                 linear_attn_config=dict(head_dim=D, num_heads=H,
-                                                         short_conv_kernel_size=K,
-                                                         kda_layers=[0], full_attn_layers=[]))
-        cfg.n_routed_experts = 0
-        import sglang.srt.models.glm5_next as g5
-        from sglang.srt.models.glm5_next import Glm5NextForConditionalGeneration as Model
-        from sglang.srt.models.glm5_next import Glm5NextLinearAttention as Layer
-        g5.get_lora = lambda: types.SimpleNamespace(enable_lora=False, lora_paths=None)
+    cfg, Layer, Model = kda_classes(kind, heads=H, head_dim=D, kernel=K, hidden=HIDDEN)
     layer = Layer(layer_idx=0, hidden_size=HIDDEN, config=cfg, quant_config=None,
                   prefix=PREFIX[:-1])
-    top = torch.nn.Module()
-    top.config = cfg
-    top.model = torch.nn.Module()
-    top.model.layers = torch.nn.ModuleList([torch.nn.Module()])
-    top.model.layers[0].self_attn = layer
-    top.model.start_layer, top.model.end_layer = 0, 1
-    top._is_non_local_pp_weight = lambda name: False
-    top.post_load_weights = lambda *a, **k: None
-    top.num_fused_shared_experts = 0
-    top.quant_config = None
+    top = stand_in(cfg, layer)
     top.kda_load_weights = types.MethodType(Model.load_weights, top)
     top.load_weights = top.kda_load_weights  # what SGLang's update functions call
     return top

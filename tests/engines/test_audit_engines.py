@@ -53,64 +53,27 @@ torch.set_default_dtype(torch.bfloat16)  # the engines build a model in its mode
 if engine == "vllm":
     import vllm.distributed.parallel_state as ps
     from vllm.config import VllmConfig, set_current_vllm_config
-    from vllm_layers import kda_classes
+    from vllm_layers import fake_group, kda_classes, stand_in
 
-    ps._TP = types.SimpleNamespace(world_size=T, rank_in_group=R, rank=R, local_rank=0,
-                                   device_group=None, cpu_group=None, ranks=list(range(T)))
+    ps._TP = fake_group(T, R)
     vc = VllmConfig()
     vc.model_config = types.SimpleNamespace(dtype=torch.bfloat16, hf_config=None)
     with set_current_vllm_config(vc):
         cfg, Layer, Model = kda_classes(kind, heads=H, head_dim=D, kernel=K, hidden=HIDDEN)
         layer = Layer(cfg, vc, prefix=PREFIX)
-        stack = torch.nn.Module()
-        stack.config = cfg
-        stack.layers = torch.nn.ModuleList([torch.nn.Module()])
-        stack.layers[0].self_attn = layer
-        stack.is_fused_shared_expert_enabled = False
-        Model.load_weights(stack, iter([(n.replace("model.", "", 1), w)
-                                        for n, w in weights.items()]))
+        Model.load_weights(stand_in(cfg, layer),
+                           iter([(n.replace("model.", "", 1), w) for n, w in weights.items()]))
 else:
     from sglang.srt.runtime_context import get_parallel
 
+    from sglang_layers import kda_classes, stand_in
+
     extra = {"enable_cp_tp_group_sharing": False} if kind == "glm" else {}
     with get_parallel().override(tp_size=T, tp_rank=R, attn_tp_size=T, attn_tp_rank=R, **extra):
-        if kind in ("k3", "kimi_linear"):
-            from sglang.srt.configs.kimi_linear import KimiLinearConfig
-            lac = dict(head_dim=D, num_heads=H, short_conv_kernel_size=K, kda_layers=[1],
-                       full_attn_layers=[])
-            if kind == "k3":
-                lac.update(use_full_rank_gate=True, gate_lower_bound=-5.0)
-                from sglang.srt.models.kimi_k3 import KimiK3DeltaAttention as Layer
-                from sglang.srt.models.kimi_k3 import KimiK3LinearForCausalLM as Model
-            else:
-                from sglang.srt.models.kimi_linear import KimiDeltaAttention as Layer
-                from sglang.srt.models.kimi_linear import KimiLinearForCausalLM as Model
-            cfg = KimiLinearConfig(hidden_size=HIDDEN, num_hidden_layers=1, vocab_size=16,
-                                   linear_attn_config=lac, hidden_act="silu", rms_norm_eps=1e-5)
-        else:
-            from sglang.srt.configs.glm5_next import Glm5NextTextConfig
-            import sglang.srt.models.glm5_next as g5
-            from sglang.srt.models.glm5_next import Glm5NextForConditionalGeneration as Model
-            from sglang.srt.models.glm5_next import Glm5NextLinearAttention as Layer
-            cfg = Glm5NextTextConfig(hidden_size=HIDDEN, num_hidden_layers=1, vocab_size=16,
-                                     linear_attn_config=dict(head_dim=D, num_heads=H,
-                                                             short_conv_kernel_size=K,
-                                                             kda_layers=[0], full_attn_layers=[]))
-            cfg.n_routed_experts = 0
-            g5.get_lora = lambda: types.SimpleNamespace(enable_lora=False, lora_paths=None)
+        cfg, Layer, Model = kda_classes(kind, heads=H, head_dim=D, kernel=K, hidden=HIDDEN)
         layer = Layer(layer_idx=0, hidden_size=HIDDEN, config=cfg, quant_config=None,
                       prefix=PREFIX)
-        top = torch.nn.Module()
-        top.config = cfg
-        top.model = torch.nn.Module()
-        top.model.layers = torch.nn.ModuleList([torch.nn.Module()])
-        top.model.layers[0].self_attn = layer
-        top.model.start_layer, top.model.end_layer = 0, 1
-        top._is_non_local_pp_weight = lambda name: False
-        top.post_load_weights = lambda *a, **k: None
-        top.num_fused_shared_experts = 0
-        top.quant_config = None
-        Model.load_weights(top, iter(weights.items()))
+        Model.load_weights(stand_in(cfg, layer), iter(weights.items()))
 save_file({f"{PREFIX}.{n}": p.data.contiguous() for n, p in layer.named_parameters()}, out,
           metadata={"tp_size": str(T), "tp_rank": str(R)})
 """

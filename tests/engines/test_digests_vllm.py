@@ -56,26 +56,21 @@ kind, ckpt, geometry, runs = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), 
 sys.path.insert(0, sys.argv[5])
 dtype = getattr(torch, sys.argv[6])
 torch.set_default_dtype(dtype)  # vLLM builds a model's parameters in its model dtype
-from vllm_layers import kda_classes
+from vllm_layers import fake_group, kda_classes, stand_in
 H, D, K, hidden = geometry["heads"], geometry["head_dim"], geometry["kernel"], geometry["hidden"]
 weights = [(n.replace("model.", "", 1), w)
            for n, w in load_file(os.path.join(ckpt, "model.safetensors")).items()]
 result = {}
 for run in runs.split(","):
     T, R = map(int, run.split(":"))
-    group = types.SimpleNamespace(world_size=T, rank_in_group=R, rank=R, local_rank=0,
-                                  device_group=None, cpu_group=None, ranks=list(range(T)))
+    group = fake_group(T, R)
     ps._TP = group
     vc = VllmConfig()
     vc.model_config = types.SimpleNamespace(dtype=dtype, hf_config=None)
     with set_current_vllm_config(vc):
         cfg, Layer, Model = kda_classes(kind, heads=H, head_dim=D, kernel=K, hidden=hidden)
         layer = Layer(cfg, vc, prefix="model.layers.0.self_attn")
-        stack = torch.nn.Module()  # the decoder model, holding only layer 0's attention
-        stack.config = cfg
-        stack.layers = torch.nn.ModuleList([torch.nn.Module()])
-        stack.layers[0].self_attn = layer
-        stack.is_fused_shared_expert_enabled = False
+        stack = stand_in(cfg, layer)  # the decoder model, holding only layer 0's attention
         Model.load_weights(stack, iter(weights))
     top = torch.nn.Module()  # ...ForCausalLM: its decoder model is `model`
     top.model = stack

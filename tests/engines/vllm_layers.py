@@ -1,13 +1,38 @@
-"""vLLM 0.33.0's KDA layer and model classes of each family, and the config they are built from,
-for the engine tests beside it (test_digests_vllm.py's child process, test_guard_vllm.py).
+"""vLLM 0.33.0's KDA layer and model classes of each family, the config they are built from,
+the faked tensor-parallel group and the stand-in model that holds one layer, for the engine
+tests beside it (test_digests_vllm.py's and test_audit_engines.py's child processes,
+test_guard_vllm*.py) and the fixtures' recipe (tests/data/engine_ranks/make/vllm_rank.py).
 
-Nothing here imports vLLM until :func:`kda_classes` is called (inside the caller's
-``set_current_vllm_config``), so collecting the tests without vLLM never imports it. The
-configs are those of the fixtures' recipe (tests/data/engine_ranks/make/vllm_rank.py)."""
+Nothing here imports vLLM or torch until a function is called (:func:`kda_classes` inside the
+caller's ``set_current_vllm_config``), so collecting the tests without vLLM never imports it."""
 
 from __future__ import annotations
 
+import types
 from typing import Any
+
+from kda_configs import kimi_config
+
+
+def fake_group(world_size: int, rank: int) -> types.SimpleNamespace:
+    """What vLLM's layers and loaders ask the tensor-parallel group (``parallel_state._TP``): a
+    real one needs torch.distributed."""
+    return types.SimpleNamespace(world_size=world_size, rank_in_group=rank, rank=rank,
+                                 local_rank=0, device_group=None, cpu_group=None,
+                                 ranks=list(range(world_size)))
+
+
+def stand_in(cfg: Any, layer: Any) -> Any:
+    """The decoder model holding only layer 0's attention (``layers.0.self_attn``: ``layer``),
+    whose model class's ``load_weights`` runs on it (vLLM's full model constructors need CUDA)."""
+    import torch
+
+    stack = torch.nn.Module()
+    stack.config = cfg
+    stack.is_fused_shared_expert_enabled = False
+    stack.layers = torch.nn.ModuleList([torch.nn.Module()])
+    stack.layers[0].self_attn = layer
+    return stack
 
 
 def kda_classes(kind: str, *, heads: int, head_dim: int, kernel: int,
@@ -19,16 +44,13 @@ def kda_classes(kind: str, *, heads: int, head_dim: int, kernel: int,
         from vllm.models.kimi_k3.nvidia.model import KimiLinearModel as Model
         from vllm.transformers_utils.configs.kimi_linear import KimiLinearConfig
 
-        lac = dict(head_dim=head_dim, num_heads=heads, short_conv_kernel_size=kernel,
-                   kda_layers=[1], full_attn_layers=[])
         if kind == "k3":
-            lac.update(use_full_rank_gate=True, gate_lower_bound=-5.0)
             from vllm.models.kimi_k3.nvidia.kda import KimiK3DeltaAttention as Layer
         else:
             from vllm.model_executor.layers.mamba.gdn.kimi_gdn_linear_attn import (
                 KimiGatedDeltaNetAttention as Layer)
-        cfg = KimiLinearConfig(hidden_size=hidden, num_hidden_layers=1, vocab_size=16,
-                               linear_attn_config=lac, hidden_act="silu", rms_norm_eps=1e-5)
+        cfg = kimi_config(KimiLinearConfig, kind, heads=heads, head_dim=head_dim, kernel=kernel,
+                          hidden=hidden)
     elif kind == "glm":
         from transformers import Glm5NextTextConfig
         from vllm.models.glm5next.common.kda import Glm5NextLinearAttention as Layer

@@ -19,23 +19,18 @@ from kda_tp import oracle
 from kda_tp._io import write_safetensors
 from kda_tp.cli import main
 from kda_tp.errors import CheckpointError, PlanError, ShapeMismatchError
-from kda_tp.reference import kda_layer_forward
+from kda_tp.reference import kda_layer_forward, layer_weights
 from kda_tp.shard import rank_dir, shard_checkpoint, verify_shards
 from kda_tp.synth import write_checkpoint, write_small_checkpoint
 
 from paths import DATA
+from fixture_checks import assert_rank_partials, cli_shard_and_verify
 
 FIXTURE = DATA / "k3_small"
 LAYERS = "language_model.model.layers."
 KDA = LAYERS + "0.self_attn."
 MLA = LAYERS + "1.self_attn."
 BOUND = -5.0  # the fixture's gate_lower_bound
-
-
-def _weights(source, names, prefix=KDA) -> dict[str, np.ndarray]:
-    """Plan name -> array of one KDA layer, as ``source`` (full or one rank's view) has it."""
-    suffix = {"A_log": "A_log", "dt_bias": "dt_bias"}
-    return {n: source.get(prefix + suffix.get(n, f"{n}.weight")).array for n in names}
 
 
 def test_the_fixture_config_and_plan():
@@ -61,20 +56,16 @@ def test_the_fixture_config_and_plan():
 def test_reference_forward_on_each_ranks_slices_matches_the_fixture():
     source = kda_tp.SafetensorsSource(FIXTURE)
     x, y = np.load(FIXTURE / "x.npy"), np.load(FIXTURE / "y.npy")
-    partials = []
-    for rank in range(2):
+
+    def rank_weights(rank: int) -> dict[str, np.ndarray]:
         plan = kda_tp.KdaTpPlan.from_config(source, rank, 2)
-        view = kda_tp.KdaShardedSource(source, plan)
-        names = [t.name for t in plan.tensors]
-        local = _weights(view, names)
+        local = layer_weights(kda_tp.KdaShardedSource(source, plan), 0, LAYERS, plan)
         assert local["A_log"].shape == (2,)
-        partial = kda_layer_forward(local, x, head_dim=64, gate_lower_bound=BOUND)
-        want = np.load(FIXTURE / f"y_partial_tp2_rank{rank}.npy")
-        assert np.max(np.abs(partial - want)) < 1e-5
-        partials.append(partial)
-    assert np.max(np.abs(sum(partials) - y)) < 1e-5
+        return local
+
+    assert_rank_partials(FIXTURE, rank_weights, gate_lower_bound=BOUND)
     # The full weights, padded A_log included, give y.
-    full = _weights(source, names)
+    full = layer_weights(source, 0, LAYERS, kda_tp.KdaTpPlan.from_config(source, 0, 2))
     assert full["A_log"].shape == (16,)
     assert np.max(np.abs(kda_layer_forward(full, x, head_dim=64, gate_lower_bound=BOUND) - y)) < 1e-5
     # Without the lower bound (Kimi-Linear's softplus gate) the output is far off.
@@ -113,10 +104,7 @@ def test_cli_plan_shard_verify_numeric_on_the_fixture(tmp_path, capsys, tp_size,
     table = capsys.readouterr().out
     assert "g_proj" in table and "g_a_proj" not in table
     assert "A_log stores 16 entries for 4 heads" in table
-    assert main(["shard", str(FIXTURE), "--tp-size", str(tp_size), "--out", str(out),
-                 "--quiet", *extra]) == 0
-    assert main(["verify", str(FIXTURE), str(out), "--numeric"]) == 0
-    assert "numerical TP equivalence passes" in capsys.readouterr().out
+    cli_shard_and_verify(FIXTURE, out, tp_size, capsys, *extra)
     assert oracle.verify(FIXTURE, out) == []
     full = kda_tp.SafetensorsSource(FIXTURE)
     a_log = full.get(KDA + "A_log").array
@@ -215,16 +203,22 @@ def test_the_oracle_flags_a_nonzero_padding(tmp_path):
     assert any("padding entry 15 is -1.25, expected 0" in p for p in oracle.verify(bad, out))
 
 
+def _as_native(config: dict, older_spelling: bool, layer_type: str) -> dict:
+    """``config`` (a text config with ``linear_attn_config``) in transformers' native
+    ``kimi_linear`` keys, layer 0 of ``layer_type`` and layer 1 full attention; in place."""
+    linear = config.pop("linear_attn_config")
+    dim, heads = ("linear_head_dim", "linear_num_heads") if older_spelling else (
+        "linear_key_head_dim", "linear_num_key_heads")
+    config.update({dim: linear["head_dim"], heads: linear["num_heads"],
+                   "linear_conv_kernel_dim": linear["short_conv_kernel_size"],
+                   "layer_types": [layer_type, "full_attention"]})
+    return config
+
+
 def _native_config(older_spelling: bool, layer_type: str) -> dict:
     """The fixture's config in transformers' native ``kimi_linear`` keys (no wrapper)."""
     text = json.loads((FIXTURE / "config.json").read_text())["text_config"]
-    linear = text.pop("linear_attn_config")
-    dim, heads = ("linear_head_dim", "linear_num_heads") if older_spelling else (
-        "linear_key_head_dim", "linear_num_key_heads")
-    text.update({dim: linear["head_dim"], heads: linear["num_heads"],
-                 "linear_conv_kernel_dim": linear["short_conv_kernel_size"],
-                 "layer_types": [layer_type, "full_attention"]})
-    return text
+    return _as_native(text, older_spelling, layer_type)
 
 
 @pytest.mark.parametrize(("older", "layer_type"),
@@ -234,13 +228,7 @@ def test_native_kimi_linear_configs_shard_and_verify(tmp_path, older, layer_type
     ckpt = write_small_checkpoint(tmp_path / "ckpt", hidden=96, heads=4, head_dim=64,
                                   conv_kernel=4, gate_rank=16, num_layers=2, kda_layers=[0])
     config = json.loads((ckpt / "config.json").read_text())
-    linear = config.pop("linear_attn_config")
-    dim, heads = ("linear_head_dim", "linear_num_heads") if older else (
-        "linear_key_head_dim", "linear_num_key_heads")
-    config.update({dim: linear["head_dim"], heads: linear["num_heads"],
-                   "linear_conv_kernel_dim": linear["short_conv_kernel_size"],
-                   "layer_types": [layer_type, "full_attention"]})
-    (ckpt / "config.json").write_text(json.dumps(config))
+    (ckpt / "config.json").write_text(json.dumps(_as_native(config, older, layer_type)))
     out = tmp_path / "out"
     shard_checkpoint(ckpt, out, 2)
     report = verify_shards(ckpt, out, numeric=True)
@@ -335,10 +323,7 @@ def test_k3_real_geometry_tp2_and_tp8(tmp_path, capsys):
     for tp_size in (2, 8):
         out = tmp_path / f"tp{tp_size}"
         assert main(["plan", str(ckpt), "--tp-size", str(tp_size)]) == 0
-        assert main(["shard", str(ckpt), "--tp-size", str(tp_size), "--out", str(out),
-                     "--quiet"]) == 0
-        assert main(["verify", str(ckpt), str(out), "--numeric"]) == 0
-        assert "numerical TP equivalence passes" in capsys.readouterr().out
+        cli_shard_and_verify(ckpt, out, tp_size, capsys)
         rank = kda_tp.SafetensorsSource(rank_dir(out, 3 if tp_size == 8 else 1))
         if tp_size == 8:
             assert rank.get(KDA + "A_log").shape == (12,)

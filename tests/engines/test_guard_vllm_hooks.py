@@ -1,0 +1,154 @@
+"""The guard inside vLLM 0.33.0 decides which model and which checkpoint it checks, and a
+guard that cannot arm fails in mode fail (issues 27.1 and 27.2): the main model whatever the
+speculative method, the checkpoint variable, a model id resolved in the engine's download
+directory, ``audit_llm``'s report of a worker with and without the guard, every hook armed
+after vLLM's own plugin loading. Built as test_guard_vllm.py's (helpers: vllm_guard.py)."""
+
+from __future__ import annotations
+
+import logging
+import types
+import warnings
+
+import pytest
+
+from vllm_guard import CKPT, build, default_load, loading_as, model_config, set_rank, vllm
+
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")  # vLLM's own import-time deprecations
+    from vllm.config import LoadConfig, set_current_vllm_config
+    from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+    from vllm.model_executor.model_loader.reload import inplace
+    from vllm.v1.worker.worker_base import WorkerBase
+
+from kda_tp import GuardError
+from kda_tp.guard import CHECKPOINT_ENV, MODE_ENV
+from kda_tp.vllm_plugin import audit_llm
+
+pytestmark = [pytest.mark.engines, pytest.mark.usefixtures("guard_env_unset")]
+
+
+
+def spec_config(method: str, target: types.SimpleNamespace) -> types.SimpleNamespace:
+    """vLLM's config with speculative decoding as ``vllm/config/speculative.py`` sets it up:
+    n-gram, suffix and custom_class reuse the target's ModelConfig as ``draft_model_config``;
+    EAGLE / MTP build a separate one with ``runner="draft"`` (``runner_type == "draft"``)."""
+    if method in ("ngram", "suffix", "custom_class"):
+        draft = target
+    else:
+        draft = types.SimpleNamespace(**vars(target), runner_type="draft")
+    spec = types.SimpleNamespace(method=method, draft_model_config=draft,
+                                 target_model_config=target)
+    return types.SimpleNamespace(model_config=target, speculative_config=spec, load_config=None)
+
+
+@pytest.mark.parametrize("method", ["ngram", "suffix", "custom_class", "eagle", "mtp"])
+def test_the_main_model_is_checked_whatever_the_speculative_method(vc, method, monkeypatch):
+    target = model_config(CKPT["kimi_linear"])
+    spec = spec_config(method, target).speculative_config
+    model = build(vc, "kimi_linear", 4, 0)
+    draft = build(vc, "kimi_linear", 4, 0)
+    set_rank(4, 3)
+    loading_as(model, 4, 0)  # rank 3 loads rank 0's slices
+    loading_as(draft, 4, 0)
+    monkeypatch.setattr(vc, "speculative_config", spec)  # vLLM's config while it loads
+    with pytest.raises(GuardError, match="equals rank 0's slice of q_proj"), \
+            set_current_vllm_config(vc):
+        DefaultModelLoader(LoadConfig()).load_weights(model, target)
+    if spec.draft_model_config is not target:  # a separate draft (EAGLE, MTP): skipped
+        with set_current_vllm_config(vc):
+            DefaultModelLoader(LoadConfig()).load_weights(draft, spec.draft_model_config)
+
+
+def test_a_checkpoint_variable_that_is_not_there_fails_and_one_with_spaces_works(
+        vc, monkeypatch, tmp_path, caplog):
+    monkeypatch.setenv(CHECKPOINT_ENV, str(tmp_path / "typo"))
+    with pytest.raises(GuardError, match=f"{CHECKPOINT_ENV}='.*typo' does not exist"):
+        default_load(vc, build(vc, "glm", 2, 1), CKPT["glm"])
+    monkeypatch.setenv(MODE_ENV, "warn")
+    with pytest.warns(RuntimeWarning, match="does not exist"):
+        default_load(vc, build(vc, "glm", 2, 1), CKPT["glm"])
+    monkeypatch.setenv(MODE_ENV, "fail")
+    monkeypatch.setenv(CHECKPOINT_ENV, f" {CKPT['glm']}\n")
+    with caplog.at_level(logging.INFO, logger="kda_tp.guard"):
+        default_load(vc, build(vc, "glm", 2, 1), CKPT["glm"])
+    assert caplog.records[-1].getMessage().endswith(": OK")
+
+
+def test_a_model_id_is_resolved_in_the_engines_download_dir(monkeypatch, tmp_path):
+    import huggingface_hub
+    from kda_tp.vllm_plugin import _checkpoint
+    seen = {}
+
+    def snapshot_download(repo, revision=None, cache_dir=None, local_files_only=False):
+        seen.update(repo=repo, cache_dir=cache_dir, local_files_only=local_files_only)
+        return str(tmp_path)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    config = types.SimpleNamespace(model="org/kda-model", model_weights="", revision=None)
+    assert _checkpoint(config, "DefaultModelLoader", None, "/data/models") == str(tmp_path)
+    assert seen == {"repo": "org/kda-model", "cache_dir": "/data/models",
+                    "local_files_only": True}
+
+
+def test_audit_llm_carries_the_real_reason_and_the_armed_record(vc, tmp_path, monkeypatch):
+    (tmp_path / "config.json").write_text('{"model_type": "deepseek_v3", "hidden_size": 64}')
+    model = build(vc, "glm", 2, 0)
+    default_load(vc, model, CKPT["glm"])
+    config = types.SimpleNamespace(model_config=model_config(tmp_path), speculative_config=None,
+                                   load_config=None)
+    worker = types.SimpleNamespace(model_runner=types.SimpleNamespace(get_model=lambda: model),
+                                   vllm_config=config)
+    set_rank(2, 0)
+    (report,) = audit_llm(types.SimpleNamespace(
+        collective_rpc=lambda method: [getattr(WorkerBase, method)(worker)]))
+    assert report["ok"] is None and report["guarded"] is True
+    assert report["line"].startswith("not checked: kda_tp guard: vllm audit: tp rank 0/2: ")
+    assert "describes no KDA layer" in report["line"]
+    assert report["versions"]["vllm"] == vllm.__version__ and report["versions"]["kda_tp"]
+    assert report["hooks"]["vllm.model_executor.model_loader.reload.inplace.reload_weights"] \
+        == "armed"
+    assert report["checks"]["first load"] >= 1 and report["last"].endswith(": OK")
+
+
+def test_a_worker_without_the_guard_is_reported_unguarded(monkeypatch):
+    monkeypatch.setenv("VLLM_PLUGINS", "some_other_plugin")
+
+    def collective_rpc(method):
+        raise AttributeError(f"'Worker' object has no attribute '{method}'")
+
+    with pytest.warns(RuntimeWarning, match="VLLM_PLUGINS='some_other_plugin' leaves out"):
+        (report,) = audit_llm(types.SimpleNamespace(collective_rpc=collective_rpc))
+    assert report["guarded"] is False and report["ok"] is None
+    assert report["line"].startswith("unguarded: the workers do not answer kda_tp_audit")
+    reports = audit_llm(types.SimpleNamespace(collective_rpc=lambda m: [None]))
+    assert reports[0]["guarded"] is False and "worker 0 answered None" in reports[0]["line"]
+
+
+def test_a_missing_hook_target_fails_in_fail_and_warns_in_warn(monkeypatch):
+    from kda_tp.vllm_plugin import _wrap_reload, status
+    gone = types.SimpleNamespace()  # a vLLM whose reload module lost reload_weights
+    with pytest.raises(GuardError, match="cannot hook .*reload.inplace.reload_weights"):
+        _wrap_reload(gone)
+    monkeypatch.setenv(MODE_ENV, "warn")
+    with pytest.warns(RuntimeWarning, match="cannot hook"):
+        _wrap_reload(gone)
+    target = "vllm.model_executor.model_loader.reload.inplace.reload_weights"
+    assert status()["hooks"][target].startswith("missing: ")
+    _wrap_reload(inplace)  # armed again (vLLM's own module: already wrapped)
+    assert status()["hooks"][target] == "armed"
+
+
+def test_every_hook_is_armed_after_vllms_own_plugin_loading(vc):
+    from kda_tp.vllm_plugin import status
+    import vllm.distributed.weight_transfer.factory  # noqa: F401
+    import vllm.model_executor.model_loader.tensorizer_loader  # noqa: F401
+    hooks = status()["hooks"]
+    for target in ("base_loader.BaseModelLoader", "register_model_loader",
+                   "reload.inplace.reload_weights",
+                   "tensorizer_loader.TensorizerLoader._load_model_serialized_cpu"):
+        assert hooks[f"vllm.model_executor.model_loader.{target}"] == "armed"
+    assert hooks["vllm.distributed.weight_transfer.factory.WeightTransferEngineFactory."
+                 "create_engine"] == "armed"
+    assert hooks["vllm.v1.worker.worker_base.WorkerBase"] == "armed"
+

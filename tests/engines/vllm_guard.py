@@ -1,0 +1,116 @@
+"""What the vLLM guard tests (test_guard_vllm*.py beside this) share: a stand-in model of one
+KDA layer built with vLLM 0.33.0's own classes for a faked tensor-parallel rank, loaded by
+vLLM's own loaders, and the bugs a loader makes (a rank's loaders told another rank).
+
+As in the fixtures' recipe (tests/data/engine_ranks/make/vllm_rank.py): the tensor-parallel
+group is faked (``parallel_state._TP`` holding ``world_size`` and ``rank_in_group``), and a
+stand-in module holding only ``layers.0.self_attn`` goes through the model class's
+``load_weights`` (vLLM's full model constructors need CUDA). Imported by the tests after
+``pytest.importorskip("vllm")``; the fixtures ``vc`` and ``guard_env_unset`` are in
+conftest.py beside it."""
+
+from __future__ import annotations
+
+import os
+import types
+import warnings
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")  # vLLM's own import-time deprecations
+    vllm = pytest.importorskip("vllm")  # skips the importing test module without vLLM
+    import torch
+    import vllm.distributed.parallel_state as ps
+    from vllm.config import LoadConfig, VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.linear import ColumnParallelLinear
+    from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+
+from paths import ENGINE_RANKS as DATA
+from vllm_layers import fake_group, kda_classes, stand_in
+
+CKPT = {"k3": DATA / "ckpt_k3", "kimi_linear": DATA / "ckpt_kl", "glm": DATA / "ckpt_glm"}
+H, D, K, HIDDEN = 12, 128, 4, 64  # the fixtures' geometry (make/make_ckpt.py)
+ATTN = "model.layers.0.self_attn."
+
+
+def set_rank(tp_size: int, rank: int) -> None:
+    ps._TP = fake_group(tp_size, rank)
+    ps._PP = fake_group(1, 0)
+
+
+def model_config(path: Path) -> types.SimpleNamespace:
+    """The ModelConfig fields vLLM's loaders read."""
+    return types.SimpleNamespace(
+        model=str(path), model_weights="", revision=None, quantization=None,
+        dtype=torch.float32, multimodal_config=None, is_moe=False, get_num_experts=lambda: 0)
+
+
+
+def reload_config(kind: str) -> VllmConfig:
+    """The VllmConfig a worker passes to ``reload_weights`` (and a weight-transfer engine is
+    made with): the fixture checkpoint of ``kind`` and vLLM's default load config."""
+    config = VllmConfig()
+    config.model_config = model_config(CKPT[kind])
+    config.load_config = LoadConfig()
+    return config
+
+
+def build(vc, kind: str, tp_size: int, rank: int, *, o_proj_rows: bool = False,
+          decode_copies: bool = False) -> torch.nn.Module:
+    """A stand-in model (``model.layers.0.self_attn``: vLLM's KDA layer of ``kind`` for
+    ``rank`` of ``tp_size``), whose ``load_weights`` is the model class's. ``decode_copies``:
+    K3's layer as the native decode backend builds it, with ``decode_conv1d_weight`` and
+    ``decode_norm_weight`` (on CPU the Triton backend has none)."""
+    set_rank(tp_size, rank)
+    vc.compilation_config.static_forward_context.clear()
+    with set_current_vllm_config(vc):
+        cfg, Layer, Model = kda_classes(kind, heads=H, head_dim=D, kernel=K, hidden=HIDDEN)
+        if decode_copies:  # the native fused decode backend (CUDA) keeps K3's decode copies
+            import vllm.models.kimi_k3.nvidia.kda as k3_kda
+            from unittest import mock
+            with mock.patch.object(k3_kda, "is_fused_kda_decode_supported", lambda *a: True):
+                layer = Layer(cfg, vc, prefix="model.layers.0.self_attn")
+        else:
+            layer = Layer(cfg, vc, prefix="model.layers.0.self_attn")
+        if o_proj_rows:  # the bug: o_proj built column-parallel, its rows split across ranks
+            layer.o_proj = ColumnParallelLinear(H * D, HIDDEN, bias=False,
+                                                prefix="model.layers.0.self_attn.o_proj")
+    inner = stand_in(cfg, layer)
+    outer = torch.nn.Module()
+    outer.model = inner
+
+    def load_weights(weights):
+        with set_current_vllm_config(vc):
+            loaded = Model.load_weights(inner, ((n.removeprefix("model."), w) for n, w in weights))
+        return {"model." + n for n in loaded}  # names of the stand-in's parameters
+
+    outer.load_weights = load_weights
+    return outer
+
+
+def default_load(vc, model, path: Path) -> None:
+    with set_current_vllm_config(vc):
+        DefaultModelLoader(LoadConfig()).load_weights(model, model_config(path))
+
+
+def loading_as(model, tp_size: int, rank: int) -> None:
+    """The bug of vllm-gguf-plugin #103 and kin: the weight loaders see rank ``rank`` while the
+    worker is another rank of the group."""
+    real = model.load_weights
+
+    def load_weights(weights):
+        group = ps._TP
+        ps._TP = fake_group(tp_size, rank)
+        try:
+            return real(weights)
+        finally:
+            ps._TP = group
+
+    model.load_weights = load_weights
+
+
+def guard_lines(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "kda_tp.guard"]
