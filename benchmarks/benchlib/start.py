@@ -65,7 +65,8 @@ def section_start(ckpt: Path, scratch: Path, cli: Cli | None, reps: int) -> None
         row(sec, case, ms[key], "ms", f"{ratio:.2f}x numpy", "<= 1.50x", verdict(ratio <= 1.5))
     # Ctrl-C during the imports (half the time of `plan`, which imports numpy and the Rust core
     # as shard does) and at the delays, while `kda-tp shard` writes: exit status 130,
-    # "kda-tp: ..." lines, no traceback.
+    # no traceback, and the last stderr line kda-tp's own ("kda-tp: ..."); the lines before it
+    # may be the command's progress (demo prints "shard: 519 of 519 MB ..." without --quiet).
     # `demo` (generate, shard, verify: seconds) is still running at 0.7 s where `shard` of this
     # checkpoint may already have finished on a fast machine.
     shard = cli.shard(ckpt, 4, scratch / "o_sigint")
@@ -75,7 +76,8 @@ def section_start(ckpt: Path, scratch: Path, cli: Cli | None, reps: int) -> None
         running, status, err = _interrupted_after(cmd, delay)
         shutil.rmtree(scratch / "o_sigint", ignore_errors=True)
         lines = err.splitlines()
-        clean = status == 130 and bool(lines) and all(line.startswith("kda-tp:") for line in lines)
+        clean = (status == 130 and bool(lines) and lines[-1].startswith("kda-tp:")
+                 and "Traceback" not in err)
         detail = (f"exit {status}, {len(lines)} line(s)" + (", traceback" if "Traceback" in err
                                                                 else ", no traceback"))
         if not running:
