@@ -27,8 +27,8 @@ baseline measured alongside it; the last columns give the target and PASS/MISS.
    information. Then Ctrl-C: SIGINT half the ``plan`` time (inside the imports) and 0.3 s
    after starting ``kda-tp shard`` on that checkpoint, and 0.3 s and 0.7 s after starting
    ``kda-tp demo`` (SIGINT at its default disposition in the child, whatever the benchmark
-   inherited): exit status 130 and only ``kda-tp:`` lines, no traceback (n/a when the command
-   ended before the signal).
+   inherited): exit status 130, kda-tp's own ``kda-tp:`` line last (``demo``'s progress
+   lines may come before it), no traceback (n/a when the command ended before the signal).
 1. ``o_proj`` column slice (CHANNEL_COLS), GLM-5.3 geometry [4096, 8192] BF16 (64 MiB), at
    TP = 2, 4, 8 (rank tp//2). The input is the tensor's bytes in the read-only mapping of a
    generated checkpoint file (warm page cache, pages pre-touched). Timed, best of N, interleaved

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 import time
 import warnings
 from collections.abc import Callable, Iterable, Mapping

@@ -75,10 +75,8 @@ from kda_tp import _io
 from kda_tp.errors import DtypeMismatchError, OutputError, PlanError
 from kda_tp.families import demo_geometries
 
-# The tensors and config.json per dialect; the gate bounds stay importable from here.
+# The tensors and config.json per dialect.
 from kda_tp.synth_layout import (
-    GLM_GATE_LOWER_BOUND,
-    K3_GATE_LOWER_BOUND,
     STYLES,
     Geometry,
     Spec,

@@ -26,7 +26,6 @@ import kda_tp
 import numpy as np
 import pytest
 from kda_tp import KdaShardedSource, KdaTpPlan, SafetensorsSource, _io, cli
-from kda_tp._io import write_safetensors
 from kda_tp.errors import CheckpointError, OutputError
 from kda_tp.shard import shard_checkpoint
 
