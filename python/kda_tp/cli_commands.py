@@ -371,7 +371,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     the verification fails."""
     import tempfile
 
-    from .outdir import DEMO_STAGING_PREFIX, claim_demo_dir, replace_demo_dir
+    from .marks import DEMO_STAGING_PREFIX
+    from .outdir import claim_demo_dir, replace_demo_dir
     from .plan import KdaTpPlan
     from .shard import shard_checkpoint, verify_shards
     from .source import SafetensorsSource, kda_layer_indices

@@ -55,7 +55,8 @@ from .errors import (
     PlanError,
 )
 from .layout import kda_tensor_name
-from .outdir import input_mode, refuse_foreign_files, replace_files, staged_name
+from .marks import refuse_foreign_files
+from .outdir import input_mode, replace_files, staged_name
 from .plan import KdaTpPlan
 from .rankdir import FILE_MARK
 from .config import parse_metadata_int

@@ -35,17 +35,14 @@ from .checkpoint import SafetensorsSource
 from .config import parse_metadata_int
 from .errors import KdaTpError, OutputError
 
-# What kda-tp wrote (its marks) and the refusals of anything else: kda_tp.marks, and names
-# from there kept importable from here.
+# What kda-tp wrote (its marks) and the refusals of anything else: kda_tp.marks.
 from .marks import (
     DEMO_STAGING_PREFIX,
     NOFOLLOW,
     foreign_dir,
-    foreign_file,
     foreign_output,
     read_mark,
     refuse,
-    refuse_foreign_files,
     write_mark,
 )
 from .rankdir import LOCK_FILE, MARK_NAME, PARTIAL_DIR, RANK_DIR, rank_dir
@@ -55,22 +52,17 @@ __all__ = [
     "check_out_dir",
     "check_out_location",
     "DEMO_MAX_LAYERS",
-    "DEMO_STAGING_PREFIX",
     "claim_demo_dir",
     "discard",
-    "foreign_dir",
-    "foreign_file",
     "input_mode",
     "lock_ranks",
     "make_dirs",
     "prepare_out_dir",
     "remove_created",
     "remove_dir",
-    "refuse_foreign_files",
     "replace_demo_dir",
     "replace_files",
     "staged_name",
-    "write_mark",
 ]
 
 #: Bytes of a lock file's holder line read back (for a refusal message, and to recognise it).
@@ -109,7 +101,7 @@ def replace_files(staged: Mapping[Path, Path], stale: Iterable[Path]) -> None:
     directory) onto its final path, then remove the ``stale`` files not replaced so.
 
     Each file is renamed in one step (a reader sees the old file or the new one); the caller
-    has checked ``stale`` with :func:`foreign_file`.
+    has checked ``stale`` with :func:`kda_tp.marks.foreign_file`.
 
     Raises:
         OutputError: a rename or removal fails (the message names the file).

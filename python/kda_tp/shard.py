@@ -53,6 +53,7 @@ from ._io import DTYPE_BITS, FileRange, tensor_nbytes, write_index, write_safete
 from ._native import __version__
 from .checkpoint import INDEX_NAME, SafetensorsSource
 from .errors import CheckpointError, DtypeMismatchError, OutputError, PlanError, ShardInterrupted
+from .marks import write_mark
 from .outdir import (
     check_out_dir,
     check_out_location,
@@ -62,7 +63,6 @@ from .outdir import (
     prepare_out_dir,
     remove_created,
     remove_dir,
-    write_mark,
 )
 from .plan import KdaTpPlan
 from .rankdir import (

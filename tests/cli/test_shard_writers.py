@@ -31,7 +31,7 @@ import pytest
 from kda_tp import _io
 from kda_tp.cli import main
 from kda_tp.errors import CheckpointError, OutputError
-from kda_tp.outdir import write_mark
+from kda_tp.marks import write_mark
 from kda_tp.shard import ShardSizes, shard_checkpoint, shard_sizes, verify_shards
 from kda_tp.synth import write_small_checkpoint
 
