@@ -28,12 +28,11 @@ with warnings.catch_warnings():
     from vllm.model_executor.layers.linear import ColumnParallelLinear
     from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
-from paths import ENGINE_RANKS as DATA
+from tp_fixtures import CKPT
+from tp_fixtures import PRE as ATTN
 from vllm_layers import fake_group, kda_classes, stand_in
 
-CKPT = {"k3": DATA / "ckpt_k3", "kimi_linear": DATA / "ckpt_kl", "glm": DATA / "ckpt_glm"}
 H, D, K, HIDDEN = 12, 128, 4, 64  # the fixtures' geometry (make/make_ckpt.py)
-ATTN = "model.layers.0.self_attn."
 
 
 def set_rank(tp_size: int, rank: int) -> None:
