@@ -321,8 +321,8 @@ def _open_files_limit(path: Path) -> OpenFilesLimitError | None:
         try:
             weight_map = json.loads((path / INDEX_NAME).read_bytes())["weight_map"]
             names = sorted(set(weight_map.values()))
-        except (OSError, ValueError, KeyError, TypeError, AttributeError):
-            return None
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
+            return None  # RecursionError: json's own, nesting past its stack
     error = open_files_error(1 if names is None else len(names), path)
     if error is None or names is None:
         return error

@@ -35,7 +35,9 @@ _PP_TP_FILE = re.compile(r"^model-pp-([0-9]+)-tp-([0-9]+)-part-([0-9]+)\.safeten
 _ASCII_INT = re.compile(r"[0-9]+")
 
 
-def sharded_state_files(path: str | os.PathLike[str]) -> dict[int, list[Path]]:
+def sharded_state_files(
+    path: str | os.PathLike[str], *, allow_empty: bool = False
+) -> dict[int, list[Path]]:
     """The ``save_sharded_state`` files of a directory, by tensor-parallel rank.
 
     vLLM and SGLang write ``model-rank-{r}-part-{p}.safetensors``; vLLM with pipeline stages
@@ -43,11 +45,18 @@ def sharded_state_files(path: str | os.PathLike[str]) -> dict[int, list[Path]]:
     stage) together hold its ``state_dict()``. Other files (``config.json``, tokenizer files)
     are ignored.
 
+    Args:
+        path: the directory.
+        allow_empty: return ``{}`` for a directory without such a file (a writer's output
+            directory) instead of refusing it (an audit's input).
+
     Returns:
         ``{rank: [files, sorted]}``, ranks sorted.
 
     Raises:
-        CheckpointError: ``path`` cannot be listed, or holds no such file.
+        CheckpointError: ``path`` cannot be listed, holds no such file (unless
+            ``allow_empty``), or a file name's rank has more digits than
+            ``kda_tp.config.MAX_INT_DIGITS``.
     """
     root = Path(path)
     try:
@@ -59,7 +68,7 @@ def sharded_state_files(path: str | os.PathLike[str]) -> dict[int, list[Path]]:
         rank = rank_of_name(p.name)
         if rank is not None:
             files.setdefault(rank, []).append(p)
-    if not files:
+    if not files and not allow_empty:
         raise CheckpointError(
             f"{root}: no sharded_state file (model-rank-{{r}}-part-{{p}}.safetensors or "
             "model-pp-{pp}-tp-{r}-part-{p}.safetensors) in it; pass the directory given to "

@@ -239,7 +239,8 @@ def write_engine_dump(
             ``ranks`` is empty.
         EngineLayoutError: an unknown layout, one of another model family, or one that does
             not fit the checkpoint.
-        CheckpointError: the checkpoint cannot be read or has no config.
+        CheckpointError: the checkpoint cannot be read or has no config; a dump-file name in
+            ``out`` whose rank has more than ``kda_tp.config.MAX_INT_DIGITS`` digits.
     """
     start = time.perf_counter()
     if str(out) == "":
@@ -259,11 +260,9 @@ def write_engine_dump(
         next(root.iterdir(), None)
     except OSError as e:
         raise OutputError(f"{root}: cannot create or list the output directory: {e}") from e
-    try:
-        # Both of save_sharded_state's name patterns, every part: the audit's reading.
-        found = sharded_state_files(root)
-    except CheckpointError:
-        found = {}  # no dump file there
+    # Both of save_sharded_state's name patterns, every part: the audit's reading. A name
+    # whose rank cannot be read is refused, never taken for "no dump file there".
+    found = sharded_state_files(root, allow_empty=True)
     written = {r for r, _ in by_rank}
     # Files of another world size: a rank >= tp_size, or a tp_size of their own.
     foreign = [(p, why) for rank, paths in found.items() for p in paths

@@ -73,7 +73,7 @@ def read_mark(directory: Path) -> tuple[str, set[str]] | None:
             return None
         with open(fd, "rb", closefd=False) as f:
             document = json.loads(f.read(1 << 20))
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):  # RecursionError: json's, deep nesting
         return None
     finally:
         os.close(fd)

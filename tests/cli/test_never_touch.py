@@ -6,6 +6,8 @@
   states), nor a kda-tp rank directory something else was added to; ``dump --force`` never
   replaces a dump file kda-tp did not write (an engine's own), and a refused ``dump --force``
   (an F16 overflow) leaves the previous dump as it was.
+* A dump-file name whose rank cannot be read (40 digits) is refused, never taken for "no dump
+  file there"; JSON nested past ``json.loads``' stack (an index, a mark) is one refusal line.
 * ``demo --keep DIR`` refuses a ``DIR`` it did not make and replaces its own: run twice with
   different models, the second run's sizes are its own.
 * Outputs keep the input's mode bits: a 0600 checkpoint's ranks and dumps come out 0600.
@@ -185,6 +187,42 @@ def test_dump_force_never_replaces_a_file_kda_tp_did_not_write(tmp_path: Path) -
     status, _, err = kda_tp("dump", KIMI_LINEAR, *ENGINE, "--tp-size", 2, "--out", out, "--force")
     line = refused(status, err)
     assert f"{engines}: its header carries no {FILE_MARK}, so kda-tp did not write it" in line
+    assert files_and_modes(out) == before
+
+
+@pytest.mark.parametrize("force", [[], ["--force"]])
+def test_a_dump_name_whose_rank_cannot_be_read_is_refused_not_taken_for_none(
+        tmp_path: Path, force: list[str]) -> None:
+    """A ``model-rank-<40 digits>-part-0.safetensors`` beside an engine's own file: the run is
+    refused (the name's rank is past the digits kda-tp reads), never taken for a directory
+    without dump files, which would replace the engine's file."""
+    out = tmp_path / "dump"
+    out.mkdir()
+    (out / "model-rank-0-part-0.safetensors").write_bytes(b"an engine's own rank 0")
+    (out / f"model-rank-{'9' * 40}-part-0.safetensors").touch()
+    before = files_and_modes(out)
+    status, _, err = kda_tp("dump", KIMI_LINEAR, *ENGINE, "--tp-size", 2, "--out", out, *force)
+    assert "rank in the file name" in refused(status, err, "CheckpointError")
+    assert files_and_modes(out) == before
+
+
+def test_json_nested_past_python_s_stack_is_refused_in_one_line(
+        checkpoint: Path, tmp_path: Path) -> None:
+    """An index (read again to explain a failed open) and a ``.kda-tp.json`` mark nested
+    deeper than ``json.loads`` can recurse: one refusal line, nothing removed."""
+    deep = "[" * 100_000 + "]" * 100_000
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(checkpoint, ckpt)
+    index = {"weight_map": {}, "x": "@"}
+    (ckpt / "model.safetensors.index.json").write_text(json.dumps(index).replace('"@"', deep))
+    status, _, err = kda_tp("shard", ckpt, "--tp-size", 2, "--out", tmp_path / "o1")
+    refused(status, err, "CheckpointError")
+    out = tmp_path / "o2"
+    (out / "rank0").mkdir(parents=True)
+    (out / "rank0" / MARK_NAME).write_text(deep)
+    before = files_and_modes(out)
+    status, _, err = kda_tp("shard", checkpoint, "--tp-size", 2, "--out", out, "--quiet")
+    assert f"no {MARK_NAME}" in refused(status, err)
     assert files_and_modes(out) == before
 
 
