@@ -374,7 +374,11 @@ def _seed(text: str) -> int:
 
 
 def _int_list(text: str) -> list[int]:
+    """Comma-separated ASCII integers (ranks, layers), each as :func:`_bounded_int` reads one;
+    the plan refuses what is out of range, naming the rank or layer."""
     try:
-        return [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
+        return [_bounded_int(x, -MAX_TP_SIZE, MAX_TP_SIZE, "more than any rank or layer")
+                for x in text.split(",") if x.strip()]
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers, got {text[:40]!r}") from None

@@ -249,6 +249,20 @@ def test_force_over_a_symlink_in_a_rank_s_way_is_refused(
         assert not elsewhere.exists()
 
 
+@pytest.mark.parametrize("ranks", ["\u0660", "0,\u0661", "1" * 40])
+def test_ranks_are_ascii_integers_as_tp_size_is(
+        checkpoint: Path, tmp_path: Path, ranks: str) -> None:
+    """``--ranks`` reads each rank as ``--tp-size`` is read: ASCII digits (``int`` also takes
+    Arabic-Indic ones), at most 32 of them; otherwise one usage error, exit 2, nothing made."""
+    out = tmp_path / "out"
+    run = subprocess.run([sys.executable, "-m", "kda_tp", "shard", str(checkpoint), "--out",
+                          str(out), "--quiet", "--tp-size", "2", "--ranks", ranks],
+                         capture_output=True, text=True, timeout=120, check=False)
+    assert run.returncode == 2 and "argument --ranks: expected comma-separated integers" in (
+        run.stderr.splitlines()[-1]), run.stderr
+    assert not out.exists()
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
