@@ -21,10 +21,10 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from . import errors
     from ._native import __version__
-    from .engine_audit import AuditReport, audit
-    from .engine_dump import engine_digests, write_engine_dump
-    from .expected import expected_digests
-    from .equivalence import check_tp_equivalence
+    from .audit.auditor import AuditReport, audit
+    from .audit.dump import engine_digests, write_engine_dump
+    from .audit.digests import expected_digests
+    from .reference.equivalence import check_tp_equivalence
     from .errors import (
         BufferLayoutError,
         CheckpointError,
@@ -39,10 +39,10 @@ if TYPE_CHECKING:
         TensorNotFoundError,
         UsageError,
     )
-    from .description import CheckpointDescription, describe
-    from .plan import KdaShard, KdaTensorPlan, KdaTpPlan
-    from .quant import dequantize
-    from .source import KdaShardedSource, SafetensorsSource, Tensor, open_rank, shard_bytes
+    from .checkpoint.description import CheckpointDescription, describe
+    from .rank.plan import KdaShard, KdaTensorPlan, KdaTpPlan
+    from .model.quant import dequantize
+    from .rank.view import KdaShardedSource, SafetensorsSource, Tensor, open_rank, shard_bytes
 
 __all__ = [
     "__version__",

@@ -27,8 +27,8 @@ from typing import Any
 import numpy as np
 
 from . import errors
-from .config import parse_config, parse_json, parse_metadata_int
-from .equivalence import (
+from .model.config import parse_config, parse_json, parse_metadata_int
+from .reference.equivalence import (
     DEFAULT_ATOL,
     DEFAULT_RTOL,
     EquivalenceReport,
@@ -40,11 +40,11 @@ from .errors import (
     MissingDependencyError,
     PlanError,
 )
-from .checkpoint import torch_dtype
-from .plan import KdaShard, KdaTpPlan
-from .reference import source_layer_forward
-from .shard import ShardResult, check_shard_input, rank_dir, shard_checkpoint, shard_sizes
-from .source import (
+from .checkpoint.reader import torch_dtype
+from .rank.plan import KdaShard, KdaTpPlan
+from .reference.forward import source_layer_forward
+from .shard.writer import ShardResult, check_shard_input, rank_dir, shard_checkpoint, shard_sizes
+from .rank.view import (
     KdaShardedSource,
     SafetensorsSource,
     Tensor,
@@ -567,7 +567,7 @@ def _check_before_writing(
 ) -> None:
     """Check the input geometry, then the output directory for all ``ranks`` (refused, or
     cleaned as ``shard_checkpoint`` does)."""
-    from .shard import prepare_out_dir  # the one-process writer's own check
+    from .shard.writer import prepare_out_dir  # the one-process writer's own check
 
     source = SafetensorsSource(checkpoint, options.get("backend"))
     check_shard_input(source, allow_resharding=bool(options.get("allow_resharding")),

@@ -1,0 +1,291 @@
+"""What each engine rank must hold after an RL weight update, computed on the trainer's side from
+the tensors it is about to send: no checkpoint on disk, nothing gathered.
+
+:func:`expected_digests` takes the full checkpoint-format tensors a trainer hands to the engine
+(``model.layers.3.self_attn.q_proj.weight``: the names and layout of the model's checkpoint, as
+``load_weights`` and the weight-transfer APIs take them) and the model's config, and returns
+the SHA-256 of every KDA parameter of every engine rank, keyed as ``kda-tp digests`` (and
+vLLM's ``compute_weight_checksums``) keys them. It walks the same list as
+:func:`~kda_tp.engine_digests` does for a checkpoint (``KdaShardedSource.engine_params``, each
+parameter built by ``KdaShardedSource.build_param``), one KDA layer at a time, as soon as
+that layer's tensors have all arrived.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from ..checkpoint.reader import Tensor
+from ..model.config import KdaConfig, load_config, parse_config
+from .values import as_record
+from .dump import DIGEST_KEY, build_checked, checked_ranks, param_digest, vllm_layout
+from ..engines.registry import EngineLayout, param_location, param_name
+from ..errors import (
+    CheckpointError,
+    DtypeMismatchError,
+    EngineLayoutError,
+    PlanError,
+    UsageError,
+)
+from ..checkpoint.names import checkpoint_suffix, kda_tensor_name
+from ..engines.dtype import config_model_dtype
+from ..rank.plan import KdaTpPlan
+from ..model.quant import FP8_DTYPES
+from ..model.families import family_for
+from ..rank.view import KdaShardedSource
+
+__all__ = ["expected_digests"]
+
+#: The last name part of the tensors only a KDA layer holds (as the audit's markers).
+_MARKERS = ("A_log", "dt_bias")
+
+
+def _shown(item: object) -> str:
+    """A short description of a fed item that is not a ``(name, tensor)`` pair."""
+    text = repr(item)
+    return f"{type(item).__name__} {text[:60]}{'...' if len(text) > 60 else ''}"
+
+
+class _LayerTensors:
+    """One KDA layer's tensors as they arrived, as the source a :class:`KdaShardedSource`
+    wraps (``names``, ``get``, ``info``)."""
+
+    def __init__(self, prefix: str, layer: int) -> None:
+        self.prefix, self.layer = prefix, layer
+        self.tensors: dict[str, Tensor] = {}
+
+    def names(self) -> list[str]:
+        return list(self.tensors)
+
+    def get(self, name: str) -> Tensor | None:
+        return self.tensors.get(name)
+
+    def info(self, name: str) -> tuple[str, tuple[int, ...]] | None:
+        found = self.tensors.get(name)
+        return None if found is None else (found.dtype, found.shape)
+
+    def __repr__(self) -> str:
+        return f"the tensors fed for KDA layer {self.layer} ({self.prefix}{self.layer}.self_attn.*)"
+
+
+def expected_digests(
+    tensors: Iterable[tuple[str, Any]] | Mapping[str, Any],
+    config: Mapping[str, Any] | str | os.PathLike[str],
+    *,
+    engine: str | EngineLayout,
+    tp_size: int,
+    ranks: Sequence[int] | None = None,
+    model_dtype: str | None = None,
+) -> dict[str, str]:
+    """The SHA-256 of every KDA parameter each engine rank must hold once ``tensors`` are
+    loaded, keyed as ``kda-tp digests`` keys them (``dp0:pp0:pcp0:tp{r}:<engine name>``,
+    :data:`~kda_tp.engine_dump.DIGEST_KEY`): the trainer's side of an RL refit, to compare with
+    the checksums the engine reports after the update (vLLM: ``POST /weight_checker`` with
+    ``"action": "checksum"``, or ``collective_rpc("compute_weight_checksums")``).
+
+    For the same tensors this equals :func:`~kda_tp.engine_digests` on a checkpoint holding
+    them (the same parameters, built by ``KdaShardedSource.build_param`` and hashed the same
+    way). Nothing is gathered and nothing is written: each KDA layer is hashed as soon as all
+    its tensors have arrived, then dropped, so the extra memory is one KDA layer's tensors (a
+    host copy of those on a GPU) and one engine parameter. Tensors that are not a KDA layer's
+    (embeddings, MLP, full-attention layers, other stacks) are skipped without being read.
+
+    Args:
+        tensors: the full tensors in checkpoint format, as ``(name, tensor)`` pairs (any
+            iterable, a generator included: read once) or a mapping; each a numpy array
+            (BF16 as ``ml_dtypes.bfloat16``), a torch tensor on any device, or a
+            :class:`~kda_tp.Tensor`. Every KDA tensor of every KDA layer must be there, once.
+        config: the model's config: the ``config.json`` dict, its path, or the checkpoint
+            directory holding it (read for the geometry, the KDA layers and the family).
+        engine: a vLLM layout or its name (``"vllm-0.33-k3"``, ``"vllm-0.33-kimi-linear"``,
+            ``"vllm-0.33-glm-5.3"``; ``kda_tp.engines.LAYOUTS``).
+        tp_size: the engine's tensor-parallel world size.
+        ranks: the ranks (default: all).
+        model_dtype: the engine's model dtype for the parameters it casts to it (``"BF16"``,
+            ``"F16"``, ``"F32"``): the engine's ``--dtype``; None: its default for ``config``
+            (``kda_tp.model_dtype.config_model_dtype``: the config's ``dtype`` /
+            ``torch_dtype``, F32 or none meaning BF16), as for ``engine_digests``.
+
+    Returns:
+        ``{key: hex digest}``: ranks in order, then KDA layers, then the layout's parameters.
+
+    Raises:
+        EngineLayoutError: a layout of another engine than vLLM, of another model family than
+            the config's, or that does not fit the geometry.
+        PlanError: ``tp_size`` not a positive integer or not a split the heads allow; a rank
+            out of range or repeated; an empty rank list.
+        CheckpointError: an invalid config, a config that does not list its KDA layers, a KDA
+            layer whose tensors are incomplete, unknown or sent twice, a value that is not a
+            tensor; ``A_log``/``dt_bias`` of a layer the config does not list as KDA (under the
+            KDA layers' prefix: the config of another model).
+        UsageError: ``tensors`` yields something other than ``(name, tensor)`` pairs (a list
+            of names, say).
+        DtypeMismatchError: a KDA tensor of a dtype the plan does not take (block-FP8 tensors
+            are not handled here: use ``engine_digests`` on the checkpoint), or a cast to
+            ``model_dtype`` that overflows.
+        ShapeMismatchError: a KDA tensor whose shape does not hold the plan's.
+    """
+    layout = vllm_layout(engine)
+    if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
+        raise PlanError(f"tp_size must be a positive integer, got {tp_size!r}")
+    config_dict = (load_config(Path(config)) if isinstance(config, (str, os.PathLike))
+                   else dict(config))
+    where = str(config) if isinstance(config, (str, os.PathLike)) else "config"
+    kda = parse_config(config_dict, where)
+    if kda.kda_layers is None:
+        raise CheckpointError(f"{where}: the config does not list the KDA layers "
+                              "(linear_attn_config.kda_layers or layer_types)")
+    family = family_for(kda.rules, kda.full_rank_gate).name
+    if layout.family != family:
+        raise EngineLayoutError(f"{layout.name}: this layout is for {layout.family}, but the "
+                                f"config is {family}'s")
+    wanted = checked_ranks(ranks, tp_size)
+    # The plan with the family's assumed dtypes: which tensors a KDA layer holds, and a world
+    # size the heads refuse, refused before any tensor is read.
+    required = {checkpoint_suffix(t.name) for t in
+                KdaTpPlan.from_config(config_dict, 0, tp_size, qk_multiple=1).tensors}
+    model_dtype = config_model_dtype(config_dict, layout.engine, model_dtype)
+    digests = _Digests(kda, required, layout, tp_size, wanted, model_dtype)
+    for item in tensors.items() if isinstance(tensors, Mapping) else tensors:
+        if not isinstance(item, tuple | list) or len(item) != 2 or not isinstance(item[0], str):
+            raise UsageError(
+                f"tensors: expected (name, tensor) pairs or a mapping of names to tensors, got "
+                f"an item {_shown(item)}; pass state_dict.items() or the state dict itself"
+            )
+        digests.feed(*item)
+        del item  # nothing here holds a tensor while the next one is produced
+    return digests.result(where)
+
+
+class _Digests:
+    """The digests of the KDA layers fed so far: each layer's tensors kept until the layer is
+    complete, then hashed for every wanted rank and dropped."""
+
+    def __init__(self, kda: KdaConfig, required: set[str], layout: EngineLayout, tp_size: int,
+                 wanted: list[int], model_dtype: str | None) -> None:
+        self.kda, self.required, self.layout = kda, required, layout
+        self.tp_size, self.wanted, self.model_dtype = tp_size, wanted, model_dtype
+        self.layers = set(kda.kda_layers or ())
+        self.pending: dict[tuple[str, int], _LayerTensors] = {}
+        self.done: dict[tuple[str, int], list[list[tuple[str, str]]]] = {}
+        self.plans: list[KdaTpPlan] = []
+        #: KDA markers (``A_log``, ``dt_bias``) fed for layers the config does not list.
+        self.strays: dict[tuple[str, int], list[str]] = {}
+
+    def feed(self, name: str, value: Any) -> None:
+        """Take one fed tensor: kept if it is a KDA layer's, its layer hashed once complete.
+
+        Raises:
+            CheckpointError: a KDA tensor sent twice, or after its layer was hashed.
+        """
+        # A decoder layer's attention tensor: (prefix, layer, name after self_attn.).
+        location = param_location(name)
+        if location is not None and location[1] not in self.layers:
+            if location[2].rsplit(".", 1)[-1] in _MARKERS:
+                self.strays.setdefault(location[:2], []).append(name)
+            return
+        if location is None:
+            return
+        key = location[:2]
+        if key in self.done:
+            raise CheckpointError(f"{name}: KDA layer {key[1]} was complete and hashed when "
+                                  "this tensor arrived; send each KDA tensor once")
+        group = self.pending.setdefault(key, _LayerTensors(*key))
+        if name in group.tensors:
+            raise CheckpointError(f"{name}: sent twice; send each KDA tensor once")
+        group.tensors[name] = as_record(name, value)
+        if not self.required <= set(_suffixes(group)):
+            return
+        if not self.plans:
+            self.plans = [_plan(self.kda, group, self.required, r, self.tp_size)
+                          for r in range(self.tp_size)]
+        self.done[key] = [_hash_layer(group, self.plans[r], self.layout, self.model_dtype)
+                          for r in self.wanted]
+        del self.pending[key]
+
+    def result(self, where: str) -> dict[str, str]:
+        """Every digest, ranks in order, then layers, then parameters.
+
+        Raises:
+            CheckpointError: a KDA layer of the config incomplete or never fed, or KDA tensors
+                under several prefixes.
+        """
+        prefixes = sorted({prefix for prefix, _ in self.done})
+        if len(prefixes) > 1:
+            raise CheckpointError(f"KDA tensors under several prefixes {prefixes}: cannot tell "
+                                  "which stack the engine loads them into")
+        for (prefix, layer), names in sorted(self.strays.items()):
+            if prefix in prefixes:
+                raise CheckpointError(
+                    f"{', '.join(sorted(names))}: layer {layer} holds KDA tensors, but the "
+                    f"{where} lists no KDA layer {layer} (its KDA layers: {sorted(self.layers)});"
+                    " is this the config of the model being updated?"
+                )
+        missing = sorted(self.layers - {layer for _, layer in self.done})
+        if missing:
+            lacking = "; ".join(
+                f"layer {layer} lacks {', '.join(sorted(self.required - set(_suffixes(g))))}"
+                for (_, layer), g in sorted(self.pending.items(), key=lambda kv: kv[0][1])
+                if layer in missing
+            )
+            raise CheckpointError(
+                f"the tensors fed do not complete KDA layers {missing} of the "
+                f"{len(self.layers)} the {where} lists"
+                f"{': ' + lacking if lacking else ' (none of their tensors came)'}; "
+                "feed every KDA tensor of every KDA layer"
+            )
+        out: dict[str, str] = {}
+        for i in range(len(self.wanted)):
+            for key in sorted(self.done, key=lambda k: k[1]):
+                out.update(self.done[key][i])
+        return out
+
+
+def _suffixes(group: _LayerTensors) -> list[str]:
+    """The names after ``self_attn.`` of the tensors a layer received (``q_proj.weight``)."""
+    return [name.rsplit(".self_attn.", 1)[1] for name in group.tensors]
+
+
+def _plan(kda: KdaConfig, first: _LayerTensors, required: set[str], rank: int,
+          tp_size: int) -> KdaTpPlan:
+    """Rank ``rank``'s plan, with the dtypes, gate rank and stored ``A_log`` length of the
+    first complete KDA layer's tensors (as ``KdaTpPlan.from_config`` reads them from a
+    checkpoint's first KDA layer)."""
+    dtypes: dict[str, str] = {}
+    for name, tensor in first.tensors.items():
+        suffix = name.rsplit(".self_attn.", 1)[1]
+        if suffix not in required:
+            continue  # KdaShardedSource names what a KDA layer must not hold
+        if tensor.dtype in FP8_DTYPES:
+            raise DtypeMismatchError(
+                f"{name}: dtype {tensor.dtype}: block-FP8 KDA weights are not handled from "
+                "tensors in memory; hash the checkpoint with kda_tp.engine_digests"
+            )
+        dtypes[suffix.removesuffix(".weight")] = tensor.dtype
+    a_log = first.tensors[kda_tensor_name(first.prefix, first.layer, "A_log")]
+    stored = math.prod(a_log.shape)
+    f_a = first.tensors[kda_tensor_name(first.prefix, first.layer, "f_a_proj")]
+    return KdaTpPlan(rank, tp_size, kda.hidden, kda.head_dim, kda.heads, kda.conv_kernel,
+                     f_a.shape[0], qk_multiple=1, dtypes=dtypes,
+                     full_rank_gate=kda.full_rank_gate,
+                     a_log_len=stored if stored > kda.heads else None)
+
+
+def _hash_layer(group: _LayerTensors, plan: KdaTpPlan, layout: EngineLayout,
+                model_dtype: str | None) -> list[tuple[str, str]]:
+    """``(key, digest)`` of every engine parameter of one KDA layer on ``plan``'s rank, built
+    and refused as ``engine_digests`` builds and refuses them."""
+    shard = KdaShardedSource(group, plan, layers=[group.layer])
+    prefix = layout.state_dict_prefix(shard.prefix)
+    out = []
+    for layer, param in shard.engine_params(layout):
+        name = param_name(prefix, layer, param.suffix)
+        param_plan = shard.param_plan(layout, param.suffix, model_dtype=model_dtype)
+        built = build_checked(shard, layout, layer, param_plan, name, model_dtype,
+                              "pass another model_dtype, or none for the tensors' own")
+        out.append((DIGEST_KEY.format(rank=plan.tp_rank, name=name), param_digest(built)))
+    return out

@@ -1,0 +1,1 @@
+"""kda_tp.engines."""

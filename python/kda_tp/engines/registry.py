@@ -1,0 +1,271 @@
+"""Serving engines' fused KDA parameters, as data: one table per engine version and model family.
+
+Engines do not hold the 14-15 KDA tensors of a checkpoint as they are stored: vLLM fuses
+q/k/v/g/f_a/b into one ``in_proj_qkvgfab`` with zero rows after it, SGLang stacks ``f_b`` and
+``g_b`` into ``fused_fg_b_proj``, the three short-conv weights become one ``conv1d``, ``A_log``
+takes another shape and F32. Each :class:`EngineLayout` lists, for every parameter of one KDA
+layer as the engine holds it (its name under ``...layers.{i}.self_attn.``), the plan tensors it
+is made of, in order, how they are joined, the padding, the on-device shape and the dtype the
+engine casts to. Adding an engine version is adding a table to
+``kda_tp.engine_tables.TABLES`` (all of them by name: :data:`LAYOUTS`); nothing else
+branches on the engine. The machinery (the classes below) is ``kda_tp.engine_layout``'s.
+
+For one rank's :class:`~kda_tp.KdaTpPlan`, :meth:`EngineLayout.param_plan` gives the parameter's
+local shape and dtype and where each part lands (:class:`Region`); ``KdaShardedSource
+.build_param`` fills such a parameter from a checkpoint in one call, and ``kda_tp.audit`` uses the
+same regions to say what a dumped parameter holds.
+
+Rules every table follows (from the engines' sources, see each layout's ``source``):
+
+* A part is a plan tensor name (``"q_proj"``; ``"q_proj.scale"`` is its FP8 block-scale grid):
+  this rank's slice of it, exactly as :class:`~kda_tp.KdaShardedSource` returns it
+  (``f_a_proj``, ``g_a_proj``, ``o_norm`` whole on every rank; K3's zero-padded ``A_log`` only
+  the rank's heads).
+* Parts are concatenated on dim 0 in the order given (``stacked``: stacked on a new dim 0), then
+  zero rows are appended up to a multiple of ``pad_to`` (``pad_to_fp8`` when the parts are
+  block-FP8): vLLM K3 pads ``in_proj_qkvgfab`` to a multiple of 16 rows, of 128 under ModelOpt
+  ``FP8_PB_WO``.
+* A block-FP8 weight's scale grid (``scale_of``) is the parts' grids, each the rank's block rows
+  (``KdaTensorPlan.scale``), concatenated on dim 0 as 2-D ``[rows, column blocks]`` (vLLM
+  squeezes ModelOpt's ``[ob, 1, ib, 1]`` after loading; SGLang loads ``[:, 0, :, 0]`` into its
+  ``weight_scale_inv``). It exists only when the parts are FP8; every part must start on a
+  block boundary of the fused weight.
+* ``dtype``: what the engine casts the parameter to (F32 for conv weights, ``A_log`` and
+  ``dt_bias`` everywhere); None means the model dtype (the engine's ``--dtype``, by default the
+  checkpoint's). FP8 weights and their F32 scales are never cast.
+* ``view``: the on-device shape when it is not the parts' own (``A_log``: ``(-1,)`` = ``[h]``,
+  ``(1, 1, -1, 1)`` = ``[1, 1, h, 1]``), ``-1`` standing for the remaining elements as in
+  ``torch.Tensor.view``.
+
+Not modelled: LoRA-enabled variants, ROCm-only merged buffers, and kernel-specific re-layouts
+that change values after loading (e.g. DeepGEMM's UE8M0 scale requantization): these are
+buffers or transforms outside the loaded parameters.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+from types import MappingProxyType
+from typing import Any
+
+from ..model import families
+from ..model.config import parse_config
+from .layout import EngineLayout, EngineParam, EngineParamPlan, Region
+from .tables import TABLES
+from ..errors import CheckpointError, EngineLayoutError
+from ..rank.plan import KdaTpPlan
+
+__all__ = [
+    "FAMILIES",
+    "LAYOUTS",
+    "EngineLayout",
+    "EngineParam",
+    "EngineParamPlan",
+    "Region",
+    "get_layout",
+    "kda_only_suffixes",
+    "layouts_for",
+    "layouts_markdown",
+    "model_family",
+    "param_location",
+    "param_name",
+    "recognise",
+]
+
+#: Model families a layout is written for (the names of :data:`kda_tp.families.FAMILIES`):
+#: Kimi-Linear and GLM-5.3-Flash (low-rank gate; GLM's config is transformers' ``glm5_next``),
+#: Kimi K3 (full-rank output gate).
+FAMILIES = tuple(families.FAMILIES)
+
+
+#: Every layout by its stable name (read-only).
+LAYOUTS: Mapping[str, EngineLayout] = MappingProxyType({t.name: t for t in TABLES})
+
+
+# Plan tensors other attention layers also hold under the same names after ``self_attn.``
+# (every attention's q/k/v/o projections; Kimi K3's MLA layers' g_proj).
+_SHARED_PARTS = frozenset({"q_proj", "k_proj", "v_proj", "g_proj", "o_proj"})
+
+
+def kda_only_suffixes() -> frozenset[str]:
+    """Name endings (after ``self_attn.``) that only a KDA layer's parameters have, in any
+    layout of :data:`LAYOUTS`: every parameter made of at least one plan tensor no other
+    attention layer holds (``A_log``, ``dt_bias``, the convs, the gate projections, ``b_proj``,
+    ``o_norm``) ends with one of them after a dot. The shortest such endings only: scale grids
+    come with their weights, and ``forget_gate.A_log`` ends with ``A_log``.
+    ``fused_qkvg_proj.weight`` (q, k, v, g) is not one of them."""
+    found = {param.suffix for layout in LAYOUTS.values() for param in layout.params
+             if param.scale_of is None and set(param.parts) - _SHARED_PARTS}
+    return frozenset(s for s in found if not any(s.endswith(f".{t}") for t in found))
+
+
+def get_layout(name: str | EngineLayout) -> EngineLayout:
+    """The layout named ``name`` (a layout passes through).
+
+    Raises:
+        EngineLayoutError: no such layout (the message lists the names).
+    """
+    if isinstance(name, EngineLayout):
+        return name
+    try:
+        return LAYOUTS[name]
+    except KeyError:
+        raise EngineLayoutError(
+            f"no engine layout {name!r}; known: {', '.join(LAYOUTS)}"
+        ) from None
+
+
+def model_family(config: Mapping[str, Any] | None) -> str:
+    """The model family of a config, one of :data:`FAMILIES`.
+
+    ``"kimi-k3"`` for a full-rank output gate (``use_full_rank_gate``), ``"glm-5.3"`` for a
+    config read with GLM-5.3-Flash's rules (``model_type`` ``glm5_next`` or ``glm5_next_text``,
+    top level or ``text_config``), else ``"kimi-linear"``.
+
+    Args:
+        config: a parsed ``config.json`` (e.g. ``SafetensorsSource.config``).
+
+    Raises:
+        CheckpointError: no config (None: the checkpoint has no ``config.json``), or one
+            without KDA geometry (from ``kda_tp.config.parse_config``).
+    """
+    if config is None:
+        raise CheckpointError(
+            "no config.json: the model family (and which layers are KDA) comes from the config"
+        )
+    kda = parse_config(config)
+    return families.family_for(kda.rules, kda.full_rank_gate).name
+
+
+def layouts_for(family: str | None = None, plan: KdaTpPlan | None = None) -> list[EngineLayout]:
+    """The layouts that can hold a model: of ``family`` (see :func:`model_family`), and, with
+    ``plan``, those that fit it (:meth:`EngineLayout.check_plan`: output-gate form, block-FP8
+    scale grids, tensor parallelism).
+
+    Raises:
+        EngineLayoutError: ``family`` is not one of :data:`FAMILIES`.
+    """
+    if family is not None and family not in FAMILIES:
+        raise EngineLayoutError(f"unknown model family {family!r}; known: {', '.join(FAMILIES)}")
+    found = []
+    for layout in LAYOUTS.values():
+        if family is not None and layout.family != family:
+            continue
+        if plan is not None:
+            try:
+                layout.check_plan(plan)
+            except EngineLayoutError:
+                continue
+        found.append(layout)
+    return found
+
+
+# ASCII digits (\d matches other scripts' digits), at most 10: a layer index is below 2**31.
+_PARAM_NAME = re.compile(r"^((?:.*\.)?layers\.)([0-9]{1,10})\.self_attn\.(.+)$")
+
+
+def param_name(prefix: str, layer: int, suffix: str) -> str:
+    """A KDA layer's parameter name, the inverse of :func:`param_location`:
+    ``param_name("model.layers.", 3, "A_log")`` -> ``"model.layers.3.self_attn.A_log"``."""
+    return f"{prefix}{layer}.self_attn.{suffix}"
+
+
+def param_location(name: str) -> tuple[str, int, str] | None:
+    """Split a parameter name of a decoder layer's attention into ``(prefix, layer, suffix)``.
+
+    ``"language_model.model.layers.3.self_attn.in_proj_qkvgfab.weight"`` ->
+    ``("language_model.model.layers.", 3, "in_proj_qkvgfab.weight")``; any model prefix works
+    (``model.``, ``language_model.model.``, none). None for a name outside ``self_attn``.
+    Whether layer 3 is a KDA layer is the config's business, never the name's.
+    """
+    match = _PARAM_NAME.match(name)
+    if match is None:
+        return None
+    return match.group(1), int(match.group(2)), match.group(3)
+
+
+def recognise(suffixes: Iterable[str], family: str | None = None) -> list[EngineLayout]:
+    """The layouts a set of parameter names fits best; several mean the names cannot tell.
+
+    A layout fits when it knows every name (``suffixes``: names after
+    ``...layers.{i}.self_attn.`` of a KDA layer, scale grids included); of those, the ones
+    lacking the fewest of their always-present parameters are returned (so a dump missing a
+    parameter is still recognised, and the caller reports what it lacks). Empty when no layout
+    knows all the names.
+
+    Args:
+        suffixes: parameter names of one KDA layer (or the union over layers).
+        family: keep only layouts of this family (e.g. :func:`model_family` of the config):
+            SGLang holds Kimi-Linear and GLM-5.3 under the same names.
+
+    Raises:
+        EngineLayoutError: ``family`` is not one of :data:`FAMILIES`.
+    """
+    names = set(suffixes)
+    fitting = [lay for lay in layouts_for(family) if names <= lay.suffixes]
+    if not fitting:
+        return []
+    fewest = min(len(lay.required - names) for lay in fitting)
+    return [lay for lay in fitting if len(lay.required - names) == fewest]
+
+
+# Each plan tensor's local shape in symbols, for the documentation tables only.
+_SYMBOLS = {
+    "q_proj": ("Cl", "d"), "k_proj": ("Cl", "d"), "v_proj": ("Cl", "d"), "g_proj": ("Cl", "d"),
+    "q_conv1d": ("Cl", "1", "K"), "k_conv1d": ("Cl", "1", "K"), "v_conv1d": ("Cl", "1", "K"),
+    "f_a_proj": ("r", "d"), "g_a_proj": ("r", "d"), "f_b_proj": ("Cl", "r"),
+    "g_b_proj": ("Cl", "r"), "b_proj": ("Hl", "d"), "A_log": ("Hl",), "dt_bias": ("Cl",),
+    "o_norm": ("D",), "o_proj": ("d", "Cl"),
+}
+
+
+def _symbolic_shape(param: EngineParam) -> str:
+    if param.scale_of is not None:
+        return "[Σ parts' block rows, column blocks]"
+    if param.view is not None:
+        return "[" + ", ".join("Hl" if d == -1 else str(d) for d in param.view) + "]"
+    shapes = [_SYMBOLS[p] for p in param.parts]
+    if param.stacked:
+        return f"[{len(shapes)}, {', '.join(shapes[0])}]"
+    terms: list[list[Any]] = []
+    for shape in shapes:  # equal neighbours merged: q, k, v -> 3·Cl
+        if terms and terms[-1][1] == shape[0]:
+            terms[-1][0] += 1
+        else:
+            terms.append([1, shape[0]])
+    rows = " + ".join(f"{n}·{sym}" if n > 1 else sym for n, sym in terms)
+    if param.pad_to > 1:
+        rows = f"pad{param.pad_to}({rows})"
+        if param.pad_to_fp8:
+            rows += f" (FP8: pad{param.pad_to_fp8})"
+    return f"[{', '.join((rows, *shapes[0][1:]))}]"
+
+
+def _join(param: EngineParam) -> str:
+    if param.scale_of is not None:
+        return f"the scale grids of `{param.scale_of}`'s parts, concatenated"
+    parts = ", ".join(param.parts)
+    if param.stacked:
+        return f"stack({parts})"
+    return f"concat({parts})" if len(param.parts) > 1 else parts
+
+
+def layouts_markdown() -> str:
+    """Every layout as Markdown tables (the tables of ``docs/engine-layouts.md``).
+
+    Shapes use ``Cl`` (this rank's channels, ``Hl * D``), ``Hl`` (its heads), ``D`` (head_dim),
+    ``d`` (hidden), ``r`` (gate rank, ``f_a_proj`` rows), ``K`` (conv kernel); ``padN(x)`` is
+    ``x`` rounded up to a multiple of ``N`` with zero rows.
+    """
+    out = []
+    for layout in LAYOUTS.values():
+        tp = "" if layout.tensor_parallel else " KDA is replicated: tp_size 1 only."
+        out.append(f"### `{layout.name}`\n\n{layout.source}.{tp}\n")
+        out.append("| parameter | made of | local shape | dtype |")
+        out.append("| --- | --- | --- | --- |")
+        for p in layout.params:
+            dtype = p.dtype or ("F32 (scales)" if p.scale_of else "model")
+            out.append(f"| `{p.suffix}` | {_join(p)} | {_symbolic_shape(p)} | {dtype} |")
+        out.append("")
+    return "\n".join(out)

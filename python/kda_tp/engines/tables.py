@@ -1,0 +1,170 @@
+"""The engine layouts as data: one :class:`~kda_tp.engine_layout.EngineLayout` per engine
+version and model family (:data:`TABLES`; :data:`kda_tp.engines.LAYOUTS` holds them by name).
+Adding an engine version is adding a table here; nothing else branches on the engine. The rules
+every table follows are :mod:`kda_tp.engines`' docstring.
+"""
+
+from __future__ import annotations
+
+from .layout import EngineLayout, EngineParam
+
+__all__ = ["TABLES"]
+
+# The tables. Sources are the engines' released wheels (vllm 0.33.0, sglang 0.5.23) and
+# transformers 5.24. The six main vLLM and SGLang tables, unquantized, are checked against
+# parameters the engines' own code loaded (tests/data/engine_ranks), transformers' against what
+# transformers loads; the FP8 scale grids and SGLang's unfused Kimi-Linear path are read from
+# the sources.
+
+_CONV_QKV = ("q_conv1d", "k_conv1d", "v_conv1d")
+_F32 = "F32"
+
+
+def _common(a_log_view: tuple[int, ...], *, scales: str | None = None) -> tuple[EngineParam, ...]:
+    """``A_log``, ``dt_bias``, ``o_norm``, ``o_proj`` (+ its scale grid), held alike everywhere."""
+    params = [
+        EngineParam("A_log", ("A_log",), view=a_log_view, dtype=_F32),
+        EngineParam("dt_bias", ("dt_bias",), dtype=_F32),
+        EngineParam("o_norm.weight", ("o_norm",)),
+        EngineParam("o_proj.weight", ("o_proj",)),
+    ]
+    if scales:
+        params.append(EngineParam(f"o_proj.{scales}", scale_of="o_proj.weight"))
+    return tuple(params)
+
+
+def _single(name: str, scales: str | None = None) -> tuple[EngineParam, ...]:
+    """An unfused projection ``<name>.weight`` (+ its scale grid ``<name>.<scales>``)."""
+    weight = EngineParam(f"{name}.weight", (name,))
+    if scales is None:
+        return (weight,)
+    return weight, EngineParam(f"{name}.{scales}", scale_of=weight.suffix)
+
+
+# SGLang 0.5.23 fuses Kimi-Linear's and GLM-5.3-Flash's low-rank-gate KDA layers alike.
+_SGLANG_FUSED_LOW_RANK_GATE = (
+    EngineParam("fused_qkvbfg_a_proj.weight",
+                ("q_proj", "k_proj", "v_proj", "b_proj", "f_a_proj", "g_a_proj")),
+    EngineParam("fused_fg_b_proj.weight", ("f_b_proj", "g_b_proj"), stacked=True),
+    EngineParam("qkv_conv1d.weight", _CONV_QKV, dtype=_F32),
+    *_common((1, 1, -1, 1)),
+)
+
+_VLLM = "vllm/models/kimi_k3/nvidia/kda.py"
+
+#: Every engine layout, in the order of ``docs/engine-layouts.md``.
+TABLES: tuple[EngineLayout, ...] = (
+    EngineLayout(
+        "vllm-0.33-k3", "vllm", "0.33", "kimi-k3",
+        (
+            EngineParam("in_proj_qkvgfab.weight",
+                        ("q_proj", "k_proj", "v_proj", "g_proj", "f_a_proj", "b_proj"),
+                        pad_to=16, pad_to_fp8=128),
+            EngineParam("in_proj_qkvgfab.weight_scale", scale_of="in_proj_qkvgfab.weight"),
+            EngineParam("conv1d.weight", _CONV_QKV, dtype=_F32),
+            *_single("f_b_proj", "weight_scale"),
+            *_common((-1,), scales="weight_scale"),
+        ),
+        f"vllm 0.33.0 {_VLLM}: KimiK3DeltaAttention (in_proj_qkvgfab: f_a forced to tp_rank 0, "
+        "zero rows to a multiple of 16, of 128 under ModelOpt FP8_PB_WO; ModelOpt scales "
+        "[ob,1,ib,1] squeezed to [ob,ib] after loading, b_proj's single scale row on every rank)",
+    ),
+    EngineLayout(
+        "vllm-0.33-kimi-linear", "vllm", "0.33", "kimi-linear",
+        (
+            EngineParam("in_proj_qkvgfab.weight",
+                        ("q_proj", "k_proj", "v_proj", "b_proj", "f_a_proj")),
+            EngineParam("conv1d.weight", _CONV_QKV, dtype=_F32),
+            *_single("f_b_proj"), *_single("g_a_proj"), *_single("g_b_proj"),
+            *_common((-1,)),
+        ),
+        "vllm 0.33.0 vllm/model_executor/layers/mamba/gdn/kimi_gdn_linear_attn.py: "
+        "KimiGatedDeltaNetAttention (low-rank gate: no padding)",
+    ),
+    EngineLayout(
+        "vllm-0.33-glm-5.3", "vllm", "0.33", "glm-5.3",
+        (
+            EngineParam("in_proj_qkvbfg_a.weight",
+                        ("q_proj", "k_proj", "v_proj", "b_proj", "f_a_proj", "g_a_proj")),
+            *(EngineParam(f"{c}.weight", (c,), dtype=_F32) for c in _CONV_QKV),
+            *_single("f_b_proj"), *_single("g_b_proj"),
+            *_common((1, 1, -1, 1)),
+        ),
+        "vllm 0.33.0 vllm/models/glm5next/common/kda.py: Glm5NextLinearAttention "
+        "(f_a and g_a replicated shards 4 and 5; separate F32 convs)",
+    ),
+    EngineLayout(
+        "sglang-0.5.23-k3", "sglang", "0.5.23", "kimi-k3",
+        (
+            EngineParam("fused_qkvg_proj.weight", ("q_proj", "k_proj", "v_proj", "g_proj")),
+            EngineParam("fused_qkvg_proj.weight_scale_inv", scale_of="fused_qkvg_proj.weight"),
+            *_single("b_proj", "weight_scale_inv"),
+            *_single("f_a_proj", "weight_scale_inv"),
+            *_single("f_b_proj", "weight_scale_inv"),
+            EngineParam("qkv_conv1d.weight", _CONV_QKV, dtype=_F32),
+            *_common((1, 1, -1, 1), scales="weight_scale_inv"),
+        ),
+        "sglang 0.5.23 python/sglang/srt/models/kimi_k3.py: KimiK3DeltaAttention (full-rank "
+        "gate: only [q,k,v,g] fused; ModelOpt weight_scale loaded [:,0,:,0] into "
+        "weight_scale_inv; b_proj's scale grid copied whole to every rank)",
+    ),
+    EngineLayout(
+        "sglang-0.5.23-kimi-linear", "sglang", "0.5.23", "kimi-linear",
+        _SGLANG_FUSED_LOW_RANK_GATE,
+        "sglang 0.5.23 python/sglang/srt/models/kimi_linear.py: KimiDeltaAttention, fused path "
+        "(no quantization_config)",
+    ),
+    EngineLayout(
+        "sglang-0.5.23-kimi-linear-unfused", "sglang", "0.5.23", "kimi-linear",
+        (
+            EngineParam("qkv_proj.weight", ("q_proj", "k_proj", "v_proj")),
+            *_single("f_a_proj"), *_single("f_b_proj"), *_single("b_proj"),
+            *_single("g_a_proj"), *_single("g_b_proj"),
+            EngineParam("qkv_conv1d.weight", _CONV_QKV, dtype=_F32),
+            *_common((1, 1, -1, 1)),
+        ),
+        "sglang 0.5.23 python/sglang/srt/models/kimi_linear.py: KimiDeltaAttention, unfused path "
+        "(taken whenever the config has a quantization_config)",
+    ),
+    EngineLayout(
+        "sglang-0.5.23-glm-5.3", "sglang", "0.5.23", "glm-5.3",
+        _SGLANG_FUSED_LOW_RANK_GATE,
+        "sglang 0.5.23 python/sglang/srt/models/glm5_next.py: Glm5NextLinearAttention, fused "
+        "path (KDA projections unquantized, as in GLM-5.3-Flash's FP8 release)",
+        wrapped_prefix="model.layers.",  # its mapper: model.language_model. -> model.
+    ),
+    EngineLayout(
+        "transformers-5-kimi-linear", "transformers", "5", "kimi-linear",
+        (
+            *_single("q_proj"), *_single("k_proj"), *_single("v_proj"),
+            EngineParam("conv1d.weight", _CONV_QKV),
+            EngineParam("forget_gate.f_a_proj.weight", ("f_a_proj",)),
+            EngineParam("forget_gate.f_b_proj.weight", ("f_b_proj",)),
+            EngineParam("forget_gate.A_log", ("A_log",), view=(1, 1, -1, 1)),
+            EngineParam("forget_gate.dt_bias", ("dt_bias",), dtype=_F32),
+            *_single("b_proj"), *_single("g_a_proj"), *_single("g_b_proj"),
+            *_single("o_norm"), *_single("o_proj"),
+        ),
+        "transformers 5.24 models/kimi_linear/modeling_kimi_linear.py: KimiLinearDeltaAttention "
+        "(conversion_mapping: q/k/v_conv1d concatenated into conv1d, f_a/f_b/dt_bias/A_log under "
+        "forget_gate.; dt_bias kept F32)",
+        tensor_parallel=False,
+    ),
+    EngineLayout(
+        "transformers-5-glm-5.3", "transformers", "5", "glm-5.3",
+        (
+            *_single("q_proj"), *_single("k_proj"), *_single("v_proj"),
+            EngineParam("conv1d.weight", _CONV_QKV, dtype=_F32),
+            EngineParam("forget_gate.f_a_proj.weight", ("f_a_proj",)),
+            EngineParam("forget_gate.f_b_proj.weight", ("f_b_proj",)),
+            EngineParam("forget_gate.A_log", ("A_log",), view=(-1,), dtype=_F32),
+            EngineParam("forget_gate.dt_bias", ("dt_bias",), dtype=_F32),
+            *_single("b_proj"), *_single("g_a_proj"), *_single("g_b_proj"),
+            *_single("o_norm"), *_single("o_proj"),
+        ),
+        "transformers 5.24 models/glm5_next/modeling_glm5_next.py: Glm5NextTextLinearAttention "
+        "(F32 conv1d and forget-gate A_log/dt_bias)",
+        tensor_parallel=False,
+        wrapped_prefix="model.language_model.layers.",
+    ),
+)

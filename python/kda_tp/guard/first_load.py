@@ -1,0 +1,643 @@
+"""The guard: check a serving engine's KDA weights on every tensor-parallel rank as they load.
+
+An engine plugin (``kda_tp.vllm_plugin``, ``kda_tp.sglang_plugin``) calls :func:`check` on each
+rank right after the weights load, with the rank's parameters, the checkpoint it loaded, and
+the rank and world size of the engine's own tensor-parallel group. :func:`check` is
+:func:`kda_tp.audit` (the same comparison, byte for byte, and the same diagnosis) behind a mode
+switch, the environment variable ``KDA_TP_GUARD`` (:data:`MODE_ENV`):
+
+* ``fail`` (the default): a wrong KDA parameter raises :class:`~kda_tp.errors.GuardError` carrying the
+  audit's diagnosis (layer, parameter, part, what it holds instead), which stops the engine's
+  start-up;
+* ``warn``: the diagnosis is logged at WARNING on the logger ``kda_tp.guard`` and the engine
+  goes on;
+* ``off``: nothing is checked.
+
+On a pass, one INFO line per rank goes to the logger ``kda_tp.guard``:
+``kda_tp guard: <where>: tp rank 1/4: 9 KDA parameters, 1179648 bytes, 0.004 s: OK``.
+
+Nothing is checked, at no measurable cost, for a model without KDA parameters (no
+``...self_attn.A_log`` or ``...self_attn.dt_bias`` name nor another name only a KDA layer has:
+any non-KDA model, a draft or MTP model). A checkpoint that is not a local path (a remote
+streamer, ``s3://...``) is one ``RuntimeWarning``: that load path cannot be checked. A check
+that could not run is never silent (:func:`cannot_check`): KDA layer names without ``A_log``
+and ``dt_bias``, a checkpoint whose config describes no KDA layer, an explicitly set
+``KDA_TP_GUARD_CHECKPOINT`` that is not there, a tensor the guard cannot read: each a
+``GuardError`` in mode ``fail``, a warning in mode ``warn``, never a crash.
+
+This module imports no engine and no torch; torch tensors are read only when torch is imported
+already (they come from an engine).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import warnings
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..checkpoint.reader import numpy_dtype
+from ..model.config import describes_kda, load_config
+from ..audit.auditor import AuditReport, as_record, audit
+from ..engines.registry import kda_only_suffixes, param_location
+from ..errors import CheckpointError, GuardError, GuardModeError, KdaTpError
+
+__all__ = ["CHECKPOINT_ENV", "DERIVED", "DERIVED_ATTRIBUTES", "MODES", "MODE_ENV", "Derived",
+           "GuardResult", "cannot_check", "check", "checkpoint_env", "derived_copies",
+           "derived_problem", "explicit_checkpoint",
+           "holds_kda", "looks_kda", "mode", "model_dtype_name", "rank_report",
+           "resolve_checkpoint", "stage_layers"]
+
+#: The environment variable that sets the guard's mode.
+MODE_ENV = "KDA_TP_GUARD"
+#: The environment variable an engine plugin reads for the checkpoint to check against when
+#: the engine's own model path is not it: a ``sharded_state`` directory (it holds the ranks'
+#: dumps, not the checkpoint they came from), or a model the engine streams from elsewhere
+#: while a local copy exists.
+CHECKPOINT_ENV = "KDA_TP_GUARD_CHECKPOINT"
+#: The guard's modes; the first is the default.
+MODES = ("fail", "warn", "off")
+
+logger = logging.getLogger("kda_tp.guard")
+
+# Parameter names only a KDA layer has (every engine layout holds A_log and dt_bias; other
+# linear-attention layers such as Qwen3-Next's hold theirs under `linear_attn.`).
+_MARKERS = (".A_log", ".dt_bias")
+
+
+def _conv_decode(conv1d: np.ndarray) -> np.ndarray:
+    """vLLM K3's ``decode_conv1d_weight`` from its ``conv1d.weight`` ``[3 * Cl, 1, K]``:
+    ``[3, K, Cl]``, each of q, k, v transposed (``_make_decode_conv1d_weight_loader``)."""
+    cl3, _, k = conv1d.shape
+    return np.ascontiguousarray(conv1d.reshape(3, cl3 // 3, k).transpose(0, 2, 1))
+
+
+def _norm_decode(o_norm: np.ndarray) -> np.ndarray:
+    """vLLM K3's ``decode_norm_weight`` from its ``o_norm.weight`` ``[D]``: the same values in
+    F32 (``_make_decode_norm_weight_loader`` copies the loaded parameter into an F32 buffer)."""
+    return o_norm.astype(np.float32)
+
+
+def _merged_conv(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
+    """vLLM GLM-5.3's ``_merged_conv_weight`` from ``q/k/v_conv1d.weight`` (each ``[Cl, 1, K]``):
+    ``[3 * Cl, K]``, the three viewed ``[Cl, K]`` and concatenated (``Glm5NextLinearAttention
+    ._forward``, built on the first forward)."""
+    return np.ascontiguousarray(np.concatenate(
+        [w.reshape(w.shape[0], w.shape[-1]) for w in (q, k, v)], axis=0))
+
+
+@dataclass(frozen=True)
+class Derived:
+    """One copy an engine derives from KDA parameters and keeps outside ``state_dict()``.
+
+    Attributes:
+        sources: the parameters it is derived from (names after ``...self_attn.``).
+        derive: the derivation, from the sources' values (numpy, in their dtypes).
+        attribute: True for a plain attribute of the layer (not a buffer: no
+            ``named_buffers()`` lists it); None in it means "not built yet".
+        issue: the engine issue about it going stale, if any.
+    """
+
+    sources: tuple[str, ...]
+    derive: Callable[..., np.ndarray]
+    attribute: bool = False
+    issue: str = ""
+
+
+#: The derived copies an engine keeps outside ``state_dict()``, by layout name: the copy's
+#: name after ``...self_attn.`` -> :class:`Derived`. A copy is checked against the
+#: derivation of its parameters once those are exact, at the first load, after every update
+#: and in every live audit. Sources: vllm 0.33.0 ``vllm/models/kimi_k3/nvidia/kda.py``
+#: (``KimiK3DeltaAttention``: the buffers exist only with a non-Triton decode backend) and
+#: ``vllm/models/glm5next/common/kda.py`` (``_merged_conv_weight``, never invalidated: vLLM
+#: #55087).
+DERIVED: Mapping[str, Mapping[str, Derived]] = {
+    "vllm-0.33-k3": {
+        "decode_conv1d_weight": Derived(("conv1d.weight",), _conv_decode),
+        "decode_norm_weight": Derived(("o_norm.weight",), _norm_decode),
+    },
+    "vllm-0.33-glm-5.3": {
+        "_merged_conv_weight": Derived(
+            ("q_conv1d.weight", "k_conv1d.weight", "v_conv1d.weight"), _merged_conv,
+            attribute=True, issue="https://github.com/vllm-project/vllm/issues/55087"),
+    },
+}
+
+#: The derived copies that are plain attributes of a layer (not buffers), by name.
+DERIVED_ATTRIBUTES = frozenset(n for copies in DERIVED.values() for n, d in copies.items()
+                               if d.attribute)
+_DERIVED_NAMES = frozenset(n for copies in DERIVED.values() for n in copies)
+
+
+def derived_copies(model: Any) -> dict[str, Any]:
+    """The derived copies (:data:`DERIVED`) a ``torch.nn.Module`` holds, by full name: its
+    buffers of those names, and the plain attributes once built (not None)."""
+    found = {n: b for n, b in model.named_buffers()
+             if b is not None and n.rpartition(".")[2] in _DERIVED_NAMES}
+    for name, module in model.named_modules():
+        for attribute in DERIVED_ATTRIBUTES:
+            value = module.__dict__.get(attribute)
+            if value is not None:
+                found[f"{name}.{attribute}" if name else attribute] = value
+    return found
+
+
+# Names only a KDA layer has (any engine layout, and the derived copies): a model holding
+# some under `.self_attn.` without the markers is a KDA model whose markers are missing.
+_KDA_LOOKING = tuple(f".{end}" for end in sorted(kda_only_suffixes()) if f".{end}" not in _MARKERS
+                     ) + tuple(f".{copy}" for copies in DERIVED.values() for copy in copies)
+
+
+def derived_problem(name: str, value: Any, params: Mapping[str, Any], layout: str
+                    ) -> str | None | bool:
+    """The verdict on one derived copy against the parameters it derives from, as they are
+    in ``params`` now: None (exact), a problem (its shape, dtype, or the first element that
+    differs), or False when ``layout`` keeps no such copy (:data:`DERIVED`) or one of its
+    parameters is not in ``params`` (not checked).
+
+    Args:
+        name: the copy's full name (``model.layers.0.self_attn._merged_conv_weight``).
+        value: its tensor (torch on any device, numpy).
+        params: the rank's parameters by full name.
+        layout: the engine layout's name.
+    """
+    location = param_location(name)
+    known = DERIVED.get(layout, {})
+    if location is None or location[2] not in known:
+        return False
+    prefix, layer, suffix = location
+    copy = known[suffix]
+    origins = [f"{prefix}{layer}.self_attn.{source}" for source in copy.sources]
+    if any(origin not in params for origin in origins):
+        return False
+    try:
+        got, got_dtype = _array(name, value)
+    except KdaTpError as error:
+        return f"cannot be read: {error}"
+    bases = [_array(origin, params[origin]) for origin in origins]
+    want = np.ascontiguousarray(copy.derive(*(array for array, _ in bases)))
+    want_dtype = next((d for d in ("F64", "F32", "F16", "BF16") if numpy_dtype(d) == want.dtype),
+                      bases[0][1])
+    what = " and ".join(copy.sources)
+    if got.shape != want.shape or got_dtype != want_dtype:
+        return (f"shape {list(got.shape)} x {got_dtype}, expected {list(want.shape)} x "
+                f"{want_dtype} (derived from {what})")
+    size = want.dtype.itemsize
+    got_bits = np.ascontiguousarray(got).reshape(-1).view(f"<u{size}")
+    want_bits = want.reshape(-1).view(f"<u{size}")
+    if np.array_equal(got_bits, want_bits):
+        return None
+    # The first element whose bytes differ (-0.0 and 0.0 compare equal as values).
+    first = int(np.flatnonzero(got_bits != want_bits)[0])
+    index = [int(i) for i in np.unravel_index(first, got.shape)]
+    stale = (f"the engine's copy is stale (built before the last update and never rebuilt: "
+             f"{copy.issue})" if copy.issue else
+             "the engine's decode copy is stale or was filled from another slice")
+    return (f"differs from what {what} makes of it at {index} (expected "
+            f"{float(want.reshape(-1)[first])!r}, got {float(got.reshape(-1)[first])!r}): "
+            f"{stale}")
+
+
+def holds_kda(names: Iterable[str]) -> bool:
+    """Whether parameter names include a KDA layer's (``...self_attn.A_log`` or
+    ``...self_attn.dt_bias``, any prefix): the cheap test :func:`check` skips on, for plugins
+    that must decide before they know the checkpoint. One pass over the names, no I/O; a
+    name that is not a ``str`` is no KDA name."""
+    return _any_ending(names, _MARKERS)
+
+
+def looks_kda(names: Iterable[Any]) -> bool:
+    """Whether names include a KDA layer's: :func:`holds_kda`'s markers or other names only a
+    KDA layer has (its gate projections, ``o_norm``, its fused projections or convs, under
+    ``.self_attn.``). True with :func:`holds_kda` false is a KDA model whose ``A_log`` and
+    ``dt_bias`` are missing, which :func:`check` skips with a warning. One pass over the
+    names, no I/O."""
+    return _any_ending(names, _MARKERS + _KDA_LOOKING)
+
+
+def _any_ending(names: Iterable[Any], ends: tuple[str, ...]) -> bool:
+    names = list(names) if not isinstance(names, Mapping | list | tuple) else names
+    try:  # the fast path: every name a str
+        return any(n.endswith(ends) and ".self_attn." in n for n in names)
+    except (AttributeError, TypeError):
+        return any(isinstance(n, str) and n.endswith(ends) and ".self_attn." in n
+                   for n in names)
+
+
+def mode() -> str:
+    """The guard's mode from ``KDA_TP_GUARD``: ``"fail"`` when unset or empty, else its value
+    (case and surrounding spaces ignored).
+
+    Raises:
+        GuardModeError: a value that is not one of :data:`MODES`.
+    """
+    value = os.environ.get(MODE_ENV, "").strip().lower()
+    if not value:
+        return MODES[0]
+    if value not in MODES:
+        raise GuardModeError(
+            f"{MODE_ENV}={os.environ[MODE_ENV]!r} is not a guard mode; use fail (the default), "
+            "warn or off"
+        )
+    return value
+
+
+def checkpoint_env() -> str | None:
+    """``KDA_TP_GUARD_CHECKPOINT`` (:data:`CHECKPOINT_ENV`) with surrounding spaces stripped;
+    None when unset or blank."""
+    return os.environ.get(CHECKPOINT_ENV, "").strip() or None
+
+
+def cannot_check(text: str, guard_mode: str | None = None) -> None:
+    """A check that could not run, as the mode says: in ``fail`` a :class:`GuardError`
+    carrying ``text`` (and how to start anyway), in ``warn`` one ``RuntimeWarning`` and a
+    WARNING line on ``kda_tp.guard``; nothing in ``off``.
+
+    Raises:
+        GuardError: mode ``fail``.
+        GuardModeError: ``KDA_TP_GUARD`` holds another value than the modes.
+    """
+    chosen = mode() if guard_mode is None else guard_mode
+    if chosen == "off":
+        return
+    if chosen == "fail":
+        raise GuardError(f"{text} (set {MODE_ENV}=warn to start anyway)")
+    logger.warning("%s", text)
+    warnings.warn(text, RuntimeWarning, stacklevel=3)
+
+
+def explicit_checkpoint(where: str, guard_mode: str | None = None) -> str | None:
+    """The checkpoint ``KDA_TP_GUARD_CHECKPOINT`` names (stripped), when set; None when unset.
+    A path that is not there is a check that cannot run (:func:`cannot_check`: a
+    ``GuardError`` in ``fail``; in ``warn`` one warning and ``""``, which the caller checks
+    nothing against).
+
+    Raises:
+        GuardError: mode ``fail`` and the variable names a path that does not exist.
+    """
+    chosen = checkpoint_env()
+    if chosen is None or "://" in chosen or os.path.exists(chosen):
+        return chosen
+    cannot_check(f"kda_tp guard: {where}: {CHECKPOINT_ENV}={chosen!r} does not exist; the KDA "
+                 "weights are not checked (a typo? set it to the checkpoint directory the "
+                 "engine loaded)", guard_mode)
+    return ""
+
+
+def resolve_checkpoint(path: str, *, revision: str | None = None,
+                       download_dir: str | None = None) -> str:
+    """A model path as the local checkpoint both engine plugins check against: a URL or an
+    existing path as it is; a Hugging Face repository id as its snapshot in the local cache
+    (in ``download_dir`` when the engine downloads there; never a download); anything else
+    unchanged (:func:`check` then warns that it is not local).
+
+    Args:
+        path: the engine's model path or repository id.
+        revision: the repository revision the engine loaded (None: the default branch).
+        download_dir: the engine's download directory (None: the Hugging Face cache).
+
+    Returns:
+        The local path, or ``path`` unchanged.
+    """
+    if "://" in path or os.path.exists(path):
+        return path
+    try:  # a repository id: the snapshot the engine downloaded
+        from huggingface_hub import snapshot_download
+
+        return str(snapshot_download(path, revision=revision, cache_dir=download_dir,
+                                     local_files_only=True))
+    except Exception:  # noqa: BLE001 - not cached or no huggingface_hub: check() warns
+        return path
+
+
+def rank_report(run: Callable[[], GuardResult | None], *, tp_rank: int, tp_size: int,
+                where: str) -> dict[str, Any]:
+    """One rank's live audit as the plain dict both engine plugins return per rank
+    (``vllm_plugin.audit_llm``, ``sglang_plugin.audit_engine``); never raises for a wrong
+    rank or a check that could not run.
+
+    Args:
+        run: the rank's check: a call of :func:`check` in mode ``fail`` (a failure raises
+            :class:`GuardError` with its report; a check that cannot run raises it without).
+        tp_rank: the rank checked.
+        tp_size: the tensor-parallel world size.
+        where: the caller's label (``"sglang"``, ``"vllm audit"``).
+
+    Returns:
+        Keys ``ok`` (True, False, or None when nothing was checked), ``guarded`` (True),
+        ``line`` (the guard's one-line verdict, or ``not checked: <why>``), ``tp_rank``,
+        ``tp_size``, ``where``, ``skipped`` (why nothing was checked, or
+        None), ``engine`` (the layout), ``params``, ``bytes``, ``seconds``, ``summary`` and
+        ``text`` (the audit's summary and full diagnosis) and ``report``
+        (``AuditReport.to_dict()``, as ``kda-tp audit --json``).
+    """
+    out: dict[str, Any] = {"ok": None, "guarded": True, "line": "", "tp_rank": tp_rank,
+                           "tp_size": tp_size, "where": where, "skipped": None, "engine": None,
+                           "params": 0, "bytes": 0, "seconds": 0.0, "summary": "", "text": "",
+                           "report": None}
+    report: AuditReport | None = None
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        try:
+            result = run()
+        except GuardError as error:
+            if error.report is None:
+                out.update(skipped=str(error), line=f"not checked: {error}")
+                return out
+            result, report = None, error.report
+            out["line"] = str(error).splitlines()[0]
+    if result is not None:
+        out.update(result.to_dict())
+        return out
+    if report is None:
+        why = "; ".join(str(w.message) for w in seen) or "no KDA parameter in this model"
+        out.update(skipped=why, line=f"not checked: {why}")
+        return out
+    out.update(ok=report.passed, engine=report.engine, summary=report.summary(),
+               text=report.format(), report=report.to_dict())
+    return out
+
+
+def stage_layers(names: Iterable[Any]) -> list[int]:
+    """The decoder layers whose KDA parameters ``names`` hold: every layer with a KDA name
+    (:func:`looks_kda`'s, not only ``A_log`` / ``dt_bias``), so that a layer whose markers are
+    missing is checked, and reported missing, instead of dropped."""
+    return sorted({loc[1] for n in names
+                   if isinstance(n, str) and looks_kda([n]) and (loc := param_location(n))})
+
+
+def model_dtype_name(dtype: Any) -> str | None:
+    """The safetensors name (``"BF16"``) of an engine's model dtype (a torch dtype, a numpy
+    dtype or a string such as ``"bfloat16"``); None when it is not a float dtype kda_tp knows."""
+    text = str(dtype).removeprefix("torch.").lower()
+    return {"bfloat16": "BF16", "float16": "F16", "half": "F16", "float32": "F32",
+            "float": "F32", "float64": "F64", "bf16": "BF16", "f16": "F16", "f32": "F32",
+            "fp16": "F16"}.get(text)
+
+
+@dataclass(frozen=True)
+class GuardResult:
+    """What :func:`check` found on one rank.
+
+    Attributes:
+        report: the audit's report (``kda_tp.engine_audit.AuditReport``), the derived copies'
+            verdicts in its ``problems``.
+        tp_rank: the rank checked.
+        tp_size: the tensor-parallel world size.
+        engine: the engine layout checked against (a ``kda_tp.engines.LAYOUTS`` name).
+        params: KDA parameters (and derived copies) checked.
+        bytes: their size on the rank, in bytes.
+        seconds: wall time of the check, in seconds.
+        where: the caller's label (``"vllm worker 3"``), or ``""``.
+    """
+
+    report: AuditReport
+    tp_rank: int
+    tp_size: int
+    engine: str
+    params: int
+    bytes: int
+    seconds: float
+    where: str = ""
+
+    @property
+    def passed(self) -> bool:
+        """True when every KDA parameter and derived copy is exactly right."""
+        return self.report.passed
+
+    def to_dict(self) -> dict[str, Any]:
+        """The result as a JSON-ready dict (each checked rank's part of the plugins' live
+        audit, :func:`rank_report`): ``ok`` (:attr:`passed`), ``line`` (:meth:`line`),
+        ``tp_rank``, ``tp_size``, ``where``, ``engine``, ``params``, ``bytes``, ``seconds``,
+        ``summary`` and ``text`` (the audit's summary line and full diagnosis) and ``report``
+        (``AuditReport.to_dict()``, as ``kda-tp audit --json`` prints it)."""
+        return {"ok": self.passed, "line": self.line(), "tp_rank": self.tp_rank,
+                "tp_size": self.tp_size, "where": self.where, "engine": self.engine,
+                "params": self.params, "bytes": self.bytes, "seconds": self.seconds,
+                "summary": self.report.summary(), "text": self.report.format(),
+                "report": self.report.to_dict()}
+
+    def line(self) -> str:
+        """The one-line verdict: ``kda_tp guard: <where>: tp rank r/T: N KDA parameters, B
+        bytes, S s: OK`` (``FAIL`` when some parameter is wrong)."""
+        where = f"{self.where}: " if self.where else ""
+        verdict = "OK" if self.passed else f"FAIL ({len(self.report.failures)} wrong)"
+        return (f"kda_tp guard: {where}tp rank {self.tp_rank}/{self.tp_size}: {self.params} KDA "
+                f"parameters ({self.engine}), {self.bytes} bytes, {self.seconds:.3f} s: {verdict}")
+
+
+def _nbytes(value: Any) -> int:
+    """Bytes of an array, a torch tensor or a ``kda_tp.Tensor`` (all have ``nbytes``)."""
+    found = getattr(value, "nbytes", 0)
+    return int(found) if isinstance(found, (int, np.integer)) else 0
+
+
+def _array(name: str, value: Any) -> tuple[np.ndarray, str]:
+    """``value``'s values in its own dtype (numpy, ``kda_tp.Tensor`` or torch on any device;
+    BF16 and FP8 through ``ml_dtypes``) and that dtype's safetensors name.
+
+    Raises:
+        CheckpointError: a value that is not an array, a dtype not audited, a tensor without
+            data (meta, lazy) or not dense.
+    """
+    record = as_record(name, value)
+    return record.array, record.dtype
+
+
+def _is_local(checkpoint: Any) -> bool:
+    """Whether ``checkpoint`` is a path on this machine (a directory or a file)."""
+    if not isinstance(checkpoint, (str, os.PathLike)):
+        return False
+    text = os.fspath(checkpoint)
+    return "://" not in str(text) and os.path.exists(text)
+
+
+def check(
+    params: Mapping[str, Any] | Iterable[tuple[str, Any]],
+    checkpoint: str | os.PathLike[str],
+    *,
+    tp_rank: int,
+    tp_size: int,
+    engine: str | None = None,
+    derived: Mapping[str, Any] | None = None,
+    where: str = "",
+    layers: Iterable[int] | None = None,
+    guard_mode: str | None = None,
+    model_dtype: str | None = None,
+) -> GuardResult | None:
+    """Check one rank's loaded KDA parameters against the checkpoint, as the mode says.
+
+    Every KDA parameter of every KDA layer of the checkpoint (its config says which layers) is
+    compared byte for byte with this rank's slices, fused as the engine's layout says
+    (:func:`kda_tp.audit`, reading only this rank's bytes of the checkpoint); each derived copy
+    in ``derived`` (:data:`DERIVED`) with what its parameter makes of it.
+
+    Args:
+        params: the rank's parameters, as ``model.named_parameters()`` gives them (a mapping
+            or ``(name, tensor)`` pairs): torch tensors on any device, numpy arrays or
+            ``kda_tp.Tensor`` records; names with any model prefix.
+        checkpoint: the local checkpoint directory (or ``.safetensors`` file) the engine
+            loaded, with its ``config.json``.
+        tp_rank: the rank, from the engine's own tensor-parallel group.
+        tp_size: the engine's tensor-parallel world size.
+        engine: a layout name (``kda_tp.engines.LAYOUTS``), or None to recognise it from the
+            names.
+        derived: the engine's copies of KDA parameters outside ``params``
+            (``...self_attn.decode_conv1d_weight``), by full name; names :data:`DERIVED` does
+            not know for the layout are ignored.
+        where: a label for the messages (``"vllm worker 3"``).
+        layers: the 0-based KDA layers this rank holds, under pipeline parallelism (its
+            stage's); None: every KDA layer of the checkpoint.
+        guard_mode: one of :data:`MODES` instead of ``KDA_TP_GUARD``'s (e.g. ``"warn"`` to
+            report on a running engine without raising); None: the variable's.
+        model_dtype: the engine's model dtype as a safetensors name (``"BF16"``; see
+            :func:`model_dtype_name`), passed to the audit so that a parameter held in
+            another float dtype (a lossy cast) is wrong; None: the engine's default for the
+            checkpoint's config (``kda_tp.model_dtype.engine_model_dtype``).
+
+    Returns:
+        None without checking anything when the mode is ``off`` or ``params`` has no KDA
+        parameter name; also, with one ``RuntimeWarning`` saying why, when ``checkpoint`` is
+        not a local path; and in mode ``warn`` when the check could not run (KDA layer names
+        but no ``A_log`` or ``dt_bias``, a config that describes no KDA layer, a tensor the
+        audit cannot read: a warning, see :func:`cannot_check`); else the
+        :class:`GuardResult` (in mode ``warn`` also when it failed). The result's
+        :meth:`~GuardResult.line` is logged at INFO on a pass, the diagnosis at WARNING on a
+        failure in mode ``warn``.
+
+    Raises:
+        GuardError: mode ``fail``, and some KDA parameter (or derived copy) is wrong or missing,
+            or the check could not run (KDA layer names without ``A_log`` and ``dt_bias``, a
+            config describing no KDA layer, no engine layout fits the names, a config the
+            audit refuses, a tensor it cannot read: sparse, uninitialized, meta); the message
+            is the audit's diagnosis, ``.report`` the report (None when the audit could not
+            run).
+        GuardModeError: ``KDA_TP_GUARD`` (or ``guard_mode``) holds another value than
+            ``fail``, ``warn``, ``off``.
+        CheckpointError: a KDA model's ``params`` has a key that is not a ``str``.
+        TypeError: ``derived`` has a key that is not a ``str``; ``params`` is neither a
+            mapping nor ``(name, tensor)`` pairs.
+    """
+    chosen = mode() if guard_mode is None else guard_mode
+    if chosen not in MODES:
+        raise GuardModeError(f"guard_mode={guard_mode!r} is not a guard mode; use one of "
+                             f"{', '.join(MODES)}")
+    if chosen == "off":
+        return None
+    named = params if isinstance(params, Mapping) else _pairs(params)
+    for key in derived or {}:
+        if not isinstance(key, str):
+            raise TypeError(f"derived: the key {key!r} ({type(key).__name__}) is not a "
+                            "parameter name (a str)")
+    label = f"{where}: " if where else ""
+    if not looks_kda(named):  # one pass over a non-KDA model's names
+        return None
+    if not holds_kda(named):
+        cannot_check(f"kda_tp guard: {label}tp rank {tp_rank}/{tp_size}: the parameters hold "
+                     "KDA layer names (gate projections, o_norm, fused projections, convs) but "
+                     "no ...self_attn.A_log or ...self_attn.dt_bias; the KDA weights are not "
+                     "checked (a loader that dropped them?)", chosen)
+        return None
+    for key in named:
+        if not isinstance(key, str):
+            raise CheckpointError(f"params: the key {key!r} ({type(key).__name__}) is not a "
+                                  "parameter name (a str)")
+    if not _is_local(checkpoint):
+        warnings.warn(
+            f"kda_tp guard: {label}the checkpoint {checkpoint!r} is not a local path (a remote "
+            f"or streamed load?); the KDA weights of tp rank {tp_rank}/{tp_size} are not "
+            f"checked (set {MODE_ENV}=off to silence this)",
+            RuntimeWarning, stacklevel=2,
+        )
+        return None
+    root = Path(checkpoint)
+    root = root if root.is_dir() else root.parent
+    try:
+        describes = describes_kda(load_config(root))
+    except KdaTpError:
+        describes = True  # no or a broken config.json: the audit below says so
+    if not describes:
+        cannot_check(f"kda_tp guard: {label}tp rank {tp_rank}/{tp_size}: the parameters are "
+                     "KDA layers' (...self_attn.A_log / dt_bias) but the config of "
+                     f"{os.fspath(checkpoint)} describes no KDA layer; the KDA weights are not "
+                     f"checked (is it the checkpoint the engine loaded? set {CHECKPOINT_ENV} "
+                     "to it)", chosen)
+        return None
+    start = time.perf_counter()
+    try:
+        report = audit(named, checkpoint, tp_rank=tp_rank, tp_size=tp_size, engine=engine,
+                       layers=layers, model_dtype=model_dtype)
+        checked = [p for p in report.params if p.status != "missing"]
+        nbytes = sum(_nbytes(named[p.name]) for p in checked)
+        count = len(report.params)
+        for name, value in (derived or {}).items():
+            problem = _check_derived(name, value, named, report)
+            if problem is not False:
+                count += 1
+                nbytes += _nbytes(value)
+                if problem:
+                    report.problems.append(f"rank {tp_rank} {name}: {problem}")
+    except Exception as error:  # the guard's own failure must never crash a warn-mode engine
+        why = str(error) if isinstance(error, KdaTpError) else f"{type(error).__name__}: {error}"
+        text = (f"kda_tp guard: {label}tp rank {tp_rank}/{tp_size}: cannot check the KDA "
+                f"weights against {os.fspath(checkpoint)}: {why}")
+        if chosen == "fail":
+            raise GuardError(text + f" (set {MODE_ENV}=warn to start anyway)") from error
+        logger.warning("%s", text)
+        return None
+    result = GuardResult(report, tp_rank, tp_size, report.engine, count, nbytes,
+                         time.perf_counter() - start, where)
+    if result.passed:
+        logger.info("%s", result.line())
+        return result
+    text = (f"{result.line()}\nthe KDA weights this rank loaded differ from "
+            f"{os.fspath(checkpoint)}:\n{report.format()}")
+    if chosen == "fail":
+        raise GuardError(text + f"\n(set {MODE_ENV}=warn to start anyway)", report)
+    logger.warning("%s", text)
+    return result
+
+
+def _pairs(params: Iterable[Any]) -> dict[str, Any]:
+    """``(name, tensor)`` pairs as a dict.
+
+    Raises:
+        TypeError: ``params`` is not iterable, or an item is not a pair.
+    """
+    out: dict[str, Any] = {}
+    try:
+        items = iter(params)
+    except TypeError:
+        raise TypeError(f"params: a {type(params).__name__}; expected a mapping or (name, "
+                        "tensor) pairs") from None
+    for i, item in enumerate(items):
+        if not isinstance(item, tuple | list) or len(item) != 2:
+            raise TypeError(f"params: item {i} is a {type(item).__name__}, not a (name, "
+                            "tensor) pair; pass a mapping or model.named_parameters()")
+        out[item[0]] = item[1]
+    return out
+
+
+def _check_derived(name: str, value: Any, named: Mapping[str, Any],
+                   report: AuditReport) -> str | None | bool:
+    """:func:`derived_problem` after the first load: checked only when every parameter it
+    derives from is exact (else the parameter's failure says it all)."""
+    location = param_location(name)
+    known = DERIVED.get(report.engine, {})
+    if location is None or location[2] not in known:
+        return False
+    prefix, layer, suffix = location
+    verdicts = {p.name: p for p in report.params}
+    for source in known[suffix].sources:
+        origin = f"{prefix}{layer}.self_attn.{source}"
+        if origin not in verdicts:
+            return f"its parameter {origin} was not checked"
+        if not verdicts[origin].passed:
+            return None
+    return derived_problem(name, value, named, report.engine)

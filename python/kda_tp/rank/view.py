@@ -1,0 +1,618 @@
+"""The adapter that presents one tensor-parallel rank's shard of a checkpoint.
+
+:class:`KdaShardedSource` wraps any tensor source (a :class:`~kda_tp.SafetensorsSource`, or
+anything with ``names()`` and ``get(name)``; see :mod:`kda_tp.checkpoint`) and returns this
+rank's slice of every KDA tensor with its local shape, every other tensor untouched. The reader
+and the naming rules it uses are re-exported here for convenience.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Iterator
+from typing import Any, TypeVar
+
+import numpy as np
+
+from .. import _native
+from ..checkpoint.reader import (
+    BACKEND_ENV,
+    SafetensorsSource,
+    Tensor,
+    TensorSource,
+    check_out,
+    readonly_bytes,
+    writable_bytes,
+    numpy_dtype,
+    shard_bytes,
+)
+from ..checkpoint.description import CheckpointDescription, describe
+from ..engines.registry import EngineLayout, EngineParam, EngineParamPlan, get_layout
+from ..errors import (
+    CheckpointError,
+    DtypeMismatchError,
+    EngineLayoutError,
+    KdaTpError,
+    TensorNotFoundError,
+)
+from ..checkpoint.names import (
+    FULL_RANK_GATE,
+    LOW_RANK_GATE,
+    DEFAULT_PREFIX,
+    gate_form_problem,
+    location,
+    check_gate_form,
+    checkpoint_suffix,
+    decoder_prefix,
+    kda_layer_indices,
+    kda_tensor_name,
+    scale_tensor_name,
+)
+from .plan import KdaShard, KdaTensorPlan, KdaTpPlan
+from ..model.quant import SCALE_SUFFIXES
+
+__all__ = [
+    "BACKEND_ENV",
+    "DEFAULT_PREFIX",
+    "KdaShardedSource",
+    "SafetensorsSource",
+    "Tensor",
+    "TensorSource",
+    "check_gate_form",
+    "checked_get",
+    "checked_info",
+    "checkpoint_suffix",
+    "decoder_prefix",
+    "kda_layer_indices",
+    "kda_tensor_name",
+    "numpy_dtype",
+    "open_rank",
+    "scale_tensor_name",
+    "shard_bytes",
+]
+
+_T = TypeVar("_T")
+
+class KdaShardedSource:
+    """One tensor-parallel rank's view of a checkpoint.
+
+    For every KDA layer ``i``, ``...layers.{i}.self_attn.<tensor>.weight`` (``A_log`` and
+    ``dt_bias`` without ``.weight``) is returned as this rank's slice with its local shape, in
+    the on-disk rank (conv ``[C, 1, K]`` -> ``[C/T, 1, K]``, ``A_log`` ``[1, 1, H, 1]`` ->
+    ``[1, 1, H/T, 1]``, K3's zero-padded ``A_log`` ``[P]`` -> ``[H/T]``, ``o_proj``
+    ``[hidden, C]`` -> ``[hidden, C/T]``). Every other name, including full-attention (MLA)
+    layers' ``self_attn.q_proj``/``g_proj``/``o_proj`` (K3's MLA ``g_proj``/``o_proj`` have the
+    KDA names and shapes: layer type comes from the config alone) and vision-tower tensors,
+    passes through untouched. At ``tp_size == 1`` it is the identity, except that a padded
+    ``A_log`` loses its padding.
+
+    Args:
+        source: the full checkpoint (any object with ``names()`` and ``get(name)``).
+        plan: this rank's :class:`KdaTpPlan`.
+        layers: 0-based KDA layer indices; default: from ``source.config`` (Kimi-Linear's
+            ``linear_attn_config.kda_layers`` is 1-based and converted).
+
+    Every KDA tensor is checked when the adapter is built, so bad input fails before any
+    data is read or written; for a zero-padded ``A_log`` that includes reading its padding.
+
+    Raises:
+        CheckpointError: the KDA layers are unknown, a KDA layer lacks one of its tensors or
+            holds a ``self_attn`` tensor the plan does not know (it could not be sharded
+            correctly; e.g. the other output-gate form than the config's), a non-KDA layer holds
+            KDA-only tensors (``A_log``, ``dt_bias``), or a padded ``A_log`` has a non-zero
+            entry past the heads (the message gives the tensor, the index and the value).
+        DtypeMismatchError: a KDA tensor's dtype is not the plan's.
+        ShapeMismatchError: a KDA tensor's shape does not hold the plan's tensor.
+        TypeError: ``plan`` is not a :class:`KdaTpPlan`.
+    """
+
+    def __init__(self, source: TensorSource, plan: KdaTpPlan, layers: Iterable[int] | None = None):
+        if not isinstance(plan, _native.KdaTpPlan):
+            raise TypeError(
+                f"KdaShardedSource(source, plan): plan must be a KdaTpPlan (from "
+                f"KdaTpPlan.from_config(source, tp_rank, tp_size)), got {type(plan).__name__}"
+            )
+        self.source = source
+        self.plan = plan
+        # What the checkpoint holds, read once per opened checkpoint (kda_tp.description).
+        self.description = described = describe(source)
+        self.layers = described.kda_layers(layers)
+        self.prefix = described.prefix
+        described.check_names(self.layers)
+        by_suffix = {checkpoint_suffix(t.name): t for t in plan.tensors}
+        required = set(by_suffix)
+        for t in plan.tensors:
+            if t.scale is not None:
+                # A block scale has two spellings; a layer holds exactly one of them.
+                by_suffix.update({f"{t.name}.{s}": t.scale for s in SCALE_SUFFIXES})
+                required.add(t.scale.name)
+        # checkpoint name -> (plan entry, local shape)
+        self._planned: dict[str, tuple[KdaTensorPlan, tuple[int, ...]]] = {}
+        local_shapes: dict[tuple[str, tuple[int, ...]], tuple[int, ...]] = {}
+        seen: dict[int, set[str]] = {i: set() for i in self.layers}
+        for layer in self.layers:
+            for suffix, name in described.attention(layer):
+                entry = by_suffix.get(suffix)
+                if entry is None:
+                    raise self._unknown(name, layer, suffix, sorted(by_suffix))
+                header = described.header(name)
+                if header is None:
+                    raise missing_tensor(source, name)
+                dtype, shape = header
+                if dtype != entry.dtype:
+                    raise DtypeMismatchError(
+                        f"{location(source, name)}: {name}: dtype {dtype}, expected {entry.dtype}"
+                    )
+                key = (entry.name, tuple(shape))
+                if key not in local_shapes:  # the same arithmetic for every layer
+                    try:
+                        local_shapes[key] = entry.local_shape(list(shape))
+                    except KdaTpError as e:
+                        raise type(e)(f"{location(source, name)}: {name}: {e}") from None
+                self._planned[name] = (entry, local_shapes[key])
+                key_name = entry.name if entry.name.endswith(".scale") else suffix
+                if key_name in seen[layer]:
+                    raise CheckpointError(
+                        f"{location(source, name)}: {name}: KDA layer {layer} holds both "
+                        f"{' and '.join(SCALE_SUFFIXES)} for {key_name.removesuffix('.scale')}"
+                    )
+                seen[layer].add(key_name)
+        for layer in self.layers:
+            missing = sorted(required - seen[layer])
+            if missing:
+                lacking = ", ".join(
+                    f"self_attn.{m.removesuffix('.scale')}.weight_scale (its block scale)"
+                    if m.endswith(".scale") else f"self_attn.{m}"
+                    for m in missing
+                )
+                raise CheckpointError(f"{location(source)}: KDA layer {layer} lacks {lacking}")
+        for name, (entry, _) in self._planned.items():
+            if (entry.name == "A_log" and entry.full_rows > plan.full_heads
+                    and not described.padding_checked(name)):
+                self._check_padding(name, entry, plan.full_heads)
+                described.mark_padding_checked(name)
+        self._closed = False
+        self._names: frozenset[str] | None = None
+        self._param_plans: dict[tuple[EngineLayout, str, str | None], EngineParamPlan] = {}
+
+    def _unknown(self, name: str, layer: int, suffix: str, known: list[str]) -> CheckpointError:
+        """The error for a KDA layer's ``self_attn`` tensor this plan has no entry for."""
+        where = f"{location(self.source, name)}: {name}"
+        if suffix in LOW_RANK_GATE + FULL_RANK_GATE:
+            return CheckpointError(f"{where}: {gate_form_problem(self.plan.full_rank_gate)}")
+        if suffix.rsplit(".", 1)[-1] in SCALE_SUFFIXES:
+            weight = suffix.rsplit(".", 1)[0]
+            return CheckpointError(
+                f"{where}: a block scale, but {weight} is not block-quantized in this checkpoint "
+                "(its weight is not FP8, or the config declares no block-FP8 format)"
+            )
+        return CheckpointError(
+            f"{where}: KDA layer {layer} holds a self_attn tensor the plan does not know; it "
+            f"cannot be sharded safely (known: {known})"
+        )
+
+    def _check_padding(self, name: str, entry: KdaTensorPlan, heads: int) -> None:
+        """Refuse a zero-padded ``A_log`` whose entries past the ``heads`` real ones are not all
+        exactly 0 (Megatron-Bridge refuses the same: the padding carries no head)."""
+        start = heads * entry.elem_bytes
+        read_range = getattr(self.source, "read_range", None)
+        if read_range is not None:
+            raw = read_range(name, start, entry.full_bytes)
+        else:
+            raw = np.asarray(self.source.get(name).data)[start : entry.full_bytes]
+        tail = np.frombuffer(raw, dtype=numpy_dtype(entry.dtype))
+        nonzero = np.flatnonzero(tail)
+        if nonzero.size:
+            i = int(nonzero[0])
+            raise CheckpointError(
+                f"{location(self.source, name)}: {name}: padding entry {heads + i} is "
+                f"{tail[i].item()!r}, expected 0 (A_log stores {entry.full_rows} entries for "
+                f"{heads} heads; entries {heads}..{entry.full_rows - 1} must be zero padding)"
+            )
+
+    @staticmethod
+    def _check(name: str, entry: KdaTensorPlan, source: TensorSource) -> tuple[int, ...]:
+        info = getattr(source, "info", None)
+        if info is not None:
+            dtype, shape = info(name)
+        else:
+            record = source.get(name)
+            dtype, shape = record.dtype, tuple(record.shape)
+        if dtype != entry.dtype:
+            raise DtypeMismatchError(
+                f"{location(source, name)}: {name}: dtype {dtype}, expected {entry.dtype}"
+            )
+        try:
+            return entry.local_shape(list(shape))
+        except KdaTpError as e:
+            raise type(e)(f"{location(source, name)}: {name}: {e}") from None
+
+    @property
+    def config(self) -> dict[str, Any] | None:
+        """The wrapped source's config (unchanged: it describes the full model)."""
+        return getattr(self.source, "config", None)
+
+    def names(self) -> list[str]:
+        """The wrapped source's names, unchanged."""
+        return self.source.names()
+
+    def plan_entry(self, name: str) -> KdaTensorPlan | None:
+        """The plan entry that slices checkpoint tensor ``name`` (a block scale's is the
+        weight's ``.scale``), or None when ``name`` passes through."""
+        planned = self._planned.get(name)
+        return None if planned is None else planned[0]
+
+    def is_sharded(self, name: str) -> bool:
+        """Whether ``name`` is a KDA tensor this adapter slices (or would, at ``tp_size > 1``)."""
+        return name in self._planned
+
+    def info(self, name: str) -> tuple[str, tuple[int, ...]] | None:
+        """``(dtype, local shape)`` without reading data, or None when absent."""
+        planned = self._planned.get(name)
+        if planned is not None:
+            return planned[0].dtype, planned[1]
+        info = getattr(self.source, "info", None)
+        if info is not None:
+            return info(name)
+        record = self.source.get(name)
+        return None if record is None else (record.dtype, tuple(record.shape))
+
+    def get(self, name: str) -> Tensor | None:
+        """This rank's tensor ``name``: a local slice for KDA tensors, else the source's record;
+        None when the source has no such tensor (as ``Mapping.get``: a misspelt name is not an
+        error here; ``adapter[name]`` and :meth:`get_tensor` raise ``TensorNotFoundError``
+        for it, as ``safe_open`` does).
+
+        Row-sliced and replicated tensors are views of the source's bytes (no copy);
+        ``o_proj`` is gathered into a new array.
+        """
+        self._check_open()
+        planned = self._planned.get(name)
+        if planned is None:
+            return self.source.get(name)
+        entry, local_shape = planned
+        read_range = getattr(self.source, "read_range", None)
+        if entry.byte_range is not None and read_range is not None:
+            # One contiguous range: read only it (its size was checked with the shape).
+            return Tensor(name, entry.dtype, local_shape, read_range(name, *entry.byte_range))
+        read_columns = getattr(self.source, "read_columns", None)
+        if entry.kind == KdaShard.CHANNEL_COLS and read_columns is not None:
+            # o_proj: only this rank's column block of each row (pread reads nothing else).
+            return Tensor(name, entry.dtype, local_shape, read_columns(name, entry))
+        record = self.source.get(name)
+        if record is None:
+            return None
+        return Tensor(name, record.dtype, local_shape, shard_bytes(entry, record.data))
+
+    def read_into(self, name: str, out: Any) -> None:
+        """Write this rank's tensor ``name`` into ``out``, a buffer the caller owns.
+
+        The one-copy path for a loader: the bytes go from the source (the mapped file) straight
+        into ``out``, with no intermediate array and the GIL released during the copy. Row-sliced
+        (``q_proj``, ``A_log``, ...), replicated and passed-through tensors are one contiguous
+        copy; ``o_proj`` (CHANNEL_COLS) is the strided column gather. Copies of 4 MiB or more
+        use several threads. The bytes written equal ``get(name).data``. With the ``"pread"``
+        backend a row slice is first read into a temporary copy (the rank's rows only), then
+        copied into ``out``.
+
+        Args:
+            name: a checkpoint tensor name (KDA or passed through), as in :meth:`names`.
+            out: a writable, C-contiguous numpy array (any dtype but object, with the item size
+                1 or that of the tensor's dtype, any shape) or any other object exposing a
+                writable C-contiguous buffer (``bytearray``, ``memoryview``, ``mmap``; for a
+                CPU ``torch`` tensor pass ``t.view(-1).view(torch.uint8).numpy()``) of exactly
+                the local tensor's size in bytes (``prod(info(name)[1])`` x the dtype's size).
+                Every byte of it is overwritten, row-major in the local shape.
+
+        Raises:
+            ShapeMismatchError: ``out`` is not the local tensor's size in bytes, or its item
+                size is neither 1 nor the tensor dtype's (the message names the tensor and gives
+                both sizes in bytes).
+            BufferLayoutError: ``out`` is read-only, not C-contiguous, an object array, or not
+                a buffer.
+            CheckpointError: the source has no tensor ``name``, or reading it fails.
+        """
+        self._check_open()
+        target = writable_bytes(name, out)
+        planned = self._planned.get(name)
+        if planned is None:
+            record = self.source.get(name)
+            if record is None:
+                raise CheckpointError(f"{location(self.source)}: no tensor named {name!r}")
+            data = readonly_bytes(record.data)
+            check_out(name, record.dtype, out, target, data.nbytes)
+            _native.copy_into(data, target)
+            return
+        entry = planned[0]
+        check_out(name, entry.dtype, out, target, entry.local_bytes)
+        read_range = getattr(self.source, "read_range", None)
+        if entry.byte_range is not None and read_range is not None:
+            _native.copy_into(read_range(name, *entry.byte_range), target)
+            return
+        record = self.source.get(name)
+        if record is None:
+            raise CheckpointError(f"{location(self.source)}: no tensor named {name!r}")
+        _native.shard_into(entry, readonly_bytes(record.data), target)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise CheckpointError(f"{location(self.source)}: this rank's view is closed")
+
+    def release(self, name: str) -> None:
+        """Drop this process's resident pages of the source's tensor ``name`` (see
+        :meth:`SafetensorsSource.release`); a no-op when the wrapped source has no
+        ``release``."""
+        release = getattr(self.source, "release", None)
+        if release is not None:
+            release(name)
+
+    def build_param(
+        self,
+        layout: str | EngineLayout,
+        suffix: str,
+        layer: int,
+        out: Any = None,
+        *,
+        model_dtype: str | None = None,
+    ) -> Any:
+        """Fill one fused engine parameter of KDA layer ``layer`` for this rank, in one call.
+
+        The parameter is described by ``layout`` (:mod:`kda_tp.engines`, e.g.
+        ``"vllm-0.33-k3"``, ``"in_proj_qkvgfab.weight"``): each part (this rank's slice of a
+        plan tensor, or of its FP8 block-scale grid) is copied with :meth:`read_into` straight
+        into its region of the buffer, cast first where the engine casts (e.g. BF16 conv
+        weights to F32), and the padding rows are zeroed. The bytes equal what the engine's
+        own loader leaves in the parameter.
+
+        Args:
+            layout: an :class:`~kda_tp.engines.EngineLayout` or its name.
+            suffix: the parameter's name after ``self_attn.``.
+            layer: a 0-based KDA layer index (one of ``layers``).
+            out: None to allocate a new numpy array of the parameter's local shape and dtype;
+                or a writable C-contiguous buffer of exactly ``param_plan(...).nbytes`` bytes
+                (a numpy array of any shape with item size 1 or the parameter dtype's, a
+                ``bytearray``; for a CPU torch parameter ``p.view(-1).view(torch.uint8)
+                .numpy()``), every byte of which is overwritten.
+            model_dtype: the engine's model dtype for parameters it casts to it (None: the
+                checkpoint's dtype; see :meth:`~kda_tp.engines.EngineLayout.param_plan`).
+
+        Returns:
+            ``out``, or the new array.
+
+        Raises:
+            EngineLayoutError: unknown layout or parameter, a layout that does not fit this
+                plan, or ``layer`` is not a KDA layer.
+            ShapeMismatchError: ``out`` is not the parameter's size in bytes, or its item size
+                is neither 1 nor the parameter dtype's.
+            BufferLayoutError: ``out`` is read-only, not C-contiguous, or not a buffer.
+        """
+        plan = self.param_plan(layout, suffix, model_dtype=model_dtype)
+        if layer not in self.layers:
+            raise EngineLayoutError(
+                f"{plan.layout}: {suffix}: layer {layer} is not a KDA layer of this checkpoint "
+                f"(KDA layers: {list(self.layers)})"
+            )
+        # The parameter is built by the engine layer (EngineParamPlan.fill); this view gives it
+        # the parts' bytes.
+        return plan.fill(
+            out, lambda part, dst: self.read_into(self._part_name(layer, part), dst),
+            lambda part: self._planned[self._part_name(layer, part)][0].local_bytes)
+
+    def engine_params(self, layout: str | EngineLayout) -> list[tuple[int, EngineParam]]:
+        """Every engine parameter this rank holds for the KDA layers: ``(layer, parameter)``
+        for each KDA layer (``layers``, in order) and each parameter of ``layout`` for
+        this plan (:meth:`EngineLayout.params_for <kda_tp.engines.EngineLayout.params_for>`:
+        scale grids only where the weights are block-FP8), in the layout's order.
+
+        This is the list ``kda_tp.audit`` checks, ``kda_tp.write_engine_dump`` writes and
+        ``kda_tp.engine_digests`` hashes; the parameter's name in the engine is
+        ``kda_tp.engines.param_name(layout.state_dict_prefix(self.prefix), layer,
+        param.suffix)``, its bytes :meth:`build_param`.
+
+        Raises:
+            EngineLayoutError: an unknown layout, or one that does not fit this plan.
+        """
+        params = get_layout(layout).params_for(self.plan)
+        return [(layer, param) for layer in self.layers for param in params]
+
+    def param_plan(
+        self, layout: str | EngineLayout, suffix: str, *, model_dtype: str | None = None
+    ) -> EngineParamPlan:
+        """:meth:`EngineLayout.param_plan <kda_tp.engines.EngineLayout.param_plan>` for this
+        rank's plan: the parameter's local shape, dtype and part regions.
+
+        Raises:
+            EngineLayoutError: as there.
+        """
+        table = get_layout(layout)
+        key = (table, suffix, model_dtype)
+        found = self._param_plans.get(key)
+        if found is None:  # the same arithmetic for every layer: once per view
+            found = self._param_plans[key] = table.param_plan(suffix, self.plan, model_dtype)
+        return found
+
+    def _part_name(self, layer: int, part: str) -> str:
+        """The checkpoint name of a part (``"q_proj"``, or ``"q_proj.scale"``: its block scale
+        grid under whichever spelling the checkpoint uses) in KDA layer ``layer``."""
+        if not part.endswith(".scale"):
+            return kda_tensor_name(self.prefix, layer, part)
+        weight = part.removesuffix(".scale")
+        # The adapter checked that every quantized weight has exactly one of the spellings.
+        spellings = (f"{self.prefix}{layer}.self_attn.{weight}.{s}" for s in SCALE_SUFFIXES)
+        return next(name for name in spellings if name in self._planned)
+
+    def keys(self) -> list[str]:
+        """Every tensor name, as ``safe_open``'s ``keys()``: the wrapped source's names."""
+        return self.names()
+
+    def get_tensor(self, name: str) -> Tensor:
+        """This rank's tensor ``name``, as ``safe_open``'s ``get_tensor``: what :meth:`get`
+        returns, but an unknown name raises (``view[name]`` is the same call).
+
+        Raises:
+            TensorNotFoundError: the checkpoint has no tensor ``name`` (a ``KeyError`` and a
+                ``CheckpointError``; the message names the tensor and the checkpoint).
+            CheckpointError: the view is closed.
+        """
+        found = self.get(name)
+        if found is None:
+            raise TensorNotFoundError(
+                f"{location(self.source)}: no tensor named {name!r} in this checkpoint (its "
+                "names: keys())"
+            )
+        return found
+
+    def __getitem__(self, name: str) -> Tensor:
+        return self.get_tensor(name)
+
+    def __iter__(self) -> Iterator[str]:
+        """The tensor names (:meth:`names`), as iterating a dict gives its keys.
+
+        Raises:
+            CheckpointError: the view is closed.
+        """
+        self._check_open()
+        return iter(self.names())
+
+    def __len__(self) -> int:
+        """How many tensors the checkpoint holds (``len(names())``).
+
+        Raises:
+            CheckpointError: the view is closed.
+        """
+        self._check_open()
+        return len(self.names())
+
+    def __contains__(self, name: object) -> bool:
+        """Whether the checkpoint holds ``name`` (False for a non-``str``): a dictionary lookup
+        for a KDA tensor and for a source that answers membership itself (a
+        ``SafetensorsSource``), else a set of its names built once.
+
+        Raises:
+            CheckpointError: the view is closed (as ``view[name]`` does).
+        """
+        self._check_open()
+        if not isinstance(name, str):
+            return False
+        if name in self._planned:
+            return True
+        if hasattr(type(self.source), "__contains__"):
+            return name in self.source  # type: ignore[operator]
+        if self._names is None:
+            self._names = frozenset(self.source.names())
+        return name in self._names
+
+    def close(self) -> None:
+        """Close the view and the source it wraps (its ``close()``, if it has one): a
+        :class:`SafetensorsSource` drops its file mappings and descriptors once no array
+        returned by :meth:`get` still views them. Later reads raise ``CheckpointError``;
+        closing twice is harmless."""
+        self._closed = True
+        close = getattr(self.source, "close", None)
+        if close is not None:
+            close()
+
+    def __enter__(self) -> KdaShardedSource:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (
+            f"KdaShardedSource({self.source!r}, tp_rank={self.plan.tp_rank}, "
+            f"tp_size={self.plan.tp_size}, layers={list(self.layers)})"
+        )
+
+
+def missing_tensor(source: Any, name: str) -> CheckpointError:
+    """The error for a tensor that ``source.names()`` lists but ``source`` cannot find."""
+    return CheckpointError(
+        f"{location(source, name)}: {name}: listed by the checkpoint but not found in it"
+    )
+
+
+def checked_info(
+    source: SafetensorsSource | KdaShardedSource, name: str
+) -> tuple[str, tuple[int, ...]]:
+    """``source.info(name)`` (dtype, shape) for a name taken from ``source.names()``.
+
+    Raises:
+        CheckpointError: ``source`` has no tensor ``name`` after all.
+    """
+    return _found(source.info(name), source, name)
+
+
+def checked_get(source: SafetensorsSource | KdaShardedSource, name: str) -> Tensor:
+    """``source.get(name)`` for a name taken from ``source.names()``.
+
+    Raises:
+        CheckpointError: ``source`` has no tensor ``name`` after all.
+    """
+    return _found(source.get(name), source, name)
+
+
+def _found(found: _T | None, source: Any, name: str) -> _T:
+    """``found``, what ``source`` answered for ``name``; :func:`missing_tensor` when None."""
+    if found is None:
+        raise missing_tensor(source, name)
+    return found
+
+
+def open_rank(
+    checkpoint: str | os.PathLike[str] | SafetensorsSource,
+    *,
+    tp_rank: int,
+    tp_size: int,
+    layers: Iterable[int] | None = None,
+    qk_multiple: int = 256,
+    backend: str | None = None,
+) -> KdaShardedSource:
+    """One tensor-parallel rank's view of a checkpoint, with its plan on it (``view.plan``), in
+    one call: what a loader opens, as it opens a file with safetensors' ``safe_open``::
+
+        with kda_tp.open_rank("Kimi-K3", tp_rank=r, tp_size=8) as view:
+            for name in view.keys():
+                view.read_into(name, params[name])   # or view[name] / view.get_tensor(name)
+
+    The checkpoint is described once per opened source (``kda_tp.description.describe``), so
+    the plan costs no second read of the headers and the view checks each KDA tensor once.
+
+    Args:
+        checkpoint: a checkpoint directory, a ``.safetensors`` file, or an open
+            :class:`SafetensorsSource` (closed with the view).
+        tp_rank: this rank, ``0 <= tp_rank < tp_size``.
+        tp_size: the tensor-parallel world size.
+        layers: 0-based KDA layer indices (default: the config's), checked as
+            ``KdaTpPlan.from_config`` checks them.
+        qk_multiple: see :class:`KdaTpPlan`.
+        backend: ``"mmap"`` or ``"pread"`` (see :class:`SafetensorsSource`) for a path.
+
+    Returns:
+        The rank's :class:`KdaShardedSource`, a context manager whose ``close()`` releases the
+        file mappings.
+
+    Raises:
+        CheckpointError: a file is already a tensor-parallel shard (its header names a
+            ``tp_rank`` and ``tp_size``: a rank ``shard`` wrote), or as below.
+        CheckpointError, DtypeMismatchError, ShapeMismatchError, PlanError: as
+            ``KdaTpPlan.from_config`` and :class:`KdaShardedSource`.
+        UsageError: an unknown ``backend``.
+    """
+    source = (checkpoint if isinstance(checkpoint, SafetensorsSource)
+              else SafetensorsSource(checkpoint, backend))
+    selected = None if layers is None else list(layers)
+    try:
+        for path, meta in source.files():
+            if meta and "tp_rank" in meta and "tp_size" in meta:
+                raise CheckpointError(
+                    f"{path}: already a tensor-parallel shard (rank {meta['tp_rank']} of "
+                    f"{meta['tp_size']}, its header says); open the original checkpoint"
+                )
+        plan = KdaTpPlan.from_description(describe(source), tp_rank, tp_size,
+                                          qk_multiple=qk_multiple, layers=selected)
+        return KdaShardedSource(source, plan, selected)
+    except BaseException:
+        if source is not checkpoint:
+            source.close()
+        raise

@@ -1,0 +1,162 @@
+"""What a rank directory written by ``kda-tp shard`` holds: names, files, marks, fingerprint.
+
+Shared by the writer (:mod:`kda_tp.shard`), the output-directory safety (:mod:`kda_tp.outdir`)
+and the verifier (:mod:`kda_tp.verify`), which all must agree on it:
+
+* ``OUT/rank{r}/`` is rank ``r``'s directory; ``OUT/.rank{r}.partial-*`` a directory being
+  written (or left by a killed run); ``OUT/.rank{r}.lock`` the lock of its writers.
+* every rank directory holds the input's safetensors file names (:func:`names_by_file`, or
+  :func:`kda_only_files` for ``--kda-only``), ``model.safetensors.index.json``, the input's
+  companion files (:func:`companion_files`) and kda-tp's mark :data:`MARK_NAME`;
+* every safetensors file's ``__metadata__`` carries :data:`FILE_MARK` (the kda-tp version) and
+  ``kda_tp_input`` (:func:`input_fingerprint`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shlex
+from collections.abc import Iterable
+from pathlib import Path
+
+from ..checkpoint.reader import INDEX_NAME, SafetensorsSource
+from ..errors import CheckpointError
+from ..rank.view import KdaShardedSource, checked_info, missing_tensor
+
+__all__ = [
+    "FILE_MARK",
+    "LOCK_FILE",
+    "MARK_NAME",
+    "PARTIAL_DIR",
+    "RANK_DIR",
+    "companion_files",
+    "finish_command",
+    "input_fingerprint",
+    "kda_only_files",
+    "names_by_file",
+    "rank_dir",
+    "unindexed_files",
+]
+
+#: A finished rank directory's name: ``rank{r}``.
+RANK_DIR = re.compile(r"^rank([0-9]{1,10})$")
+#: A rank directory being written, a replaced one kept aside, or one a killed run left.
+PARTIAL_DIR = re.compile(r"^\.rank([0-9]{1,10})\.partial-")
+#: The lock file of a rank's writers.
+LOCK_FILE = re.compile(r"^\.rank([0-9]{1,10})\.lock$")
+
+#: The mark kda-tp writes into every directory it makes (a rank directory, a partial one, a
+#: ``demo --keep`` directory): a JSON object ``{"written_by": "kda-tp", "version", "kind",
+#: "entries"}`` naming the entries kda-tp wrote there. kda-tp removes or replaces a directory
+#: only when it carries this mark and holds nothing the mark does not name (see
+#: :mod:`kda_tp.outdir`).
+MARK_NAME = ".kda-tp.json"
+
+#: The ``__metadata__`` key every safetensors file kda-tp writes carries (its version): the
+#: mark by which ``dump --force`` recognises the files it may replace.
+FILE_MARK = "kda_tp_version"
+
+#: Bytes read from the start and the end of each file's data for :func:`input_fingerprint`.
+_FINGERPRINT_SAMPLE = 4096
+
+
+def rank_dir(out_dir: str | os.PathLike[str], tp_rank: int) -> Path:
+    """The directory holding rank ``tp_rank``'s checkpoint under ``out_dir``."""
+    return Path(out_dir) / f"rank{tp_rank}"
+
+
+def names_by_file(source: SafetensorsSource) -> dict[str, list[str]]:
+    """Input file name -> its tensor names in data order (every rank mirrors the input's files).
+
+    Raises:
+        CheckpointError: a tensor the index names is in no file.
+    """
+    files: dict[str, list[str]] = {}
+    for name in source.names():
+        path = source.file_of(name)
+        if path is None:
+            raise missing_tensor(source, name)
+        files.setdefault(path.name, []).append(name)
+    return files
+
+
+def kda_only_files(
+    files: dict[str, list[str]], shard: KdaShardedSource
+) -> dict[str, list[str]]:
+    """``files`` (input file name -> tensor names) cut down to the KDA tensors ``shard`` slices;
+    files left without one are dropped, so a KDA-only rank mirrors the input's file names."""
+    kept = {f: [n for n in names if shard.is_sharded(n)] for f, names in files.items()}
+    return {f: names for f, names in kept.items() if names}
+
+
+def companion_files(source: SafetensorsSource) -> list[Path]:
+    """The input's small non-weight files (config, tokenizer) that ``shard`` copies into each
+    rank: every regular file of the input directory that is not hidden, not a
+    ``.safetensors`` file and not the index (for a single-file input: its ``config.json``)."""
+    if not source.path.is_dir():
+        config = source.root / "config.json"
+        return [config] if config.is_file() else []
+    return [
+        p
+        for p in sorted(source.root.iterdir())
+        if p.is_file()
+        and not p.name.startswith(".")
+        and not p.name.endswith(".safetensors")
+        and p.name != INDEX_NAME
+    ]
+
+
+def unindexed_files(source: SafetensorsSource) -> list[Path]:
+    """The ``.safetensors`` files in an indexed checkpoint directory that its index does not
+    name (e.g. a multi-token-prediction head shipped beside the index), sorted; empty for a
+    single-file checkpoint. Loaders that follow the index never read them, and neither does
+    the shard writer."""
+    if not source.path.is_dir() or not (source.root / INDEX_NAME).is_file():
+        return []
+    indexed = {path.name for path, _ in source.files()}
+    return sorted(p for p in source.root.glob("*.safetensors") if p.name not in indexed)
+
+
+def input_fingerprint(source: SafetensorsSource) -> str:
+    """A hex digest (32 characters) of the checkpoint's tensor names, dtypes and full shapes,
+    and of the first and last 4 KiB of each file's data (a fine-tune has the base model's
+    names and shapes).
+
+    ``shard`` records it in every rank's header (``kda_tp_input``) so that ``verify`` can tell
+    output made from another checkpoint from a damaged output.
+
+    Raises:
+        CheckpointError: a file cannot be read.
+    """
+    entries = sorted((name, *checked_info(source, name)) for name in source.names())
+    digest = hashlib.sha256(json.dumps(entries).encode())
+    for path, _ in source.files():
+        try:
+            with open(path, "rb") as f:
+                data_start = 8 + int.from_bytes(f.read(8), "little")
+                f.seek(data_start)
+                digest.update(f.read(_FINGERPRINT_SAMPLE))
+                end = os.fstat(f.fileno()).st_size
+                f.seek(max(data_start, end - _FINGERPRINT_SAMPLE))
+                digest.update(f.read(_FINGERPRINT_SAMPLE))
+        except OSError as e:
+            raise CheckpointError(f"{path}: cannot be read: {e}") from e
+    return digest.hexdigest()[:32]
+
+
+def finish_command(
+    checkpoint: str | os.PathLike[str],
+    out_dir: str | os.PathLike[str],
+    tp_size: int,
+    ranks: Iterable[int],
+    qk_multiple: int = 256,
+) -> str:
+    """The ``kda-tp shard`` command line that writes ``ranks`` (shell-quoted paths)."""
+    command = (
+        f"kda-tp shard {shlex.quote(str(checkpoint))} --tp-size {tp_size} "
+        f"--out {shlex.quote(str(out_dir))} --ranks {','.join(map(str, ranks))}"
+    )
+    return command + (f" --qk-multiple {qk_multiple}" if qk_multiple != 256 else "")

@@ -1,0 +1,646 @@
+"""Writing one checkpoint directory per tensor-parallel rank.
+
+Layout written by ``kda-tp shard CHECKPOINT --tp-size T --out OUT``:
+
+```text
+OUT/rank0/ ... OUT/rank{T-1}/
+    config.json and the input's other small files, unchanged;
+    the input's safetensors file names, each holding the same tensors as in the input
+    (KDA tensors as this rank's slice, with local shapes), __metadata__ carrying
+    tp_rank, tp_size, kda_tp_qk_multiple, kda_tp_layers, kda_tp_version and kda_tp_input;
+    model.safetensors.index.json;
+    .kda-tp.json, kda-tp's mark: the entries it wrote (see kda_tp.outdir).
+```
+
+Files keep the mode bits of the input file they come from (the index and the mark those of
+the input's index, else of its first file); a rank directory keeps the input directory's, its
+owner's read, write and search bits added (a 0600 checkpoint in a 0700 directory gives 0600
+files in 0700 rank directories).
+
+A rank is written into a hidden ``OUT/.rank{r}.partial-<pid>`` directory and renamed to
+``OUT/rank{r}`` only when every file in it is complete, so a run killed at any point leaves no
+incomplete ``rank{r}``; a rank directory it replaces (``force``) is removed only once the whole
+run has succeeded, and only when kda-tp wrote it (:mod:`kda_tp.outdir`). A writer holds an
+exclusive lock (``flock``) on ``OUT/.rank{r}.lock`` for each rank it writes, from before it
+looks at ``OUT`` until it is done, so a second writer of a rank is refused (or waits) instead of
+removing the first's partial directory; the kernel releases the lock when the process dies, so a
+partial directory of a rank whose lock is free is stale. Several processes may write different
+ranks into one ``OUT`` at once.
+
+The verifier (:func:`verify_shards`, :class:`VerifyReport`), the output-directory check
+(:func:`prepare_out_dir`) and the names of a rank directory (:func:`rank_dir`,
+:func:`finish_command`, :func:`unindexed_files`, :func:`kda_only_files`) live in
+:mod:`kda_tp.verify`, :mod:`kda_tp.outdir` and :mod:`kda_tp.rankdir`; they are imported here
+too, where they have always been imported from.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import stat
+import threading
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ..checkpoint.writer import DTYPE_BITS, FileRange, tensor_nbytes, write_index, write_safetensors
+from .._native import __version__
+from ..checkpoint.reader import INDEX_NAME, SafetensorsSource
+from ..errors import CheckpointError, DtypeMismatchError, OutputError, PlanError, ShardInterrupted
+from ..output.marks import write_mark
+from ..output.dirs import (
+    check_out_dir,
+    check_out_location,
+    discard,
+    lock_ranks,
+    make_dirs,
+    prepare_out_dir,
+    remove_created,
+    remove_dir,
+)
+from ..rank.plan import KdaTpPlan
+from .rankdir import (
+    FILE_MARK,
+    RANK_DIR,
+    companion_files,
+    finish_command,
+    input_fingerprint,
+    kda_only_files,
+    names_by_file,
+    rank_dir,
+    unindexed_files,
+)
+from ..rank.view import KdaShardedSource, checked_get, checked_info
+from .verify import ProgressFactory, VerifyReport, verify_shards
+
+__all__ = [
+    "ShardInterrupted",
+    "ShardResult",
+    "ShardSizes",
+    "VerifyReport",
+    "check_shard_input",
+    "finish_command",
+    "kda_only_files",
+    "prepare_out_dir",
+    "rank_dir",
+    "shard_checkpoint",
+    "shard_sizes",
+    "unindexed_files",
+    "verify_shards",
+]
+
+
+class _Stopped(Exception):
+    """Raised inside a writer thread at its next tensor once the run is interrupted."""
+
+
+@dataclass(frozen=True)
+class ShardResult:
+    """What :func:`shard_checkpoint` wrote: ``ranks`` of ``tp_size`` under ``out_dir``,
+    ``bytes_written`` tensor bytes (headers excluded, summed over ranks) in ``seconds``."""
+
+    out_dir: Path
+    tp_size: int
+    ranks: tuple[int, ...]
+    bytes_written: int
+    seconds: float
+
+    def to_dict(self) -> dict[str, object]:
+        """The result as a JSON-ready dict, the first keys ``kda-tp shard --json`` prints:
+        ``ok`` (True), ``out_dir``, ``tp_size``, ``ranks``, ``rank_dirs`` (each rank's
+        directory, :func:`rank_dir`), ``bytes_written`` and ``seconds`` (wall time)."""
+        return {"ok": True, "out_dir": str(self.out_dir), "tp_size": self.tp_size,
+                "ranks": list(self.ranks),
+                "rank_dirs": [str(rank_dir(self.out_dir, r)) for r in self.ranks],
+                "bytes_written": self.bytes_written, "seconds": self.seconds}
+
+
+@dataclass(frozen=True)
+class ShardSizes:
+    """The tensor bytes (headers excluded) a :func:`shard_checkpoint` run writes, per rank.
+
+    Attributes:
+        input_bytes: tensor bytes of the input checkpoint (every tensor its index names).
+        ranks: the ranks written, sorted.
+        kda_bytes: per rank of ``ranks``, its slices of the KDA tensors.
+        other_bytes: per rank of ``ranks``, the other tensors, copied whole into every rank
+            (0 with ``kda_only``).
+        kda_only: whether the run writes only the KDA tensors.
+    """
+
+    input_bytes: int
+    ranks: tuple[int, ...]
+    kda_bytes: tuple[int, ...]
+    other_bytes: tuple[int, ...]
+    kda_only: bool = False
+
+    @property
+    def rank_bytes(self) -> tuple[int, ...]:
+        """Per rank of ``ranks``: all its tensor bytes."""
+        return tuple(k + o for k, o in zip(self.kda_bytes, self.other_bytes))
+
+    @property
+    def total_bytes(self) -> int:
+        """Tensor bytes written over all of ``ranks``."""
+        return sum(self.rank_bytes)
+
+    @property
+    def suggest_kda_only(self) -> bool:
+        """True when the tensors copied whole into every rank outweigh the KDA slices (then
+        ``kda_only`` would write far less: an overlay on the input)."""
+        return not self.kda_only and sum(self.other_bytes) > sum(self.kda_bytes)
+
+    def to_dict(self) -> dict[str, object]:
+        """The sizes as JSON-ready values (what ``kda-tp shard --json`` prints under
+        ``sizes``): the attributes, ``rank_bytes``, ``total_bytes`` and ``suggest_kda_only``."""
+        return {
+            "input_bytes": self.input_bytes,
+            "ranks": list(self.ranks),
+            "kda_bytes": list(self.kda_bytes),
+            "other_bytes": list(self.other_bytes),
+            "rank_bytes": list(self.rank_bytes),
+            "total_bytes": self.total_bytes,
+            "kda_only": self.kda_only,
+            "suggest_kda_only": self.suggest_kda_only,
+        }
+
+
+def shard_checkpoint(
+    checkpoint: str | os.PathLike[str],
+    out_dir: str | os.PathLike[str],
+    tp_size: int,
+    *,
+    ranks: Iterable[int] | None = None,
+    layers: Iterable[int] | None = None,
+    qk_multiple: int = 256,
+    force: bool = False,
+    backend: str | None = None,
+    progress: ProgressFactory | None = None,
+    allow_resharding: bool = False,
+    skip_unindexed: bool = False,
+    kda_only: bool = False,
+    wait: bool = False,
+    report_sizes: Callable[[ShardSizes], None] | None = None,
+) -> ShardResult:
+    """Write one checkpoint directory per rank (layout in the module docstring).
+
+    Every rank's plan and adapter is built, so every KDA tensor's dtype and shape is checked,
+    before anything is written. Tensors are streamed one at a time: row-sliced and replicated
+    tensors go straight from the mapped input to the output file, and only one ``o_proj``
+    column gather is held in memory at a time.
+
+    Args:
+        checkpoint: input checkpoint directory (or ``.safetensors`` file) with ``config.json``.
+        out_dir: output directory, created if missing. It must not lie inside the input
+            directory, and must be empty or hold only other ranks' ``kda-tp`` output, unless
+            ``force``: it then replaces the existing directories of the ranks being written
+            and removes another world size's, once this run's ranks are all complete, and
+            only those kda-tp wrote (:mod:`kda_tp.outdir`: its mark ``.kda-tp.json``, nothing
+            else in them); anything else in their way is refused, ``force`` or not.
+        tp_size: tensor-parallel world size.
+        ranks: the ranks to write (default: all), so several processes can split the work.
+        layers: 0-based KDA layer indices (default: from the config).
+        qk_multiple: the plan's local q|k width rule (see :class:`KdaTpPlan`).
+        force: see ``out_dir``.
+        backend: ``"mmap"`` or ``"pread"`` reads of the input (see :class:`SafetensorsSource`).
+        progress: called once with the total bytes to write; returns ``advance(nbytes)``,
+            which the writer threads call (from several threads) after each tensor.
+        allow_resharding: accept an input whose headers carry ``tp_rank``/``tp_size`` (a rank
+            directory kda-tp wrote); refused by default.
+        skip_unindexed: shard a directory whose ``.safetensors`` files include some its index
+            does not name (see :func:`unindexed_files`), leaving them out of every rank;
+            refused by default.
+        kda_only: write only the sliced KDA tensors (an overlay on the input checkpoint, see
+            :func:`kda_only_files`): no other tensor and no companion file; each header's
+            ``__metadata__`` adds ``kda_tp_kda_only`` and ``kda_tp_source`` (the input path).
+        wait: when another process holds the lock of one of ``ranks`` (it is writing them
+            into ``out_dir``), wait until it is done instead of refusing (``--wait``). Each
+            rank's lock is ``out_dir/.rank{r}.lock``, taken with ``flock`` before ``out_dir``
+            is looked at and released (the file removed) when this run is done; the kernel
+            releases it when a process dies, so a partial directory of a rank whose lock is
+            free is stale and removed.
+        report_sizes: called once, after every check and before the first byte is written,
+            with the :class:`ShardSizes` this run will write.
+
+    Raises:
+        CheckpointError, PlanError, DtypeMismatchError, ShapeMismatchError: bad input (also:
+            an input that is already a shard, unindexed files); nothing is written.
+        OutputError: the output directory is refused (e.g. a ``rank{r}`` there that kda-tp
+            did not write, or a lock path that is a symbolic link), another live process is
+            writing one
+            of ``ranks`` into it (the message names its pid, host and start time; see
+            ``wait``), or a write fails (e.g. a full disk);
+            nothing of this run is left behind: the ranks it completed are removed again,
+            rank directories it replaced under ``force`` are put back, and ``out_dir`` and
+            the parents it created are removed where empty (a run killed outright may
+            leave complete ``rank{r}`` directories, never incomplete ones, and ``verify``
+            rejects the set until every rank is there).
+        ShardInterrupted: Ctrl-C; the writers stop at their next tensor, this run's partial
+            directories are removed, and the ranks completed before it stay.
+    """
+    start = time.perf_counter()
+    source = SafetensorsSource(checkpoint, backend)
+    out = Path(out_dir)
+    tp_size, chosen = _checked_ranks(tp_size, ranks)
+    check_shard_input(source, allow_resharding=allow_resharding, skip_unindexed=skip_unindexed)
+    shards = _rank_views(source, tp_size, chosen, qk_multiple, layers)
+    ranks = tuple(s.plan.tp_rank for s in shards)
+    # Tensors outside the KDA layers are copied through whatever their dtype, packed sub-byte
+    # floats (F4, F6) included; a dtype the writer cannot size is refused before anything is
+    # written (the header reader and the writer know the same dtypes, so this guards upgrades).
+    for name in source.names():
+        dtype = checked_info(source, name)[0]
+        if dtype not in DTYPE_BITS:
+            raise DtypeMismatchError(
+                f"{source.file_of(name)}: {name}: dtype {dtype} cannot be copied to the shards "
+                f"(the writer knows {', '.join(DTYPE_BITS)})"
+            )
+    files = names_by_file(source)
+    if kda_only:
+        files = kda_only_files(files, shards[0])
+    sizes = _sizes(source, shards, files, kda_only)
+    for companion in [] if kda_only else companion_files(source):
+        try:
+            with open(companion, "rb"):
+                pass
+        except OSError as e:
+            raise CheckpointError(
+                f"{companion}: cannot be read ({e}); shard copies it into every rank"
+            ) from e
+    check_out_location(source.root, out, ranks)
+    created = make_dirs(out)
+    try:
+        # Held from before OUT is looked at until this run's ranks are in place (or removed).
+        locks = lock_ranks(out, ranks, wait)
+        try:
+            stale = check_out_dir(source.root, out, tp_size, ranks, force, locks)
+            if report_sizes:
+                report_sizes(sizes)
+            result = _write_ranks(source, shards, files, out, tp_size, ranks, sizes, kda_only,
+                                  progress, start)
+            # Another world size's ranks (force) go only once this run's are all in place.
+            for entry in stale:
+                remove_dir(entry, out)
+            return result
+        finally:
+            locks.release()
+    except BaseException:
+        # A refused or failed run removes the directories it created, where nothing else is
+        # left in them (an interrupted run's completed ranks stay, and so does OUT then).
+        remove_created(created)
+        raise
+
+
+def _write_ranks(
+    source: SafetensorsSource,
+    shards: list[KdaShardedSource],
+    files: dict[str, list[str]],
+    out: Path,
+    tp_size: int,
+    ranks: tuple[int, ...],
+    sizes: ShardSizes,
+    kda_only: bool,
+    progress: ProgressFactory | None,
+    start: float,
+) -> ShardResult:
+    """:func:`shard_checkpoint`'s writing, with ``out`` checked and ``ranks`` locked."""
+    report = progress(sizes.total_bytes) if progress else None
+    stop = threading.Event()
+
+    def advance(nbytes: int) -> None:
+        # Called by the writers after each tensor: where they notice an interrupt.
+        if stop.is_set():
+            raise _Stopped
+        if report:
+            report(nbytes)
+
+    # Ranks are independent; the copies and writes release the GIL, so threads overlap them.
+    pool = ThreadPoolExecutor(max_workers=min(len(shards), os.cpu_count() or 1))
+    futures: list[Future[tuple[int, Path, int, Path | None]]] = []
+    try:
+        for s in shards:
+            futures.append(pool.submit(_write_rank, source, s, files, out, advance, kda_only))
+        wait(futures)
+        pool.shutdown()
+    except KeyboardInterrupt:
+        stop.set()
+        _shutdown(pool)
+        completed: list[int] = []
+        for r, f in zip(ranks, futures):
+            if not f.cancelled() and f.exception() is None:
+                completed.append(r)
+                replaced = f.result()[3]
+                if replaced is not None:
+                    discard(replaced)
+        present = {int(m.group(1)) for p in out.iterdir() if (m := RANK_DIR.match(p.name))}
+        remaining = tuple(r for r in range(tp_size) if r not in present)
+        raise ShardInterrupted(out, tp_size, tuple(completed), remaining) from None
+    failed = [error for f in futures if (error := f.exception()) is not None]
+    if failed:
+        # All or nothing: a failed run (e.g. a full disk) also removes the ranks it completed,
+        # moving each aside in one rename first, so no incomplete rank{r} is ever visible.
+        # Only directories this run created (same inode) are removed, never another
+        # process's.
+        # A rank directory this run replaced is put back.
+        for f in futures:
+            if f.exception() is None:
+                _, final, inode, old = f.result()
+                try:
+                    if final.stat().st_ino == inode:
+                        remove_dir(final, out)
+                        if old is not None:
+                            os.replace(old, final)
+                except OSError:
+                    continue
+        raise failed[0]
+    for f in futures:
+        replaced = f.result()[3]
+        if replaced is not None:
+            discard(replaced)
+    written = sum(f.result()[0] for f in futures)
+    return ShardResult(out, tp_size, ranks, written, time.perf_counter() - start)
+
+
+def shard_sizes(
+    checkpoint: str | os.PathLike[str],
+    tp_size: int,
+    *,
+    ranks: Iterable[int] | None = None,
+    layers: Iterable[int] | None = None,
+    qk_multiple: int = 256,
+    kda_only: bool = False,
+    backend: str | None = None,
+) -> ShardSizes:
+    """The bytes :func:`shard_checkpoint` with these arguments writes, from the headers alone
+    (nothing is read or written). The arguments are :func:`shard_checkpoint`'s.
+
+    Raises:
+        CheckpointError, PlanError, DtypeMismatchError, ShapeMismatchError: as
+            :func:`shard_checkpoint` for bad input.
+    """
+    source = SafetensorsSource(checkpoint, backend)
+    tp_size, chosen = _checked_ranks(tp_size, ranks)
+    shards = _rank_views(source, tp_size, chosen, qk_multiple, layers)
+    files = names_by_file(source)
+    return _sizes(source, shards, kda_only_files(files, shards[0]) if kda_only else files,
+                  kda_only)
+
+
+def _checked_ranks(tp_size: int, ranks: Iterable[int] | None) -> tuple[int, tuple[int, ...] | None]:
+    """``tp_size`` as an int and ``ranks`` sorted (None: all, expanded by :func:`_rank_views`
+    once the checkpoint has bounded ``tp_size``).
+
+    Raises:
+        PlanError: ``tp_size`` not a positive integer, or no ranks.
+    """
+    if isinstance(tp_size, bool) or not isinstance(tp_size, (int, np.integer)) or tp_size < 1:
+        raise PlanError(f"tp_size must be a positive integer, got {tp_size!r}")
+    tp_size = int(tp_size)
+    if ranks is None:
+        return tp_size, None
+    wanted = tuple(sorted({int(r) for r in ranks}))
+    if not wanted:
+        raise PlanError("no ranks to write: --ranks is empty")
+    return tp_size, wanted
+
+
+def _rank_views(
+    source: SafetensorsSource,
+    tp_size: int,
+    ranks: tuple[int, ...] | None,
+    qk_multiple: int,
+    layers: Iterable[int] | None,
+) -> list[KdaShardedSource]:
+    """One view per rank of ``ranks`` (None: all). Rank 0's plan and view come first: the plan
+    refuses a tp_size the heads cannot split and the view checks the heads against the tensors
+    on disk, so tp_size is bounded by the checkpoint before anything is made per rank."""
+
+    def view(r: int) -> KdaShardedSource:
+        plan = KdaTpPlan.from_config(source, r, tp_size, qk_multiple=qk_multiple, layers=layers)
+        return KdaShardedSource(source, plan, layers)
+
+    first = view(0)
+    return [first if r == 0 else view(r) for r in (range(tp_size) if ranks is None else ranks)]
+
+
+def _sizes(
+    source: SafetensorsSource,
+    shards: list[KdaShardedSource],
+    files: dict[str, list[str]],
+    kda_only: bool,
+) -> ShardSizes:
+    """The tensor bytes writing ``files`` for ``shards`` takes, KDA slices and the rest apart."""
+    names = [name for names in files.values() for name in names]
+    kda, other = [], []
+    for s in shards:
+        sliced = [_nbytes(*checked_info(s, n)) for n in names if s.is_sharded(n)]
+        whole = [_nbytes(*checked_info(s, n)) for n in names if not s.is_sharded(n)]
+        kda.append(sum(sliced))
+        other.append(sum(whole))
+    return ShardSizes(
+        input_bytes=sum(_nbytes(*checked_info(source, n)) for n in source.names()),
+        ranks=tuple(s.plan.tp_rank for s in shards),
+        kda_bytes=tuple(kda),
+        other_bytes=tuple(other),
+        kda_only=kda_only,
+    )
+
+
+def _shutdown(pool: ThreadPoolExecutor) -> None:
+    """Cancel the ranks not started and wait for the running writers to stop (at their next
+    tensor), whatever further Ctrl-Cs arrive meanwhile: each removes its partial directory."""
+    while True:
+        try:
+            pool.shutdown(wait=True, cancel_futures=True)
+            return
+        except KeyboardInterrupt:
+            continue
+
+
+def check_shard_input(
+    source: SafetensorsSource, *, allow_resharding: bool = False, skip_unindexed: bool = False
+) -> None:
+    """Refuse an input :func:`shard_checkpoint` refuses before it looks at the geometry: a rank
+    directory kda-tp wrote (``tp_rank``/``tp_size`` in its headers) unless
+    ``allow_resharding``, and ``.safetensors`` files the index does not name
+    (:func:`unindexed_files`) unless ``skip_unindexed``.
+
+    Args:
+        source: the input checkpoint.
+        allow_resharding: accept a rank directory (``--allow-resharding``).
+        skip_unindexed: accept files the index does not name (``--skip-unindexed``).
+
+    Raises:
+        CheckpointError: either, naming the file(s) and the flag that accepts them.
+    """
+    for path, meta in [] if allow_resharding else source.files():
+        if meta and "tp_rank" in meta and "tp_size" in meta:
+            raise CheckpointError(
+                f"{path}: already a tensor-parallel shard (rank {meta['tp_rank']} of "
+                f"{meta['tp_size']}, its header says); shard the original checkpoint, or pass "
+                "--allow-resharding (allow_resharding=True) to split this one further"
+            )
+    unindexed = unindexed_files(source)
+    if unindexed and not skip_unindexed:
+        one = len(unindexed) == 1
+        raise CheckpointError(
+            f"{source.root}: {', '.join(p.name for p in unindexed)} "
+            f"{'is' if one else 'are'} not named by {INDEX_NAME}, so no rank would hold "
+            f"{'it' if one else 'them'}; pass --skip-unindexed (skip_unindexed=True) to shard "
+            f"without {'it' if one else 'them'}"
+        )
+
+
+def _nbytes(dtype: str, shape: tuple[int, ...]) -> int:
+    return tensor_nbytes(dtype, shape)
+
+
+def _write_rank(
+    source: SafetensorsSource,
+    shard: KdaShardedSource,
+    files: dict[str, list[str]],
+    out: Path,
+    advance: Callable[[int], None] | None,
+    kda_only: bool = False,
+) -> tuple[int, Path, int, Path | None]:
+    """Write ``shard``'s rank into a partial directory, then rename it into place (with
+    ``kda_only``, the KDA-only metadata and no companion files).
+
+    Returns the tensor bytes written, the rank directory, its inode (to recognise it), and where
+    the directory it replaced was moved (None if there was none).
+    """
+    plan = shard.plan
+    partial = out / f".rank{plan.tp_rank}.partial-{os.getpid()}"
+
+    previous: list[str] = []
+
+    def release_previous() -> None:
+        # The writer is done with a tensor once it asks for the next one: drop its pages from
+        # this process (the page cache keeps them), so the resident set stays near one tensor.
+        if previous:
+            source.release(previous.pop())
+
+    def fetch(name: str, count: bool = True) -> np.ndarray:
+        release_previous()
+        data = checked_get(shard, name).data
+        previous.append(name)
+        if advance and count:
+            advance(data.nbytes)
+        return data
+
+    def get_bytes(name: str) -> np.ndarray | FileRange:
+        # Row-sliced, replicated and passed-through tensors are one byte range of the input:
+        # the kernel copies it file to file. o_proj is gathered.
+        piece = _file_piece(source, shard, name, lambda: fetch(name, count=False))
+        if piece is None:
+            return fetch(name)
+        release_previous()
+        if advance:
+            advance(piece.nbytes)
+        return piece
+
+    final = rank_dir(out, plan.tp_rank)
+    old: Path | None = None
+    dir_mode, file_modes, index_mode = _modes(source)
+    try:
+        partial.mkdir()
+        os.chmod(partial, dir_mode)
+        write_mark(partial, "rank", [], index_mode)  # a partial directory is kda-tp's too
+        input_meta = {path.name: meta or {} for path, meta in source.files()}
+        fingerprint = input_fingerprint(source)
+        weight_map: dict[str, str] = {}
+        total = 0
+        for file_name, names in files.items():
+            metadata = {
+                **input_meta.get(file_name, {}),
+                "tp_rank": str(plan.tp_rank),
+                "tp_size": str(plan.tp_size),
+                "kda_tp_qk_multiple": str(plan.qk_multiple),
+                "kda_tp_layers": json.dumps(list(shard.layers)),
+                FILE_MARK: __version__,
+                "kda_tp_input": fingerprint,
+            }
+            if kda_only:
+                metadata.update(kda_tp_kda_only="1", kda_tp_source=str(source.path.resolve()))
+            specs = []
+            for name in names:
+                dtype, shape = checked_info(shard, name)
+                specs.append(
+                    (name, dtype, shape, _nbytes(dtype, shape), lambda n=name: get_bytes(n))
+                )
+            total += write_safetensors(partial / file_name, specs, metadata, sync=False,
+                                       mode=file_modes.get(file_name, index_mode))
+            release_previous()
+            weight_map.update(dict.fromkeys(names, file_name))
+        write_index(partial / INDEX_NAME, weight_map, total, sync=False, mode=index_mode)
+        companions = [] if kda_only else companion_files(source)
+        for extra in companions:
+            shutil.copy2(extra, partial / extra.name)  # with its mode bits
+        write_mark(partial, "rank", [*files, INDEX_NAME, *(p.name for p in companions)],
+                   index_mode)
+        inode = partial.stat().st_ino
+        if final.exists() or final.is_symlink():
+            # Keep the old directory aside (one rename) until the whole run has succeeded, so a
+            # failed --force rerun can put it back; its name is a partial name, so a run killed
+            # before then leaves it for the next run to clean.
+            old = out / f".rank{plan.tp_rank}.partial-old-{os.getpid()}"
+            os.replace(final, old)
+        os.replace(partial, final)
+    except BaseException as e:
+        shutil.rmtree(partial, ignore_errors=True)
+        if old is not None and not final.exists():
+            os.replace(old, final)
+        if isinstance(e, OSError):
+            raise OutputError(f"{partial}: writing rank {plan.tp_rank} failed: {e}") from e
+        raise
+    return total, final, inode, old
+
+
+def _modes(source: SafetensorsSource) -> tuple[int, dict[str, int], int]:
+    """The mode bits of a rank's output: its directory's (the input directory's, with the
+    owner's ``rwx``, so the writer can fill and later replace it), each safetensors file's
+    (its input file's, by name), and the index's and the mark's (the input index's, else its
+    first file's).
+
+    Raises:
+        CheckpointError: an input file cannot be looked at.
+    """
+    try:
+        files = {path.name: path.stat().st_mode & 0o777 for path, _ in source.files()}
+        index = source.root / INDEX_NAME
+        index_mode = (index.stat().st_mode & 0o777 if source.path.is_dir()
+                      and index.is_file() else next(iter(files.values()), 0o644))
+        dir_mode = source.root.stat().st_mode & 0o777 | stat.S_IRWXU
+    except OSError as e:
+        raise CheckpointError(f"{source.root}: cannot read the input's mode bits: {e}") from e
+    return dir_mode, files, index_mode
+
+
+def _file_piece(
+    source: SafetensorsSource,
+    shard: KdaShardedSource,
+    name: str,
+    fallback: Callable[[], np.ndarray],
+) -> FileRange | None:
+    """This rank's bytes of ``name`` as one range of the input file, or None for a column
+    slice (``o_proj``), which is not one range."""
+    start, stop = 0, None
+    entry = shard.plan_entry(name)  # None: passed through whole
+    if entry is not None:
+        byte_range = entry.byte_range
+        if byte_range is None:
+            return None
+        start, stop = byte_range
+    found = source.file_range(name, start, stop)
+    if found is None:
+        return None
+    fd, begin, end = found
+    return FileRange(fd, begin, end - begin, fallback)
+
+
