@@ -76,7 +76,7 @@ baseline measured alongside it; the last columns give the target and PASS/MISS.
    contiguous bytes of each tensor. GB/s of local bytes.
 6. vLLM's fused K3 parameter: ``in_proj_qkvgfab`` of rank 3 of 8 (q, k, v, g rows of the rank,
    f_a whole, b the rank's 12 heads, zero rows to a multiple of 16: [6288, 7168] BF16, 90 MB;
-   layout ``vllm-0.33-k3``) built from the section-5 file by ``KdaShardedSource.build_param``
+   layout ``vllm-0.33-k3``) built from the section-5 file by ``kda_tp.engines.build_param``
    into a preallocated, prefaulted buffer, vs ``np.copyto`` of the same number of contiguous
    bytes of the same mapped file into the same buffer. Best of N, interleaved. Checked first:
    each part equals the rank's slice, the padding is zero.
@@ -87,7 +87,7 @@ baseline measured alongside it; the last columns give the target and PASS/MISS.
    mapped checkpoint into a prefaulted buffer (single thread), best of N interleaved (target:
    the guard within 2x the memcpy); and its cost on a non-KDA model's parameters (an 80-layer
    Llama's 723 names), time per call (target: under 1 ms); and the check of one refit of the
-   same rank (``kda_tp.update_check``: the layer's full checkpoint-format tensors fed through
+   same rank (``kda_tp.guard.updates``: the layer's full checkpoint-format tensors fed through
    ``UpdateCheck.wrap`` as an engine consumes them, each part verified against the parameter
    as it is applied, fingerprints re-checked at the end) against a single-thread memcpy of the
    rank's KDA bytes it touched (target: within 2x), with the extra host memory held (target: at
@@ -104,7 +104,7 @@ baseline measured alongside it; the last columns give the target and PASS/MISS.
    floor under the view. Then the guard on that rank (``kda_tp.guard.check`` on its
    ``vllm-0.33-k3`` parameters as numpy arrays, built by ``build_param``) against the same
    header read plus a memcpy of the parameters' bytes (target: within 3x).
-9. The audit's diagnosis within its budget (issue 27.5): the same K3 rank (TP 8, one layer, 7
+9. The audit's diagnosis within its budget: the same K3 rank (TP 8, one layer, 7
    ``vllm-0.33-k3`` parameters) filled with garbage (random bytes in each parameter's dtype
    and shape: every part of every parameter wrong, nothing to recognise), audited with
    ``kda_tp.audit`` (verdict and bounded diagnosis), against the audit of the exact rank, best
@@ -117,7 +117,7 @@ baseline measured alongside it; the last columns give the target and PASS/MISS.
 10. Refusals (``--only refuse``): every hostile command line of ``tests/malformed.py``
    (``CLI_KINDS``), each ``python -m kda_tp`` in a process of its own measured by a parent of
    its own (wall time, peak RSS of that child alone): the slowest and the largest, against
-   ``python -m kda_tp --help`` measured alongside (ratio for information); targets issue 21's
+   ``python -m kda_tp --help`` measured alongside (ratio for information); the targets are
    acceptance bounds, under 5 s and 600 MB each (``tests/unit/test_malformed.py`` checks the one
    ``kda-tp: error:`` line and exit 2, not these bounds).
 

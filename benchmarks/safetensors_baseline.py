@@ -29,7 +29,8 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from kda_tp import KdaTpPlan
-from kda_tp.source import SafetensorsSource, checkpoint_suffix, kda_layer_indices
+from kda_tp import SafetensorsSource
+from kda_tp.checkpoint import checkpoint_suffix, kda_layer_indices
 
 _LAYER_TENSOR = re.compile(r"^(?:.*\.)?layers\.(\d+)\.self_attn\.(.+)$")
 INDEX = "model.safetensors.index.json"

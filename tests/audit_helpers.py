@@ -13,7 +13,7 @@ from safetensors.numpy import save_file
 import kda_tp
 from kda_tp import KdaShardedSource, KdaTpPlan, SafetensorsSource
 from kda_tp.cli import main
-from kda_tp.engines import get_layout
+from kda_tp.engines import build_param, get_layout
 
 from paths import ENGINE_RANKS as DATA
 from tp_fixtures import CKPT, PRE, load  # the engine_ranks fixtures
@@ -39,7 +39,7 @@ def rank_params(checkpoint: Path, layout: str, rank: int, tp_size: int,
     source = SafetensorsSource(checkpoint)
     shard = KdaShardedSource(source, KdaTpPlan.from_config(source, rank, tp_size, qk_multiple=1))
     lay = get_layout(layout)
-    return {prefix + p.suffix: shard.build_param(lay, p.suffix, 0)
+    return {prefix + p.suffix: build_param(shard, lay, p.suffix, 0)
             for p in lay.params_for(shard.plan)}
 
 
@@ -67,7 +67,7 @@ def sharded_state(tmp_path: Path, stem: str, pattern: str = "model-rank-{r}-part
     """A save_sharded_state directory: the fixture's rank as the engine loaded it, the other
     ranks built with the engines' build API, each rank split into ``parts`` files."""
     meta, tensors, ckpt = fixture(stem)
-    tp_size, layout = int(meta["tp_size"]), kda_tp.audit(
+    tp_size, layout = int(meta["tp_size"]), kda_tp.audit.audit(
         tensors, ckpt, tp_rank=int(meta["tp_rank"]), tp_size=int(meta["tp_size"]),
         model_dtype="F32").engine
     out = tmp_path / "dump"

@@ -58,5 +58,6 @@ def counting_setup(arguments: str, at_event: str, at_exit: str) -> str:
     arguments off ``sys.argv`` and sets ``event_at``; just before event ``event_at`` (1-based)
     the child runs ``at_event`` (one line); with ``event_at`` 0 it runs to the end and evaluates
     ``at_exit`` (an expression of ``events``) at exit."""
-    return ("import os, shutil, signal, sys\nfrom pathlib import Path\nfrom kda_tp import _io\n"
+    return ("import os, shutil, signal, sys\nfrom pathlib import Path\n"
+            "from kda_tp.checkpoint import writer as _io\n"
             + arguments + _COUNTED.replace("AT_EVENT", at_event).replace("AT_EXIT", at_exit))

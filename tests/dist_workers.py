@@ -8,10 +8,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from kda_tp import KdaTpPlan, SafetensorsSource, dequantize
-from kda_tp.config import parse_config
+from kda_tp import KdaTpPlan, SafetensorsSource
+from kda_tp.model import dequantize
+from kda_tp.model import parse_config
 from kda_tp.reference import kda_layer_forward
-from kda_tp.source import decoder_prefix, kda_layer_indices, kda_tensor_name
+from kda_tp.checkpoint import decoder_prefix, kda_layer_indices, kda_tensor_name
 
 
 def _layer(weights, prefix, layer, plan):
@@ -38,6 +39,7 @@ def load_rank_allreduce_and_dtensors(rank, world, store, checkpoint, qk_multiple
     from torch.distributed.tensor import DTensor
 
     import kda_tp.torch as kt
+    from kda_tp.shard.distributed import check_tp_equivalence_distributed
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))
@@ -84,7 +86,7 @@ def load_rank_allreduce_and_dtensors(rank, world, store, checkpoint, qk_multiple
             assert whole.shape == want.shape, name
             assert torch.equal(whole.view(torch.uint8), want.view(torch.uint8)), name
 
-        report = kt.check_tp_equivalence_distributed(checkpoint, world, qk_multiple=qk_multiple)
+        report = check_tp_equivalence_distributed(checkpoint, world, qk_multiple=qk_multiple)
         assert report.passed, report.format()
     finally:
         dist.destroy_process_group()

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import ml_dtypes
 import numpy as np
-from kda_tp._io import write_safetensors
-from kda_tp.rankdir import MARK_NAME
+from kda_tp.checkpoint import write_safetensors
+from kda_tp.output import MARK_NAME
 from kda_tp.synth import write_small_checkpoint
 
 from paths import DATA, ENGINE_RANKS

@@ -40,8 +40,9 @@ COUNTS: Counter[str] = Counter()
 LABELS = ("config.json reads", "parse_config", "quantization_config", "names() lists",
           "descriptions", "plans built", "rank views", "param_plan")
 # Not imported by install(): the command line's entry, the engine plugins, the optional torch
-# module and the oracle (a separate restatement of the spec).
-SKIPPED = ("__main__", "vllm_plugin", "sglang_plugin", "vllm", "sglang", "torch", "oracle")
+# modules (and the torchrun jobs) and the oracle (a separate restatement of the spec).
+SKIPPED = ("__main__", "vllm_plugin", "sglang_plugin", "vllm", "sglang", "torch", "distributed",
+           "oracle")
 
 
 def _counted(label: str, fn: Callable[..., Any], when: Callable[..., bool] | None = None) -> Any:
@@ -56,7 +57,7 @@ def _counted(label: str, fn: Callable[..., Any], when: Callable[..., bool] | Non
 
 def _found(attr: str, *modules: str) -> Any:
     """``attr`` of the first of ``modules`` that has it (kda_tp's modules before and after the
-    house move of issue 31 hold the same functions under other names)."""
+    house move hold the same functions under other names)."""
     for name in modules:
         try:
             module = importlib.import_module(name)
@@ -90,7 +91,7 @@ def install() -> None:
                                       onerror=lambda name: None):
         if not set(info.name.split(".")[1:]) & set(SKIPPED):
             importlib.import_module(info.name)
-    _patch_everywhere(_found("read_json", "kda_tp.model.jsonfile", "kda_tp.config"),
+    _patch_everywhere(_found("read_json", "kda_tp.model.json_reader", "kda_tp.config"),
                       "config.json reads",
                       lambda path, *a, **k: str(path).endswith("config.json")
                       and not str(path).endswith("hf_quant_config.json"))
@@ -98,7 +99,7 @@ def install() -> None:
                       "parse_config")
     _patch_everywhere(_found("quantization_config", "kda_tp.model.quant", "kda_tp.quant"),
                       "quantization_config")
-    source = _found("SafetensorsSource", "kda_tp.checkpoint", "kda_tp.checkpoint.reader")
+    source = _found("SafetensorsSource", "kda_tp.checkpoint.reader", "kda_tp.checkpoint")
     layout = _found("EngineLayout", "kda_tp.engines")
     plan = _found("KdaTpPlan", "kda_tp.rank.plan", "kda_tp.plan")
     view = _found("KdaShardedSource", "kda_tp.rank.view", "kda_tp.source")
@@ -136,6 +137,9 @@ def guard(argv: list[str]) -> int:
 
     from kda_tp.engines import get_layout, layouts_for, param_name
 
+    build = (getattr(importlib.import_module("kda_tp.engines"), "build_param", None)
+             or (lambda v, *a, **k: v.build_param(*a, **k)))  # a view's method before the move
+
     check = _found("check", "kda_tp.guard.check", "kda_tp.guard")
     update_check = _found("UpdateCheck", "kda_tp.guard.updates", "kda_tp.update_check")
     install()
@@ -157,9 +161,9 @@ def guard(argv: list[str]) -> int:
                           if lay.name.startswith("vllm-"))
         prefix = layout.state_dict_prefix(view.prefix)
         params = {}
-        for layer, param in view.engine_params(layout):
-            built = view.build_param(layout, param.suffix, layer, model_dtype=args.dtype)
-            planned = view.param_plan(layout, param.suffix, model_dtype=args.dtype)
+        for layer, param in [(i, p) for i in view.layers for p in layout.params_for(view.plan)]:
+            built = build(view, layout, param.suffix, layer, model_dtype=args.dtype)
+            planned = layout.param_plan(param.suffix, view.plan, args.dtype)
             params[param_name(prefix, layer, param.suffix)] = as_torch(built, planned.dtype)
         fed = {}
         for name in view.source.names():

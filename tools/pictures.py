@@ -5,7 +5,8 @@ Usage: python3 tools/pictures.py [OUT_DIR]   (default: docs/img of this checkout
 
 Every number in the pictures comes from the installed package: ``kda_tp.KdaTpPlan`` for one
 rank after another (which rows or columns each rank keeps), ``kda_tp.synth.GEOMETRIES`` for the
-models' real geometries and ``kda_tp.engines`` for an engine's fused parameter. The SVG is
+models' real geometries and ``kda_tp.engines`` for an engine's fused parameter; the picture of the
+package's rooms from its files and tools/layers.py's order of them (``LAYERS``). The SVG is
 written as plain text (no drawing library, no timestamps, integers and one-decimal floats), so
 the same package draws the same bytes; tests/integration/test_pictures.py redraws them and compares.
 """
@@ -18,9 +19,11 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from xml.sax.saxutils import escape
 
+import kda_tp
 from kda_tp import KdaShard, KdaTensorPlan, KdaTpPlan
 from kda_tp.engines import get_layout
 from kda_tp.synth import GEOMETRIES
+from layers import LAYERS  # tools/layers.py, beside this file
 
 DEFAULT_OUT = Path(__file__).resolve().parents[1] / "docs" / "img"
 
@@ -536,7 +539,62 @@ def picture_fused(layout_name: str = "vllm-0.33-k3", suffix: str = "in_proj_qkvg
              f"{ranks[0].local_heads * ranks[0].head_dim} channels; f_a_proj is whole on every "
              "rank (vLLM loads", 13)
     svg.text(20, y + 48, "rank 0's shard of it everywhere); b_proj is the rank's heads. "
-             "KdaShardedSource.build_param fills it in one call.", 13)
+             "kda_tp.engines.build_param fills it in one call.", 13)
+    return svg.render()
+
+
+def package_rooms() -> dict[str, list[str]]:
+    """The installed package's rooms: each folder with its modules (``__init__`` is its face),
+    and each module at the root a room of its own."""
+    root = Path(kda_tp.__file__).parent
+    rooms: dict[str, list[str]] = {}
+    for path in sorted(root.rglob("*.py")):
+        parts = path.relative_to(root).with_suffix("").parts
+        if "__pycache__" in parts or parts == ("__init__",):
+            continue
+        if len(parts) == 1:
+            rooms[parts[0]] = []
+        else:
+            rooms.setdefault(parts[0], []).append(".".join(parts[1:]).replace("__init__", "face"))
+    return rooms
+
+
+def wrapped(words: list[str], width: float, size: int) -> list[str]:
+    """``words`` joined with commas into lines of at most ``width`` pixels."""
+    lines: list[str] = []
+    for word in words:
+        if lines and text_width(lines[-1] + ", " + word, size) <= width:
+            lines[-1] += ", " + word
+        else:
+            lines.append(word)
+    return lines
+
+
+def picture_house() -> str:
+    """(e) The package's rooms on their floors: each imports only rooms on the floors below."""
+    rooms = package_rooms()
+    svg = Svg(1000, "kda_tp's rooms (folders and root modules) on their floors", 1)
+    svg.text(20, 24, "kda_tp: the package face (__init__: open_rank, describe, KdaTpPlan, the "
+             "errors, ...) imports every room on first use", 13, bold=True)
+    y = 44.0
+    for floor, names in enumerate(LAYERS):
+        gap = 12
+        width = (1000 - 40 - gap * (len(names) - 1)) / len(names)
+        lines = {n: wrapped(rooms.get(n, []), width - 16, 11) for n in names}
+        height = 30 + 14 * max(len(v) for v in lines.values())
+        svg.text(8, y + 18, str(len(LAYERS) - floor), 12, fill=MUTED)
+        for i, name in enumerate(names):
+            x = 20 + i * (width + gap)
+            folder = bool(rooms.get(name))
+            svg.rect(x, y, width, height, "#eef3f8" if folder else "#f7f7f7", stroke=MUTED)
+            svg.text(x + 8, y + 18, f"{name}/" if folder else f"{name}.py", 13, bold=True)
+            for j, line in enumerate(lines[name]):
+                svg.text(x + 8, y + 34 + 14 * j, line, 11, fill=MUTED)
+        y += height + 10
+    svg.text(20, y + 14, f"{len(LAYERS)} floors, top first (tools/layers.py's LAYERS): a room "
+             "imports only rooms on the floors below it, never one beside it;", 12, italic=True)
+    svg.text(20, y + 32, "tests/integration/test_architecture.py refuses any other import.", 12,
+             italic=True)
     return svg.render()
 
 
@@ -545,6 +603,7 @@ PICTURES: dict[str, Callable[[], str]] = {
     "o-proj-gather.svg": picture_o_proj,
     "k3-a-log.svg": picture_k3_a_log,
     "vllm-k3-in-proj.svg": picture_fused,
+    "house.svg": picture_house,
 }
 
 

@@ -23,15 +23,15 @@ def section_diagnosis(scratch: Path, reps: int) -> None:
     rng = np.random.default_rng(0)
     garbage = {n: rng.integers(0, 256, a.nbytes, np.uint8).view(a.dtype).reshape(a.shape)
                for n, a in exact.items()}
-    good = kda_tp.audit(exact, src, tp_rank=rank, tp_size=tp, model_dtype="BF16")
-    bad = kda_tp.audit(garbage, src, tp_rank=rank, tp_size=tp, model_dtype="BF16")
+    good = kda_tp.audit.audit(exact, src, tp_rank=rank, tp_size=tp, model_dtype="BF16")
+    bad = kda_tp.audit.audit(garbage, src, tp_rank=rank, tp_size=tp, model_dtype="BF16")
     assert good.passed and len(bad.failures) == len(exact), bad.summary()
 
     def via_exact():
-        kda_tp.audit(exact, src, tp_rank=rank, tp_size=tp, model_dtype="BF16")
+        kda_tp.audit.audit(exact, src, tp_rank=rank, tp_size=tp, model_dtype="BF16")
 
     def via_garbage():
-        kda_tp.audit(garbage, src, tp_rank=rank, tp_size=tp, model_dtype="BF16")
+        kda_tp.audit.audit(garbage, src, tp_rank=rank, tp_size=tp, model_dtype="BF16")
 
     t = best_interleaved({"exact": via_exact, "garbage": via_garbage}, reps)
     ratio = t["garbage"] / t["exact"]

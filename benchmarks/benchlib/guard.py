@@ -1,5 +1,5 @@
 """Section 7: the guard (``kda_tp.guard.check``) and the refit check
-(``kda_tp.update_check``) on one Kimi K3 rank; the guard on a non-KDA model."""
+(``kda_tp.guard.updates``) on one Kimi K3 rank; the guard on a non-KDA model."""
 
 from __future__ import annotations
 
@@ -68,10 +68,10 @@ def section_guard(scratch: Path, reps: int, calls: int, loops: int) -> None:
 def section_guard_update(ckpt: Path, src: SafetensorsSource, params: dict, rank: int, tp: int,
                          reps: int) -> None:
     """Section 7, updates: one refit of the K3 layer checked against what it fed
-    (``kda_tp.update_check.UpdateCheck``: fingerprints as each part is fed, this rank's
+    (``kda_tp.guard.UpdateCheck``: fingerprints as each part is fed, this rank's
     slices kept as the trainer's full checkpoint-format tensors pass, every touched region
     compared at the end) vs a single-thread memcpy of the rank's KDA bytes the update touched."""
-    from kda_tp.update_check import UpdateCheck
+    from kda_tp.guard import UpdateCheck
 
     fed = [(n, src.get(n).array) for n in src.names() if ".self_attn." in n]
     # The engine applied each tensor as it was fed (the parameters hold the rank's slices):

@@ -10,6 +10,7 @@ import numpy as np
 from safetensors import safe_open
 
 from kda_tp import KdaShardedSource, KdaTpPlan, SafetensorsSource
+from kda_tp.engines import build_param, param_plan
 from kda_tp.synth import write_checkpoint
 
 from .common import best_interleaved, log, row, torch, verdict, warm
@@ -34,7 +35,7 @@ def k3_entries(plan: KdaTpPlan) -> list[tuple[str, object]]:
 
 def write_k3_layer(path: Path) -> int:
     """Write one K3 KDA layer (about 0.89 GB) as a safetensors file; returns its data bytes."""
-    from kda_tp._io import write_safetensors
+    from kda_tp.checkpoint import write_safetensors
 
     specs = []
     for i, (name, t) in enumerate(k3_entries(k3_plan(0, 1))):
@@ -139,19 +140,19 @@ def section_k3(scratch: Path, reps: int) -> None:
 
 def section_vllm_fused(src: SafetensorsSource, reps: int) -> None:
     """Section 6: vLLM's fused K3 ``in_proj_qkvgfab`` (q, k, v, g, f_a, b, zero rows to a
-    multiple of 16) for rank 3 of 8, built by ``KdaShardedSource.build_param`` into a
+    multiple of 16) for rank 3 of 8, built by ``kda_tp.engines.build_param`` into a
     preallocated, prefaulted parameter, vs ``np.copyto`` of the same number of contiguous bytes
     of the same mapped file into the same buffer."""
     log("section 6: vLLM K3 in_proj_qkvgfab")
     layout, suffix = "vllm-0.33-k3", "in_proj_qkvgfab.weight"
     shard = KdaShardedSource(src, k3_plan(3, 8), layers=[0])
-    plan = shard.param_plan(layout, suffix)
+    plan = param_plan(shard, layout, suffix)
     param = np.ones(plan.nbytes, np.uint8)  # the loader's parameter, faulted in once
     source = src.get(K3_PREFIX + "q_proj.weight").data  # 176 MiB, mapped and pre-touched
     assert source.nbytes >= plan.nbytes
 
     def via_build():
-        shard.build_param(layout, suffix, 0, param)
+        build_param(shard, layout, suffix, 0, param)
 
     def via_memcpy():
         np.copyto(param, source[: plan.nbytes])
@@ -168,7 +169,7 @@ def section_vllm_fused(src: SafetensorsSource, reps: int) -> None:
     row(sec, f"in_proj_qkvgfab {list(plan.shape)} BF16 ({plan.nbytes / 1e6:.0f} MB): "
         "6 parts + 4 zero rows", "", "", "into a preallocated, prefaulted parameter")
     row(sec, "plain memcpy of the same bytes", f"{gbs['memcpy']:.2f}", "GB/s")
-    row(sec, "KdaShardedSource.build_param", f"{gbs['build']:.2f}", "GB/s",
+    row(sec, "kda_tp.engines.build_param", f"{gbs['build']:.2f}", "GB/s",
         f"build/memcpy {ratio:.2f}x", ">= 0.85x", verdict(ratio >= 0.85))
     log(f"  build {gbs['build']:.2f}, memcpy {gbs['memcpy']:.2f} GB/s, {ratio:.2f}x")
 
@@ -196,7 +197,7 @@ def k3_engine_rank(ckpt: Path, rank: int, tp: int,
     shard = KdaShardedSource(src, KdaTpPlan.from_config(src, rank, tp, qk_multiple=1))
     layout = get_layout("vllm-0.33-k3")
     prefix = next(n for n in src.names() if n.endswith("self_attn.A_log"))[: -len("A_log")]
-    params = {prefix + p.suffix: shard.build_param(layout, p.suffix, 0, model_dtype="BF16")
+    params = {prefix + p.suffix: build_param(shard, layout, p.suffix, 0, model_dtype="BF16")
               for p in layout.params_for(shard.plan)}
     return src, params
 

@@ -34,7 +34,7 @@ def _measured(argv: list[str], env: dict[str, str]) -> tuple[int, float, float]:
 
 def section_refuse(scratch: Path) -> None:
     """Section 10: every hostile command line of tests/malformed.py, refused; the slowest and
-    the largest against ``kda-tp --help`` in the same run (bounds: issue 21's 5 s, 600 MB)."""
+    the largest against ``kda-tp --help`` in the same run (bounds: 5 s, 600 MB)."""
     sys.path.insert(0, str(HERE.parent / "tests"))
     import malformed
 

@@ -24,7 +24,7 @@ def write_k3_wide(out: Path) -> tuple[int, int]:
     (every 4th MLA, K3's wrapper config and names, full-rank g_proj, padded A_log; 8 heads of
     16, hidden 64), plus 384 experts x 3 projections in every layer as zero-size tensors, in 8
     files with an index. Returns (tensor names, files)."""
-    from kda_tp._io import write_index, write_safetensors
+    from kda_tp.checkpoint import write_index, write_safetensors
 
     base = out.parent / (out.name + "-base")
     kda_layers = [i for i in range(WIDE_LAYERS) if (i + 1) % 4]
@@ -107,7 +107,7 @@ def wide_guard(ckpt: Path, rank: int, tp: int, reps: int, read_headers) -> None:
     the K3-wide checkpoint vs reading its headers (safetensors) + copying the rank's bytes."""
     import logging
 
-    from kda_tp.engines import get_layout, param_name
+    from kda_tp.engines import build_param, engine_params, get_layout, param_name
     from kda_tp.guard import check
 
     logging.getLogger("kda_tp.guard").setLevel(logging.WARNING)  # no pass line per call
@@ -116,8 +116,8 @@ def wide_guard(ckpt: Path, rank: int, tp: int, reps: int, read_headers) -> None:
         prefix = layout.state_dict_prefix(view.prefix)
         # What a BF16 engine's loader left in the rank's parameters.
         params = {param_name(prefix, layer, p.suffix):
-                  view.build_param(layout, p.suffix, layer, model_dtype="BF16")
-                  for layer, p in view.engine_params(layout)}
+                  build_param(view, layout, p.suffix, layer, model_dtype="BF16")
+                  for layer, p in engine_params(view, layout)}
     nbytes = sum(a.nbytes for a in params.values())
     source = np.concatenate([a.reshape(-1).view(np.uint8) for a in params.values()])
     dst = np.ones(nbytes, np.uint8)  # prefaulted

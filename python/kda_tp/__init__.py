@@ -1,16 +1,25 @@
 """kda_tp: split the weights of KDA (Kimi Delta Attention) layers across tensor-parallel ranks.
 
-The shard plan and the slicers are a Rust core; this package adds checkpoint sources, one
-description of a checkpoint (:func:`describe`), the adapter that presents one rank's shard
-(:func:`open_rank` opens it in one call), serving engines' fused layouts (``kda_tp.engines``), the
-audit of an engine's loaded weights (:func:`audit`) and what an engine must hold, as a dump or as
-vLLM's weight digests (:func:`write_engine_dump`, :func:`engine_digests`), a pure-Python oracle
-(``kda_tp.oracle``), a numpy reference forward (``kda_tp.reference``) and the ``kda-tp`` command
-line.
+The face of the package is what a loader needs, as safetensors' ``safe_open`` is::
 
-``import kda_tp`` imports no other module: each public name below is imported from its module on
-first use (numpy and the Rust core with it), so that the package and the ``kda-tp`` command
-start fast and a Ctrl-C during those imports can be reported cleanly (``kda_tp.__main__``).
+    with kda_tp.open_rank("Kimi-K3", tp_rank=r, tp_size=8) as view:
+        for name in view.keys():
+            view.read_into(name, params[name])   # or view[name]
+
+:func:`open_rank` (one rank's view, :class:`KdaShardedSource`, with its :class:`KdaTpPlan`),
+:func:`describe` (a checkpoint read once), the plan's classes, the safetensors reader and its
+:class:`Tensor` records, :func:`shard_bytes` (a rank's bytes of a full tensor), the errors and
+``__version__``. The tools live behind their folders' faces: ``kda_tp.shard`` (rank
+checkpoints), ``kda_tp.audit`` (what an engine loaded, dumps, digests), ``kda_tp.guard`` (the
+engine plugins' checks), ``kda_tp.engines`` (engines' fused layouts), ``kda_tp.reference`` (the
+numeric proof), ``kda_tp.torch``, ``kda_tp.oracle``, ``kda_tp.synth``, ``kda_tp.model``,
+``kda_tp.checkpoint``, ``kda_tp.rank``, ``kda_tp.output``; ``kda_tp.cli`` is the ``kda-tp``
+command line. ARCHITECTURE.md maps them.
+
+``import kda_tp`` imports no other module: each name below (and each folder) is imported on
+first use (numpy and the Rust core with the first), so that the package and the ``kda-tp``
+command start fast and a Ctrl-C during those imports can be reported cleanly
+(``kda_tp.__main__``).
 """
 
 from importlib import import_module
@@ -19,33 +28,56 @@ from importlib import import_module
 # typing.TYPE_CHECKING without importing typing (type checkers read any TYPE_CHECKING alike).
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from . import errors
+    from . import (
+        audit as audit,
+        checkpoint as checkpoint,
+        cli as cli,
+        engines as engines,
+        errors,
+        guard as guard,
+        model as model,
+        oracle as oracle,
+        output as output,
+        rank as rank,
+        reference as reference,
+        shard as shard,
+        synth as synth,
+        torch as torch,
+    )
     from ._native import __version__
-    from .audit.auditor import AuditReport, audit
-    from .audit.dump import engine_digests, write_engine_dump
-    from .audit.digests import expected_digests
-    from .reference.equivalence import check_tp_equivalence
+    from .checkpoint.description import CheckpointDescription, describe
+    from .checkpoint.reader import SafetensorsSource, Tensor, shard_bytes
     from .errors import (
         BufferLayoutError,
         CheckpointError,
         DtypeMismatchError,
         EngineLayoutError,
         GuardError,
+        GuardModeError,
         KdaTpError,
         MissingDependencyError,
+        OpenFilesLimitError,
         OutputError,
         PlanError,
         ShapeMismatchError,
         TensorNotFoundError,
         UsageError,
     )
-    from .checkpoint.description import CheckpointDescription, describe
     from .rank.plan import KdaShard, KdaTensorPlan, KdaTpPlan
-    from .model.quant import dequantize
-    from .rank.view import KdaShardedSource, SafetensorsSource, Tensor, open_rank, shard_bytes
+    from .rank.view import KdaShardedSource, open_rank
 
 __all__ = [
     "__version__",
+    "open_rank",
+    "KdaShardedSource",
+    "describe",
+    "CheckpointDescription",
+    "KdaTpPlan",
+    "KdaTensorPlan",
+    "KdaShard",
+    "SafetensorsSource",
+    "Tensor",
+    "shard_bytes",
     "errors",
     "KdaTpError",
     "PlanError",
@@ -55,71 +87,44 @@ __all__ = [
     "CheckpointError",
     "TensorNotFoundError",
     "OutputError",
+    "OpenFilesLimitError",
     "MissingDependencyError",
     "EngineLayoutError",
     "GuardError",
+    "GuardModeError",
     "UsageError",
-    "KdaShard",
-    "KdaTensorPlan",
-    "KdaTpPlan",
-    "Tensor",
-    "SafetensorsSource",
-    "KdaShardedSource",
-    "open_rank",
-    "describe",
-    "CheckpointDescription",
-    "shard_bytes",
-    "dequantize",
-    "check_tp_equivalence",
-    "audit",
-    "AuditReport",
-    "write_engine_dump",
-    "engine_digests",
-    "expected_digests",
 ]
 
 #: The module each public name is imported from on first use.
 _LAZY = {
     "__version__": "_native",
-    "errors": "errors",
-    "KdaTpError": "errors",
-    "PlanError": "errors",
-    "ShapeMismatchError": "errors",
-    "DtypeMismatchError": "errors",
-    "BufferLayoutError": "errors",
-    "CheckpointError": "errors",
-    "TensorNotFoundError": "errors",
-    "OutputError": "errors",
-    "MissingDependencyError": "errors",
-    "EngineLayoutError": "errors",
-    "GuardError": "errors",
-    "UsageError": "errors",
-    "KdaShard": "plan",
-    "KdaTensorPlan": "plan",
-    "KdaTpPlan": "plan",
-    "Tensor": "source",
-    "SafetensorsSource": "source",
-    "KdaShardedSource": "source",
-    "open_rank": "source",
-    "describe": "description",
-    "CheckpointDescription": "description",
-    "shard_bytes": "source",
-    "dequantize": "quant",
-    "check_tp_equivalence": "equivalence",
-    "audit": "engine_audit",
-    "AuditReport": "engine_audit",
-    "write_engine_dump": "engine_dump",
-    "engine_digests": "engine_dump",
-    "expected_digests": "expected",
+    "open_rank": "rank.view",
+    "KdaShardedSource": "rank.view",
+    "describe": "checkpoint.description",
+    "CheckpointDescription": "checkpoint.description",
+    "KdaTpPlan": "rank.plan",
+    "KdaTensorPlan": "rank.plan",
+    "KdaShard": "rank.plan",
+    "SafetensorsSource": "checkpoint.reader",
+    "Tensor": "checkpoint.reader",
+    "shard_bytes": "checkpoint.reader",
+    **{name: "errors" for name in __all__[11:]},
 }
+
+#: The folders (and modules) importable as attributes of the face: ``kda_tp.audit.audit(...)``
+#: after ``import kda_tp``.
+_FOLDERS = frozenset({"audit", "checkpoint", "cli", "engines", "guard", "model", "oracle",
+                      "output", "rank", "reference", "shard", "synth", "torch"})
 
 
 def __getattr__(name: str) -> object:
     module = _LAZY.get(name)
     if module is None:
-        raise AttributeError(f"module 'kda_tp' has no attribute {name!r}")
+        if name not in _FOLDERS:
+            raise AttributeError(f"module 'kda_tp' has no attribute {name!r}")
+        module = name
     found = import_module(f"{__name__}.{module}")
-    value = getattr(found, name, found)  # `errors` is the module itself
+    value = found if module == name else getattr(found, name)  # `errors`: the module itself
     globals()[name] = value  # later lookups do not come back here
     return value
 

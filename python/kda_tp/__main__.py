@@ -31,7 +31,7 @@ def main() -> int:
         signal.signal(signal.SIGINT, on_sigint)
     status: int | None = None
     try:
-        from .cli.entry import main as run
+        from .cli import main as run
 
         status = run()
         finished.append(status)

@@ -236,7 +236,7 @@ class EngineLayoutError(KdaTpError, ValueError):
     Raised for an unknown layout or parameter name, a layout of another model family than the
     plan (K3's ``g_proj`` vs ``g_a_proj``/``g_b_proj``), block-FP8 weights in a layout without
     scale grids, ``tp_size > 1`` for an engine that keeps KDA replicated, or an output buffer
-    of the wrong size for ``KdaShardedSource.build_param``.
+    of the wrong size for ``kda_tp.engines.build_param``.
 
     Example message: ``vllm-0.33-k3: no parameter 'in_proj.weight'; its parameters: [...]``.
     """
@@ -252,7 +252,7 @@ class GuardError(KdaTpError, RuntimeError):
     instead (e.g. another rank's slice).
 
     Attributes:
-        report: the ``kda_tp.engine_audit.AuditReport`` of the rank, or None when the audit
+        report: the ``kda_tp.audit.AuditReport`` of the rank, or None when the audit
             could not run (the message says why).
 
     Example message: ``kda_tp guard: vllm worker 1: tp rank 1/4: KDA weights differ from

@@ -1,4 +1,4 @@
-"""The command line as a new user meets it (issue 10, items 1-6 and 8): ``--layers``, Ctrl-C,
+"""The command line as a new user meets it: ``--layers``, Ctrl-C,
 progress lines, ``--json``, messages that point at the fix, re-sharding an output, and
 ``.safetensors`` files the index does not name."""
 
@@ -18,10 +18,10 @@ from types import SimpleNamespace
 
 import kda_tp
 import pytest
-from kda_tp._io import write_safetensors
+from kda_tp.checkpoint import write_safetensors
 from kda_tp.cli import main
 from kda_tp.errors import PlanError
-from kda_tp.layers import check_layers
+from kda_tp.checkpoint import check_layers
 from kda_tp.shard import rank_dir, shard_checkpoint, verify_shards
 from kda_tp.synth import write_small_checkpoint
 
@@ -172,7 +172,8 @@ def test_verify_and_plan_layers_select(ckpt, sharded, capsys):
 # interrupts, rank 0 is complete and rank 1 half-written, however fast the machine is.
 _HOLD_RANK_1 = """
 import os, threading
-from kda_tp import _io, shard
+from kda_tp.checkpoint import writer as _io
+from kda_tp.shard import writer as shard
 os.cpu_count = lambda: 1
 stopping = threading.Event()
 write, shutdown = _io._checked_write, shard._shutdown
@@ -222,7 +223,7 @@ def test_ctrl_c_stops_cleans_up_and_says_how_to_finish(ckpt, tmp_path):
 
 def test_ctrl_c_in_process_leaves_no_partial(ckpt, tmp_path, monkeypatch):
     """The library raises ShardInterrupted (a KeyboardInterrupt) after the writers stopped."""
-    import kda_tp.shard as shard
+    import kda_tp.shard.writer as shard
 
     calls = {"n": 0}
 
@@ -244,7 +245,7 @@ def test_ctrl_c_in_process_leaves_no_partial(ckpt, tmp_path, monkeypatch):
 
 
 def test_ctrl_c_elsewhere_exits_130_without_traceback(ckpt, sharded, capsys, monkeypatch):
-    import kda_tp.shard as shard
+    import kda_tp.shard.verify as shard
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
@@ -268,7 +269,7 @@ def test_already_exists_and_missing_ranks_name_the_finishing_ranks(ckpt, tmp_pat
 
 
 def test_progress_lines_when_not_a_terminal(ckpt, tmp_path, capsys, monkeypatch):
-    import kda_tp.cli_progress as cli_progress
+    import kda_tp.cli.progress as cli_progress
 
     # A clock that stands still: the lines come every few seconds, not per tensor, so the run
     # prints its last line only, however long it takes.
@@ -495,7 +496,7 @@ def test_verify_under_torchrun_without_torch_is_a_named_error(tmp_path):
 
 
 def test_torchrun_processes_reads_torchruns_environment_without_importing_torch(monkeypatch):
-    from kda_tp.torchrun import torchrun_processes
+    from kda_tp.shard.torchrun import torchrun_processes
 
     monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
     monkeypatch.setenv("WORLD_SIZE", "8")  # another launcher's: not a torchrun job
@@ -506,7 +507,7 @@ def test_torchrun_processes_reads_torchruns_environment_without_importing_torch(
         monkeypatch.setenv("WORLD_SIZE", bad)
         with pytest.raises(PlanError, match=f"WORLD_SIZE={bad!r} .set by torchrun."):
             torchrun_processes()
-    done = subprocess.run([sys.executable, "-c", "import sys, kda_tp.torchrun as t; "
+    done = subprocess.run([sys.executable, "-c", "import sys, kda_tp.shard.torchrun as t; "
                            "print(t.torchrun_processes(), 'torch' in sys.modules)"],
                           capture_output=True, text=True, timeout=120,
                           env={**os.environ, "TORCHELASTIC_RUN_ID": "x", "WORLD_SIZE": "2"})

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from kda_tp import _io
+from kda_tp.checkpoint import writer as _io
 from kda_tp.errors import CheckpointError, OutputError
 from kda_tp.shard import shard_checkpoint, verify_shards
 from kda_tp.synth import write_small_checkpoint

@@ -1,4 +1,4 @@
-"""kda-tp never touches what it did not write (issue 27), through the command line.
+"""kda-tp never touches what it did not write, through the command line.
 
 * ``OUT/.rank{r}.lock`` planted as a symbolic link, a hard link, a FIFO or someone's file: the
   run is refused in one ``kda-tp: error:`` line (exit 2) and the file is left as it was.
@@ -29,9 +29,9 @@ from pathlib import Path
 
 import pytest
 from kda_tp import SafetensorsSource
-from kda_tp._io import open_files_error, write_safetensors
+from kda_tp.checkpoint import open_files_error, write_safetensors
 from kda_tp.errors import OpenFilesLimitError
-from kda_tp.rankdir import FILE_MARK, MARK_NAME
+from kda_tp.output import FILE_MARK, MARK_NAME
 from kda_tp.shard import rank_dir, shard_checkpoint, verify_shards
 from kda_tp.synth import write_small_checkpoint
 
@@ -322,7 +322,7 @@ def test_more_files_than_the_open_files_limit_names_the_limit(tmp_path: Path) ->
 # Lowers the soft RLIMIT_NOFILE to what the child has open (after its imports) plus $SPARE.
 _FEW_FILES = """
 import os, resource
-import kda_tp.cli, kda_tp.engine_audit, kda_tp.engine_dump
+import kda_tp.cli, kda_tp.audit.auditor, kda_tp.audit.dump
 spare = int(os.environ["SPARE"])
 _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
 resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + spare, hard))

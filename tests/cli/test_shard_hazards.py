@@ -25,7 +25,8 @@ from pathlib import Path
 import kda_tp
 import numpy as np
 import pytest
-from kda_tp import KdaShardedSource, KdaTpPlan, SafetensorsSource, _io, cli
+from kda_tp import KdaShardedSource, KdaTpPlan, SafetensorsSource, cli
+from kda_tp.checkpoint import writer as _io
 from kda_tp.errors import CheckpointError, OutputError
 from kda_tp.shard import shard_checkpoint
 
@@ -136,7 +137,7 @@ def test_injected_enospc_on_flush_and_on_copying_the_config(
     def copy2(*_args, **_kwargs):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr("kda_tp.shard.shutil.copy2", copy2)
+    monkeypatch.setattr("kda_tp.shard.writer.shutil.copy2", copy2)
     with pytest.raises(OutputError, match="writing rank .* failed: .*No space left on device"):
         shard_checkpoint(checkpoint, tmp_path / "b", 2)
     assert not (tmp_path / "b").exists()

@@ -22,8 +22,9 @@ from pathlib import Path
 
 import kda_tp
 import pytest
-from kda_tp import SafetensorsSource, _io, cli
-from kda_tp._io import write_safetensors
+from kda_tp import SafetensorsSource, cli
+from kda_tp.checkpoint import writer as _io
+from kda_tp.checkpoint import write_safetensors
 from kda_tp.cli import main
 from kda_tp.errors import CheckpointError, OutputError
 from kda_tp.shard import rank_dir, shard_checkpoint, verify_shards
@@ -398,7 +399,7 @@ def files_under(out: Path) -> dict[Path, bytes]:
 def fail_writing_rank1(monkeypatch: pytest.MonkeyPatch) -> None:
     """From now on (until ``monkeypatch.undo()``), writing rank 1's files fails as a full disk
     does (an OutputError from ``write_safetensors``); rank 0 is written as usual."""
-    import kda_tp.shard as shard_module
+    import kda_tp.shard.writer as shard_module
 
     real = shard_module.write_safetensors
 

@@ -28,10 +28,10 @@ import threading
 from pathlib import Path
 
 import pytest
-from kda_tp import _io
+from kda_tp.checkpoint import writer as _io
 from kda_tp.cli import main
 from kda_tp.errors import CheckpointError, OutputError
-from kda_tp.marks import write_mark
+from kda_tp.output import write_mark
 from kda_tp.shard import ShardSizes, shard_checkpoint, shard_sizes, verify_shards
 from kda_tp.synth import write_small_checkpoint
 
@@ -64,7 +64,7 @@ _PAUSING_CLI = counting_setup(
 # A second writer that says on TOLD when it is about to block on a lock (--wait).
 _WAITING_CLI = """
 import fcntl, os, sys
-import kda_tp.outdir as outdir
+import kda_tp.output.dirs as outdir
 told = int(sys.argv.pop(1))
 real = fcntl.flock
 class Fcntl:
@@ -314,7 +314,7 @@ def test_a_truncated_input_leaves_nothing(checkpoint: Path, tmp_path: Path,
     # Truncated while the run reads it (pread: an error, not SIGBUS): the ranks written so far
     # and the directories created are removed.
     second.write_bytes(data)
-    import kda_tp.shard as shard_module
+    import kda_tp.shard.writer as shard_module
 
     real = shard_module.write_safetensors
 
@@ -336,7 +336,7 @@ def test_an_unreadable_companion_file_leaves_nothing(
     ckpt = tmp_path / "ckpt"
     shutil.copytree(checkpoint, ckpt)
     (ckpt / "tokenizer.json").write_text("{}")
-    import kda_tp.shard as shard_module
+    import kda_tp.shard.writer as shard_module
 
     def denied(*_args, **_kwargs):
         raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(ckpt / "tokenizer.json"))

@@ -26,8 +26,8 @@ import kda_tp
 import pytest
 from kda_tp.cli import main
 from kda_tp.errors import CheckpointError, UsageError
-from kda_tp.outdir import DEMO_MAX_LAYERS
-from kda_tp.rankdir import MARK_NAME
+from kda_tp.output import DEMO_MAX_LAYERS
+from kda_tp.output import MARK_NAME
 from kda_tp.shard import verify_shards
 
 
@@ -82,14 +82,14 @@ def test_a_failed_demo_leaves_the_earlier_one_and_no_staging(
     kept: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A demo that fails while building (here: the shard step) changes nothing in DIR."""
-    import kda_tp.shard
+    import kda_tp.shard.writer
 
     before = files_and_modes(kept)
 
     def broken(*args: object, **kwargs: object) -> None:
         raise OSError("disk full (planted)")
 
-    monkeypatch.setattr(kda_tp.shard, "shard_checkpoint", broken)
+    monkeypatch.setattr(kda_tp.shard.writer, "shard_checkpoint", broken)
     with pytest.raises(OSError, match="planted"):
         demo(capsys, kept)
     assert files_and_modes(kept) == before
@@ -198,12 +198,12 @@ def test_expected_digests_refuses_kda_tensors_of_a_layer_the_config_does_not_lis
     source = kda_tp.SafetensorsSource(kept / "checkpoint")
     tensors = {n: source.get(n) for n in source.names()}
     engine = {"engine": "vllm-0.33-kimi-linear", "tp_size": 2}
-    digests = kda_tp.expected_digests(tensors, kept / "checkpoint", **engine)
-    assert digests == kda_tp.engine_digests(kept / "checkpoint", **engine)
+    digests = kda_tp.audit.expected_digests(tensors, kept / "checkpoint", **engine)
+    assert digests == kda_tp.audit.engine_digests(kept / "checkpoint", **engine)
     copies = {n.replace("layers.0.", "layers.2."): t for n, t in tensors.items()
               if n.startswith("model.layers.0.self_attn.")}
     with pytest.raises(CheckpointError) as raised:
-        kda_tp.expected_digests({**tensors, **copies}, kept / "checkpoint", **engine)
+        kda_tp.audit.expected_digests({**tensors, **copies}, kept / "checkpoint", **engine)
     message = str(raised.value)
     assert message.startswith("model.layers.2.self_attn.A_log, model.layers.2.self_attn.dt_bias:"
                                " layer 2 holds KDA tensors, but the ")
@@ -217,8 +217,8 @@ def test_expected_digests_refuses_what_is_not_name_tensor_pairs(
 ) -> None:
     with pytest.raises(UsageError, match=r"^tensors: expected \(name, tensor\) pairs or a "
                        r"mapping of names to tensors, got an item "):
-        kda_tp.expected_digests(tensors, kept / "checkpoint",  # type: ignore[arg-type]
-                                engine="vllm-0.33-kimi-linear", tp_size=2)
+        kda_tp.audit.expected_digests(tensors, kept / "checkpoint",  # type: ignore[arg-type]
+                                      engine="vllm-0.33-kimi-linear", tp_size=2)
 
 
 # --- shard: one unit per output ---------------------------------------------------------------

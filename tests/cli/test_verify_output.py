@@ -15,7 +15,7 @@ import pytest
 
 import kda_tp
 from kda_tp import oracle
-from kda_tp.checkpoint import SafetensorsSource
+from kda_tp import SafetensorsSource
 from kda_tp.cli import main
 from kda_tp.shard import rank_dir, shard_checkpoint, verify_shards
 
@@ -202,12 +202,12 @@ def test_check_tp_equivalence_reports_progress_per_layer(ckpt):
         steps.append((total, 0))
         return lambda n: steps.append((total, steps[-1][1] + n))
 
-    report = kda_tp.check_tp_equivalence(ckpt, 2, qk_multiple=1, progress=factory)
+    report = kda_tp.reference.check_tp_equivalence(ckpt, 2, qk_multiple=1, progress=factory)
     assert report.passed and steps == [(3, 0), (3, 1), (3, 2), (3, 3)]
 
 
 def test_a_failing_numeric_check_is_a_failed_summary_though_the_bytes_match():
-    from kda_tp.equivalence import EquivalenceReport, LayerEquivalence
+    from kda_tp.reference import EquivalenceReport, LayerEquivalence
     from kda_tp.shard import VerifyReport
 
     def report(passed: bool) -> VerifyReport:

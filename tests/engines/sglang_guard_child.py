@@ -186,7 +186,7 @@ from sglang.srt.plugins import load_plugins  # noqa: E402
 from sglang.srt.plugins.hook_registry import HookRegistry  # noqa: E402
 
 load_plugins()
-from kda_tp import sglang_plugin  # noqa: E402
+from kda_tp.guard import sglang as sglang_plugin  # noqa: E402
 
 out: dict[str, object] = {
     "sglang_at_import": SGLANG_AT_IMPORT,

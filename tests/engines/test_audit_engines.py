@@ -1,4 +1,4 @@
-"""The audit's model dtype is the engine's (issue 27.4), through vLLM 0.33.0's and SGLang 0.5.23's
+"""The audit's model dtype is the engine's, through vLLM 0.33.0's and SGLang 0.5.23's
 own KDA layer classes and model ``load_weights`` on CPU.
 
 The engine fixture checkpoints in the releases' dtypes (BF16 projections; F32 convs, ``A_log``,
@@ -85,7 +85,7 @@ def test_a_release_dtype_checkpoint_in_a_bf16_engine_passes_with_no_dtype(engine
     import torch
     from safetensors.torch import load_file
 
-    from kda_tp.engine_audit import audit_path
+    from kda_tp.audit import audit_path
 
     ckpt = release_dtypes(CKPT[kind], tmp_path / "ckpt")
     held_file = tmp_path / f"model-rank-{R}-part-0.safetensors"
@@ -94,12 +94,12 @@ def test_a_release_dtype_checkpoint_in_a_bf16_engine_passes_with_no_dtype(engine
                           capture_output=True, text=True, timeout=600, check=False)
     assert proc.returncode == 0, proc.stderr[-4000:]
     held = load_file(str(held_file))
-    report = kda_tp.audit(held, ckpt, tp_rank=R, tp_size=T)
+    report = kda_tp.audit.audit(held, ckpt, tp_rank=R, tp_size=T)
     assert report.passed and report.engine == LAYOUTS[engine, kind], report.format()
     assert audit_path(ckpt, held_file).passed  # world size and rank from its metadata
     # the default dump holds the same bytes (o_norm: F32 on disk, BF16 in the engine)
-    dump = kda_tp.write_engine_dump(ckpt, tmp_path / "dump", engine=LAYOUTS[engine, kind],
-                                    tp_size=T, ranks=[R])
+    dump = kda_tp.audit.write_engine_dump(ckpt, tmp_path / "dump", engine=LAYOUTS[engine, kind],
+                                          tp_size=T, ranks=[R])
     expected = load_file(str(dump.files[0]))
     assert sorted(expected) == sorted(held)
     for name, tensor in held.items():
@@ -107,5 +107,5 @@ def test_a_release_dtype_checkpoint_in_a_bf16_engine_passes_with_no_dtype(engine
     o_norm = next(n for n in held if n.endswith("o_norm.weight"))
     assert str(held[o_norm].dtype) == "torch.bfloat16"
     # said to run in F32, the engine would hold F32 projections: this one does not
-    failures = kda_tp.audit(held, ckpt, tp_rank=R, tp_size=T, model_dtype="F32").failures
+    failures = kda_tp.audit.audit(held, ckpt, tp_rank=R, tp_size=T, model_dtype="F32").failures
     assert failures and all(p.problem.startswith("dtype BF16, expected F32") for p in failures)

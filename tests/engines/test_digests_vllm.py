@@ -1,5 +1,5 @@
-"""`kda-tp digests` equals vLLM 0.33.0's own weight checksums (issue 20, item 5), with no
-flag for a checkpoint in the releases' dtypes served in BF16 (issue 27.4).
+"""`kda-tp digests` equals vLLM 0.33.0's own weight checksums, with no
+flag for a checkpoint in the releases' dtypes served in BF16.
 
 vLLM's own layer classes load the fixture checkpoints on CPU through their model class's own
 ``load_weights`` (the recipe of tests/data/engine_ranks/make/vllm_rank.py: the tensor-parallel
@@ -27,7 +27,7 @@ import pytest
 
 from kda_tp import SafetensorsSource
 from kda_tp.cli import main
-from kda_tp.config import parse_config
+from kda_tp.model import parse_config
 
 from paths import ENGINE_RANKS as DATA
 from tp_fixtures import release_dtypes
@@ -128,7 +128,7 @@ def test_digests_equal_vllms_own_weight_checksums(kind, capsys):
 
 @pytest.mark.parametrize("kind", sorted(CASES))
 def test_a_release_dtype_checkpoint_in_a_bf16_engine_needs_no_flag(kind, tmp_path, capsys):
-    # issue 27.4: the engine's model dtype (BF16, the config's) is kda-tp's default, so
+    # The engine's model dtype (BF16, the config's) is kda-tp's default, so
     # `kda-tp digests` without --dtype equals what a correct engine holds, o_norm included
     ckpt = release_dtypes(CASES[kind][0], tmp_path / "ckpt")
     _, layout, runs = CASES[kind]

@@ -51,7 +51,7 @@ def test_importing_kda_tp_imports_no_sglang(outcome: dict[str, Any]) -> None:
 
 
 def test_load_plugins_applies_every_hook(outcome: dict[str, Any]) -> None:
-    from kda_tp import sglang_plugin
+    from kda_tp.guard import sglang as sglang_plugin
 
     assert outcome["hooked"] == sorted(sglang_plugin.TARGETS)
 
@@ -163,7 +163,7 @@ def test_audit_engine_returns_every_ranks_report(outcome: dict[str, Any]) -> Non
     assert outcome["rpc_files"] == ["kda_tp-guard-tp0.json", "kda_tp-guard-tp1.json"]
 
 
-# -- issue 26: RL updates through SGLang's own WeightUpdater ----------------------------------
+# -- RL updates through SGLang's own WeightUpdater -------------------------------------------
 
 
 @pytest.mark.parametrize("kind", FAMILIES)
@@ -225,7 +225,7 @@ def test_a_direct_tensor_update_warns_that_it_is_not_checked(outcome: dict[str, 
 
 
 def test_audit_engine_reports_the_armed_record_of_every_rank(outcome: dict[str, Any]) -> None:
-    from kda_tp import sglang_plugin
+    from kda_tp.guard import sglang as sglang_plugin
 
     for report in outcome["rpc"]:
         assert report["guarded"] is True

@@ -1,4 +1,4 @@
-"""The guard inside vLLM 0.33.0 (issue 20), on CPU: installed by vLLM's own
+"""The guard inside vLLM 0.33.0, on CPU: installed by vLLM's own
 ``load_general_plugins()`` from kda_tp's ``vllm.general_plugins`` entry point, run by vLLM's own
 loader classes (``DefaultModelLoader``, ``ShardedStateLoader``) and ``reload_weights`` around
 the real KDA layer classes and their model class's ``load_weights``.
@@ -8,8 +8,8 @@ group is faked (``parallel_state._TP`` holding ``world_size`` and ``rank_in_grou
 stand-in module holding only ``layers.0.self_attn`` goes through the model class's
 ``load_weights`` (vLLM's full model constructors need CUDA). Every loading bug below is made
 with vLLM's own classes or by wrapping one of its weight loaders, and stops the load with the
-parameter named. The helpers are in vllm_guard.py; issue 27.1/27.2's checks (which model,
-which checkpoint, every hook armed) are in test_guard_vllm_hooks.py, issue 26's (every update
+parameter named. The helpers are in vllm_guard.py; the checks of which model,
+which checkpoint, every hook armed are in test_guard_vllm_hooks.py, those of every update
 path) in test_guard_vllm_updates.py."""
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ with warnings.catch_warnings():
 
 from kda_tp import GuardError
 from kda_tp.guard import CHECKPOINT_ENV, MODE_ENV
-from kda_tp.vllm_plugin import WORKER_METHOD, audit_llm
+from kda_tp.guard.vllm import WORKER_METHOD, audit_llm
 
 pytestmark = [pytest.mark.engines, pytest.mark.usefixtures("guard_env_unset")]
 
@@ -237,7 +237,7 @@ def test_audit_llm_reports_every_worker(vc):
 
 
 def test_a_modelopt_block_scale_is_checked_in_the_shape_vllm_squeezes_it_to(vc):
-    from kda_tp.vllm_plugin import _as_processed
+    from kda_tp.guard.vllm import _as_processed
     loaded = torch.arange(6, dtype=torch.float32).reshape(2, 1, 3, 1)  # [ob, 1, ib, 1]
     out = _as_processed(f"{ATTN}o_proj.weight_scale", loaded)
     assert out.shape == (2, 3) and out.data_ptr() == loaded.data_ptr()
@@ -245,7 +245,7 @@ def test_a_modelopt_block_scale_is_checked_in_the_shape_vllm_squeezes_it_to(vc):
 
 
 def test_k3s_decode_copies_are_checked_and_a_stale_one_stops_the_guard(vc, caplog):
-    from kda_tp.vllm_plugin import guard_model
+    from kda_tp.guard.vllm import guard_model
     model = build(vc, "k3", 4, 2, decode_copies=True)
     layer = model.model.layers[0].self_attn
     assert layer.decode_conv1d_weight is not None and layer.decode_norm_weight is not None
@@ -318,7 +318,7 @@ def test_a_reload_from_a_path_is_checked_against_that_path_not_the_variable(
 
 
 def test_a_kda_model_without_a_log_and_dt_bias_fails_in_fail_and_warns_in_warn(vc, monkeypatch):
-    from kda_tp.vllm_plugin import guard_model
+    from kda_tp.guard.vllm import guard_model
     model = build(vc, "k3", 2, 0)
     layer = model.model.layers[0].self_attn
     del layer.A_log, layer.dt_bias

@@ -1,5 +1,5 @@
 """The guard inside vLLM 0.33.0 decides which model and which checkpoint it checks, and a
-guard that cannot arm fails in mode fail (issues 27.1 and 27.2): the main model whatever the
+guard that cannot arm fails in mode fail: the main model whatever the
 speculative method, the checkpoint variable, a model id resolved in the engine's download
 directory, ``audit_llm``'s report of a worker with and without the guard, every hook armed
 after vLLM's own plugin loading. Built as test_guard_vllm.py's (helpers: vllm_guard.py)."""
@@ -23,7 +23,7 @@ with warnings.catch_warnings():
 
 from kda_tp import GuardError
 from kda_tp.guard import CHECKPOINT_ENV, MODE_ENV
-from kda_tp.vllm_plugin import audit_llm
+from kda_tp.guard.vllm import audit_llm
 
 pytestmark = [pytest.mark.engines, pytest.mark.usefixtures("guard_env_unset")]
 
@@ -77,7 +77,7 @@ def test_a_checkpoint_variable_that_is_not_there_fails_and_one_with_spaces_works
 
 def test_a_model_id_is_resolved_in_the_engines_download_dir(monkeypatch, tmp_path):
     import huggingface_hub
-    from kda_tp.vllm_plugin import _checkpoint
+    from kda_tp.guard.vllm import _checkpoint
     seen = {}
 
     def snapshot_download(repo, revision=None, cache_dir=None, local_files_only=False):
@@ -126,7 +126,7 @@ def test_a_worker_without_the_guard_is_reported_unguarded(monkeypatch):
 
 
 def test_a_missing_hook_target_fails_in_fail_and_warns_in_warn(monkeypatch):
-    from kda_tp.vllm_plugin import _wrap_reload, status
+    from kda_tp.guard.vllm import _wrap_reload, status
     gone = types.SimpleNamespace()  # a vLLM whose reload module lost reload_weights
     with pytest.raises(GuardError, match="cannot hook .*reload.inplace.reload_weights"):
         _wrap_reload(gone)
@@ -140,7 +140,7 @@ def test_a_missing_hook_target_fails_in_fail_and_warns_in_warn(monkeypatch):
 
 
 def test_every_hook_is_armed_after_vllms_own_plugin_loading(vc):
-    from kda_tp.vllm_plugin import status
+    from kda_tp.guard.vllm import status
     import vllm.distributed.weight_transfer.factory  # noqa: F401
     import vllm.model_executor.model_loader.tensorizer_loader  # noqa: F401
     hooks = status()["hooks"]

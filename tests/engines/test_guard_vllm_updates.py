@@ -229,7 +229,7 @@ def merged_conv(layer) -> torch.Tensor:
 
 def test_glm_merged_conv_weight_stale_after_a_reload_is_named_and_the_repair_switch_fixes_it(
         vc, monkeypatch, caplog):
-    from kda_tp.vllm_plugin import REPAIR_ENV
+    from kda_tp.guard.vllm import REPAIR_ENV
     model = loaded(vc, "glm", 2, 1)
     layer = model.model.layers[0].self_attn
     assert layer._merged_conv_weight is None  # vLLM builds it on the first forward

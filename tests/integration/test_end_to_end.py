@@ -13,7 +13,7 @@ import pytest
 
 import kda_tp
 from kda_tp import oracle
-from kda_tp._io import write_safetensors
+from kda_tp.checkpoint import write_safetensors
 from kda_tp.cli import main
 from kda_tp.shard import rank_dir, shard_checkpoint, verify_shards
 from kda_tp.synth import write_checkpoint, write_small_checkpoint
@@ -254,5 +254,5 @@ def test_demo(model, tp_size, capsys):
 def test_real_geometry_numeric_equivalence(tmp_path, model, tp_sizes):
     ckpt = write_checkpoint(tmp_path / "ckpt", model, 1)
     for tp_size in tp_sizes:
-        report = kda_tp.check_tp_equivalence(ckpt, tp_size, seq_len=32)
+        report = kda_tp.reference.check_tp_equivalence(ckpt, tp_size, seq_len=32)
         assert report.passed and [r.layer for r in report.layers] == [0], report.format()

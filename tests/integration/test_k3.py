@@ -16,7 +16,7 @@ import kda_tp
 import numpy as np
 import pytest
 from kda_tp import oracle
-from kda_tp._io import write_safetensors
+from kda_tp.checkpoint import write_safetensors
 from kda_tp.cli import main
 from kda_tp.errors import CheckpointError, PlanError, ShapeMismatchError
 from kda_tp.reference import kda_layer_forward, layer_weights
@@ -90,9 +90,10 @@ class _EvenSplitOfThePadding:
 
 
 def test_an_even_split_of_the_padded_a_log_fails_the_numeric_check():
-    good = kda_tp.check_tp_equivalence(FIXTURE, 2)
+    good = kda_tp.reference.check_tp_equivalence(FIXTURE, 2)
     assert good.passed and good.layers[0].max_abs_error < 1e-5
-    bad = kda_tp.check_tp_equivalence(FIXTURE, 2, shard_source_factory=_EvenSplitOfThePadding)
+    bad = kda_tp.reference.check_tp_equivalence(FIXTURE, 2,
+                                                shard_source_factory=_EvenSplitOfThePadding)
     assert not bad.passed
     assert bad.layers[0].max_abs_error > 0.1  # the fixture manifest measured 0.36
 
@@ -135,7 +136,7 @@ def _rewrite(tmp_path: Path, change: dict[str, np.ndarray | None], config=None) 
             arrays[name] = array
     out = tmp_path / "ckpt"
     out.mkdir(parents=True)
-    dtypes = {np.dtype(kda_tp.source.numpy_dtype(d)): d for d in ("BF16", "F32")}
+    dtypes = {np.dtype(kda_tp.checkpoint.numpy_dtype(d)): d for d in ("BF16", "F32")}
     write_safetensors(
         out / "model.safetensors",
         [(n, dtypes[a.dtype], a.shape, a.nbytes, lambda a=a: np.ascontiguousarray(a))
@@ -147,7 +148,7 @@ def _rewrite(tmp_path: Path, change: dict[str, np.ndarray | None], config=None) 
 
 
 def _bf16(shape) -> np.ndarray:
-    return np.full(shape, 0.5, dtype=kda_tp.source.numpy_dtype("BF16"))
+    return np.full(shape, 0.5, dtype=kda_tp.checkpoint.numpy_dtype("BF16"))
 
 
 def _low_rank_config() -> dict:
@@ -235,7 +236,7 @@ def test_native_kimi_linear_configs_shard_and_verify(tmp_path, older, layer_type
     assert report.ok and report.numeric.passed, report.problems
     assert oracle.verify(ckpt, out) == []
     # The same keys describe the K3 fixture's geometry, read from text_config or flat.
-    parsed = kda_tp.config.parse_config(_native_config(older, layer_type))
+    parsed = kda_tp.model.parse_config(_native_config(older, layer_type))
     assert (parsed.heads, parsed.head_dim, parsed.kda_layers) == (4, 64, (0,))
 
 
@@ -269,11 +270,11 @@ def test_config_gate_keys_are_checked(bad):
     config = json.loads((FIXTURE / "config.json").read_text())
     config["text_config"]["linear_attn_config"]["gate_lower_bound"] = bad
     with pytest.raises(CheckpointError, match="gate_lower_bound"):
-        kda_tp.config.parse_config(config)
+        kda_tp.model.parse_config(config)
     config["text_config"]["linear_attn_config"]["gate_lower_bound"] = -5.0
     config["text_config"]["linear_attn_config"]["use_full_rank_gate"] = "yes"
     with pytest.raises(CheckpointError, match="use_full_rank_gate"):
-        kda_tp.config.parse_config(config)
+        kda_tp.model.parse_config(config)
 
 
 def test_k3_tp_sizes_divide_96_and_64_is_refused_with_the_valid_sizes():
@@ -345,4 +346,4 @@ def test_a_gate_lower_bound_beyond_float32_is_refused():
     config["model_type"] = config["text_config"]["model_type"] = "my_kda_model"
     config["text_config"]["linear_attn_config"]["gate_lower_bound"] = -1e308
     with pytest.raises(CheckpointError, match="gate_lower_bound' = -1e\\+308 is not a number"):
-        kda_tp.config.parse_config(config)
+        kda_tp.model.parse_config(config)

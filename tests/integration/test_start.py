@@ -45,21 +45,41 @@ def _imported(*args: object) -> list[str]:
 
 def test_import_kda_tp_loads_neither_numpy_nor_the_rust_users():
     code = ("import sys, kda_tp\n"
-            f"print(sorted(m for m in {HEAVY + ('numpy', 'kda_tp.plan')!r} if m in sys.modules))")
+            f"print(sorted(m for m in {HEAVY + ('numpy', 'kda_tp.rank.plan')!r} "
+            "if m in sys.modules))")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          timeout=120)
     assert run.stdout == "[]\n"
-    # The public names are there on first use.
-    code = "import kda_tp; print(kda_tp.KdaTpPlan.__module__, kda_tp.check_tp_equivalence.__name__)"
+    # The public names are there on first use, the tools behind their folders' faces.
+    code = ("import kda_tp; print(kda_tp.KdaTpPlan.__module__, "
+            "kda_tp.reference.check_tp_equivalence.__name__)")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          timeout=120)
-    assert run.stdout == "kda_tp.plan check_tp_equivalence\n"
-    # `audit` stays the function when its module is imported first (as the CLI does).
-    code = ("import kda_tp.engine_audit, kda_tp; "
-            "print(callable(kda_tp.audit), kda_tp.audit.__module__)")
+    assert run.stdout == "kda_tp.rank.plan check_tp_equivalence\n"
+    # `kda_tp.audit` is the audit's folder, whose face gives the function, also when its module
+    # is imported first (as the CLI does).
+    code = ("import kda_tp.audit.auditor, kda_tp; "
+            "print(callable(kda_tp.audit.audit), kda_tp.audit.audit.__module__)")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          timeout=120)
-    assert run.stdout == "True kda_tp.engine_audit\n"
+    assert run.stdout == "True kda_tp.audit.auditor\n"
+
+
+def test_open_rank_imports_no_engine_table_and_no_tool():
+    """A loader's path: opening a view and reading a tensor imports the reader, the plan and
+    the view, nothing of the engines' layouts, the audit, the writer, the guard or torch."""
+    code = ("import sys, kda_tp\n"
+            f"with kda_tp.open_rank({str(DATA / 'k3_small')!r}, tp_rank=1, tp_size=2,\n"
+            "                      qk_multiple=1) as view:\n"
+            "    view[next(iter(view.keys()))]\n"
+            "print(sorted(m for m in sys.modules if m.startswith('kda_tp')))")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         timeout=120)
+    loaded = ast.literal_eval(run.stdout)
+    assert "kda_tp.rank.view" in loaded and "kda_tp.checkpoint.reader" in loaded
+    assert [m for m in loaded if m.split(".")[1:2] and m.split(".")[1] in (
+        "engines", "audit", "shard", "guard", "output", "reference", "synth", "cli", "torch")
+    ] == []
 
 
 def test_help_and_plan_import_nothing_heavy():
@@ -97,10 +117,10 @@ sys.meta_path.insert(0, InterruptAt())
 @pytest.mark.parametrize("at", [
     "numpy",  # the first import of the command line
     "datetime",  # imported by numpy's C initialisation, which turns exceptions into ImportError
-    "kda_tp._native",  # the Rust core, imported through kda_tp.plan
+    "kda_tp._native",  # the Rust core, imported through kda_tp.rank.plan
     "argparse",
     "kda_tp.shard",  # imported by `verify` after its arguments are parsed
-    "kda_tp.equivalence",  # verify --numeric
+    "kda_tp.reference.equivalence",  # verify --numeric
 ])
 def test_ctrl_c_during_the_start_exits_130_with_one_line(at, sharded):
     ckpt, out = sharded

@@ -32,7 +32,7 @@ def test_import_kda_tp_never_imports_torch():
     code = """
     import sys
     sys.modules.pop('torch')
-    import kda_tp, kda_tp.cli, kda_tp.shard, kda_tp.reference, kda_tp.equivalence
+    import kda_tp, kda_tp.cli, kda_tp.shard, kda_tp.reference, kda_tp.reference.equivalence
     print('torch' in sys.modules)
     """
     assert _run_without_torch(code).strip() == "False"

@@ -21,7 +21,7 @@ transformers builds. The GLM model has MLA/DSA ``indexed_attention`` layers whos
 ``self_attn.o_proj`` has KDA's name, and a vision tower; both are passed through unsliced.
 
 "Relative error" here is ``max|actual - expected| / max|expected|``, as in
-:mod:`kda_tp.equivalence`; every check allows 1e-4 (float32 rounding is ~1e-6).
+:mod:`kda_tp.reference.equivalence`; every check allows 1e-4 (float32 rounding is ~1e-6).
 """
 
 from __future__ import annotations
@@ -40,10 +40,10 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers", minversion="5.20")
 
-import kda_tp.reference  # noqa: E402
+import kda_tp.reference.forward  # noqa: E402
 from kda_tp import SafetensorsSource, cli, oracle  # noqa: E402
-from kda_tp.config import load_config, parse_config  # noqa: E402
-from kda_tp.layout import decoder_prefix  # noqa: E402
+from kda_tp.model import load_config, parse_config  # noqa: E402
+from kda_tp.checkpoint import decoder_prefix  # noqa: E402
 from kda_tp.reference import checkpoint_layer_forward  # noqa: E402
 from kda_tp.shard import rank_dir, shard_checkpoint  # noqa: E402
 from kda_tp.synth import write_small_checkpoint  # noqa: E402
@@ -442,14 +442,14 @@ def test_kda_tp_reads_configs_as_transformers_does(name: str, tmp_path: Path) ->
 
 @pytest.fixture
 def bound_dropped(monkeypatch: pytest.MonkeyPatch) -> None:
-    """kda_tp reading configs with the forget gate's lower bound dropped (issue 15's bug): its
+    """kda_tp reading configs with the forget gate's lower bound dropped: its
     reference forward then runs the unbounded softplus gate whatever the config says."""
-    parse = kda_tp.reference.parse_config
+    parse = kda_tp.reference.forward.parse_config
 
     def without_bound(*args: Any, **kwargs: Any) -> Any:
         return dataclasses.replace(parse(*args, **kwargs), gate_lower_bound=None)
 
-    monkeypatch.setattr(kda_tp.reference, "parse_config", without_bound)
+    monkeypatch.setattr(kda_tp.reference.forward, "parse_config", without_bound)
 
 
 def test_a_dropped_bound_fails_the_comparison(built: Built, bound_dropped: None) -> None:

@@ -1,5 +1,5 @@
-"""kda_tp.audit (kda_tp.engine_audit) and `kda-tp audit` (issue 16): the vLLM and SGLang fixture dumps pass, each bug
-class made by editing one fails with the parameter named and what it equals instead, a
+"""kda_tp.audit (kda_tp.audit.auditor) and `kda-tp audit`: the vLLM and SGLang fixture dumps pass,
+each bug class made by editing one fails with the parameter named and what it equals instead, a
 sharded_state directory passes only with every rank, and random geometries built from the
 engine tables pass while a part taken from a wrong rank is caught."""
 from __future__ import annotations
@@ -13,7 +13,7 @@ from safetensors.numpy import save_file
 
 import kda_tp
 from kda_tp import EngineLayoutError, SafetensorsSource
-from kda_tp.engine_audit import audit_path, sharded_state_files
+from kda_tp.audit import audit_path, sharded_state_files
 from kda_tp.engines import LAYOUTS
 from kda_tp.errors import CheckpointError, PlanError
 
@@ -31,7 +31,7 @@ def test_every_fixture_dump_passes(path, capsys):
     meta, tensors = load(path)
     ckpt = CKPT[meta["model"]]
     rank, tp_size = int(meta["tp_rank"]), int(meta["tp_size"])
-    report = kda_tp.audit(tensors, ckpt, tp_rank=rank, tp_size=tp_size, model_dtype="F32")
+    report = kda_tp.audit.audit(tensors, ckpt, tp_rank=rank, tp_size=tp_size, model_dtype="F32")
     assert report.passed, report.format()
     assert report.ranks == (rank,) and len(report.params) == len(tensors)
     assert all(p.status == "exact" for p in report.params)
@@ -48,8 +48,8 @@ def test_engine_recognised_per_fixture():
     engines = {}
     for path in DUMPS:
         meta, tensors = load(path)
-        report = kda_tp.audit(tensors, CKPT[meta["model"]], tp_rank=int(meta["tp_rank"]),
-                              tp_size=int(meta["tp_size"]), model_dtype="F32")
+        report = kda_tp.audit.audit(tensors, CKPT[meta["model"]], tp_rank=int(meta["tp_rank"]),
+                                    tp_size=int(meta["tp_size"]), model_dtype="F32")
         engines[path.stem] = report.engine
     assert engines == {
         "sglang_glm_tp4_r3": "sglang-0.5.23-glm-5.3", "sglang_k3_tp4_r1": "sglang-0.5.23-k3",
@@ -70,18 +70,18 @@ def test_any_prefix_non_kda_counted_and_torch_free_inputs():
     records = {k: kda_tp.Tensor(k, "F32", v.shape, v.reshape(-1).view(np.uint8))
                for k, v in renamed.items()}
     for state in (renamed, records):
-        report = kda_tp.audit(state, ckpt, tp_rank=1, tp_size=4, model_dtype="F32")
+        report = kda_tp.audit.audit(state, ckpt, tp_rank=1, tp_size=4, model_dtype="F32")
         assert report.passed and report.ignored == 3 and len(report.params) == 7
         assert report.params[0].name.startswith("language_model.model.layers.0.self_attn.")
 
 
 def test_an_engine_kda_layer_the_checkpoint_does_not_describe_is_wrong(tmp_path, capsys):
-    # issue 27.3: the engine holds a second KDA layer (never loaded from this checkpoint, which
+    # The engine holds a second KDA layer (never loaded from this checkpoint, which
     # lists one): not "other parameters ignored"
     meta, tensors, ckpt = fixture("vllm_k3_tp4_r1")
     extra = {**tensors, **{k.replace("layers.0.", "layers.1.", 1): np.zeros_like(v)
                            for k, v in tensors.items()}}
-    report = kda_tp.audit(extra, ckpt, tp_rank=1, tp_size=4, model_dtype="F32")
+    report = kda_tp.audit.audit(extra, ckpt, tp_rank=1, tp_size=4, model_dtype="F32")
     assert not report.passed and report.ignored == 0
     assert all(p.passed for p in report.params) and len(report.params) == 7
     [problem] = report.problems
@@ -97,15 +97,15 @@ def test_an_engine_kda_layer_the_checkpoint_does_not_describe_is_wrong(tmp_path,
     assert status == 1 and "is this the checkpoint the engine loaded?" in out
     # a non-KDA layer's attention (no A_log/dt_bias) stays ignored
     mla = {**tensors, "model.layers.1.self_attn.o_proj.weight": np.zeros(3, np.float32)}
-    assert kda_tp.audit(mla, ckpt, tp_rank=1, tp_size=4, model_dtype="F32").passed
+    assert kda_tp.audit.audit(mla, ckpt, tp_rank=1, tp_size=4, model_dtype="F32").passed
 
 
 def test_two_names_for_one_parameter_are_refused():
-    # issue 27.3: `layers.0` and `layers.00` are one (layer, parameter): never "the last wins"
+    # `layers.0` and `layers.00` are one (layer, parameter): never "the last wins"
     meta, tensors, ckpt = fixture("vllm_kimi_linear_tp4_r2")
     bad = {**tensors, PRE.replace(".0.", ".00.") + "A_log": np.zeros_like(tensors[PRE + "A_log"])}
     with pytest.raises(CheckpointError) as caught:
-        kda_tp.audit(bad, ckpt, tp_rank=2, tp_size=4, model_dtype="F32")
+        kda_tp.audit.audit(bad, ckpt, tp_rank=2, tp_size=4, model_dtype="F32")
     assert str(caught.value) == (
         f"state_dict: {PRE}A_log and model.layers.00.self_attn.A_log name one parameter (layer "
         "0, A_log); an engine holds each parameter once: which one did it load? pass a state "
@@ -113,9 +113,9 @@ def test_two_names_for_one_parameter_are_refused():
 
 
 def test_a_rank_audit_builds_that_ranks_view_only(monkeypatch):
-    # issue 25.4: auditing rank 3 plans rank 3 only (the guard on rank r builds rank r's view)
+    # Auditing rank 3 plans rank 3 only (the guard on rank r builds rank r's view)
     meta, tensors, ckpt = fixture("vllm_glm_tp4_r3")
-    module = sys.modules["kda_tp.engine_audit"]
+    module = sys.modules["kda_tp.audit.auditor"]
     built = []
     real = module.KdaTpPlan.from_config
 
@@ -124,7 +124,7 @@ def test_a_rank_audit_builds_that_ranks_view_only(monkeypatch):
         return real(source, rank, tp_size, **kw)
 
     monkeypatch.setattr(module.KdaTpPlan, "from_config", counting)
-    assert kda_tp.audit(tensors, ckpt, tp_rank=3, tp_size=4, model_dtype="F32").passed
+    assert kda_tp.audit.audit(tensors, ckpt, tp_rank=3, tp_size=4, model_dtype="F32").passed
     assert built == [3]
 
 
@@ -132,29 +132,29 @@ def test_torch_state_dict():
     torch = pytest.importorskip("torch")
     meta, tensors, ckpt = fixture("sglang_k3_tp4_r1")
     state = {k: torch.from_numpy(v) for k, v in tensors.items()}
-    assert kda_tp.audit(state, ckpt, tp_rank=1, tp_size=4, model_dtype="F32").passed
+    assert kda_tp.audit.audit(state, ckpt, tp_rank=1, tp_size=4, model_dtype="F32").passed
     # dict(model.named_parameters()): Parameters (engines subclass them)
     params = {k: torch.nn.Parameter(v, requires_grad=False) for k, v in state.items()}
-    assert kda_tp.audit(params, ckpt, tp_rank=1, tp_size=4, model_dtype="F32").passed
+    assert kda_tp.audit.audit(params, ckpt, tp_rank=1, tp_size=4, model_dtype="F32").passed
     # BF16 parameters: the expected F32 values are cast to BF16 the way the engine casts
     state = {k: (v if k.endswith(("A_log", "dt_bias", "conv1d.weight")) else v.bfloat16())
              for k, v in state.items()}
-    report = kda_tp.audit(state, ckpt, tp_rank=1, tp_size=4, model_dtype="BF16")
+    report = kda_tp.audit.audit(state, ckpt, tp_rank=1, tp_size=4, model_dtype="BF16")
     assert report.passed, report.format()
     state[PRE + "A_log"] = state[PRE + "A_log"].bfloat16()
-    [bad] = kda_tp.audit(state, ckpt, tp_rank=1, tp_size=4, model_dtype="BF16").failures
+    [bad] = kda_tp.audit.audit(state, ckpt, tp_rank=1, tp_size=4, model_dtype="BF16").failures
     assert bad.problem == "dtype BF16, expected F32 (sglang-0.5.23-k3 holds it in F32)"
 
 
 def test_f16_held_by_a_bf16_engine_is_wrong():
-    # issue 27.4: the model dtype is the engine's (its --dtype, else its default for the
+    # The model dtype is the engine's (its --dtype, else its default for the
     # config), never inferred from the parameters: F16 weights in a BF16 engine are a lossy
     # cast, wrong even where every value fits
     ml_dtypes = pytest.importorskip("ml_dtypes")
     meta, tensors, ckpt = fixture("sglang_k3_tp4_r1")
     fixed = ("A_log", "dt_bias", "conv1d.weight")
     f16 = {k: v if k.endswith(fixed) else (v / 4).astype(np.float16) for k, v in tensors.items()}
-    report = kda_tp.audit(f16, ckpt, tp_rank=1, tp_size=4, model_dtype="BF16")
+    report = kda_tp.audit.audit(f16, ckpt, tp_rank=1, tp_size=4, model_dtype="BF16")
     assert not report.passed and len(report.failures) == 6
     assert report.failures[0].problem == (
         "dtype F16, expected BF16 (the engine's model dtype, as passed: an engine casts these "
@@ -162,12 +162,12 @@ def test_f16_held_by_a_bf16_engine_is_wrong():
         "it is another)")
     # SGLang's default for this F32, dtype-less config is F16 (its auto rule): the dtype is
     # right, the values are then compared (and these are not the checkpoint's)
-    failures = kda_tp.audit(f16, ckpt, tp_rank=1, tp_size=4).failures
+    failures = kda_tp.audit.audit(f16, ckpt, tp_rank=1, tp_size=4).failures
     assert len(failures) == 6 and not any(p.problem.startswith("dtype") for p in failures)
     bf16 = {k: v if k.endswith(fixed) else v.astype(ml_dtypes.bfloat16) for k, v in tensors.items()}
-    assert kda_tp.audit(bf16, ckpt, tp_rank=1, tp_size=4, model_dtype="bfloat16").passed
+    assert kda_tp.audit.audit(bf16, ckpt, tp_rank=1, tp_size=4, model_dtype="bfloat16").passed
     with pytest.raises(kda_tp.DtypeMismatchError, match="model_dtype 'INT8' is not a model dtype"):
-        kda_tp.audit(bf16, ckpt, tp_rank=1, tp_size=4, model_dtype="INT8")
+        kda_tp.audit.audit(bf16, ckpt, tp_rank=1, tp_size=4, model_dtype="INT8")
 
 
 @pytest.mark.parametrize(("config", "vllm", "sglang"), [
@@ -180,7 +180,7 @@ def test_f16_held_by_a_bf16_engine_is_wrong():
     ({"text_config": {"torch_dtype": "bfloat16"}}, "BF16", "BF16"),
 ])
 def test_the_engines_model_dtype_rule(tmp_path, config, vllm, sglang):
-    from kda_tp.model_dtype import engine_model_dtype
+    from kda_tp.engines import engine_model_dtype
 
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
@@ -202,8 +202,8 @@ def test_bf16_dump_compared_after_the_engines_cast():
     cast = {k: v if k.removeprefix(PRE) in fixed else v.astype(ml_dtypes.bfloat16)
             for k, v in tensors.items()}
     # vLLM's model dtype for a checkpoint whose config names none and whose tensors are F32:
-    # its auto rule turns F32 into BF16 (issue 27.4)
-    assert kda_tp.audit(cast, ckpt, tp_rank=2, tp_size=4).passed
+    # its auto rule turns F32 into BF16
+    assert kda_tp.audit.audit(cast, ckpt, tp_rank=2, tp_size=4).passed
 
 # ------------------------------------------------------------------------------------------
 # sharded_state directories
@@ -264,12 +264,13 @@ def test_refused_inputs_exit_2(tmp_path, capsys):
     assert status == 2 and "pass --rank" in err
     # a checkpoint without its config.json (the dump file given in its place)
     with pytest.raises(CheckpointError, match="config"):
-        kda_tp.audit(load(lone)[1], lone, tp_rank=1, tp_size=4, model_dtype="F32")
+        kda_tp.audit.audit(load(lone)[1], lone, tp_rank=1, tp_size=4, model_dtype="F32")
     # not a dump of this model
     with pytest.raises(CheckpointError, match="no KDA parameter"):
-        kda_tp.audit({"lm_head.weight": np.zeros(2)}, ckpt, tp_rank=0, tp_size=4, model_dtype="F32")
+        kda_tp.audit.audit({"lm_head.weight": np.zeros(2)}, ckpt, tp_rank=0, tp_size=4,
+                           model_dtype="F32")
     with pytest.raises(PlanError):
-        kda_tp.audit(load(lone)[1], ckpt, tp_rank=0, tp_size=5, model_dtype="F32")
+        kda_tp.audit.audit(load(lone)[1], ckpt, tp_rank=0, tp_size=5, model_dtype="F32")
 
 
 def test_names_no_layout_or_several_layouts_fit(monkeypatch):
@@ -277,7 +278,7 @@ def test_names_no_layout_or_several_layouts_fit(monkeypatch):
     # SGLang's Kimi-Linear names against a Kimi K3 checkpoint: the layouts of another family
     # have them, so the checkpoint is the wrong one
     with pytest.raises(EngineLayoutError) as caught:
-        kda_tp.audit(tensors, CKPT["k3"], tp_rank=2, tp_size=4, model_dtype="F32")
+        kda_tp.audit.audit(tensors, CKPT["k3"], tp_rank=2, tp_size=4, model_dtype="F32")
     assert str(caught.value) == (
         "state_dict: these names are sglang-0.5.23-kimi-linear or sglang-0.5.23-glm-5.3's; is "
         f"{CKPT['k3']} the checkpoint this dump was loaded from? its config is Kimi K3")
@@ -285,21 +286,21 @@ def test_names_no_layout_or_several_layouts_fit(monkeypatch):
     mixed = {**tensors, PRE + "in_proj_qkvgfab.weight": np.zeros(3, np.float32)}
     with pytest.raises(EngineLayoutError, match="no kimi-k3 engine layout has the parameter "
                        r"names \['A_log', 'dt_bias', 'fused_fg_b_proj.weight'"):
-        kda_tp.audit(mixed, CKPT["k3"], tp_rank=2, tp_size=4, model_dtype="F32")
+        kda_tp.audit.audit(mixed, CKPT["k3"], tp_rank=2, tp_size=4, model_dtype="F32")
     # With the model family known, no two tables of this release tie on any set of names;
     # were a new table to, the refusal names both.
-    module = sys.modules["kda_tp.engine_audit"]
+    module = sys.modules["kda_tp.audit.auditor"]
     monkeypatch.setattr(module, "recognise", lambda names, family: [
         LAYOUTS["sglang-0.5.23-kimi-linear"], LAYOUTS["sglang-0.5.23-kimi-linear-unfused"]])
     with pytest.raises(EngineLayoutError, match="fit several engine layouts: "
                        "sglang-0.5.23-kimi-linear, sglang-0.5.23-kimi-linear-unfused; pass "
                        r"--engine \(engine=\)"):
-        kda_tp.audit(tensors, ckpt, tp_rank=2, tp_size=4, model_dtype="F32")
-    assert kda_tp.audit(tensors, ckpt, tp_rank=2, tp_size=4,
-                        engine="sglang-0.5.23-kimi-linear", model_dtype="F32").passed
+        kda_tp.audit.audit(tensors, ckpt, tp_rank=2, tp_size=4, model_dtype="F32")
+    assert kda_tp.audit.audit(tensors, ckpt, tp_rank=2, tp_size=4,
+                              engine="sglang-0.5.23-kimi-linear", model_dtype="F32").passed
     # forcing the unfused layout: its parameters are missing, the fused ones ignored
-    report = kda_tp.audit(tensors, ckpt, tp_rank=2, tp_size=4,
-                          engine="sglang-0.5.23-kimi-linear-unfused", model_dtype="F32")
+    report = kda_tp.audit.audit(tensors, ckpt, tp_rank=2, tp_size=4,
+                                engine="sglang-0.5.23-kimi-linear-unfused", model_dtype="F32")
     assert report.ignored == 2
     assert {p.name.removeprefix(PRE) for p in report.failures if p.status == "missing"} == {
         "qkv_proj.weight", "f_a_proj.weight", "f_b_proj.weight", "b_proj.weight",

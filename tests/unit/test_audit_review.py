@@ -20,8 +20,8 @@ from safetensors.numpy import save_file
 
 import kda_tp
 from kda_tp import EngineLayoutError, KdaShardedSource, KdaTpPlan, SafetensorsSource
-from kda_tp.engine_audit import audit_path
-from kda_tp.engines import LAYOUTS
+from kda_tp.audit import audit_path
+from kda_tp.engines import LAYOUTS, build_param, param_plan
 from kda_tp.errors import CheckpointError, PlanError, ShapeMismatchError
 from kda_tp.synth import write_small_checkpoint
 
@@ -73,15 +73,15 @@ def test_random_geometries_pass_and_a_wrong_ranks_part_is_caught(case):
         source = SafetensorsSource(ckpt)
         shards = [KdaShardedSource(source, KdaTpPlan.from_config(source, r, tp, qk_multiple=1))
                   for r in range(tp)]
-        params = {r: {(layer, p.suffix): shards[r].build_param(layout, p.suffix, layer,
-                                                              model_dtype=model_dtype)
+        params = {r: {(layer, p.suffix): build_param(shards[r], layout, p.suffix, layer,
+                                                     model_dtype=model_dtype)
                       for layer in shards[r].layers for p in layout.params_for(shards[r].plan)}
                   for r in range(tp)}
         name = f"{prefix}layers.{{}}.self_attn.{{}}"
         state = {name.format(*key): value for key, value in params[rank].items()}
         state[f"{prefix}embed_tokens.weight"] = np.zeros(3, np.float32)
-        report = kda_tp.audit(state, source, tp_rank=rank, tp_size=tp,
-                              model_dtype=model_dtype or geometry["weight_dtype"])
+        report = kda_tp.audit.audit(state, source, tp_rank=rank, tp_size=tp,
+                                    model_dtype=model_dtype or geometry["weight_dtype"])
         assert report.passed, report.format()
         assert report.engine == layout_name and report.ignored == 1
         assert len(report.params) == len(params[rank])
@@ -91,7 +91,7 @@ def test_random_geometries_pass_and_a_wrong_ranks_part_is_caught(case):
         other = rnd.choice([r for r in range(tp) if r != rank])
         choices = []
         for (layer, suffix), value in params[rank].items():
-            plan = shards[rank].param_plan(layout, suffix, model_dtype=model_dtype)
+            plan = param_plan(shards[rank], layout, suffix, model_dtype=model_dtype)
             theirs = params[other][layer, suffix].view(np.uint8).reshape(-1)
             mine = value.view(np.uint8).reshape(-1)
             for region in plan.regions:
@@ -103,8 +103,8 @@ def test_random_geometries_pass_and_a_wrong_ranks_part_is_caught(case):
         bad.view(np.uint8).reshape(-1)[a:b] = params[other][layer, suffix].view(
             np.uint8).reshape(-1)[a:b]
         state[name.format(layer, suffix)] = bad
-        report = kda_tp.audit(state, source, tp_rank=rank, tp_size=tp,
-                              model_dtype=model_dtype or geometry["weight_dtype"])
+        report = kda_tp.audit.audit(state, source, tp_rank=rank, tp_size=tp,
+                                    model_dtype=model_dtype or geometry["weight_dtype"])
         assert not report.passed
         [failure] = report.failures
         assert failure.name == name.format(layer, suffix) and failure.layer == layer
@@ -122,18 +122,18 @@ def test_fp8_fused_weight_and_scales_and_a_missing_scale(tmp_path):
     prefix = "language_model.model.layers.0.self_attn."
     state = rank_params(ckpt, "vllm-0.33-k3", 1, 2, prefix)
     assert state[prefix + "in_proj_qkvgfab.weight"].shape == (1280, 256)  # 1154 rows, padded
-    report = kda_tp.audit(state, ckpt, tp_rank=1, tp_size=2, model_dtype="F32")
+    report = kda_tp.audit.audit(state, ckpt, tp_rank=1, tp_size=2, model_dtype="F32")
     assert report.passed and report.engine == "vllm-0.33-k3", report.format()
     assert len(report.params) == 10  # 7 parameters, 3 scale grids (in_proj, f_b, o_proj)
     rank0 = rank_params(ckpt, "vllm-0.33-k3", 0, 2, prefix)
     scale = state[prefix + "in_proj_qkvgfab.weight_scale"].copy()
     scale[2:4] = rank0[prefix + "in_proj_qkvgfab.weight_scale"][2:4]  # k_proj's 2 block rows
     bad = {**state, prefix + "in_proj_qkvgfab.weight_scale": scale}
-    [failure] = kda_tp.audit(bad, ckpt, tp_rank=1, tp_size=2, model_dtype="F32").failures
+    [failure] = kda_tp.audit.audit(bad, ckpt, tp_rank=1, tp_size=2, model_dtype="F32").failures
     [diff] = failure.differences
     assert (diff.part, diff.equals) == ("k_proj.scale", "rank 0's slice of k_proj.scale")
     del bad[prefix + "in_proj_qkvgfab.weight_scale"]
-    [failure] = kda_tp.audit(bad, ckpt, tp_rank=1, tp_size=2, model_dtype="F32").failures
+    [failure] = kda_tp.audit.audit(bad, ckpt, tp_rank=1, tp_size=2, model_dtype="F32").failures
     assert failure.status == "missing" and failure.problem == (
         "missing: vllm-0.33-k3 holds in_proj_qkvgfab.weight_scale [10, 2] here")
 
@@ -143,7 +143,7 @@ def test_numpy_input_never_imports_torch():
         "import sys, kda_tp\n"
         "from safetensors.numpy import load_file\n"
         f"t = load_file({str(DATA / 'vllm_k3_tp4_r1.safetensors')!r})\n"
-        f"assert kda_tp.audit(t, {str(DATA / 'ckpt_k3')!r}, tp_rank=1, tp_size=4,\n"
+        f"assert kda_tp.audit.audit(t, {str(DATA / 'ckpt_k3')!r}, tp_rank=1, tp_size=4,\n"
         "                     model_dtype='F32').passed\n"
         "assert 'torch' not in sys.modules\n"
     )
@@ -180,17 +180,18 @@ def test_nan_matches_any_nan_and_negative_zero_is_caught(tmp_path):
     w = tensors[name].copy()
     w.view(np.uint32)[5, 3] = 0x7FC00001  # a NaN with another payload
     tensors[name] = w
-    assert kda_tp.audit(tensors, ckpt, tp_rank=2, tp_size=4, model_dtype="F32").passed
+    assert kda_tp.audit.audit(tensors, ckpt, tp_rank=2, tp_size=4, model_dtype="F32").passed
     # a BF16 dump: ml_dtypes casts the NaN to 0x7FC0, torch to another pattern; any NaN matches
     fixed = {"A_log", "dt_bias", "conv1d.weight"}
     bf16 = {k: v if k.removeprefix(PRE) in fixed else v.astype(ml_dtypes.bfloat16)
             for k, v in tensors.items()}
     for bits in (0x7FC0, 0xFFC0, 0x7F81):
         bf16[name].view(np.uint16)[5, 3] = bits
-        assert kda_tp.audit(bf16, ckpt, tp_rank=2, tp_size=4, model_dtype="BF16").passed, hex(bits)
+        assert kda_tp.audit.audit(bf16, ckpt, tp_rank=2, tp_size=4,
+                                  model_dtype="BF16").passed, hex(bits)
     # a number where the checkpoint has NaN is still a difference
     bf16[name][5, 3] = 5.0
-    [failure] = kda_tp.audit(bf16, ckpt, tp_rank=2, tp_size=4, model_dtype="BF16").failures
+    [failure] = kda_tp.audit.audit(bf16, ckpt, tp_rank=2, tp_size=4, model_dtype="BF16").failures
     [diff] = failure.differences
     assert (diff.part, diff.index, math.isnan(diff.expected), diff.actual) == (
         "q_proj", (5, 3), True, 5.0)
@@ -199,7 +200,7 @@ def test_nan_matches_any_nan_and_negative_zero_is_caught(tmp_path):
     name = PRE + "in_proj_qkvgfab.weight"
     tensors[name] = tensors[name].copy()
     tensors[name][1679, 0] = -0.0
-    [failure] = kda_tp.audit(tensors, ckpt, tp_rank=1, tp_size=4, model_dtype="F32").failures
+    [failure] = kda_tp.audit.audit(tensors, ckpt, tp_rank=1, tp_size=4, model_dtype="F32").failures
     assert failure.differences[0].equals == (
         "non-zero padding: rows 1667..1679 must be zero, row 1679 is not")
 
@@ -216,8 +217,8 @@ def test_a_cast_that_overflows_never_passes():
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # numpy's RuntimeWarning does not leak
         for o_proj in (f16[PRE + "o_proj.weight"], f16_rank0):
-            report = kda_tp.audit({**f16, PRE + "o_proj.weight": o_proj}, ckpt, tp_rank=1,
-                                  tp_size=4, model_dtype="F16")
+            report = kda_tp.audit.audit({**f16, PRE + "o_proj.weight": o_proj}, ckpt, tp_rank=1,
+                                        tp_size=4, model_dtype="F16")
             assert not report.passed
             by_name = {p.name.removeprefix(PRE): p for p in report.failures}
             assert sorted(by_name) == ["in_proj_qkvgfab.weight", "o_proj.weight"]
@@ -249,7 +250,7 @@ def test_wrong_world_size(tmp_path, capsys):
 
 
 def test_the_world_size_comes_from_the_dump(tmp_path, capsys):
-    # issue 27.7: without --tp-size, the dump's metadata (else its file names) tell it
+    # Without --tp-size, the dump's metadata (else its file names) tell it
     path = DATA / "vllm_k3_tp4_r1.safetensors"  # tp_size 4 in its metadata
     status, out, _ = run(capsys, "audit", CKPT["k3"], path, "--dtype", "F32")
     assert status == 0 and "exact on rank 1 of 4 (vllm-0.33-k3)" in out
@@ -267,7 +268,7 @@ def test_the_world_size_comes_from_the_dump(tmp_path, capsys):
 
 @pytest.mark.parametrize("tp_size", [2, 3, 8])
 def test_one_wrong_world_size_one_error_class(tmp_path, capsys, tp_size):
-    # issue 27.7: a --tp-size the dump contradicts is a PlanError whatever the size (8 does
+    # A --tp-size the dump contradicts is a PlanError whatever the size (8 does
     # not divide the 12 heads; 2 is below the ranks the files name; 3 divides them)
     out_dir, ckpt, _ = sharded_state(tmp_path, "vllm_kimi_linear_tp4_r2")
     with pytest.raises(PlanError):
@@ -308,16 +309,18 @@ def test_malformed_input_raises_named_errors(tmp_path, capsys):
     with pytest.raises(ShapeMismatchError, match=re.escape(
             f"{PRE}A_log: a kda_tp.Tensor of shape [3] x F32 needs 12 bytes of data, it has "
             "8 bytes")):
-        kda_tp.audit({**tensors, PRE + "A_log": short}, ckpt, tp_rank=1, tp_size=4,
-                     model_dtype="F32")
+        kda_tp.audit.audit({**tensors, PRE + "A_log": short}, ckpt, tp_rank=1, tp_size=4,
+                           model_dtype="F32")
     with pytest.raises(CheckpointError, match=re.escape(
             "state_dict: the key 5 (int) is not a parameter name (a str)")):
-        kda_tp.audit({**tensors, 5: np.zeros(3)}, ckpt, tp_rank=1, tp_size=4, model_dtype="F32")
+        kda_tp.audit.audit({**tensors, 5: np.zeros(3)}, ckpt, tp_rank=1, tp_size=4,
+                           model_dtype="F32")
     with pytest.raises(PlanError, match="tp_rank must be an integer >= 0, got True"):
-        kda_tp.audit(tensors, ckpt, tp_rank=True, tp_size=4, model_dtype="F32")
+        kda_tp.audit.audit(tensors, ckpt, tp_rank=True, tp_size=4, model_dtype="F32")
     with pytest.raises(PlanError, match="tp_size must be an integer >= 1, got 4.0"):
-        kda_tp.audit(tensors, ckpt, tp_rank=1, tp_size=4.0, model_dtype="F32")
-    assert kda_tp.audit(tensors, ckpt, tp_rank=np.int64(1), tp_size=4, model_dtype="F32").passed
+        kda_tp.audit.audit(tensors, ckpt, tp_rank=1, tp_size=4.0, model_dtype="F32")
+    assert kda_tp.audit.audit(tensors, ckpt, tp_rank=np.int64(1), tp_size=4,
+                              model_dtype="F32").passed
 
 
 def test_a_rank_without_kda_parameters_is_all_missing(tmp_path, capsys):
@@ -357,7 +360,8 @@ def test_a_dump_against_the_checkpoint_of_another_model(capsys):
     # names that a layout of the checkpoint's family holds only in part (here with g_a and g_b
     # missing), but another family's layout holds whole: named first, in the report
     meta, tensors, _ = fixture("vllm_k3_tp4_r1")
-    report = kda_tp.audit(tensors, CKPT["kimi_linear"], tp_rank=1, tp_size=4, model_dtype="F32")
+    report = kda_tp.audit.audit(tensors, CKPT["kimi_linear"], tp_rank=1, tp_size=4,
+                                model_dtype="F32")
     assert not report.passed and report.problems == [
         f"state_dict: these names are vllm-0.33-k3's; is {CKPT['kimi_linear']} the checkpoint "
         "this dump was loaded from? its config is Kimi-Linear"]

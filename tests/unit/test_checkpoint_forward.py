@@ -118,7 +118,7 @@ def test_refusals_name_the_problem(glm):
 
 
 def test_the_numeric_check_passes_on_glm(glm):
-    report = kda_tp.check_tp_equivalence(glm, 2, seq_len=8, qk_multiple=1)
+    report = kda_tp.reference.check_tp_equivalence(glm, 2, seq_len=8, qk_multiple=1)
     assert report.passed and [entry.layer for entry in report.layers] == [1]
 
 

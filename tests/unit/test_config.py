@@ -1,4 +1,4 @@
-"""Config semantics per model family (kda_tp.config): each family's config is read the way the
+"""Config semantics per model family (kda_tp.model.config): each family's config is read the way the
 model's own reference code reads it, and ``kda-tp plan`` says what it read.
 
 GLM-5.3-Flash follows transformers' ``configuration_glm5_next.py``; where transformers is
@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from kda_tp.cli import main
-from kda_tp.config import RULES_GENERIC, RULES_GLM, RULES_KIMI, load_config, parse_config
+from kda_tp.model import RULES_GENERIC, RULES_GLM, RULES_KIMI, load_config, parse_config
 from kda_tp.errors import CheckpointError
 
 from paths import ENGINE_RANKS

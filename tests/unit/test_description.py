@@ -1,5 +1,5 @@
-"""One description per checkpoint (kda_tp.description), the loader's API (open_rank and the
-view's safe_open-like methods), and the registry of model families (kda_tp.families)."""
+"""One description per checkpoint (kda_tp.checkpoint.description), the loader's API (open_rank and
+the view's safe_open-like methods), and the registry of model families (kda_tp.model.families)."""
 
 from __future__ import annotations
 
@@ -19,12 +19,12 @@ from kda_tp import (
     describe,
     open_rank,
 )
-from kda_tp.config import RULES, RULES_GLM, RULES_KIMI, parse_config
+from kda_tp.model import RULES, RULES_GLM, RULES_KIMI, parse_config
 from kda_tp.engines import FAMILIES, LAYOUTS, kda_only_suffixes, model_family
-from kda_tp.families import FAMILIES as REGISTRY
-from kda_tp.families import family_for
+from kda_tp.model import FAMILIES as REGISTRY
+from kda_tp.model import family_for
 from kda_tp.guard import looks_kda
-from kda_tp.quant import block_format, declared_quantization, modelopt_modules
+from kda_tp.model import block_format, declared_quantization, modelopt_modules
 from kda_tp.synth import GEOMETRIES, write_small_checkpoint
 
 K3 = DATA / "k3_small"
@@ -82,7 +82,7 @@ def test_a_bare_config_description_assumes_its_familys_dtypes():
     config = {"model_type": "glm5_next", "text_config": {
         "model_type": "glm5_next_text", "hidden_size": 256, "linear_head_dim": 64,
         "linear_num_heads": 4, "num_hidden_layers": 4}}
-    description = kda_tp.description.CheckpointDescription(None, config)
+    description = kda_tp.CheckpointDescription(None, config)
     assert description.family is REGISTRY["glm-5.3"]
     plan = KdaTpPlan.from_description(description, 0, 2, qk_multiple=1)
     assert plan["q_conv1d"].dtype == plan["A_log"].dtype == "F32"
@@ -108,7 +108,8 @@ def test_open_rank_is_a_closable_view_with_its_plan():
         local = view[kda]
         assert local.shape == view.info(kda)[1]
         assert bytes(view.get_tensor(kda)) == bytes(local)
-        assert view.get("no.such.tensor") is None  # documented: Mapping.get
+        with pytest.warns(DeprecationWarning, match="use view\\[name\\]"):
+            assert view.get("no.such.tensor") is None  # documented: Mapping.get, deprecated
         with pytest.raises(TensorNotFoundError, match="no tensor named 'no.such.tensor'") as e:
             view["no.such.tensor"]
         assert isinstance(e.value, KeyError) and isinstance(e.value, CheckpointError)

@@ -1,6 +1,6 @@
-"""`kda-tp dump` / kda_tp.write_engine_dump and `kda-tp digests` / kda_tp.engine_digests
-(issues 22 and 20): a dump of what an engine's ranks must hold passes `kda-tp audit`, the same
-dump damaged fails it with the parameter named, and the digests are SHA-256 over the bytes of
+"""`kda-tp dump` / kda_tp.audit.write_engine_dump and `kda-tp digests` /
+kda_tp.audit.engine_digests: a dump of what an engine's ranks must hold passes `kda-tp audit`, the
+same dump damaged fails it with the parameter named, and the digests are SHA-256 over the bytes of
 each parameter, keyed as vLLM's Worker.compute_weight_checksums keys them. The engines' own
 digests are compared in tests/engines/test_digests_vllm.py."""
 
@@ -16,19 +16,13 @@ from safetensors import safe_open
 
 import kda_tp
 from kda_tp import KdaShardedSource, KdaTpPlan, SafetensorsSource
-from kda_tp._io import write_safetensors
+from kda_tp.checkpoint import write_safetensors
 from kda_tp.cli import main
-from kda_tp.engine_audit import audit_path
-from kda_tp.engine_dump import DIGEST_KEY
-from kda_tp.engines import LAYOUTS, get_layout, layouts_for, model_family
-from kda_tp.errors import (
-    DtypeMismatchError,
-    EngineLayoutError,
-    OutputError,
-    PlanError,
-    UsageError,
-)
-from kda_tp.rankdir import FILE_MARK
+from kda_tp.audit import audit_path
+from kda_tp.audit import DIGEST_KEY
+from kda_tp.engines import LAYOUTS, build_param, get_layout, layouts_for, model_family
+from kda_tp.errors import DtypeMismatchError, EngineLayoutError, OutputError, PlanError
+from kda_tp.output import FILE_MARK
 from kda_tp.synth import write_small_checkpoint
 
 from paths import DATA as FIXTURES, ENGINE_RANKS as DATA
@@ -67,8 +61,8 @@ def test_a_dump_passes_the_audit(engine, ckpt, tmp_path, capsys):
 
 def test_the_dump_holds_what_build_param_builds_under_the_engines_names(tmp_path):
     ckpt, engine = CKPTS["kimi-k3"], "vllm-0.33-k3"
-    result = kda_tp.write_engine_dump(ckpt, tmp_path, engine=engine, tp_size=4, ranks=[2, 0],
-                                      model_dtype="F32")
+    result = kda_tp.audit.write_engine_dump(ckpt, tmp_path, engine=engine, tp_size=4, ranks=[2, 0],
+                                            model_dtype="F32")
     assert result.ranks == (0, 2) and result.engine == engine and result.tp_size == 4
     assert result.files == (tmp_path / "model-rank-0-part-0.safetensors",
                             tmp_path / "model-rank-2-part-0.safetensors")
@@ -85,7 +79,7 @@ def test_the_dump_holds_what_build_param_builds_under_the_engines_names(tmp_path
             assert sorted(names) == sorted(f"model.layers.0.self_attn.{p.suffix}"
                                            for p in layout.params_for(shard.plan))
             for name in names:
-                want = shard.build_param(layout, name.rsplit("self_attn.", 1)[1], 0)
+                want = build_param(shard, layout, name.rsplit("self_attn.", 1)[1], 0)
                 got = f.get_tensor(name)
                 assert got.dtype == want.dtype and got.shape == want.shape
                 assert got.tobytes() == want.tobytes()
@@ -124,8 +118,8 @@ def test_a_rank_written_with_another_ranks_bytes_is_named(tmp_path, capsys):
     """The dump of rank 0 renamed as rank 1's (its metadata removed): what a loader that
     loads rank 0's slice on every rank leaves."""
     ckpt = CKPTS["glm-5.3"]
-    kda_tp.write_engine_dump(ckpt, tmp_path / "a", engine="sglang-0.5.23-glm-5.3", tp_size=2,
-                             model_dtype="F32")
+    kda_tp.audit.write_engine_dump(ckpt, tmp_path / "a", engine="sglang-0.5.23-glm-5.3", tp_size=2,
+                                   model_dtype="F32")
     with safe_open(tmp_path / "a" / "model-rank-0-part-0.safetensors", "np") as f:
         rank0 = {k: f.get_tensor(k) for k in f.keys()}
     from safetensors.numpy import save_file
@@ -146,8 +140,8 @@ def test_a_wrapped_checkpoint_is_named_as_the_engine_names_it(tmp_path):
                                   conv_kernel=4, gate_rank=64, num_layers=2, kda_layers=[0],
                                   style="k3", weight_dtype="F32")
     assert model_family(SafetensorsSource(ckpt).config) == "kimi-k3"
-    result = kda_tp.write_engine_dump(ckpt, tmp_path / "dump", engine="vllm-0.33-k3", tp_size=2,
-                                      model_dtype="F32")
+    result = kda_tp.audit.write_engine_dump(ckpt, tmp_path / "dump", engine="vllm-0.33-k3",
+                                            tp_size=2, model_dtype="F32")
     with safe_open(result.files[0], "np") as f:
         names = sorted(f.keys())
     assert "language_model.model.layers.0.self_attn.in_proj_qkvgfab.weight" in names
@@ -183,25 +177,25 @@ def test_dump_refusals(tmp_path, capsys):
     # Another world size's files in the directory.
     with pytest.raises(OutputError, match=r"model-rank-0-part-0.safetensors: a dump file of tp_size 2 "
                        r"\(its metadata\), so of another world size than tp_size 1 \(and 1 more\)"):
-        kda_tp.write_engine_dump(ckpt, tmp_path, engine="vllm-0.33-kimi-linear", tp_size=1,
-                                 model_dtype="F32")
+        kda_tp.audit.write_engine_dump(ckpt, tmp_path, engine="vllm-0.33-kimi-linear", tp_size=1,
+                                       model_dtype="F32")
     with pytest.raises(OutputError, match="lies inside the checkpoint"):
-        kda_tp.write_engine_dump(ckpt, ckpt / "dump", engine="vllm-0.33-kimi-linear", tp_size=2,
-                                 model_dtype="F32")
+        kda_tp.audit.write_engine_dump(ckpt, ckpt / "dump", engine="vllm-0.33-kimi-linear",
+                                       tp_size=2, model_dtype="F32")
     assert not (ckpt / "dump").exists()
     with pytest.raises(PlanError, match=r"rank 4 is out of range for tp_size 4: valid ranks are 0\.\.3"):
-        kda_tp.write_engine_dump(ckpt, tmp_path / "x", engine="vllm-0.33-kimi-linear",
-                                 tp_size=4, ranks=[4], model_dtype="F32")
+        kda_tp.audit.write_engine_dump(ckpt, tmp_path / "x", engine="vllm-0.33-kimi-linear",
+                                       tp_size=4, ranks=[4], model_dtype="F32")
     with pytest.raises(PlanError, match=r"ranks \[1, 1\] name a rank twice"):
-        kda_tp.engine_digests(ckpt, engine="vllm-0.33-kimi-linear", tp_size=2, ranks=[1, 1],
-                              model_dtype="F32")
+        kda_tp.audit.engine_digests(ckpt, engine="vllm-0.33-kimi-linear", tp_size=2, ranks=[1, 1],
+                                    model_dtype="F32")
     # A world size is checked against the heads before anything is sized by it.
     with pytest.raises(PlanError, match=r"divisible by tp_size \(1000000000\)"):
-        kda_tp.engine_digests(ckpt, engine="vllm-0.33-kimi-linear", tp_size=10**9,
-                              model_dtype="F32")
+        kda_tp.audit.engine_digests(ckpt, engine="vllm-0.33-kimi-linear", tp_size=10**9,
+                                    model_dtype="F32")
     with pytest.raises(EngineLayoutError, match="this layout is for kimi-k3"):
-        kda_tp.write_engine_dump(ckpt, tmp_path / "x", engine="vllm-0.33-k3", tp_size=2,
-                                 model_dtype="F32")
+        kda_tp.audit.write_engine_dump(ckpt, tmp_path / "x", engine="vllm-0.33-k3", tp_size=2,
+                                       model_dtype="F32")
     status, _, err = run(capsys, "dump", ckpt, "--engine", "vllm-9", "--tp-size", 2,
                          "--out", tmp_path / "y", "--json", "--dtype", "F32")
     assert status == 2 and "no engine layout 'vllm-9'" in err
@@ -221,8 +215,9 @@ def test_dump_json(tmp_path, capsys):
     assert doc["bytes_written"] == sum(v["data_offsets"][1] - v["data_offsets"][0]
                                        for k, v in meta.items() if k != "__metadata__")
     # the document is DumpResult.to_dict()
-    result = kda_tp.write_engine_dump(ckpt, tmp_path / "again", engine="sglang-0.5.23-kimi-linear",
-                                      tp_size=4, ranks=[3], model_dtype="F32")
+    result = kda_tp.audit.write_engine_dump(ckpt, tmp_path / "again",
+                                            engine="sglang-0.5.23-kimi-linear", tp_size=4,
+                                            ranks=[3], model_dtype="F32")
     again = result.to_dict()
     assert set(again) == set(doc) and again["bytes_written"] == doc["bytes_written"]
     assert again["files"] == [str(tmp_path / "again" / "model-rank-3-part-0.safetensors")]
@@ -230,27 +225,22 @@ def test_dump_json(tmp_path, capsys):
 
 def test_dtype_casts_the_model_dtype_parameters_only(tmp_path):
     ckpt = CKPTS["kimi-linear"]
-    result = kda_tp.write_engine_dump(ckpt, tmp_path, engine="vllm-0.33-kimi-linear",
-                                      tp_size=2, ranks=[0], model_dtype="BF16")
+    result = kda_tp.audit.write_engine_dump(ckpt, tmp_path, engine="vllm-0.33-kimi-linear",
+                                            tp_size=2, ranks=[0], model_dtype="BF16")
     with safe_open(result.files[0], "np") as f:
         dtypes = {k.rsplit("self_attn.", 1)[1]: str(f.get_tensor(k).dtype) for k in f.keys()}
     assert dtypes["in_proj_qkvgfab.weight"] == "bfloat16" and dtypes["o_proj.weight"] == "bfloat16"
     assert dtypes["A_log"] == dtypes["dt_bias"] == dtypes["conv1d.weight"] == "float32"
-    # vLLM's default model dtype for this dtype-less F32 checkpoint is BF16 (issue 27.4)
-    assert audit_path(ckpt, tmp_path, tp_size=2, rank=0).passed
+    # vLLM's default model dtype for this dtype-less F32 checkpoint is BF16
+    assert audit_path(ckpt, tmp_path, tp_size=2, tp_rank=0).passed
 
 
-def test_audit_paths_rank_is_tp_rank_with_rank_a_thin_alias(tmp_path):
+def test_audit_paths_rank_is_tp_rank(tmp_path):
     ckpt = CKPTS["kimi-linear"]
-    kda_tp.write_engine_dump(ckpt, tmp_path, engine="vllm-0.33-kimi-linear", tp_size=2,
-                             ranks=[1], model_dtype="F32")
+    kda_tp.audit.write_engine_dump(ckpt, tmp_path, engine="vllm-0.33-kimi-linear", tp_size=2,
+                                   ranks=[1], model_dtype="F32")
     by_name = audit_path(ckpt, tmp_path, tp_size=2, tp_rank=1, model_dtype="F32")
-    by_alias = audit_path(ckpt, tmp_path, tp_size=2, rank=1, model_dtype="F32")
-    assert by_name.passed and by_name.ranks == by_alias.ranks == (1,)
-    assert by_name.to_dict() == by_alias.to_dict()
-    with pytest.raises(UsageError, match=r"tp_rank=1 and rank=1 given; rank is the former name "
-                                         r"of tp_rank: pass tp_rank only"):
-        audit_path(ckpt, tmp_path, tp_size=2, tp_rank=1, rank=1)
+    assert by_name.passed and by_name.ranks == (1,)
     with pytest.raises(PlanError, match=r"tp_rank must be an integer >= 0, got -1"):
         audit_path(ckpt, tmp_path, tp_size=2, tp_rank=-1)
 
@@ -269,7 +259,7 @@ def expected_digests(ckpt: Path, engine: str, tp_size: int) -> dict[str, str]:
                                                                qk_multiple=1))
         for layer in shard.layers:
             for p in layout.params_for(shard.plan):
-                data = shard.build_param(layout, p.suffix, layer).tobytes()
+                data = build_param(shard, layout, p.suffix, layer).tobytes()
                 key = f"dp0:pp0:pcp0:tp{rank}:model.layers.{layer}.self_attn.{p.suffix}"
                 out[key] = hashlib.sha256(data).hexdigest()
     return out
@@ -279,7 +269,7 @@ def expected_digests(ckpt: Path, engine: str, tp_size: int) -> dict[str, str]:
 def test_digests_are_sha256_of_each_parameters_bytes(engine, capsys):
     ckpt = CKPTS[get_layout(engine).family]
     want = expected_digests(ckpt, engine, 4)
-    assert kda_tp.engine_digests(ckpt, engine=engine, tp_size=4, model_dtype="F32") == want
+    assert kda_tp.audit.engine_digests(ckpt, engine=engine, tp_size=4, model_dtype="F32") == want
     status, out, _ = run(capsys, "digests", ckpt, "--engine", engine, "--tp-size", 4,
                          "--dtype", "F32")
     assert status == 0
@@ -294,9 +284,9 @@ def test_digests_are_sha256_of_each_parameters_bytes(engine, capsys):
 
 def test_digests_equal_the_hash_of_the_dumps_tensors(tmp_path):
     ckpt = CKPTS["kimi-k3"]
-    dump = kda_tp.write_engine_dump(ckpt, tmp_path, engine="vllm-0.33-k3", tp_size=2,
-                                    model_dtype="F32")
-    digests = kda_tp.engine_digests(ckpt, engine="vllm-0.33-k3", tp_size=2, model_dtype="F32")
+    dump = kda_tp.audit.write_engine_dump(ckpt, tmp_path, engine="vllm-0.33-k3", tp_size=2,
+                                          model_dtype="F32")
+    digests = kda_tp.audit.engine_digests(ckpt, engine="vllm-0.33-k3", tp_size=2, model_dtype="F32")
     from_files = {}
     for rank, path in zip(dump.ranks, dump.files):
         start, meta = header(path)
@@ -321,15 +311,15 @@ def test_digests_refuse_a_layout_of_another_engine(capsys):
 
 def test_the_audits_enumeration_is_the_dumps(tmp_path):
     """The audit checks exactly the parameters the dump writes (one enumeration:
-    KdaShardedSource.engine_params)."""
+    kda_tp.engines.engine_params)."""
     ckpt = CKPTS["glm-5.3"]
     for layout in layouts_for("glm-5.3"):
         if not layout.tensor_parallel:
             continue
         out = tmp_path / layout.name
-        dump = kda_tp.write_engine_dump(ckpt, out, engine=layout, tp_size=2, ranks=[1],
-                                        model_dtype="F32")
-        report = audit_path(ckpt, out, tp_size=2, rank=1, model_dtype="F32")
+        dump = kda_tp.audit.write_engine_dump(ckpt, out, engine=layout, tp_size=2, ranks=[1],
+                                              model_dtype="F32")
+        report = audit_path(ckpt, out, tp_size=2, tp_rank=1, model_dtype="F32")
         with safe_open(dump.files[0], "np") as f:
             assert sorted(f.keys()) == sorted(p.name for p in report.params)
         assert report.passed and report.ignored == 0 and dump.params == len(report.params)
@@ -337,8 +327,8 @@ def test_the_audits_enumeration_is_the_dumps(tmp_path):
 
 def test_a_block_fp8_dump_holds_the_scale_grids_and_passes(tmp_path):
     ckpt = FIXTURES / "k3_fp8_small"
-    dump = kda_tp.write_engine_dump(ckpt, tmp_path, engine="sglang-0.5.23-k3", tp_size=2,
-                                    model_dtype="F32")
+    dump = kda_tp.audit.write_engine_dump(ckpt, tmp_path, engine="sglang-0.5.23-k3", tp_size=2,
+                                          model_dtype="F32")
     _, meta = header(dump.files[1])  # numpy cannot hold FP8: the header says the dtypes
     pre = "language_model.model.layers.0.self_attn."
     assert meta[pre + "fused_qkvg_proj.weight"]["dtype"] == "F8_E4M3"  # as stored, never cast
@@ -349,10 +339,10 @@ def test_a_block_fp8_dump_holds_the_scale_grids_and_passes(tmp_path):
 
 def test_dtype_flag_takes_the_engines_spelling_too(capsys):
     ckpt = CKPTS["kimi-linear"]
-    want = kda_tp.engine_digests(ckpt, engine="vllm-0.33-kimi-linear", tp_size=2,
-                                 model_dtype="BF16")
-    assert want != kda_tp.engine_digests(ckpt, engine="vllm-0.33-kimi-linear", tp_size=2,
-                                         model_dtype="F32")
+    want = kda_tp.audit.engine_digests(ckpt, engine="vllm-0.33-kimi-linear", tp_size=2,
+                                       model_dtype="BF16")
+    assert want != kda_tp.audit.engine_digests(ckpt, engine="vllm-0.33-kimi-linear", tp_size=2,
+                                               model_dtype="F32")
     for spelling in ("bfloat16", "BF16", "bf16"):
         status, out, _ = run(capsys, "digests", ckpt, "--engine", "vllm-0.33-kimi-linear",
                              "--tp-size", 2, "--dtype", spelling, "--json")
@@ -413,8 +403,8 @@ def test_an_overflowing_dtype_is_refused_naming_the_parameter(tmp_path, capsys):
     assert status == 2 and out == "" and err2 == err
     # The audit's rule, in its words (one function: cast_overflow).
     with pytest.raises(DtypeMismatchError, match="the cast from F32 to F16 overflows"):
-        kda_tp.engine_digests(ckpt, engine="vllm-0.33-kimi-linear", tp_size=1,
-                              model_dtype="F16")
+        kda_tp.audit.engine_digests(ckpt, engine="vllm-0.33-kimi-linear", tp_size=1,
+                                    model_dtype="F16")
 
 
 def test_another_world_sizes_files_are_refused_and_force_removes_them(tmp_path, capsys):
@@ -435,8 +425,8 @@ def test_another_world_sizes_files_are_refused_and_force_removes_them(tmp_path, 
 
 def test_force_removes_every_file_of_the_ranks_written(tmp_path, capsys):
     ckpt = CKPTS["kimi-linear"]
-    kda_tp.write_engine_dump(ckpt, tmp_path, engine="vllm-0.33-kimi-linear", tp_size=2,
-                             model_dtype="F32")
+    kda_tp.audit.write_engine_dump(ckpt, tmp_path, engine="vllm-0.33-kimi-linear", tp_size=2,
+                                   model_dtype="F32")
     stale = ["model-rank-0-part-1.safetensors", "model-pp-0-tp-0-part-0.safetensors",
              "model-pp-1-tp-0-part-3.safetensors"]
     for name in stale:  # an earlier kda-tp dump's (its mark in the header)
@@ -444,10 +434,10 @@ def test_force_removes_every_file_of_the_ranks_written(tmp_path, capsys):
                           {FILE_MARK: "0.1.0"})
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(OutputError, match="already exists"):
-        kda_tp.write_engine_dump(ckpt, tmp_path, engine="vllm-0.33-kimi-linear", tp_size=2,
-                                 ranks=[0], model_dtype="F32")
-    kda_tp.write_engine_dump(ckpt, tmp_path, engine="vllm-0.33-kimi-linear", tp_size=2,
-                             ranks=[0], force=True, model_dtype="F32")
+        kda_tp.audit.write_engine_dump(ckpt, tmp_path, engine="vllm-0.33-kimi-linear", tp_size=2,
+                                       ranks=[0], model_dtype="F32")
+    kda_tp.audit.write_engine_dump(ckpt, tmp_path, engine="vllm-0.33-kimi-linear", tp_size=2,
+                                   ranks=[0], force=True, model_dtype="F32")
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "config.json", "model-rank-0-part-0.safetensors", "model-rank-1-part-0.safetensors"]
     assert audit_path(ckpt, tmp_path, tp_size=2, model_dtype="F32").passed
@@ -467,8 +457,8 @@ def test_an_empty_rank_list_or_output_path_is_refused(tmp_path, capsys, monkeypa
     assert exit_info.value.code == 2
     assert "argument --out: empty path" in capsys.readouterr().err
     with pytest.raises(OutputError, match="an empty path"):
-        kda_tp.write_engine_dump(ckpt, "", engine="vllm-0.33-kimi-linear", tp_size=2,
-                                 model_dtype="F32")
+        kda_tp.audit.write_engine_dump(ckpt, "", engine="vllm-0.33-kimi-linear", tp_size=2,
+                                       model_dtype="F32")
     # shard's --out too: Path("") is the current directory, where rank0/ would land.
     with pytest.raises(SystemExit) as exit_info:
         main(["shard", str(ckpt), "--tp-size", "2", "--out", ""])
@@ -491,7 +481,7 @@ def test_a_tp_size_hint_names_only_the_commands_flags(command, tmp_path, capsys)
 
 @pytest.mark.parametrize("engine", ["vllm-0.33-k3", "sglang-0.5.23-k3"])
 def test_a_k3_dump_with_no_flag_passes_the_audit_with_no_flag(engine, tmp_path, capsys):
-    # issue 27.4: K3 stores o_norm in F32 beside BF16 weights (config torch_dtype bfloat16);
+    # K3 stores o_norm in F32 beside BF16 weights (config torch_dtype bfloat16);
     # the engine holds it in its model dtype, BF16: dump, digests and audit agree on that
     ckpt = write_small_checkpoint(tmp_path / "ckpt", hidden=32, heads=4, head_dim=8,
                                   conv_kernel=4, gate_rank=8, num_layers=1, kda_layers=[0],

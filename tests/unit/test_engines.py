@@ -1,4 +1,4 @@
-"""Engine layouts (kda_tp.engines) and KdaShardedSource.build_param against parameters that
+"""Engine layouts (kda_tp.engines) and kda_tp.engines.build_param against parameters that
 vLLM 0.33.0 and SGLang 0.5.23 loaded with their own code (tests/data/engine_ranks)."""
 
 from __future__ import annotations
@@ -11,17 +11,20 @@ import numpy as np
 import pytest
 from safetensors import safe_open
 
+import kda_tp
 from kda_tp import EngineLayoutError, KdaShardedSource, KdaTpPlan, SafetensorsSource
 from kda_tp.engines import (
     LAYOUTS,
+    build_param,
     get_layout,
     layouts_for,
-    layouts_markdown,
     model_family,
     param_location,
+    param_plan,
     recognise,
 )
 
+from layout_tables import layouts_markdown
 from paths import ENGINE_RANKS as DATA, ROOT
 
 CKPT = {"k3": "ckpt_k3", "kimi_linear": "ckpt_kl", "glm": "ckpt_glm"}
@@ -66,19 +69,19 @@ def test_build_param_equals_the_engine_dump(path, backend):
     assert {p.suffix for p in params} == set(dump)
     for p in params:
         want = dump[p.suffix]
-        got = shard.build_param(layout, p.suffix, 0)
+        got = build_param(shard, layout, p.suffix, 0)
         assert got.shape == want.shape and got.dtype == want.dtype, p.suffix
         assert got.tobytes() == want.tobytes(), p.suffix
         # into a caller's buffer (a flat byte view, as of a torch parameter), dirty beforehand
         buf = np.full(want.nbytes, 0xAB, np.uint8)
-        assert shard.build_param(layout, p.suffix, 0, buf) is buf
+        assert build_param(shard, layout, p.suffix, 0, buf) is buf
         assert buf.tobytes() == want.tobytes(), p.suffix
 
 
 def test_vllm_k3_padding_rows_are_zero_and_sized_by_16():
     meta, dump = open_dump(DATA / "vllm_k3_tp4_r1.safetensors")
     shard = adapter(meta)
-    plan = shard.param_plan("vllm-0.33-k3", "in_proj_qkvgfab.weight")
+    plan = param_plan(shard, "vllm-0.33-k3", "in_proj_qkvgfab.weight")
     # 4 x 384 (q, k, v, g) + 128 (f_a, whole) + 3 (b) = 1667 rows, padded to 1680
     assert [(r.part, r.rows) for r in plan.regions] == [
         ("q_proj", (0, 384)), ("k_proj", (384, 768)), ("v_proj", (768, 1152)),
@@ -238,7 +241,7 @@ def test_built_parameters_match_the_table_on_random_geometries(case):
                                       SCALE_SPELLING.get(layout.engine, "weight_scale"))
     shard = KdaShardedSource(MemorySource(tensors), plan, layers=[0])
     for param in layout.params_for(plan):
-        pp = shard.param_plan(layout, param.suffix, model_dtype=model_dtype)
+        pp = param_plan(shard, layout, param.suffix, model_dtype=model_dtype)
         want, dtype = expected_param(param, layout, op, full, model_dtype)
         assert pp.dtype == dtype and pp.nbytes == want.nbytes == (
             math.prod(pp.shape) * np.dtype(NUMPY[dtype]).itemsize)
@@ -250,7 +253,7 @@ def test_built_parameters_match_the_table_on_random_geometries(case):
             param.parts or layout.param(param.scale_of).parts)
         # the bytes: every part where the table puts it, the padding zero (the buffer was dirty)
         out = np.full(pp.nbytes, 0x7F, np.uint8)
-        shard.build_param(layout, param.suffix, 0, out, model_dtype=model_dtype)
+        build_param(shard, layout, param.suffix, 0, out, model_dtype=model_dtype)
         assert out.tobytes() == want.tobytes(), param.suffix
         if pp.padding:
             assert not out[pp.padding[0]:].any()
@@ -284,8 +287,8 @@ def test_vllm_and_sglang_k3_fp8_fused_weights_and_scales():
         f_a_s = arr("f_a_proj.scale", (1, 1, ib, 1))[:, 0, :, 0]
         b_s = arr("b_proj.scale", (1, 1, ib, 1))[:, 0, :, 0]
         if layout.startswith("vllm"):
-            weight = shard.build_param(layout, "in_proj_qkvgfab.weight", 0)
-            scale = shard.build_param(layout, "in_proj_qkvgfab.weight_scale", 0)
+            weight = build_param(shard, layout, "in_proj_qkvgfab.weight", 0)
+            scale = build_param(shard, layout, "in_proj_qkvgfab.weight_scale", 0)
             local = 4 * cl + 128 + hl  # 1154 rows, padded to 1280
             assert weight.shape == (1280, hidden) and weight.dtype == NUMPY["F8_E4M3"]
             parts = [w[n][rows] for n in w] + [f_a, b[rank * hl:(rank + 1) * hl]]
@@ -295,13 +298,14 @@ def test_vllm_and_sglang_k3_fp8_fused_weights_and_scales():
             want = np.concatenate([s[n][blocks] for n in s] + [f_a_s, b_s[0:1]])
             assert scale.tobytes() == want.tobytes()
         else:
-            weight = shard.build_param(layout, "fused_qkvg_proj.weight", 0)
-            scale = shard.build_param(layout, "fused_qkvg_proj.weight_scale_inv", 0)
+            weight = build_param(shard, layout, "fused_qkvg_proj.weight", 0)
+            scale = build_param(shard, layout, "fused_qkvg_proj.weight_scale_inv", 0)
             assert weight.tobytes() == np.concatenate([w[n][rows] for n in w]).tobytes()
             assert scale.tobytes() == np.concatenate([s[n][blocks] for n in s]).tobytes()
-            assert shard.build_param(layout, "b_proj.weight_scale_inv", 0).tobytes() == b_s.tobytes()
+            b_scale = build_param(shard, layout, "b_proj.weight_scale_inv", 0)
+            assert b_scale.tobytes() == b_s.tobytes()
         o_s = arr("o_proj.scale", (hidden // 128, 1, heads, 1))[:, 0, :, 0]
-        o_scale = shard.build_param(layout, f"o_proj.{spelling}", 0)
+        o_scale = build_param(shard, layout, f"o_proj.{spelling}", 0)
         assert o_scale.tobytes() == np.ascontiguousarray(o_s[:, blocks]).tobytes()
 
 
@@ -332,8 +336,7 @@ def test_docs_examples_run_and_fill_what_vllm_loaded():
     [loader] = re.findall(r"^```py\n(.*?)^```", DOC.read_text(), flags=re.S | re.M)
     meta, dump = open_dump(DATA / "vllm_k3_tp4_r1.safetensors")
     namespace: dict = {"rank": int(meta["tp_rank"]), "world_size": int(meta["tp_size"]),
-                       "KdaShardedSource": KdaShardedSource, "KdaTpPlan": KdaTpPlan,
-                       "SafetensorsSource": SafetensorsSource}
+                       "kda_tp": kda_tp, "build_param": build_param, "param_plan": param_plan}
     exec(compile(loader.replace("/models/Kimi-K3", str(DATA / "ckpt_k3")), "doc loader", "exec"),
          namespace)
     assert namespace["param"].dtype == torch.float32  # the fixture checkpoint is F32
@@ -354,9 +357,9 @@ def test_build_param_refuses_a_wrong_buffer_or_layer():
     shard = adapter(meta)
     with pytest.raises(ShapeMismatchError, match="in_proj_qkvgfab.weight: the output buffer is "
                        "100 bytes, this rank's tensor is 430080 bytes"):
-        shard.build_param("vllm-0.33-k3", "in_proj_qkvgfab.weight", 0, np.empty(100, np.uint8))
+        build_param(shard, "vllm-0.33-k3", "in_proj_qkvgfab.weight", 0, np.empty(100, np.uint8))
     with pytest.raises(EngineLayoutError, match="layer 5 is not a KDA layer"):
-        shard.build_param("vllm-0.33-k3", "A_log", 5)
+        build_param(shard, "vllm-0.33-k3", "A_log", 5)
 
 
 @pytest.mark.parametrize("ckpt", ["ckpt_kl", "ckpt_glm"])
@@ -402,9 +405,9 @@ def test_transformers_tables_match_what_transformers_loads(ckpt, tmp_path):
     assert {p.suffix for p in params} == set(loaded)
     for p in params:
         want = loaded[p.suffix]
-        got = shard.build_param(layout, p.suffix, 0, model_dtype=model_dtype)
-        assert want.dtype == torch_dtype(shard.param_plan(layout, p.suffix,
-                                                          model_dtype=model_dtype).dtype)
+        got = build_param(shard, layout, p.suffix, 0, model_dtype=model_dtype)
+        assert want.dtype == torch_dtype(param_plan(shard, layout, p.suffix,
+                                                    model_dtype=model_dtype).dtype)
         assert tuple(want.shape) == got.shape, p.suffix
         assert want.contiguous().view(-1).view(torch.uint8).numpy().tobytes() == got.tobytes()
 

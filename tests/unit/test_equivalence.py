@@ -1,4 +1,4 @@
-"""Tests of kda_tp.equivalence.check_tp_equivalence on the kda_small fixture.
+"""Tests of kda_tp.reference.check_tp_equivalence on the kda_small fixture.
 
 The correct split must pass; wrong splits, injected through the ``shard_source_factory`` hook as
 views over the real ``KdaShardedSource`` that swap one tensor for a same-shape wrong slice, must
@@ -15,9 +15,9 @@ import kda_tp
 import numpy as np
 import pytest
 from kda_tp import oracle, synth
-from kda_tp._io import write_safetensors
+from kda_tp.checkpoint import write_safetensors
 from kda_tp.cli import main
-from kda_tp.equivalence import check_tp_equivalence
+from kda_tp.reference import check_tp_equivalence
 from kda_tp.errors import CheckpointError, PlanError
 
 from paths import DATA
@@ -189,6 +189,6 @@ def test_the_numeric_check_accepts_every_layout_shard_accepts(tmp_path, capsys):
     assert rank1.info(kda + "A_log") == ("F32", (1, 1, 2, 1))
     assert main(["verify", str(ckpt), str(out), "--numeric"]) == 0
     assert "numerical TP equivalence passes" in capsys.readouterr().out
-    report = kda_tp.check_tp_equivalence(ckpt, 2)
+    report = kda_tp.reference.check_tp_equivalence(ckpt, 2)
     assert report.passed and report.layers[0].max_abs_error < 1e-5
     assert oracle.verify(ckpt, out) == []

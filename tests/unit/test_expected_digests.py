@@ -1,5 +1,5 @@
-"""kda_tp.expected_digests: a trainer's expected per-rank digests from the tensors it sends (no
-checkpoint on disk) equal ``kda-tp digests`` / ``engine_digests`` on a checkpoint holding the
+"""kda_tp.audit.expected_digests: a trainer's expected per-rank digests from the tensors it sends
+(no checkpoint on disk) equal ``kda-tp digests`` / ``engine_digests`` on a checkpoint holding the
 same tensors, for every vLLM layout, from numpy and torch tensors, streamed or as a mapping."""
 
 from __future__ import annotations
@@ -40,12 +40,12 @@ def cli_digests(capsys, ckpt: Path, engine: str, tp_size: int, *extra: str) -> d
 def test_equal_to_kda_tp_digests_for_every_vllm_layout(engine, capsys):
     ckpt = CKPTS[get_layout(engine).family]
     want = cli_digests(capsys, ckpt, engine, 4)
-    got = kda_tp.expected_digests(fed(ckpt), ckpt / "config.json", engine=engine, tp_size=4)
+    got = kda_tp.audit.expected_digests(fed(ckpt), ckpt / "config.json", engine=engine, tp_size=4)
     assert list(got.items()) == list(want.items())  # the same keys, in the same order
     # A config dict, a mapping of tensors, one rank, the engine's model dtype.
     config = json.loads((ckpt / "config.json").read_text())
-    got = kda_tp.expected_digests(dict(fed(ckpt)), config, engine=engine, tp_size=4, ranks=[2],
-                                  model_dtype="BF16")
+    got = kda_tp.audit.expected_digests(dict(fed(ckpt)), config, engine=engine, tp_size=4,
+                                        ranks=[2], model_dtype="BF16")
     assert got == cli_digests(capsys, ckpt, engine, 4, "--ranks", "2", "--dtype", "BF16")
 
 
@@ -59,7 +59,7 @@ def test_a_generator_in_any_order_is_read_once(capsys):
             reads.append(name)
             yield name, array
 
-    got = kda_tp.expected_digests(stream(), ckpt, engine=engine, tp_size=2)
+    got = kda_tp.audit.expected_digests(stream(), ckpt, engine=engine, tp_size=2)
     assert got == cli_digests(capsys, ckpt, engine, 2)
     assert len(reads) == len(tensors)
 
@@ -78,22 +78,22 @@ def test_torch_bf16_tensors_give_the_same_digests(engine, tmp_path, capsys):
     source = SafetensorsSource(ckpt)
     tensors = {name: source.get(name).to_torch().clone() for name in source.names()}
     assert any(t.dtype == torch.bfloat16 for t in tensors.values())
-    got = kda_tp.expected_digests(tensors, ckpt, engine=engine, tp_size=2)
+    got = kda_tp.audit.expected_digests(tensors, ckpt, engine=engine, tp_size=2)
     assert list(got.items()) == list(cli_digests(capsys, ckpt, engine, 2).items())
     assert len(got) == 2 * 2 * len(get_layout(engine).params_for(
         kda_tp.KdaTpPlan.from_config(source, 0, 2, qk_multiple=1)))
-    got = kda_tp.expected_digests(tensors.items(), ckpt, engine=engine, tp_size=2,
-                                  model_dtype="F32")
+    got = kda_tp.audit.expected_digests(tensors.items(), ckpt, engine=engine, tp_size=2,
+                                        model_dtype="F32")
     assert got == cli_digests(capsys, ckpt, engine, 2, "--dtype", "F32")
 
 
 def test_a_changed_tensor_changes_only_the_parameters_it_feeds(capsys):
     ckpt, engine = CKPTS["kimi-linear"], "vllm-0.33-kimi-linear"
-    before = kda_tp.expected_digests(fed(ckpt), ckpt, engine=engine, tp_size=2)
+    before = kda_tp.audit.expected_digests(fed(ckpt), ckpt, engine=engine, tp_size=2)
     tensors = dict(fed(ckpt))
     name = next(n for n in tensors if n.endswith("self_attn.o_proj.weight"))
     tensors[name] = tensors[name] + tensors[name].dtype.type(1)
-    after = kda_tp.expected_digests(tensors, ckpt, engine=engine, tp_size=2)
+    after = kda_tp.audit.expected_digests(tensors, ckpt, engine=engine, tp_size=2)
     changed = sorted(k for k in before if before[k] != after[k])
     layer = name.split(".self_attn.")[0]
     assert changed == [f"dp0:pp0:pcp0:tp{r}:{layer}.self_attn.o_proj.weight" for r in (0, 1)]
@@ -105,21 +105,21 @@ def test_refusals():
     dropped = next(n for n, _ in tensors if n.endswith("self_attn.dt_bias"))
     layer = int(dropped.split(".layers.")[1].split(".")[0])
     with pytest.raises(CheckpointError, match=rf"KDA layers \[{layer}\].*lacks dt_bias"):
-        kda_tp.expected_digests([t for t in tensors if t[0] != dropped], ckpt, engine=engine,
-                                tp_size=2)
+        kda_tp.audit.expected_digests([t for t in tensors if t[0] != dropped], ckpt, engine=engine,
+                                      tp_size=2)
     again = [t for t in tensors if t[0] == dropped]
     with pytest.raises(CheckpointError, match="was complete and hashed when this tensor"):
-        kda_tp.expected_digests(tensors + again, ckpt, engine=engine, tp_size=2)
+        kda_tp.audit.expected_digests(tensors + again, ckpt, engine=engine, tp_size=2)
     with pytest.raises(CheckpointError, match="sent twice"):
-        kda_tp.expected_digests(again + tensors, ckpt, engine=engine, tp_size=2)
+        kda_tp.audit.expected_digests(again + tensors, ckpt, engine=engine, tp_size=2)
     with pytest.raises(PlanError, match=r"heads \(12\) divisible by tp_size \(5\)"):
-        kda_tp.expected_digests(tensors, ckpt, engine=engine, tp_size=5)
+        kda_tp.audit.expected_digests(tensors, ckpt, engine=engine, tp_size=5)
     with pytest.raises(PlanError, match="rank 2 is out of range"):
-        kda_tp.expected_digests(tensors, ckpt, engine=engine, tp_size=2, ranks=[2])
+        kda_tp.audit.expected_digests(tensors, ckpt, engine=engine, tp_size=2, ranks=[2])
     with pytest.raises(EngineLayoutError, match="Pass a vLLM layout"):
-        kda_tp.expected_digests(tensors, ckpt, engine="sglang-0.5.23-kimi-linear", tp_size=2)
+        kda_tp.audit.expected_digests(tensors, ckpt, engine="sglang-0.5.23-kimi-linear", tp_size=2)
     with pytest.raises(EngineLayoutError, match="this layout is for kimi-k3"):
-        kda_tp.expected_digests(tensors, ckpt, engine="vllm-0.33-k3", tp_size=2)
+        kda_tp.audit.expected_digests(tensors, ckpt, engine="vllm-0.33-k3", tp_size=2)
 
 
 def test_each_layer_is_dropped_once_hashed(tmp_path):
@@ -150,7 +150,7 @@ def test_each_layer_is_dropped_once_hashed(tmp_path):
             yield name, tensor
             del tensor
 
-    got = kda_tp.expected_digests(stream(), ckpt, engine="vllm-0.33-kimi-linear", tp_size=2)
+    got = kda_tp.audit.expected_digests(stream(), ckpt, engine="vllm-0.33-kimi-linear", tp_size=2)
     params = get_layout("vllm-0.33-kimi-linear").params_for(
         kda_tp.KdaTpPlan.from_config(source, 0, 2, qk_multiple=1))
     assert checked == [0, 1] and len(got) == 2 * 3 * len(params)
@@ -172,8 +172,8 @@ def test_equal_to_what_vllms_own_load_weights_leaves(kind, tmp_path):
     engine = vllm_checksums(kind, ckpt, "bfloat16")
     tensors = fed(ckpt)
     for tp_size, rank in runs:
-        ours = kda_tp.expected_digests(tensors, ckpt, engine=layout, tp_size=tp_size,
-                                       ranks=[rank])
+        ours = kda_tp.audit.expected_digests(tensors, ckpt, engine=layout, tp_size=tp_size,
+                                             ranks=[rank])
         assert len(ours) >= 7 and ours == engine[f"{tp_size}:{rank}"]
 
 
@@ -184,5 +184,5 @@ def test_block_fp8_tensors_are_refused_with_the_checkpoint_route(tmp_path):
                                   conv_kernel=4, gate_rank=128, num_layers=1, kda_layers=[0],
                                   style="k3", fp8=True)
     with pytest.raises(DtypeMismatchError, match="block-FP8 KDA weights are not handled from "
-                       "tensors in memory; hash the checkpoint with kda_tp.engine_digests"):
-        kda_tp.expected_digests(fed(ckpt), ckpt, engine="vllm-0.33-k3", tp_size=2)
+                       "tensors in memory; hash the checkpoint with kda_tp.audit.engine_digests"):
+        kda_tp.audit.expected_digests(fed(ckpt), ckpt, engine="vllm-0.33-k3", tp_size=2)

@@ -16,7 +16,7 @@ import kda_tp
 import malformed
 import pytest
 from kda_tp import SafetensorsSource, cli, oracle
-from kda_tp._io import write_index, write_safetensors
+from kda_tp.checkpoint import write_index, write_safetensors
 from kda_tp.cli import main
 from kda_tp.errors import CheckpointError
 from kda_tp.shard import rank_dir, shard_checkpoint, verify_shards

@@ -17,14 +17,9 @@ import ml_dtypes
 import numpy as np
 import pytest
 from kda_tp import oracle
-from kda_tp._io import write_safetensors
+from kda_tp.checkpoint import write_safetensors
 from kda_tp.cli import main
-from kda_tp.errors import (
-    CheckpointError,
-    DtypeMismatchError,
-    PlanError,
-    ShapeMismatchError,
-)
+from kda_tp.errors import CheckpointError, DtypeMismatchError, PlanError, ShapeMismatchError
 from kda_tp.reference import kda_layer_forward, layer_weights
 from kda_tp.shard import rank_dir, shard_checkpoint, verify_shards
 from kda_tp.synth import write_checkpoint, write_small_checkpoint
@@ -176,8 +171,8 @@ def _scale_left_out(source, plan, layers):
 
 @pytest.mark.parametrize("factory", [_even_scale_split, _scale_left_out])
 def test_a_mis_sliced_or_missing_scale_fails_the_numeric_check(factory):
-    assert kda_tp.check_tp_equivalence(FIXTURE, 2).passed
-    report = kda_tp.check_tp_equivalence(FIXTURE, 2, shard_source_factory=factory)
+    assert kda_tp.reference.check_tp_equivalence(FIXTURE, 2).passed
+    report = kda_tp.reference.check_tp_equivalence(FIXTURE, 2, shard_source_factory=factory)
     assert not report.passed
     assert report.layers[0].max_abs_error > 1e-2
 
@@ -295,11 +290,11 @@ def test_dequantize_both_grid_layouts():
     want = weight.astype(np.float32) * np.array(
         [[1, 1, 1, 10, 10]] * 4 + [[100, 100, 100, 1000, 1000]] * 2, np.float32
     )
-    assert np.array_equal(kda_tp.dequantize(weight, grid, (4, 3)), want)
-    assert np.array_equal(kda_tp.dequantize(weight, grid[:, None, :, None], (4, 3)), want)
-    assert kda_tp.dequantize(weight, grid, (4, 3)).dtype == np.float32
+    assert np.array_equal(kda_tp.model.dequantize(weight, grid, (4, 3)), want)
+    assert np.array_equal(kda_tp.model.dequantize(weight, grid[:, None, :, None], (4, 3)), want)
+    assert kda_tp.model.dequantize(weight, grid, (4, 3)).dtype == np.float32
     with pytest.raises(ShapeMismatchError, match=r"expected \[2, 2\] \(or \[2, 1, 2, 1\]\)"):
-        kda_tp.dequantize(weight, grid[:1], (4, 3))
+        kda_tp.model.dequantize(weight, grid[:1], (4, 3))
 
 
 @pytest.mark.slow

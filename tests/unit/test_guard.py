@@ -1,4 +1,4 @@
-"""kda_tp.guard (issue 20), with no engine: the fixture ranks vLLM 0.33.0 and SGLang 0.5.23
+"""kda_tp.guard, with no engine: the fixture ranks vLLM 0.33.0 and SGLang 0.5.23
 loaded pass with one log line; a rank holding another rank's slices stops with GuardError naming
 the parameter and the slice; the modes (KDA_TP_GUARD) fail, warn, off; non-KDA parameters, a
 non-KDA config and a remote checkpoint are skipped; vLLM K3's derived decode copies are
@@ -15,7 +15,7 @@ import pytest
 from safetensors import safe_open
 
 from kda_tp import GuardError, KdaShardedSource, KdaTpError, KdaTpPlan, SafetensorsSource
-from kda_tp.engines import get_layout
+from kda_tp.engines import build_param, get_layout
 from kda_tp.errors import GuardModeError
 from kda_tp.guard import MODE_ENV, GuardResult, check, mode
 
@@ -27,7 +27,8 @@ def built(checkpoint: Path, layout: str, rank: int, tp_size: int) -> dict[str, n
     source = SafetensorsSource(checkpoint)
     shard = KdaShardedSource(source, KdaTpPlan.from_config(source, rank, tp_size, qk_multiple=1))
     lay = get_layout(layout)
-    return {PRE + p.suffix: shard.build_param(lay, p.suffix, 0) for p in lay.params_for(shard.plan)}
+    return {PRE + p.suffix: build_param(shard, lay, p.suffix, 0)
+            for p in lay.params_for(shard.plan)}
 
 
 @pytest.fixture(autouse=True)
@@ -123,7 +124,7 @@ def test_a_config_without_kda_layers_fails_in_fail_and_warns_in_warn(tmp_path, m
     (tmp_path / "config.json").write_text(json.dumps(
         {"model_type": "deepseek_v3", "hidden_size": 64, "num_hidden_layers": 2}))
     params = {f"model.layers.0.self_attn.{n}": np.zeros(4, np.float32) for n in ("A_log", "dt_bias")}
-    # KDA parameters and a config without KDA layers: a check that cannot run (issue 27.2).
+    # KDA parameters and a config without KDA layers: a check that cannot run.
     with pytest.raises(GuardError, match=r"describes no KDA layer; the KDA weights are not "
                        r"checked \(is it the checkpoint the engine loaded\?"):
         check(params, tmp_path, tp_rank=0, tp_size=2)
@@ -215,8 +216,8 @@ def test_the_vllm_plugin_is_an_entry_point_and_imports_no_engine():
     import sys
     from importlib.metadata import entry_points
     (found,) = [e for e in entry_points(group="vllm.general_plugins") if e.name == "kda_tp_guard"]
-    assert found.value == "kda_tp.vllm_plugin:register"
-    code = ("import sys, kda_tp, kda_tp.guard, kda_tp.vllm_plugin; "
+    assert found.value == "kda_tp.guard.vllm:register"
+    code = ("import sys, kda_tp, kda_tp.guard, kda_tp.guard.vllm; "
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('vllm', 'torch', 'sglang')))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
@@ -262,7 +263,7 @@ def test_the_checkpoint_variable_is_stripped_and_a_missing_one_fails(monkeypatch
 
 def test_the_model_dtype_names():
     import ml_dtypes
-    from kda_tp.guard import model_dtype_name
+    from kda_tp.engines import model_dtype_name
     torch = pytest.importorskip("torch")
     assert [model_dtype_name(d) for d in (torch.bfloat16, torch.float16, torch.float32, "bfloat16",
                                           np.dtype(ml_dtypes.bfloat16), torch.int8)] == [
@@ -362,7 +363,7 @@ def test_bad_argument_types_are_named_errors():
 
 
 def test_audit_engine_reports_a_rank_that_wrote_no_report_as_unguarded(tmp_path):
-    from kda_tp.sglang_plugin import audit_engine
+    from kda_tp.guard.sglang import audit_engine
 
     def collective_rpc(method, report_dir, checkpoint):  # only rank 0 of 2 has the guard
         (Path(report_dir) / "kda_tp-guard-tp0.json").write_text(json.dumps(

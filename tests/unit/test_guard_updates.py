@@ -1,4 +1,4 @@
-"""kda_tp.update_check (issue 26), with no engine: the reference of an update is what was fed.
+"""kda_tp.guard.updates, with no engine: the reference of an update is what was fed.
 
 A rank's engine parameters before and after an update are built with the build API from the
 fixture checkpoint and from the same tensors x2 (the "new weights" a trainer sends); what is
@@ -16,8 +16,8 @@ import pytest
 from safetensors import safe_open
 
 from kda_tp import KdaShardedSource, KdaTpPlan, SafetensorsSource
-from kda_tp.engines import get_layout
-from kda_tp.update_check import UpdateCheck
+from kda_tp.engines import build_param, get_layout
+from kda_tp.guard import UpdateCheck
 
 from tp_fixtures import CKPT, PRE, write_one_file
 
@@ -40,7 +40,8 @@ def held(checkpoint: Path, layout: str, rank: int, tp_size: int) -> dict[str, np
     source = SafetensorsSource(checkpoint)
     shard = KdaShardedSource(source, KdaTpPlan.from_config(source, rank, tp_size, qk_multiple=1))
     lay = get_layout(layout)
-    return {PRE + p.suffix: shard.build_param(lay, p.suffix, 0) for p in lay.params_for(shard.plan)}
+    return {PRE + p.suffix: build_param(shard, lay, p.suffix, 0)
+            for p in lay.params_for(shard.plan)}
 
 
 @pytest.mark.parametrize("kind", LAYOUTS)

@@ -1,4 +1,4 @@
-"""Tests of the streaming safetensors writer (kda_tp._io): ``write_safetensors``,
+"""Tests of the streaming safetensors writer (kda_tp.checkpoint.writer): ``write_safetensors``,
 ``write_index`` and ``write_json``.
 
 Files are read back two ways: with the ``safetensors`` package (which validates the layout) and
@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from safetensors import safe_open
 
-from kda_tp import _io
+from kda_tp.checkpoint import writer as _io
 from kda_tp.errors import DtypeMismatchError, OutputError, ShapeMismatchError
 
 from checkpoint_files import read_file

@@ -173,7 +173,7 @@ def test_the_script_dumps_the_corpus(tmp_path: Path) -> None:
 @pytest.mark.parametrize("kind", list(malformed.CLI_KINDS))
 def test_hostile_command_lines_are_refused_in_one_line(corpus_root: Path, kind: str) -> None:
     """Each hostile command line, in its own process: exit 2, exactly one ``kda-tp: error:``
-    line holding the expected words, no traceback. Its time and peak memory (issue 21's 5 s and
+    line holding the expected words, no traceback. Its time and peak memory (at most 5 s and
     600 MB) are measured by ``benchmarks/bench.py --only refuse``, not asserted here."""
     case = malformed.CLI_KINDS[kind](corpus_root)
     env = {**os.environ, **case.env}
@@ -191,7 +191,7 @@ def test_the_api_refuses_bools_bad_offsets_backends_and_plans(corpus_root: Path)
     """Issue 21, class 5: every refusal a KdaTpError subclass (a ValueError), or a TypeError."""
     from kda_tp import KdaShardedSource, KdaTpPlan
     from kda_tp.errors import PlanError, UsageError
-    from kda_tp.layers import check_layers
+    from kda_tp.checkpoint import check_layers
 
     base = malformed.base_checkpoint(corpus_root)
     source = SafetensorsSource(base)
@@ -213,7 +213,7 @@ def test_the_api_refuses_bools_bad_offsets_backends_and_plans(corpus_root: Path)
 
 
 def test_a_deep_or_huge_config_is_refused_in_the_api(corpus_root: Path) -> None:
-    from kda_tp.config import load_config, parse_config
+    from kda_tp.model import load_config, parse_config
     from kda_tp.errors import CheckpointError
 
     case = malformed.CLI_KINDS["cli_config_deep"](corpus_root)

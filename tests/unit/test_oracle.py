@@ -1,8 +1,9 @@
 """Tests of the pure-Python oracle (``kda_tp.oracle``) on its own; no Rust build needed.
 
-The first group ports the tests of ``spec/tp_bind.rs``; the second checks each invariant and
-refusal stated in ``spec/tp.rs``; then real geometries (GLM-5.3-Flash, Kimi-Linear-48B), the
-``kda_small`` fixture's independent slice manifest, and the checkpoint verifier.
+The first group ports the tests of ``tests/data/spec/tp_bind.rs.txt``; the second checks each
+invariant and refusal stated in ``tests/data/spec/tp.rs.txt``; then real geometries (GLM-5.3-Flash,
+Kimi-Linear-48B), the ``kda_small`` fixture's independent slice manifest, and the checkpoint
+verifier.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ def smallest(rank: int) -> oracle.OraclePlan:
     return oracle.plan(rank, 2, 4, 64, 4, 2, 4)
 
 
-# --- spec/tp_bind.rs tests --------------------------------------------------------------------
+# --- tests/data/spec/tp_bind.rs.txt tests ----------------------------------------------------
 
 
 def test_plan_names_strip_the_prefix_but_not_a_missing_suffix():
@@ -175,7 +176,7 @@ def test_the_verifier_sees_local_slices_and_passed_through_tensors(tmp_path):
     assert len(rank1) == 3, "the census still sees everything"
 
 
-# --- spec/tp.rs invariants and refusals -------------------------------------------------------
+# --- tests/data/spec/tp.rs.txt invariants and refusals ----------------------------------------
 
 
 @pytest.mark.parametrize(

@@ -302,8 +302,8 @@ def test_the_oracle_uses_the_recorded_layers_when_the_config_lists_none(tmp_path
 
 def test_glm_configs_are_read_as_transformers_reads_them():
     """GLM-5.3-Flash: layer_types (or every index not 3 mod 4), never kda_layers; a
-    linear_attn_config key wins over the flat one; the same as kda_tp.config."""
-    from kda_tp.config import parse_config
+    linear_attn_config key wins over the flat one; the same as kda_tp.model.config."""
+    from kda_tp.model import parse_config
 
     text = {"model_type": "glm5_next_text", "hidden_size": 64, "linear_head_dim": 32,
             "linear_num_heads": 4, "linear_conv_kernel_dim": 4, "num_hidden_layers": 6,
@@ -323,8 +323,8 @@ def test_glm_configs_are_read_as_transformers_reads_them():
 
 def test_the_oracle_refuses_the_configs_transformers_refuses():
     """Kimi kda_layers listed twice or beyond num_hidden_layers; a GLM layer_types of the wrong
-    length or with a type transformers does not know. kda_tp.config refuses them too."""
-    from kda_tp.config import parse_config
+    length or with a type transformers does not know. kda_tp.model.config refuses them too."""
+    from kda_tp.model import parse_config
 
     lac = {"head_dim": 16, "num_heads": 4, "short_conv_kernel_size": 4}
     kimi = {"model_type": "kimi_linear", "hidden_size": 64, "num_hidden_layers": 4}

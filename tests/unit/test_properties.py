@@ -1,10 +1,10 @@
 """Property tests: the Rust shard plan (``kda_tp``) against the pure-Python oracle.
 
-The oracle (``kda_tp.oracle``) restates ``spec/tp.rs`` and ``spec/tp_bind.rs`` independently of
-the Rust core, so every property is "Rust and oracle agree", plus the invariants that hold
-whatever the plan is: the ranks' slices of a tensor rejoin to the tensor, and TP=1 is the
-identity. Geometries stay small (heads up to 64, hidden up to 64, channels up to ~8k) so that
-random byte buffers for every tensor of every rank are cheap.
+The oracle (``kda_tp.oracle``) restates ``tests/data/spec/tp.rs.txt`` and
+``tests/data/spec/tp_bind.rs.txt`` independently of the Rust core, so every property is "Rust and
+oracle agree", plus the invariants that hold whatever the plan is: the ranks' slices of a tensor
+rejoin to the tensor, and TP=1 is the identity. Geometries stay small (heads up to 64, hidden up to
+64, channels up to ~8k) so that random byte buffers for every tensor of every rank are cheap.
 """
 
 from __future__ import annotations

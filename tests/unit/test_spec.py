@@ -1,5 +1,5 @@
-"""The spec's own tests (tp.rs invariants, tp_bind.rs tests), run against the Rust core through
-the Python API, with the spec's byte patterns."""
+"""The spec's own tests (tests/data/spec: tp.rs.txt invariants, tp_bind.rs.txt tests), run against
+the Rust core through the Python API, with the spec's byte patterns."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import kda_tp
 import numpy as np
 import pytest
 from kda_tp import KdaShard, KdaTpPlan, shard_bytes
-from kda_tp.source import checkpoint_suffix
+from kda_tp.checkpoint import checkpoint_suffix
 
 
 def glm(rank: int) -> KdaTpPlan:

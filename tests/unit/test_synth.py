@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 from safetensors import safe_open
 
-from kda_tp import _io, synth
+from kda_tp.checkpoint import writer as _io
+from kda_tp.synth import checkpoints as synth
 from kda_tp.errors import DtypeMismatchError, OutputError, PlanError
 
 from checkpoint_files import read_file

@@ -4,7 +4,7 @@ A serving engine (vLLM, SGLang, transformers) loads each rank's KDA parameters w
 code, fusing the checkpoint tensors in its own layout (:mod:`kda_tp.engines`). :func:`audit`
 takes what one rank holds (its ``state_dict()``, or a ``save_sharded_state`` dump of it), builds
 each KDA parameter the engine should hold from the checkpoint with the same code a loader uses
-(:meth:`KdaShardedSource.build_param <kda_tp.KdaShardedSource>`), and compares them byte for
+(:func:`kda_tp.engines.build_param`), and compares them byte for
 byte, after casting the expected values to the parameter's dtype as the engine does (e.g. BF16
 to F32). A parameter that differs is diagnosed: which part (plan tensor) differs first, at which
 index, and what the data equals instead when it equals some other slice (another rank's, another
@@ -27,45 +27,22 @@ from typing import Any
 
 import numpy as np
 
-from .diagnosis import Candidates, audit_overflow, compare, exact_in_place
-from .report import AuditReport, ParamAudit, PartDifference
-from .values import CASTABLE, as_record, cast_overflow
-from ..checkpoint.reader import SafetensorsSource
 from ..checkpoint.description import describe
-from .dump_files import (
-    RankFiles,
-    dump_world_size,
-    meta_int,
-    rank_of_file,
-    sharded_state_files,
-)
-from ..engines.registry import (
-    LAYOUTS,
-    EngineLayout,
-    EngineParam,
-    get_layout,
-    param_location,
-    param_name,
-    recognise,
-)
-from ..errors import CheckpointError, EngineLayoutError, PlanError, UsageError
-from ..model.families import FAMILIES
+from ..checkpoint.reader import SafetensorsSource
+from ..engines.build import build_param, engine_params, param_plan
 from ..engines.dtype import engine_model_dtype
+from ..engines.layout import EngineLayout, EngineParam
+from ..engines.registry import LAYOUTS, get_layout, param_location, param_name, recognise
+from ..errors import CheckpointError, EngineLayoutError, PlanError
+from ..model.families import FAMILIES
 from ..rank.plan import KdaTpPlan
 from ..rank.view import KdaShardedSource
+from .diagnosis import Candidates, audit_overflow, compare, exact_in_place
+from .dump_files import RankFiles, dump_world_size, meta_int, rank_of_file, sharded_state_files
+from .report import AuditReport, ParamAudit
+from .values import CASTABLE, as_record
 
-# The audit's report types, the value coercion the guard uses and the dump-file listing are
-# importable from here, where they were before the module was cut along its seams.
-__all__ = [
-    "AuditReport",
-    "ParamAudit",
-    "PartDifference",
-    "as_record",
-    "audit",
-    "audit_path",
-    "cast_overflow",
-    "sharded_state_files",
-]
+__all__ = ["audit", "audit_path"]
 
 # The model families' names in messages.
 _FAMILY_NAMES = {name: family.display for name, family in FAMILIES.items()}
@@ -231,7 +208,7 @@ class _Auditor:
 
     def engine_params(self, rank: int, layout: EngineLayout) -> list[tuple[int, EngineParam]]:
         """The rank's engine parameters in the audited layers (a pipeline stage's only)."""
-        return [(layer, param) for layer, param in self.shard(rank).engine_params(layout)
+        return [(layer, param) for layer, param in engine_params(self.shard(rank), layout)
                 if layer in self.layers]
 
     def run(self, records: Mapping[str, Any], rank: int, selected: _Selected,
@@ -260,10 +237,10 @@ class _Auditor:
     def follows_model(self, rank: int, layout: EngineLayout, suffix: str) -> bool:
         """Whether the engine casts parameter ``suffix`` to its model dtype (not a dtype the
         layout fixes, such as F32 ``A_log``, nor FP8 parts or a scale grid)."""
-        return self.shard(rank).param_plan(layout, suffix, model_dtype="F64").dtype == "F64"
+        return param_plan(self.shard(rank), layout, suffix, model_dtype="F64").dtype == "F64"
 
     def model_dtype(self, layout: EngineLayout) -> str:
-        """The engine's model dtype (``kda_tp.model_dtype.engine_model_dtype``): the one
+        """The engine's model dtype (``kda_tp.engines.engine_model_dtype``): the one
         asked for, else ``layout``'s engine's default for this checkpoint."""
         return engine_model_dtype(self.source, layout.engine, self.requested_dtype)
 
@@ -274,7 +251,7 @@ class _Auditor:
         naming both (e.g. F16 in a BF16 engine: a lossy cast)."""
         shard = self.shard(rank)
         record = None if value is None else as_record(name, value)
-        plan = shard.param_plan(layout, suffix, model_dtype=model_dtype)
+        plan = param_plan(shard, layout, suffix, model_dtype=model_dtype)
         if record is None:
             return ParamAudit(rank, layer, name, "missing",
                               f"missing: {layout.name} holds {suffix} {list(plan.shape)} here")
@@ -291,8 +268,8 @@ class _Auditor:
         @functools.cache
         def build() -> np.ndarray:
             with np.errstate(over="ignore", invalid="ignore"):  # an overflow is reported below
-                built: np.ndarray = shard.build_param(layout, suffix, layer,
-                                                      model_dtype=model_dtype)
+                built: np.ndarray = build_param(shard, layout, suffix, layer,
+                                                model_dtype=model_dtype)
             return built.reshape(-1)
 
         result = compare(rank, layer, name, record, plan, build, candidates)
@@ -321,7 +298,7 @@ def audit(
 
     For every KDA layer of the checkpoint (from its config) and every parameter the engine's
     layout has (:mod:`kda_tp.engines`), the expected bytes are built with
-    :meth:`KdaShardedSource.build_param <kda_tp.KdaShardedSource.build_param>` (what the
+    :func:`kda_tp.engines.build_param` (what the
     engine's loader leaves in the parameter: this rank's slices of the plan tensors in the
     layout's order, padding zero, cast to the parameter's dtype: the layout's fixed one, e.g.
     F32 for ``A_log``, else the engine's model dtype, as the engine casts to it) and compared
@@ -346,7 +323,7 @@ def audit(
             KDA layer of the checkpoint; None: every KDA layer of the checkpoint.
         model_dtype: the engine's model dtype (its ``--dtype``) as safetensors names it:
             ``"BF16"``, ``"F16"`` or ``"F32"``; None: the engine's default for this
-            checkpoint (``kda_tp.model_dtype.engine_model_dtype``: the config's
+            checkpoint (``kda_tp.engines.engine_model_dtype``: the config's
             ``dtype``/``torch_dtype`` as vLLM or SGLang reads it; an F32 or dtype-less config
             runs in BF16 under vLLM, F16 under SGLang). A parameter the engine casts to its
             model dtype held in another dtype is wrong (F16 held by a BF16 engine is a lossy
@@ -448,7 +425,7 @@ def _world_size(root: Path, files: Mapping[int, Sequence[Path]], given: int | No
     Raises:
         PlanError: ``given`` disagrees with the dump (its metadata, or a rank ``>= given`` in
             its file names), or neither says.
-        CheckpointError: the dump's files disagree (``kda_tp.dump_files.dump_world_size``).
+        CheckpointError: the dump's files disagree (``kda_tp.audit.dump_world_size``).
     """
     directory = root.is_dir()
     told = dump_world_size(files, by_names=directory)
@@ -477,7 +454,6 @@ def audit_path(
     engine: str | None = None,
     model_dtype: str | None = None,
     progress: Callable[[int], Callable[[int], None]] | None = None,
-    rank: int | None = None,
 ) -> AuditReport:
     """:func:`audit` on files: a ``save_sharded_state`` directory, or one rank's file.
 
@@ -496,17 +472,15 @@ def audit_path(
         checkpoint: the checkpoint the engine loaded.
         path: the directory given to ``save_sharded_state``, or one rank's ``.safetensors``.
         tp_size: the engine's tensor-parallel world size; None: the one the dump tells
-            (``kda_tp.dump_files.dump_world_size``: its files' ``tp_size`` metadata, else
+            (``kda_tp.audit.dump_world_size``: its files' ``tp_size`` metadata, else
             the highest rank in a directory's file names plus one).
         tp_rank: see above (the keyword name every kda_tp function uses for a TP rank).
         engine: see :func:`audit`; the ranks' names must fit one layout.
         model_dtype: the engine's model dtype, as for :func:`audit`.
         progress: called once with the number of parameters to check; returns
             ``advance(n)``, called after each (as for :func:`~kda_tp.shard.verify_shards`).
-        rank: the former name of ``tp_rank``, kept as an alias.
 
     Raises:
-        UsageError: both ``tp_rank`` and its alias ``rank`` given.
         CheckpointError: ``path`` does not exist, is a directory without ``sharded_state``
             files, no rank's files hold a KDA parameter, a file's rank is not known (its
             metadata's ``tp_rank`` not ASCII digits), or two files' metadata name different
@@ -517,14 +491,9 @@ def audit_path(
             ``tp_size`` metadata of another size), ``tp_rank`` metadata that disagrees with the
             rank, and no ``tp_size`` for a dump that does not tell it.
     """
-    if rank is not None and tp_rank is not None:
-        raise UsageError(f"audit_path: tp_rank={tp_rank!r} and rank={rank!r} given; rank is the "
-                         "former name of tp_rank: pass tp_rank only")
     root = Path(path)
     given = None if tp_size is None else _whole("tp_size", tp_size, 1)
-    chosen = tp_rank if tp_rank is not None else rank
-    name = "tp_rank" if tp_rank is not None else "rank"
-    rank = None if chosen is None else _whole(name, chosen, 0)
+    rank = None if tp_rank is None else _whole("tp_rank", tp_rank, 0)
     auditor = None if given is None else _Auditor(checkpoint, given, engine,
                                                   model_dtype=model_dtype)
     if auditor is not None:

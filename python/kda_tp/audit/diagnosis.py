@@ -14,23 +14,16 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .report import ParamAudit, PartDifference
-from .values import (
-    CASTABLE,
-    bytes_equal,
-    cast_overflow,
-    cast_to,
-    first_difference,
-    same_values,
-)
-from ..checkpoint.reader import SafetensorsSource, Tensor, numpy_dtype
-from ..engines.registry import EngineParamPlan
 from ..checkpoint.names import kda_tensor_name, scale_tensor_name
+from ..checkpoint.reader import SafetensorsSource, Tensor, checked_get, numpy_dtype
+from ..engines.layout import EngineParamPlan
 from ..rank.plan import KdaShard, KdaTensorPlan
-from ..rank.view import KdaShardedSource, checked_get
+from ..rank.view import KdaShardedSource
+from .report import ParamAudit, PartDifference
+from .values import CASTABLE, bytes_equal, cast_to, first_difference, same_values
 
-__all__ = ["DIAGNOSIS_BUDGET", "Candidates", "audit_overflow", "compare", "exact_in_place",
-           "identify"]
+__all__ = ["DIAGNOSIS_BUDGET", "Candidates", "audit_overflow", "cast_overflow", "compare",
+           "exact_in_place", "identify"]
 
 #: What the diagnosis of one rank's KDA layer may compare in full and gather (another rank's
 #: column slice of ``o_proj``), in multiples of the rank's bytes of that layer. Past it, the
@@ -271,6 +264,41 @@ def _part_order(data: np.ndarray, spans: Sequence[_Span], parts: Mapping[str, np
     if order is None or order == names:
         return None
     return f"its parts in another order: {', '.join(order)} (expected {', '.join(names)})"
+
+
+def cast_overflow(plan: EngineParamPlan, built: np.ndarray,
+                  part_values: Callable[[str], np.ndarray]) -> str | None:
+    """When casting a part to the parameter's dtype turns a finite checkpoint value into an
+    infinity (e.g. 70000.0 to F16), what overflows (``"the cast from BF16 to F16 overflows:
+    ..."``), else None: the one rule of the audit and of ``kda_tp.audit.write_engine_dump`` /
+    ``kda_tp.audit.engine_digests``.
+
+    Args:
+        plan: the parameter's plan (``kda_tp.engines.param_plan``).
+        built: the parameter as built (``kda_tp.engines.build_param``), flat.
+        part_values: a part's slice as the checkpoint stores it, flat (read only for a part
+            that is cast and holds an infinity).
+    """
+    size = numpy_dtype(plan.dtype).itemsize
+    for region in plan.regions:
+        if region.source_dtype == plan.dtype:
+            continue
+        cast = built[region.byte_range[0] // size : region.byte_range[1] // size]
+        infinite = np.isinf(cast)
+        if not infinite.any():
+            continue
+        values = part_values(region.part)
+        overflowed = np.flatnonzero(infinite & np.isfinite(values))
+        if overflowed.size:
+            i = int(overflowed[0])
+            at = [int(x) for x in np.unravel_index(i, region.shape)]
+            return (
+                f"the cast from {region.source_dtype} to {plan.dtype} overflows: "
+                f"{region.part}'s {float(values[i])!r} (its {at}) becomes inf, as do "
+                f"{overflowed.size} of its {values.size} values; {plan.dtype} cannot hold this "
+                "checkpoint's weights"
+            )
+    return None
 
 
 def audit_overflow(plan: EngineParamPlan, expected: np.ndarray, candidates: Candidates

@@ -1,44 +1,49 @@
-"""What each engine rank must hold after an RL weight update, computed on the trainer's side from
-the tensors it is about to send: no checkpoint on disk, nothing gathered.
+"""What each engine rank must hold, hashed as vLLM's weight checksums: from a checkpoint, or on
+the trainer's side of an RL weight update from the tensors it is about to send.
 
-:func:`expected_digests` takes the full checkpoint-format tensors a trainer hands to the engine
+:func:`engine_digests` hashes the parameters an engine's ranks must hold for a checkpoint
+(``kda_tp.audit.expected_params``) as vLLM's ``Worker.compute_weight_checksums`` does: the
+SHA-256 of each parameter's raw bytes, keyed ``dp0:pp0:pcp0:tp{r}:<name>`` (:data:`DIGEST_KEY`),
+to compare with the checksums a running vLLM reports (``POST /weight_checker`` with ``"action":
+"checksum"``) with nothing installed in the engine.
+
+:func:`expected_digests` needs no checkpoint on disk and gathers nothing: it takes the full checkpoint-format tensors a trainer hands to the engine
 (``model.layers.3.self_attn.q_proj.weight``: the names and layout of the model's checkpoint, as
 ``load_weights`` and the weight-transfer APIs take them) and the model's config, and returns
 the SHA-256 of every KDA parameter of every engine rank, keyed as ``kda-tp digests`` (and
 vLLM's ``compute_weight_checksums``) keys them. It walks the same list as
-:func:`~kda_tp.engine_digests` does for a checkpoint (``KdaShardedSource.engine_params``, each
-parameter built by ``KdaShardedSource.build_param``), one KDA layer at a time, as soon as
+:func:`~kda_tp.audit.engine_digests` does for a checkpoint (``kda_tp.engines.engine_params``, each
+parameter built by ``kda_tp.engines.build_param``), one KDA layer at a time, as soon as
 that layer's tensors have all arrived.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from ..checkpoint.reader import Tensor
-from ..model.config import KdaConfig, load_config, parse_config
-from .values import as_record
-from .dump import DIGEST_KEY, build_checked, checked_ranks, param_digest, vllm_layout
-from ..engines.registry import EngineLayout, param_location, param_name
-from ..errors import (
-    CheckpointError,
-    DtypeMismatchError,
-    EngineLayoutError,
-    PlanError,
-    UsageError,
-)
-from ..checkpoint.names import checkpoint_suffix, kda_tensor_name
-from ..engines.dtype import config_model_dtype
-from ..rank.plan import KdaTpPlan
-from ..model.quant import FP8_DTYPES
-from ..model.families import family_for
-from ..rank.view import KdaShardedSource
+import numpy as np
 
-__all__ = ["expected_digests"]
+from ..checkpoint.names import checkpoint_suffix, kda_tensor_name
+from ..checkpoint.reader import SafetensorsSource, Tensor
+from ..engines.build import engine_params, param_plan
+from ..engines.dtype import config_model_dtype
+from ..engines.layout import EngineLayout
+from ..engines.registry import LAYOUTS, get_layout, param_location, param_name
+from ..errors import CheckpointError, DtypeMismatchError, EngineLayoutError, PlanError, UsageError
+from ..model.config import KdaConfig, load_config, parse_config
+from ..model.families import family_for
+from ..model.quant import FP8_DTYPES
+from ..rank.plan import KdaTpPlan
+from ..rank.view import KdaShardedSource
+from .expected_params import build_checked, checked_ranks, expected_params
+from .values import as_record
+
+__all__ = ["DIGEST_KEY", "engine_digests", "expected_digests", "param_digest", "vllm_layout"]
 
 #: The last name part of the tensors only a KDA layer holds (as the audit's markers).
 _MARKERS = ("A_log", "dt_bias")
@@ -72,6 +77,78 @@ class _LayerTensors:
         return f"the tensors fed for KDA layer {self.layer} ({self.prefix}{self.layer}.self_attn.*)"
 
 
+#: vLLM 0.33's key of one parameter's checksum (``Worker._weight_checksum_prefix`` + the
+#: parameter's name): data-parallel index, pipeline, prefill-context-parallel and
+#: tensor-parallel rank. A KDA model served with tensor parallelism alone has ``dp0:pp0:pcp0``.
+DIGEST_KEY = "dp0:pp0:pcp0:tp{rank}:{name}"
+
+def engine_digests(
+    checkpoint: str | os.PathLike[str] | SafetensorsSource,
+    *,
+    engine: str | EngineLayout,
+    tp_size: int,
+    ranks: Sequence[int] | None = None,
+    model_dtype: str | None = None,
+) -> dict[str, str]:
+    """The SHA-256 of every KDA parameter an engine's ranks must hold, keyed as vLLM keys its
+    weight checksums.
+
+    vLLM 0.33's ``Worker.compute_weight_checksums`` returns, for every parameter of the model
+    (``named_parameters()``; buffers are not included), ``sha256(p.detach().cpu().contiguous()
+    .view(-1).view(torch.uint8).numpy()).hexdigest()`` (``vllm/model_executor/model_loader/
+    weight_checksum.py``: ``compute_tensor_digests``), keyed ``dp{dp}:pp{pp}:pcp{pcp}:tp{tp}:``
+    + the name. This computes the same for the parameters of :func:`write_engine_dump`: the
+    hash of the row-major raw bytes, in the parameter's dtype, of what the engine's loader
+    leaves in each KDA parameter, keyed with :data:`DIGEST_KEY`. A digest can only match
+    where the engine keeps the parameter as loaded: see ``docs/audit.md`` for the parameters
+    vLLM rewrites after loading.
+
+    Args:
+        checkpoint: the checkpoint the engine loads (as for :func:`write_engine_dump`).
+        engine: a vLLM layout or its name (``"vllm-0.33-k3"``, ``"vllm-0.33-kimi-linear"``,
+            ``"vllm-0.33-glm-5.3"``).
+        tp_size: the engine's tensor-parallel world size.
+        ranks: the ranks (default: all).
+        model_dtype: the engine's model dtype, as for :func:`write_engine_dump`.
+
+    Returns:
+        ``{key: hex digest}``, ranks in order, then layers, then the layout's parameters.
+
+    Raises:
+        EngineLayoutError: a layout of another engine than vLLM (its checksums, where it has
+            any, are keyed otherwise), and as :func:`write_engine_dump`.
+        PlanError, CheckpointError, DtypeMismatchError: as :func:`write_engine_dump`.
+    """
+    _, by_rank = expected_params(checkpoint, vllm_layout(engine), tp_size, ranks, model_dtype)
+    return {DIGEST_KEY.format(rank=r, name=p.name): param_digest(p.build())
+            for r, params in by_rank for p in params}
+
+
+def vllm_layout(engine: str | EngineLayout) -> EngineLayout:
+    """``engine``'s layout, which must be a vLLM one: digests are vLLM's weight checksums
+    (``engine_digests`` and ``kda_tp.audit.expected_digests``).
+
+    Raises:
+        EngineLayoutError: an unknown layout, or one of another engine (the message lists the
+            vLLM layouts).
+    """
+    layout = get_layout(engine)
+    if layout.engine != "vllm":
+        vllm = ", ".join(n for n, lay in LAYOUTS.items() if lay.engine == "vllm")
+        raise EngineLayoutError(
+            f"{layout.name}: digests are vLLM's weight checksums (compute_weight_checksums); "
+            f"{layout.engine} computes none of its own keyed so. Pass a vLLM layout: {vllm}"
+        )
+    return layout
+
+
+def param_digest(built: np.ndarray) -> str:
+    """The SHA-256 (hex) of a parameter's row-major raw bytes, as vLLM's
+    ``compute_tensor_digests`` hashes them."""
+    data = np.ascontiguousarray(built).reshape(-1).view(np.uint8)
+    return hashlib.sha256(data.data).hexdigest()
+
+
 def expected_digests(
     tensors: Iterable[tuple[str, Any]] | Mapping[str, Any],
     config: Mapping[str, Any] | str | os.PathLike[str],
@@ -83,12 +160,12 @@ def expected_digests(
 ) -> dict[str, str]:
     """The SHA-256 of every KDA parameter each engine rank must hold once ``tensors`` are
     loaded, keyed as ``kda-tp digests`` keys them (``dp0:pp0:pcp0:tp{r}:<engine name>``,
-    :data:`~kda_tp.engine_dump.DIGEST_KEY`): the trainer's side of an RL refit, to compare with
+    :data:`~kda_tp.audit.DIGEST_KEY`): the trainer's side of an RL refit, to compare with
     the checksums the engine reports after the update (vLLM: ``POST /weight_checker`` with
     ``"action": "checksum"``, or ``collective_rpc("compute_weight_checksums")``).
 
-    For the same tensors this equals :func:`~kda_tp.engine_digests` on a checkpoint holding
-    them (the same parameters, built by ``KdaShardedSource.build_param`` and hashed the same
+    For the same tensors this equals :func:`~kda_tp.audit.engine_digests` on a checkpoint holding
+    them (the same parameters, built by ``kda_tp.engines.build_param`` and hashed the same
     way). Nothing is gathered and nothing is written: each KDA layer is hashed as soon as all
     its tensors have arrived, then dropped, so the extra memory is one KDA layer's tensors (a
     host copy of those on a GPU) and one engine parameter. Tensors that are not a KDA layer's
@@ -107,7 +184,7 @@ def expected_digests(
         ranks: the ranks (default: all).
         model_dtype: the engine's model dtype for the parameters it casts to it (``"BF16"``,
             ``"F16"``, ``"F32"``): the engine's ``--dtype``; None: its default for ``config``
-            (``kda_tp.model_dtype.config_model_dtype``: the config's ``dtype`` /
+            (``kda_tp.engines.config_model_dtype``: the config's ``dtype`` /
             ``torch_dtype``, F32 or none meaning BF16), as for ``engine_digests``.
 
     Returns:
@@ -263,7 +340,7 @@ def _plan(kda: KdaConfig, first: _LayerTensors, required: set[str], rank: int,
         if tensor.dtype in FP8_DTYPES:
             raise DtypeMismatchError(
                 f"{name}: dtype {tensor.dtype}: block-FP8 KDA weights are not handled from "
-                "tensors in memory; hash the checkpoint with kda_tp.engine_digests"
+                "tensors in memory; hash the checkpoint with kda_tp.audit.engine_digests"
             )
         dtypes[suffix.removesuffix(".weight")] = tensor.dtype
     a_log = first.tensors[kda_tensor_name(first.prefix, first.layer, "A_log")]
@@ -282,10 +359,10 @@ def _hash_layer(group: _LayerTensors, plan: KdaTpPlan, layout: EngineLayout,
     shard = KdaShardedSource(group, plan, layers=[group.layer])
     prefix = layout.state_dict_prefix(shard.prefix)
     out = []
-    for layer, param in shard.engine_params(layout):
+    for layer, param in engine_params(shard, layout):
         name = param_name(prefix, layer, param.suffix)
-        param_plan = shard.param_plan(layout, param.suffix, model_dtype=model_dtype)
-        built = build_checked(shard, layout, layer, param_plan, name, model_dtype,
+        planned = param_plan(shard, layout, param.suffix, model_dtype=model_dtype)
+        built = build_checked(shard, layout, layer, planned, name, model_dtype,
                               "pass another model_dtype, or none for the tensors' own")
         out.append((DIGEST_KEY.format(rank=plan.tp_rank, name=name), param_digest(built)))
     return out

@@ -2,8 +2,8 @@
 
 vLLM and SGLang write one rank's ``state_dict()`` as ``model-rank-{r}-part-{p}.safetensors``
 (vLLM with pipeline stages: ``model-pp-{pp}-tp-{r}-part-{p}.safetensors``); ``kda-tp dump``
-writes :data:`DUMP_FILE`. The audit (``kda_tp.engine_audit``) reads dumps with these names and
-the writer (``kda_tp.engine_dump``) names and replaces its files with them.
+writes :data:`DUMP_FILE`. The audit (``kda_tp.audit.auditor``) reads dumps with these names and
+the writer (``kda_tp.audit.dump``) names and replaces its files with them.
 """
 
 from __future__ import annotations
@@ -14,11 +14,10 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from ..checkpoint.reader import SafetensorsSource, Tensor, checked_get
 from ..checkpoint.writer import open_files_error
-from ..checkpoint.reader import SafetensorsSource, Tensor
-from ..model.config import parse_metadata_int
 from ..errors import CheckpointError
-from ..rank.view import checked_get
+from ..model.json_reader import parse_metadata_int
 
 __all__ = ["DUMP_FILE", "RankFiles", "dump_world_size", "meta_int", "rank_of_file",
            "rank_of_name", "sharded_state_files"]
@@ -56,7 +55,7 @@ def sharded_state_files(
     Raises:
         CheckpointError: ``path`` cannot be listed, holds no such file (unless
             ``allow_empty``), or a file name's rank has more digits than
-            ``kda_tp.config.MAX_INT_DIGITS``.
+            ``kda_tp.model.MAX_INT_DIGITS``.
     """
     root = Path(path)
     try:
@@ -91,7 +90,7 @@ def meta_int(meta: Mapping[str, Any], key: str, path: Path) -> int | None:
     digits (``str.isdigit`` is also true for ``"²"``, which ``int`` refuses).
 
     Raises:
-        CheckpointError: ASCII digits, but more than ``kda_tp.config.MAX_INT_DIGITS``.
+        CheckpointError: ASCII digits, but more than ``kda_tp.model.MAX_INT_DIGITS``.
     """
     value = meta.get(key)
     if isinstance(value, str) and _ASCII_INT.fullmatch(value):

@@ -1,4 +1,4 @@
-"""The audit's verdicts: per part, per parameter, per run (:func:`kda_tp.audit`).
+"""The audit's verdicts: per part, per parameter, per run (:func:`kda_tp.audit.audit`).
 
 :class:`AuditReport` holds one :class:`ParamAudit` per KDA parameter of every audited rank; a
 parameter that differs carries one :class:`PartDifference` per differing part. Every class has
@@ -29,7 +29,7 @@ class PartDifference:
             ``"rank 0's slice of q_proj"``); for the padding, which rows must be zero. None
             when it matches nothing tried.
         untried: how many candidate slices the diagnosis did not compare, its budget spent
-            (``kda_tp.audit_diagnosis.DIAGNOSIS_BUDGET``); 0 when every one was tried.
+            (``kda_tp.audit.diagnosis.DIAGNOSIS_BUDGET``); 0 when every one was tried.
     """
 
     part: str
@@ -116,7 +116,8 @@ class ParamAudit:
 
 @dataclass
 class AuditReport:
-    """The outcome of :func:`audit` (one rank) or :func:`~kda_tp.engine_audit.audit_path` (one or every rank).
+    """The outcome of :func:`audit` (one rank) or :func:`~kda_tp.audit.audit_path` (one or every
+    rank).
 
     Attributes:
         engine: the engine layout audited against (a :data:`kda_tp.engines.LAYOUTS` key).

@@ -11,16 +11,14 @@ from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from ..checkpoint.reader import Tensor, numpy_dtype, torch_dtype
-from ..engines.registry import EngineParamPlan
 from ..errors import CheckpointError, ShapeMismatchError
 
-__all__ = ["CASTABLE", "DTYPES", "as_record", "bytes_equal", "cast_overflow", "cast_to",
+__all__ = ["CASTABLE", "DTYPES", "as_record", "bytes_equal", "cast_to",
            "differing", "first_difference", "same_values"]
 
 # The float dtypes an engine casts between (torch's `copy_`, round to nearest even); FP8 and
@@ -86,7 +84,7 @@ def as_record(name: str, value: Any) -> Tensor:
 
 def cast_to(values: np.ndarray, dtype: str) -> np.ndarray:
     """``values`` in safetensors dtype ``dtype``, cast as the engines' ``copy_`` does (round to
-    nearest even) and as ``KdaShardedSource.build_param`` does; unchanged when already of it."""
+    nearest even) and as ``kda_tp.engines.build_param`` does; unchanged when already of it."""
     target = numpy_dtype(dtype)
     return values if values.dtype == target else values.astype(target)
 
@@ -146,41 +144,6 @@ def first_difference(a: np.ndarray, b: np.ndarray) -> int:
     found = _first_chunk_difference(a, b)
     assert found is not None, "first_difference of arrays holding the same values"
     return found
-
-
-def cast_overflow(plan: EngineParamPlan, built: np.ndarray,
-                  part_values: Callable[[str], np.ndarray]) -> str | None:
-    """When casting a part to the parameter's dtype turns a finite checkpoint value into an
-    infinity (e.g. 70000.0 to F16), what overflows (``"the cast from BF16 to F16 overflows:
-    ..."``), else None: the one rule of the audit and of ``kda_tp.write_engine_dump`` /
-    ``kda_tp.engine_digests``.
-
-    Args:
-        plan: the parameter's plan (``KdaShardedSource.param_plan``).
-        built: the parameter as built (``KdaShardedSource.build_param``), flat.
-        part_values: a part's slice as the checkpoint stores it, flat (read only for a part
-            that is cast and holds an infinity).
-    """
-    size = numpy_dtype(plan.dtype).itemsize
-    for region in plan.regions:
-        if region.source_dtype == plan.dtype:
-            continue
-        cast = built[region.byte_range[0] // size : region.byte_range[1] // size]
-        infinite = np.isinf(cast)
-        if not infinite.any():
-            continue
-        values = part_values(region.part)
-        overflowed = np.flatnonzero(infinite & np.isfinite(values))
-        if overflowed.size:
-            i = int(overflowed[0])
-            at = [int(x) for x in np.unravel_index(i, region.shape)]
-            return (
-                f"the cast from {region.source_dtype} to {plan.dtype} overflows: "
-                f"{region.part}'s {float(values[i])!r} (its {at}) becomes inf, as do "
-                f"{overflowed.size} of its {values.size} values; {plan.dtype} cannot hold this "
-                "checkpoint's weights"
-            )
-    return None
 
 
 def bytes_equal(a: np.ndarray, b: np.ndarray) -> bool:

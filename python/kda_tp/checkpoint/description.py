@@ -1,7 +1,7 @@
 """One description of a checkpoint: what kda_tp reads from a model before it plans a rank.
 
 :func:`describe` inspects a checkpoint (or a bare config) once per process: the config and
-its family (:mod:`kda_tp.families`), the KDA geometry and gate (``KdaConfig``),
+its family (:mod:`kda_tp.model.families`), the KDA geometry and gate (``KdaConfig``),
 the declared quantization, the decoder prefix, and every ``self_attn`` tensor of the decoder
 layers, found in one pass over the names. Each part is read the first time something asks for
 it and kept: a rank's plan (``KdaTpPlan.from_description``) is then arithmetic on the facts of
@@ -27,13 +27,12 @@ from pathlib import Path
 from typing import Any
 
 from .. import _native
-from .reader import SafetensorsSource, refuse_index_member
-from ..model.config import CONFIG_NAME, KdaConfig, load_config, no_config_message, parse_config
 from ..errors import CheckpointError, DtypeMismatchError, ShapeMismatchError
+from ..model.config import CONFIG_NAME, KdaConfig, load_config, no_config_message, parse_config
 from ..model.families import ModelFamily, family_for
+from ..model.quant import FP8_DTYPES, BlockFormat, ModelOptModules, declared_quantization
 from .layers import check_layers, config_layer_count
 from .names import (
-    DEFAULT_PREFIX,
     LAYER_TENSOR,
     check_gate_form,
     decoder_prefix,
@@ -41,7 +40,7 @@ from .names import (
     layer_number_problem,
     location,
 )
-from ..model.quant import FP8_DTYPES, BlockFormat, ModelOptModules, declared_quantization
+from .reader import SafetensorsSource, refuse_index_member
 
 __all__ = ["CheckpointDescription", "LayerFacts", "assumed_layout", "describe"]
 
@@ -57,7 +56,7 @@ def assumed_layout(
 ) -> tuple[dict[str, str] | None, dict[str, tuple[int, ...]], str]:
     """What a bare config's plan assumes of the checkpoint it does not see: the stored dtypes
     and on-disk shapes of its model family's checkpoints (``ModelFamily.stored_dtypes`` and
-    ``flat_a_log`` in ``kda_tp.families.FAMILIES``).
+    ``flat_a_log`` in ``kda_tp.model.FAMILIES``).
 
     GLM-5.3-Flash: transformers' ``modeling_glm5_next.py`` creates the convs, ``A_log`` (1-D
     ``[H]``) and ``dt_bias`` in float32, so its checkpoints store them as F32. Kimi-Linear and
@@ -166,7 +165,7 @@ class CheckpointDescription:
 
     @cached_property
     def kda(self) -> KdaConfig:
-        """The KDA geometry and gate (``kda_tp.config.parse_config``).
+        """The KDA geometry and gate (``kda_tp.model.parse_config``).
 
         Raises:
             CheckpointError: as ``parse_config``.
@@ -175,18 +174,18 @@ class CheckpointDescription:
 
     @property
     def family(self) -> ModelFamily:
-        """The model family (``kda_tp.families.family_for`` of :attr:`kda`)."""
+        """The model family (``kda_tp.model.family_for`` of :attr:`kda`)."""
         return family_for(self.kda.rules, self.kda.full_rank_gate)
 
     @cached_property
     def quantization(self) -> tuple[BlockFormat | str | None, ModelOptModules | None]:
         """``(format, ModelOpt module declarations)`` the config declares
-        (``kda_tp.quant.declared_quantization``, read once)."""
+        (``kda_tp.model.declared_quantization``, read once)."""
         return declared_quantization(self.config, self.root)
 
     @cached_property
     def prefix(self) -> str:
-        """The decoder prefix of the KDA layers (``kda_tp.layout.decoder_prefix``).
+        """The decoder prefix of the KDA layers (``kda_tp.checkpoint.decoder_prefix``).
 
         Raises:
             CheckpointError: ``A_log`` tensors under more than one prefix.
@@ -258,7 +257,7 @@ class CheckpointDescription:
     @cached_property
     def a_log_layers(self) -> tuple[int, ...]:
         """0-based indices of the layers holding ``self_attn.A_log`` under the prefix
-        (``kda_tp.layers.layers_with_kda_tensors``)."""
+        (``kda_tp.checkpoint.layers_with_kda_tensors``)."""
         prefix, cut = self.prefix, len(self.prefix)
         found = set()
         for name in self._a_log_names:
@@ -269,7 +268,7 @@ class CheckpointDescription:
     @cached_property
     def layer_count(self) -> int | None:
         """The decoder layer count: the config's ``num_hidden_layers``, else one more than the
-        largest layer index under the prefix (``kda_tp.layers.layer_count``); None when
+        largest layer index under the prefix (``kda_tp.checkpoint.layer_count``); None when
         neither says."""
         count = config_layer_count(getattr(self.source, "config", None) or {})
         if count is not None:
@@ -311,7 +310,7 @@ class CheckpointDescription:
 
     def kda_layers(self, layers: Iterable[int] | None = None) -> tuple[int, ...]:
         """0-based KDA layer indices: ``layers`` (sorted, each once) if given, else the
-        config's (``kda_tp.layout.kda_layer_indices``).
+        config's (``kda_tp.checkpoint.kda_layer_indices``).
 
         Raises:
             CheckpointError: ``layers`` is None and the checkpoint has no config, or the config
@@ -362,7 +361,7 @@ class CheckpointDescription:
 
         Args:
             layers: 0-based KDA layer indices, checked as ``--layers`` is
-                (``kda_tp.layers.check_layers``); None: the config's KDA layers.
+                (``kda_tp.checkpoint.check_layers``); None: the config's KDA layers.
 
         Raises:
             CheckpointError, DtypeMismatchError, PlanError: as ``KdaTpPlan.from_config``.

@@ -17,8 +17,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from ..model.config import no_config_message, parse_config
 from ..errors import CheckpointError
+from ..model.config import no_config_message, parse_config
 from ..model.quant import SCALE_SUFFIXES
 
 __all__ = [

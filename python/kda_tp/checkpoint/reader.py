@@ -3,8 +3,8 @@
 A *source* is anything with ``names() -> list[str]`` and ``get(name) -> record | None``, where a
 record has ``dtype`` (safetensors dtype name, e.g. ``"BF16"``), ``shape`` (tuple) and ``data``
 (the raw little-endian bytes, any buffer-protocol object). :class:`SafetensorsSource` is one;
-``kda_tp.source.KdaShardedSource`` (one rank's view) is another. This module knows files and
-bytes, not the shard plan: ``kda_tp.plan`` and ``kda_tp.source`` build on it.
+``kda_tp.KdaShardedSource`` (one rank's view) is another. This module knows files and
+bytes, not the shard plan: ``kda_tp.rank.plan`` and ``kda_tp.rank.view`` build on it.
 """
 
 from __future__ import annotations
@@ -13,13 +13,11 @@ import json
 import os
 import warnings
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
 from .. import _native
-from .writer import DTYPE_SIZES, open_files_error
-from ..model.config import load_config
 from ..errors import (
     BufferLayoutError,
     CheckpointError,
@@ -29,10 +27,16 @@ from ..errors import (
     ShapeMismatchError,
     UsageError,
 )
+from ..model.config import load_config
+from .names import location
+from .writer import DTYPE_SIZES, open_files_error
 
-__all__ = ["BACKEND_ENV", "BACKENDS", "INDEX_NAME", "Tensor", "TensorSource", "SafetensorsSource",
-           "check_out", "numpy_dtype", "readonly_bytes", "refuse_index_member", "shard_bytes",
-           "torch_dtype", "writable_bytes"]
+__all__ = ["BACKEND_ENV", "BACKENDS", "INDEX_NAME", "InfoSource", "Tensor", "TensorSource",
+           "SafetensorsSource", "check_out", "checked_get", "checked_info", "missing_tensor",
+           "numpy_dtype", "readonly_bytes", "refuse_index_member", "shard_bytes", "torch_dtype",
+           "writable_bytes"]
+
+_T = TypeVar("_T")
 
 #: The index of a sharded Hugging Face checkpoint directory.
 INDEX_NAME = "model.safetensors.index.json"
@@ -213,11 +217,18 @@ class Tensor:
 
 
 class TensorSource(Protocol):
-    """What :class:`KdaShardedSource` needs from the source it wraps."""
+    """What :class:`~kda_tp.rank.view.KdaShardedSource` needs from the source it wraps."""
 
     def names(self) -> list[str]: ...
 
     def get(self, name: str) -> Any: ...
+
+
+class InfoSource(Protocol):
+    """A source that answers a tensor's ``(dtype, shape)`` without reading its data
+    (:class:`SafetensorsSource`, a rank's view)."""
+
+    def info(self, name: str) -> tuple[str, tuple[int, ...]] | None: ...
 
 
 def writable_bytes(name: str, out: Any) -> np.ndarray:
@@ -575,3 +586,36 @@ class _Closed:
 def _itemsize(dtype: str) -> int:
     # 1 for the packed sub-byte floats (F4, F6): their tensors are handled as bytes.
     return DTYPE_SIZES.get(dtype, 1)
+
+
+def missing_tensor(source: Any, name: str) -> CheckpointError:
+    """The error for a tensor that ``source.names()`` lists but ``source`` cannot find."""
+    return CheckpointError(
+        f"{location(source, name)}: {name}: listed by the checkpoint but not found in it"
+    )
+
+
+def checked_info(source: InfoSource, name: str) -> tuple[str, tuple[int, ...]]:
+    """``source.info(name)`` (dtype, shape) for a name taken from ``source.names()``.
+
+    Raises:
+        CheckpointError: ``source`` has no tensor ``name`` after all.
+    """
+    return _found(source.info(name), source, name)
+
+
+def checked_get(source: TensorSource, name: str) -> Tensor:
+    """``source.get(name)`` for a name taken from ``source.names()``.
+
+    Raises:
+        CheckpointError: ``source`` has no tensor ``name`` after all.
+    """
+    found: Tensor | None = source.get(name)
+    return _found(found, source, name)
+
+
+def _found(found: _T | None, source: Any, name: str) -> _T:
+    """``found``, what ``source`` answered for ``name``; :func:`missing_tensor` when None."""
+    if found is None:
+        raise missing_tensor(source, name)
+    return found

@@ -33,7 +33,7 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from kda_tp.errors import (
+from ..errors import (
     CheckpointError,
     DtypeMismatchError,
     OpenFilesLimitError,

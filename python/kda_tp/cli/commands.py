@@ -4,9 +4,9 @@ status (0 OK, 1 verification or audit failed; a refusal raises a ``KdaTpError``,
 
 ``plan``, ``shard`` (and its input checks: ``--layers``, ``--skip-unindexed``), ``verify``,
 ``audit``, ``dump``, ``digests``, ``demo``; ``shard`` and ``verify`` as torchrun jobs
-(:mod:`kda_tp.torchrun`). Each command imports what it uses (numpy with the reader, the writer
+(:mod:`kda_tp.shard.torchrun`). Each command imports what it uses (numpy with the reader, the writer
 and verifier only for shard/verify), so that ``kda-tp --help`` imports no numpy and ``kda-tp
-plan`` no writer. What they print is :mod:`kda_tp.cli_format`'s.
+plan`` no writer. What they print is :mod:`kda_tp.cli.format`'s.
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ..errors import CheckpointError, KdaTpError, PlanError
+from ..model.config import load_config
 from .format import (
     emit_json,
     format_plan,
@@ -32,12 +34,10 @@ from .format import (
     written_line,
 )
 from .progress import make_progress
-from ..model.config import load_config
-from ..errors import CheckpointError, KdaTpError, PlanError
 
 if TYPE_CHECKING:
     from ..shard.writer import ShardResult, ShardSizes
-    from ..rank.view import SafetensorsSource
+    from ..checkpoint.reader import SafetensorsSource
 
 __all__ = [
     "cmd_audit",
@@ -53,20 +53,22 @@ __all__ = [
 
 def cmd_plan(args: argparse.Namespace) -> int:
     """``plan``: the shard table of one rank (``--json``:
-    :func:`~kda_tp.cli_format.plan_json`), read from a checkpoint directory or a bare
+    :func:`~kda_tp.cli.format.plan_json`), read from a checkpoint directory or a bare
     config."""
     from ..checkpoint.reader import refuse_index_member
     from ..checkpoint.description import CheckpointDescription, describe
     from ..checkpoint.layers import check_layers, config_layer_count
-    from ..rank.plan import KdaTpPlan, assumed_layout
-    from ..rank.view import SafetensorsSource, kda_tensor_name, scale_tensor_name
+    from ..rank.plan import KdaTpPlan
+    from ..checkpoint.description import assumed_layout
+    from ..checkpoint.reader import SafetensorsSource
+    from ..checkpoint.names import kda_tensor_name, scale_tensor_name
 
     # `demo` calls this with a namespace that has no --layers or --json.
     requested, as_json = getattr(args, "layers", None), getattr(args, "json", False)
     refuse_index_member(args.input)
     source: SafetensorsSource | None = None
     layers: tuple[int, ...] | None = None
-    # The checkpoint (or config) is read once: its description (kda_tp.description).
+    # The checkpoint (or config) is read once: its description (kda_tp.checkpoint.description).
     if args.input.is_dir() and any(args.input.glob("*.safetensors")):
         source = SafetensorsSource(args.input)
         description = describe(source)
@@ -130,7 +132,7 @@ def _selected_layers(source: SafetensorsSource, requested: list[int] | None) -> 
     KDA layers, or of the layers holding KDA tensors when the config does not list them), else
     every KDA layer the config lists."""
     from ..checkpoint.layers import check_layers, layer_count, layers_with_kda_tensors
-    from ..rank.view import kda_layer_indices
+    from ..checkpoint.names import kda_layer_indices
 
     try:
         listed = kda_layer_indices(source, None)
@@ -150,10 +152,10 @@ def _shard_layers(source: SafetensorsSource, requested: list[int] | None) -> lis
     (None is returned: the config's list is used), since every KDA layer is always sliced.
 
     Raises:
-        PlanError: see :func:`~kda_tp.layers.check_layers`, or a list that is not the config's.
+        PlanError: see :func:`~kda_tp.checkpoint.check_layers`, or a list that is not the config's.
     """
     from ..checkpoint.layers import check_layers, layer_count, layers_with_kda_tensors
-    from ..rank.view import kda_layer_indices
+    from ..checkpoint.names import kda_layer_indices
 
     if requested is None:
         return None
@@ -179,8 +181,8 @@ def _shard_input(
     (see :func:`_shard_layers`) and the files ``--skip-unindexed`` leaves out (a warning each
     on stderr when ``warn``)."""
     from ..checkpoint.reader import INDEX_NAME, refuse_index_member
-    from ..shard.writer import unindexed_files
-    from ..rank.view import SafetensorsSource
+    from ..shard.rankdir import unindexed_files
+    from ..checkpoint.reader import SafetensorsSource
 
     refuse_index_member(args.checkpoint)
     source = SafetensorsSource(args.checkpoint, args.backend)
@@ -235,7 +237,7 @@ def _write_shards(
 
 def run_shard(args: argparse.Namespace) -> int:
     """``shard``; under torchrun with several processes, the ranks are split over them
-    (:mod:`kda_tp.torchrun`), and process 0 alone prints."""
+    (:mod:`kda_tp.shard.torchrun`), and process 0 alone prints."""
     from ..shard.writer import shard_checkpoint
     from ..shard.torchrun import torchrun_job, torchrun_processes
 
@@ -258,7 +260,7 @@ def run_shard(args: argparse.Namespace) -> int:
 
 def finish_command_for(args: argparse.Namespace, ranks: Sequence[int]) -> str:
     """The ``kda-tp shard`` command that writes ``ranks`` with this run's other options."""
-    from ..shard.writer import finish_command
+    from ..shard.rankdir import finish_command
 
     command = finish_command(args.checkpoint, args.out, args.tp_size, ranks, args.qk_multiple)
     if args.layers is not None:
@@ -273,8 +275,9 @@ def finish_command_for(args: argparse.Namespace, ranks: Sequence[int]) -> str:
 
 def _cmd_verify(args: argparse.Namespace) -> int:
     from ..checkpoint.reader import INDEX_NAME, refuse_index_member
-    from ..shard.writer import unindexed_files, verify_shards
-    from ..rank.view import SafetensorsSource
+    from ..shard.rankdir import unindexed_files
+    from ..shard.verify import verify_shards
+    from ..checkpoint.reader import SafetensorsSource
 
     if args.layers is not None and not args.numeric:
         raise PlanError("--layers picks the KDA layers of the numeric check; pass --numeric too "
@@ -299,7 +302,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 def run_verify(args: argparse.Namespace) -> int:
     """``verify``; under torchrun with several processes, process 0 checks the bytes and
     ``--numeric`` spreads the ranks' forwards over the processes with a real all-reduce
-    (:mod:`kda_tp.torchrun`); process 0 alone prints, every process exits the same."""
+    (:mod:`kda_tp.shard.torchrun`); process 0 alone prints, every process exits the same."""
     from ..shard.torchrun import torchrun_job, torchrun_processes
 
     if torchrun_processes() == 1:
@@ -320,7 +323,7 @@ def cmd_audit(args: argparse.Namespace) -> int:
     wrong."""
     from ..audit.auditor import audit_path
 
-    report = audit_path(args.checkpoint, args.path, tp_size=args.tp_size, rank=args.rank,
+    report = audit_path(args.checkpoint, args.path, tp_size=args.tp_size, tp_rank=args.rank,
                         engine=args.engine, model_dtype=args.dtype,
                         progress=make_progress(args.quiet, "audit", "parameters"))
     if args.json:
@@ -352,7 +355,7 @@ def cmd_dump(args: argparse.Namespace) -> int:
 def cmd_digests(args: argparse.Namespace) -> int:
     """``digests``: the SHA-256 of every rank's expected KDA parameters, keyed as vLLM's
     weight checksums."""
-    from ..audit.dump import engine_digests
+    from ..audit.digests import engine_digests
 
     digests = engine_digests(args.checkpoint, engine=args.engine, tp_size=args.tp_size,
                              ranks=args.ranks, model_dtype=args.dtype)
@@ -374,8 +377,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from ..output.marks import DEMO_STAGING_PREFIX
     from ..output.dirs import claim_demo_dir, replace_demo_dir
     from ..rank.plan import KdaTpPlan
-    from ..shard.writer import shard_checkpoint, verify_shards
-    from ..rank.view import SafetensorsSource, kda_layer_indices
+    from ..shard.writer import shard_checkpoint
+    from ..shard.verify import verify_shards
+    from ..checkpoint.reader import SafetensorsSource
+    from ..checkpoint.names import kda_layer_indices
     from ..synth.checkpoints import GEOMETRIES, write_checkpoint
 
     g = GEOMETRIES[args.model]

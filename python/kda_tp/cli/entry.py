@@ -20,6 +20,8 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from .._native import __version__
+from ..errors import KdaTpError, PlanError, ShardInterrupted
+from ..model.families import FAMILIES
 from .commands import (
     cmd_audit,
     cmd_demo,
@@ -31,8 +33,6 @@ from .commands import (
     run_verify,
 )
 from .format import emit_json, print_refusal, rank_message
-from ..errors import KdaTpError, PlanError, ShardInterrupted
-from ..model.families import FAMILIES
 
 __all__ = ["main"]
 
@@ -328,7 +328,7 @@ def _add_numeric(p: argparse.ArgumentParser, default_on: bool = False) -> None:
 
 
 #: The largest --tp-size: a world size divides the KDA head count, which kda_tp reads as an
-#: integer below 2**31 (kda_tp.config); a larger one cannot be valid for any checkpoint.
+#: integer below 2**31 (kda_tp.model.config); a larger one cannot be valid for any checkpoint.
 MAX_TP_SIZE = 2**31 - 1
 #: The largest --seq-len of the numeric check (tokens): its activations grow with it.
 MAX_SEQ_LEN = 2**20
@@ -352,7 +352,7 @@ def _bounded_int(text: str, low: int, high: int, what: str) -> int:
 def _demo_layers(text: str) -> int:
     from ..output.dirs import DEMO_MAX_LAYERS
 
-    return _bounded_int(text, 1, DEMO_MAX_LAYERS, "the demo stays small (kda_tp.outdir."
+    return _bounded_int(text, 1, DEMO_MAX_LAYERS, "the demo stays small (kda_tp.output.dirs."
                         "DEMO_MAX_LAYERS); shard a checkpoint of your own for more")
 
 

@@ -3,7 +3,7 @@ wrote, ``verify``'s report and its JSON, sizes in decimal units, and refusals in
 terms (one ``kda-tp: error:`` line, flags instead of keyword arguments).
 
 Every function here formats or prints; none reads a checkpoint. The command bodies are
-:mod:`kda_tp.cli_commands`, the argument parsing and exit codes :mod:`kda_tp.cli`.
+:mod:`kda_tp.cli.commands`, the argument parsing and exit codes :mod:`kda_tp.cli`.
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ from ..errors import KdaTpError, PlanError
 if TYPE_CHECKING:
     from ..model.config import KdaConfig
     from ..rank.plan import KdaTpPlan
-    from ..shard.writer import ShardResult, ShardSizes, VerifyReport
+    from ..shard.writer import ShardResult, ShardSizes
+    from ..shard.verify import VerifyReport
 
 __all__ = [
     "emit_json",
@@ -109,7 +110,7 @@ def plan_json(
     came from): ``forget_gate`` (``"lower_bound"`` or ``"softplus"``), ``gate_lower_bound``
     (None for softplus), ``gate_bound_key`` (the config key it came from, e.g.
     ``"text_config.linear_lower_bound"``) and ``config_rules`` (``"glm5_next"``, ``"kimi"`` or
-    ``"generic"``: ``kda_tp.config``). ``shapes`` as for :func:`format_plan`. ``kda-tp plan
+    ``"generic"``: ``kda_tp.model.config``). ``shapes`` as for :func:`format_plan`. ``kda-tp plan
     --json`` adds ``"ok": true`` (``false`` with ``error`` on a refusal).
     """
     shapes = shapes or {}
@@ -312,7 +313,7 @@ def print_verify(report: VerifyReport) -> None:
 
 def verify_json(report: VerifyReport, unindexed: Sequence[Path] = ()) -> dict[str, Any]:
     """``report`` as a JSON-ready dict (what ``kda-tp verify --json`` prints):
-    ``report.to_dict(unindexed)`` (see :meth:`kda_tp.verify.VerifyReport.to_dict`)."""
+    ``report.to_dict(unindexed)`` (see :meth:`kda_tp.shard.VerifyReport.to_dict`)."""
     return report.to_dict(unindexed)
 
 

@@ -27,7 +27,8 @@ from typing import Any
 from ..checkpoint.reader import SafetensorsSource
 from ..errors import DtypeMismatchError
 
-__all__ = ["MODEL_DTYPES", "config_dtype", "engine_model_dtype"]
+__all__ = ["MODEL_DTYPES", "config_dtype", "config_model_dtype", "engine_model_dtype",
+           "model_dtype_name"]
 
 #: The model dtypes an engine runs in, as safetensors names them.
 MODEL_DTYPES = ("BF16", "F16", "F32")
@@ -120,3 +121,12 @@ def _tensors_dtype(source: SafetensorsSource) -> str | None:
     if seen & {"BF16", "F16", "F8_E4M3", "F8_E5M2"}:
         return "BF16"
     return None
+
+
+def model_dtype_name(dtype: Any) -> str | None:
+    """The safetensors name (``"BF16"``) of an engine's model dtype (a torch dtype, a numpy
+    dtype or a string such as ``"bfloat16"``); None when it is not a float dtype kda_tp knows."""
+    text = str(dtype).removeprefix("torch.").lower()
+    return {"bfloat16": "BF16", "float16": "F16", "half": "F16", "float32": "F32",
+            "float": "F32", "float64": "F64", "bf16": "BF16", "f16": "F16", "f32": "F32",
+            "fp16": "F16"}.get(text)

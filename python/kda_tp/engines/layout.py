@@ -3,7 +3,7 @@ model family's KDA parameters), its :class:`EngineParam` rows, and what a parame
 rank's plan (:class:`EngineParamPlan`: shape, dtype, the :class:`Region` of every part, the
 padding).
 
-The tables themselves are data, in :mod:`kda_tp.engine_tables`; :mod:`kda_tp.engines` holds
+The tables themselves are data, in :mod:`kda_tp.engines.tables`; :mod:`kda_tp.engines` holds
 them by name (``LAYOUTS``) and re-exports these classes. The rules every table follows are
 :mod:`kda_tp.engines`' docstring.
 """
@@ -19,8 +19,8 @@ import numpy as np
 
 from ..checkpoint.reader import check_out, numpy_dtype, writable_bytes
 from ..errors import EngineLayoutError
-from ..rank.plan import KdaTensorPlan, KdaTpPlan
 from ..model.quant import FP8_DTYPES
+from ..rank.plan import KdaTensorPlan, KdaTpPlan
 
 __all__ = ["EngineLayout", "EngineParam", "EngineParamPlan", "Region"]
 

@@ -7,13 +7,14 @@ takes another shape and F32. Each :class:`EngineLayout` lists, for every paramet
 layer as the engine holds it (its name under ``...layers.{i}.self_attn.``), the plan tensors it
 is made of, in order, how they are joined, the padding, the on-device shape and the dtype the
 engine casts to. Adding an engine version is adding a table to
-``kda_tp.engine_tables.TABLES`` (all of them by name: :data:`LAYOUTS`); nothing else
-branches on the engine. The machinery (the classes below) is ``kda_tp.engine_layout``'s.
+``kda_tp.engines.tables.TABLES`` (all of them by name here: :data:`LAYOUTS`); nothing else
+branches on the engine. The machinery (``EngineLayout``, ``EngineParam``, ``EngineParamPlan``,
+``Region``) is :mod:`kda_tp.engines.layout`'s.
 
-For one rank's :class:`~kda_tp.KdaTpPlan`, :meth:`EngineLayout.param_plan` gives the parameter's
-local shape and dtype and where each part lands (:class:`Region`); ``KdaShardedSource
-.build_param`` fills such a parameter from a checkpoint in one call, and ``kda_tp.audit`` uses the
-same regions to say what a dumped parameter holds.
+For one rank's :class:`~kda_tp.KdaTpPlan`, ``EngineLayout.param_plan`` gives the parameter's
+local shape and dtype and where each part lands (``Region``); :func:`kda_tp.engines.build_param`
+fills such a parameter from a rank's view of a checkpoint in one call, and ``kda_tp.audit`` uses
+the same regions to say what a dumped parameter holds.
 
 Rules every table follows (from the engines' sources, see each layout's ``source``):
 
@@ -49,31 +50,17 @@ from collections.abc import Iterable, Mapping
 from types import MappingProxyType
 from typing import Any
 
+from ..errors import CheckpointError, EngineLayoutError
 from ..model import families
 from ..model.config import parse_config
-from .layout import EngineLayout, EngineParam, EngineParamPlan, Region
-from .tables import TABLES
-from ..errors import CheckpointError, EngineLayoutError
 from ..rank.plan import KdaTpPlan
+from .layout import EngineLayout
+from .tables import TABLES
 
-__all__ = [
-    "FAMILIES",
-    "LAYOUTS",
-    "EngineLayout",
-    "EngineParam",
-    "EngineParamPlan",
-    "Region",
-    "get_layout",
-    "kda_only_suffixes",
-    "layouts_for",
-    "layouts_markdown",
-    "model_family",
-    "param_location",
-    "param_name",
-    "recognise",
-]
+__all__ = ["FAMILIES", "LAYOUTS", "get_layout", "kda_only_suffixes", "layouts_for", "model_family",
+           "param_location", "param_name", "recognise"]
 
-#: Model families a layout is written for (the names of :data:`kda_tp.families.FAMILIES`):
+#: Model families a layout is written for (the names of :data:`kda_tp.model.FAMILIES`):
 #: Kimi-Linear and GLM-5.3-Flash (low-rank gate; GLM's config is transformers' ``glm5_next``),
 #: Kimi K3 (full-rank output gate).
 FAMILIES = tuple(families.FAMILIES)
@@ -128,7 +115,7 @@ def model_family(config: Mapping[str, Any] | None) -> str:
 
     Raises:
         CheckpointError: no config (None: the checkpoint has no ``config.json``), or one
-            without KDA geometry (from ``kda_tp.config.parse_config``).
+            without KDA geometry (from ``kda_tp.model.parse_config``).
     """
     if config is None:
         raise CheckpointError(
@@ -208,64 +195,3 @@ def recognise(suffixes: Iterable[str], family: str | None = None) -> list[Engine
         return []
     fewest = min(len(lay.required - names) for lay in fitting)
     return [lay for lay in fitting if len(lay.required - names) == fewest]
-
-
-# Each plan tensor's local shape in symbols, for the documentation tables only.
-_SYMBOLS = {
-    "q_proj": ("Cl", "d"), "k_proj": ("Cl", "d"), "v_proj": ("Cl", "d"), "g_proj": ("Cl", "d"),
-    "q_conv1d": ("Cl", "1", "K"), "k_conv1d": ("Cl", "1", "K"), "v_conv1d": ("Cl", "1", "K"),
-    "f_a_proj": ("r", "d"), "g_a_proj": ("r", "d"), "f_b_proj": ("Cl", "r"),
-    "g_b_proj": ("Cl", "r"), "b_proj": ("Hl", "d"), "A_log": ("Hl",), "dt_bias": ("Cl",),
-    "o_norm": ("D",), "o_proj": ("d", "Cl"),
-}
-
-
-def _symbolic_shape(param: EngineParam) -> str:
-    if param.scale_of is not None:
-        return "[Σ parts' block rows, column blocks]"
-    if param.view is not None:
-        return "[" + ", ".join("Hl" if d == -1 else str(d) for d in param.view) + "]"
-    shapes = [_SYMBOLS[p] for p in param.parts]
-    if param.stacked:
-        return f"[{len(shapes)}, {', '.join(shapes[0])}]"
-    terms: list[list[Any]] = []
-    for shape in shapes:  # equal neighbours merged: q, k, v -> 3·Cl
-        if terms and terms[-1][1] == shape[0]:
-            terms[-1][0] += 1
-        else:
-            terms.append([1, shape[0]])
-    rows = " + ".join(f"{n}·{sym}" if n > 1 else sym for n, sym in terms)
-    if param.pad_to > 1:
-        rows = f"pad{param.pad_to}({rows})"
-        if param.pad_to_fp8:
-            rows += f" (FP8: pad{param.pad_to_fp8})"
-    return f"[{', '.join((rows, *shapes[0][1:]))}]"
-
-
-def _join(param: EngineParam) -> str:
-    if param.scale_of is not None:
-        return f"the scale grids of `{param.scale_of}`'s parts, concatenated"
-    parts = ", ".join(param.parts)
-    if param.stacked:
-        return f"stack({parts})"
-    return f"concat({parts})" if len(param.parts) > 1 else parts
-
-
-def layouts_markdown() -> str:
-    """Every layout as Markdown tables (the tables of ``docs/engine-layouts.md``).
-
-    Shapes use ``Cl`` (this rank's channels, ``Hl * D``), ``Hl`` (its heads), ``D`` (head_dim),
-    ``d`` (hidden), ``r`` (gate rank, ``f_a_proj`` rows), ``K`` (conv kernel); ``padN(x)`` is
-    ``x`` rounded up to a multiple of ``N`` with zero rows.
-    """
-    out = []
-    for layout in LAYOUTS.values():
-        tp = "" if layout.tensor_parallel else " KDA is replicated: tp_size 1 only."
-        out.append(f"### `{layout.name}`\n\n{layout.source}.{tp}\n")
-        out.append("| parameter | made of | local shape | dtype |")
-        out.append("| --- | --- | --- | --- |")
-        for p in layout.params:
-            dtype = p.dtype or ("F32 (scales)" if p.scale_of else "model")
-            out.append(f"| `{p.suffix}` | {_join(p)} | {_symbolic_shape(p)} | {dtype} |")
-        out.append("")
-    return "\n".join(out)

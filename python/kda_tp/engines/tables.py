@@ -1,4 +1,4 @@
-"""The engine layouts as data: one :class:`~kda_tp.engine_layout.EngineLayout` per engine
+"""The engine layouts as data: one :class:`~kda_tp.engines.EngineLayout` per engine
 version and model family (:data:`TABLES`; :data:`kda_tp.engines.LAYOUTS` holds them by name).
 Adding an engine version is adding a table here; nothing else branches on the engine. The rules
 every table follows are :mod:`kda_tp.engines`' docstring.

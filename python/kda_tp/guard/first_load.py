@@ -1,10 +1,10 @@
 """The guard: check a serving engine's KDA weights on every tensor-parallel rank as they load.
 
-An engine plugin (``kda_tp.vllm_plugin``, ``kda_tp.sglang_plugin``) calls :func:`check` on each
+An engine plugin (``kda_tp.guard.vllm``, ``kda_tp.guard.sglang``) calls :func:`check` on each
 rank right after the weights load, with the rank's parameters, the checkpoint it loaded, and
 the rank and world size of the engine's own tensor-parallel group. :func:`check` is
-:func:`kda_tp.audit` (the same comparison, byte for byte, and the same diagnosis) behind a mode
-switch, the environment variable ``KDA_TP_GUARD`` (:data:`MODE_ENV`):
+:func:`kda_tp.audit.audit` (the same comparison, byte for byte, and the same diagnosis) behind a
+mode switch, the environment variable ``KDA_TP_GUARD`` (:data:`MODE_ENV`):
 
 * ``fail`` (the default): a wrong KDA parameter raises :class:`~kda_tp.errors.GuardError` carrying the
   audit's diagnosis (layer, parameter, part, what it holds instead), which stops the engine's
@@ -42,17 +42,18 @@ from typing import Any
 
 import numpy as np
 
+from ..audit.auditor import audit
+from ..audit.report import AuditReport
+from ..audit.values import as_record
 from ..checkpoint.reader import numpy_dtype
-from ..model.config import describes_kda, load_config
-from ..audit.auditor import AuditReport, as_record, audit
+from ..engines.derived import DERIVED
 from ..engines.registry import kda_only_suffixes, param_location
 from ..errors import CheckpointError, GuardError, GuardModeError, KdaTpError
+from ..model.config import describes_kda, load_config
 
-__all__ = ["CHECKPOINT_ENV", "DERIVED", "DERIVED_ATTRIBUTES", "MODES", "MODE_ENV", "Derived",
-           "GuardResult", "cannot_check", "check", "checkpoint_env", "derived_copies",
-           "derived_problem", "explicit_checkpoint",
-           "holds_kda", "looks_kda", "mode", "model_dtype_name", "rank_report",
-           "resolve_checkpoint", "stage_layers"]
+__all__ = ["CHECKPOINT_ENV", "MODES", "MODE_ENV", "GuardResult", "cannot_check", "check",
+           "checkpoint_env", "derived_problem", "explicit_checkpoint", "holds_kda", "looks_kda",
+           "mode", "rank_report", "resolve_checkpoint", "stage_layers"]
 
 #: The environment variable that sets the guard's mode.
 MODE_ENV = "KDA_TP_GUARD"
@@ -69,83 +70,6 @@ logger = logging.getLogger("kda_tp.guard")
 # Parameter names only a KDA layer has (every engine layout holds A_log and dt_bias; other
 # linear-attention layers such as Qwen3-Next's hold theirs under `linear_attn.`).
 _MARKERS = (".A_log", ".dt_bias")
-
-
-def _conv_decode(conv1d: np.ndarray) -> np.ndarray:
-    """vLLM K3's ``decode_conv1d_weight`` from its ``conv1d.weight`` ``[3 * Cl, 1, K]``:
-    ``[3, K, Cl]``, each of q, k, v transposed (``_make_decode_conv1d_weight_loader``)."""
-    cl3, _, k = conv1d.shape
-    return np.ascontiguousarray(conv1d.reshape(3, cl3 // 3, k).transpose(0, 2, 1))
-
-
-def _norm_decode(o_norm: np.ndarray) -> np.ndarray:
-    """vLLM K3's ``decode_norm_weight`` from its ``o_norm.weight`` ``[D]``: the same values in
-    F32 (``_make_decode_norm_weight_loader`` copies the loaded parameter into an F32 buffer)."""
-    return o_norm.astype(np.float32)
-
-
-def _merged_conv(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
-    """vLLM GLM-5.3's ``_merged_conv_weight`` from ``q/k/v_conv1d.weight`` (each ``[Cl, 1, K]``):
-    ``[3 * Cl, K]``, the three viewed ``[Cl, K]`` and concatenated (``Glm5NextLinearAttention
-    ._forward``, built on the first forward)."""
-    return np.ascontiguousarray(np.concatenate(
-        [w.reshape(w.shape[0], w.shape[-1]) for w in (q, k, v)], axis=0))
-
-
-@dataclass(frozen=True)
-class Derived:
-    """One copy an engine derives from KDA parameters and keeps outside ``state_dict()``.
-
-    Attributes:
-        sources: the parameters it is derived from (names after ``...self_attn.``).
-        derive: the derivation, from the sources' values (numpy, in their dtypes).
-        attribute: True for a plain attribute of the layer (not a buffer: no
-            ``named_buffers()`` lists it); None in it means "not built yet".
-        issue: the engine issue about it going stale, if any.
-    """
-
-    sources: tuple[str, ...]
-    derive: Callable[..., np.ndarray]
-    attribute: bool = False
-    issue: str = ""
-
-
-#: The derived copies an engine keeps outside ``state_dict()``, by layout name: the copy's
-#: name after ``...self_attn.`` -> :class:`Derived`. A copy is checked against the
-#: derivation of its parameters once those are exact, at the first load, after every update
-#: and in every live audit. Sources: vllm 0.33.0 ``vllm/models/kimi_k3/nvidia/kda.py``
-#: (``KimiK3DeltaAttention``: the buffers exist only with a non-Triton decode backend) and
-#: ``vllm/models/glm5next/common/kda.py`` (``_merged_conv_weight``, never invalidated: vLLM
-#: #55087).
-DERIVED: Mapping[str, Mapping[str, Derived]] = {
-    "vllm-0.33-k3": {
-        "decode_conv1d_weight": Derived(("conv1d.weight",), _conv_decode),
-        "decode_norm_weight": Derived(("o_norm.weight",), _norm_decode),
-    },
-    "vllm-0.33-glm-5.3": {
-        "_merged_conv_weight": Derived(
-            ("q_conv1d.weight", "k_conv1d.weight", "v_conv1d.weight"), _merged_conv,
-            attribute=True, issue="https://github.com/vllm-project/vllm/issues/55087"),
-    },
-}
-
-#: The derived copies that are plain attributes of a layer (not buffers), by name.
-DERIVED_ATTRIBUTES = frozenset(n for copies in DERIVED.values() for n, d in copies.items()
-                               if d.attribute)
-_DERIVED_NAMES = frozenset(n for copies in DERIVED.values() for n in copies)
-
-
-def derived_copies(model: Any) -> dict[str, Any]:
-    """The derived copies (:data:`DERIVED`) a ``torch.nn.Module`` holds, by full name: its
-    buffers of those names, and the plain attributes once built (not None)."""
-    found = {n: b for n, b in model.named_buffers()
-             if b is not None and n.rpartition(".")[2] in _DERIVED_NAMES}
-    for name, module in model.named_modules():
-        for attribute in DERIVED_ATTRIBUTES:
-            value = module.__dict__.get(attribute)
-            if value is not None:
-                found[f"{name}.{attribute}" if name else attribute] = value
-    return found
 
 
 # Names only a KDA layer has (any engine layout, and the derived copies): a model holding
@@ -372,21 +296,12 @@ def stage_layers(names: Iterable[Any]) -> list[int]:
                    if isinstance(n, str) and looks_kda([n]) and (loc := param_location(n))})
 
 
-def model_dtype_name(dtype: Any) -> str | None:
-    """The safetensors name (``"BF16"``) of an engine's model dtype (a torch dtype, a numpy
-    dtype or a string such as ``"bfloat16"``); None when it is not a float dtype kda_tp knows."""
-    text = str(dtype).removeprefix("torch.").lower()
-    return {"bfloat16": "BF16", "float16": "F16", "half": "F16", "float32": "F32",
-            "float": "F32", "float64": "F64", "bf16": "BF16", "f16": "F16", "f32": "F32",
-            "fp16": "F16"}.get(text)
-
-
 @dataclass(frozen=True)
 class GuardResult:
     """What :func:`check` found on one rank.
 
     Attributes:
-        report: the audit's report (``kda_tp.engine_audit.AuditReport``), the derived copies'
+        report: the audit's report (``kda_tp.audit.AuditReport``), the derived copies'
             verdicts in its ``problems``.
         tp_rank: the rank checked.
         tp_size: the tensor-parallel world size.
@@ -475,8 +390,8 @@ def check(
 
     Every KDA parameter of every KDA layer of the checkpoint (its config says which layers) is
     compared byte for byte with this rank's slices, fused as the engine's layout says
-    (:func:`kda_tp.audit`, reading only this rank's bytes of the checkpoint); each derived copy
-    in ``derived`` (:data:`DERIVED`) with what its parameter makes of it.
+    (:func:`kda_tp.audit.audit`, reading only this rank's bytes of the checkpoint); each derived
+    copy in ``derived`` (:data:`DERIVED`) with what its parameter makes of it.
 
     Args:
         params: the rank's parameters, as ``model.named_parameters()`` gives them (a mapping
@@ -497,9 +412,9 @@ def check(
         guard_mode: one of :data:`MODES` instead of ``KDA_TP_GUARD``'s (e.g. ``"warn"`` to
             report on a running engine without raising); None: the variable's.
         model_dtype: the engine's model dtype as a safetensors name (``"BF16"``; see
-            :func:`model_dtype_name`), passed to the audit so that a parameter held in
+            :func:`~kda_tp.engines.model_dtype_name`), passed to the audit so that a parameter held in
             another float dtype (a lossy cast) is wrong; None: the engine's default for the
-            checkpoint's config (``kda_tp.model_dtype.engine_model_dtype``).
+            checkpoint's config (``kda_tp.engines.engine_model_dtype``).
 
     Returns:
         None without checking anything when the mode is ``off`` or ``params`` has no KDA

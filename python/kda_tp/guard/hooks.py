@@ -1,5 +1,5 @@
 """Run code right after a module is imported, for engine plugins that must not import their
-engine early (``kda_tp.vllm_plugin``): a process that never imports the module pays nothing.
+engine early (``kda_tp.guard.vllm``): a process that never imports the module pays nothing.
 
 This module imports no engine.
 """

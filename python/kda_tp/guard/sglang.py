@@ -15,7 +15,7 @@ registered with ``sglang.srt.plugins.hook_registry.HookRegistry``:
   the diagnosis);
 * around ``WeightUpdater.update_weights_from_tensor``, ``load_weights_from_distributed`` (the
   load step of ``update_weights_from_distributed``) and ``update_weights_from_ipc``: each is
-  one update session (:mod:`kda_tp.update_check`): what it feeds the model's
+  one update session (:mod:`kda_tp.guard.updates`): what it feeds the model's
   ``load_weights`` is the reference, every KDA parameter it touched is checked when it
   returns, and a wrong one makes it a failed update ``(False, diagnosis)`` in mode ``fail``
   (logged in ``warn``). A ``load_format="direct"`` or custom-loader tensor update writes
@@ -63,6 +63,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ..engines.dtype import model_dtype_name
 from ..errors import GuardError, KdaTpError
 from .first_load import (
     CHECKPOINT_ENV,
@@ -70,7 +71,6 @@ from .first_load import (
     check,
     explicit_checkpoint,
     holds_kda,
-    model_dtype_name,
     rank_report,
     resolve_checkpoint,
 )
@@ -192,7 +192,7 @@ def _after_finalize(result: Any, runner: Any, *args: Any, **kwargs: Any) -> None
 
 def follow_runner(runner: Any) -> None:
     """Check every later update of a (non-draft) runner's model: its ``load_weights`` feeds
-    the update sessions the update hooks open (:func:`kda_tp.update_check.follow`)."""
+    the update sessions the update hooks open (:func:`kda_tp.guard.follow`)."""
     model = getattr(runner, "model", None)
     if (getattr(runner, "is_draft_worker", False) or model is None
             or followed(model) is not None or not callable(getattr(model, "load_weights", None))
@@ -259,8 +259,6 @@ def _around_update_from_disk(original: Callable[..., tuple[bool, str]], updater:
     """Around ``WeightUpdater.update_weights_from_disk``: after a successful update, check the
     runner's new weights against ``model_path``; a failure in mode ``fail`` turns the result
     into ``(False, diagnosis)``. A filtered (partial) update is not checked."""
-    from ..errors import GuardError
-
     how = followed(getattr(updater.get_model_runner(), "model", None))
     with how.quietly() if how is not None else contextlib.nullcontext():
         ok, message = original(updater, model_path, load_format, *args, **kwargs)

@@ -1,4 +1,4 @@
-"""The guard after a weight update: what the update fed is the reference (issue 26).
+"""The guard after a weight update: what the update fed is the reference.
 
 An RL refit has no checkpoint on disk: the bytes a rank must hold after it are this rank's
 slices, by the plan and the engine's layout, of the checkpoint-format tensors the update handed
@@ -38,14 +38,16 @@ from typing import Any
 import numpy as np
 
 from .. import _native
-from ..checkpoint.reader import SafetensorsSource, numpy_dtype, shard_bytes
-from ..audit.auditor import as_record
-from ..engines.registry import EngineLayout, get_layout, model_family, param_location, recognise
-from ..errors import CheckpointError, EngineLayoutError, GuardError, KdaTpError
-from .first_load import CHECKPOINT_ENV, MODE_ENV, cannot_check, derived_problem, mode, model_dtype_name
+from ..audit.values import as_record
 from ..checkpoint.names import checkpoint_suffix, decoder_prefix, kda_layer_indices
-from ..rank.plan import KdaTensorPlan, KdaTpPlan
+from ..checkpoint.reader import SafetensorsSource, numpy_dtype, shard_bytes
+from ..engines.dtype import model_dtype_name
+from ..engines.layout import EngineLayout
+from ..engines.registry import get_layout, model_family, param_location, recognise
+from ..errors import CheckpointError, EngineLayoutError, GuardError, KdaTpError
 from ..model.quant import SCALE_SUFFIXES
+from ..rank.plan import KdaTensorPlan, KdaTpPlan
+from .first_load import CHECKPOINT_ENV, MODE_ENV, cannot_check, derived_problem, mode
 
 __all__ = ["FINGERPRINT_ELEMENTS", "Followed", "UpdateCheck", "UpdateReport", "follow",
            "followed", "warn_once"]
@@ -471,7 +473,7 @@ class Followed:
             the updates are then not checked, with one warning).
         rank: ``(tp_rank, tp_size)`` of the engine's tensor-parallel group, now.
         params: the model's parameters as the layouts describe them, now.
-        derived: the model's derived copies kda_tp knows (:data:`kda_tp.guard.DERIVED`), now.
+        derived: the model's derived copies kda_tp knows (:data:`kda_tp.engines.DERIVED`), now.
         repair: run after every update before the derived copies are checked (the opt-in
             repair of stale caches; a no-op when off).
         ran: told each verdict line (the plugin's armed record).

@@ -16,7 +16,7 @@ included, before the model loads (``vllm/v1/worker/worker_base.py``); it logs on
   is not the KDA stack and is skipped, while with n-gram, suffix or ``custom_class`` decoding
   (which share the target's config) the main model is checked as always;
 * the loaded model's own ``load_weights`` (an instance attribute): every later call, a direct
-  ``collective_rpc`` refit included, is an update (:mod:`kda_tp.update_check`): what it feeds
+  ``collective_rpc`` refit included, is an update (:mod:`kda_tp.guard.updates`): what it feeds
   is the reference, and the KDA parameters it touched are checked when the call returns;
 * ``reload_weights`` (``vllm/model_executor/model_loader/reload/inplace.py``): a reload from disk
   is checked against the new checkpoint; a reload with a ``weights_iterator`` is one update
@@ -32,7 +32,7 @@ included, before the model loads (``vllm/v1/worker/worker_base.py``); it logs on
   ``model.load_weights`` directly, with no checkpoint directory): one warning that it is not
   checked.
 
-After every update the derived copies kda_tp knows (:data:`kda_tp.guard.DERIVED`: K3's decode
+After every update the derived copies kda_tp knows (:data:`kda_tp.engines.DERIVED`: K3's decode
 buffers, GLM-5.3's ``_merged_conv_weight``) are checked against their parameters; with
 ``KDA_TP_GUARD_REPAIR=1`` (:data:`REPAIR_ENV`, off by default) GLM-5.3's
 ``_merged_conv_weight`` is invalidated after every load and update instead, so that vLLM
@@ -71,18 +71,17 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from ..engines.derived import DERIVED_ATTRIBUTES, derived_copies
+from ..engines.dtype import model_dtype_name
 from ..errors import KdaTpError
 from .first_load import (
     CHECKPOINT_ENV,
-    DERIVED_ATTRIBUTES,
     GuardResult,
     cannot_check,
     check,
-    derived_copies,
     explicit_checkpoint,
     looks_kda,
     mode,
-    model_dtype_name,
     rank_report,
     resolve_checkpoint,
     stage_layers,
@@ -559,7 +558,7 @@ def _stage_layers(names: Iterable[str]) -> list[int] | None:
 
 def follow_updates(model: Any, model_config: Any, vllm_config: Any = None) -> None:
     """Check every later update of ``model`` (the main model of this worker): its own
-    ``load_weights`` is wrapped (:func:`kda_tp.update_check.follow`) so that each call feeds
+    ``load_weights`` is wrapped (:func:`kda_tp.guard.follow`) so that each call feeds
     the open update session, or is one update by itself, checked when it returns.
     Idempotent; a draft model or a model without KDA names is not followed.
 

@@ -1,1 +1,14 @@
-"""kda_tp.model."""
+"""Model facts: the model families (``families``), the KDA geometry and gate a config
+describes (``config``), block-FP8 quantization formats and :func:`dequantize` (``quant``), and
+the hardened JSON reader every config and metadata value goes through (``json_reader``).
+
+Imports nothing but ``kda_tp.errors``.
+"""
+
+from . import config, families, json_reader, quant
+from .families import *  # noqa: F403
+from .config import *  # noqa: F403
+from .quant import *  # noqa: F403
+from .json_reader import *  # noqa: F403
+
+__all__ = families.__all__ + config.__all__ + quant.__all__ + json_reader.__all__

@@ -1,7 +1,7 @@
 """The model families kda_tp knows: one entry per family, every other list derived from it.
 
 A family entry says how the family's configs are read (its ``model_type`` values and the rule
-set, ``kda_tp.config``), its names (for people, for the engine tables in
+set, ``kda_tp.model.config``), its names (for people, for the engine tables in
 :mod:`kda_tp.engines`, for ``kda-tp demo --model``), where its checkpoints keep the decoder
 layers, what a bare config's plan assumes its checkpoints store, and the geometry and config
 dialect of its synthetic checkpoints (:mod:`kda_tp.synth`). Adding a family is one entry here
@@ -50,7 +50,7 @@ class ModelFamily:
         full_rank_gate: whether the family's KDA layers have the full-rank output gate
             ``g_proj`` (K3), which tells it from another family read by the same rules.
         decoder_prefix: the name prefix of its decoder layers (up to the layer index) in its
-            published checkpoints; ``kda_tp.layout.decoder_prefix`` reads a checkpoint's own.
+            published checkpoints; ``kda_tp.checkpoint.decoder_prefix`` reads a checkpoint's own.
         lm_head: the name of its ``lm_head`` weight.
         stored_dtypes: the dtypes (by plan name) its checkpoints store where they differ from
             the plan's defaults, assumed by a plan made from a bare config; None: the plan's

@@ -46,12 +46,13 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
-from .config import read_json
 from ..errors import CheckpointError, ShapeMismatchError
+from .json_reader import read_json
+
+if TYPE_CHECKING:
+    import numpy as np
 
 __all__ = [
     "BlockFormat",
@@ -109,7 +110,7 @@ def quantization_config(config: Mapping[str, Any], root: Path | None = None) -> 
 
     Raises:
         CheckpointError: an ``hf_quant_config.json`` that is unreadable, not JSON, beyond
-            the bounds of ``kda_tp.config.read_json`` (size, depth, digits) or has no
+            the bounds of ``kda_tp.model.read_json`` (size, depth, digits) or has no
             ``quantization`` object.
     """
     quant = config.get("quantization_config")
@@ -315,6 +316,8 @@ def dequantize(weight: Any, scale: Any, block: tuple[int, int] = _MODELOPT_BLOCK
         ShapeMismatchError: the weight is not 2-D, the grid is not 2-D or ``[ob, 1, ib, 1]``,
             or its shape is not ``ceil(out/bo) x ceil(in/bi)``; the message gives both shapes.
     """
+    import numpy as np  # noqa: PLC0415 - start-up time: the model facts import no numpy
+
     w = np.asarray(weight)
     grid = np.asarray(scale)
     bo, bi = block

@@ -1,10 +1,10 @@
 """An independent, standard-library-only oracle for the KDA tensor-parallel shard plan.
 
 This package restates the shard plan of one KDA (Kimi Delta Attention) block from the written
-spec (``spec/tp.rs`` for the plan, ``spec/tp_bind.rs`` for applying it), without calling the
-Rust core, so the two can be compared. It also carries a verifier that checks a sharded
-checkpoint directory against its source checkpoint, usable in a user's own CI with nothing but
-a Python interpreter:
+spec (``tests/data/spec/tp.rs.txt`` for the plan, ``tests/data/spec/tp_bind.rs.txt`` for
+applying it), without calling the Rust core, so the two can be compared. It also carries a verifier
+that checks a sharded checkpoint directory against its source checkpoint, usable in a user's own CI
+with nothing but a Python interpreter:
 
 ```sh
 python -m kda_tp.oracle verify CHECKPOINT OUT
@@ -22,13 +22,13 @@ contiguous channel range ``[r * C/T, (r+1) * C/T)`` with ``C = heads * head_dim`
 * row-parallel: ``o_proj`` ``[hidden, C]``, sliced on its input (last) axis; every rank's output
   is a partial sum, and one all-reduce follows it when ``tp_size > 1``.
 
-Kimi K3 (``shared/notes/kimi_k3.md``) changes two things. Its output gate is one full-rank
+Kimi K3 (docs/models.md, "Kimi K3") changes two things. Its output gate is one full-rank
 ``g_proj`` ``[C, hidden]``, column-parallel like ``q_proj``, in place of ``g_a_proj`` and
 ``g_b_proj`` (14 tensors). Its ``A_log`` is stored 1-D with more entries than heads (128 for 96),
 the first ``H`` the heads and the rest zero: rank ``r`` keeps entries ``[r * H/T, (r+1) * H/T)``
 of it, never an even split of the stored length, and the padding must be zero.
 
-Block-quantized FP8 projections (``shared/notes/kda_quant_and_gate.md``) carry a scale grid of
+Block-quantized FP8 projections (docs/quantized.md) carry a scale grid of
 ``ceil(out/bo) x ceil(in/bi)`` (ModelOpt stores it ``[ob, 1, ib, 1]``). A rank whose weight range
 on the sharded axis is ``[a, e)`` keeps grid rows (columns for ``o_proj``) ``[a // b, ceil(e / b))``
 and a replicated weight keeps the whole grid. That only dequantizes if every rank's range starts
@@ -37,8 +37,8 @@ on a block boundary or stays inside one block; otherwise the plan is refused.
 Sizes are in elements unless a name says bytes.
 
 Its modules, each importing only the ones before it (and ``kda_tp.errors``): ``shard_plan``
-(the plan, spec ``tp.rs``), ``bind`` (a rank's bytes, shapes and plan names, spec
-``tp_bind.rs``), ``config`` (its own reading of ``config.json``), ``checkpoint`` (safetensors
+(the plan, spec ``tp.rs.txt``), ``bind`` (a rank's bytes, shapes and plan names, spec
+``tp_bind.rs.txt``), ``config`` (its own reading of ``config.json``), ``checkpoint`` (safetensors
 headers and raw bytes), ``verifier`` (a sharded directory against its source) and ``cli``. The
 names below are importable from ``kda_tp.oracle`` itself.
 """

@@ -1,4 +1,4 @@
-"""Applying the oracle's plan to bytes and names (spec ``tp_bind.rs``).
+"""Applying the oracle's plan to bytes and names (spec ``tp_bind.rs.txt``).
 
 A rank's bytes of one tensor (:func:`shard_bytes`), its shape on that rank
 (:func:`local_shape`) and the plan name of a ``self_attn`` tensor name (:func:`plan_name`).
@@ -14,7 +14,7 @@ from kda_tp.errors import ShapeMismatchError
 from .shard_plan import CHANNEL_COLS, REPLICATED, OracleTensor
 
 def shard_bytes(entry: OracleTensor, data: bytes | bytearray | memoryview) -> bytes:
-    """This rank's bytes of one tensor (spec ``tp_bind.rs``, ``shard_bytes``).
+    """This rank's bytes of one tensor (spec ``tp_bind.rs.txt``, ``shard_bytes``).
 
     Args:
         entry: the tensor's plan entry.
@@ -51,7 +51,7 @@ def shard_bytes(entry: OracleTensor, data: bytes | bytearray | memoryview) -> by
 
 
 def local_shape(entry: OracleTensor, disk_shape: Sequence[int]) -> tuple[int, ...]:
-    """This rank's shape of a tensor stored with shape ``disk_shape`` (spec ``tp_bind.rs``,
+    """This rank's shape of a tensor stored with shape ``disk_shape`` (spec ``tp_bind.rs.txt``,
     ``local_shape``): same rank as on disk, sharded axis reduced to the local extent.
 
     The sharded axis: for the row kinds, the first axis whose extent is not 1 (leading unit
@@ -98,7 +98,7 @@ def local_shape(entry: OracleTensor, disk_shape: Sequence[int]) -> tuple[int, ..
 
 
 def plan_name(checkpoint_name: str) -> str:
-    """The plan name of a ``self_attn`` tensor name (spec ``tp_bind.rs``, ``plan_name``).
+    """The plan name of a ``self_attn`` tensor name (spec ``tp_bind.rs.txt``, ``plan_name``).
 
     Strips a leading ``self_attn.`` and a trailing ``.weight`` where present:
     ``self_attn.q_proj.weight -> q_proj``, ``self_attn.A_log -> A_log`` (``A_log`` and

@@ -1,7 +1,7 @@
 """The oracle's reading of a ``config.json``: KDA geometry and layers, and the FP8 block size.
 
 Written on its own from transformers' configuration classes and the model cards, never from
-``kda_tp.config``, which it checks.
+``kda_tp.model.config``, which it checks.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The oracle's shard plan of one KDA block (spec ``tp.rs``, ``KdaTpPlan::new``).
+"""The oracle's shard plan of one KDA block (spec ``tp.rs.txt``, ``KdaTpPlan::new``).
 
 Which rows or columns of each KDA tensor rank ``r`` of ``tp_size`` owns, restated from the spec
 with nothing but the standard library, and each block-quantized projection's scale grid (see
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from kda_tp.errors import PlanError
 
-#: The tensors of one KDA block, by plan name, in plan order (spec ``tp.rs``, ``tensors``).
+#: The tensors of one KDA block, by plan name, in plan order (spec ``tp.rs.txt``, ``tensors``).
 TENSOR_NAMES = (
     "q_proj",
     "k_proj",
@@ -49,7 +49,7 @@ FP8_ELEM_BYTES = {"F8_E4M3": 1, "F8_E5M2": 1}
 MAX_BYTES = 2**63 - 1
 
 #: Default dtypes: BF16 everywhere, except the two float32 gate parameters (Kimi-Linear's
-#: ``A_log`` and ``dt_bias`` are created float32; spec ``tp.rs`` uses ``F32`` for both).
+#: ``A_log`` and ``dt_bias`` are created float32; spec ``tp.rs.txt`` uses ``F32`` for both).
 _DEFAULT_DTYPE = "BF16"
 _F32_TENSORS = ("A_log", "dt_bias")
 
@@ -157,7 +157,7 @@ def plan(
     quantized: Sequence[str] | None = None,
     scale_layout: str = "grid",
 ) -> OraclePlan:
-    """The shard plan of one KDA block for rank ``tp_rank`` of ``tp_size`` (spec ``tp.rs``,
+    """The shard plan of one KDA block for rank ``tp_rank`` of ``tp_size`` (spec ``tp.rs.txt``,
     ``KdaTpPlan::new``).
 
     Args:

@@ -3,9 +3,9 @@
 The rules, for ``shard``, ``dump`` and ``demo --keep`` alike:
 
 * **Never touch what kda-tp did not write.** A directory is kda-tp's when it carries the mark
-  :data:`~kda_tp.rankdir.MARK_NAME` (written into every directory kda-tp makes, naming what it
+  :data:`~kda_tp.output.MARK_NAME` (written into every directory kda-tp makes, naming what it
   put there) and holds nothing else, or when it is empty; a safetensors file is kda-tp's when
-  its header's ``__metadata__`` carries :data:`~kda_tp.rankdir.FILE_MARK`. Anything else in
+  its header's ``__metadata__`` carries :data:`~kda_tp.output.FILE_MARK`. Anything else in
   the way (another tool's ``rank{N}/`` optimizer states, an engine's own dump, a symbolic
   link, a plain file) is refused by name, ``--force`` or not.
 * **Build first, then replace.** A run writes its output under hidden names and moves it into
@@ -30,12 +30,10 @@ import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
-from ..checkpoint.writer import resolve_out
 from ..checkpoint.reader import SafetensorsSource
-from ..model.config import parse_metadata_int
+from ..checkpoint.writer import resolve_out
 from ..errors import KdaTpError, OutputError
-
-# What kda-tp wrote (its marks) and the refusals of anything else: kda_tp.marks.
+from ..model.json_reader import parse_metadata_int
 from .marks import (
     DEMO_STAGING_PREFIX,
     NOFOLLOW,
@@ -45,7 +43,9 @@ from .marks import (
     refuse,
     write_mark,
 )
-from ..shard.rankdir import LOCK_FILE, MARK_NAME, PARTIAL_DIR, RANK_DIR, rank_dir
+from .names import LOCK_FILE, MARK_NAME, PARTIAL_DIR, RANK_DIR, rank_dir
+
+# What kda-tp wrote (its marks) and the refusals of anything else: kda_tp.output.marks.
 
 __all__ = [
     "RankLocks",
@@ -101,7 +101,7 @@ def replace_files(staged: Mapping[Path, Path], stale: Iterable[Path]) -> None:
     directory) onto its final path, then remove the ``stale`` files not replaced so.
 
     Each file is renamed in one step (a reader sees the old file or the new one); the caller
-    has checked ``stale`` with :func:`kda_tp.marks.foreign_file`.
+    has checked ``stale`` with :func:`kda_tp.output.foreign_file`.
 
     Raises:
         OutputError: a rename or removal fails (the message names the file).

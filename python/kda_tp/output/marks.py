@@ -1,9 +1,9 @@
 """kda-tp's marks, and what they let it touch: the check behind every refusal to remove or
-replace what kda-tp did not write (:mod:`kda_tp.outdir` applies it).
+replace what kda-tp did not write (:mod:`kda_tp.output.dirs` applies it).
 
-A directory is kda-tp's when it carries the mark :data:`~kda_tp.rankdir.MARK_NAME` (naming
+A directory is kda-tp's when it carries the mark :data:`~kda_tp.output.MARK_NAME` (naming
 what kda-tp put there) and holds nothing else, or when it is empty; a safetensors file is
-kda-tp's when its header's ``__metadata__`` carries :data:`~kda_tp.rankdir.FILE_MARK`. Anything
+kda-tp's when its header's ``__metadata__`` carries :data:`~kda_tp.output.FILE_MARK`. Anything
 else (another tool's files, a symbolic link, a plain file) is refused by name, ``--force`` or
 not (:func:`refuse`).
 """
@@ -16,11 +16,11 @@ import stat
 from collections.abc import Iterable
 from pathlib import Path
 
-from ..checkpoint.writer import TEMP_FILE, write_json
 from .._native import __version__
 from ..checkpoint.reader import SafetensorsSource
+from ..checkpoint.writer import TEMP_FILE, write_json
 from ..errors import KdaTpError, OutputError
-from ..shard.rankdir import FILE_MARK, LOCK_FILE, MARK_NAME, PARTIAL_DIR, RANK_DIR
+from .names import FILE_MARK, LOCK_FILE, MARK_NAME, PARTIAL_DIR, RANK_DIR
 
 __all__ = [
     "DEMO_STAGING_PREFIX",
@@ -38,12 +38,12 @@ __all__ = [
 NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 
 #: The staging directory ``demo --keep DIR`` builds in, inside ``DIR``
-#: (:func:`kda_tp.outdir.claim_demo_dir`).
+#: (:func:`kda_tp.output.claim_demo_dir`).
 DEMO_STAGING_PREFIX = ".kda-tp-demo-"
 
 
 def write_mark(directory: Path, kind: str, entries: Iterable[str], mode: int | None = None) -> None:
-    """Write kda-tp's mark (:data:`~kda_tp.rankdir.MARK_NAME`) into ``directory``: a JSON
+    """Write kda-tp's mark (:data:`~kda_tp.output.MARK_NAME`) into ``directory``: a JSON
     object ``{"written_by": "kda-tp", "version", "kind", "entries"}``, ``entries`` sorted.
 
     Args:
@@ -124,7 +124,7 @@ def foreign_dir(path: Path, kind: str, *, complete: bool = True) -> str | None:
 
 def foreign_file(path: Path) -> str | None:
     """Why kda-tp must not remove or replace the safetensors file ``path``, or None when its
-    header's ``__metadata__`` carries :data:`~kda_tp.rankdir.FILE_MARK` (kda-tp wrote it)."""
+    header's ``__metadata__`` carries :data:`~kda_tp.output.FILE_MARK` (kda-tp wrote it)."""
     if path.is_symlink():
         return "a symbolic link (kda-tp writes files, never links)"
     try:
@@ -172,7 +172,7 @@ def foreign_output(path: Path) -> str | None:
     """Why ``path`` (an entry of a ``demo --keep`` directory that the demo does not replace)
     is not an output kda-tp wrote, or None when it is: a ``shard`` output (rank directories
     carrying kda-tp's rank mark, their locks and partial directories), a rank directory, a
-    ``dump`` (safetensors files carrying :data:`~kda_tp.rankdir.FILE_MARK`, and the JSON files
+    ``dump`` (safetensors files carrying :data:`~kda_tp.output.FILE_MARK`, and the JSON files
     beside them), a demo staging directory, or an empty directory."""
     if path.is_symlink():
         return "a symbolic link (kda-tp writes directories, never links)"

@@ -1,7 +1,8 @@
 """The shard plan: which part of each KDA tensor a tensor-parallel rank keeps.
 
 The arithmetic is in the Rust core (``kda_tp._native``); this module adds the plan of a
-described checkpoint (``kda_tp.description``: the geometry, dtypes and quantization read once).
+described checkpoint (``kda_tp.checkpoint.description``: the geometry, dtypes and quantization read
+once).
 """
 
 from __future__ import annotations
@@ -12,10 +13,10 @@ from typing import Any
 
 from .. import _native
 from .._native import KdaShard, KdaTensorPlan
+from ..checkpoint.description import CheckpointDescription, describe
 from ..checkpoint.reader import SafetensorsSource
-from ..checkpoint.description import CheckpointDescription, assumed_layout, describe
 
-__all__ = ["KdaShard", "KdaTensorPlan", "KdaTpPlan", "assumed_layout"]
+__all__ = ["KdaShard", "KdaTensorPlan", "KdaTpPlan"]
 
 
 class KdaTpPlan(_native.KdaTpPlan):
@@ -62,7 +63,7 @@ class KdaTpPlan(_native.KdaTpPlan):
             128 for 96 heads); None (the default) for one entry per head. At least
             ``full_heads``.
         quant_block: ``(rows, cols)`` block edge (elements) of block-quantized FP8 weights
-            (``(128, 128)`` in every published checkpoint; see ``kda_tp.quant``); None for
+            (``(128, 128)`` in every published checkpoint; see ``kda_tp.model.quant``); None for
             an unquantized block.
         quantized: plan names of the FP8 weights (default with ``quant_block``: every
             projection). Their dtype defaults to ``F8_E4M3`` and each entry's ``.scale`` is
@@ -117,13 +118,13 @@ class KdaTpPlan(_native.KdaTpPlan):
         """The plan for one rank, with the geometry read from a model config.
 
         A thin path to :meth:`from_description`: the config or checkpoint is described with
-        ``kda_tp.description.describe``, which an opened :class:`~kda_tp.SafetensorsSource`
+        ``kda_tp.describe``, which an opened :class:`~kda_tp.SafetensorsSource`
         keeps, so the plans of its other ranks read nothing again.
 
         Args:
             config: a config dict, a ``config.json`` path, a checkpoint directory, or a
                 :class:`~kda_tp.SafetensorsSource`, read as its model family's reference code
-                reads it (``kda_tp.config``): GLM-5.3-Flash's ``linear_head_dim`` /
+                reads it (``kda_tp.model.config``): GLM-5.3-Flash's ``linear_head_dim`` /
                 ``linear_num_heads`` / ``linear_conv_kernel_dim``; Kimi-Linear keys
                 (``hidden_size``, ``linear_attn_config.head_dim/num_heads/
                 short_conv_kernel_size``, K3's ``use_full_rank_gate``) or transformers' flat
@@ -135,7 +136,7 @@ class KdaTpPlan(_native.KdaTpPlan):
                 (Kimi-Linear's choice).
             qk_multiple: see the class.
             layers: 0-based KDA layer indices, checked as ``--layers`` is
-                (``kda_tp.layers.check_layers``: each a KDA layer of the config, or of
+                (``kda_tp.checkpoint.check_layers``: each a KDA layer of the config, or of
                 the checkpoint's tensors when the config lists none, within
                 ``num_hidden_layers``; a 1-based list is refused with the 0-based one to use).
                 With a checkpoint, the first is read for dtypes and the gate rank and each is
@@ -143,8 +144,8 @@ class KdaTpPlan(_native.KdaTpPlan):
                 so a bare config only checks them.
 
         With a bare config, the dtypes are what the family's checkpoints store
-        (``kda_tp.plan.assumed_layout``: F32 convs for GLM-5.3-Flash). With a checkpoint, each
-        tensor's dtype (and so its element size) and the stored length of ``A_log``
+        (``kda_tp.checkpoint.description.assumed_layout``: F32 convs for GLM-5.3-Flash). With a
+        checkpoint, each tensor's dtype (and so its element size) and the stored length of ``A_log``
         (``a_log_len``, for K3's zero-padded one) are read from the first KDA layer's header;
         ``full_rank_gate`` always comes from the config.
 
@@ -153,7 +154,7 @@ class KdaTpPlan(_native.KdaTpPlan):
                 or invalid config, a config with no KDA layers, or a
                 checkpoint whose first KDA layer lacks a tensor or holds the other output-gate
                 form than the config says; a KDA projection (any KDA layer) that contradicts a
-                ModelOpt config's per-module declaration (``kda_tp.quant.ModelOptModules``:
+                ModelOpt config's per-module declaration (``kda_tp.model.ModelOptModules``:
                 a ``quant_algo`` other than ``FP8_PB_WO``, e.g. ``NVFP4``, named in the message;
                 ``FP8_PB_WO`` but not FP8; FP8 but not listed, or excluded).
             DtypeMismatchError: a first-KDA-layer tensor whose dtype is not BF16, F16, F32 or
@@ -185,8 +186,8 @@ class KdaTpPlan(_native.KdaTpPlan):
         qk_multiple: int = 256,
         layers: Iterable[int] | None = None,
     ) -> KdaTpPlan:
-        """The plan for one rank of a described checkpoint (``kda_tp.description.describe``):
-        arithmetic on what the description read once (:meth:`~kda_tp.description
+        """The plan for one rank of a described checkpoint (``kda_tp.describe``):
+        arithmetic on what the description read once (:meth:`~kda_tp.checkpoint.description
         .CheckpointDescription.layer_facts` of ``layers``), so every rank's plan after the
         first costs no header read. Arguments and errors as :meth:`from_config`."""
         facts = description.layer_facts(layers)

@@ -1,77 +1,47 @@
 """The adapter that presents one tensor-parallel rank's shard of a checkpoint.
 
 :class:`KdaShardedSource` wraps any tensor source (a :class:`~kda_tp.SafetensorsSource`, or
-anything with ``names()`` and ``get(name)``; see :mod:`kda_tp.checkpoint`) and returns this
-rank's slice of every KDA tensor with its local shape, every other tensor untouched. The reader
-and the naming rules it uses are re-exported here for convenience.
+anything with ``names()`` and ``get(name)``; see :mod:`kda_tp.checkpoint.reader`) and returns this
+rank's slice of every KDA tensor with its local shape, every other tensor untouched. An engine's
+fused parameters are built from a view in :mod:`kda_tp.engines`
+(:func:`~kda_tp.engines.build_param`).
 """
 
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Iterable, Iterator
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 
 from .. import _native
+from ..checkpoint.description import describe
+from ..checkpoint.names import (
+    FULL_RANK_GATE,
+    LOW_RANK_GATE,
+    checkpoint_suffix,
+    gate_form_problem,
+    location,
+)
 from ..checkpoint.reader import (
-    BACKEND_ENV,
     SafetensorsSource,
     Tensor,
     TensorSource,
     check_out,
-    readonly_bytes,
-    writable_bytes,
+    missing_tensor,
     numpy_dtype,
+    readonly_bytes,
     shard_bytes,
+    writable_bytes,
 )
-from ..checkpoint.description import CheckpointDescription, describe
-from ..engines.registry import EngineLayout, EngineParam, EngineParamPlan, get_layout
-from ..errors import (
-    CheckpointError,
-    DtypeMismatchError,
-    EngineLayoutError,
-    KdaTpError,
-    TensorNotFoundError,
-)
-from ..checkpoint.names import (
-    FULL_RANK_GATE,
-    LOW_RANK_GATE,
-    DEFAULT_PREFIX,
-    gate_form_problem,
-    location,
-    check_gate_form,
-    checkpoint_suffix,
-    decoder_prefix,
-    kda_layer_indices,
-    kda_tensor_name,
-    scale_tensor_name,
-)
-from .plan import KdaShard, KdaTensorPlan, KdaTpPlan
+from ..errors import CheckpointError, DtypeMismatchError, KdaTpError, TensorNotFoundError
 from ..model.quant import SCALE_SUFFIXES
+from .plan import KdaShard, KdaTensorPlan, KdaTpPlan
 
-__all__ = [
-    "BACKEND_ENV",
-    "DEFAULT_PREFIX",
-    "KdaShardedSource",
-    "SafetensorsSource",
-    "Tensor",
-    "TensorSource",
-    "check_gate_form",
-    "checked_get",
-    "checked_info",
-    "checkpoint_suffix",
-    "decoder_prefix",
-    "kda_layer_indices",
-    "kda_tensor_name",
-    "numpy_dtype",
-    "open_rank",
-    "scale_tensor_name",
-    "shard_bytes",
-]
+__all__ = ["KdaShardedSource", "open_rank"]
 
-_T = TypeVar("_T")
 
 class KdaShardedSource:
     """One tensor-parallel rank's view of a checkpoint.
@@ -114,7 +84,7 @@ class KdaShardedSource:
             )
         self.source = source
         self.plan = plan
-        # What the checkpoint holds, read once per opened checkpoint (kda_tp.description).
+        # What the checkpoint holds, read once per opened checkpoint (kda_tp.checkpoint.describe).
         self.description = described = describe(source)
         self.layers = described.kda_layers(layers)
         self.prefix = described.prefix
@@ -173,7 +143,6 @@ class KdaShardedSource:
                 described.mark_padding_checked(name)
         self._closed = False
         self._names: frozenset[str] | None = None
-        self._param_plans: dict[tuple[EngineLayout, str, str | None], EngineParamPlan] = {}
 
     def _unknown(self, name: str, layer: int, suffix: str, known: list[str]) -> CheckpointError:
         """The error for a KDA layer's ``self_attn`` tensor this plan has no entry for."""
@@ -210,23 +179,6 @@ class KdaShardedSource:
                 f"{heads} heads; entries {heads}..{entry.full_rows - 1} must be zero padding)"
             )
 
-    @staticmethod
-    def _check(name: str, entry: KdaTensorPlan, source: TensorSource) -> tuple[int, ...]:
-        info = getattr(source, "info", None)
-        if info is not None:
-            dtype, shape = info(name)
-        else:
-            record = source.get(name)
-            dtype, shape = record.dtype, tuple(record.shape)
-        if dtype != entry.dtype:
-            raise DtypeMismatchError(
-                f"{location(source, name)}: {name}: dtype {dtype}, expected {entry.dtype}"
-            )
-        try:
-            return entry.local_shape(list(shape))
-        except KdaTpError as e:
-            raise type(e)(f"{location(source, name)}: {name}: {e}") from None
-
     @property
     def config(self) -> dict[str, Any] | None:
         """The wrapped source's config (unchanged: it describes the full model)."""
@@ -258,14 +210,29 @@ class KdaShardedSource:
         return None if record is None else (record.dtype, tuple(record.shape))
 
     def get(self, name: str) -> Tensor | None:
-        """This rank's tensor ``name``: a local slice for KDA tensors, else the source's record;
-        None when the source has no such tensor (as ``Mapping.get``: a misspelt name is not an
-        error here; ``adapter[name]`` and :meth:`get_tensor` raise ``TensorNotFoundError``
-        for it, as ``safe_open`` does).
+        """This rank's tensor ``name``: a local slice for KDA tensors, else the source's record
+        (what ``view[name]`` returns).
 
         Row-sliced and replicated tensors are views of the source's bytes (no copy);
         ``o_proj`` is gathered into a new array.
+
+        Returns:
+            The tensor; None when the source has no such tensor, which is deprecated: a
+            ``DeprecationWarning`` says so. Use ``view[name]`` (:meth:`get_tensor`), which
+            raises ``TensorNotFoundError`` for it as ``safe_open`` does, and ``name in view``
+            to ask.
         """
+        found = self._lookup(name)
+        if found is None:
+            warnings.warn(
+                f"{location(self.source)}: no tensor named {name!r}; KdaShardedSource.get() "
+                "returning None for a missing tensor is deprecated: use view[name], which raises "
+                "TensorNotFoundError, or `name in view`",
+                DeprecationWarning, stacklevel=2)
+        return found
+
+    def _lookup(self, name: str) -> Tensor | None:
+        """:meth:`get` without the warning: None when the source has no tensor ``name``."""
         self._check_open()
         planned = self._planned.get(name)
         if planned is None:
@@ -346,101 +313,6 @@ class KdaShardedSource:
         if release is not None:
             release(name)
 
-    def build_param(
-        self,
-        layout: str | EngineLayout,
-        suffix: str,
-        layer: int,
-        out: Any = None,
-        *,
-        model_dtype: str | None = None,
-    ) -> Any:
-        """Fill one fused engine parameter of KDA layer ``layer`` for this rank, in one call.
-
-        The parameter is described by ``layout`` (:mod:`kda_tp.engines`, e.g.
-        ``"vllm-0.33-k3"``, ``"in_proj_qkvgfab.weight"``): each part (this rank's slice of a
-        plan tensor, or of its FP8 block-scale grid) is copied with :meth:`read_into` straight
-        into its region of the buffer, cast first where the engine casts (e.g. BF16 conv
-        weights to F32), and the padding rows are zeroed. The bytes equal what the engine's
-        own loader leaves in the parameter.
-
-        Args:
-            layout: an :class:`~kda_tp.engines.EngineLayout` or its name.
-            suffix: the parameter's name after ``self_attn.``.
-            layer: a 0-based KDA layer index (one of ``layers``).
-            out: None to allocate a new numpy array of the parameter's local shape and dtype;
-                or a writable C-contiguous buffer of exactly ``param_plan(...).nbytes`` bytes
-                (a numpy array of any shape with item size 1 or the parameter dtype's, a
-                ``bytearray``; for a CPU torch parameter ``p.view(-1).view(torch.uint8)
-                .numpy()``), every byte of which is overwritten.
-            model_dtype: the engine's model dtype for parameters it casts to it (None: the
-                checkpoint's dtype; see :meth:`~kda_tp.engines.EngineLayout.param_plan`).
-
-        Returns:
-            ``out``, or the new array.
-
-        Raises:
-            EngineLayoutError: unknown layout or parameter, a layout that does not fit this
-                plan, or ``layer`` is not a KDA layer.
-            ShapeMismatchError: ``out`` is not the parameter's size in bytes, or its item size
-                is neither 1 nor the parameter dtype's.
-            BufferLayoutError: ``out`` is read-only, not C-contiguous, or not a buffer.
-        """
-        plan = self.param_plan(layout, suffix, model_dtype=model_dtype)
-        if layer not in self.layers:
-            raise EngineLayoutError(
-                f"{plan.layout}: {suffix}: layer {layer} is not a KDA layer of this checkpoint "
-                f"(KDA layers: {list(self.layers)})"
-            )
-        # The parameter is built by the engine layer (EngineParamPlan.fill); this view gives it
-        # the parts' bytes.
-        return plan.fill(
-            out, lambda part, dst: self.read_into(self._part_name(layer, part), dst),
-            lambda part: self._planned[self._part_name(layer, part)][0].local_bytes)
-
-    def engine_params(self, layout: str | EngineLayout) -> list[tuple[int, EngineParam]]:
-        """Every engine parameter this rank holds for the KDA layers: ``(layer, parameter)``
-        for each KDA layer (``layers``, in order) and each parameter of ``layout`` for
-        this plan (:meth:`EngineLayout.params_for <kda_tp.engines.EngineLayout.params_for>`:
-        scale grids only where the weights are block-FP8), in the layout's order.
-
-        This is the list ``kda_tp.audit`` checks, ``kda_tp.write_engine_dump`` writes and
-        ``kda_tp.engine_digests`` hashes; the parameter's name in the engine is
-        ``kda_tp.engines.param_name(layout.state_dict_prefix(self.prefix), layer,
-        param.suffix)``, its bytes :meth:`build_param`.
-
-        Raises:
-            EngineLayoutError: an unknown layout, or one that does not fit this plan.
-        """
-        params = get_layout(layout).params_for(self.plan)
-        return [(layer, param) for layer in self.layers for param in params]
-
-    def param_plan(
-        self, layout: str | EngineLayout, suffix: str, *, model_dtype: str | None = None
-    ) -> EngineParamPlan:
-        """:meth:`EngineLayout.param_plan <kda_tp.engines.EngineLayout.param_plan>` for this
-        rank's plan: the parameter's local shape, dtype and part regions.
-
-        Raises:
-            EngineLayoutError: as there.
-        """
-        table = get_layout(layout)
-        key = (table, suffix, model_dtype)
-        found = self._param_plans.get(key)
-        if found is None:  # the same arithmetic for every layer: once per view
-            found = self._param_plans[key] = table.param_plan(suffix, self.plan, model_dtype)
-        return found
-
-    def _part_name(self, layer: int, part: str) -> str:
-        """The checkpoint name of a part (``"q_proj"``, or ``"q_proj.scale"``: its block scale
-        grid under whichever spelling the checkpoint uses) in KDA layer ``layer``."""
-        if not part.endswith(".scale"):
-            return kda_tensor_name(self.prefix, layer, part)
-        weight = part.removesuffix(".scale")
-        # The adapter checked that every quantized weight has exactly one of the spellings.
-        spellings = (f"{self.prefix}{layer}.self_attn.{weight}.{s}" for s in SCALE_SUFFIXES)
-        return next(name for name in spellings if name in self._planned)
-
     def keys(self) -> list[str]:
         """Every tensor name, as ``safe_open``'s ``keys()``: the wrapped source's names."""
         return self.names()
@@ -454,7 +326,7 @@ class KdaShardedSource:
                 ``CheckpointError``; the message names the tensor and the checkpoint).
             CheckpointError: the view is closed.
         """
-        found = self.get(name)
+        found = self._lookup(name)
         if found is None:
             raise TensorNotFoundError(
                 f"{location(self.source)}: no tensor named {name!r} in this checkpoint (its "
@@ -525,40 +397,6 @@ class KdaShardedSource:
         )
 
 
-def missing_tensor(source: Any, name: str) -> CheckpointError:
-    """The error for a tensor that ``source.names()`` lists but ``source`` cannot find."""
-    return CheckpointError(
-        f"{location(source, name)}: {name}: listed by the checkpoint but not found in it"
-    )
-
-
-def checked_info(
-    source: SafetensorsSource | KdaShardedSource, name: str
-) -> tuple[str, tuple[int, ...]]:
-    """``source.info(name)`` (dtype, shape) for a name taken from ``source.names()``.
-
-    Raises:
-        CheckpointError: ``source`` has no tensor ``name`` after all.
-    """
-    return _found(source.info(name), source, name)
-
-
-def checked_get(source: SafetensorsSource | KdaShardedSource, name: str) -> Tensor:
-    """``source.get(name)`` for a name taken from ``source.names()``.
-
-    Raises:
-        CheckpointError: ``source`` has no tensor ``name`` after all.
-    """
-    return _found(source.get(name), source, name)
-
-
-def _found(found: _T | None, source: Any, name: str) -> _T:
-    """``found``, what ``source`` answered for ``name``; :func:`missing_tensor` when None."""
-    if found is None:
-        raise missing_tensor(source, name)
-    return found
-
-
 def open_rank(
     checkpoint: str | os.PathLike[str] | SafetensorsSource,
     *,
@@ -575,7 +413,7 @@ def open_rank(
             for name in view.keys():
                 view.read_into(name, params[name])   # or view[name] / view.get_tensor(name)
 
-    The checkpoint is described once per opened source (``kda_tp.description.describe``), so
+    The checkpoint is described once per opened source (``kda_tp.describe``), so
     the plan costs no second read of the headers and the view checks each KDA tensor once.
 
     Args:

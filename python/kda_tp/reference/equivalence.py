@@ -26,10 +26,13 @@ from typing import Any
 
 import numpy as np
 
-from kda_tp.model.config import parse_config
-from kda_tp.errors import CheckpointError, PlanError
-from kda_tp.reference.forward import source_layer_forward
-from kda_tp.rank.view import decoder_prefix, kda_layer_indices
+from ..checkpoint.names import decoder_prefix, kda_layer_indices
+from ..checkpoint.reader import SafetensorsSource
+from ..errors import CheckpointError, PlanError
+from ..model.config import parse_config
+from ..rank.plan import KdaTpPlan
+from ..rank.view import KdaShardedSource
+from .forward import source_layer_forward
 
 __all__ = [
     "DEFAULT_ATOL",
@@ -148,9 +151,9 @@ def check_tp_equivalence(
     go through :func:`kda_tp.reference.source_layer_forward`, the path of
     :func:`kda_tp.reference.checkpoint_layer_forward`: the forget gate and its bound
     (GLM-5.3-Flash's ``linear_lower_bound``, Kimi K3's ``gate_lower_bound``) and the
-    output-gate form come from the config as the model reads it (``kda_tp.config``);
+    output-gate form come from the config as the model reads it (``kda_tp.model.config``);
     block-quantized (FP8) weights are dequantized with their scale grids
-    (:func:`kda_tp.dequantize`) before computing, on every rank with its own local grid.
+    (:func:`kda_tp.model.dequantize`) before computing, on every rank with its own local grid.
 
     Args:
         checkpoint: a ``kda_tp.SafetensorsSource`` (or any object with ``get(name)`` returning a
@@ -167,9 +170,11 @@ def check_tp_equivalence(
         rtol: part of the threshold proportional to ``max|y|``.
         qk_multiple: forwarded to ``KdaTpPlan.from_config`` (the local q|k width rule; lower it
             to check splits the default 256 refuses).
-        shard_source_factory: test hook, called as ``factory(source, plan, layers)`` once per
-            rank; it must return an object whose ``get(name)`` gives a record with ``.array`` in
-            local shape. Default: ``kda_tp.KdaShardedSource``. Use it to inject a wrong split.
+        shard_source_factory: how each rank's view is made, called as ``factory(source, plan,
+            layers)`` once per rank; it must return an object whose ``get(name)`` gives a record
+            with ``.array`` in local shape. Default: ``kda_tp.KdaShardedSource``;
+            ``kda_tp.shard.verify_shards`` passes one that opens the written rank directories,
+            and a test can inject a wrong split.
         progress: called once with the number of layers to check; returns ``advance(n)``,
             called with 1 after each layer (a Kimi K3 layer takes tens of seconds).
 
@@ -194,14 +199,12 @@ def check_tp_equivalence(
             reference forward names it.
         ValueError: ``seq_len`` is not a positive integer.
     """
-    import kda_tp  # deferred: kda_tp's __init__ may import this module
-
     if isinstance(seq_len, bool) or not isinstance(seq_len, (int, np.integer)) or seq_len < 1:
         raise ValueError(f"seq_len must be a positive integer, got {seq_len!r}")
     if isinstance(tp_size, bool) or not isinstance(tp_size, (int, np.integer)) or tp_size < 1:
         raise PlanError(f"tp_size must be a positive integer, got {tp_size!r}")
     if isinstance(checkpoint, (str, os.PathLike)):
-        source = kda_tp.SafetensorsSource(checkpoint)
+        source = SafetensorsSource(checkpoint)
     else:
         source = checkpoint
     if source.config is None:
@@ -209,9 +212,9 @@ def check_tp_equivalence(
     layer_list = list(kda_layer_indices(source, layers))
     if not layer_list:
         raise CheckpointError(f"{checkpoint}: no KDA layer to check")
-    factory = kda_tp.KdaShardedSource if shard_source_factory is None else shard_source_factory
+    factory = KdaShardedSource if shard_source_factory is None else shard_source_factory
     plans = [
-        kda_tp.KdaTpPlan.from_config(
+        KdaTpPlan.from_config(
             source, rank, tp_size, qk_multiple=qk_multiple, layers=layer_list
         )
         for rank in range(tp_size)
@@ -251,7 +254,7 @@ def compare_outputs(
     layer: int, y: np.ndarray, y_sum: np.ndarray, atol: float, rtol: float
 ) -> LayerEquivalence:
     """Build the layer's verdict from the full output ``y`` and the sum of partials; a NaN or
-    inf in either fails it (:attr:`LayerEquivalence.non_finite`)."""
+    inf in either fails it (``LayerEquivalence.non_finite``)."""
     non_finite = (
         "full" if not np.isfinite(y).all() else "ranks" if not np.isfinite(y_sum).all() else None
     )

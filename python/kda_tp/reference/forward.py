@@ -5,7 +5,8 @@ This is the ground truth the tensor-parallel checks compare against: it runs one
 returns that rank's partial output (what the rank holds before the all-reduce). Summing the
 partials of all ranks gives the full output up to float32 rounding.
 
-The equations are those of ``shared/KDA_MATH.md`` ("Forward"), which transcribes fla 0.6.0:
+The equations are fla 0.6.0's (flash-linear-attention and fla-core 0.6.0,
+https://github.com/fla-org/flash-linear-attention):
 ``fla/layers/kda.py`` (``KimiDeltaAttention.forward``), ``fla/ops/kda/gate.py``
 (``naive_kda_gate``), ``fla/ops/kda/naive.py`` (``naive_recurrent_kda``),
 ``fla/modules/l2norm.py`` and ``fla/modules/norm/fused_norm_gate.py`` (``FusedRMSNormGated``
@@ -13,16 +14,16 @@ with sigmoid activation). Scope: no cache, no padding mask, ``allow_neg_eigval=F
 value heads (``num_v_heads == num_heads``, ``expand_v == 1``), no conv bias, no ``g_b_proj`` bias
 (Kimi-Linear has none).
 
-Kimi K3 (``KDA_MATH.md``, "Kimi K3 variant") is covered too: the lower-bounded forget gate
+Kimi K3 (docs/models.md, "Kimi K3") is covered too: the lower-bounded forget gate
 (fla ``naive_kda_lowerbound_gate``, ``gate_lower_bound``), the full-rank output gate ``g_proj``
 and an ``A_log`` zero-padded past the heads.
 
 GLM-5.3-Flash (transformers ``modeling_glm5_next.py``, ``Glm5NextTextLinearAttention``) is the
 same layer with the lower-bounded forget gate (``linear_lower_bound``, -5.0 by default) and a 1-D
-``A_log``; which gate a checkpoint uses is its config's business (``kda_tp.config``).
+``A_log``; which gate a checkpoint uses is its config's business (``kda_tp.model.config``).
 
 Everything is computed in float32; BF16/F16 weights are upcast exactly, FP8 projections are
-dequantized with their block scales (:func:`kda_tp.dequantize`).
+dequantized with their block scales (:func:`kda_tp.model.dequantize`).
 
 :func:`checkpoint_layer_forward` is the entry point for engine developers: a checkpoint, a layer
 and an input in, the layer's output (or one rank's partial sum) out. :func:`kda_layer_forward`
@@ -38,14 +39,14 @@ from typing import Any
 
 import numpy as np
 
-from kda_tp.checkpoint.reader import SafetensorsSource
-from kda_tp.model.config import CONFIG_NAME, KdaConfig, parse_config
-from kda_tp.errors import CheckpointError, DtypeMismatchError, PlanError, ShapeMismatchError
-from kda_tp.checkpoint.layers import layers_with_kda_tensors
-from kda_tp.checkpoint.names import decoder_prefix, kda_tensor_name, scale_tensor_name
-from kda_tp.rank.plan import KdaTpPlan
-from kda_tp.model.quant import dequantize
-from kda_tp.rank.view import KdaShardedSource
+from ..checkpoint.layers import layers_with_kda_tensors
+from ..checkpoint.names import decoder_prefix, kda_tensor_name, scale_tensor_name
+from ..checkpoint.reader import SafetensorsSource
+from ..errors import CheckpointError, DtypeMismatchError, PlanError, ShapeMismatchError
+from ..model.config import CONFIG_NAME, KdaConfig, parse_config
+from ..model.quant import dequantize
+from ..rank.plan import KdaTpPlan
+from ..rank.view import KdaShardedSource
 
 __all__ = [
     "WEIGHT_NAMES",
@@ -201,7 +202,7 @@ def checkpoint_layer_forward(
     The layer is computed the way the model's reference implementation computes it, with
     everything read from the checkpoint: the forget gate (softplus, or lower-bounded with the
     bound its config gives: GLM-5.3-Flash's ``linear_lower_bound``, Kimi K3's
-    ``gate_lower_bound``; see ``kda_tp.config``), the output-gate form (low-rank or K3's
+    ``gate_lower_bound``; see ``kda_tp.model.config``), the output-gate form (low-rank or K3's
     full-rank ``g_proj``), ``rms_norm_eps``, the stored dtypes (upcast exactly to float32) and
     FP8 block dequantization. Compare your engine's output of the same layer against it (the
     module input ``x``, i.e. after the layer's input norm; no cache, no padding mask).
@@ -280,7 +281,7 @@ def source_layer_forward(
 ) -> np.ndarray:
     """:func:`kda_layer_forward` of KDA layer ``layer`` as ``source`` holds it under ``plan``,
     with the gate and eps of ``config``: the one path :func:`checkpoint_layer_forward`,
-    :func:`kda_tp.check_tp_equivalence` and the distributed check compute through.
+    :func:`kda_tp.reference.check_tp_equivalence` and the distributed check compute through.
 
     Args:
         source: the full checkpoint or one rank's view (``kda_tp.KdaShardedSource``, a rank
@@ -290,7 +291,7 @@ def source_layer_forward(
         x: input ``(B, T, hidden)``.
         plan: the plan of the rank ``source`` holds (rank 0 of 1 for the full checkpoint).
         config: the checkpoint's parsed config.
-        prefix: the decoder-layer prefix of the KDA tensors (``kda_tp.layout.decoder_prefix``).
+        prefix: the decoder-layer prefix of the KDA tensors (``kda_tp.checkpoint.decoder_prefix``).
 
     Returns:
         float32 ``(B, T, hidden)``: the output, or the rank's partial sum.
@@ -311,7 +312,8 @@ def source_layer_forward(
 def layer_weights(source: Any, layer: int, prefix: str, plan: Any) -> dict[str, np.ndarray]:
     """Plan name -> float32 array of ``{prefix}{layer}.self_attn.*`` for every tensor of
     ``plan``, as ``source`` has it, in the shape :func:`kda_layer_forward` takes;
-    block-quantized (FP8) weights dequantized with their scale grids (:func:`kda_tp.dequantize`).
+    block-quantized (FP8) weights dequantized with their scale grids
+    (:func:`kda_tp.model.dequantize`).
 
     Each tensor is converted as it is read and its mapped pages are then dropped from this
     process (``source.release``, where the source has it), so the resident memory is the
@@ -465,7 +467,7 @@ def _softplus(a: np.ndarray) -> np.ndarray:
 
 
 def _causal_conv_silu(u: np.ndarray, weight: np.ndarray) -> np.ndarray:
-    """Causal depthwise conv then SiLU (KDA_MATH.md step 2; fla ``ShortConvolution``).
+    """Causal depthwise conv then SiLU (fla ``ShortConvolution``, ``fla/modules/causal_conv1d``).
 
     ``u``: (B, T, C) float32; ``weight``: (C, W) float32. Output (B, T, C):
     ``silu(sum_j weight[c, j] * u[t - (W - 1) + j, c])`` with zeros before ``t = 0``, so the last
@@ -488,7 +490,7 @@ def _l2norm(a: np.ndarray) -> np.ndarray:
 def _delta_rule(
     q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray, beta: np.ndarray
 ) -> np.ndarray:
-    """Gated delta-rule recurrence, fla ``naive_recurrent_kda`` (KDA_MATH.md step 7).
+    """Gated delta-rule recurrence, fla ``naive_recurrent_kda`` (``fla/ops/kda/naive.py``).
 
     ``q, k, v, g``: (B, T, H, D) float32 (q already scaled, g in log space); ``beta``: (B, T, H).
     State ``S``: (B, H, D_k, D_v), zero at t = 0. Per step: ``S = diag(exp(g_t)) S``;

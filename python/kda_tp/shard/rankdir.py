@@ -1,15 +1,15 @@
 """What a rank directory written by ``kda-tp shard`` holds: names, files, marks, fingerprint.
 
-Shared by the writer (:mod:`kda_tp.shard`), the output-directory safety (:mod:`kda_tp.outdir`)
-and the verifier (:mod:`kda_tp.verify`), which all must agree on it:
+Shared by the writer (:mod:`kda_tp.shard.writer`), the verifier (:mod:`kda_tp.shard.verify`) and
+the torchrun jobs (:mod:`kda_tp.shard.torchrun`), which all must agree on it; the directory and
+mark names are :mod:`kda_tp.output.names`'s:
 
-* ``OUT/rank{r}/`` is rank ``r``'s directory; ``OUT/.rank{r}.partial-*`` a directory being
-  written (or left by a killed run); ``OUT/.rank{r}.lock`` the lock of its writers.
 * every rank directory holds the input's safetensors file names (:func:`names_by_file`, or
   :func:`kda_only_files` for ``--kda-only``), ``model.safetensors.index.json``, the input's
-  companion files (:func:`companion_files`) and kda-tp's mark :data:`MARK_NAME`;
-* every safetensors file's ``__metadata__`` carries :data:`FILE_MARK` (the kda-tp version) and
-  ``kda_tp_input`` (:func:`input_fingerprint`).
+  companion files (:func:`companion_files`) and kda-tp's mark
+  (:data:`~kda_tp.output.names.MARK_NAME`);
+* every safetensors file's ``__metadata__`` carries :data:`~kda_tp.output.names.FILE_MARK` (the
+  kda-tp version) and ``kda_tp_input`` (:func:`input_fingerprint`).
 """
 
 from __future__ import annotations
@@ -17,55 +17,29 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 import shlex
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
-from ..checkpoint.reader import INDEX_NAME, SafetensorsSource
+from ..checkpoint.reader import INDEX_NAME, SafetensorsSource, checked_info, missing_tensor
 from ..errors import CheckpointError
-from ..rank.view import KdaShardedSource, checked_info, missing_tensor
+from ..model.json_reader import parse_json, parse_metadata_int
+from ..output.names import rank_dir
+from ..rank.view import KdaShardedSource
 
 __all__ = [
-    "FILE_MARK",
-    "LOCK_FILE",
-    "MARK_NAME",
-    "PARTIAL_DIR",
-    "RANK_DIR",
     "companion_files",
     "finish_command",
     "input_fingerprint",
     "kda_only_files",
     "names_by_file",
-    "rank_dir",
+    "rank_dir_metadata",
     "unindexed_files",
 ]
 
-#: A finished rank directory's name: ``rank{r}``.
-RANK_DIR = re.compile(r"^rank([0-9]{1,10})$")
-#: A rank directory being written, a replaced one kept aside, or one a killed run left.
-PARTIAL_DIR = re.compile(r"^\.rank([0-9]{1,10})\.partial-")
-#: The lock file of a rank's writers.
-LOCK_FILE = re.compile(r"^\.rank([0-9]{1,10})\.lock$")
-
-#: The mark kda-tp writes into every directory it makes (a rank directory, a partial one, a
-#: ``demo --keep`` directory): a JSON object ``{"written_by": "kda-tp", "version", "kind",
-#: "entries"}`` naming the entries kda-tp wrote there. kda-tp removes or replaces a directory
-#: only when it carries this mark and holds nothing the mark does not name (see
-#: :mod:`kda_tp.outdir`).
-MARK_NAME = ".kda-tp.json"
-
-#: The ``__metadata__`` key every safetensors file kda-tp writes carries (its version): the
-#: mark by which ``dump --force`` recognises the files it may replace.
-FILE_MARK = "kda_tp_version"
-
 #: Bytes read from the start and the end of each file's data for :func:`input_fingerprint`.
 _FINGERPRINT_SAMPLE = 4096
-
-
-def rank_dir(out_dir: str | os.PathLike[str], tp_rank: int) -> Path:
-    """The directory holding rank ``tp_rank``'s checkpoint under ``out_dir``."""
-    return Path(out_dir) / f"rank{tp_rank}"
 
 
 def names_by_file(source: SafetensorsSource) -> dict[str, list[str]]:
@@ -160,3 +134,24 @@ def finish_command(
         f"--out {shlex.quote(str(out_dir))} --ranks {','.join(map(str, ranks))}"
     )
     return command + (f" --qk-multiple {qk_multiple}" if qk_multiple != 256 else "")
+
+
+def rank_dir_metadata(out_dir: str | os.PathLike[str]) -> dict[str, Any]:
+    """``tp_size``, ``qk_multiple`` and ``layers`` recorded in ``out_dir/rank0``'s first file.
+
+    Raises:
+        CheckpointError: no readable rank0 file with kda-tp metadata.
+    """
+    first = rank_dir(out_dir, 0)
+    files = SafetensorsSource(first).files()
+    meta = (files[0][1] if files else None) or {}
+    try:
+        return {
+            "tp_size": parse_metadata_int(meta["tp_size"], "tp_size", str(first)),
+            "qk_multiple": parse_metadata_int(meta.get("kda_tp_qk_multiple", "256"),
+                                              "kda_tp_qk_multiple", str(first)),
+            "layers": (parse_json(meta["kda_tp_layers"], f"{first}: metadata kda_tp_layers")
+                       if "kda_tp_layers" in meta else None),
+        }
+    except KeyError as e:
+        raise CheckpointError(f"{first}: no valid kda-tp metadata ({e})") from None

@@ -5,8 +5,8 @@ Run under ``torchrun --nproc-per-node P kda-tp shard ...`` (or ``verify``), the 
 the job with :func:`torchrun_processes` and runs inside :func:`torchrun_job`: process 0 is the
 one that speaks (progress, warnings, the result, a refusal), every process returns the same
 verdict, so each exits with the same status. The work itself is :mod:`kda_tp.torch`'s
-(:func:`~kda_tp.torch.shard_checkpoint_distributed`,
-:func:`~kda_tp.torch.check_tp_equivalence_distributed`); this module only orchestrates it, and
+(:func:`~kda_tp.shard.distributed.shard_checkpoint_distributed`,
+:func:`~kda_tp.shard.distributed.check_tp_equivalence_distributed`); this module only orchestrates it, and
 imports torch only inside :func:`torchrun_job` (the command line asks
 :func:`torchrun_processes` on every run).
 """
@@ -24,7 +24,8 @@ from typing import TYPE_CHECKING, Any
 from ..errors import KdaTpError, PlanError
 
 if TYPE_CHECKING:
-    from .writer import ShardResult, ShardSizes, VerifyReport
+    from .writer import ShardResult, ShardSizes
+    from .verify import VerifyReport
 
 __all__ = ["TorchrunJob", "VerifyOutcome", "torchrun_job", "torchrun_processes"]
 
@@ -90,13 +91,13 @@ class TorchrunJob:
         report_sizes: Callable[[ShardSizes], None] | None = None,
         **options: Any,
     ) -> ShardResult:
-        """:func:`~kda_tp.torch.shard_checkpoint_distributed` over this job: the same result on
+        """:func:`~kda_tp.shard.distributed.shard_checkpoint_distributed` over this job: the same result on
         every process, or the same error class raised on every process.
 
         ``progress`` and ``report_sizes`` are used on process 0 alone (pass them on every
         process); ``options`` are ``shard_checkpoint``'s other keyword arguments.
         """
-        from ..torch import shard_checkpoint_distributed
+        from .distributed import shard_checkpoint_distributed
 
         return shard_checkpoint_distributed(
             checkpoint, out_dir, tp_size,
@@ -111,7 +112,7 @@ class TorchrunJob:
         """``verify`` over this job: process 0 checks every byte
         (:func:`~kda_tp.shard.verify_shards`); when that passes and ``numeric`` is set, the
         numeric check runs the ranks' forwards over all the processes with a real all-reduce
-        (:func:`~kda_tp.torch.check_tp_equivalence_distributed`, with the world size, layers
+        (:func:`~kda_tp.shard.distributed.check_tp_equivalence_distributed`, with the world size, layers
         and q|k rule recorded in ``out_dir``'s rank files), its result added to process 0's
         report. The verdict is then shared, so every process returns the same ``refused`` and
         ``passed``.
@@ -122,8 +123,9 @@ class TorchrunJob:
         """
         import torch.distributed as dist
 
-        from .writer import verify_shards
-        from ..torch import check_tp_equivalence_distributed, rank_dir_metadata
+        from .verify import verify_shards
+        from .distributed import check_tp_equivalence_distributed
+        from .rankdir import rank_dir_metadata
 
         report: VerifyReport | None = None
         error: KdaTpError | None = None
@@ -152,13 +154,13 @@ class TorchrunJob:
 @contextmanager
 def torchrun_job() -> Iterator[TorchrunJob]:
     """This process's place in its torchrun job, inside the job's gloo process group
-    (:func:`~kda_tp.torch.torchrun_group`: created from torchrun's ``env://`` variables and
+    (:func:`~kda_tp.shard.distributed.torchrun_group`: created from torchrun's ``env://`` variables and
     destroyed on exit, or an already initialized group, left alone).
 
     Raises:
         MissingDependencyError: torch is not installed (torchrun jobs need it).
     """
-    from ..torch import torchrun_group
+    from .distributed import torchrun_group
 
     with torchrun_group() as (process, processes):
         yield TorchrunJob(process, processes)

@@ -1,7 +1,7 @@
 """Verifying a ``kda-tp shard`` output against its input, byte for byte (and numerically).
 
 :func:`verify_shards` rejoins every rank's slices and compares them with the input; it also
-checks that each rank directory holds exactly what ``shard`` writes (:mod:`kda_tp.rankdir`).
+checks that each rank directory holds exactly what ``shard`` writes (:mod:`kda_tp.shard.rankdir`).
 """
 
 from __future__ import annotations
@@ -16,25 +16,21 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..checkpoint.reader import INDEX_NAME, SafetensorsSource, Tensor
-from ..model.config import parse_json, parse_metadata_int
-from ..errors import CheckpointError
 from ..checkpoint.layers import check_layers, layer_count
 from ..checkpoint.names import kda_layer_indices
+from ..checkpoint.reader import INDEX_NAME, SafetensorsSource, Tensor, checked_get, checked_info
+from ..errors import CheckpointError
+from ..model.json_reader import parse_json, parse_metadata_int
+from ..output.names import LOCK_FILE, MARK_NAME, PARTIAL_DIR, RANK_DIR, rank_dir
 from ..rank.plan import KdaShard, KdaTpPlan
+from ..rank.view import KdaShardedSource
 from .rankdir import (
-    LOCK_FILE,
-    MARK_NAME,
-    PARTIAL_DIR,
-    RANK_DIR,
     companion_files,
     finish_command,
     input_fingerprint,
     kda_only_files,
     names_by_file,
-    rank_dir,
 )
-from ..rank.view import KdaShardedSource, checked_get, checked_info
 
 # Imported where verify_shards(numeric=True) needs it, so `kda-tp verify` starts faster.
 if TYPE_CHECKING:
@@ -167,8 +163,8 @@ def verify_shards(
     ``--kda-only`` output (``kda_tp_kda_only`` in its metadata) is checked on the KDA tensors
     alone (it holds no companion file), and a rank holding any other tensor fails.
 
-    With ``numeric``, also runs :func:`~kda_tp.check_tp_equivalence` on the rank directories:
-    each KDA layer's full output against the sum of the ranks' partial outputs.
+    With ``numeric``, also runs :func:`~kda_tp.reference.check_tp_equivalence` on the rank
+    directories: each KDA layer's full output against the sum of the ranks' partial outputs.
 
     Args:
         checkpoint: the input given to ``shard`` (directory or single file).
@@ -186,8 +182,8 @@ def verify_shards(
     is checked, and a copy held whole by every rank is compared one rank at a time, so the byte
     check's resident set stays near the largest tensor's size plus its rejoined copy (Kimi K3
     demo, TP 8: 0.77 GB peak RSS, 6.2 GB before). The numerical check holds one KDA layer's weights as float32
-    at a time (see :func:`~kda_tp.check_tp_equivalence`): on the Kimi K3 demo (1.4 GB input,
-    one 0.89 GB BF16 KDA layer, 1.78 GB as float32) ``verify --numeric`` peaks at 2.0 GB RSS
+    at a time (see :func:`~kda_tp.reference.check_tp_equivalence`): on the Kimi K3 demo (1.4 GB
+    input, one 0.89 GB BF16 KDA layer, 1.78 GB as float32) ``verify --numeric`` peaks at 2.0 GB RSS
     (7.9 GB before pages were dropped and float32 copies shared).
 
     A rank directory that cannot be read (a truncated or damaged file, a broken index) is a

@@ -9,7 +9,7 @@ OUT/rank0/ ... OUT/rank{T-1}/
     (KDA tensors as this rank's slice, with local shapes), __metadata__ carrying
     tp_rank, tp_size, kda_tp_qk_multiple, kda_tp_layers, kda_tp_version and kda_tp_input;
     model.safetensors.index.json;
-    .kda-tp.json, kda-tp's mark: the entries it wrote (see kda_tp.outdir).
+    .kda-tp.json, kda-tp's mark: the entries it wrote (see kda_tp.output.marks).
 ```
 
 Files keep the mode bits of the input file they come from (the index and the mark those of
@@ -20,18 +20,17 @@ files in 0700 rank directories).
 A rank is written into a hidden ``OUT/.rank{r}.partial-<pid>`` directory and renamed to
 ``OUT/rank{r}`` only when every file in it is complete, so a run killed at any point leaves no
 incomplete ``rank{r}``; a rank directory it replaces (``force``) is removed only once the whole
-run has succeeded, and only when kda-tp wrote it (:mod:`kda_tp.outdir`). A writer holds an
+run has succeeded, and only when kda-tp wrote it (:mod:`kda_tp.output`). A writer holds an
 exclusive lock (``flock``) on ``OUT/.rank{r}.lock`` for each rank it writes, from before it
 looks at ``OUT`` until it is done, so a second writer of a rank is refused (or waits) instead of
 removing the first's partial directory; the kernel releases the lock when the process dies, so a
 partial directory of a rank whose lock is free is stale. Several processes may write different
 ranks into one ``OUT`` at once.
 
-The verifier (:func:`verify_shards`, :class:`VerifyReport`), the output-directory check
-(:func:`prepare_out_dir`) and the names of a rank directory (:func:`rank_dir`,
-:func:`finish_command`, :func:`unindexed_files`, :func:`kda_only_files`) live in
-:mod:`kda_tp.verify`, :mod:`kda_tp.outdir` and :mod:`kda_tp.rankdir`; they are imported here
-too, where they have always been imported from.
+The verifier (:func:`~kda_tp.shard.verify.verify_shards`), the output-directory check
+(:func:`~kda_tp.output.dirs.prepare_out_dir`), the names of a rank directory
+(:func:`~kda_tp.output.names.rank_dir`) and what it holds (:mod:`kda_tp.shard.rankdir`) live in
+their own modules; the face :mod:`kda_tp.shard` gives all of them.
 """
 
 from __future__ import annotations
@@ -49,51 +48,33 @@ from pathlib import Path
 
 import numpy as np
 
-from ..checkpoint.writer import DTYPE_BITS, FileRange, tensor_nbytes, write_index, write_safetensors
 from .._native import __version__
-from ..checkpoint.reader import INDEX_NAME, SafetensorsSource
+from ..checkpoint.reader import INDEX_NAME, SafetensorsSource, checked_get, checked_info
+from ..checkpoint.writer import DTYPE_BITS, FileRange, tensor_nbytes, write_index, write_safetensors
 from ..errors import CheckpointError, DtypeMismatchError, OutputError, PlanError, ShardInterrupted
-from ..output.marks import write_mark
 from ..output.dirs import (
     check_out_dir,
     check_out_location,
     discard,
     lock_ranks,
     make_dirs,
-    prepare_out_dir,
     remove_created,
     remove_dir,
 )
+from ..output.marks import write_mark
+from ..output.names import FILE_MARK, RANK_DIR, rank_dir
 from ..rank.plan import KdaTpPlan
+from ..rank.view import KdaShardedSource
 from .rankdir import (
-    FILE_MARK,
-    RANK_DIR,
     companion_files,
-    finish_command,
     input_fingerprint,
     kda_only_files,
     names_by_file,
-    rank_dir,
     unindexed_files,
 )
-from ..rank.view import KdaShardedSource, checked_get, checked_info
-from .verify import ProgressFactory, VerifyReport, verify_shards
+from .verify import ProgressFactory
 
-__all__ = [
-    "ShardInterrupted",
-    "ShardResult",
-    "ShardSizes",
-    "VerifyReport",
-    "check_shard_input",
-    "finish_command",
-    "kda_only_files",
-    "prepare_out_dir",
-    "rank_dir",
-    "shard_checkpoint",
-    "shard_sizes",
-    "unindexed_files",
-    "verify_shards",
-]
+__all__ = ["ShardResult", "ShardSizes", "check_shard_input", "shard_checkpoint", "shard_sizes"]
 
 
 class _Stopped(Exception):
@@ -201,7 +182,7 @@ def shard_checkpoint(
             directory, and must be empty or hold only other ranks' ``kda-tp`` output, unless
             ``force``: it then replaces the existing directories of the ranks being written
             and removes another world size's, once this run's ranks are all complete, and
-            only those kda-tp wrote (:mod:`kda_tp.outdir`: its mark ``.kda-tp.json``, nothing
+            only those kda-tp wrote (:mod:`kda_tp.output`: its mark ``.kda-tp.json``, nothing
             else in them); anything else in their way is refused, ``force`` or not.
         tp_size: tensor-parallel world size.
         ranks: the ranks to write (default: all), so several processes can split the work.

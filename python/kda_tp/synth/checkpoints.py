@@ -71,12 +71,10 @@ from typing import Any
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-from ..checkpoint import writer as _io
-from kda_tp.errors import DtypeMismatchError, OutputError, PlanError
-from kda_tp.model.families import demo_geometries
-
-# The tensors and config.json per dialect.
-from kda_tp.synth.tensors import (
+from ..checkpoint import writer
+from ..errors import DtypeMismatchError, OutputError, PlanError
+from ..model.families import demo_geometries
+from .tensors import (
     STYLES,
     Geometry,
     Spec,
@@ -86,9 +84,11 @@ from kda_tp.synth.tensors import (
     quantize_attention,
 )
 
+# The tensors and config.json per dialect.
+
 __all__ = ["GEOMETRIES", "write_checkpoint", "write_small_checkpoint"]
 
-#: Real KDA geometries, one per model family (``kda_tp.families.FAMILIES``: each family's
+#: Real KDA geometries, one per model family (``kda_tp.model.FAMILIES``: each family's
 #: ``demo`` name and ``geometry``, then its variants such as ``"kimi-k3-fp8"``). ``hidden`` (d),
 #: ``heads`` (H), ``head_dim`` (D), ``conv_kernel`` (K) and ``gate_rank`` (R) are element counts;
 #: ``style`` is the config dialect; ``full_attn_every`` = n makes layers n, 2n, ... (1-based)
@@ -286,9 +286,9 @@ def write_small_checkpoint(
         specs = quantize_attention(specs)
         quant = modelopt_config([s.name for s in specs if s.name.endswith(".weight_scale")])
         config["quantization_config"] = {"quant_method": "modelopt_mixed", **quant}
-        _io.write_json(out / "hf_quant_config.json",
-                       {"producer": {"name": "modelopt"}, "quantization": quant})
-    _io.write_json(out / "config.json", config)
+        writer.write_json(out / "hf_quant_config.json",
+                          {"producer": {"name": "modelopt"}, "quantization": quant})
+    writer.write_json(out / "config.json", config)
     _write_tensor_files(out, specs, seed, max_file_bytes, progress)
     return out
 
@@ -317,13 +317,13 @@ def _write_tensor_files(
     for number, group in enumerate(groups, start=1):
         file_name = f"model-{number:05d}-of-{len(groups):05d}.safetensors"
         members = [specs[j] for j in group]
-        _io.write_safetensors(
+        writer.write_safetensors(
             out / file_name,
             [(s.name, s.dtype, s.shape, s.nbytes, producer(s)) for s in members],
             metadata={"format": "pt"},
         )
         weight_map.update((s.name, file_name) for s in members)
-    _io.write_index(out / "model.safetensors.index.json", weight_map, total)
+    writer.write_index(out / "model.safetensors.index.json", weight_map, total)
 
 
 def _split_into_files(sizes: list[int], max_file_bytes: int) -> list[list[int]]:

@@ -1,0 +1,152 @@
+"""What each rank of a serving engine must hold for a checkpoint's KDA layers: every KDA
+parameter of an engine layout, in order, built one at a time as the engine's own loader leaves it
+(:func:`kda_tp.engines.build_param`), a cast to the model dtype that overflows refused. The dump
+(:mod:`kda_tp.audit.dump`: files) and the digests (:mod:`kda_tp.audit.digests`: hashes) walk
+this list.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..checkpoint.description import describe
+from ..checkpoint.names import kda_tensor_name
+from ..checkpoint.reader import SafetensorsSource, checked_get
+from ..engines.build import build_param, engine_params, param_plan
+from ..engines.dtype import engine_model_dtype
+from ..engines.layout import EngineLayout, EngineParamPlan
+from ..engines.registry import get_layout, layouts_for, param_name
+from ..errors import DtypeMismatchError, EngineLayoutError, PlanError
+from ..rank.plan import KdaTpPlan
+from ..rank.view import KdaShardedSource
+from .diagnosis import cast_overflow
+
+__all__ = ["ExpectedParam", "build_checked", "checked_ranks", "expected_params"]
+
+
+@dataclass(frozen=True)
+class ExpectedParam:
+    """One parameter an engine rank must hold: its engine name, plan, and how to build it.
+
+    Attributes:
+        name: the parameter's name in the engine's ``state_dict()``.
+        plan: its plan (shape, dtype, part regions; :func:`kda_tp.engines.param_plan`).
+        build: builds it (:func:`build_checked`): a numpy array of ``plan.shape`` and
+            ``plan.dtype``.
+    """
+
+    name: str
+    plan: EngineParamPlan
+    build: Callable[[], np.ndarray]
+
+
+def expected_params(
+    checkpoint: str | os.PathLike[str] | SafetensorsSource,
+    engine: str | EngineLayout,
+    tp_size: int,
+    ranks: Sequence[int] | None,
+    model_dtype: str | None,
+) -> tuple[EngineLayout, list[tuple[int, list[ExpectedParam]]]]:
+    """The layout and, per rank, the KDA parameters it must hold, in order (nothing built yet):
+    the list :func:`~kda_tp.audit.write_engine_dump` writes and
+    :func:`~kda_tp.audit.engine_digests` hashes.
+
+    Args:
+        checkpoint: the checkpoint the engine loads (a directory, a ``.safetensors`` file, or
+            an open :class:`~kda_tp.SafetensorsSource`).
+        engine: the engine layout or its name.
+        tp_size: the engine's tensor-parallel world size.
+        ranks: the ranks (None: all).
+        model_dtype: the engine's model dtype (None: its default for the checkpoint,
+            :func:`kda_tp.engines.engine_model_dtype`).
+
+    Raises:
+        PlanError: ``tp_size`` not a positive integer or not a split the heads allow; a rank
+            out of range or repeated; an empty rank list.
+        EngineLayoutError: an unknown layout, one of another model family than the
+            checkpoint's, or one that does not fit the checkpoint.
+        CheckpointError: the checkpoint cannot be read or has no config.
+    """
+    if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
+        raise PlanError(f"tp_size must be a positive integer, got {tp_size!r}")
+    source = (checkpoint if isinstance(checkpoint, SafetensorsSource)
+              else SafetensorsSource(checkpoint))
+    layout = get_layout(engine)
+    model_dtype = engine_model_dtype(source, layout.engine, model_dtype)
+    # Any split the heads allow (no q|k width rule: the engine chose the world size); checked
+    # before anything is sized by tp_size.
+    plan0 = KdaTpPlan.from_config(source, 0, tp_size, qk_multiple=1)
+    family = describe(source).family.name  # the description from_config read
+    if layout.family != family:
+        fitting = ", ".join(lay.name for lay in layouts_for(family, plan0)) or "none"
+        raise EngineLayoutError(
+            f"{layout.name}: this layout is for {layout.family}, but the checkpoint "
+            f"{source.path} is {family}; layouts that fit it: {fitting}"
+        )
+    out = []
+    for r in checked_ranks(ranks, tp_size):
+        shard = KdaShardedSource(source, KdaTpPlan.from_config(source, r, tp_size,
+                                                               qk_multiple=1))
+        prefix = layout.state_dict_prefix(shard.prefix)
+        params = []
+        for layer, param in engine_params(shard, layout):
+            plan = param_plan(shard, layout, param.suffix, model_dtype=model_dtype)
+
+            name = param_name(prefix, layer, param.suffix)
+            build = functools.partial(
+                build_checked, shard, layout, layer, plan, name, model_dtype,
+                "pass another --dtype (model_dtype=), the one the engine runs in")
+            params.append(ExpectedParam(name, plan, build))
+        out.append((r, params))
+    return layout, out
+
+
+def checked_ranks(ranks: Sequence[int] | None, tp_size: int) -> list[int]:
+    """The engine ranks asked for, sorted (None: all ``tp_size`` of them).
+
+    Raises:
+        PlanError: an empty list, a rank that is not an integer in ``0..tp_size-1``, or a rank
+            named twice.
+    """
+    wanted = list(range(tp_size)) if ranks is None else list(ranks)
+    if not wanted:
+        raise PlanError("no ranks to write: --ranks is empty (ranks=[]); pass at least one rank, "
+                        "or none for all")
+    for r in wanted:
+        if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < tp_size:
+            raise PlanError(f"rank {r!r} is out of range for tp_size {tp_size}: valid ranks "
+                            f"are 0..{tp_size - 1}; pass ranks of that world size")
+    if len(set(wanted)) != len(wanted):
+        raise PlanError(f"ranks {sorted(wanted)} name a rank twice; pass each rank once")
+    return sorted(wanted)
+
+
+def build_checked(shard: KdaShardedSource, layout: EngineLayout, layer: int,
+                  plan: EngineParamPlan, name: str, model_dtype: str | None,
+                  fix: str) -> np.ndarray:
+    """Engine parameter ``plan.suffix`` of KDA layer ``layer`` on ``shard``'s rank, as the
+    engine's loader leaves it (``kda_tp.engines.build_param``), refused when a cast to the
+    model dtype overflows.
+
+    Args:
+        plan: the parameter's plan (``kda_tp.engines.param_plan``, for ``model_dtype``).
+        name: the parameter's engine name, for the message.
+        fix: what the refusal tells the caller to do.
+
+    Raises:
+        DtypeMismatchError: a finite value becomes inf in the cast
+            (``kda_tp.audit.diagnosis.cast_overflow``): the rank, the parameter and the value.
+    """
+    with np.errstate(over="ignore"):  # an overflow is refused below
+        built: np.ndarray = build_param(shard, layout, plan.suffix, layer,
+                                        model_dtype=model_dtype)
+    overflow = cast_overflow(plan, built.reshape(-1), lambda part: checked_get(
+        shard, kda_tensor_name(shard.prefix, layer, part)).array.reshape(-1))
+    if overflow is not None:
+        raise DtypeMismatchError(f"rank {shard.plan.tp_rank} {name}: {overflow}; {fix}")
+    return built
