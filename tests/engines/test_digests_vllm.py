@@ -30,7 +30,7 @@ from kda_tp.cli import main
 from kda_tp.model import parse_config
 
 from paths import ENGINE_RANKS as DATA
-from tp_fixtures import release_dtypes
+from tp_fixtures import f64_near_ties, release_dtypes
 
 pytestmark = pytest.mark.engines
 pytest.importorskip("vllm")
@@ -138,3 +138,15 @@ def test_a_release_dtype_checkpoint_in_a_bf16_engine_needs_no_flag(kind, tmp_pat
         assert ours == engine[f"{tp_size}:{rank}"] and len(ours) >= 7
         # and not what the checkpoint's own dtypes would give (the F32 o_norm)
         assert digests(capsys, ckpt, layout, tp_size, rank, "--dtype", "F32") != ours
+
+
+@pytest.mark.parametrize("kind", sorted(CASES))
+def test_an_f64_checkpoint_in_a_bf16_engine_hashes_torchs_rounding(kind, tmp_path, capsys):
+    # vLLM's loader rounds each F64 value to F32, then to BF16 (torch's copy_): the digests are
+    # of those bytes, not of a single rounding
+    ckpt = f64_near_ties(CASES[kind][0], tmp_path / "ckpt")
+    _, layout, runs = CASES[kind]
+    engine = vllm_checksums(kind, ckpt, "bfloat16")
+    for tp_size, rank in runs:
+        ours = digests(capsys, ckpt, layout, tp_size, rank)
+        assert ours == engine[f"{tp_size}:{rank}"] and len(ours) >= 7

@@ -2,7 +2,8 @@
 (BF16 projections; F32 convs, ``A_log``, ``dt_bias`` and ``o_norm``; ``torch_dtype: bfloat16``:
 ``tp_fixtures.release_dtypes``), loaded into a BF16 model, vLLM's default for such a config:
 what the guard expects is what vLLM's KDA layers really hold there (F32 on disk, BF16 in the
-layer), not only in the all-F32 fixtures of test_guard_vllm.py. Helpers in vllm_guard.py."""
+layer), not only in the all-F32 fixtures of test_guard_vllm.py; and an F64 checkpoint, whose
+values torch rounds through F32 (``tp_fixtures.f64_near_ties``). Helpers in vllm_guard.py."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import warnings
 
 import pytest
 
-from tp_fixtures import release_dtypes
+from tp_fixtures import f64_near_ties, release_dtypes
 from vllm_guard import ATTN, CKPT, build, guard_lines, loading_as, model_config, set_rank
 
 with warnings.catch_warnings():
@@ -58,6 +59,22 @@ def test_a_release_dtype_checkpoint_in_a_bf16_model_passes(bf16, kind, tmp_path,
         lines = guard_lines(caplog)
         assert len(lines) == 1 and lines[0].endswith(" s: OK"), lines
         assert f"tp rank {rank}/{tp_size}: " in lines[0]
+
+
+@pytest.mark.parametrize("kind", ["k3", "kimi_linear", "glm"])
+def test_an_f64_checkpoint_in_a_bf16_model_passes(bf16, kind, tmp_path, caplog):
+    # vLLM's loader rounds each F64 value to F32, then to BF16 (torch's copy_); values just off
+    # a BF16 tie round the other way when rounded once: the guard expects torch's rounding
+    ckpt = f64_near_ties(CKPT[kind], tmp_path / "ckpt")
+    for tp_size, rank in ((2, 1), (4, 3)):
+        model = build(bf16, kind, tp_size, rank)
+        held = dict(model.named_parameters())
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="kda_tp.guard"):
+            bf16_load(bf16, model, ckpt)
+        assert held[f"{ATTN}o_proj.weight"].dtype == torch.bfloat16
+        lines = guard_lines(caplog)
+        assert len(lines) == 1 and lines[0].endswith(" s: OK"), lines
 
 
 def test_a_rank_loading_rank_0s_slice_stops_a_bf16_load(bf16, tmp_path):

@@ -22,19 +22,18 @@ from ..errors import (
     BufferLayoutError,
     CheckpointError,
     DtypeMismatchError,
-    MissingDependencyError,
     OpenFilesLimitError,
     ShapeMismatchError,
     UsageError,
 )
 from ..model.config import load_config
+from ..model.dtypes import DTYPE_SIZES, import_torch, numpy_dtype, torch_dtype
 from .names import location
-from .writer import DTYPE_SIZES, open_files_error
+from .writer import open_files_error
 
 __all__ = ["BACKEND_ENV", "BACKENDS", "INDEX_NAME", "InfoSource", "Tensor", "TensorSource",
            "SafetensorsSource", "check_out", "checked_get", "checked_info", "missing_tensor",
-           "numpy_dtype", "readonly_bytes", "refuse_index_member", "shard_bytes", "torch_dtype",
-           "writable_bytes"]
+           "numpy_dtype", "readonly_bytes", "refuse_index_member", "shard_bytes", "writable_bytes"]
 
 _T = TypeVar("_T")
 
@@ -60,91 +59,6 @@ def refuse_index_member(path: str | os.PathLike[str]) -> None:
 BACKEND_ENV = "KDA_TP_BACKEND"
 #: The read backends of :class:`SafetensorsSource`.
 BACKENDS = ("mmap", "pread")
-
-_NUMPY_DTYPES: dict[str, Any] = {
-    "BOOL": np.bool_,
-    "U8": np.uint8,
-    "I8": np.int8,
-    "I16": np.int16,
-    "U16": np.uint16,
-    "F16": np.float16,
-    "I32": np.int32,
-    "U32": np.uint32,
-    "F32": np.float32,
-    "F64": np.float64,
-    "I64": np.int64,
-    "U64": np.uint64,
-    "C64": np.complex64,
-}
-
-#: The dtypes numpy has through ``ml_dtypes`` (its attribute names). ``ml_dtypes`` takes longer
-#: to import than numpy itself, so it is imported when the first such array is typed.
-_ML_DTYPES = {"BF16": "bfloat16", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
-
-
-def numpy_dtype(dtype: str) -> np.dtype:
-    """The numpy dtype of a safetensors dtype name (BF16 and FP8 through ``ml_dtypes``).
-
-    Raises:
-        DtypeMismatchError: a dtype with no numpy equivalent (packed 4- and 6-bit floats).
-    """
-    if dtype in _ML_DTYPES:
-        import ml_dtypes  # noqa: PLC0415 - start-up time (see _ML_DTYPES)
-
-        return np.dtype(getattr(ml_dtypes, _ML_DTYPES[dtype]))
-    try:
-        return np.dtype(_NUMPY_DTYPES[dtype])
-    except KeyError:
-        raise DtypeMismatchError(f"dtype {dtype} has no numpy equivalent") from None
-
-
-# safetensors dtype name -> torch dtype attribute (the ones torch >= 2.5 has).
-_TORCH_DTYPES = {
-    "BF16": "bfloat16",
-    "F16": "float16",
-    "F32": "float32",
-    "F64": "float64",
-    "F8_E4M3": "float8_e4m3fn",
-    "F8_E5M2": "float8_e5m2",
-    "U8": "uint8",
-    "I8": "int8",
-    "I16": "int16",
-    "U16": "uint16",
-    "I32": "int32",
-    "U32": "uint32",
-    "I64": "int64",
-    "U64": "uint64",
-    "C64": "complex64",
-    "BOOL": "bool",
-}
-
-
-def _import_torch() -> Any:
-    """``torch``, imported on first use (the optional ``torch`` extra)."""
-    try:
-        import torch  # noqa: PLC0415 - optional dependency, imported on first use
-    except ImportError as e:
-        raise MissingDependencyError(
-            "kda_tp.torch needs PyTorch (torch >= 2.5), which is not installed: "
-            "pip install 'kda_tp[torch]' (from a source checkout: pip install '.[torch]')"
-        ) from e
-    return torch
-
-
-def torch_dtype(dtype: str) -> Any:
-    """The ``torch.dtype`` of a safetensors dtype name (``"BF16"`` -> ``torch.bfloat16``,
-    ``"F8_E4M3"`` -> ``torch.float8_e4m3fn``, ``"F8_E5M2"`` -> ``torch.float8_e5m2``).
-
-    Raises:
-        MissingDependencyError: torch is not installed (``pip install 'kda_tp[torch]'``).
-        DtypeMismatchError: a dtype torch has no equivalent for (packed 4- and 6-bit floats,
-            ``F8_E8M0``).
-    """
-    found = getattr(_import_torch(), _TORCH_DTYPES.get(dtype, ""), None)
-    if found is None:
-        raise DtypeMismatchError(f"dtype {dtype} has no torch equivalent")
-    return found
-
 
 class Tensor:
     """One tensor: safetensors dtype name, shape, and raw bytes.
@@ -199,7 +113,7 @@ class Tensor:
             MissingDependencyError: torch is not installed (``pip install 'kda_tp[torch]'``).
             DtypeMismatchError: a dtype torch has no equivalent for.
         """
-        torch = _import_torch()
+        torch = import_torch()
         try:
             dtype = torch_dtype(self.dtype)
         except DtypeMismatchError as e:

@@ -36,8 +36,9 @@ from .format import (
 from .progress import make_progress
 
 if TYPE_CHECKING:
-    from ..shard.writer import ShardResult, ShardSizes
+    from ..checkpoint.description import CheckpointDescription
     from ..checkpoint.reader import SafetensorsSource
+    from ..shard.writer import ShardResult, ShardSizes
 
 __all__ = [
     "cmd_audit",
@@ -72,7 +73,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.input.is_dir() and any(args.input.glob("*.safetensors")):
         source = SafetensorsSource(args.input)
         description = describe(source)
-        layers = _selected_layers(source, requested)
+        layers = _selected_layers(description, requested)
     else:
         # A bare config: its own list of KDA layers (or --layers, checked against it).
         description = CheckpointDescription(None, load_config(args.input), str(args.input))
@@ -127,26 +128,27 @@ def _disk_shape(source: SafetensorsSource, name: str, layer: int) -> tuple[int, 
     return info[1]
 
 
-def _selected_layers(source: SafetensorsSource, requested: list[int] | None) -> tuple[int, ...]:
+def _selected_layers(description: CheckpointDescription,
+                     requested: list[int] | None) -> tuple[int, ...]:
     """The KDA layers to show or check: ``requested`` (``--layers``, a subset of the config's
     KDA layers, or of the layers holding KDA tensors when the config does not list them), else
     every KDA layer the config lists."""
-    from ..checkpoint.layers import check_layers, layer_count, layers_with_kda_tensors
-    from ..checkpoint.names import kda_layer_indices
+    from ..checkpoint.layers import check_layers
 
     try:
-        listed = kda_layer_indices(source, None)
+        listed = description.kda_layers()
     except CheckpointError:
         if requested is None:
             raise
-        return check_layers(requested, layers_with_kda_tensors(source) or None,
-                            layer_count(source))
+        return check_layers(requested, description.a_log_layers or None,
+                            description.layer_count)
     if requested is None:
         return listed
-    return check_layers(requested, listed, layer_count(source))
+    return check_layers(requested, listed, description.layer_count)
 
 
-def _shard_layers(source: SafetensorsSource, requested: list[int] | None) -> list[int] | None:
+def _shard_layers(description: CheckpointDescription,
+                  requested: list[int] | None) -> list[int] | None:
     """``shard --layers``: the KDA layers of a config that does not list them (returned, for
     ``shard_checkpoint``); with a config that lists them only that same list is accepted
     (None is returned: the config's list is used), since every KDA layer is always sliced.
@@ -154,17 +156,13 @@ def _shard_layers(source: SafetensorsSource, requested: list[int] | None) -> lis
     Raises:
         PlanError: see :func:`~kda_tp.checkpoint.check_layers`, or a list that is not the config's.
     """
-    from ..checkpoint.layers import check_layers, layer_count, layers_with_kda_tensors
-    from ..checkpoint.names import kda_layer_indices
-
     if requested is None:
         return None
     try:
-        listed = kda_layer_indices(source, None)
+        listed = description.kda_layers()
     except CheckpointError:
-        return list(check_layers(requested, layers_with_kda_tensors(source) or None,
-                                 layer_count(source)))
-    chosen = check_layers(requested, listed, layer_count(source))
+        return list(_selected_layers(description, requested))
+    chosen = _selected_layers(description, requested)
     if chosen != tuple(listed):
         raise PlanError(
             f"--layers {','.join(map(str, chosen))}: shard slices every KDA layer the config "
@@ -181,12 +179,13 @@ def _shard_input(
     (see :func:`_shard_layers`) and the files ``--skip-unindexed`` leaves out (a warning each
     on stderr when ``warn``)."""
     from ..checkpoint.reader import INDEX_NAME, refuse_index_member
-    from ..shard.rankdir import unindexed_files
+    from ..checkpoint.description import describe
     from ..checkpoint.reader import SafetensorsSource
+    from ..shard.rankdir import unindexed_files
 
     refuse_index_member(args.checkpoint)
     source = SafetensorsSource(args.checkpoint, args.backend)
-    layers = _shard_layers(source, args.layers)
+    layers = _shard_layers(describe(source), args.layers)
     skipped = unindexed_files(source) if args.skip_unindexed else []
     for path in skipped if warn else ():
         print(f"kda-tp: warning: {path} is not named by {INDEX_NAME}; it is left out of every "
@@ -379,8 +378,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from ..rank.plan import KdaTpPlan
     from ..shard.writer import shard_checkpoint
     from ..shard.verify import verify_shards
+    from ..checkpoint.description import describe
     from ..checkpoint.reader import SafetensorsSource
-    from ..checkpoint.names import kda_layer_indices
     from ..synth.checkpoints import GEOMETRIES, write_checkpoint
 
     g = GEOMETRIES[args.model]
@@ -404,7 +403,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
               f"({size / 1e9:.3f} GB) in {time.perf_counter() - t0:.1f} s: "
               f"{(args.keep or base) / checkpoint.name}"
               + ("" if args.keep else " (deleted on exit; --keep DIR keeps it)"))
-        kda = set(kda_layer_indices(SafetensorsSource(checkpoint), None))
+        generated = SafetensorsSource(checkpoint)  # kept open while described
+        kda = set(describe(generated).kda_layers())
         mla = [i for i in range(args.num_layers) if i not in kda]
         if mla:
             print(f"layers {mla} (0-based) are full attention (MLA): passed through unsliced")

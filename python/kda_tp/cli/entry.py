@@ -21,7 +21,9 @@ from typing import Any, NoReturn
 
 from .._native import __version__
 from ..errors import KdaTpError, PlanError, ShardInterrupted
+from ..model.dtypes import SPELLINGS
 from ..model.families import FAMILIES
+from ..model.json_reader import ascii_int
 from .commands import (
     cmd_audit,
     cmd_demo,
@@ -291,9 +293,7 @@ def _nonempty_path(text: str) -> Path:
 
 def _model_dtype(text: str) -> str:
     """A model dtype as safetensors names it (``bfloat16`` -> ``BF16``)."""
-    names = {"bfloat16": "BF16", "float16": "F16", "half": "F16", "float32": "F32",
-             "float": "F32"}
-    return names.get(text.lower(), text.upper())
+    return SPELLINGS.get(text.lower(), text.upper())
 
 
 def _add_qk_multiple(p: argparse.ArgumentParser) -> None:
@@ -336,10 +336,12 @@ MAX_SEQ_LEN = 2**20
 
 def _bounded_int(text: str, low: int, high: int, what: str) -> int:
     """``text`` as an integer in ``[low, high]``, or an argparse error saying which."""
-    digits = text.strip().removeprefix("-").removeprefix("+")
-    if not digits.isascii() or not digits.isdigit() or len(digits) > 32:
+    try:
+        value = ascii_int(text.strip(), signed=True)
+    except OverflowError:
+        value = None
+    if value is None:
         raise argparse.ArgumentTypeError(f"expected an integer, got {text[:40]!r}")
-    value = int(text)
     if value < low:
         raise argparse.ArgumentTypeError(
             f"must be {'a positive integer' if low == 1 else f'an integer >= {low}'}, got {value}"

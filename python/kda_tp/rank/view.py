@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import warnings
+import weakref
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -31,16 +32,20 @@ from ..checkpoint.reader import (
     TensorSource,
     check_out,
     missing_tensor,
-    numpy_dtype,
     readonly_bytes,
     shard_bytes,
     writable_bytes,
 )
 from ..errors import CheckpointError, DtypeMismatchError, KdaTpError, TensorNotFoundError
+from ..model.dtypes import numpy_dtype
 from ..model.quant import SCALE_SUFFIXES
 from .plan import KdaShard, KdaTensorPlan, KdaTpPlan
 
 __all__ = ["KdaShardedSource", "open_rank"]
+
+# The zero-padded A_log tensors whose padding a view has checked, by opened checkpoint.
+_PADDING_CHECKED: weakref.WeakKeyDictionary[SafetensorsSource, set[str]] = (
+    weakref.WeakKeyDictionary())
 
 
 class KdaShardedSource:
@@ -136,11 +141,15 @@ class KdaShardedSource:
                     for m in missing
                 )
                 raise CheckpointError(f"{location(source)}: KDA layer {layer} lacks {lacking}")
+        # A SafetensorsSource's bytes do not change while it is open: its padding is read once
+        # for all its ranks' views.
+        checked = (_PADDING_CHECKED.setdefault(source, set())
+                   if isinstance(source, SafetensorsSource) else set())
         for name, (entry, _) in self._planned.items():
             if (entry.name == "A_log" and entry.full_rows > plan.full_heads
-                    and not described.padding_checked(name)):
+                    and name not in checked):
                 self._check_padding(name, entry, plan.full_heads)
-                described.mark_padding_checked(name)
+                checked.add(name)
         self._closed = False
         self._names: frozenset[str] | None = None
 

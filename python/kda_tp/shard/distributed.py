@@ -25,15 +25,20 @@ import numpy as np
 # kda_tp.torch refuses a missing or too old torch (MissingDependencyError) when imported: first.
 from .. import torch as _checked_torch  # noqa: F401
 from .. import errors
-from ..checkpoint.names import decoder_prefix, kda_layer_indices
+from ..checkpoint.description import describe
 from ..checkpoint.reader import SafetensorsSource
 from ..errors import CheckpointError, KdaTpError, PlanError
-from ..model.config import parse_config
 from ..output.dirs import prepare_out_dir
 from ..output.names import rank_dir
 from ..rank.plan import KdaTpPlan
 from ..rank.view import KdaShardedSource
-from ..reference.equivalence import DEFAULT_ATOL, DEFAULT_RTOL, EquivalenceReport, compare_outputs
+from ..reference.equivalence import (
+    DEFAULT_ATOL,
+    DEFAULT_RTOL,
+    EquivalenceReport,
+    compare_outputs,
+    layers_to_check,
+)
 from ..reference.forward import source_layer_forward
 from .writer import ShardResult, check_shard_input, shard_checkpoint, shard_sizes
 
@@ -92,21 +97,19 @@ def check_tp_equivalence_distributed(
     source = SafetensorsSource(checkpoint)
     if source.config is None:
         raise CheckpointError(f"{checkpoint}: no config.json beside the checkpoint")
-    checked = list(kda_layer_indices(source, layers))
+    description = describe(source)
+    checked, all_kda = layers_to_check(description, layers)
     if not checked:
         raise CheckpointError(f"{checkpoint}: no KDA layer to check")
-    try:  # the adapter shards every KDA layer, even when only some are checked
-        all_kda = list(kda_layer_indices(source, None))
-    except CheckpointError:
-        all_kda = checked
     process, processes = dist.get_rank(group), dist.get_world_size(group)
     def plan_of(rank: int) -> KdaTpPlan:
-        return KdaTpPlan.from_config(source, rank, tp_size, qk_multiple=qk_multiple, layers=checked)
+        return KdaTpPlan.from_description(description, rank, tp_size, qk_multiple=qk_multiple,
+                                          layers=checked)
 
     plan = plan_of(0)
-    config = parse_config(source.config)
+    config = description.kda
     x = np.random.default_rng(seed).standard_normal((1, seq_len, plan.hidden)).astype(np.float32)
-    prefix = decoder_prefix(source)
+    prefix = description.prefix
 
     partial = np.zeros((len(checked), 1, seq_len, plan.hidden), dtype=np.float32)
     for r in range(process, tp_size, processes):

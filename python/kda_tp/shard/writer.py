@@ -50,8 +50,9 @@ import numpy as np
 
 from .._native import __version__
 from ..checkpoint.reader import INDEX_NAME, SafetensorsSource, checked_get, checked_info
-from ..checkpoint.writer import DTYPE_BITS, FileRange, tensor_nbytes, write_index, write_safetensors
+from ..checkpoint.writer import FileRange, write_index, write_safetensors
 from ..errors import CheckpointError, DtypeMismatchError, OutputError, PlanError, ShardInterrupted
+from ..model.dtypes import DTYPE_BITS, tensor_nbytes
 from ..output.dirs import (
     check_out_dir,
     check_out_location,
