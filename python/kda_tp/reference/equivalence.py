@@ -207,12 +207,7 @@ def check_tp_equivalence(
         source = SafetensorsSource(checkpoint)
     else:
         source = checkpoint
-    if source.config is None:
-        raise CheckpointError(f"{checkpoint}: no config.json beside the checkpoint")
-    description = describe(source)
-    layer_list, all_kda = layers_to_check(description, layers)
-    if not layer_list:
-        raise CheckpointError(f"{checkpoint}: no KDA layer to check")
+    description, layer_list, all_kda = layers_to_check(source, layers, checkpoint)
     factory = KdaShardedSource if shard_source_factory is None else shard_source_factory
     plans = [
         KdaTpPlan.from_description(
@@ -245,20 +240,28 @@ def check_tp_equivalence(
     return EquivalenceReport(tp_size, int(seq_len), seed, atol, rtol, tuple(results))
 
 
-def layers_to_check(description: CheckpointDescription, layers: Iterable[int] | None
-                    ) -> tuple[list[int], list[int]]:
-    """``(checked, sharded)``: the KDA layers a numeric check computes (``layers``, else the
-    config's KDA layers) and those every rank's view shards (the config's KDA layers, which a
-    view refuses to leave out; ``checked`` when the config does not list them).
+def layers_to_check(source: Any, layers: Iterable[int] | None, checkpoint: object
+                    ) -> tuple[CheckpointDescription, list[int], list[int]]:
+    """``(description, checked, sharded)`` of a numeric check of ``source``: its description
+    (``kda_tp.describe``), the KDA layers it computes (``layers``, else the config's KDA
+    layers) and those every rank's view shards (the config's KDA layers, which a view refuses
+    to leave out; ``checked`` when the config does not list them). ``checkpoint`` is how
+    messages name it.
 
     Raises:
-        CheckpointError: ``layers`` is None and the config does not list the KDA layers.
+        CheckpointError: ``source`` has no config; ``layers`` is None and the config does not
+            list the KDA layers; no layer to check.
     """
+    if source.config is None:
+        raise CheckpointError(f"{checkpoint}: no config.json beside the checkpoint")
+    description = describe(source)
     checked = list(description.kda_layers(layers))
+    if not checked:
+        raise CheckpointError(f"{checkpoint}: no KDA layer to check")
     try:
-        return checked, list(description.kda_layers())
+        return description, checked, list(description.kda_layers())
     except CheckpointError:
-        return checked, checked
+        return description, checked, checked
 
 
 def compare_outputs(

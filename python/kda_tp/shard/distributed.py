@@ -25,9 +25,8 @@ import numpy as np
 # kda_tp.torch refuses a missing or too old torch (MissingDependencyError) when imported: first.
 from .. import torch as _checked_torch  # noqa: F401
 from .. import errors
-from ..checkpoint.description import describe
 from ..checkpoint.reader import SafetensorsSource
-from ..errors import CheckpointError, KdaTpError, PlanError
+from ..errors import KdaTpError, PlanError
 from ..output.dirs import prepare_out_dir
 from ..output.names import rank_dir
 from ..rank.plan import KdaTpPlan
@@ -95,12 +94,7 @@ def check_tp_equivalence_distributed(
     if not (dist.is_available() and dist.is_initialized()):
         raise PlanError("check_tp_equivalence_distributed needs an initialized process group")
     source = SafetensorsSource(checkpoint)
-    if source.config is None:
-        raise CheckpointError(f"{checkpoint}: no config.json beside the checkpoint")
-    description = describe(source)
-    checked, all_kda = layers_to_check(description, layers)
-    if not checked:
-        raise CheckpointError(f"{checkpoint}: no KDA layer to check")
+    description, checked, all_kda = layers_to_check(source, layers, checkpoint)
     process, processes = dist.get_rank(group), dist.get_world_size(group)
     def plan_of(rank: int) -> KdaTpPlan:
         return KdaTpPlan.from_description(description, rank, tp_size, qk_multiple=qk_multiple,
