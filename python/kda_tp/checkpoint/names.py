@@ -128,7 +128,7 @@ def param_location(name: str) -> tuple[str, int, str] | None:
 
     ``"language_model.model.layers.3.self_attn.in_proj_qkvgfab.weight"`` ->
     ``("language_model.model.layers.", 3, "in_proj_qkvgfab.weight")``; any model prefix works
-    (``model.``, ``language_model.model.``, none); the layer number is :data:`LAYER_NUMBER`.
+    (``model.``, ``language_model.model.``, none); the layer number is ``LAYER_NUMBER``'s.
     None for a name outside ``self_attn``. Whether layer 3 is a KDA layer is the config's
     business, never the name's.
     """

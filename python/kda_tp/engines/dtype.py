@@ -63,7 +63,7 @@ def engine_model_dtype(description: CheckpointDescription, engine: str,
             ``float32``), or None for the engine's default.
 
     Returns:
-        A safetensors dtype name, one of :data:`MODEL_DTYPES`.
+        A safetensors dtype name, one of ``kda_tp.model.dtypes.MODEL_DTYPES``.
 
     Raises:
         DtypeMismatchError: ``model_dtype`` is not a model dtype.
@@ -118,7 +118,7 @@ def _tensors_dtype(seen: frozenset[str]) -> str | None:
 def model_dtype_name(dtype: Any) -> str | None:
     """The safetensors name (``"BF16"``) of a float dtype as torch, numpy, a config or an
     engine's ``--dtype`` spells it (``torch.bfloat16``, ``np.dtype("float32")``,
-    ``"bfloat16"``, ``"BF16"``: :data:`kda_tp.model.dtypes.SPELLINGS`); None for any other
+    ``"bfloat16"``, ``"BF16"``: ``kda_tp.model.dtypes.SPELLINGS``); None for any other
     (an integer dtype, an unknown name)."""
     text = str(dtype)
     if text in SPELLINGS.values():

@@ -263,7 +263,7 @@ class EngineLayout:
 
     def follows_model(self, suffix: str, plan: KdaTpPlan) -> bool:
         """Whether the engine casts parameter ``suffix`` to its model dtype for ``plan``'s
-        rank: it has no dtype of its own (:attr:`EngineParam.dtype` is None: not the F32
+        rank: it has no dtype of its own (``EngineParam.dtype`` is None: not the F32
         ``A_log``, ``dt_bias`` or convs), is no scale grid, and its parts are not block-FP8.
 
         Raises:
