@@ -12,6 +12,12 @@ use crate::checkpoint::{Backend, Checkpoint, TensorData};
 
 /// The raw bytes of one tensor, exposed to numpy through ``__array_interface__`` without a copy.
 /// The object keeps the file mapping alive for as long as any array views it.
+///
+/// Nothing in this process writes these bytes while the object lives (a read-only mapping, or a
+/// copy the object owns and never changes; numpy cannot make a view of them writable), which is
+/// why the slicers may borrow them with the GIL released (`py/slice.rs`). A file changed by
+/// another process under its mapping is the mapping's own hazard, checked at every read
+/// (`rust/checkpoint.rs`).
 #[pyclass(frozen, name = "TensorBytes", module = "kda_tp._native")]
 pub(super) struct PyTensorBytes(TensorData);
 
