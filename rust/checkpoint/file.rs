@@ -469,7 +469,12 @@ impl Identity {
             ));
         }
         if self.size != now.size {
-            parts.push(format!("size {} -> {} bytes", self.size, now.size));
+            let shrunk = if now.size < self.size {
+                " (truncated while open)"
+            } else {
+                ""
+            };
+            parts.push(format!("size {} -> {} bytes{shrunk}", self.size, now.size));
         }
         let times = [
             ("mtime", self.mtime, now.mtime),
