@@ -8,12 +8,12 @@
 //! source (numpy's `TypeError`, "already borrowed"); they cannot stop Python code, so the rest
 //! is the caller's contract, the one numpy's own GIL-released copies and Python's `readinto`
 //! have:
-//! * the source is not written by another thread during the call. kda_tp's own tensor bytes
-//!   (`TensorBytes`, all that `SafetensorsSource` hands out) keep it by construction: a
-//!   read-only file mapping, or a copy that object owns and never changes, which numpy cannot
-//!   make writable (`tests/unit/test_read_into.py`). Another source's arrays (a custom source
-//!   behind `KdaShardedSource`, a buffer passed to `kda_tp.shard_bytes`) are its owner's to
-//!   keep still;
+//! * the source is not written by another thread during the call. What `SafetensorsSource`
+//!   reads keeps it by construction: a `TensorBytes` (a read-only file mapping, or a copy that
+//!   object owns and never changes), which numpy cannot make writable
+//!   (`tests/unit/test_read_into.py`), or an aligned copy made for the one call. Another
+//!   source's arrays (a custom source behind `KdaShardedSource`, a buffer passed to
+//!   `kda_tp.shard_bytes`) are its owner's to keep still;
 //! * the output belongs to the caller: no other thread reads or writes it until the call
 //!   returns. A fresh array (`shard_bytes`) is seen by no one else.
 //!

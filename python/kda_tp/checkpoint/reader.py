@@ -305,6 +305,8 @@ def shard_bytes(tensor_plan: _native.KdaTensorPlan, buffer: Any) -> np.ndarray:
         buffer: the full tensor's raw bytes, ``tensor_plan.full_bytes`` long; any
             buffer-protocol object (bytes, bytearray, memoryview, numpy array of any dtype,
             row-major; a strided array or memoryview is first copied to contiguous memory).
+            Not written by another thread during the call (the gather reads it with the GIL
+            released); a :class:`SafetensorsSource`'s arrays never are.
 
     Returns:
         A read-only 1-D ``uint8`` array of ``tensor_plan.local_bytes`` bytes. For replicated and

@@ -269,7 +269,13 @@ class KdaShardedSource:
                 writable C-contiguous buffer (``bytearray``, ``memoryview``, ``mmap``; for a
                 CPU ``torch`` tensor pass ``t.view(-1).view(torch.uint8).numpy()``) of exactly
                 the local tensor's size in bytes (``prod(info(name)[1])`` x the dtype's size).
-                Every byte of it is overwritten, row-major in the local shape.
+                Every byte of it is overwritten, row-major in the local shape. No other thread
+                may read or write it until the call returns (as with ``file.readinto``, the
+                copy runs with the GIL released).
+
+        The source's bytes must not be written during the call either: a
+        :class:`SafetensorsSource`'s never are (a read-only mapping, or a copy numpy cannot make
+        writable); a custom source's arrays are its owner's to keep still.
 
         Raises:
             ShapeMismatchError: ``out`` is not the local tensor's size in bytes, or its item
@@ -277,7 +283,8 @@ class KdaShardedSource:
                 both sizes in bytes).
             BufferLayoutError: ``out`` is read-only, not C-contiguous, an object array, or not
                 a buffer.
-            CheckpointError: the source has no tensor ``name``, or reading it fails.
+            CheckpointError: the source has no tensor ``name``, or reading it fails (a file
+                that changed since it was opened included).
         """
         self._check_open()
         target = writable_bytes(name, out)
