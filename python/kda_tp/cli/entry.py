@@ -197,8 +197,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--kda-only", action="store_true",
                    help="write only the sliced KDA tensors (an overlay on the input checkpoint)")
     p.add_argument("--wait", action="store_true",
-                   help="when another kda-tp shard is writing some of these ranks into --out, "
-                   "wait for it to finish instead of refusing")
+                   help="when another kda-tp run is writing some of these ranks, or another "
+                   "world size, into --out, wait for it to finish instead of refusing")
     _add_quiet(p)
     _add_qk_multiple(p)
     _add_json(p, "what was written")
@@ -239,6 +239,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true",
                    help="replace dump files of these ranks already in the output directory, "
                    "and remove another world size's")
+    p.add_argument("--wait", action="store_true",
+                   help="when another kda-tp run is writing these ranks, or another world "
+                   "size, into --out, wait for it to finish instead of refusing")
     _add_json(p, "what was written")
     p.set_defaults(run=cmd_dump)
 
@@ -350,9 +353,9 @@ def _bounded_int(text: str, low: int, high: int, what: str) -> int:
 
 
 def _demo_layers(text: str) -> int:
-    from ..output.dirs import DEMO_MAX_LAYERS
+    from ..output.demo import DEMO_MAX_LAYERS
 
-    return _bounded_int(text, 1, DEMO_MAX_LAYERS, "the demo stays small (kda_tp.output.dirs."
+    return _bounded_int(text, 1, DEMO_MAX_LAYERS, "the demo stays small (kda_tp.output."
                         "DEMO_MAX_LAYERS); shard a checkpoint of your own for more")
 
 
