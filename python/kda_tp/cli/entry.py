@@ -42,7 +42,7 @@ EXIT_INTERRUPTED = 130
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status (0 OK, 1 verification failed, 2 refused
-    input, 130 interrupted)."""
+    input or not enough memory for a tensor, 130 interrupted)."""
     args = _parser().parse_args(argv)
     try:
         tp_size, rank = getattr(args, "tp_size", None), getattr(args, "rank", None)
@@ -79,6 +79,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_INTERRUPTED
     except KdaTpError as e:
         print_refusal(args, e)
+        return 2
+    except MemoryError as e:
+        # numpy's "Unable to allocate 1.00 TiB for an array with shape (...)": a tensor or an
+        # engine parameter (a declared size, perhaps a hostile one) that cannot be held.
+        message = (f"{e or 'out of memory'}; kda-tp holds one tensor or engine parameter in "
+                   "memory at a time, and this one does not fit in the memory free here")
+        print(f"kda-tp: error: MemoryError: {message}", file=sys.stderr)
+        emit_json(args, {"ok": False, "error": {"type": "MemoryError", "message": message}})
         return 2
 
 

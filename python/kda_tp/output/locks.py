@@ -129,6 +129,10 @@ def lock_output(out: Path, tp_size: int, ranks: Iterable[int], wait: bool) -> Ou
         locks.world = _join_world(out, tp_size, wait)
         for r in sorted(ranks):
             locks.held[r] = _lock_rank(out, r, wait)
+        # Named in the world lock once admitted (a refused writer changes nothing), under the
+        # directory's mutex (writers of one size share the file).
+        with _Directory(out):
+            _record_holder(*locks.world)
     except BaseException:
         locks.release()
         raise
@@ -282,7 +286,6 @@ def _join_world(out: Path, tp_size: int, wait: bool) -> tuple[Path, int]:
                 fcntl.flock(fd, fcntl.LOCK_SH)
                 other = _other_world(out, tp_size)
                 if other is None and _same_file(path, fd):
-                    _record_holder(path, fd)
                     return path, fd
             except BaseException:
                 _drop_world_file(path, fd)

@@ -128,7 +128,8 @@ def discard_ours(path: Path) -> list[str]:
 
     Returns:
         The entries left because they are not kda-tp's (``sub/name`` below a rank directory),
-        sorted; empty when ``path`` is gone. With entries left, ``path`` stays with its mark.
+        sorted; empty when ``path`` is gone. With entries left, ``path`` stays, holding only
+        them (kda-tp's mark removed too: what is left is not kda-tp's).
     """
     mark = read_mark(path)
     left: list[str] = []
@@ -153,9 +154,9 @@ def discard_ours(path: Path) -> list[str]:
             entry.unlink(missing_ok=True)
         else:
             left.append(name)
+    (path / MARK_NAME).unlink(missing_ok=True)
     if not left:
         try:
-            (path / MARK_NAME).unlink(missing_ok=True)
             path.rmdir()
         except OSError:  # ENOTEMPTY: something was put there meanwhile
             return sorted(os.listdir(path))
