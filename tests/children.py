@@ -7,7 +7,9 @@ first. The tests hold such a child at a state (a hook in its code) instead of wa
 
 from __future__ import annotations
 
+import subprocess
 import sys
+import time
 
 #: The first lines of every child a test interrupts: Ctrl-C raises KeyboardInterrupt, as in a
 #: terminal, even when this test run was started with SIGINT ignored.
@@ -64,3 +66,18 @@ def counting_setup(arguments: str, at_event: str, at_exit: str) -> str:
     return ("import os, shutil, signal, sys\nfrom pathlib import Path\n"
             "from kda_tp.checkpoint import writer as _io\nfrom kda_tp.output import moves\n"
             + arguments + _COUNTED.replace("AT_EVENT", at_event).replace("AT_EXIT", at_exit))
+
+
+def wait_blocked(child: subprocess.Popen[str], bound: float) -> None:
+    """Wait until ``child`` is blocked on a file lock (a ``->`` line of its pid in
+    ``/proc/locks``): the state ``--wait`` is in while another writer holds the lock. Polls that
+    state; ``bound`` (seconds) only turns a regression into a failure instead of a hang."""
+    deadline = time.monotonic() + bound
+    while True:
+        with open("/proc/locks") as f:
+            if any(line.split()[1] == "->" and line.split()[5] == str(child.pid)
+                   for line in f if len(line.split()) > 5):
+                return
+        assert child.poll() is None, child.communicate()
+        assert time.monotonic() < deadline, f"pid {child.pid} never blocked on a lock"
+        time.sleep(0.01)

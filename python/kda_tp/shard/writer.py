@@ -275,8 +275,12 @@ def shard_checkpoint(
         finally:
             locks.release()
     except BaseException:
-        # A refused or failed run removes the directories it created, where nothing else is
-        # left in them (an interrupted run's completed ranks stay, and so does OUT then).
+        # A refused or failed run removes its partial directories (again: a writer out of file
+        # descriptors could not list its own, and the locks' are free now) and the directories
+        # it created, where nothing else is left in them (an interrupted run's completed ranks
+        # stay, and so does OUT then).
+        for r in ranks:
+            shutil.rmtree(_partial(out, r), ignore_errors=True)
         remove_created(created)
         raise
 
@@ -558,7 +562,7 @@ def _write_rank(
             or is not kda-tp's now (with it).
     """
     plan = shard.plan
-    partial = out / f".rank{plan.tp_rank}.partial-{os.getpid()}"
+    partial = _partial(out, plan.tp_rank)
 
     previous: list[str] = []
 
@@ -650,6 +654,11 @@ def _write_rank(
             raise OutputError(f"{partial}: writing rank {plan.tp_rank} failed: {e}") from e
         raise
     return _Placed(plan.tp_rank, final, inode, old, total)
+
+
+def _partial(out: Path, rank: int) -> Path:
+    """The partial directory this process writes rank ``rank`` into."""
+    return out / f".rank{rank}.partial-{os.getpid()}"
 
 
 def _appeared(final: Path, rank: int) -> OutputError:
