@@ -223,15 +223,16 @@ def shard_checkpoint_distributed(
 
     def write() -> None:
         result = shard_checkpoint(checkpoint, out_dir, tp_size, ranks=mine, **options)
-        totals.extend((result.bytes_written, result.seconds))
+        totals.extend((result.bytes_written, result.seconds, [str(p) for p in result.kept]))
 
-    outcomes = _agree(group, processes, bool(mine), write, lambda: totals or [0, 0.0])
+    outcomes = _agree(group, processes, bool(mine), write, lambda: totals or [0, 0.0, []])
     return ShardResult(
         Path(out_dir),
         tp_size,
         tuple(wanted),
         sum(o[0] for o in outcomes),
         max(o[1] for o in outcomes),
+        tuple(Path(p) for o in outcomes for p in o[2]),
     )
 
 
