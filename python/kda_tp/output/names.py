@@ -26,7 +26,7 @@ RANK_DIR = re.compile(r"^rank([0-9]{1,10})$")
 #: A rank directory being written, a replaced one kept aside, or one a killed run left.
 PARTIAL_DIR = re.compile(r"^\.rank([0-9]{1,10})\.partial-")
 #: A finished rank directory moved aside (one rename) while a new one takes its name, or before
-#: it is removed; removed once checked again, never before (:mod:`kda_tp.output.moves`).
+#: it is removed; removed once checked again, never before (``kda_tp.output.moves``).
 ASIDE_DIR = re.compile(r"^\.rank([0-9]{1,10})\.replaced-")
 #: The lock file of a rank's writers.
 LOCK_FILE = re.compile(r"^\.rank([0-9]{1,10})\.lock$")
