@@ -263,7 +263,7 @@ class _Auditor:
                               f"dtype {record.dtype}, expected {model_dtype} ({how}: an engine "
                               "casts these parameters to its model dtype; pass the dtype it "
                               "ran in as --dtype (model_dtype=) if it is another)",
-                              held_dtype=record.dtype)
+                              held_dtype=record.dtype if self.requested_dtype is None else None)
         if exact_in_place(record, plan, candidates):
             return ParamAudit(rank, layer, name, "exact")
         @functools.cache

@@ -78,9 +78,9 @@ class ParamAudit:
             part first).
         equals: what the whole parameter equals instead, when no single part explains it
             (e.g. its parts in another order); None otherwise.
-        held_dtype: the dtype the parameter is held in when that is not the engine's model
-            dtype the audit expects (``"F32"`` where ``"BF16"`` was expected): the engine ran in
-            another ``--dtype``, or the audit was told another one; None otherwise.
+        held_dtype: the dtype the parameter is held in when that is not the engine's default
+            model dtype the audit assumed, none being passed (``"F32"`` where ``"BF16"`` was
+            expected): the engine likely ran in another ``--dtype``; None otherwise.
     """
 
     rank: int
