@@ -56,10 +56,11 @@ from ..errors import CheckpointError, DtypeMismatchError, OutputError, PlanError
 from ..output.dirs import check_out_dir, check_out_location, make_dirs, remove_created
 from ..output.locks import lock_output, output_error
 from ..output.marks import foreign_dir, write_mark
-from ..output.moves import discard_ours, keep_foreign, put_aside, take_name
+from ..output.moves import put_aside, take_name
 from ..output.names import FILE_MARK, RANK_DIR, rank_dir
 from ..rank.plan import KdaTpPlan, distinct_ranks
 from ..rank.view import KdaShardedSource
+from .place import Placed, appeared, commit, drop_replaced, partial_dir, undo
 from .rankdir import (
     companion_files,
     input_fingerprint,
@@ -269,7 +270,7 @@ def shard_checkpoint(
                 report_sizes(sizes)
             placed = _write_ranks(source, shards, files, out, tp_size, ranks, sizes, kda_only,
                                   progress, force)
-            kept = _commit(out, placed, stale)
+            kept = commit(out, placed, stale)
             return ShardResult(out, tp_size, ranks, sum(p.nbytes for p in placed),
                                time.perf_counter() - start, tuple(kept))
         finally:
@@ -280,22 +281,9 @@ def shard_checkpoint(
         # it created, where nothing else is left in them (an interrupted run's completed ranks
         # stay, and so does OUT then).
         for r in ranks:
-            shutil.rmtree(_partial(out, r), ignore_errors=True)
+            shutil.rmtree(partial_dir(out, r), ignore_errors=True)
         remove_created(created)
         raise
-
-
-@dataclass(frozen=True)
-class _Placed:
-    """One rank this run put in place: its directory, that directory's inode (to recognise it),
-    where the directory it replaced was moved aside (None if there was none), and the tensor
-    bytes written."""
-
-    rank: int
-    final: Path
-    inode: int
-    old: Path | None
-    nbytes: int
 
 
 def _write_ranks(
@@ -309,7 +297,7 @@ def _write_ranks(
     kda_only: bool,
     progress: ProgressFactory | None,
     force: bool,
-) -> list[_Placed]:
+) -> list[Placed]:
     """:func:`shard_checkpoint`'s writing, with ``out`` checked and ``ranks`` locked: every
     rank in place, or none (a failed run undoes the ranks it placed, :func:`_undo`)."""
     report = progress(sizes.total_bytes) if progress else None
@@ -324,7 +312,7 @@ def _write_ranks(
 
     # Ranks are independent; the copies and writes release the GIL, so threads overlap them.
     pool = ThreadPoolExecutor(max_workers=min(len(shards), os.cpu_count() or 1))
-    futures: list[Future[_Placed]] = []
+    futures: list[Future[Placed]] = []
     try:
         for s in shards:
             futures.append(pool.submit(_write_rank, source, s, files, out, advance, kda_only,
@@ -338,7 +326,7 @@ def _write_ranks(
         for r, f in zip(ranks, futures):
             if not f.cancelled() and f.exception() is None:
                 completed.append(r)
-                _drop_replaced(f.result())
+                drop_replaced(f.result())
         present = {int(m.group(1)) for p in out.iterdir() if (m := RANK_DIR.match(p.name))}
         remaining = tuple(r for r in range(tp_size) if r not in present)
         raise ShardInterrupted(out, tp_size, tuple(completed), remaining) from None
@@ -346,66 +334,9 @@ def _write_ranks(
     if failed:
         # All or nothing: a failed run (e.g. a full disk) also removes the ranks it completed
         # and puts back the rank directories it replaced.
-        _undo(out, [f.result() for f in futures if f.exception() is None])
+        undo(out, [f.result() for f in futures if f.exception() is None])
         raise failed[0]
     return [f.result() for f in futures]
-
-
-def _commit(out: Path, placed: list[_Placed], stale: list[Path]) -> list[Path]:
-    """Once every rank of this run is in place: remove the rank directories of another world
-    size that ``force`` replaces (``stale``) and the rank directories this run replaced, each
-    judged again now. A stale directory that is no longer kda-tp's (something was put into it
-    during the run) undoes the whole run and is refused; what appears in a directory after it
-    was moved aside is kept (:func:`~kda_tp.output.moves.keep_foreign`).
-
-    Returns:
-        Where such files were kept.
-
-    Raises:
-        OutputError: a stale directory is not kda-tp's now (nothing of this run is left, and
-            the previous output is as it was).
-    """
-    asides: list[tuple[Path, Path]] = []
-    try:
-        for entry in stale:
-            aside = entry.with_name(f".{entry.name}.replaced-{os.getpid()}")
-            put_aside(entry, aside, lambda p: foreign_dir(p, "rank"), "removes")
-            asides.append((entry, aside))
-    except BaseException:
-        for entry, aside in asides:
-            keep_foreign(aside, entry)
-        _undo(out, placed)
-        raise
-    kept = [keep_foreign(aside, entry) for entry, aside in asides if discard_ours(aside)]
-    for p in placed:
-        kept += _drop_replaced(p)
-    return kept
-
-
-def _drop_replaced(placed: _Placed) -> list[Path]:
-    """Remove the rank directory ``placed`` replaced (moved aside), keeping what was put into
-    it meanwhile; returns where that was kept."""
-    if placed.old is None or not discard_ours(placed.old):
-        return []
-    return [keep_foreign(placed.old, placed.final)]
-
-
-def _undo(out: Path, placed: list[_Placed]) -> None:
-    """Take back the ranks this run put in place (only directories it created, same inode; each
-    moved aside in one rename first, so no incomplete ``rank{r}`` is ever visible) and put back
-    the rank directories they replaced. Best effort: a step that fails is skipped."""
-    for p in placed:
-        try:
-            if p.final.stat().st_ino != p.inode:
-                continue
-            aside = out / f".rank{p.rank}.replaced-{os.getpid()}-new"
-            take_name(p.final, aside)
-            if p.old is not None:
-                take_name(p.old, p.final)
-            if discard_ours(aside):
-                keep_foreign(aside, p.final)
-        except OSError:
-            continue
 
 
 def shard_sizes(
@@ -552,7 +483,7 @@ def _write_rank(
     advance: Callable[[int], None] | None,
     kda_only: bool,
     force: bool,
-) -> _Placed:
+) -> Placed:
     """Write ``shard``'s rank into a partial directory, then rename it into place (with
     ``kda_only``, the KDA-only metadata and no companion files): its name is taken only while
     free, or, with ``force``, once the rank directory there, judged again now, is moved aside.
@@ -562,7 +493,7 @@ def _write_rank(
             or is not kda-tp's now (with it).
     """
     plan = shard.plan
-    partial = _partial(out, plan.tp_rank)
+    partial = partial_dir(out, plan.tp_rank)
 
     previous: list[str] = []
 
@@ -633,7 +564,7 @@ def _write_rank(
         inode = partial.stat().st_ino
         if os.path.lexists(final):
             if not force:
-                raise _appeared(final, plan.tp_rank)
+                raise appeared(final, plan.tp_rank)
             # The old directory, judged again now, is kept aside (one rename) until the whole
             # run has succeeded, so a failed --force rerun can put it back; a run killed before
             # then leaves it for the next run to judge and remove.
@@ -642,7 +573,7 @@ def _write_rank(
         try:
             take_name(partial, final)
         except FileExistsError:
-            raise _appeared(final, plan.tp_rank) from None
+            raise appeared(final, plan.tp_rank) from None
     except BaseException as e:
         shutil.rmtree(partial, ignore_errors=True)
         if old is not None and not os.path.lexists(final):
@@ -653,21 +584,7 @@ def _write_rank(
         if isinstance(e, OSError):
             raise OutputError(f"{partial}: writing rank {plan.tp_rank} failed: {e}") from e
         raise
-    return _Placed(plan.tp_rank, final, inode, old, total)
-
-
-def _partial(out: Path, rank: int) -> Path:
-    """The partial directory this process writes rank ``rank`` into."""
-    return out / f".rank{rank}.partial-{os.getpid()}"
-
-
-def _appeared(final: Path, rank: int) -> OutputError:
-    """The refusal of a ``rank{r}`` another process made while this run wrote rank ``r``."""
-    return OutputError(
-        f"{final}: appeared while kda-tp wrote rank {rank} (it was not there, or not to be "
-        "replaced, when the output directory was checked), so kda-tp did not write it and "
-        "leaves it; move it away (or pass --force if it is kda-tp's own), and run again"
-    )
+    return Placed(plan.tp_rank, final, inode, old, total)
 
 
 def _modes(source: SafetensorsSource) -> tuple[int, dict[str, int], int]:
