@@ -99,7 +99,7 @@ class KdaShardedSource:
         # checkpoint name -> (plan entry, local shape)
         self._planned: dict[str, tuple[KdaTensorPlan, tuple[int, ...]]] = {}
         local_shapes: dict[tuple[str, tuple[int, ...]], tuple[int, ...]] = {}
-        seen: dict[int, set[str]] = {i: set() for i in self.layers}
+        seen: dict[int, dict[str, str]] = {i: {} for i in self.layers}
         for layer in self.layers:
             for suffix, name in described.attention(layer):
                 entry = by_suffix.get(suffix)
@@ -121,14 +121,23 @@ class KdaShardedSource:
                         raise type(e)(f"{location(source, name)}: {name}: {e}") from None
                 self._planned[name] = (entry, local_shapes[key])
                 key_name = entry.name if entry.name.endswith(".scale") else suffix
-                if key_name in seen[layer]:
+                first = seen[layer].get(key_name)
+                if first is not None and first.endswith(suffix):
+                    # The same tensor under two spellings of the layer number (layers.0 and
+                    # layers.00): an engine would load one of them, not both.
+                    raise CheckpointError(
+                        f"{location(source, name)}: {name}: KDA layer {layer} holds {suffix} "
+                        f"twice, as {first} and {name} (its layer number written two ways); "
+                        "keep one of them"
+                    )
+                if first is not None:
                     raise CheckpointError(
                         f"{location(source, name)}: {name}: KDA layer {layer} holds both "
                         f"{' and '.join(SCALE_SUFFIXES)} for {key_name.removesuffix('.scale')}"
                     )
-                seen[layer].add(key_name)
+                seen[layer][key_name] = name
         for layer in self.layers:
-            missing = sorted(required - seen[layer])
+            missing = sorted(required - seen[layer].keys())
             if missing:
                 lacking = ", ".join(
                     f"self_attn.{m.removesuffix('.scale')}.weight_scale (its block scale)"
