@@ -258,7 +258,7 @@ impl SafetensorsFile {
                 })
             }
             Storage::File(file) => {
-                let mut bytes = vec![0u8; range.len()];
+                let mut bytes = self.zeroed(name, range.len())?;
                 let read = read_exact_at(file, &mut bytes, range.start as u64);
                 self.check_unchanged(name, "read")?;
                 read.map_err(|source| self.read_failed(source))?;
@@ -329,7 +329,7 @@ impl SafetensorsFile {
         }
         let total = count * span;
         let base = self.data_start + info.data_offsets.0 + start;
-        let mut out = vec![0u8; total];
+        let mut out = self.zeroed(name, total)?;
         match &self.storage {
             Storage::Mapped(map, _) => {
                 self.check_unchanged(name, "read")?;
@@ -405,11 +405,44 @@ impl SafetensorsFile {
 
     /// A failed positioned read of a file that [`Self::check_unchanged`] found unchanged
     /// afterwards.
+    /// A zeroed buffer of `len` bytes to read tensor `name` into, or [`Error::Checkpoint`]
+    /// naming the tensor and the size when the allocator cannot give it (`vec![0u8; len]`
+    /// would abort the whole process, Python included, for a huge declared tensor).
+    fn zeroed(&self, name: &str, len: usize) -> Result<Vec<u8>> {
+        try_zeroed(len).ok_or_else(|| Error::Checkpoint {
+            path: self.path.clone(),
+            reason: format!(
+                "tensor {name:?}: its {len} bytes cannot be allocated to read it with the pread \
+                 backend (out of memory); read it with the mmap backend, or on a machine with \
+                 that much free memory"
+            ),
+        })
+    }
+
     fn read_failed(&self, source: std::io::Error) -> Error {
         Error::Io {
             path: self.path.clone(),
             source,
         }
+    }
+}
+
+/// A zeroed `Vec<u8>` of `len` bytes, or `None` when the allocator has no such block.
+///
+/// As `vec![0u8; len]` does, this asks for zeroed memory (`calloc`: fresh pages from the kernel
+/// are zero already, so no pass over them), but it returns `None` instead of aborting.
+fn try_zeroed(len: usize) -> Option<Vec<u8>> {
+    if len == 0 {
+        return Some(Vec::new());
+    }
+    let layout = std::alloc::Layout::array::<u8>(len).ok()?;
+    // SAFETY: `layout` has a non-zero size (len > 0). `alloc_zeroed` returns null or a block
+    // of `len` zeroed (so initialised) bytes aligned for u8, allocated by the global allocator
+    // with exactly the layout `Vec<u8>` uses for capacity `len`: `from_raw_parts(ptr, len,
+    // len)` takes ownership of it, and the Vec frees it with that same layout.
+    unsafe {
+        let ptr = std::alloc::alloc_zeroed(layout);
+        (!ptr.is_null()).then(|| Vec::from_raw_parts(ptr, len, len))
     }
 }
 

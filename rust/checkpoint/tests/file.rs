@@ -196,3 +196,36 @@ fn a_fifo_is_refused_without_blocking() {
         }
     }
 }
+
+/// A tensor larger than the allocator can give is an error naming it with the pread backend,
+/// never an abort of the process (`vec![0u8; n]` aborts). A sparse file declares 1 TiB; the
+/// kernel refuses that calloc when it refuses obvious overcommits (modes 0 and 2), so the test
+/// runs only there and where the file system takes a 1 TiB sparse file.
+#[test]
+fn a_tensor_too_large_to_allocate_is_an_error_not_an_abort() {
+    let overcommit = std::fs::read_to_string("/proc/sys/vm/overcommit_memory").unwrap_or_default();
+    if !matches!(overcommit.trim(), "0" | "2") {
+        return;
+    }
+    let len: usize = 1 << 40;
+    let dir = TempDir::new("huge");
+    let header = header_for(&[("huge", "U8", &[len])]);
+    let path = dir.write("huge.safetensors", &st(&header, &[]));
+    let file = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
+    let prefix = std::fs::metadata(&path).unwrap().len();
+    if file.set_len(prefix + len as u64).is_err() {
+        return;
+    }
+    drop(file);
+    let f = SafetensorsFile::open(&path, Backend::Pread).unwrap();
+    for result in [f.read("huge"), f.read_spans("huge", 0, 1, 2, len / 2)] {
+        match result {
+            Err(Error::Checkpoint { reason, .. }) => {
+                assert_contains(&reason, "tensor \"huge\": its ");
+                assert_contains(&reason, "cannot be allocated");
+            }
+            Err(other) => panic!("expected a Checkpoint error, got {other:?}"),
+            Ok(_) => panic!("a 1 TiB read was allocated"),
+        }
+    }
+}
