@@ -241,7 +241,7 @@ def remove_created(created: list[Path]) -> None:
     that is not (another process wrote into it) stays, and so do its parents."""
     for path in created:
         try:
-            path.rmdir()
+            os.rmdir(path)
         except OSError:
             return
 

@@ -157,7 +157,7 @@ def discard_ours(path: Path) -> list[str]:
     (path / MARK_NAME).unlink(missing_ok=True)
     if not left:
         try:
-            path.rmdir()
+            os.rmdir(path)
         except OSError:  # ENOTEMPTY: something was put there meanwhile
             return sorted(os.listdir(path))
     return left
