@@ -260,7 +260,8 @@ class _Auditor:
             return ParamAudit(rank, layer, name, "mismatch",
                               f"dtype {record.dtype}, expected {model_dtype} ({how}: an engine "
                               "casts these parameters to its model dtype; pass the dtype it "
-                              "ran in as --dtype (model_dtype=) if it is another)")
+                              "ran in as --dtype (model_dtype=) if it is another)",
+                              held_dtype=record.dtype if self.requested_dtype is None else None)
         if exact_in_place(record, plan, candidates):
             return ParamAudit(rank, layer, name, "exact")
         @functools.cache
@@ -505,6 +506,10 @@ def audit_path(
         found = rank if rank is not None else rank_of_file(root)
         files = {found: [root]}
         how = "--rank (rank=)" if rank is not None else "its name"
+    elif os.path.lexists(root):
+        raise CheckpointError(f"{root}: not a regular file or a directory (a device, FIFO or "
+                              "socket cannot be read as a dump); pass a save_sharded_state "
+                              "directory or one rank's .safetensors file")
     else:
         raise CheckpointError(f"{root}: no such file or directory")
     tp_size = _world_size(root, files, given)

@@ -185,10 +185,23 @@ def expected_digests(
     host copy of those on a GPU) and one engine parameter. Tensors that are not a KDA layer's
     (embeddings, MLP, full-attention layers, other stacks) are skipped without being read.
 
+    What it takes: every KDA tensor of every KDA layer the config lists, each once; the
+    digests are of whole models, never of a partial update. An update that sends only some
+    KDA tensors (one layer, or ``q_proj`` alone) is refused, naming what each incomplete layer
+    lacks: an engine parameter fuses several checkpoint tensors (``in_proj_qkvgfab``: q, k, v,
+    g, f and b) and a layer's parameters share one plan, so the tensors an update leaves
+    unchanged must be fed too (the trainer's full state dict holds them). Inside the engine,
+    the guard checks a partial update from what it sends (``docs/guard.md``).
+
+    How it reads ``tensors``: once, in order, in this call. A generator (or any iterator) is
+    consumed: pass a fresh one to each call, or a mapping or list to read the same tensors
+    again. Each tensor is taken as it arrives (a torch tensor is copied to the host then) and
+    kept only until its KDA layer is complete.
+
     Args:
         tensors: the full tensors in checkpoint format, as ``(name, tensor)`` pairs (any
-            iterable, a generator included: read once) or a mapping; each a numpy array
-            (BF16 as ``ml_dtypes.bfloat16``), a torch tensor on any device, or a
+            iterable, a generator included: read once, see above) or a mapping; each a numpy
+            array (BF16 as ``ml_dtypes.bfloat16``), a torch tensor on any device, or a
             :class:`~kda_tp.Tensor`. Every KDA tensor of every KDA layer must be there, once.
         config: the model's config: the ``config.json`` dict, its path, or the checkpoint
             directory holding it (read for the geometry, the KDA layers and the family).
@@ -210,7 +223,8 @@ def expected_digests(
         PlanError: ``tp_size`` not a positive integer or not a split the heads allow; a rank
             out of range or repeated; an empty rank list.
         CheckpointError: an invalid config, a config that does not list its KDA layers, a KDA
-            layer whose tensors are incomplete, unknown or sent twice, a value that is not a
+            layer whose tensors are incomplete (a partial update: the message names what each
+            layer lacks), unknown or sent twice, a value that is not a
             tensor; ``A_log``/``dt_bias`` of a layer the config does not list as KDA (under the
             KDA layers' prefix: the config of another model).
         UsageError: ``tensors`` yields something other than ``(name, tensor)`` pairs (a list
@@ -329,7 +343,11 @@ class _Digests:
                 f"the tensors fed do not complete KDA layers {missing} of the "
                 f"{len(self.layers)} the {where} lists"
                 f"{': ' + lacking if lacking else ' (none of their tensors came)'}; "
-                "feed every KDA tensor of every KDA layer"
+                "expected_digests hashes whole KDA layers (an engine parameter such as "
+                "in_proj_qkvgfab fuses several checkpoint tensors), so a partial update is not "
+                "hashed from what it sends alone: feed every KDA tensor of every KDA layer, the "
+                "unchanged ones too (the trainer's full state dict), or let the guard check the "
+                "partial update inside the engine (docs/guard.md)"
             )
         out: dict[str, str] = {}
         for i in range(len(self.wanted)):

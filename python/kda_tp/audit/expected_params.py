@@ -22,7 +22,7 @@ from ..engines.dtype import engine_model_dtype
 from ..engines.layout import EngineLayout, EngineParamPlan
 from ..engines.registry import get_layout, layouts_for
 from ..errors import DtypeMismatchError, EngineLayoutError, PlanError
-from ..rank.plan import KdaTpPlan
+from ..rank.plan import KdaTpPlan, distinct_ranks
 from ..rank.view import KdaShardedSource
 from .diagnosis import cast_overflow
 
@@ -122,8 +122,7 @@ def checked_ranks(ranks: Sequence[int] | None, tp_size: int) -> list[int]:
         if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < tp_size:
             raise PlanError(f"rank {r!r} is out of range for tp_size {tp_size}: valid ranks "
                             f"are 0..{tp_size - 1}; pass ranks of that world size")
-    if len(set(wanted)) != len(wanted):
-        raise PlanError(f"ranks {sorted(wanted)} name a rank twice; pass each rank once")
+    distinct_ranks(wanted)
     return sorted(wanted)
 
 

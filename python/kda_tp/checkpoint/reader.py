@@ -219,6 +219,8 @@ def shard_bytes(tensor_plan: _native.KdaTensorPlan, buffer: Any) -> np.ndarray:
         buffer: the full tensor's raw bytes, ``tensor_plan.full_bytes`` long; any
             buffer-protocol object (bytes, bytearray, memoryview, numpy array of any dtype,
             row-major; a strided array or memoryview is first copied to contiguous memory).
+            Not written by another thread during the call (the gather reads it with the GIL
+            released); a :class:`SafetensorsSource`'s arrays never are.
 
     Returns:
         A read-only 1-D ``uint8`` array of ``tensor_plan.local_bytes`` bytes. For replicated and
@@ -267,9 +269,16 @@ class SafetensorsSource:
             or ``"pread"`` (each ``get`` copies the tensor with positioned reads and nothing is
             mapped, for network filesystems). Defaults to ``$KDA_TP_BACKEND``, else ``"mmap"``.
 
-    Every file's header is validated when the source opens, and each file's length is checked
-    against its header. With ``"mmap"``, truncating a file while it is open makes later reads of
-    the lost pages kill the process with SIGBUS; use ``"pread"`` where files may change.
+    Every file's header is validated when the source opens (each file's length against its
+    header; at most 32 axes per tensor, what numpy 1.x holds), and each file's identity is
+    recorded then (size, mtime and ctime to the nanosecond, device, inode). Every read compares
+    the file with that record (one ``fstat`` per read) and refuses a file that changed since it
+    was opened (truncated, or rewritten in place), on both backends: a ``CheckpointError``
+    naming the file and what changed, never bytes read at the old offsets; reopen the source.
+    A file replaced by rename (``os.replace``, safetensors' own writer) keeps reading its old,
+    unchanged bytes. What no check can catch: with ``"mmap"``, an array handed out before the
+    file was truncated views the mapping, and touching its lost pages afterwards kills the
+    process with SIGBUS; ``"pread"`` copies, so its arrays stay as they were read.
 
     Raises:
         CheckpointError: a missing, corrupt or inconsistent file or index.
@@ -358,6 +367,9 @@ class SafetensorsSource:
         With ``"mmap"`` the data views the mapping: no bytes are copied, and the array keeps the
         mapping alive after the source is gone. A tensor whose data offset is not aligned for
         its dtype is copied into aligned memory instead.
+
+        Raises:
+            CheckpointError: the file changed since the source opened it (see the class).
         """
         found = self._checkpoint.info(name)
         if found is None:
@@ -372,7 +384,8 @@ class SafetensorsSource:
         rank's row slice is ``1/tp_size`` of the tensor).
 
         Raises:
-            CheckpointError: no such tensor, or ``start`` past its end or past ``stop``.
+            CheckpointError: no such tensor, ``start`` past its end or past ``stop``, or the
+                file changed since the source opened it.
             UsageError: ``start`` or ``stop`` negative, ``>= 2**64``, a bool or not an integer.
         """
         for what, value in (("start", start), ("stop", stop)):
@@ -397,7 +410,8 @@ class SafetensorsSource:
         ``"mmap"`` the block is gathered from the mapping (as :func:`shard_bytes` does).
 
         Raises:
-            CheckpointError: no such tensor, or the plan's block lies past its end.
+            CheckpointError: no such tensor, the plan's block lies past its end, or the file
+                changed since the source opened it.
             ShapeMismatchError: the tensor's byte size is not ``tensor_plan.full_bytes``.
         """
         found = self._checkpoint.info(name)
@@ -451,8 +465,11 @@ class SafetensorsSource:
         is alive; never close it) and absolute byte offsets in that file (``stop`` is clamped to
         the tensor's length, None meaning its end). It is the file opened with the source, even
         if the path has since been replaced. None for an unknown name or ``start`` past the
-        tensor. Reads through it are not checked against truncation: a short copy means the
-        file shrank.
+        tensor. The file is checked unchanged when the range is given (as for every read); the
+        copy that follows is the caller's, so a short copy means the file shrank since.
+
+        Raises:
+            CheckpointError: the file changed since the source opened it (see the class).
         """
         return self._checkpoint.file_range(name, start, stop)
 

@@ -27,6 +27,7 @@ from .format import (
     format_plan,
     format_sizes,
     plan_json,
+    print_kept,
     print_refusal,
     print_shard,
     print_verify,
@@ -70,7 +71,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     source: SafetensorsSource | None = None
     layers: tuple[int, ...] | None = None
     # The checkpoint (or config) is read once: its description (kda_tp.checkpoint.description).
-    if args.input.is_dir() and any(args.input.glob("*.safetensors")):
+    # A checkpoint (a directory of safetensors files, or one file beside its config.json),
+    # else a bare config.
+    if args.input.name.endswith(".safetensors") or (
+            args.input.is_dir() and any(args.input.glob("*.safetensors"))):
         source = SafetensorsSource(args.input)
         description = describe(source)
         layers = _selected_layers(description, requested)
@@ -338,7 +342,7 @@ def cmd_dump(args: argparse.Namespace) -> int:
 
     result = write_engine_dump(args.checkpoint, args.out, engine=args.engine,
                                tp_size=args.tp_size, ranks=args.ranks, model_dtype=args.dtype,
-                               force=args.force)
+                               force=args.force, wait=args.wait)
     if args.json:
         emit_json(args, result.to_dict())
     else:
@@ -371,16 +375,10 @@ def cmd_digests(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     """``demo``: generate a real-geometry checkpoint, then plan, shard and verify it; 1 when
     the verification fails."""
-    import tempfile
-
-    from ..output.marks import DEMO_STAGING_PREFIX
-    from ..output.dirs import claim_demo_dir, replace_demo_dir
+    from ..output.demo import claim_demo_dir
+    from ..output.dirs import remove_created
     from ..rank.plan import KdaTpPlan
-    from ..shard.writer import shard_checkpoint
-    from ..shard.verify import verify_shards
-    from ..checkpoint.description import describe
-    from ..checkpoint.reader import SafetensorsSource
-    from ..synth.checkpoints import GEOMETRIES, write_checkpoint
+    from ..synth.checkpoints import GEOMETRIES
 
     g = GEOMETRIES[args.model]
     if args.num_layers is None:
@@ -389,9 +387,29 @@ def cmd_demo(args: argparse.Namespace) -> int:
     KdaTpPlan(0, args.tp_size, g["hidden"], g["head_dim"], g["heads"], g["conv_kernel"],
               g["gate_rank"])
     entries = ["checkpoint", f"tp{args.tp_size}"]
-    if args.keep:  # refuses a DIR holding what kda-tp did not write, changing nothing
-        claim_demo_dir(args.keep, entries)
-    # With --keep, built in DIR/.kda-tp-demo-*, then swapped in (replace_demo_dir).
+    # With --keep: DIR claimed (refused when it holds what kda-tp did not write, changing
+    # nothing), the demo built in DIR/.kda-tp-demo-*, then swapped in (replace_demo_dir); a
+    # demo that fails leaves no directory it made.
+    created = claim_demo_dir(args.keep, entries) if args.keep else []
+    try:
+        return _demo(args, entries, created)
+    except BaseException:
+        remove_created(created)
+        raise
+
+
+def _demo(args: argparse.Namespace, entries: list[str], created: list[Path]) -> int:
+    """:func:`cmd_demo` once ``--keep DIR`` is claimed (``created``: the directories that made)."""
+    import tempfile
+
+    from ..output.demo import replace_demo_dir
+    from ..output.marks import DEMO_STAGING_PREFIX
+    from ..shard.verify import verify_shards
+    from ..shard.writer import shard_checkpoint
+    from ..checkpoint.reader import SafetensorsSource
+    from ..checkpoint.description import describe
+    from ..synth.checkpoints import write_checkpoint
+
     prefix = DEMO_STAGING_PREFIX if args.keep else "kda-tp-demo-"
     with tempfile.TemporaryDirectory(prefix=prefix, dir=args.keep) as tmp:
         base = Path(tmp)
@@ -414,7 +432,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
         print()
         result = shard_checkpoint(checkpoint, out, args.tp_size, progress=make_progress(False))
         if args.keep:
-            replace_demo_dir(args.keep, base, entries)
+            for kept in replace_demo_dir(args.keep, base, entries):
+                print_kept(kept, "replaced")
             checkpoint, out = args.keep / entries[0], args.keep / entries[1]
         print(f"shard: {written_line(dataclasses.replace(result, out_dir=out))}")
         report = verify_shards(checkpoint, out, numeric=args.numeric, seq_len=args.seq_len,

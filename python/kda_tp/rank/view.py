@@ -104,7 +104,7 @@ class KdaShardedSource:
         # checkpoint name -> (plan entry, local shape)
         self._planned: dict[str, tuple[KdaTensorPlan, tuple[int, ...]]] = {}
         local_shapes: dict[tuple[str, tuple[int, ...]], tuple[int, ...]] = {}
-        seen: dict[int, set[str]] = {i: set() for i in self.layers}
+        seen: dict[int, dict[str, str]] = {i: {} for i in self.layers}
         for layer in self.layers:
             for suffix, name in described.attention(layer):
                 entry = by_suffix.get(suffix)
@@ -126,14 +126,23 @@ class KdaShardedSource:
                         raise type(e)(f"{location(source, name)}: {name}: {e}") from None
                 self._planned[name] = (entry, local_shapes[key])
                 key_name = entry.name if entry.name.endswith(".scale") else suffix
-                if key_name in seen[layer]:
+                first = seen[layer].get(key_name)
+                if first is not None and first.endswith(suffix):
+                    # The same tensor under two spellings of the layer number (layers.0 and
+                    # layers.00): an engine would load one of them, not both.
+                    raise CheckpointError(
+                        f"{location(source, name)}: {name}: KDA layer {layer} holds {suffix} "
+                        f"twice, as {first} and {name} (its layer number written two ways); "
+                        "keep one of them"
+                    )
+                if first is not None:
                     raise CheckpointError(
                         f"{location(source, name)}: {name}: KDA layer {layer} holds both "
                         f"{' and '.join(SCALE_SUFFIXES)} for {key_name.removesuffix('.scale')}"
                     )
-                seen[layer].add(key_name)
+                seen[layer][key_name] = name
         for layer in self.layers:
-            missing = sorted(required - seen[layer])
+            missing = sorted(required - seen[layer].keys())
             if missing:
                 lacking = ", ".join(
                     f"self_attn.{m.removesuffix('.scale')}.weight_scale (its block scale)"
@@ -278,7 +287,13 @@ class KdaShardedSource:
                 writable C-contiguous buffer (``bytearray``, ``memoryview``, ``mmap``; for a
                 CPU ``torch`` tensor pass ``t.view(-1).view(torch.uint8).numpy()``) of exactly
                 the local tensor's size in bytes (``prod(info(name)[1])`` x the dtype's size).
-                Every byte of it is overwritten, row-major in the local shape.
+                Every byte of it is overwritten, row-major in the local shape. No other thread
+                may read or write it until the call returns (as with ``file.readinto``, the
+                copy runs with the GIL released).
+
+        The source's bytes must not be written during the call either: a
+        :class:`SafetensorsSource`'s never are (a read-only mapping, or a copy numpy cannot make
+        writable); a custom source's arrays are its owner's to keep still.
 
         Raises:
             ShapeMismatchError: ``out`` is not the local tensor's size in bytes, or its item
@@ -286,7 +301,8 @@ class KdaShardedSource:
                 both sizes in bytes).
             BufferLayoutError: ``out`` is read-only, not C-contiguous, an object array, or not
                 a buffer.
-            CheckpointError: the source has no tensor ``name``, or reading it fails.
+            CheckpointError: the source has no tensor ``name``, or reading it fails (a file
+                that changed since it was opened included).
         """
         self._check_open()
         target = writable_bytes(name, out)

@@ -29,7 +29,7 @@ from ..checkpoint.reader import SafetensorsSource
 from ..errors import KdaTpError, PlanError
 from ..output.dirs import prepare_out_dir
 from ..output.names import rank_dir
-from ..rank.plan import KdaTpPlan
+from ..rank.plan import KdaTpPlan, distinct_ranks
 from ..rank.view import KdaShardedSource
 from ..reference.equivalence import (
     DEFAULT_ATOL,
@@ -191,7 +191,9 @@ def shard_checkpoint_distributed(
         raise PlanError("shard_checkpoint_distributed needs an initialized process group")
     if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
         raise PlanError(f"tp_size must be a positive integer, got {tp_size!r}")
-    wanted = sorted(set(range(tp_size) if ranks is None else (int(r) for r in ranks)))
+    given = list(range(tp_size) if ranks is None else (int(r) for r in ranks))
+    distinct_ranks(given)
+    wanted = sorted(given)
     if not wanted:
         raise PlanError("no ranks to write: --ranks is empty")
     process, processes = dist.get_rank(group), dist.get_world_size(group)
@@ -218,15 +220,16 @@ def shard_checkpoint_distributed(
 
     def write() -> None:
         result = shard_checkpoint(checkpoint, out_dir, tp_size, ranks=mine, **options)
-        totals.extend((result.bytes_written, result.seconds))
+        totals.extend((result.bytes_written, result.seconds, [str(p) for p in result.kept]))
 
-    outcomes = _agree(group, processes, bool(mine), write, lambda: totals or [0, 0.0])
+    outcomes = _agree(group, processes, bool(mine), write, lambda: totals or [0, 0.0, []])
     return ShardResult(
         Path(out_dir),
         tp_size,
         tuple(wanted),
         sum(o[0] for o in outcomes),
         max(o[1] for o in outcomes),
+        tuple(Path(p) for o in outcomes for p in o[2]),
     )
 
 
