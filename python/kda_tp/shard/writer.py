@@ -525,10 +525,11 @@ def _write_rank(
 
     final = rank_dir(out, plan.tp_rank)
     old: Path | None = None
-    dir_mode, file_modes, index_mode = _modes(source)
-    companions = [] if kda_only else companion_files(source)
-    entries = [*files, INDEX_NAME, *(p.name for p in companions)]
     try:
+        # Inside the try: a listing that meets the open-files limit is named as that limit.
+        dir_mode, file_modes, index_mode = _modes(source)
+        companions = [] if kda_only else companion_files(source)
+        entries = [*files, INDEX_NAME, *(p.name for p in companions)]
         partial.mkdir()
         os.chmod(partial, dir_mode)
         write_mark(partial, "rank", entries, index_mode)  # a partial directory is kda-tp's too
