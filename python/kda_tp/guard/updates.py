@@ -45,7 +45,6 @@ from typing import Any
 
 import numpy as np
 
-from .. import _native
 from ..audit.values import as_record, cast_to, first_difference, same_tensor_values, same_values
 from ..checkpoint.reader import numpy_dtype, shard_bytes, torch_dtype
 from ..rank.plan import KdaTensorPlan
@@ -450,12 +449,7 @@ def _local(t: KdaTensorPlan, tensor: Any) -> Any:
             and tensor.nbytes == t.full_bytes:
         # The checkpoint's own dtype: the rank's bytes by the plan (a view of a row range,
         # o_proj's columns gathered by the core's threads).
-        local = shard_bytes(t, tensor)
-        if t.byte_range is None:
-            return local.view(tensor.dtype)
-        kept = np.empty(local.nbytes, np.uint8)
-        _native.copy_into(local, kept)
-        return kept.view(tensor.dtype)
+        return shard_bytes(t, tensor).view(tensor.dtype)
     try:
         view = tensor.reshape(t.full_rows, t.full_row_elems)
     except (RuntimeError, ValueError, AttributeError, TypeError):
