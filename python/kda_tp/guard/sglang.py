@@ -449,11 +449,16 @@ def guard_runner(runner: Any, checkpoint: str | None = None) -> GuardResult | No
         return None
     tp_rank, tp_size = rank_and_size()
     dtype = model_dtype_name(getattr(getattr(runner, "model_config", None), "dtype", None))
-    result = check(dict(runner.model.named_parameters()), path, tp_rank=tp_rank,
-                   tp_size=tp_size, where=_label(), model_dtype=dtype)
+    kind = "first load" if checkpoint is None else "update_weights_from_disk"
+    try:
+        result = check(dict(runner.model.named_parameters()), path, tp_rank=tp_rank,
+                       tp_size=tp_size, where=_label(), model_dtype=dtype)
+    except GuardError as error:
+        if error.report is not None:  # a FAIL verdict, raised in mode fail: counted too
+            RECORD.ran(kind, str(error).splitlines()[0])
+        raise
     if result is not None:
-        RECORD.ran("first load" if checkpoint is None else "update_weights_from_disk",
-                   result.line())
+        RECORD.ran(kind, result.line())
     return result
 
 

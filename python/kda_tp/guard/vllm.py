@@ -46,11 +46,9 @@ worker of a live ``LLM`` through ``collective_rpc``: each rank's verdict, the en
 versions, the hooks armed and missing, the checks run and the last verdict.
 
 On each rank the first-load guard is :func:`kda_tp.guard.check` with the rank and world size of
-vLLM's own tensor-parallel group (``vllm.distributed.parallel_state``), the model's
-``named_parameters()``, the derived copies, the engine's model dtype (``model_config.dtype``),
-and the checkpoint of :func:`kda_tp.guard.modes.load_checkpoint` (the model's local directory
-or ``KDA_TP_GUARD_CHECKPOINT``; a ``sharded_state`` load needs the variable). Under pipeline
-parallelism a rank checks the KDA layers of its stage.
+vLLM's own tensor-parallel group, the model's ``named_parameters()`` and derived copies, the
+engine's model dtype and the checkpoint of :func:`kda_tp.guard.modes.load_checkpoint`; under
+pipeline parallelism a rank checks the KDA layers of its stage.
 
 Importing this module imports no vLLM; :func:`register` and the wrapped functions import it.
 """
@@ -68,7 +66,7 @@ from typing import Any, TypeVar
 
 from ..engines.derived import derived_copies
 from ..engines.dtype import model_dtype_name
-from ..errors import KdaTpError
+from ..errors import GuardError, KdaTpError
 from .first_load import GuardResult, check, looks_kda, rank_report, stage_layers
 from .live import REPAIR_ENV, Follower, follow, followed, repair
 from .hooks import after_import, subclasses
@@ -101,12 +99,9 @@ def status() -> dict[str, Any]:
 
 def register() -> None:
     """vLLM's entry point (``vllm.general_plugins``): install the guard on the model-loading
-    and weight-update paths of this process, and say so in one INFO line. vLLM may call it
-    several times per process; it installs once, and imports nothing of vLLM itself.
-
-    Each hook is installed at once for the modules this process has imported already, else
-    as soon as it imports them (an import hook), so that a process that never loads a model
-    (vLLM's API server) pays nothing.
+    and weight-update paths of this process (at once for the modules imported already, else
+    as soon as they are: a process that never loads a model pays nothing), and say so in one
+    INFO line. vLLM may call it several times per process; it installs once.
 
     Raises:
         GuardModeError: ``KDA_TP_GUARD`` holds another value than ``fail``, ``warn``, ``off``
@@ -126,9 +121,8 @@ def register() -> None:
 
 
 def _hook(target: str, found: Any) -> bool:
-    """Record hook ``target`` as armed (``found`` is not None) or missing. A missing target is
-    an error in mode ``fail`` (raised into vLLM's import of the module, which it does not
-    swallow), a warning in ``warn``; whether it is armed."""
+    """Record hook ``target`` as armed (``found`` is not None) or missing (a check that cannot
+    run, raised into vLLM's import of the module in mode ``fail``); whether it is armed."""
     if found is not None:
         RECORD.hooks[target] = "armed"
         return True
@@ -468,6 +462,7 @@ def _attach_vllm_logging() -> None:
 
 
 def _current_config(vllm_config: Any) -> Any:
+    """``vllm_config``, else vLLM's current one."""
     if vllm_config is not None:
         return vllm_config
     from vllm.config import get_current_vllm_config_or_none
@@ -514,12 +509,10 @@ def guard_model(model: Any, model_config: Any, *, loader: str = "",
 
     Args:
         model: the ``torch.nn.Module`` vLLM loaded.
-        model_config: the vLLM ``ModelConfig`` it was loaded with (``.model``,
-            ``.model_weights``, ``.revision``, ``.dtype``).
-        loader: the loader class's name (``"ShardedStateLoader"``...), or
-            ``"reload_weights"``, ``"audit"``.
-        vllm_config: vLLM's config, to tell a draft model apart and find the download
-            directory (None: the current one).
+        model_config: its vLLM ``ModelConfig`` (``.model``, ``.model_weights``, ``.revision``,
+            ``.dtype``).
+        loader: the loader class's name, or ``"reload_weights"``, ``"audit"``.
+        vllm_config: vLLM's config (a draft model, the download directory); None: current.
         guard_mode: as for :func:`kda_tp.guard.check` (None: ``KDA_TP_GUARD``'s).
         checkpoint: the path the weights were just loaded from (``reload_weights``'s
             ``weights_path``): checked against it, ``KDA_TP_GUARD_CHECKPOINT`` ignored; None:
@@ -561,13 +554,18 @@ def _guard(model: Any, model_config: Any, *, loader: str = "", vllm_config: Any 
         return None, found
     if not found.check_load or not found.checkpoint:
         return None, found  # a dummy load, or a KDA_TP_GUARD_CHECKPOINT not there (warned)
-    result = check(params, found.checkpoint, tp_rank=rank, tp_size=size,
-                   derived=derived_copies(model), where=where, layers=_stage_layers(params),
-                   guard_mode=guard_mode,
-                   model_dtype=model_dtype_name(getattr(model_config, "dtype", None)))
+    kind = "first load" if loader not in ("audit", "reload_weights") else loader
+    try:
+        result = check(params, found.checkpoint, tp_rank=rank, tp_size=size,
+                       derived=derived_copies(model), where=where, layers=_stage_layers(params),
+                       guard_mode=guard_mode,
+                       model_dtype=model_dtype_name(getattr(model_config, "dtype", None)))
+    except GuardError as error:
+        if error.report is not None:  # a FAIL verdict, raised in mode fail: counted too
+            RECORD.ran(kind, str(error).splitlines()[0])
+        raise
     if result is not None:
-        RECORD.ran("first load" if loader not in ("audit", "reload_weights") else loader,
-                   result.line())
+        RECORD.ran(kind, result.line())
     return result, found
 
 
