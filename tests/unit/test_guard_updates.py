@@ -253,7 +253,7 @@ def test_a_nan_sentinel_patch_is_judged_on_the_values_before_it():
             for n, t in session.wrap([(name, full)]):  # the engine's loader: its rank's half
                 applied(live[name], t[768:])
         finally:
-            torch.Tensor.copy_ = real
+            torch.Tensor.copy_ = real  # as vLLM puts it back: an attribute of torch.Tensor now
         report = session.close()
         if applied is keep_nan:
             assert report.passed, report.problems

@@ -233,9 +233,13 @@ class UpdateSession:
         when compared), or, while the loader's ``Tensor.copy_`` is replaced (a NaN-sentinel
         patch), that copy applied to a clone of the region's values now."""
         torch = sys.modules.get("torch")
-        if torch is None or not isinstance(local, torch.Tensor) or "copy_" not in vars(torch.Tensor):
+        if torch is None or not isinstance(local, torch.Tensor) or \
+                torch.Tensor.copy_ is _native_copy(torch):
             return local
-        region = _region(self.target.params[place.name], place).clone()
+        region = _region(self.target.params[place.name], place)
+        if not isinstance(region, torch.Tensor):
+            return local
+        region = region.clone()
         region.copy_(local.reshape(-1).to(region.device))  # the engine's copy, its own rule
         return region
 
@@ -456,6 +460,12 @@ def _local(t: KdaTensorPlan, tensor: Any) -> Any:
         return None
     return view[t.src_row_offset:t.src_row_offset + t.local_rows,
                 t.src_col_offset:t.src_col_offset + t.local_row_elems].reshape(-1)
+
+
+def _native_copy(torch: Any) -> Any:
+    """torch's own ``Tensor.copy_`` (the C method ``torch.Tensor`` inherits), whatever a loader
+    set ``torch.Tensor.copy_`` to (vLLM puts the method it found back as an attribute)."""
+    return next(vars(c)["copy_"] for c in torch.Tensor.__mro__[1:] if "copy_" in vars(c))
 
 
 def _region(value: Any, place: Place) -> Any:
