@@ -30,7 +30,7 @@ from safetensors.numpy import save_file
 
 from kda_tp import KdaTpPlan
 from kda_tp import SafetensorsSource
-from kda_tp.checkpoint import checkpoint_suffix, kda_layer_indices
+from kda_tp.checkpoint import checkpoint_suffix, describe
 
 _LAYER_TENSOR = re.compile(r"^(?:.*\.)?layers\.(\d+)\.self_attn\.(.+)$")
 INDEX = "model.safetensors.index.json"
@@ -57,7 +57,7 @@ def _slicer(entry, full_shape: tuple[int, ...]):
 
 def shard(checkpoint: Path, tp_size: int, out: Path) -> None:
     source = SafetensorsSource(checkpoint)  # header/config reading only (which layers are KDA)
-    layers = set(kda_layer_indices(source, None))
+    layers = set(describe(source).kda_layers())
     files = _files(checkpoint)
     for rank in range(tp_size):
         plan = KdaTpPlan.from_config(source, rank, tp_size)

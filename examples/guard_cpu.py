@@ -43,18 +43,24 @@ HEADS, HEAD_DIM, KERNEL, HIDDEN = 12, 128, 4, 64
 def main() -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("kda_tp").setLevel(logging.INFO)  # the guard's lines
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # vLLM's own import-time deprecations
-        import torch
-        import vllm.distributed.parallel_state as ps
-        from vllm.config import LoadConfig, VllmConfig, set_current_vllm_config
-        from vllm.model_executor.layers.mamba.gdn.kimi_gdn_linear_attn import (
-            KimiGatedDeltaNetAttention,
-        )
-        from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
-        from vllm.models.kimi_k3.nvidia.model import KimiLinearModel
-        from vllm.plugins import load_general_plugins
-        from vllm.transformers_utils.configs.kimi_linear import KimiLinearConfig
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # vLLM's own import-time deprecations
+            import torch
+            import vllm.distributed.parallel_state as ps
+            from vllm.config import LoadConfig, VllmConfig, set_current_vllm_config
+            from vllm.model_executor.layers.mamba.gdn.kimi_gdn_linear_attn import (
+                KimiGatedDeltaNetAttention,
+            )
+            from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+            from vllm.models.kimi_k3.nvidia.model import KimiLinearModel
+            from vllm.plugins import load_general_plugins
+            from vllm.transformers_utils.configs.kimi_linear import KimiLinearConfig
+    except ImportError as e:
+        print(f"guard_cpu.py: needs vLLM 0.33 (and its torch) in this Python ({e}); run it with "
+              "the python of vLLM's environment, with kda_tp installed there from this "
+              "checkout (docs/guard-cpu.md)", file=sys.stderr)
+        return 2
 
     from kda_tp import GuardError
     from kda_tp.guard import MODE_ENV
@@ -62,8 +68,10 @@ def main() -> int:
 
     load_general_plugins()  # what every vLLM worker does first: installs kda_tp's guard
     if not getattr(DefaultModelLoader.load_weights, "__kda_tp_guard__", False):
-        print("kda_tp's vLLM plugin is not installed in this environment: "
-              "pip install kda_tp (docs/guard-cpu.md) into vLLM's environment", file=sys.stderr)
+        print("guard_cpu.py: kda_tp's vLLM plugin is not installed in this environment: "
+              "install kda_tp from this checkout into vLLM's environment "
+              "(/path/to/engine-env/bin/python -m pip install /path/to/kda_tp; "
+              "docs/guard-cpu.md)", file=sys.stderr)
         return 2
 
     vllm_config = VllmConfig()

@@ -10,14 +10,19 @@
 //! ranges; `Pread` keeps a file handle and copies each tensor out with positioned reads, for
 //! network filesystems where page faults on a mapping are slow or unreliable.
 //!
-//! A file that changes while it is open: its length is checked against its header at open (and
-//! the mapping against that length). Later, each `read` checks the file's current length first,
-//! so a file truncated before a tensor is read gives an error on both backends. With `Pread` a
-//! truncation during the read is an error too. With `Mmap`, a tensor already handed out still
-//! borrows the mapping: touching its lost pages after a truncation raises SIGBUS (the kernel's
-//! rule for mappings), which no library can turn into an error; use `Pread` where files may be
-//! truncated or rewritten in place. A file replaced by rename (the usual atomic rewrite) is safe
-//! on both backends: the open handle and mapping keep the old contents.
+//! A file that changes while it is open: its identity (size, mtime and ctime to the nanosecond,
+//! device, inode) is recorded at open, before its header is read, and its length checked
+//! against its header (and the mapping against that length). Every later read compares the
+//! open handle's `fstat` with that record (one `fstat` per read call) and refuses a file that
+//! changed, naming the file and what changed: a file truncated, or rewritten in place with a
+//! longer header and the same tensors, is never read at its old offsets, on either backend
+//! (with `Mmap` the check comes before the range is handed out, with `Pread` after the bytes are
+//! read, so a change during the read shows too). What no check can catch: with `Mmap`, a tensor
+//! already handed out still borrows the mapping, and touching its lost pages after a later
+//! truncation raises SIGBUS (the kernel's rule for mappings), which no library can turn into an
+//! error; `Pread` copies, so its bytes stay as they were read. A file replaced by rename (the
+//! usual atomic rewrite) is safe on both backends: the open handle and mapping keep the old
+//! contents, and the old file's identity does not change.
 //!
 //! Unix only (positioned reads with `FileExt::read_exact_at`), as is the package: its writer
 //! locks output directories with `flock`.

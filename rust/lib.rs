@@ -4,7 +4,7 @@
 //! * [`tensor`]: one tensor's placement on one rank ([`KdaTensorPlan`], [`KdaShard`]), shared
 //!   by the plan and the block-scale grids.
 //! * [`quant`]: which part of a block-quantized (FP8) weight's scale grid a rank keeps.
-//! * [`slice`]: applying a plan entry to a tensor's bytes (contiguous row ranges, strided
+//! * [`slice`](mod@slice): applying a plan entry to a tensor's bytes (contiguous row ranges, strided
 //!   column gather).
 //! * [`pages`]: prefaulting and huge-page hints for the memory a large copy writes.
 //! * [`checkpoint`]: validated safetensors files and sharded checkpoint directories.

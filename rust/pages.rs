@@ -2,8 +2,9 @@
 //! elsewhere they do nothing). They change how pages are faulted in, never their contents, and
 //! a refusal (an old kernel, a mapping that does not support the hint) changes only the speed.
 
-/// Faults in, writable, every page of `[addr, addr + len)` that is not resident yet, in one
-/// `madvise(MADV_POPULATE_WRITE)` per run of such pages, before a copy writes them.
+/// Faults in, writable, every page of `buf` that is not resident yet, in one
+/// `madvise(MADV_POPULATE_WRITE)` per run of such pages, before a copy writes them. `buf` is
+/// borrowed exclusively because it is about to be written: the hint itself writes nothing.
 ///
 /// Fresh memory (a new mapping, or a large new array) is otherwise faulted in one 4 KiB page
 /// at a time by the copy's own stores, and each fault then zeroes a page into the cache that
@@ -13,27 +14,28 @@
 /// docs/performance.md. Resident pages are left alone: `mincore` finds them (a page table
 /// walk, microseconds for 32 MiB), so memory that is already in use pays nothing.
 ///
-/// Every page touched holds a byte of the range, so it lies in the caller's writable mapping.
+/// Every page touched holds a byte of `buf`, so it lies in a writable mapping of this process.
 /// Populating a page does not change what it holds (a new anonymous page reads as zeros either
 /// way; a file or copy-on-write page is faulted in exactly as the copy's first store would).
-pub fn prefault_for_write(addr: usize, len: usize) {
+pub fn prefault_for_write<T>(buf: &mut [T]) {
     #[cfg(target_os = "linux")]
-    linux::prefault_for_write(addr, len);
+    linux::prefault_for_write(buf.as_mut_ptr() as usize, std::mem::size_of_val(buf));
     #[cfg(not(target_os = "linux"))]
-    let _ = (addr, len);
+    let _ = buf;
 }
 
-/// Asks the kernel to back the whole pages of `[addr, addr + len)` with transparent huge pages
+/// Asks the kernel to back the whole pages inside `buf` with transparent huge pages
 /// (`MADV_HUGEPAGE`), before a gather writes them. A large new array is usually fresh memory,
 /// which the gather must fault in page by page: with 2 MiB pages it faults 512x less often
 /// (measured 2x faster into fresh memory on a 2-vCPU VM). Memory already in use (malloc reusing
-/// its heap) is unaffected. Only call it on memory kda_tp allocated itself: it changes how the
-/// mapping is backed from then on.
-pub fn advise_huge_pages(addr: usize, len: usize) {
+/// its heap) is unaffected. Only pages wholly inside `buf` are advised, so no byte outside it
+/// changes how it is backed; call it on memory kda_tp allocated itself, since the advice stays
+/// with those pages after `buf` is handed on.
+pub fn advise_huge_pages<T>(buf: &mut [T]) {
     #[cfg(target_os = "linux")]
-    linux::advise_huge_pages(addr, len);
+    linux::advise_huge_pages(buf.as_mut_ptr() as usize, std::mem::size_of_val(buf));
     #[cfg(not(target_os = "linux"))]
-    let _ = (addr, len);
+    let _ = buf;
 }
 
 #[cfg(target_os = "linux")]
@@ -60,7 +62,7 @@ mod linux {
         let pages = (end - start) / page;
         let mut resident = vec![0u8; pages];
         // SAFETY: `start` is page-aligned, `[start, end)` covers only pages holding bytes of the
-        // caller's buffer, and `resident` has one byte per page, as mincore(2) requires. mincore
+        // caller's slice (a live, writable borrow: `super::prefault_for_write`), and `resident` has one byte per page, as mincore(2) requires. mincore
         // reads page tables only.
         if unsafe {
             libc::mincore(
@@ -79,8 +81,8 @@ mod linux {
                 continue;
             }
             let run = resident[i..].iter().take_while(|r| *r & 1 == 0).count();
-            // SAFETY: a page-aligned run of pages inside `[start, end)`, all in the caller's
-            // writable mapping; MADV_POPULATE_WRITE faults them in without writing to them.
+            // SAFETY: a page-aligned run of pages inside `[start, end)`, each holding a byte of
+            // the caller's writable slice; MADV_POPULATE_WRITE faults them in without writing to them.
             unsafe {
                 libc::madvise(
                     (start + i * page) as *mut libc::c_void,
@@ -97,8 +99,9 @@ mod linux {
         let start = addr.next_multiple_of(page);
         let end = (addr + len) / page * page;
         if start < end {
-            // SAFETY: the range lies inside the caller's live allocation; MADV_HUGEPAGE changes
-            // no data, only how future page faults in it are served.
+            // SAFETY: whole pages inside the caller's live, exclusively borrowed slice
+            // (`super::advise_huge_pages`); MADV_HUGEPAGE changes no data, only how future page
+            // faults in them are served.
             unsafe { libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_HUGEPAGE) };
         }
     }

@@ -9,6 +9,7 @@
 //!   size (at `tp_size = 2` for a square-ish weight) filled with the wrong numbers.
 
 use std::borrow::Cow;
+use std::mem::MaybeUninit;
 use std::ops::Range;
 
 use rayon::prelude::*;
@@ -70,69 +71,69 @@ pub fn row_byte_range(plan: &KdaTensorPlan) -> Option<Range<usize>> {
 ///
 /// `full` is the whole `[full_rows, full_row_elems]` tensor (row-major, `plan.full_bytes()`
 /// bytes) and `out` receives `plan.local_bytes()` bytes. Outputs of 4 MiB or more are split
-/// across the rayon pool in tasks of about 1 MiB of output, each a contiguous span of output
-/// rows, written with streaming stores while the next rows' source bytes are prefetched; the
-/// output's pages that are not resident yet are faulted in first, in one call per run.
+/// across the rayon pool (`par_chunks_mut`) in tasks of about 1 MiB of output, each a contiguous
+/// span of whole output rows, written with streaming stores while the next rows' source bytes
+/// are prefetched; the output's pages that are not resident yet are faulted in first, in one
+/// call per run.
 ///
 /// # Errors
 /// [`Error::BufferSize`] when `full` has the wrong length, or when `out` is not
 /// `plan.local_bytes()` long (reported against the local shape).
 pub fn gather_cols(plan: &KdaTensorPlan, full: &[u8], out: &mut [u8]) -> Result<()> {
-    check_local_len(plan, out.len())?;
-    // SAFETY: `out` is a live, exclusively borrowed buffer of exactly `local_bytes()` bytes.
-    unsafe { gather_cols_uninit(plan, full, out.as_mut_ptr()) }
+    gather(plan, full, out)
 }
 
-/// [`gather_cols`] into memory that may be uninitialised, such as a freshly allocated array:
-/// every output byte is written, so no zeroing pass (and no reuse penalty) is needed.
+/// [`gather_cols`] into memory that may be uninitialised, such as a freshly allocated array or
+/// a `Vec`'s spare capacity: every output byte is written, so no zeroing pass (and no reuse
+/// penalty) is needed. On `Ok`, every byte of `out` is initialised.
 ///
 /// # Errors
-/// [`Error::BufferSize`] when `full` has the wrong length.
-///
-/// # Safety
-/// `out` must be valid for writes of `plan.local_bytes()` bytes, and nothing else may read or
-/// write that memory during the call.
-pub unsafe fn gather_cols_uninit(plan: &KdaTensorPlan, full: &[u8], out: *mut u8) -> Result<()> {
+/// As [`gather_cols`]; `out` is then left as it was or partly written.
+pub fn gather_cols_uninit(
+    plan: &KdaTensorPlan,
+    full: &[u8],
+    out: &mut [MaybeUninit<u8>],
+) -> Result<()> {
+    gather(plan, full, out)
+}
+
+/// [`gather_cols`] over either kind of output byte.
+fn gather<B: OutByte>(plan: &KdaTensorPlan, full: &[u8], out: &mut [B]) -> Result<()> {
     check_full_len(plan, full.len())?;
+    check_local_len(plan, out.len())?;
     let width = plan.local_row_elems * plan.elem_bytes;
-    let rows = plan.local_rows;
-    if width == 0 || rows == 0 {
+    if width == 0 || out.is_empty() {
         return Ok(());
     }
     let row = plan.row_bytes();
     let lo = plan.src_col_offset * plan.elem_bytes;
-    let stream = rows * width >= PARALLEL_MIN_BYTES;
-    // An address, not a pointer, so the closure can be shared across rayon's threads.
-    let out_addr = out as usize;
-    let copy_rows = |first: usize, count: usize| {
-        let end = first + count;
-        for i in first..end {
-            let base = (plan.src_row_offset + i) * row + lo;
-            let src = &full[base..base + width];
-            if stream && i + PREFETCH_ROWS < end {
-                let ahead = base + PREFETCH_ROWS * row;
-                prefetch(&full[ahead..ahead + width]);
-            }
-            // SAFETY: output row `i` is `[i*width, (i+1)*width)`, inside the `rows*width` =
-            // `local_bytes()` bytes the caller guarantees; tasks write disjoint rows.
-            unsafe { copy_bytes(src, (out_addr as *mut u8).add(i * width), stream) };
-        }
-        if stream {
-            store_fence();
-        }
+    // Source row `i` of this rank's block (in range: `full` is `full_bytes()` long).
+    let src_row = |i: usize| {
+        let base = (plan.src_row_offset + i) * row + lo;
+        &full[base..base + width]
     };
-    if !stream {
-        copy_rows(0, rows);
-    } else {
-        pages::prefault_for_write(out_addr, rows * width);
-        let per_task = (TASK_BYTES / width).max(1);
-        (0..rows.div_ceil(per_task))
-            .into_par_iter()
-            .for_each(|task| {
-                let first = task * per_task;
-                copy_rows(first, per_task.min(rows - first));
-            });
+    // `out` is `local_rows * width` bytes (checked above): `chunks_exact_mut` covers it whole.
+    if out.len() < PARALLEL_MIN_BYTES {
+        for (i, dst) in out.chunks_exact_mut(width).enumerate() {
+            copy_bytes(src_row(i), dst, false);
+        }
+        return Ok(());
     }
+    pages::prefault_for_write(out);
+    let per_task = (TASK_BYTES / width).max(1);
+    out.par_chunks_mut(per_task * width)
+        .enumerate()
+        .for_each(|(task, rows)| {
+            let first = task * per_task;
+            let count = rows.len() / width;
+            for (j, dst) in rows.chunks_exact_mut(width).enumerate() {
+                if j + PREFETCH_ROWS < count {
+                    prefetch(src_row(first + j + PREFETCH_ROWS));
+                }
+                copy_bytes(src_row(first + j), dst, true);
+            }
+            store_fence();
+        });
     Ok(())
 }
 
@@ -178,12 +179,11 @@ pub fn copy_parallel(src: &[u8], dst: &mut [u8]) {
         dst.copy_from_slice(src);
         return;
     }
-    pages::prefault_for_write(dst.as_ptr() as usize, dst.len());
+    pages::prefault_for_write(dst);
     dst.par_chunks_mut(TASK_BYTES)
         .zip(src.par_chunks(TASK_BYTES))
         .for_each(|(d, s)| {
-            // SAFETY: `d` and `s` are disjoint chunks of the same length.
-            unsafe { copy_bytes(s, d.as_mut_ptr(), true) };
+            copy_bytes(s, d, true);
             store_fence();
         });
 }
@@ -202,47 +202,64 @@ fn check_local_len(plan: &KdaTensorPlan, len: usize) -> Result<()> {
     })
 }
 
-/// Copies `src` to `dst`: with `stream`, through non-temporal stores on x86_64 (the caller
-/// issues [`store_fence`] before the bytes are handed on); otherwise, and elsewhere, `memcpy`.
+/// A byte of an output buffer: `u8`, or `MaybeUninit<u8>` for memory not initialised yet.
 ///
 /// # Safety
-/// `dst` must be valid for writes of `src.len()` bytes and must not overlap `src`.
-unsafe fn copy_bytes(src: &[u8], dst: *mut u8, stream: bool) {
+/// Implementors have the size and alignment of `u8`, and every initialised `u8` written through
+/// a `*mut u8` cast of a pointer to one is a valid value of the type.
+unsafe trait OutByte: Send {}
+// SAFETY: `u8` itself.
+unsafe impl OutByte for u8 {}
+// SAFETY: `MaybeUninit<u8>` has `u8`'s layout, and any byte is a valid value of it.
+unsafe impl OutByte for MaybeUninit<u8> {}
+
+/// Copies `src` into `dst` (the same length): with `stream`, through non-temporal stores on
+/// x86_64 (the caller issues [`store_fence`] before the bytes are handed on); otherwise, and
+/// elsewhere, `memcpy`.
+///
+/// # Panics
+/// When the lengths differ (every caller passes equal lengths; the check is one comparison per
+/// row or task, not per byte).
+fn copy_bytes<B: OutByte>(src: &[u8], dst: &mut [B], stream: bool) {
+    assert_eq!(src.len(), dst.len(), "copy_bytes: lengths differ");
     #[cfg(target_arch = "x86_64")]
     if stream {
-        // SAFETY: forwarded from the caller.
-        unsafe { stream_copy(src, dst) };
+        stream_copy(src, dst);
         return;
     }
     let _ = stream;
-    // SAFETY: forwarded from the caller.
-    unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst, src.len()) };
+    // SAFETY: `dst` is an exclusive borrow of `src.len()` one-byte values (`OutByte`), so it is
+    // valid for that many byte writes, and it cannot overlap the shared borrow `src`.
+    unsafe {
+        std::ptr::copy_nonoverlapping(src.as_ptr(), dst.as_mut_ptr().cast::<u8>(), src.len());
+    }
 }
 
 /// `memcpy` with SSE2 streaming stores (baseline on x86_64): ordinary copies up to the first
-/// 16-byte-aligned destination address and for the tail, 64-byte blocks in between.
-///
-/// # Safety
-/// As [`copy_bytes`].
+/// 16-byte-aligned destination address and for the tail, 64-byte blocks in between. `src` and
+/// `dst` have the same length (checked by [`copy_bytes`], the only caller).
 #[cfg(target_arch = "x86_64")]
-unsafe fn stream_copy(src: &[u8], dst: *mut u8) {
+fn stream_copy<B: OutByte>(src: &[u8], dst: &mut [B]) {
     use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_stream_si128};
-    let len = src.len();
+    let len = src.len().min(dst.len());
     let s = src.as_ptr();
-    let head = dst.align_offset(16).min(len);
-    // SAFETY: every access below stays inside `[0, len)` of `src` and of `dst` (caller's
-    // contract); the streaming stores go to 16-byte-aligned addresses `dst + head + 16k`.
+    let d = dst.as_mut_ptr().cast::<u8>();
+    let head = d.align_offset(16).min(len);
+    // SAFETY: every access below stays inside `[0, len)` of `src` (a shared borrow) and of
+    // `dst` (an exclusive borrow of one-byte values, `OutByte`; it cannot overlap `src`); the
+    // streaming stores go to 16-byte-aligned addresses `d + head + 16k`, as `_mm_stream_si128`
+    // requires; SSE2 is part of the x86_64 baseline.
     unsafe {
-        std::ptr::copy_nonoverlapping(s, dst, head);
+        std::ptr::copy_nonoverlapping(s, d, head);
         let mut k = head;
         while k + 64 <= len {
             for lane in (0..64).step_by(16) {
                 let v = _mm_loadu_si128(s.add(k + lane).cast::<__m128i>());
-                _mm_stream_si128(dst.add(k + lane).cast::<__m128i>(), v);
+                _mm_stream_si128(d.add(k + lane).cast::<__m128i>(), v);
             }
             k += 64;
         }
-        std::ptr::copy_nonoverlapping(s.add(k), dst.add(k), len - k);
+        std::ptr::copy_nonoverlapping(s.add(k), d.add(k), len - k);
     }
 }
 
@@ -282,13 +299,12 @@ pub fn shard_bytes<'a>(plan: &KdaTensorPlan, full: &'a [u8]) -> Result<Cow<'a, [
     match row_byte_range(plan) {
         Some(range) => Ok(Cow::Borrowed(&full[range])),
         None => {
-            let mut out = Vec::with_capacity(plan.local_bytes());
-            // SAFETY: the capacity is `local_bytes()`, and every byte is written before
-            // `set_len`.
-            unsafe {
-                gather_cols_uninit(plan, full, out.as_mut_ptr())?;
-                out.set_len(plan.local_bytes());
-            }
+            let len = plan.local_bytes();
+            let mut out = Vec::with_capacity(len);
+            gather_cols_uninit(plan, full, &mut out.spare_capacity_mut()[..len])?;
+            // SAFETY: the capacity is at least `len`, and `gather_cols_uninit` returned `Ok`,
+            // having written all of the first `len` bytes of it.
+            unsafe { out.set_len(len) };
             Ok(Cow::Owned(out))
         }
     }

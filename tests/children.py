@@ -7,7 +7,9 @@ first. The tests hold such a child at a state (a hook in its code) instead of wa
 
 from __future__ import annotations
 
+import subprocess
 import sys
+import time
 
 #: The first lines of every child a test interrupts: Ctrl-C raises KeyboardInterrupt, as in a
 #: terminal, even when this test run was started with SIGINT ignored.
@@ -31,7 +33,8 @@ def shard_cmd(checkpoint: object, out: object, *extra: object, tp_size: int = 2)
 
 # Runs kda-tp with one writer thread (the ranks one after the other, always in the same order)
 # and counts its output events: each write and copy_file_range into a file, each rename
-# (os.replace) and each directory removal (shutil.rmtree), as "kind file-name" in ``events``.
+# (os.replace, and kda_tp.output.moves' rename that never replaces) and each directory removal
+# (shutil.rmtree, os.rmdir), as "kind file-name" in ``events``.
 _COUNTED = """
 events = []
 def counted(kind, function, arg):
@@ -44,7 +47,9 @@ def counted(kind, function, arg):
 _io._checked_write = counted("write", _io._checked_write, 1)
 _io._copy_file_range = counted("copy", _io._copy_file_range, 1)
 os.replace = counted("rename", os.replace, 0)
+moves._rename = counted("rename", moves._rename, 0)
 shutil.rmtree = counted("remove", shutil.rmtree, 0)
+os.rmdir = counted("remove", os.rmdir, 0)
 os.cpu_count = lambda: 1
 if not event_at:
     import atexit
@@ -59,5 +64,20 @@ def counting_setup(arguments: str, at_event: str, at_exit: str) -> str:
     the child runs ``at_event`` (one line); with ``event_at`` 0 it runs to the end and evaluates
     ``at_exit`` (an expression of ``events``) at exit."""
     return ("import os, shutil, signal, sys\nfrom pathlib import Path\n"
-            "from kda_tp.checkpoint import writer as _io\n"
+            "from kda_tp.checkpoint import writer as _io\nfrom kda_tp.output import moves\n"
             + arguments + _COUNTED.replace("AT_EVENT", at_event).replace("AT_EXIT", at_exit))
+
+
+def wait_blocked(child: subprocess.Popen[str], bound: float) -> None:
+    """Wait until ``child`` is blocked on a file lock (a ``->`` line of its pid in
+    ``/proc/locks``): the state ``--wait`` is in while another writer holds the lock. Polls that
+    state; ``bound`` (seconds) only turns a regression into a failure instead of a hang."""
+    deadline = time.monotonic() + bound
+    while True:
+        with open("/proc/locks") as f:
+            if any(line.split()[1] == "->" and line.split()[5] == str(child.pid)
+                   for line in f if len(line.split()) > 5):
+                return
+        assert child.poll() is None, child.communicate()
+        assert time.monotonic() < deadline, f"pid {child.pid} never blocked on a lock"
+        time.sleep(0.01)

@@ -12,7 +12,7 @@ from kda_tp import KdaTpPlan, SafetensorsSource
 from kda_tp.model import dequantize
 from kda_tp.model import parse_config
 from kda_tp.reference import kda_layer_forward
-from kda_tp.checkpoint import decoder_prefix, kda_layer_indices, kda_tensor_name
+from kda_tp.checkpoint import describe, kda_tensor_name
 
 
 def _layer(weights, prefix, layer, plan):
@@ -49,12 +49,12 @@ def load_rank_allreduce_and_dtensors(rank, world, store, checkpoint, qk_multiple
         eps, bound = config.rms_norm_eps, config.gate_lower_bound
         local_plan = KdaTpPlan.from_config(source, rank, world, qk_multiple=qk_multiple)
         full_plan = KdaTpPlan.from_config(source, 0, 1, qk_multiple=qk_multiple)
-        prefix = decoder_prefix(source)
+        prefix = describe(source).prefix
         local = kt.load_rank(checkpoint, qk_multiple=qk_multiple)  # rank, size from the group
         head_dim = parse_config(source.config).head_dim
         x = np.random.default_rng(3).standard_normal((1, 8, parse_config(source.config).hidden))
         x = x.astype(np.float32)
-        for layer in kda_layer_indices(source, None):
+        for layer in describe(source).kda_layers():
             y_r = kda_layer_forward(_layer(local, prefix, layer, local_plan), x,
                                     head_dim=head_dim, rms_norm_eps=eps, gate_lower_bound=bound)
             y_sum = torch.from_numpy(y_r)

@@ -152,6 +152,33 @@ def load(path: Path) -> tuple[dict[str, str], dict[str, np.ndarray]]:
         return f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
 
 
+def f64_near_ties(ckpt: Path, out: Path) -> Path:
+    """An engine fixture checkpoint stored in F64, every 7th value (``A_log``'s none: K3's is
+    zero-padded) moved just off a BF16 tie (``torch_dtype: bfloat16`` in the config): each such
+    value rounds to F32 onto the tie,
+    then to one BF16 (torch's cast: every engine's ``copy_``), while rounding it to BF16 at
+    once (numpy's, ml_dtypes') gives the other neighbour. The F32 fixture values are exact in
+    F64 otherwise."""
+    from safetensors.numpy import load_file, save_file
+
+    out.mkdir()
+    tensors = {}
+    for name, value in load_file(str(ckpt / "model.safetensors")).items():
+        bits = np.ascontiguousarray(value, np.float32).reshape(-1).view(np.uint32).copy()
+        picked = np.arange(0, 0 if name.endswith("A_log") else bits.size, 7)
+        bits[picked] = (bits[picked] & np.uint32(0xFFFF0000)) | np.uint32(0x8000)  # a BF16 tie
+        wide = bits.view(np.float32).astype(np.float64)
+        # Off the tie, away from where torch's tie rounding goes (to the even BF16 neighbour:
+        # up in magnitude from an odd one), by far less than half an F32 step.
+        odd = (bits[picked] >> np.uint32(16)) & np.uint32(1)
+        wide[picked] *= np.where(odd == 1, 1 - 2.0**-28, 1 + 2.0**-28)
+        tensors[name] = wide.reshape(value.shape)
+    save_file(tensors, str(out / "model.safetensors"))
+    config = json.loads((ckpt / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, "torch_dtype": "bfloat16"}))
+    return out
+
+
 def release_dtypes(ckpt: Path, out: Path) -> Path:
     """An engine fixture checkpoint as the releases store theirs: BF16 projections; F32 convs,
     ``A_log``, ``dt_bias`` and ``o_norm``; ``torch_dtype: bfloat16`` in the config (needs

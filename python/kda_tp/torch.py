@@ -21,8 +21,10 @@ from typing import Any
 
 import numpy as np
 
-from .checkpoint.reader import SafetensorsSource, Tensor, checked_get, checked_info, torch_dtype
+from .checkpoint.description import describe
+from .checkpoint.reader import SafetensorsSource, Tensor, checked_get, checked_info
 from .errors import MissingDependencyError, PlanError
+from .model.dtypes import TORCH_MISSING, torch_dtype
 from .rank.plan import KdaShard, KdaTpPlan
 from .rank.view import KdaShardedSource
 
@@ -30,10 +32,7 @@ try:
     import torch
     import torch.distributed as dist
 except ImportError as e:  # pragma: no cover - exercised in CI's venvs without torch
-    raise MissingDependencyError(
-        "kda_tp.torch needs PyTorch (torch >= 2.5), which is not installed: "
-        "pip install 'kda_tp[torch]' (from a source checkout: pip install '.[torch]')"
-    ) from e
+    raise MissingDependencyError(TORCH_MISSING) from e
 if tuple(int(part) for part in torch.__version__.split(".")[:2]) < (2, 5):
     raise MissingDependencyError(
         f"kda_tp.torch needs torch >= 2.5 (torch.distributed.tensor), found {torch.__version__}: "
@@ -94,7 +93,8 @@ def _open(
         else SafetensorsSource(checkpoint, backend)
     )
     layers = None if layers is None else list(layers)
-    plan = KdaTpPlan.from_config(source, tp_rank, tp_size, qk_multiple=qk_multiple, layers=layers)
+    plan = KdaTpPlan.from_description(describe(source), tp_rank, tp_size,
+                                      qk_multiple=qk_multiple, layers=layers)
     return KdaShardedSource(source, plan, layers)
 
 

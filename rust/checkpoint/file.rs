@@ -48,6 +48,8 @@ pub struct SafetensorsFile {
     data_start: usize,
     metadata: Metadata,
     storage: Storage,
+    /// What the file was when it was opened; every read compares the file with it.
+    opened: Identity,
     /// Bytes read from the file with read calls: the header at open, then (`Pread`) tensor data.
     bytes_read: AtomicU64,
 }
@@ -70,7 +72,9 @@ impl SafetensorsFile {
             reason,
         };
         let file = open_regular_file(path)?;
-        let file_len = file.metadata().map_err(io)?.len();
+        // Taken before anything is read, so that a change during the open shows too.
+        let opened = Identity::of(&file.metadata().map_err(io)?);
+        let file_len = opened.size;
         if file_len < 8 {
             return Err(bad(format!(
                 "the file is {file_len} bytes, shorter than the 8-byte header length"
@@ -116,6 +120,7 @@ impl SafetensorsFile {
             data_start: 8 + header_len as usize,
             metadata,
             storage,
+            opened,
             bytes_read: AtomicU64::new(8 + header_len),
         })
     }
@@ -160,16 +165,28 @@ impl SafetensorsFile {
     /// The open file and the absolute byte range in it of bytes `part` of tensor `name`
     /// (offsets within the tensor; `part.end` is clamped to the tensor's length), for copies the
     /// kernel does file to file (`copy_file_range`, `sendfile`) from the file this value opened,
-    /// even if the path has since been replaced. `None` for an unknown name or a `part` that
+    /// even if the path has since been replaced. `Ok(None)` for an unknown name or a `part` that
     /// starts past the tensor.
-    pub fn file_range(&self, name: &str, part: Range<usize>) -> Option<(&File, Range<u64>)> {
-        let (begin, end) = self.info(name)?.data_offsets;
+    ///
+    /// # Errors
+    /// [`Error::Checkpoint`] when the file changed since it was opened (see [`Self::read`]);
+    /// [`Error::Io`] when it cannot be examined.
+    pub fn file_range(
+        &self,
+        name: &str,
+        part: Range<usize>,
+    ) -> Result<Option<(&File, Range<u64>)>> {
+        let Some(info) = self.info(name) else {
+            return Ok(None);
+        };
+        let (begin, end) = info.data_offsets;
         let part = part.start..part.end.min(end - begin);
         if part.start > part.end {
-            return None;
+            return Ok(None);
         }
+        self.check_unchanged(name, "copied")?;
         let start = (self.data_start + begin + part.start) as u64;
-        Some((self.handle(), start..start + part.len() as u64))
+        Ok(Some((self.handle(), start..start + part.len() as u64)))
     }
 
     /// Drops this process's resident pages of tensor `name` from the mapping (the kernel's page
@@ -196,12 +213,15 @@ impl SafetensorsFile {
 
     /// The bytes of tensor `name`.
     ///
-    /// The file's current length is checked first, so a file truncated since it was opened
-    /// gives an error instead of a short read (or, with `Mmap`, a SIGBUS).
+    /// The file is compared with what it was when it was opened (one `fstat`: size, mtime and
+    /// ctime to the nanosecond, device and inode), so a file truncated or rewritten in place
+    /// since then gives an error instead of bytes from its old offsets, a short read or, with
+    /// `Mmap`, a SIGBUS: with `Mmap` before the range is handed out, with `Pread` after the
+    /// bytes are read (so a change during the read shows too).
     ///
     /// # Errors
-    /// [`Error::TensorNotFound`]; [`Error::Checkpoint`] when the file is now too short for the
-    /// tensor (truncated while open); [`Error::Io`] when a read fails otherwise.
+    /// [`Error::TensorNotFound`]; [`Error::Checkpoint`] when the file changed since it was
+    /// opened; [`Error::Io`] when a read fails otherwise.
     pub fn read(&self, name: &str) -> Result<TensorData> {
         self.read_range(name, 0..usize::MAX)
     }
@@ -229,30 +249,19 @@ impl SafetensorsFile {
         }
         // In range: the header was checked against the file's length at open.
         let range = self.data_start + begin + part.start..self.data_start + begin + part.end;
-        let truncated = |now: String| Error::Checkpoint {
-            path: self.path.clone(),
-            reason: format!(
-                "tensor {name:?} (file bytes {}..{}) cannot be read: the file is {now}, shorter \
-                 than when it was opened (truncated or rewritten in place while open)",
-                range.start, range.end
-            ),
-        };
-        let len_now = self.len_now()?;
-        if len_now < range.end as u64 {
-            return Err(truncated(format!("now {len_now} bytes")));
-        }
         match &self.storage {
-            Storage::Mapped(map, _) => Ok(TensorData::Mapped {
-                map: Arc::clone(map),
-                range,
-            }),
+            Storage::Mapped(map, _) => {
+                self.check_unchanged(name, "read")?;
+                Ok(TensorData::Mapped {
+                    map: Arc::clone(map),
+                    range,
+                })
+            }
             Storage::File(file) => {
-                let mut bytes = vec![0u8; range.len()];
-                read_exact_at(file, &mut bytes, range.start as u64).map_err(|source| {
-                    self.read_failed(source, || {
-                        truncated("cut short during the read".to_string())
-                    })
-                })?;
+                let mut bytes = self.zeroed(name, range.len())?;
+                let read = read_exact_at(file, &mut bytes, range.start as u64);
+                self.check_unchanged(name, "read")?;
+                read.map_err(|source| self.read_failed(source))?;
                 self.bytes_read
                     .fetch_add(range.len() as u64, Ordering::Relaxed);
                 Ok(TensorData::Owned(bytes))
@@ -272,8 +281,8 @@ impl SafetensorsFile {
     /// # Errors
     /// [`Error::TensorNotFound`]; [`Error::Checkpoint`] when `span > stride` (with several
     /// spans), when the last span ends past the tensor (its end offset overflowing `usize`
-    /// included: no arguments panic or allocate more than the tensor), or when the file is now too short
-    /// (truncated while open); [`Error::Io`] when a read fails otherwise.
+    /// included: no arguments panic or allocate more than the tensor), or when the file changed
+    /// since it was opened (see [`Self::read`]); [`Error::Io`] when a read fails otherwise.
     pub fn read_spans(
         &self,
         name: &str,
@@ -320,17 +329,10 @@ impl SafetensorsFile {
         }
         let total = count * span;
         let base = self.data_start + info.data_offsets.0 + start;
-        let last = self.data_start + info.data_offsets.0 + end;
-        let len_now = self.len_now()?;
-        if len_now < last as u64 {
-            return Err(bad(format!(
-                "file bytes up to {last} cannot be read: the file is now {len_now} bytes, \
-                 shorter than when it was opened (truncated or rewritten in place while open)"
-            )));
-        }
-        let mut out = vec![0u8; total];
+        let mut out = self.zeroed(name, total)?;
         match &self.storage {
             Storage::Mapped(map, _) => {
+                self.check_unchanged(name, "read")?;
                 for (i, dst) in out.chunks_exact_mut(span).enumerate() {
                     let from = base + i * stride;
                     dst.copy_from_slice(&map[from..from + span]);
@@ -355,11 +357,8 @@ impl SafetensorsFile {
                 } else {
                     chunks.into_iter().try_for_each(read)
                 };
-                done.map_err(|source| {
-                    self.read_failed(source, || {
-                        bad("cut short during the read (the file was truncated while open)".into())
-                    })
-                })?;
+                self.check_unchanged(name, "read")?;
+                done.map_err(|source| self.read_failed(source))?;
                 self.bytes_read.fetch_add(total as u64, Ordering::Relaxed);
             }
         }
@@ -381,26 +380,151 @@ impl SafetensorsFile {
         }
     }
 
-    /// The file's length now, which a truncation since it was opened makes shorter.
-    fn len_now(&self) -> Result<u64> {
+    /// Refuses to go on with tensor `name` (`what`: "read", "copied") when the file is no
+    /// longer what it was when it was opened: one `fstat` of the open handle against
+    /// [`Identity`]. A file replaced by rename passes: the handle (and the mapping) still reach
+    /// the old file, whose bytes did not change.
+    fn check_unchanged(&self, name: &str, what: &str) -> Result<()> {
         let metadata = self.handle().metadata().map_err(|source| Error::Io {
             path: self.path.clone(),
             source,
         })?;
-        Ok(metadata.len())
+        let now = Identity::of(&metadata);
+        if !self.opened.differs(&now) {
+            return Ok(());
+        }
+        Err(Error::Checkpoint {
+            path: self.path.clone(),
+            reason: format!(
+                "tensor {name:?} cannot be {what}: the file changed since it was opened ({}); \
+                 reopen it (a file rewritten in place would be read at its old offsets)",
+                self.opened.changes(&now)
+            ),
+        })
     }
 
-    /// The error for a failed positioned read: the end of the file met early is `cut_short` (the
-    /// file was truncated during the read), anything else [`Error::Io`].
-    fn read_failed(&self, source: std::io::Error, cut_short: impl FnOnce() -> Error) -> Error {
-        if source.kind() == std::io::ErrorKind::UnexpectedEof {
-            cut_short()
-        } else {
-            Error::Io {
-                path: self.path.clone(),
-                source,
+    /// A failed positioned read of a file that [`Self::check_unchanged`] found unchanged
+    /// afterwards.
+    /// A zeroed buffer of `len` bytes to read tensor `name` into, or [`Error::Checkpoint`]
+    /// naming the tensor and the size when the allocator cannot give it (`vec![0u8; len]`
+    /// would abort the whole process, Python included, for a huge declared tensor).
+    fn zeroed(&self, name: &str, len: usize) -> Result<Vec<u8>> {
+        try_zeroed(len).ok_or_else(|| Error::Checkpoint {
+            path: self.path.clone(),
+            reason: format!(
+                "tensor {name:?}: its {len} bytes cannot be allocated to read it with the pread \
+                 backend (out of memory); read it with the mmap backend, or on a machine with \
+                 that much free memory"
+            ),
+        })
+    }
+
+    fn read_failed(&self, source: std::io::Error) -> Error {
+        Error::Io {
+            path: self.path.clone(),
+            source,
+        }
+    }
+}
+
+/// A zeroed `Vec<u8>` of `len` bytes, or `None` when the allocator has no such block.
+///
+/// As `vec![0u8; len]` does, this asks for zeroed memory (`calloc`: fresh pages from the kernel
+/// are zero already, so no pass over them), but it returns `None` instead of aborting.
+fn try_zeroed(len: usize) -> Option<Vec<u8>> {
+    if len == 0 {
+        return Some(Vec::new());
+    }
+    let layout = std::alloc::Layout::array::<u8>(len).ok()?;
+    // SAFETY: `layout` has a non-zero size (len > 0). `alloc_zeroed` returns null or a block
+    // of `len` zeroed (so initialised) bytes aligned for u8, allocated by the global allocator
+    // with exactly the layout `Vec<u8>` uses for capacity `len`: `from_raw_parts(ptr, len,
+    // len)` takes ownership of it, and the Vec frees it with that same layout.
+    unsafe {
+        let ptr = std::alloc::alloc_zeroed(layout);
+        (!ptr.is_null()).then(|| Vec::from_raw_parts(ptr, len, len))
+    }
+}
+
+/// What a file was when it was opened, as `fstat` gives it: compared before every read.
+///
+/// The device and inode cannot differ on the same open handle (they are recorded so that the
+/// record is the file's whole identity). A rewrite in place changes the size, or the mtime and
+/// the ctime (to the nanosecond; since Linux 6.13 a change right after an `fstat` always gets a
+/// newer timestamp on ext4, XFS, btrfs and tmpfs); the ctime also catches a rewrite whose
+/// writer then restored the old mtime. The ctime moves too when the file gains or loses a link
+/// (a rename over its path unlinks it): with the link count changed, a ctime alone is not taken
+/// for a change of the bytes, so the usual atomic replacement of a checkpoint stays readable
+/// through views opened before it. Anything else that moves only the ctime (a chmod, a rename
+/// of the file itself, a hard link made and removed again) is refused: the view cannot tell it
+/// from a rewrite. On file systems with
+/// coarse timestamps, a rewrite to the same size within one timestamp tick of the previous
+/// change can go unseen.
+#[derive(Debug, Clone, Copy)]
+struct Identity {
+    dev: u64,
+    ino: u64,
+    size: u64,
+    /// Seconds and nanoseconds since the epoch.
+    mtime: (i64, i64),
+    ctime: (i64, i64),
+    nlink: u64,
+}
+
+impl Identity {
+    fn of(metadata: &std::fs::Metadata) -> Self {
+        use std::os::unix::fs::MetadataExt;
+        Self {
+            dev: metadata.dev(),
+            ino: metadata.ino(),
+            size: metadata.size(),
+            mtime: (metadata.mtime(), metadata.mtime_nsec()),
+            ctime: (metadata.ctime(), metadata.ctime_nsec()),
+            nlink: metadata.nlink(),
+        }
+    }
+
+    /// Whether the file `now` may hold other bytes than the file `self` described at open.
+    fn differs(&self, now: &Self) -> bool {
+        (self.dev, self.ino, self.size, self.mtime) != (now.dev, now.ino, now.size, now.mtime)
+            || (self.ctime != now.ctime && self.nlink == now.nlink)
+    }
+
+    /// What differs between `self` (at open) and `now`, e.g. "size 100 -> 116 bytes, mtime
+    /// 1767000000.000000001 -> 1767000005.250000000 (seconds since the epoch)".
+    fn changes(&self, now: &Self) -> String {
+        let time = |(s, ns): (i64, i64)| format!("{s}.{ns:09}");
+        let mut parts = Vec::new();
+        if (self.dev, self.ino) != (now.dev, now.ino) {
+            parts.push(format!(
+                "device {} inode {} -> device {} inode {}",
+                self.dev, self.ino, now.dev, now.ino
+            ));
+        }
+        if self.size != now.size {
+            let shrunk = if now.size < self.size {
+                " (truncated while open)"
+            } else {
+                ""
+            };
+            parts.push(format!("size {} -> {} bytes{shrunk}", self.size, now.size));
+        }
+        let times = [
+            ("mtime", self.mtime, now.mtime),
+            ("ctime", self.ctime, now.ctime),
+        ];
+        let mut timed = false;
+        for (field, then, now) in times {
+            if then != now {
+                parts.push(format!("{field} {} -> {}", time(then), time(now)));
+                timed = true;
             }
         }
+        let mut changes = parts.join(", ");
+        if timed {
+            changes.push_str(" (seconds since the epoch)");
+        }
+        changes
     }
 }
 

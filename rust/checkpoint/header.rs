@@ -14,6 +14,11 @@ use crate::error::{Error, Result};
 /// The header key of the user metadata map (every other key is a tensor).
 const METADATA_KEY: &str = "__metadata__";
 
+/// The most axes a stored tensor may have: numpy 1.x holds at most 32 (numpy 2 at most 64), and
+/// kda_tp (which supports numpy 1.24 on) hands tensors out as numpy arrays. torch holds more,
+/// but no checkpoint kda_tp could read needs them: real weights have at most a handful.
+const MAX_AXES: usize = 32;
+
 /// Parses and validates the JSON header of a safetensors file, from memory (no file I/O).
 ///
 /// `header` is the header's bytes (what follows the 8-byte length prefix, `header.len()` being
@@ -21,15 +26,18 @@ const METADATA_KEY: &str = "__metadata__";
 /// [`SafetensorsFile::open`] promises about a header: UTF-8, a JSON object, no name twice, a
 /// `__metadata__` string map (or `null`, read as no metadata), every tensor entry a known dtype
 /// with a shape whose byte size (sub-byte dtypes such as F4 included, by bits) equals its
-/// `data_offsets` range (no overflow), the tensors back to back from data byte 0
-/// with no gap or overlap, and their total exactly `data_len` (neither past the end of the file
-/// nor followed by trailing bytes). Errors are [`Error::Safetensors`] naming `path` and, where
-/// there is one, the tensor. Public so that fuzzers can drive header parsing from memory.
+/// `data_offsets` range (no overflow) and that numpy can hold (at most 32 axes, and its non-zero
+/// axes' product of bytes within `isize::MAX`, as numpy checks even for an empty array), the
+/// tensors back to back from data byte 0 with no gap or overlap, and their total exactly
+/// `data_len` (neither past the end of the file nor followed by trailing bytes). Errors are
+/// [`Error::Safetensors`] naming `path` and, where there is one, the tensor. Public so that
+/// fuzzers can drive header parsing from memory.
 ///
 /// One validator: the entries' sizes and offsets are checked once, by the safetensors crate
 /// (`Metadata::new`); this function checks only what that does not (JSON shape, duplicate
-/// names, the metadata map, the data section's length), and words a refusal of the crate's
-/// (which names no tensor or offset) for the user ([`explain_refusal`], on that path only).
+/// names, the metadata map, shapes numpy can hold, the data section's length), and words a
+/// refusal of the crate's (which names no tensor or offset) for the user (`explain_refusal`, on
+/// that path only).
 ///
 /// # Errors
 /// [`Error::Safetensors`] for each refusal above.
@@ -41,6 +49,9 @@ pub fn parse_header(path: &Path, header: &[u8], data_len: u64) -> Result<Metadat
         reason,
     };
     let (user_metadata, tensors) = header_entries(path, header)?;
+    for (name, info) in &tensors {
+        check_shape(name, info).map_err(|reason| bad(format!("invalid header: {reason}")))?;
+    }
     let metadata = Metadata::new(user_metadata, tensors)
         .map_err(|refusal| explain_refusal(path, header, &refusal))?;
     // Back to back from data byte 0 (checked above): the data section is the last end offset.
@@ -72,6 +83,36 @@ pub fn parse_header(path: &Path, header: &[u8], data_len: u64) -> Result<Metadat
         )));
     }
     Ok(metadata)
+}
+
+/// Refuses a shape numpy cannot hold (why: [`MAX_AXES`]): more than [`MAX_AXES`] axes, or an
+/// empty tensor whose non-zero axes make more than `isize::MAX` bytes (the safetensors crate
+/// accepts it, its byte size being 0, but numpy refuses it). A tensor with no zero axis is the
+/// crate's to size: its bytes lie in the file, far below numpy's limit.
+fn check_shape(name: &str, info: &TensorInfo) -> Result<(), String> {
+    let (shape, dtype) = (&info.shape, info.dtype);
+    if shape.len() > MAX_AXES {
+        return Err(format!(
+            "tensor {name:?} has {} axes, more than the {MAX_AXES} kda_tp reads (numpy 1.x \
+             holds at most 32 axes, numpy 2 at most 64)",
+            shape.len()
+        ));
+    }
+    if !shape.contains(&0) {
+        return Ok(());
+    }
+    let bits = shape
+        .iter()
+        .filter(|&&d| d != 0)
+        .try_fold(dtype.bitsize() as u128, |n, &d| n.checked_mul(d as u128));
+    if bits.is_none_or(|bits| bits.div_ceil(8) > isize::MAX as u128) {
+        return Err(format!(
+            "tensor {name:?}: shape {shape:?} of {dtype} is too large for numpy (its non-zero \
+             axes make more than {} bytes, although the tensor is empty)",
+            isize::MAX
+        ));
+    }
+    Ok(())
 }
 
 /// A header's `__metadata__` map and its tensor entries, in data order.

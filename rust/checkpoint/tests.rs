@@ -2,10 +2,11 @@
 //! and every refusal with its error variant. Files are written by hand (8-byte little-endian
 //! header length, JSON header, data) into a fresh directory under the system temp dir.
 //!
-//! One module per concern: [`file`] (round trips of one file, and files that change while open or
-//! are not regular files), [`refusals`] (malformed files), [`directory`] (checkpoint directories
-//! and their index), [`header`] (`parse_header` from memory), [`spans`] (`read_spans` and the
-//! read counter). The helpers that write files are here.
+//! One module per concern: [`file`] (round trips of one file, and paths that are not regular
+//! files), [`changed`] (files truncated, rewritten or replaced while open), [`refusals`]
+//! (malformed files), [`directory`] (checkpoint directories and their index), [`header`]
+//! (`parse_header` from memory), [`spans`] (`read_spans` and the read counter). The helpers
+//! that write files are here.
 #![allow(clippy::unwrap_used)]
 
 use std::path::{Path, PathBuf};
@@ -16,6 +17,7 @@ use serde_json::json;
 
 use super::*;
 
+mod changed;
 mod directory;
 mod file;
 mod header;

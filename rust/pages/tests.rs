@@ -8,9 +8,10 @@ fn prefaulting_keeps_the_bytes_of_memory_in_use() {
     let mut buf: Vec<u8> = (0..(5 << 20) + 77).map(|i| (i * 31 % 251) as u8).collect();
     let want = buf.clone();
     // unaligned start and end, a zero length, and the whole buffer
-    prefault_for_write(buf.as_mut_ptr() as usize + 13, buf.len() - 100);
-    prefault_for_write(buf.as_mut_ptr() as usize + 5, 0);
-    prefault_for_write(buf.as_mut_ptr() as usize, buf.len());
+    let len = buf.len();
+    prefault_for_write(&mut buf[13..len - 87]);
+    prefault_for_write(&mut buf[5..5]);
+    prefault_for_write(&mut buf[..]);
     assert_eq!(buf, want);
 }
 
@@ -18,7 +19,8 @@ fn prefaulting_keeps_the_bytes_of_memory_in_use() {
 fn huge_page_advice_keeps_the_bytes() {
     let mut buf: Vec<u8> = (0..(6 << 20) + 3).map(|i| (i % 253) as u8).collect();
     let want = buf.clone();
-    advise_huge_pages(buf.as_mut_ptr() as usize + 1, buf.len() - 2);
+    let len = buf.len();
+    advise_huge_pages(&mut buf[1..len - 1]);
     assert_eq!(buf, want);
 }
 
@@ -50,7 +52,10 @@ fn fresh_pages_become_resident_and_read_as_zeros() {
     // one page written by hand first: a run of missing pages on either side of it
     // SAFETY: inside the mapping.
     unsafe { *(p as *mut u8).add(100 * page + 5) = 7 };
-    prefault_for_write(p as usize + 10, len - 20);
+    // SAFETY: inside the mapping, which nothing else uses while this borrow lives.
+    prefault_for_write(unsafe {
+        std::slice::from_raw_parts_mut((p as *mut std::mem::MaybeUninit<u8>).add(10), len - 20)
+    });
     assert_eq!(resident(p), len / page);
     // SAFETY: the whole mapping is readable and now faulted in.
     let bytes = unsafe { std::slice::from_raw_parts(p as *const u8, len) };

@@ -12,6 +12,12 @@ use crate::checkpoint::{Backend, Checkpoint, TensorData};
 
 /// The raw bytes of one tensor, exposed to numpy through ``__array_interface__`` without a copy.
 /// The object keeps the file mapping alive for as long as any array views it.
+///
+/// Nothing in this process writes these bytes while the object lives (a read-only mapping, or a
+/// copy the object owns and never changes; numpy cannot make a view of them writable), which is
+/// why the slicers may borrow them with the GIL released (`py/slice.rs`). A file changed by
+/// another process under its mapping is the mapping's own hazard, checked at every read
+/// (`rust/checkpoint.rs`).
 #[pyclass(frozen, name = "TensorBytes", module = "kda_tp._native")]
 pub(super) struct PyTensorBytes(TensorData);
 
@@ -106,7 +112,8 @@ impl PyCheckpoint {
     /// range ``[start, stop)`` in that file of bytes ``[part_start, part_stop)`` of the tensor
     /// (``part_stop`` clamped to its length), for kernel-side copies (``os.copy_file_range``).
     /// The descriptor belongs to this object: use it only while the checkpoint is open, never
-    /// close it. None for an unknown name or a part starting past the tensor.
+    /// close it. None for an unknown name or a part starting past the tensor; CheckpointError
+    /// when the file changed since it was opened.
     #[cfg(unix)]
     #[pyo3(signature = (name, part_start=0, part_stop=None))]
     fn file_range(
@@ -114,12 +121,15 @@ impl PyCheckpoint {
         name: &str,
         part_start: usize,
         part_stop: Option<usize>,
-    ) -> Option<(i32, u64, u64)> {
+    ) -> PyResult<Option<(i32, u64, u64)>> {
         use std::os::fd::AsRawFd;
-        let (file, _) = self.0.locate(name)?;
+        let Some((file, _)) = self.0.locate(name) else {
+            return Ok(None);
+        };
         let part = part_start..part_stop.unwrap_or(usize::MAX);
-        let (handle, range) = file.file_range(name, part)?;
-        Some((handle.as_raw_fd(), range.start, range.end))
+        Ok(file
+            .file_range(name, part)?
+            .map(|(handle, range)| (handle.as_raw_fd(), range.start, range.end)))
     }
     /// Drops this process's resident pages of a tensor (mmap only); views stay valid.
     fn release(&self, py: Python<'_>, name: &str) {

@@ -1,5 +1,26 @@
 //! The byte slicers on numpy buffers (`shard_bytes`, `shard_into`, `copy_into`), with the GIL
 //! released.
+//!
+//! **What a GIL-released copy relies on.** A copy borrows its source as `&[u8]` and its output
+//! as `&mut [u8]` while other Python threads run. numpy's borrow flags (`PyReadonlyArray`,
+//! `PyReadwriteArray`, held for the whole call) stop Rust code that uses rust-numpy from
+//! writing the source or touching the output meanwhile, and refuse an output that overlaps the
+//! source (numpy's `TypeError`, "already borrowed"); they cannot stop Python code, so the rest
+//! is the caller's contract, the one numpy's own GIL-released copies and Python's `readinto`
+//! have:
+//! * the source is not written by another thread during the call. What `SafetensorsSource`
+//!   reads keeps it by construction: a `TensorBytes` (a read-only file mapping, or a copy that
+//!   object owns and never changes), which numpy cannot make writable
+//!   (`tests/unit/test_read_into.py`), or an aligned copy made for the one call. Another
+//!   source's arrays (a custom source behind `KdaShardedSource`, a buffer passed to
+//!   `kda_tp.shard_bytes`) are its owner's to keep still;
+//! * the output belongs to the caller: no other thread reads or writes it until the call
+//!   returns. A fresh array (`shard_bytes`) is seen by no one else.
+//!
+//! Holding the GIL instead would not make a foreign source safe either (numpy's own copies
+//! write arrays with the GIL released), and would stop every other Python thread for the copy.
+
+use std::mem::MaybeUninit;
 
 use numpy::{PyArray1, PyArrayMethods, PyReadonlyArray1, PyReadwriteArray1};
 use pyo3::prelude::*;
@@ -23,30 +44,38 @@ pub(super) fn shard_bytes<'py>(
         let view = PySlice::new(py, range.start as isize, range.end as isize, 1);
         return full.as_any().get_item(view);
     }
-    // SAFETY: a new, uninitialised 1-D array of `local_bytes()` bytes that nothing else can
-    // see yet; `gather_cols_uninit` writes every byte of it before it is returned.
-    let out = unsafe { PyArray1::<u8>::new(py, plan.0.local_bytes(), false) };
-    let dst = out.data() as usize;
-    if plan.0.local_bytes() >= slice::PARALLEL_MIN_BYTES {
-        pages::advise_huge_pages(dst, plan.0.local_bytes());
+    let len = plan.0.local_bytes();
+    // SAFETY: a new, uninitialised 1-D array of `len` bytes that nothing else can see yet.
+    let array = unsafe { PyArray1::<u8>::new(py, len, false) };
+    let out: &mut [MaybeUninit<u8>] = if len == 0 {
+        &mut []
+    } else {
+        // SAFETY: the new array's data is `len` bytes (non-null), valid for writes, aligned
+        // for bytes, and borrowed by nothing else while `out` lives (the array is handed out
+        // only after the last use of `out`).
+        unsafe { std::slice::from_raw_parts_mut(array.data().cast::<MaybeUninit<u8>>(), len) }
+    };
+    if len >= slice::PARALLEL_MIN_BYTES {
+        pages::advise_huge_pages(out);
     }
-    py.detach(|| {
-        // SAFETY: `dst` is the new array's `local_bytes()` bytes, which only this call sees.
-        unsafe { slice::gather_cols_uninit(&plan.0, src, dst as *mut u8) }
-    })?;
-    Ok(out.into_any())
+    py.detach(|| slice::gather_cols_uninit(&plan.0, src, out))?;
+    // Every byte is written: `gather_cols_uninit` returned `Ok`.
+    Ok(array.into_any())
 }
 
 /// Writes this rank's bytes of one tensor into a caller-owned buffer, with the GIL released
-/// (see `KdaShardedSource.read_into`, which checks the buffer and names the tensor first).
+/// (see `KdaShardedSource.read_into`, which checks the buffer and names the tensor first, and
+/// the module docs for what the call relies on).
 ///
 /// ``full``: the full tensor's raw bytes, a C-contiguous 1-D uint8 array of
 /// ``plan.full_bytes`` bytes. ``out``: a writable C-contiguous 1-D uint8 array of
-/// ``plan.local_bytes`` bytes; every byte is overwritten.
+/// ``plan.local_bytes`` bytes; every byte is overwritten. Neither is used by another thread
+/// during the call.
 ///
 /// Raises:
 ///     ShapeMismatchError: ``full`` or ``out`` has the wrong number of bytes.
 ///     BufferLayoutError: an array is not C-contiguous.
+///     TypeError: ``out`` overlaps ``full`` (numpy's borrow check).
 #[pyfunction]
 pub(super) fn shard_into(
     py: Python<'_>,
@@ -61,11 +90,13 @@ pub(super) fn shard_into(
 }
 
 /// Copies ``src`` into ``out`` (both C-contiguous 1-D uint8 arrays of the same length in bytes)
-/// with the GIL released; large copies use several threads (see `KdaShardedSource.read_into`).
+/// with the GIL released; large copies use several threads (see `KdaShardedSource.read_into`,
+/// and the module docs for what the call relies on).
 ///
 /// Raises:
 ///     ShapeMismatchError: the lengths differ (the message gives both, in bytes).
 ///     BufferLayoutError: an array is not C-contiguous.
+///     TypeError: ``out`` overlaps ``src`` (numpy's borrow check).
 #[pyfunction]
 pub(super) fn copy_into(
     py: Python<'_>,

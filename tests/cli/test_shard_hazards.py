@@ -2,8 +2,9 @@
 
 * A full disk (a small tmpfs where the machine allows mounting one, and an injected ENOSPC
   everywhere) is an ``OutputError`` naming the file, with no partial output left.
-* A file truncated or replaced after it was opened: no crash with ``pread``, and the documented
-  behaviour with ``mmap``.
+* A file truncated or replaced after it was opened: truncated, every read refused (both
+  backends); replaced by rename, the old bytes still read; the documented SIGBUS of an ``mmap``
+  view taken before a truncation (rewrites in place: ``tests/unit/test_changed_files.py``).
 * Threads sharing one source, and processes writing different ranks into one output directory,
   give the same bytes as one run.
 """
@@ -175,22 +176,28 @@ def test_a_replaced_file_keeps_its_old_contents(tmp_path: Path, backend: str) ->
 
 @pytest.mark.parametrize("backend", ["mmap", "pread"])
 def test_truncation_after_open_is_an_error_not_a_crash(tmp_path: Path, backend: str) -> None:
+    """A file truncated while open is refused for every tensor, also those whose bytes are
+    still there (the file is no longer the one whose header was read), and stays refused when
+    it grows again (rewritten in place): a CheckpointError naming the file, the tensor and the
+    change, never a crash and never bytes at the old offsets. A source opened anew reads it."""
     path, data = _single_file(tmp_path)
     source = SafetensorsSource(path, backend)
-    header = path.stat().st_size - sum(len(b) for b in data.values())
+    size = path.stat().st_size
+    header = size - sum(len(b) for b in data.values())
     # Cut the file in the middle of t5: t0..t4 are still there, t5..t7 are not.
     os.truncate(path, header + 5 * 65536 + 100)
-    for i, (name, want) in enumerate(data.items()):
-        if i < 5:
-            assert bytes(source.get(name)) == want
-        else:
-            with pytest.raises(CheckpointError, match="truncated") as info:
-                source.get(name)
-            assert str(path) in str(info.value) and f'"{name}"' in str(info.value)
-    # Grown again (e.g. rewritten in place): readable again, no crash either way.
+    for name in data:
+        with pytest.raises(CheckpointError, match="truncated") as info:
+            source.get(name)
+        assert str(path) in str(info.value) and f'"{name}"' in str(info.value)
+        assert (f"the file changed since it was opened (size {size} -> "
+                f"{header + 5 * 65536 + 100} bytes (truncated while open)") in str(info.value)
+    # Grown again (e.g. rewritten in place): still refused, no crash either way.
     with open(path, "r+b") as f:
         f.truncate(header + 8 * 65536)
-    assert len(bytes(source.get("t7"))) == 65536
+    with pytest.raises(CheckpointError, match="changed since it was opened"):
+        source.get("t7")
+    assert len(bytes(SafetensorsSource(path, backend).get("t7"))) == 65536
 
 
 def test_mmap_truncation_under_a_live_view_is_sigbus(tmp_path: Path) -> None:

@@ -27,6 +27,7 @@ from kda_tp.checkpoint import writer as _io
 from kda_tp.checkpoint import write_safetensors
 from kda_tp.cli import main
 from kda_tp.errors import CheckpointError, OutputError
+from kda_tp.output import FILE_MARK
 from kda_tp.shard import rank_dir, shard_checkpoint, verify_shards
 from kda_tp.synth import write_small_checkpoint
 
@@ -204,10 +205,13 @@ def test_refuses_to_overwrite_without_force(
     out = tmp_path / "out"
     shutil.copytree(reference, out)
     stale = out / "rank1" / "model-00001-of-00002.safetensors"
-    stale.write_bytes(b"old")  # a rank that must be replaced only with --force
+    # A rank that must be replaced only with --force: kda-tp's own file (its header's mark),
+    # holding other bytes.
+    write_safetensors(stale, [("x", "U8", (3,), 3, lambda: b"old")], {FILE_MARK: "0.0.1"})
+    old = stale.read_bytes()
     with pytest.raises(OutputError, match=r"rank0 already exists; pass --force"):
         shard_checkpoint(checkpoint, out, 2)
-    assert stale.read_bytes() == b"old"
+    assert stale.read_bytes() == old
     shard_checkpoint(checkpoint, out, 2, force=True)
     assert tree(out) == tree(reference)
 
@@ -222,7 +226,7 @@ def test_refuses_to_overwrite_without_force(
 
 
 @pytest.mark.parametrize("target", ["a directory", "nothing"])
-@pytest.mark.parametrize("name", ["rank0", ".rank1.partial-old-1"])
+@pytest.mark.parametrize("name", ["rank0", ".rank1.partial-old-1", ".rank1.replaced-1"])
 def test_force_over_a_symlink_in_a_rank_s_way_is_refused(
     checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], target: str, name: str
 ) -> None:

@@ -61,20 +61,17 @@ _PAUSING_CLI = counting_setup(
     'os.write(told, "\\n".join(events).encode())',
 )
 
-# A second writer that says on TOLD when it is about to block on a lock (--wait).
+# A second writer that says on TOLD when it is about to block on a rank's lock (--wait).
 _WAITING_CLI = """
-import fcntl, os, sys
-import kda_tp.output.dirs as outdir
+import fcntl, os, sys, types
+import kda_tp.output.locks as locks
 told = int(sys.argv.pop(1))
-real = fcntl.flock
-class Fcntl:
-    LOCK_EX, LOCK_NB = fcntl.LOCK_EX, fcntl.LOCK_NB
-    @staticmethod
-    def flock(fd, op):
-        if not op & fcntl.LOCK_NB:
-            os.write(told, b"waiting\\n")
-        return real(fd, op)
-outdir.fcntl = Fcntl
+def flock(fd, op):
+    name = os.readlink(f"/proc/self/fd/{fd}")
+    if op == fcntl.LOCK_EX and os.path.basename(name).startswith(".rank"):
+        os.write(told, b"waiting\\n")
+    return fcntl.flock(fd, op)
+locks.fcntl = types.SimpleNamespace(**{**vars(fcntl), "flock": flock})
 """
 
 
@@ -154,7 +151,7 @@ def test_a_second_writer_is_refused_and_the_first_finishes(
         assert second.returncode == 2, (state, second.stderr)
         assert second.stderr.count("\n") == 1 and second.stderr.startswith(
             "kda-tp: error: OutputError: "), (state, second.stderr)
-        assert f"rank 0 is being written by another kda-tp shard (held by pid {first.proc.pid} " \
+        assert f"rank 0 is being written by another kda-tp run (held by pid {first.proc.pid} " \
                f"on " in second.stderr, (state, second.stderr)
         assert "started 20" in second.stderr and "--wait" in second.stderr
         assert (everything(out), tree(out)) == before, state
@@ -220,7 +217,7 @@ def test_a_held_lock_in_python_names_the_holder(checkpoint: Path, tmp_path: Path
         held.write("pid 4242 on node7, started 2026-01-02T03:04:05Z\n")
         held.flush()
         with pytest.raises(OutputError, match=r"rank 1 is being written by another kda-tp "
-                           r"shard \(held by pid 4242 on node7, started 2026-01-02T03:04:05Z;"):
+                           r"run \(held by pid 4242 on node7, started 2026-01-02T03:04:05Z;"):
             shard_checkpoint(checkpoint, out, 2)
         # Rank 0 alone is free: writing it is fine.
         shard_checkpoint(checkpoint, out, 2, ranks=[0])

@@ -13,7 +13,9 @@ The F32 fixture checkpoints are loaded into an F32 model (``--dtype float32``, a
 fixtures were made; ``kda-tp digests --dtype F32``); the same checkpoints in the releases'
 dtypes (BF16 projections, F32 convs, ``A_log``, ``dt_bias`` and ``o_norm``, config
 ``torch_dtype: bfloat16``) into a BF16 model, the engine's default, and compared with
-``kda-tp digests`` without ``--dtype``: the F32 ``o_norm`` is held (and hashed) in BF16.
+``kda-tp digests`` without ``--dtype``: the F32 ``o_norm`` is held (and hashed) in BF16; and
+an F64 checkpoint, whose values vLLM's loader (torch) rounds to F32, then to BF16
+(``tp_fixtures.f64_near_ties``).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from kda_tp.cli import main
 from kda_tp.model import parse_config
 
 from paths import ENGINE_RANKS as DATA
-from tp_fixtures import release_dtypes
+from tp_fixtures import f64_near_ties, release_dtypes
 
 pytestmark = pytest.mark.engines
 pytest.importorskip("vllm")
@@ -126,11 +128,14 @@ def test_digests_equal_vllms_own_weight_checksums(kind, capsys):
         assert ours == theirs
 
 
+@pytest.mark.parametrize("stored", [release_dtypes, f64_near_ties], ids=["release", "f64"])
 @pytest.mark.parametrize("kind", sorted(CASES))
-def test_a_release_dtype_checkpoint_in_a_bf16_engine_needs_no_flag(kind, tmp_path, capsys):
+def test_a_release_dtype_checkpoint_in_a_bf16_engine_needs_no_flag(kind, stored, tmp_path,
+                                                                    capsys):
     # The engine's model dtype (BF16, the config's) is kda-tp's default, so
-    # `kda-tp digests` without --dtype equals what a correct engine holds, o_norm included
-    ckpt = release_dtypes(CASES[kind][0], tmp_path / "ckpt")
+    # `kda-tp digests` without --dtype equals what a correct engine holds, o_norm included; an
+    # F64 checkpoint's values are rounded to F32, then to BF16, as vLLM's loader (torch) does
+    ckpt = stored(CASES[kind][0], tmp_path / "ckpt")
     _, layout, runs = CASES[kind]
     engine = vllm_checksums(kind, ckpt, "bfloat16")
     for tp_size, rank in runs:
@@ -138,3 +143,4 @@ def test_a_release_dtype_checkpoint_in_a_bf16_engine_needs_no_flag(kind, tmp_pat
         assert ours == engine[f"{tp_size}:{rank}"] and len(ours) >= 7
         # and not what the checkpoint's own dtypes would give (the F32 o_norm)
         assert digests(capsys, ckpt, layout, tp_size, rank, "--dtype", "F32") != ours
+

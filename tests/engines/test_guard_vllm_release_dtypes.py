@@ -2,7 +2,8 @@
 (BF16 projections; F32 convs, ``A_log``, ``dt_bias`` and ``o_norm``; ``torch_dtype: bfloat16``:
 ``tp_fixtures.release_dtypes``), loaded into a BF16 model, vLLM's default for such a config:
 what the guard expects is what vLLM's KDA layers really hold there (F32 on disk, BF16 in the
-layer), not only in the all-F32 fixtures of test_guard_vllm.py. Helpers in vllm_guard.py."""
+layer), not only in the all-F32 fixtures of test_guard_vllm.py; and an F64 checkpoint, whose
+values torch rounds through F32 (``tp_fixtures.f64_near_ties``). Helpers in vllm_guard.py."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import warnings
 
 import pytest
 
-from tp_fixtures import release_dtypes
+from tp_fixtures import f64_near_ties, release_dtypes
 from vllm_guard import ATTN, CKPT, build, guard_lines, loading_as, model_config, set_rank
 
 with warnings.catch_warnings():
@@ -42,9 +43,12 @@ def bf16_load(vc, model, path) -> None:
         DefaultModelLoader(LoadConfig()).load_weights(model, config)
 
 
+# The releases' dtypes; and F64, whose values vLLM's loader rounds to F32, then to BF16 (torch's
+# copy_): values just off a BF16 tie round the other way when rounded once.
+@pytest.mark.parametrize("stored", [release_dtypes, f64_near_ties], ids=["release", "f64"])
 @pytest.mark.parametrize("kind", ["k3", "kimi_linear", "glm"])
-def test_a_release_dtype_checkpoint_in_a_bf16_model_passes(bf16, kind, tmp_path, caplog):
-    ckpt = release_dtypes(CKPT[kind], tmp_path / "ckpt")
+def test_a_release_dtype_checkpoint_in_a_bf16_model_passes(bf16, kind, stored, tmp_path, caplog):
+    ckpt = stored(CKPT[kind], tmp_path / "ckpt")
     for tp_size, rank in ((2, 1), (4, 3)):
         model = build(bf16, kind, tp_size, rank)
         held = dict(model.named_parameters())

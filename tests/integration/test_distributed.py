@@ -200,7 +200,7 @@ def test_torchrun_shard_respects_a_live_writers_lock_and_reports_sizes(tmp_path,
         done = _torchrun(2, "shard", str(path), "--out", str(out), *common)
         assert done.returncode != 0
         assert done.stderr.count("kda-tp: error: OutputError") == 1, done.stderr[-4000:]
-        assert ("rank 3 is being written by another kda-tp shard (held by pid 4242 on node7, "
+        assert ("rank 3 is being written by another kda-tp run (held by pid 4242 on node7, "
                 "started 2026-01-02T03:04:05Z;") in done.stderr
         assert sorted(p.name for p in out.iterdir()) == [".rank3.lock"]
     done = _torchrun(2, "shard", str(path), "--out", str(out), *common)

@@ -43,7 +43,7 @@ transformers = pytest.importorskip("transformers", minversion="5.20")
 import kda_tp.reference.forward  # noqa: E402
 from kda_tp import SafetensorsSource, cli, oracle  # noqa: E402
 from kda_tp.model import load_config, parse_config  # noqa: E402
-from kda_tp.checkpoint import decoder_prefix  # noqa: E402
+from kda_tp.checkpoint import describe  # noqa: E402
 from kda_tp.reference import checkpoint_layer_forward  # noqa: E402
 from kda_tp.shard import rank_dir, shard_checkpoint  # noqa: E402
 from kda_tp.synth import write_small_checkpoint  # noqa: E402
@@ -248,10 +248,10 @@ def test_saved_model_is_stored_as_real_checkpoints_are(built: Built) -> None:
     """The fixture itself: checkpoint names (not transformers' in-memory ones), F32 where real
     checkpoints have it, and the layout kda_tp finds (GLM: an index and several files)."""
     stored = dtypes(built.path)
-    prefix = decoder_prefix(SafetensorsSource(built.path))
+    source = SafetensorsSource(built.path)
+    prefix = describe(source).prefix
     assert prefix == built.family.prefix
     a_log_shape = (1, 1, HEADS, 1) if built.family.name == "kimi_linear" else (HEADS,)
-    source = SafetensorsSource(built.path)
     for layer in kda_layers(built.config):
         kda = f"{prefix}{layer}.self_attn."
         assert source.info(kda + "A_log") == ("F32", a_log_shape)
@@ -444,12 +444,12 @@ def test_kda_tp_reads_configs_as_transformers_does(name: str, tmp_path: Path) ->
 def bound_dropped(monkeypatch: pytest.MonkeyPatch) -> None:
     """kda_tp reading configs with the forget gate's lower bound dropped: its
     reference forward then runs the unbounded softplus gate whatever the config says."""
-    parse = kda_tp.reference.forward.parse_config
+    parse = kda_tp.checkpoint.description.parse_config  # the description's reading of it
 
     def without_bound(*args: Any, **kwargs: Any) -> Any:
         return dataclasses.replace(parse(*args, **kwargs), gate_lower_bound=None)
 
-    monkeypatch.setattr(kda_tp.reference.forward, "parse_config", without_bound)
+    monkeypatch.setattr(kda_tp.checkpoint.description, "parse_config", without_bound)
 
 
 def test_a_dropped_bound_fails_the_comparison(built: Built, bound_dropped: None) -> None:

@@ -54,6 +54,15 @@ def _rank_meta(root: Path, kind: str, **meta: str) -> tuple[str, ...]:
     return ("verify", str(base_checkpoint(root)), str(out))
 
 
+def _too_many_axes(root: Path, kind: str) -> Path:
+    """The base checkpoint with layer 1's q_proj stored with 63 unit axes appended (65 axes:
+    the same bytes, which the plan would take, but no numpy array can hold): refused at the
+    header check, before any command reads a tensor (issue 33.5)."""
+    name = ATTN.format(1) + "q_proj.weight"
+    return rewritten(root, kind, lambda tensors: [
+        (n, d, [*s, *[1] * 63] if n == name else s, b) for n, d, s, b in tensors])
+
+
 def _verify(root: Path, *extra: str) -> tuple[str, ...]:
     return ("verify", str(base_checkpoint(root)), str(_sharded(root)), *extra)
 
@@ -185,3 +194,14 @@ def cli_header_layers_deep(root: Path, kind: str) -> tuple[str, ...]:
 @CLI_KINDS.kind("unrecognized argument --tp-szie; did you mean --tp-size?")
 def cli_misspelt_flag(root: Path, kind: str) -> tuple[str, ...]:
     return ("plan", str(base_checkpoint(root)), "--tp-szie", "4")
+
+
+@CLI_KINDS.kind("has 65 axes, more than the 32 kda_tp reads")
+def cli_verify_numeric_65_axes(root: Path, kind: str) -> tuple[str, ...]:
+    return ("verify", str(_too_many_axes(root, kind)), str(_sharded(root)), "--numeric")
+
+
+@CLI_KINDS.kind("has 65 axes, more than the 32 kda_tp reads")
+def cli_audit_65_axes(root: Path, kind: str) -> tuple[str, ...]:
+    return ("audit", str(_too_many_axes(root, kind)), str(_sharded(root) / "rank0"),
+            "--tp-size", "2")

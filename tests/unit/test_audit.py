@@ -117,13 +117,13 @@ def test_a_rank_audit_builds_that_ranks_view_only(monkeypatch):
     meta, tensors, ckpt = fixture("vllm_glm_tp4_r3")
     module = sys.modules["kda_tp.audit.auditor"]
     built = []
-    real = module.KdaTpPlan.from_config
+    real = module.KdaTpPlan.from_description
 
-    def counting(source, rank, tp_size, **kw):
+    def counting(description, rank, tp_size, **kw):
         built.append(rank)
-        return real(source, rank, tp_size, **kw)
+        return real(description, rank, tp_size, **kw)
 
-    monkeypatch.setattr(module.KdaTpPlan, "from_config", counting)
+    monkeypatch.setattr(module.KdaTpPlan, "from_description", counting)
     assert kda_tp.audit.audit(tensors, ckpt, tp_rank=3, tp_size=4, model_dtype="F32").passed
     assert built == [3]
 
@@ -187,12 +187,13 @@ def test_the_engines_model_dtype_rule(tmp_path, config, vllm, sglang):
     save_file({"w": np.zeros(2, np.float32)}, str(ckpt / "model.safetensors"))
     (ckpt / "config.json").write_text(json.dumps(config))
     source = SafetensorsSource(ckpt)
-    assert engine_model_dtype(source, "vllm") == vllm
-    assert engine_model_dtype(source, "sglang") == sglang
-    assert engine_model_dtype(source, "vllm", "float32") == "F32"
+    assert engine_model_dtype(kda_tp.describe(source), "vllm") == vllm
+    assert engine_model_dtype(kda_tp.describe(source), "sglang") == sglang
+    assert engine_model_dtype(kda_tp.describe(source), "vllm", "float32") == "F32"
     if not config:  # vLLM reads a dtype-less config's dtype from its tensors
         save_file({"w": np.zeros(2, np.float16)}, str(ckpt / "model.safetensors"))
-        assert engine_model_dtype(SafetensorsSource(ckpt), "vllm") == "F16"
+        f16 = SafetensorsSource(ckpt)
+        assert engine_model_dtype(kda_tp.describe(f16), "vllm") == "F16"
 
 
 def test_bf16_dump_compared_after_the_engines_cast():

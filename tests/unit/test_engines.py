@@ -62,7 +62,7 @@ def test_every_engine_dump_is_there():
 def test_build_param_equals_the_engine_dump(path, backend):
     meta, dump = open_dump(path)
     shard = adapter(meta, backend)
-    family = model_family(shard.config)
+    family = shard.description.family.name
     assert [lay.name for lay in recognise(dump, family)] == [EXPECTED[path.name.split("_tp")[0]]]
     layout = get_layout(EXPECTED[path.name.split("_tp")[0]])
     params = layout.params_for(shard.plan)
@@ -399,7 +399,7 @@ def test_transformers_tables_match_what_transformers_loads(ckpt, tmp_path):
             loaded[found[2]] = value
     src = SafetensorsSource(DATA / ckpt)
     shard = KdaShardedSource(src, KdaTpPlan.from_config(src, 0, 1))
-    (layout,) = recognise(loaded, model_family(src.config))
+    (layout,) = recognise(loaded, kda_tp.describe(src).family.name)
     assert layout.engine == "transformers"
     params = layout.params_for(shard.plan)
     assert {p.suffix for p in params} == set(loaded)

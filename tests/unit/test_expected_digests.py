@@ -64,6 +64,36 @@ def test_a_generator_in_any_order_is_read_once(capsys):
     assert len(reads) == len(tensors)
 
 
+def test_a_generator_is_consumed_by_one_call(capsys):
+    """The documented contract: ``tensors`` is read once, in this call; the same generator
+    passed again holds nothing, and the refusal says that none of the tensors came."""
+    ckpt, engine = CKPTS["kimi-linear"], "vllm-0.33-kimi-linear"
+    stream = iter(fed(ckpt))
+    assert kda_tp.audit.expected_digests(stream, ckpt, engine=engine, tp_size=2) == cli_digests(
+        capsys, ckpt, engine, 2)
+    with pytest.raises(CheckpointError, match=r"KDA layers \[0\] of the 1 .* \(none of their "
+                       r"tensors came\)"):
+        kda_tp.audit.expected_digests(stream, ckpt, engine=engine, tp_size=2)
+
+
+def test_a_partial_update_is_refused_saying_so():
+    """An RL step that sends only some KDA tensors (here q_proj alone): refused, naming what the
+    layer lacks, why (a fused parameter needs all its parts) and the ways out (feed the
+    unchanged tensors too, or the guard in the engine); never digests of half a layer."""
+    ckpt, engine = CKPTS["kimi-linear"], "vllm-0.33-kimi-linear"
+    update = [(n, a) for n, a in fed(ckpt) if n.endswith("self_attn.q_proj.weight")]
+    assert len(update) == 1
+    with pytest.raises(CheckpointError) as info:
+        kda_tp.audit.expected_digests(update, ckpt, engine=engine, tp_size=2)
+    message = str(info.value)
+    assert "layer 0 lacks A_log, b_proj.weight, dt_bias" in message
+    assert ("expected_digests hashes whole KDA layers (an engine parameter such as "
+            "in_proj_qkvgfab fuses several checkpoint tensors), so a partial update is not "
+            "hashed from what it sends alone: feed every KDA tensor of every KDA layer, the "
+            "unchanged ones too (the trainer's full state dict), or let the guard check the "
+            "partial update inside the engine (docs/guard.md)") in message
+
+
 STYLES = {"vllm-0.33-kimi-linear": "kimi", "vllm-0.33-glm-5.3": "glm", "vllm-0.33-k3": "k3"}
 
 

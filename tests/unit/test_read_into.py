@@ -2,7 +2,9 @@
 
 Bytes equal ``get()`` for every tensor kind, rank and TP of the fixture; every kind of buffer
 the docstring promises is accepted; bad buffers raise the named errors and are left untouched;
-and the GIL is released during a large gather (another Python thread runs meanwhile).
+the GIL is released during a large gather (another Python thread runs meanwhile); and what
+that release relies on holds (a SafetensorsSource's bytes cannot be made writable, an output
+overlapping its source is refused).
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 
+from kda_tp import _native
+from kda_tp.checkpoint import readonly_bytes
 from kda_tp import (
     BufferLayoutError,
     CheckpointError,
@@ -272,3 +276,44 @@ def test_the_gil_test_would_catch_a_gil_holding_copy():
     moved = counter_moves(data.tobytes, tries=3, until_moved=False)
     assert moved == [0, 0, 0]
 
+
+
+# ----------------------------------------------------------------------------------------------
+# What a GIL-released copy relies on (rust/py/slice.rs): the source is not written meanwhile,
+# the output not shared. Both are checked here where they can be checked.
+
+
+@pytest.mark.parametrize("backend", ["mmap", "pread"])
+def test_a_safetensors_sources_bytes_cannot_be_made_writable(backend: str) -> None:
+    """What SafetensorsSource hands out views kda_tp's own TensorBytes (a read-only mapping, or
+    a copy that object owns): numpy refuses to make any of it writable, so no Python thread can
+    write a source while read_into copies it with the GIL released."""
+    view = sharded(2, 1, backend)
+    source = view.source
+    entry = view.plan["q_proj"]
+    arrays = {
+        "get": source.get(Q_PROJ).data,
+        "read_range": source.read_range(Q_PROJ, *entry.byte_range),
+        "view[q_proj]": view.get(Q_PROJ).data,
+        "what read_into copies from": readonly_bytes(source.get(Q_PROJ).data),
+    }
+    for what, array in arrays.items():
+        assert not array.flags.writeable, what
+        with pytest.raises(ValueError, match="cannot set WRITEABLE flag"):
+            array.setflags(write=True)
+        owner = array
+        while isinstance(owner, np.ndarray):
+            owner = owner.base
+        assert type(owner).__name__ == "TensorBytes", what
+
+
+def test_an_output_overlapping_the_source_is_refused_not_raced() -> None:
+    """numpy's borrow flags, held for the whole GIL-released call, refuse an output that overlaps
+    the source (a custom source's array passed as its own output) before any byte is copied."""
+    data = np.arange(4096, dtype=np.uint8)
+    want = data.copy()
+    with pytest.raises(TypeError, match="already borrowed"):
+        _native.copy_into(data[:2048], data[1024:3072])
+    assert np.array_equal(data, want)
+    _native.copy_into(data[:2048], data[2048:])  # disjoint parts of one array: copied
+    assert np.array_equal(data[2048:], want[:2048])

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from safetensors import safe_open
 
-from kda_tp.checkpoint import writer as _io
+from kda_tp.model.dtypes import DTYPE_SIZES
 from kda_tp.synth import checkpoints as synth
 from kda_tp.errors import DtypeMismatchError, OutputError, PlanError
 
@@ -72,7 +72,7 @@ def check_index(directory: Path, index: dict, tensors: dict) -> None:
     assert index["weight_map"] == {name: t[0] for name, t in tensors.items()}
     assert list(index["weight_map"]) == sorted(index["weight_map"])
     total = sum(
-        int(np.prod(shape)) * _io.DTYPE_SIZES[dtype] for _f, dtype, shape in tensors.values()
+        int(np.prod(shape)) * DTYPE_SIZES[dtype] for _f, dtype, shape in tensors.values()
     )
     assert index["metadata"] == {"total_size": total}
     files = sorted(set(index["weight_map"].values()))

@@ -27,20 +27,22 @@ from typing import Any
 
 import numpy as np
 
+from ..checkpoint.names import param_location, param_name
 from ..checkpoint.description import describe
 from ..checkpoint.reader import SafetensorsSource
 from ..engines.build import build_param, engine_params, param_plan
-from ..engines.dtype import engine_model_dtype
+from ..engines.dtype import config_model_dtype, engine_model_dtype
 from ..engines.layout import EngineLayout, EngineParam
-from ..engines.registry import LAYOUTS, get_layout, param_location, param_name, recognise
+from ..engines.registry import LAYOUTS, get_layout, recognise
 from ..errors import CheckpointError, EngineLayoutError, PlanError
+from ..model.dtypes import FLOAT_DTYPES
 from ..model.families import FAMILIES
 from ..rank.plan import KdaTpPlan
 from ..rank.view import KdaShardedSource
 from .diagnosis import Candidates, audit_overflow, compare, exact_in_place
 from .dump_files import RankFiles, dump_world_size, meta_int, rank_of_file, sharded_state_files
 from .report import AuditReport, ParamAudit
-from .values import CASTABLE, as_record
+from .values import as_record
 
 __all__ = ["audit", "audit_path"]
 
@@ -68,11 +70,11 @@ class _Auditor:
                  model_dtype: str | None = None):
         self.source = (checkpoint if isinstance(checkpoint, SafetensorsSource)
                        else SafetensorsSource(checkpoint))
+        # The checkpoint's description (read once, shared with every rank's plan and view).
+        self.description = description = describe(self.source)
         # Checked now (a bad name is refused before anything is read); resolved per layout.
         self.requested_dtype = (None if model_dtype is None
-                                else engine_model_dtype(self.source, "", model_dtype))
-        # The checkpoint's description (read once, shared with every rank's plan and view).
-        description = describe(self.source)
+                                else config_model_dtype(None, "", model_dtype))
         self.family = description.family.name
         self.tp_size = tp_size
         self.forced = None if engine is None else get_layout(engine)
@@ -94,7 +96,8 @@ class _Auditor:
         """Rank ``rank``'s view of the checkpoint (any split the heads allow: no q|k width
         rule, the engine chose the world size)."""
         if rank not in self._shards:
-            plan = KdaTpPlan.from_config(self.source, rank, self.tp_size, qk_multiple=1)
+            plan = KdaTpPlan.from_description(self.description, rank, self.tp_size,
+                                              qk_multiple=1)
             self._shards[rank] = KdaShardedSource(self.source, plan)
         return self._shards[rank]
 
@@ -234,15 +237,10 @@ class _Auditor:
         report.ignored += sum(len(set(selected.layers.get(layer, {})) - suffixes)
                               for layer, suffixes in expected.items())
 
-    def follows_model(self, rank: int, layout: EngineLayout, suffix: str) -> bool:
-        """Whether the engine casts parameter ``suffix`` to its model dtype (not a dtype the
-        layout fixes, such as F32 ``A_log``, nor FP8 parts or a scale grid)."""
-        return param_plan(self.shard(rank), layout, suffix, model_dtype="F64").dtype == "F64"
-
     def model_dtype(self, layout: EngineLayout) -> str:
         """The engine's model dtype (``kda_tp.engines.engine_model_dtype``): the one
         asked for, else ``layout``'s engine's default for this checkpoint."""
-        return engine_model_dtype(self.source, layout.engine, self.requested_dtype)
+        return engine_model_dtype(self.description, layout.engine, self.requested_dtype)
 
     def param(self, rank: int, layer: int, name: str, value: Any, layout: EngineLayout,
               suffix: str, candidates: Candidates, model_dtype: str) -> ParamAudit:
@@ -255,14 +253,15 @@ class _Auditor:
         if record is None:
             return ParamAudit(rank, layer, name, "missing",
                               f"missing: {layout.name} holds {suffix} {list(plan.shape)} here")
-        if (record.dtype in CASTABLE and record.dtype != model_dtype
-                and self.follows_model(rank, layout, suffix)):
+        if (record.dtype in FLOAT_DTYPES and record.dtype != model_dtype
+                and layout.follows_model(suffix, shard.plan)):
             how = ("the engine's model dtype, as passed" if self.requested_dtype is not None
                    else f"{layout.name}'s default model dtype for this checkpoint's config")
             return ParamAudit(rank, layer, name, "mismatch",
                               f"dtype {record.dtype}, expected {model_dtype} ({how}: an engine "
                               "casts these parameters to its model dtype; pass the dtype it "
-                              "ran in as --dtype (model_dtype=) if it is another)")
+                              "ran in as --dtype (model_dtype=) if it is another)",
+                              held_dtype=record.dtype if self.requested_dtype is None else None)
         if exact_in_place(record, plan, candidates):
             return ParamAudit(rank, layer, name, "exact")
         @functools.cache
@@ -507,6 +506,10 @@ def audit_path(
         found = rank if rank is not None else rank_of_file(root)
         files = {found: [root]}
         how = "--rank (rank=)" if rank is not None else "its name"
+    elif os.path.lexists(root):
+        raise CheckpointError(f"{root}: not a regular file or a directory (a device, FIFO or "
+                              "socket cannot be read as a dump); pass a save_sharded_state "
+                              "directory or one rank's .safetensors file")
     else:
         raise CheckpointError(f"{root}: no such file or directory")
     tp_size = _world_size(root, files, given)

@@ -15,15 +15,16 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..checkpoint.names import kda_tensor_name, scale_tensor_name
-from ..checkpoint.reader import SafetensorsSource, Tensor, checked_get, numpy_dtype
+from ..checkpoint.reader import SafetensorsSource, Tensor, checked_get
 from ..engines.layout import EngineParamPlan
+from ..model.dtypes import FLOAT_DTYPES, cast_to, numpy_dtype
 from ..rank.plan import KdaShard, KdaTensorPlan
 from ..rank.view import KdaShardedSource
 from .report import ParamAudit, PartDifference
-from .values import CASTABLE, bytes_equal, cast_to, first_difference, same_values
+from .values import bytes_equal, first_difference, same_values
 
-__all__ = ["DIAGNOSIS_BUDGET", "Candidates", "audit_overflow", "cast_overflow", "compare",
-           "exact_in_place", "identify"]
+__all__ = ["DIAGNOSIS_BUDGET", "Candidates", "audit_overflow", "cast_nan", "cast_overflow",
+           "compare", "exact_in_place", "identify"]
 
 #: What the diagnosis of one rank's KDA layer may compare in full and gather (another rank's
 #: column slice of ``o_proj``), in multiples of the rank's bytes of that layer. Past it, the
@@ -301,6 +302,36 @@ def cast_overflow(plan: EngineParamPlan, built: np.ndarray,
     return None
 
 
+def cast_nan(plan: EngineParamPlan, built: np.ndarray) -> str | None:
+    """When a part the engine casts to the parameter's dtype holds a NaN, where (``"q_proj
+    holds NaN at [3, 5] (1 of its 6144 values) ..."``), else None: the bits of a NaN after an
+    engine's cast depend on where it converts (``kda_tp.model.dtypes``), so a hash of the
+    parameter (``kda_tp.audit.engine_digests``, ``expected_digests``) cannot promise the
+    engine's. An uncast NaN is copied bit for bit and hashes as it is stored.
+
+    Args:
+        plan: the parameter's plan (``kda_tp.engines.param_plan``).
+        built: the parameter as built (``kda_tp.engines.build_param``), flat.
+    """
+    size = numpy_dtype(plan.dtype).itemsize
+    for region in plan.regions:
+        if region.source_dtype == plan.dtype:
+            continue
+        nan = np.isnan(built[region.byte_range[0] // size : region.byte_range[1] // size])
+        if nan.any():
+            i = int(np.flatnonzero(nan)[0])
+            at = [int(x) for x in np.unravel_index(i, region.shape)]
+            return (
+                f"{region.part} holds NaN at {at} ({int(nan.sum())} of its {nan.size} values), "
+                f"which the engine casts from {region.source_dtype} to {plan.dtype}: a NaN's "
+                "bits after that cast depend on where the engine converts (torch on the CPU "
+                "writes 0xFFFF or 0x7FC0 for BF16, CUDA 0x7FFF), so no digest can promise the "
+                "engine's; audit the loaded weights instead (kda-tp audit, the guard: a NaN "
+                "matches any NaN)"
+            )
+    return None
+
+
 def audit_overflow(plan: EngineParamPlan, expected: np.ndarray, candidates: Candidates
               ) -> str | None:
     """:func:`cast_overflow` of the rank's parameter, in the audit's words."""
@@ -316,7 +347,7 @@ def compare(rank: int, layer: int, name: str, record: Tensor, plan: EngineParamP
     if record.dtype != plan.dtype:
         # A float parameter is expected in its own dtype (the engine's model dtype) unless the
         # layout fixes it (F32 A_log, dt_bias, convs) or its parts are FP8.
-        fixed = f" ({plan.layout} holds it in {plan.dtype})" if record.dtype in CASTABLE else ""
+        fixed = f" ({plan.layout} holds it in {plan.dtype})" if record.dtype in FLOAT_DTYPES else ""
         return ParamAudit(rank, layer, name, "mismatch",
                           f"dtype {record.dtype}, expected {plan.dtype}{fixed}")
     data = record.array.reshape(-1)

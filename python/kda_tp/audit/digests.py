@@ -28,18 +28,19 @@ from typing import Any
 
 import numpy as np
 
-from ..checkpoint.names import checkpoint_suffix, kda_tensor_name
+from ..checkpoint.description import CheckpointDescription
+from ..checkpoint.names import checkpoint_suffix, kda_tensor_name, param_location, param_name
 from ..checkpoint.reader import SafetensorsSource, Tensor
 from ..engines.build import engine_params, param_plan
 from ..engines.dtype import config_model_dtype
-from ..engines.layout import EngineLayout
-from ..engines.registry import LAYOUTS, get_layout, param_location, param_name
+from ..engines.layout import EngineLayout, EngineParamPlan
+from ..engines.registry import LAYOUTS, get_layout
 from ..errors import CheckpointError, DtypeMismatchError, EngineLayoutError, PlanError, UsageError
-from ..model.config import KdaConfig, load_config, parse_config
-from ..model.families import family_for
-from ..model.quant import FP8_DTYPES
+from ..model.config import KdaConfig, load_config
+from ..model.dtypes import FP8_DTYPES
 from ..rank.plan import KdaTpPlan
 from ..rank.view import KdaShardedSource
+from .diagnosis import cast_nan
 from .expected_params import build_checked, checked_ranks, expected_params
 from .values import as_record
 
@@ -120,7 +121,7 @@ def engine_digests(
         PlanError, CheckpointError, DtypeMismatchError: as :func:`write_engine_dump`.
     """
     _, by_rank = expected_params(checkpoint, vllm_layout(engine), tp_size, ranks, model_dtype)
-    return {DIGEST_KEY.format(rank=r, name=p.name): param_digest(p.build())
+    return {DIGEST_KEY.format(rank=r, name=p.name): _promised_digest(r, p.name, p.plan, p.build())
             for r, params in by_rank for p in params}
 
 
@@ -140,6 +141,19 @@ def vllm_layout(engine: str | EngineLayout) -> EngineLayout:
             f"{layout.engine} computes none of its own keyed so. Pass a vLLM layout: {vllm}"
         )
     return layout
+
+
+def _promised_digest(rank: int, name: str, plan: EngineParamPlan, built: np.ndarray) -> str:
+    """:func:`param_digest` of a built parameter whose bytes the engine's own are sure to be.
+
+    Raises:
+        CheckpointError: a part the engine casts holds a NaN, whose bits after the cast are the
+            engine's device's and code path's (``kda_tp.audit.diagnosis.cast_nan``).
+    """
+    nan = cast_nan(plan, built.reshape(-1))
+    if nan is not None:
+        raise CheckpointError(f"rank {rank} {name}: {nan}")
+    return param_digest(built)
 
 
 def param_digest(built: np.ndarray) -> str:
@@ -171,10 +185,23 @@ def expected_digests(
     host copy of those on a GPU) and one engine parameter. Tensors that are not a KDA layer's
     (embeddings, MLP, full-attention layers, other stacks) are skipped without being read.
 
+    What it takes: every KDA tensor of every KDA layer the config lists, each once; the
+    digests are of whole models, never of a partial update. An update that sends only some
+    KDA tensors (one layer, or ``q_proj`` alone) is refused, naming what each incomplete layer
+    lacks: an engine parameter fuses several checkpoint tensors (``in_proj_qkvgfab``: q, k, v,
+    g, f and b) and a layer's parameters share one plan, so the tensors an update leaves
+    unchanged must be fed too (the trainer's full state dict holds them). Inside the engine,
+    the guard checks a partial update from what it sends (``docs/guard.md``).
+
+    How it reads ``tensors``: once, in order, in this call. A generator (or any iterator) is
+    consumed: pass a fresh one to each call, or a mapping or list to read the same tensors
+    again. Each tensor is taken as it arrives (a torch tensor is copied to the host then) and
+    kept only until its KDA layer is complete.
+
     Args:
         tensors: the full tensors in checkpoint format, as ``(name, tensor)`` pairs (any
-            iterable, a generator included: read once) or a mapping; each a numpy array
-            (BF16 as ``ml_dtypes.bfloat16``), a torch tensor on any device, or a
+            iterable, a generator included: read once, see above) or a mapping; each a numpy
+            array (BF16 as ``ml_dtypes.bfloat16``), a torch tensor on any device, or a
             :class:`~kda_tp.Tensor`. Every KDA tensor of every KDA layer must be there, once.
         config: the model's config: the ``config.json`` dict, its path, or the checkpoint
             directory holding it (read for the geometry, the KDA layers and the family).
@@ -196,7 +223,8 @@ def expected_digests(
         PlanError: ``tp_size`` not a positive integer or not a split the heads allow; a rank
             out of range or repeated; an empty rank list.
         CheckpointError: an invalid config, a config that does not list its KDA layers, a KDA
-            layer whose tensors are incomplete, unknown or sent twice, a value that is not a
+            layer whose tensors are incomplete (a partial update: the message names what each
+            layer lacks), unknown or sent twice, a value that is not a
             tensor; ``A_log``/``dt_bias`` of a layer the config does not list as KDA (under the
             KDA layers' prefix: the config of another model).
         UsageError: ``tensors`` yields something other than ``(name, tensor)`` pairs (a list
@@ -212,11 +240,13 @@ def expected_digests(
     config_dict = (load_config(Path(config)) if isinstance(config, (str, os.PathLike))
                    else dict(config))
     where = str(config) if isinstance(config, (str, os.PathLike)) else "config"
-    kda = parse_config(config_dict, where)
+    # The config alone (no checkpoint: the tensors are in memory).
+    description = CheckpointDescription(None, config_dict, where)
+    kda = description.kda
     if kda.kda_layers is None:
         raise CheckpointError(f"{where}: the config does not list the KDA layers "
                               "(linear_attn_config.kda_layers or layer_types)")
-    family = family_for(kda.rules, kda.full_rank_gate).name
+    family = description.family.name
     if layout.family != family:
         raise EngineLayoutError(f"{layout.name}: this layout is for {layout.family}, but the "
                                 f"config is {family}'s")
@@ -224,7 +254,7 @@ def expected_digests(
     # The plan with the family's assumed dtypes: which tensors a KDA layer holds, and a world
     # size the heads refuse, refused before any tensor is read.
     required = {checkpoint_suffix(t.name) for t in
-                KdaTpPlan.from_config(config_dict, 0, tp_size, qk_multiple=1).tensors}
+                KdaTpPlan.from_description(description, 0, tp_size, qk_multiple=1).tensors}
     model_dtype = config_model_dtype(config_dict, layout.engine, model_dtype)
     digests = _Digests(kda, required, layout, tp_size, wanted, model_dtype)
     for item in tensors.items() if isinstance(tensors, Mapping) else tensors:
@@ -313,7 +343,11 @@ class _Digests:
                 f"the tensors fed do not complete KDA layers {missing} of the "
                 f"{len(self.layers)} the {where} lists"
                 f"{': ' + lacking if lacking else ' (none of their tensors came)'}; "
-                "feed every KDA tensor of every KDA layer"
+                "expected_digests hashes whole KDA layers (an engine parameter such as "
+                "in_proj_qkvgfab fuses several checkpoint tensors), so a partial update is not "
+                "hashed from what it sends alone: feed every KDA tensor of every KDA layer, the "
+                "unchanged ones too (the trainer's full state dict), or let the guard check the "
+                "partial update inside the engine (docs/guard.md)"
             )
         out: dict[str, str] = {}
         for i in range(len(self.wanted)):
@@ -364,5 +398,6 @@ def _hash_layer(group: _LayerTensors, plan: KdaTpPlan, layout: EngineLayout,
         planned = param_plan(shard, layout, param.suffix, model_dtype=model_dtype)
         built = build_checked(shard, layout, layer, planned, name, model_dtype,
                               "pass another model_dtype, or none for the tensors' own")
-        out.append((DIGEST_KEY.format(rank=plan.tp_rank, name=name), param_digest(built)))
+        out.append((DIGEST_KEY.format(rank=plan.tp_rank, name=name),
+                    _promised_digest(plan.tp_rank, name, planned, built)))
     return out

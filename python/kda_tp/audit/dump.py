@@ -28,11 +28,12 @@ from ..checkpoint.writer import resolve_out, write_safetensors
 from ..engines.layout import EngineLayout
 from ..errors import KdaTpError, OutputError
 from ..model.json_reader import parse_metadata_int
-from ..output.dirs import input_mode, replace_files, staged_name
+from ..output.dirs import input_mode, make_dirs, remove_created, replace_files, staged_name
+from ..output.locks import lock_output, output_error
 from ..output.marks import refuse_foreign_files
 from ..output.names import FILE_MARK
 from .dump_files import DUMP_FILE, sharded_state_files
-from .expected_params import expected_params
+from .expected_params import ExpectedParam, expected_params
 
 __all__ = ["DumpResult", "write_engine_dump"]
 
@@ -81,6 +82,7 @@ def write_engine_dump(
     ranks: Sequence[int] | None = None,
     model_dtype: str | None = None,
     force: bool = False,
+    wait: bool = False,
 ) -> DumpResult:
     """Write the KDA parameters an engine's ranks must hold, as its ``save_sharded_state`` would.
 
@@ -94,9 +96,10 @@ def write_engine_dump(
     ``kda-tp audit`` checks. ``kda-tp audit checkpoint out --tp-size T`` passes on it; a
     dump whose bytes are then changed fails there, naming the parameter.
 
-    Each file is written to a hidden temporary file and renamed into place (a reader never
-    sees half a file; two writers of one file leave one whole file), one parameter's bytes in
-    memory at a time.
+    Each file is written to a hidden temporary file and renamed into place once every file is
+    complete (a reader never sees half a file), one parameter's bytes in memory at a time. A
+    dump holds the locks of its output as ``shard`` does (:func:`kda_tp.output.lock_output`):
+    one world size per output directory, one writer per rank.
 
     Args:
         checkpoint: the checkpoint (directory or ``.safetensors`` file, with ``config.json``).
@@ -116,7 +119,11 @@ def write_engine_dump(
             ``save_sharded_state``'s name patterns (``sharded_state_files``), is removed, and
             so are another world size's dump files, once the new files are complete; only
             files kda-tp wrote (:data:`kda_tp.output.FILE_MARK` in their header, which every
-            dump file carries) are removed or replaced, anything else is refused.
+            dump file carries) are removed or replaced, anything else is refused; each file
+            is judged again just before it is replaced, and a name that was free when the
+            dump started is taken only while still free.
+        wait: when another kda-tp run writes one of ``ranks``, or another world size, into
+            ``out``, wait until it is done instead of refusing (``--wait``).
 
     Returns:
         A :class:`DumpResult`.
@@ -126,7 +133,11 @@ def write_engine_dump(
             checkpoint; without ``force``, it holds dump files of another world size (a rank
             ``>= tp_size``, or other ``tp_size`` metadata) or a file of a rank being written;
             a write fails (the message names the file and the OS error); with ``force``, such a
-            file kda-tp did not write (an engine's own dump).
+            file kda-tp did not write (an engine's own dump); a file appeared under one of its
+            names while it was writing; another run writes one of ``ranks`` or another world
+            size there (without ``wait``). Nothing of this call is left (no directory it
+            made either).
+        OpenFilesLimitError: the process has no file descriptor left for a lock or a file.
         DtypeMismatchError: ``model_dtype`` is not a model dtype; casting a parameter to
             the model dtype overflows (a finite value
             becomes inf; ``kda_tp.audit.diagnosis.cast_overflow``): the message names the rank,
@@ -152,11 +163,32 @@ def write_engine_dump(
     if resolved == source_dir or source_dir in resolved.parents:
         raise OutputError(f"{root}: the output directory lies inside the checkpoint "
                           f"{source_dir}; choose another --out (out=)")
+    created = make_dirs(root)
     try:
-        root.mkdir(parents=True, exist_ok=True)
+        # Held from before OUT is looked at until the new files are in place (or removed).
+        locks = lock_output(root, tp_size, [r for r, _ in by_rank], wait)
+        try:
+            files, count, total = _write_files(root, source_root, layout.name, tp_size,
+                                               by_rank, force)
+        finally:
+            locks.release()
+    except BaseException:
+        remove_created(created)  # a refused or failed dump leaves no directory it made
+        raise
+    return DumpResult(root, layout.name, tp_size, tuple(r for r, _ in by_rank), files,
+                      count, total, time.perf_counter() - start)
+
+
+def _write_files(root: Path, source_root: Path, engine: str, tp_size: int,
+                 by_rank: list[tuple[int, list[ExpectedParam]]], force: bool
+                 ) -> tuple[tuple[Path, ...], int, int]:
+    """:func:`write_engine_dump`'s check of ``root``, then its files built under hidden names
+    and moved into place (:func:`~kda_tp.output.replace_files`); returns the files, the
+    parameters and the bytes written."""
+    try:
         next(root.iterdir(), None)
     except OSError as e:
-        raise OutputError(f"{root}: cannot create or list the output directory: {e}") from e
+        raise output_error(root, "list the output directory", e) from e
     # Both of save_sharded_state's name patterns, every part: the audit's reading. A name
     # whose rank cannot be read is refused, never taken for "no dump file there".
     found = sharded_state_files(root, allow_empty=True)
@@ -176,7 +208,8 @@ def write_engine_dump(
                           "pass --force (force=True) to replace it, or choose another --out")
     # --force: every file of another world size, and every file (any part, any pipeline
     # stage) of the ranks written, so that what is left is this dump's; each only when kda-tp
-    # wrote it, and only once the new files are complete (kda_tp.output.dirs).
+    # wrote it (its own mark, judged now and again as it is moved), and only once the new
+    # files are complete (kda_tp.output.replace_files).
     stale = list(dict.fromkeys([p for p, _ in foreign] + ours))
     refuse_foreign_files(stale)
     mode = input_mode(source_root)
@@ -185,20 +218,21 @@ def write_engine_dump(
     try:
         for r, params in by_rank:
             path = root / DUMP_FILE.format(rank=r)
-            meta = {"tp_size": str(tp_size), "tp_rank": str(r), "engine": layout.name,
+            meta = {"tp_size": str(tp_size), "tp_rank": str(r), "engine": engine,
                     FILE_MARK: __version__}
             specs = [(p.name, p.plan.dtype, p.plan.shape, p.plan.nbytes, p.build) for p in params]
             staged[path] = staged_name(path)
             total += write_safetensors(staged[path], specs, meta, sync=False, mode=mode)
             count += len(params)
+        replace_files(staged, stale)
     except BaseException:
         for path in staged.values():  # no half dump, and the previous one untouched
-            path.unlink(missing_ok=True)
+            try:
+                path.unlink(missing_ok=True)
+            except OSError:
+                continue  # never created there (a read-only directory, say)
         raise
-    replace_files(staged, stale)
-    files = list(staged)
-    return DumpResult(root, layout.name, tp_size, tuple(r for r, _ in by_rank), tuple(files),
-                      count, total, time.perf_counter() - start)
+    return tuple(staged), count, total
 
 
 def _other_world_size(path: Path, rank: int, tp_size: int) -> str | None:

@@ -17,7 +17,7 @@ from typing import Any
 from ..checkpoint.reader import SafetensorsSource, Tensor, checked_get
 from ..checkpoint.writer import open_files_error
 from ..errors import CheckpointError
-from ..model.json_reader import parse_metadata_int
+from ..model.json_reader import ascii_int, parse_metadata_int
 
 __all__ = ["DUMP_FILE", "RankFiles", "dump_world_size", "meta_int", "rank_of_file",
            "rank_of_name", "sharded_state_files"]
@@ -31,7 +31,6 @@ DUMP_FILE = "model-rank-{rank}-part-0.safetensors"
 _RANK_FILE = re.compile(r"^model-rank-([0-9]+)-part-([0-9]+)\.safetensors$")
 _PP_TP_FILE = re.compile(r"^model-pp-([0-9]+)-tp-([0-9]+)-part-([0-9]+)\.safetensors$")
 # A rank or size in a file header's metadata.
-_ASCII_INT = re.compile(r"[0-9]+")
 
 
 def sharded_state_files(
@@ -93,9 +92,10 @@ def meta_int(meta: Mapping[str, Any], key: str, path: Path) -> int | None:
         CheckpointError: ASCII digits, but more than ``kda_tp.model.MAX_INT_DIGITS``.
     """
     value = meta.get(key)
-    if isinstance(value, str) and _ASCII_INT.fullmatch(value):
-        return parse_metadata_int(value, key, str(path))
-    return None
+    try:
+        return ascii_int(value)
+    except OverflowError:
+        return parse_metadata_int(value, key, str(path))  # refused, naming the digits
 
 
 class RankFiles(Mapping[str, Tensor]):

@@ -15,14 +15,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..checkpoint.description import describe
-from ..checkpoint.names import kda_tensor_name
+from ..checkpoint.names import kda_tensor_name, param_name
 from ..checkpoint.reader import SafetensorsSource, checked_get
 from ..engines.build import build_param, engine_params, param_plan
 from ..engines.dtype import engine_model_dtype
 from ..engines.layout import EngineLayout, EngineParamPlan
-from ..engines.registry import get_layout, layouts_for, param_name
+from ..engines.registry import get_layout, layouts_for
 from ..errors import DtypeMismatchError, EngineLayoutError, PlanError
-from ..rank.plan import KdaTpPlan
+from ..rank.plan import KdaTpPlan, distinct_ranks
 from ..rank.view import KdaShardedSource
 from .diagnosis import cast_overflow
 
@@ -76,12 +76,13 @@ def expected_params(
         raise PlanError(f"tp_size must be a positive integer, got {tp_size!r}")
     source = (checkpoint if isinstance(checkpoint, SafetensorsSource)
               else SafetensorsSource(checkpoint))
+    description = describe(source)
     layout = get_layout(engine)
-    model_dtype = engine_model_dtype(source, layout.engine, model_dtype)
+    model_dtype = engine_model_dtype(description, layout.engine, model_dtype)
     # Any split the heads allow (no q|k width rule: the engine chose the world size); checked
     # before anything is sized by tp_size.
-    plan0 = KdaTpPlan.from_config(source, 0, tp_size, qk_multiple=1)
-    family = describe(source).family.name  # the description from_config read
+    plan0 = KdaTpPlan.from_description(description, 0, tp_size, qk_multiple=1)
+    family = description.family.name
     if layout.family != family:
         fitting = ", ".join(lay.name for lay in layouts_for(family, plan0)) or "none"
         raise EngineLayoutError(
@@ -90,8 +91,8 @@ def expected_params(
         )
     out = []
     for r in checked_ranks(ranks, tp_size):
-        shard = KdaShardedSource(source, KdaTpPlan.from_config(source, r, tp_size,
-                                                               qk_multiple=1))
+        shard = KdaShardedSource(source, plan0 if r == 0 else KdaTpPlan.from_description(
+            description, r, tp_size, qk_multiple=1))
         prefix = layout.state_dict_prefix(shard.prefix)
         params = []
         for layer, param in engine_params(shard, layout):
@@ -121,8 +122,7 @@ def checked_ranks(ranks: Sequence[int] | None, tp_size: int) -> list[int]:
         if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < tp_size:
             raise PlanError(f"rank {r!r} is out of range for tp_size {tp_size}: valid ranks "
                             f"are 0..{tp_size - 1}; pass ranks of that world size")
-    if len(set(wanted)) != len(wanted):
-        raise PlanError(f"ranks {sorted(wanted)} name a rank twice; pass each rank once")
+    distinct_ranks(wanted)
     return sorted(wanted)
 
 

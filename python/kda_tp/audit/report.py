@@ -78,6 +78,9 @@ class ParamAudit:
             part first).
         equals: what the whole parameter equals instead, when no single part explains it
             (e.g. its parts in another order); None otherwise.
+        held_dtype: the dtype the parameter is held in when that is not the engine's default
+            model dtype the audit assumed, none being passed (``"F32"`` where ``"BF16"`` was
+            expected): the engine likely ran in another ``--dtype``; None otherwise.
     """
 
     rank: int
@@ -87,6 +90,7 @@ class ParamAudit:
     problem: str | None = None
     differences: tuple[PartDifference, ...] = ()
     equals: str | None = None
+    held_dtype: str | None = None
 
     @property
     def passed(self) -> bool:
@@ -159,6 +163,13 @@ class AuditReport:
             return f"OK: {counts}"
         wrong = len(self.params) - exact
         extra = f", {len(self.problems)} other problem(s)" if self.problems else ""
+        held = {p.held_dtype for p in self.failures}
+        if not self.problems and len(held) == 1 and None not in held:
+            # Every wrong parameter is right but for the engine's model dtype: say so first.
+            (dtype,) = held
+            extra = (f", each held in {dtype}, not the model dtype the audit expected: the "
+                     f"engine likely ran with --dtype {dtype}; audit again with --dtype "
+                     f"{dtype} (model_dtype=)")
         return f"FAIL: {wrong} KDA parameter(s) wrong{extra}; {counts}"
 
     def format(self) -> str:

@@ -1,10 +1,13 @@
-"""Values as the audit compares them: a parameter's raw bytes and dtype, equality, casts.
+"""Values as kda_tp compares them: a parameter's raw bytes and dtype, equality, casts.
 
 An engine's parameter arrives as a numpy array, a torch tensor (any device) or a
 :class:`~kda_tp.Tensor` record; :func:`as_record` turns each into the record of its raw bytes.
-Floats compare by their bits (a NaN matches any NaN); the expected values are cast to the
-parameter's dtype as the engines' ``copy_`` does (:func:`cast_to`), and a cast that overflows
-is named (:func:`cast_overflow`), the one rule of the audit, the dump and the digests.
+Values compare by their bits, except that a NaN matches any NaN (:func:`same_values`): an
+engine's cast writes a NaN in one of several patterns, by device and code path
+(``kda_tp.model.dtypes``). The expected values are cast to the parameter's dtype as the
+engines' loaders cast them (:func:`cast_to`, defined with the dtype facts in
+``kda_tp.model.dtypes``, where the engine layouts below the audit fill parameters with it).
+The one rule of the audit, the dump, the digests and the guard.
 """
 
 from __future__ import annotations
@@ -15,17 +18,13 @@ from typing import Any
 
 import numpy as np
 
-from ..checkpoint.reader import Tensor, numpy_dtype, torch_dtype
+from ..checkpoint.reader import Tensor
 from ..errors import CheckpointError, ShapeMismatchError
+from ..model.dtypes import AUDITED_DTYPES, cast_to, numpy_dtype, torch_dtype
 
-__all__ = ["CASTABLE", "DTYPES", "as_record", "bytes_equal", "cast_to",
-           "differing", "first_difference", "same_tensor_values", "same_values"]
-
-# The float dtypes an engine casts between (torch's `copy_`, round to nearest even); FP8 and
-# integer parameters are compared as stored.
-CASTABLE = ("F64", "F32", "F16", "BF16")
-# The dtypes a dumped parameter may have (safetensors names).
-DTYPES = (*CASTABLE, "F8_E4M3", "F8_E5M2", "I64", "I32", "I16", "I8", "U8", "BOOL")
+# cast_to is the equality rule's cast, importable here with it.
+__all__ = ["as_record", "bytes_equal", "cast_to", "differing", "first_difference",
+           "same_tensor_values", "same_values"]
 
 
 def as_record(name: str, value: Any) -> Tensor:
@@ -39,7 +38,7 @@ def as_record(name: str, value: Any) -> Tensor:
         ShapeMismatchError: a Tensor record whose data is not its shape's size in bytes.
     """
     if isinstance(value, Tensor):
-        if value.dtype not in DTYPES:  # reported as a dtype mismatch
+        if value.dtype not in AUDITED_DTYPES:  # reported as a dtype mismatch
             return value
         data = value.data
         need = math.prod(value.shape) * numpy_dtype(value.dtype).itemsize
@@ -59,10 +58,10 @@ def as_record(name: str, value: Any) -> Tensor:
         if value.layout != torch.strided:
             raise CheckpointError(f"{name}: a {value.layout} tensor; an engine's parameters are "
                                   "dense (strided): dump the dense weights")
-        dtype = next((d for d in DTYPES if value.dtype == torch_dtype(d)), None)
+        dtype = next((d for d in AUDITED_DTYPES if value.dtype == torch_dtype(d)), None)
         if dtype is None:
             raise CheckpointError(f"{name}: torch dtype {value.dtype} is not audited "
-                                  f"(known: {', '.join(DTYPES)})")
+                                  f"(known: {', '.join(AUDITED_DTYPES)})")
         if value.device.type == "meta":
             raise CheckpointError(f"{name}: a meta tensor (no data); dump the loaded weights")
         # A negated or conjugated view (``_neg_view()``) holds its values only once resolved.
@@ -70,23 +69,16 @@ def as_record(name: str, value: Any) -> Tensor:
         return Tensor(name, dtype, tuple(value.shape), flat.view(torch_dtype("U8")).numpy())
     if isinstance(value, np.ndarray):
         array = np.ascontiguousarray(value)
-        dtype = next((d for d in DTYPES if numpy_dtype(d) == array.dtype), None)
+        dtype = next((d for d in AUDITED_DTYPES if numpy_dtype(d) == array.dtype), None)
         if dtype is None:
             raise CheckpointError(f"{name}: numpy dtype {array.dtype} is not audited "
-                                  f"(known: {', '.join(DTYPES)})")
+                                  f"(known: {', '.join(AUDITED_DTYPES)})")
         return Tensor(name, dtype, array.shape, array.reshape(-1).view(np.uint8))
     raise CheckpointError(
         f"{name}: a {type(value).__name__}; expected a numpy array, a torch tensor or a "
         "kda_tp.Tensor"
     )
 
-
-
-def cast_to(values: np.ndarray, dtype: str) -> np.ndarray:
-    """``values`` in safetensors dtype ``dtype``, cast as the engines' ``copy_`` does (round to
-    nearest even) and as ``kda_tp.engines.build_param`` does; unchanged when already of it."""
-    target = numpy_dtype(dtype)
-    return values if values.dtype == target else values.astype(target)
 
 
 # Elements compared per step: a difference is found in the first differing chunk, without a
@@ -97,9 +89,9 @@ _STEP = 1 << 12
 
 def same_values(a: np.ndarray, b: np.ndarray) -> bool:
     """Whether two flat arrays of one dtype hold the same values: the same bits, except that a
-    NaN matches a NaN of any bit pattern (torch and ml_dtypes cast a NaN to different ones);
-    ``-0.0`` and ``0.0`` differ. Compared chunk by chunk: arrays that differ early cost
-    little."""
+    NaN matches a NaN of any bit pattern (an engine's cast writes a NaN in one of several:
+    ``kda_tp.model.dtypes``); ``-0.0`` and ``0.0`` differ. Compared chunk by chunk: arrays that
+    differ early cost little."""
     if a.shape != b.shape:
         return False
     return _first_chunk_difference(a, b) is None
@@ -109,13 +101,9 @@ def _first_chunk_difference(a: np.ndarray, b: np.ndarray) -> int | None:
     """The first index where flat arrays ``a`` and ``b`` differ (see :func:`same_values`),
     found chunk by chunk (stops at the first differing chunk); None when they do not."""
     x, y = a.view(np.uint8), b.view(np.uint8)
-    # Bytes compared as the widest integers that tile them: fewer, larger elements (2.4x
-    # faster than bytes on 112 MB).
-    word = next(w for w in (8, 4, 2, 1) if x.size % w == 0)
     step = _CHUNK * a.dtype.itemsize
     for start in range(0, x.size, step):
-        if np.array_equal(x[start : start + step].view(f"<u{word}"),
-                          y[start : start + step].view(f"<u{word}")):
+        if bytes_equal(x[start : start + step], y[start : start + step]):
             continue
         # The differing chunk, in small steps: the first difference costs a few thousand
         # elements' comparison, not a chunk's NaN tests.
@@ -162,8 +150,9 @@ def same_tensor_values(a: Any, b: Any) -> bool:
 
 def bytes_equal(a: np.ndarray, b: np.ndarray) -> bool:
     """Whether two flat uint8 arrays of one size hold the same bytes, compared as the widest
-    integers that tile them in 1 MiB chunks (as fast as a memcpy of one of them; no
-    temporary larger than a chunk)."""
+    integers that tile them in 1 MiB chunks (as fast as a memcpy of one of them, 2.4x faster
+    than bytes on 112 MB; no temporary larger than a chunk). Equal bytes are the same values;
+    unequal ones may still be (two NaNs): a verdict is :func:`same_values`'."""
     word = next(w for w in (8, 4, 2, 1) if a.size % w == 0 and a.ctypes.data % w == 0
                 and b.ctypes.data % w == 0)
     x, y = a.view(f"<u{word}"), b.view(f"<u{word}")

@@ -29,10 +29,12 @@ from typing import Any
 from .. import _native
 from ..errors import CheckpointError, DtypeMismatchError, ShapeMismatchError
 from ..model.config import CONFIG_NAME, KdaConfig, load_config, no_config_message, parse_config
+from ..model.dtypes import FLOAT_DTYPES, FP8_DTYPES
 from ..model.families import ModelFamily, family_for
-from ..model.quant import FP8_DTYPES, BlockFormat, ModelOptModules, declared_quantization
+from ..model.quant import BlockFormat, ModelOptModules, declared_quantization
 from .layers import check_layers, config_layer_count
 from .names import (
+    LAYER_NUMBER,
     LAYER_TENSOR,
     check_gate_form,
     decoder_prefix,
@@ -44,11 +46,9 @@ from .reader import SafetensorsSource, refuse_index_member
 
 __all__ = ["CheckpointDescription", "LayerFacts", "assumed_layout", "describe"]
 
-_LAYER = re.compile(r"^([0-9]{1,10})\.")  # ASCII: \d matches other scripts' digits
+_LAYER = re.compile(rf"^({LAYER_NUMBER})\.")
 # "Read the config from the source" (a bare config may be any object: parse_config refuses it).
 _UNSET: Any = object()
-# The dtypes the plan accepts for a KDA tensor (the Rust core's rule).
-_FLOAT_DTYPES = ("BF16", "F16", "F32", "F64")
 
 
 def assumed_layout(
@@ -126,7 +126,6 @@ class CheckpointDescription:
         self.where = where
         self.root = root
         self._facts: dict[tuple[int, ...] | None, LayerFacts] = {}
-        self._padding_checked: set[str] = set()
 
     @property
     def source(self) -> Any:
@@ -245,7 +244,7 @@ class CheckpointDescription:
             candidates: Iterable[str] = (n for n in self._names if n.startswith(prefix))
         else:
             # Only the names under the prefix not followed by ASCII digits and a dot.
-            unusual = re.compile(re.escape("\n" + prefix) + r"(?![0-9]{1,10}\.)")
+            unusual = re.compile(re.escape("\n" + prefix) + rf"(?!{LAYER_NUMBER}\.)")
             candidates = (lines[m.start() + 1:lines.find("\n", m.end())]
                           for m in unusual.finditer(lines))
         for name in candidates:
@@ -278,7 +277,7 @@ class CheckpointDescription:
             numbers = {m.group(1) for n in self._names
                        if n.startswith(prefix) and (m := _LAYER.match(n[len(prefix):]))}
         else:
-            numbers = set(re.findall(re.escape("\n" + prefix) + r"([0-9]{1,10})\.", lines))
+            numbers = set(re.findall(re.escape("\n" + prefix) + rf"({LAYER_NUMBER})\.", lines))
         return max(map(int, numbers)) + 1 if numbers else None
 
     def attention(self, layer: int) -> list[tuple[str, str]]:
@@ -343,15 +342,23 @@ class CheckpointDescription:
             self._headers[name] = found
         return found
 
-    def padding_checked(self, name: str) -> bool:
-        """Whether the zero padding of ``A_log`` tensor ``name`` was checked already (then a
-        rank's view does not read it again)."""
-        return name in self._padding_checked
-
-    def mark_padding_checked(self, name: str) -> None:
-        """Record that ``name``'s padding is zero (see :meth:`padding_checked`)."""
-        if isinstance(self.source, SafetensorsSource):  # its bytes do not change while open
-            self._padding_checked.add(name)
+    @cached_property
+    def stored_dtypes(self) -> frozenset[str]:
+        """The dtypes (safetensors names) of every tensor the checkpoint holds, from its
+        headers: what vLLM's ``auto`` dtype reads for a config without one
+        (``kda_tp.engines.engine_model_dtype``). Empty for a bare config."""
+        if self.source is None:
+            return frozenset()
+        info = getattr(self.source, "info", None)
+        found = set()
+        for name in self._names:
+            if info is not None:
+                header = info(name)
+                if header is not None:
+                    found.add(header[0])
+            elif (record := self.source.get(name)) is not None:
+                found.add(record.dtype)
+        return frozenset(found)
 
     def layer_facts(self, layers: Iterable[int] | None = None) -> LayerFacts:
         """What a plan takes from the checkpoint: read from the first selected KDA layer's
@@ -420,11 +427,11 @@ class CheckpointDescription:
                 raise CheckpointError(f"{location(source)}: KDA layer {layer} lacks {full_name}")
             if info[0] in FP8_DTYPES:
                 _check_quantizable(source, full_name, name, fmt)
-            elif info[0] not in _FLOAT_DTYPES:
+            elif info[0] not in FLOAT_DTYPES:
                 declared = f"; the config declares {fmt}" if isinstance(fmt, str) else ""
                 raise DtypeMismatchError(
                     f"{location(source, full_name)}: {full_name}: dtype {info[0]} is not "
-                    f"allowed for a KDA tensor: {', '.join(_FLOAT_DTYPES)}, or "
+                    f"allowed for a KDA tensor: {', '.join(FLOAT_DTYPES)}, or "
                     f"{' / '.join(FP8_DTYPES)} with a block scale for a block-quantized "
                     f"projection{declared}"
                 )

@@ -9,17 +9,13 @@ out-of-range index, with a message that gives the model's layer count and the li
 from __future__ import annotations
 
 import numbers
-import re
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from ..errors import PlanError
-from .names import decoder_prefix
 
-__all__ = ["check_layers", "config_layer_count", "layer_count", "layers_with_kda_tensors"]
-
-_LAYER = re.compile(r"^([0-9]{1,10})\.")  # ASCII: \d matches other scripts' digits
+__all__ = ["check_layers", "config_layer_count"]
 
 
 def check_layers(
@@ -91,37 +87,10 @@ def check_layers(
     return tuple(sorted(given))
 
 
-def layer_count(source: Any) -> int | None:
-    """The model's decoder layer count: the config's ``num_hidden_layers``, else one more than
-    the largest layer index in the tensor names under the decoder prefix; None when neither
-    says."""
-    n = config_layer_count(getattr(source, "config", None) or {})
-    if n is not None:
-        return n
-    indices = _indices(source, "")
-    return max(indices) + 1 if indices else None
-
-
 def config_layer_count(config: Mapping[str, Any]) -> int | None:
     """A config's ``num_hidden_layers`` when it is a positive int, else None."""
     n = config.get("num_hidden_layers")
     return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
-
-
-def layers_with_kda_tensors(source: Any) -> tuple[int, ...]:
-    """0-based indices of the layers whose names hold a KDA-only tensor (``self_attn.A_log``)."""
-    return tuple(sorted(_indices(source, "self_attn.A_log")))
-
-
-def _indices(source: Any, tail: str) -> set[int]:
-    prefix = decoder_prefix(source)
-    found: set[int] = set()
-    for name in source.names():
-        if name.startswith(prefix) and name.endswith(tail):
-            match = _LAYER.match(name[len(prefix):])
-            if match:
-                found.add(int(match.group(1)))
-    return found
 
 
 def _show(option: str, values: list[int]) -> str:

@@ -25,6 +25,7 @@ __all__ = [
     "BARE_PARAMETERS",
     "DEFAULT_PREFIX",
     "FULL_RANK_GATE",
+    "LAYER_NUMBER",
     "LAYER_TENSOR",
     "layer_number_problem",
     "LOW_RANK_GATE",
@@ -35,6 +36,8 @@ __all__ = [
     "kda_layer_indices",
     "kda_tensor_name",
     "location",
+    "param_location",
+    "param_name",
     "scale_tensor_name",
 ]
 
@@ -50,16 +53,18 @@ def location(source: Any, name: str | None = None) -> str:
     return str(root) if root is not None else repr(source)
 
 
+#: A layer number in a tensor name, as a regular expression: ASCII digits, at most 10 (a layer
+#: index is below ``2**31``); ``\d`` would also match other scripts' digits (``"١"``), which
+#: ``int`` reads but no loader does. Every pattern over layer numbers is built from it.
+LAYER_NUMBER = r"[0-9]{1,10}"
 #: After the decoder prefix: ``12.self_attn.q_proj.weight`` -> ``("12", "q_proj.weight")``.
-#: ASCII digits, at most 10 (a layer index is below ``2**31``): ``\d`` would also match other
-#: scripts' digits (``"١"``), which ``int`` reads but no loader does.
-LAYER_TENSOR = re.compile(r"^([0-9]{1,10})\.self_attn\.(.+)$")
+LAYER_TENSOR = re.compile(rf"^({LAYER_NUMBER})\.self_attn\.(.+)$")
 # After the decoder prefix, a layer number as Python's \d reads it (any script's digits, any
 # length): a name this matches but _ASCII_LAYER does not is refused (layer_number_problem).
 _ANY_DIGITS = re.compile(r"^(\d+)\.")
-_ASCII_LAYER = re.compile(r"^[0-9]{1,10}\.")
-# `model.layers.3.self_attn.A_log` -> "model.layers.": A_log exists only in KDA layers.
-_KDA_MARKER = re.compile(r"^((?:.*\.)?layers\.)[0-9]{1,10}\.self_attn\.A_log$")
+_ASCII_LAYER = re.compile(rf"^{LAYER_NUMBER}\.")
+# A decoder layer's attention parameter: (prefix up to the layer number, layer, suffix).
+_PARAM_NAME = re.compile(rf"^((?:.*\.)?layers\.)({LAYER_NUMBER})\.self_attn\.(.+)$")
 #: A_log and dt_bias are bare parameters; every other KDA tensor is a module's ``.weight``.
 BARE_PARAMETERS = {"A_log", "dt_bias"}
 DEFAULT_PREFIX = "model.layers."
@@ -99,8 +104,10 @@ def decoder_prefix(source: Any, names: Iterable[str] | None = None) -> str:
         CheckpointError: ``A_log`` tensors appear under more than one prefix.
     """
     listed = source.names() if names is None else names
-    prefixes = {m.group(1) for n in listed
-                if n.endswith(".self_attn.A_log") and (m := _KDA_MARKER.match(n))}
+    # A_log exists only in KDA layers.
+    prefixes = {found[0] for n in listed
+                if n.endswith(".self_attn.A_log") and (found := param_location(n))
+                and found[2] == "A_log"}
     if len(prefixes) > 1:
         raise CheckpointError(
             f"{location(source)}: KDA tensors (A_log) under several prefixes {sorted(prefixes)}; "
@@ -109,9 +116,31 @@ def decoder_prefix(source: Any, names: Iterable[str] | None = None) -> str:
     return prefixes.pop() if prefixes else DEFAULT_PREFIX
 
 
+def param_name(prefix: str, layer: int, suffix: str) -> str:
+    """The name of a decoder layer's attention tensor or parameter, the inverse of
+    :func:`param_location` (the one place that writes ``{prefix}{layer}.self_attn.``):
+    ``param_name("model.layers.", 3, "A_log")`` -> ``"model.layers.3.self_attn.A_log"``."""
+    return f"{prefix}{layer}.self_attn.{suffix}"
+
+
+def param_location(name: str) -> tuple[str, int, str] | None:
+    """Split a parameter name of a decoder layer's attention into ``(prefix, layer, suffix)``.
+
+    ``"language_model.model.layers.3.self_attn.in_proj_qkvgfab.weight"`` ->
+    ``("language_model.model.layers.", 3, "in_proj_qkvgfab.weight")``; any model prefix works
+    (``model.``, ``language_model.model.``, none); the layer number is ``LAYER_NUMBER``'s.
+    None for a name outside ``self_attn``. Whether layer 3 is a KDA layer is the config's
+    business, never the name's.
+    """
+    match = _PARAM_NAME.match(name)
+    if match is None:
+        return None
+    return match.group(1), int(match.group(2)), match.group(3)
+
+
 def kda_tensor_name(prefix: str, layer: int, plan_name: str) -> str:
     """The checkpoint name of a plan tensor: ``model.layers.0.self_attn.q_proj.weight``."""
-    return f"{prefix}{layer}.self_attn.{checkpoint_suffix(plan_name)}"
+    return param_name(prefix, layer, checkpoint_suffix(plan_name))
 
 
 def checkpoint_suffix(plan_name: str) -> str:
@@ -137,7 +166,7 @@ def check_gate_form(source: Any, prefix: str, layer: int, full_rank_gate: bool) 
     """
     wrong = LOW_RANK_GATE if full_rank_gate else FULL_RANK_GATE
     for suffix in wrong:
-        name = f"{prefix}{layer}.self_attn.{suffix}"
+        name = param_name(prefix, layer, suffix)
         if _holds(source, name):
             raise CheckpointError(
                 f"{location(source, name)}: {name}: {gate_form_problem(full_rank_gate)}"
@@ -171,7 +200,7 @@ def scale_tensor_name(source: Any, prefix: str, layer: int, plan_name: str) -> s
     ``...{plan_name}.weight_scale`` (ModelOpt, compressed-tensors) or ``.weight_scale_inv``
     (DeepSeek), whichever ``source.get`` finds; None if neither."""
     for suffix in SCALE_SUFFIXES:
-        name = f"{prefix}{layer}.self_attn.{plan_name}.{suffix}"
+        name = param_name(prefix, layer, f"{plan_name}.{suffix}")
         if source.get(name) is not None:
             return name
     return None

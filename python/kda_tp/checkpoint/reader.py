@@ -22,19 +22,18 @@ from ..errors import (
     BufferLayoutError,
     CheckpointError,
     DtypeMismatchError,
-    MissingDependencyError,
     OpenFilesLimitError,
     ShapeMismatchError,
     UsageError,
 )
 from ..model.config import load_config
+from ..model.dtypes import DTYPE_SIZES, import_torch, numpy_dtype, torch_dtype
 from .names import location
-from .writer import DTYPE_SIZES, open_files_error
+from .writer import open_files_error
 
 __all__ = ["BACKEND_ENV", "BACKENDS", "INDEX_NAME", "InfoSource", "Tensor", "TensorSource",
            "SafetensorsSource", "check_out", "checked_get", "checked_info", "missing_tensor",
-           "numpy_dtype", "readonly_bytes", "refuse_index_member", "shard_bytes", "torch_dtype",
-           "writable_bytes"]
+           "numpy_dtype", "readonly_bytes", "refuse_index_member", "shard_bytes", "writable_bytes"]
 
 _T = TypeVar("_T")
 
@@ -60,91 +59,6 @@ def refuse_index_member(path: str | os.PathLike[str]) -> None:
 BACKEND_ENV = "KDA_TP_BACKEND"
 #: The read backends of :class:`SafetensorsSource`.
 BACKENDS = ("mmap", "pread")
-
-_NUMPY_DTYPES: dict[str, Any] = {
-    "BOOL": np.bool_,
-    "U8": np.uint8,
-    "I8": np.int8,
-    "I16": np.int16,
-    "U16": np.uint16,
-    "F16": np.float16,
-    "I32": np.int32,
-    "U32": np.uint32,
-    "F32": np.float32,
-    "F64": np.float64,
-    "I64": np.int64,
-    "U64": np.uint64,
-    "C64": np.complex64,
-}
-
-#: The dtypes numpy has through ``ml_dtypes`` (its attribute names). ``ml_dtypes`` takes longer
-#: to import than numpy itself, so it is imported when the first such array is typed.
-_ML_DTYPES = {"BF16": "bfloat16", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
-
-
-def numpy_dtype(dtype: str) -> np.dtype:
-    """The numpy dtype of a safetensors dtype name (BF16 and FP8 through ``ml_dtypes``).
-
-    Raises:
-        DtypeMismatchError: a dtype with no numpy equivalent (packed 4- and 6-bit floats).
-    """
-    if dtype in _ML_DTYPES:
-        import ml_dtypes  # noqa: PLC0415 - start-up time (see _ML_DTYPES)
-
-        return np.dtype(getattr(ml_dtypes, _ML_DTYPES[dtype]))
-    try:
-        return np.dtype(_NUMPY_DTYPES[dtype])
-    except KeyError:
-        raise DtypeMismatchError(f"dtype {dtype} has no numpy equivalent") from None
-
-
-# safetensors dtype name -> torch dtype attribute (the ones torch >= 2.5 has).
-_TORCH_DTYPES = {
-    "BF16": "bfloat16",
-    "F16": "float16",
-    "F32": "float32",
-    "F64": "float64",
-    "F8_E4M3": "float8_e4m3fn",
-    "F8_E5M2": "float8_e5m2",
-    "U8": "uint8",
-    "I8": "int8",
-    "I16": "int16",
-    "U16": "uint16",
-    "I32": "int32",
-    "U32": "uint32",
-    "I64": "int64",
-    "U64": "uint64",
-    "C64": "complex64",
-    "BOOL": "bool",
-}
-
-
-def _import_torch() -> Any:
-    """``torch``, imported on first use (the optional ``torch`` extra)."""
-    try:
-        import torch  # noqa: PLC0415 - optional dependency, imported on first use
-    except ImportError as e:
-        raise MissingDependencyError(
-            "kda_tp.torch needs PyTorch (torch >= 2.5), which is not installed: "
-            "pip install 'kda_tp[torch]' (from a source checkout: pip install '.[torch]')"
-        ) from e
-    return torch
-
-
-def torch_dtype(dtype: str) -> Any:
-    """The ``torch.dtype`` of a safetensors dtype name (``"BF16"`` -> ``torch.bfloat16``,
-    ``"F8_E4M3"`` -> ``torch.float8_e4m3fn``, ``"F8_E5M2"`` -> ``torch.float8_e5m2``).
-
-    Raises:
-        MissingDependencyError: torch is not installed (``pip install 'kda_tp[torch]'``).
-        DtypeMismatchError: a dtype torch has no equivalent for (packed 4- and 6-bit floats,
-            ``F8_E8M0``).
-    """
-    found = getattr(_import_torch(), _TORCH_DTYPES.get(dtype, ""), None)
-    if found is None:
-        raise DtypeMismatchError(f"dtype {dtype} has no torch equivalent")
-    return found
-
 
 class Tensor:
     """One tensor: safetensors dtype name, shape, and raw bytes.
@@ -199,7 +113,7 @@ class Tensor:
             MissingDependencyError: torch is not installed (``pip install 'kda_tp[torch]'``).
             DtypeMismatchError: a dtype torch has no equivalent for.
         """
-        torch = _import_torch()
+        torch = import_torch()
         try:
             dtype = torch_dtype(self.dtype)
         except DtypeMismatchError as e:
@@ -305,6 +219,8 @@ def shard_bytes(tensor_plan: _native.KdaTensorPlan, buffer: Any) -> np.ndarray:
         buffer: the full tensor's raw bytes, ``tensor_plan.full_bytes`` long; any
             buffer-protocol object (bytes, bytearray, memoryview, numpy array of any dtype,
             row-major; a strided array or memoryview is first copied to contiguous memory).
+            Not written by another thread during the call (the gather reads it with the GIL
+            released); a :class:`SafetensorsSource`'s arrays never are.
 
     Returns:
         A read-only 1-D ``uint8`` array of ``tensor_plan.local_bytes`` bytes. For replicated and
@@ -353,9 +269,16 @@ class SafetensorsSource:
             or ``"pread"`` (each ``get`` copies the tensor with positioned reads and nothing is
             mapped, for network filesystems). Defaults to ``$KDA_TP_BACKEND``, else ``"mmap"``.
 
-    Every file's header is validated when the source opens, and each file's length is checked
-    against its header. With ``"mmap"``, truncating a file while it is open makes later reads of
-    the lost pages kill the process with SIGBUS; use ``"pread"`` where files may change.
+    Every file's header is validated when the source opens (each file's length against its
+    header; at most 32 axes per tensor, what numpy 1.x holds), and each file's identity is
+    recorded then (size, mtime and ctime to the nanosecond, device, inode). Every read compares
+    the file with that record (one ``fstat`` per read) and refuses a file that changed since it
+    was opened (truncated, or rewritten in place), on both backends: a ``CheckpointError``
+    naming the file and what changed, never bytes read at the old offsets; reopen the source.
+    A file replaced by rename (``os.replace``, safetensors' own writer) keeps reading its old,
+    unchanged bytes. What no check can catch: with ``"mmap"``, an array handed out before the
+    file was truncated views the mapping, and touching its lost pages afterwards kills the
+    process with SIGBUS; ``"pread"`` copies, so its arrays stay as they were read.
 
     Raises:
         CheckpointError: a missing, corrupt or inconsistent file or index.
@@ -444,6 +367,9 @@ class SafetensorsSource:
         With ``"mmap"`` the data views the mapping: no bytes are copied, and the array keeps the
         mapping alive after the source is gone. A tensor whose data offset is not aligned for
         its dtype is copied into aligned memory instead.
+
+        Raises:
+            CheckpointError: the file changed since the source opened it (see the class).
         """
         found = self._checkpoint.info(name)
         if found is None:
@@ -458,7 +384,8 @@ class SafetensorsSource:
         rank's row slice is ``1/tp_size`` of the tensor).
 
         Raises:
-            CheckpointError: no such tensor, or ``start`` past its end or past ``stop``.
+            CheckpointError: no such tensor, ``start`` past its end or past ``stop``, or the
+                file changed since the source opened it.
             UsageError: ``start`` or ``stop`` negative, ``>= 2**64``, a bool or not an integer.
         """
         for what, value in (("start", start), ("stop", stop)):
@@ -483,7 +410,8 @@ class SafetensorsSource:
         ``"mmap"`` the block is gathered from the mapping (as :func:`shard_bytes` does).
 
         Raises:
-            CheckpointError: no such tensor, or the plan's block lies past its end.
+            CheckpointError: no such tensor, the plan's block lies past its end, or the file
+                changed since the source opened it.
             ShapeMismatchError: the tensor's byte size is not ``tensor_plan.full_bytes``.
         """
         found = self._checkpoint.info(name)
@@ -537,8 +465,11 @@ class SafetensorsSource:
         is alive; never close it) and absolute byte offsets in that file (``stop`` is clamped to
         the tensor's length, None meaning its end). It is the file opened with the source, even
         if the path has since been replaced. None for an unknown name or ``start`` past the
-        tensor. Reads through it are not checked against truncation: a short copy means the
-        file shrank.
+        tensor. The file is checked unchanged when the range is given (as for every read); the
+        copy that follows is the caller's, so a short copy means the file shrank since.
+
+        Raises:
+            CheckpointError: the file changed since the source opened it (see the class).
         """
         return self._checkpoint.file_range(name, start, stop)
 

@@ -40,79 +40,17 @@ from ..errors import (
     OutputError,
     ShapeMismatchError,
 )
+from ..model.dtypes import DTYPE_BITS, tensor_nbytes
 
 __all__ = [
-    "DTYPE_BITS",
-    "DTYPE_SIZES",
     "FileRange",
     "TEMP_FILE",
     "TensorSpec",
     "open_files_error",
-    "tensor_nbytes",
     "write_index",
     "write_json",
     "write_safetensors",
 ]
-
-#: Bytes per element of every whole-byte safetensors dtype.
-DTYPE_SIZES: dict[str, int] = {
-    "BOOL": 1,
-    "U8": 1,
-    "I8": 1,
-    "F8_E5M2": 1,
-    "F8_E4M3": 1,
-    "F8_E8M0": 1,
-    "F8_E5M2FNUZ": 1,
-    "F8_E4M3FNUZ": 1,
-    "U16": 2,
-    "I16": 2,
-    "F16": 2,
-    "BF16": 2,
-    "U32": 4,
-    "I32": 4,
-    "F32": 4,
-    "U64": 8,
-    "I64": 8,
-    "F64": 8,
-    "C64": 8,
-}
-
-#: Bits per element of every safetensors dtype this writer accepts: the whole-byte dtypes and
-#: the packed sub-byte floats of the MX formats (F4: 4 bits, F6_E2M3 and F6_E3M2: 6 bits), whose
-#: tensors are stored as packed bits without padding, so their bit count must be a multiple of 8.
-DTYPE_BITS: dict[str, int] = {
-    **{dtype: 8 * size for dtype, size in DTYPE_SIZES.items()},
-    "F4": 4,
-    "F6_E2M3": 6,
-    "F6_E3M2": 6,
-}
-
-
-def tensor_nbytes(dtype: str, shape: Iterable[int]) -> int:
-    """The data size in bytes of a tensor of ``dtype`` and ``shape`` (elements).
-
-    Raises:
-        DtypeMismatchError: ``dtype`` is not a safetensors dtype (:data:`DTYPE_BITS`).
-        ShapeMismatchError: a negative or non-integer dimension, or a sub-byte tensor whose
-            bits do not fill a whole number of bytes (e.g. 3 F4 elements).
-    """
-    bits = DTYPE_BITS.get(dtype)
-    if bits is None:
-        raise DtypeMismatchError(
-            f"dtype {dtype!r} is not a safetensors dtype (expected one of {', '.join(DTYPE_BITS)})"
-        )
-    dims = tuple(shape)
-    if not all(
-        isinstance(d, (int, np.integer)) and not isinstance(d, bool) and d >= 0 for d in dims
-    ):
-        raise ShapeMismatchError(f"shape {list(dims)} has a negative or non-int size")
-    total_bits = int(np.prod(dims, dtype=object)) * bits
-    if total_bits % 8:
-        raise ShapeMismatchError(
-            f"shape {list(dims)} of {dtype} is {total_bits} bits, not a whole number of bytes"
-        )
-    return total_bits // 8
-
 
 @dataclass(frozen=True)
 class FileRange:

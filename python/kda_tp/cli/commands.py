@@ -27,6 +27,7 @@ from .format import (
     format_plan,
     format_sizes,
     plan_json,
+    print_kept,
     print_refusal,
     print_shard,
     print_verify,
@@ -36,8 +37,9 @@ from .format import (
 from .progress import make_progress
 
 if TYPE_CHECKING:
-    from ..shard.writer import ShardResult, ShardSizes
+    from ..checkpoint.description import CheckpointDescription
     from ..checkpoint.reader import SafetensorsSource
+    from ..shard.writer import ShardResult, ShardSizes
 
 __all__ = [
     "cmd_audit",
@@ -69,10 +71,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
     source: SafetensorsSource | None = None
     layers: tuple[int, ...] | None = None
     # The checkpoint (or config) is read once: its description (kda_tp.checkpoint.description).
-    if args.input.is_dir() and any(args.input.glob("*.safetensors")):
+    # A checkpoint (a directory of safetensors files, or one file beside its config.json),
+    # else a bare config.
+    if args.input.name.endswith(".safetensors") or (
+            args.input.is_dir() and any(args.input.glob("*.safetensors"))):
         source = SafetensorsSource(args.input)
         description = describe(source)
-        layers = _selected_layers(source, requested)
+        layers = _selected_layers(description, requested)
     else:
         # A bare config: its own list of KDA layers (or --layers, checked against it).
         description = CheckpointDescription(None, load_config(args.input), str(args.input))
@@ -127,26 +132,27 @@ def _disk_shape(source: SafetensorsSource, name: str, layer: int) -> tuple[int, 
     return info[1]
 
 
-def _selected_layers(source: SafetensorsSource, requested: list[int] | None) -> tuple[int, ...]:
+def _selected_layers(description: CheckpointDescription,
+                     requested: list[int] | None) -> tuple[int, ...]:
     """The KDA layers to show or check: ``requested`` (``--layers``, a subset of the config's
     KDA layers, or of the layers holding KDA tensors when the config does not list them), else
     every KDA layer the config lists."""
-    from ..checkpoint.layers import check_layers, layer_count, layers_with_kda_tensors
-    from ..checkpoint.names import kda_layer_indices
+    from ..checkpoint.layers import check_layers
 
     try:
-        listed = kda_layer_indices(source, None)
+        listed = description.kda_layers()
     except CheckpointError:
         if requested is None:
             raise
-        return check_layers(requested, layers_with_kda_tensors(source) or None,
-                            layer_count(source))
+        return check_layers(requested, description.a_log_layers or None,
+                            description.layer_count)
     if requested is None:
         return listed
-    return check_layers(requested, listed, layer_count(source))
+    return check_layers(requested, listed, description.layer_count)
 
 
-def _shard_layers(source: SafetensorsSource, requested: list[int] | None) -> list[int] | None:
+def _shard_layers(description: CheckpointDescription,
+                  requested: list[int] | None) -> list[int] | None:
     """``shard --layers``: the KDA layers of a config that does not list them (returned, for
     ``shard_checkpoint``); with a config that lists them only that same list is accepted
     (None is returned: the config's list is used), since every KDA layer is always sliced.
@@ -154,17 +160,13 @@ def _shard_layers(source: SafetensorsSource, requested: list[int] | None) -> lis
     Raises:
         PlanError: see :func:`~kda_tp.checkpoint.check_layers`, or a list that is not the config's.
     """
-    from ..checkpoint.layers import check_layers, layer_count, layers_with_kda_tensors
-    from ..checkpoint.names import kda_layer_indices
-
     if requested is None:
         return None
     try:
-        listed = kda_layer_indices(source, None)
+        listed = description.kda_layers()
     except CheckpointError:
-        return list(check_layers(requested, layers_with_kda_tensors(source) or None,
-                                 layer_count(source)))
-    chosen = check_layers(requested, listed, layer_count(source))
+        return list(_selected_layers(description, requested))
+    chosen = _selected_layers(description, requested)
     if chosen != tuple(listed):
         raise PlanError(
             f"--layers {','.join(map(str, chosen))}: shard slices every KDA layer the config "
@@ -181,12 +183,13 @@ def _shard_input(
     (see :func:`_shard_layers`) and the files ``--skip-unindexed`` leaves out (a warning each
     on stderr when ``warn``)."""
     from ..checkpoint.reader import INDEX_NAME, refuse_index_member
-    from ..shard.rankdir import unindexed_files
+    from ..checkpoint.description import describe
     from ..checkpoint.reader import SafetensorsSource
+    from ..shard.rankdir import unindexed_files
 
     refuse_index_member(args.checkpoint)
     source = SafetensorsSource(args.checkpoint, args.backend)
-    layers = _shard_layers(source, args.layers)
+    layers = _shard_layers(describe(source), args.layers)
     skipped = unindexed_files(source) if args.skip_unindexed else []
     for path in skipped if warn else ():
         print(f"kda-tp: warning: {path} is not named by {INDEX_NAME}; it is left out of every "
@@ -339,7 +342,7 @@ def cmd_dump(args: argparse.Namespace) -> int:
 
     result = write_engine_dump(args.checkpoint, args.out, engine=args.engine,
                                tp_size=args.tp_size, ranks=args.ranks, model_dtype=args.dtype,
-                               force=args.force)
+                               force=args.force, wait=args.wait)
     if args.json:
         emit_json(args, result.to_dict())
     else:
@@ -372,16 +375,10 @@ def cmd_digests(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     """``demo``: generate a real-geometry checkpoint, then plan, shard and verify it; 1 when
     the verification fails."""
-    import tempfile
-
-    from ..output.marks import DEMO_STAGING_PREFIX
-    from ..output.dirs import claim_demo_dir, replace_demo_dir
+    from ..output.demo import claim_demo_dir
+    from ..output.dirs import remove_created
     from ..rank.plan import KdaTpPlan
-    from ..shard.writer import shard_checkpoint
-    from ..shard.verify import verify_shards
-    from ..checkpoint.reader import SafetensorsSource
-    from ..checkpoint.names import kda_layer_indices
-    from ..synth.checkpoints import GEOMETRIES, write_checkpoint
+    from ..synth.checkpoints import GEOMETRIES
 
     g = GEOMETRIES[args.model]
     if args.num_layers is None:
@@ -390,9 +387,29 @@ def cmd_demo(args: argparse.Namespace) -> int:
     KdaTpPlan(0, args.tp_size, g["hidden"], g["head_dim"], g["heads"], g["conv_kernel"],
               g["gate_rank"])
     entries = ["checkpoint", f"tp{args.tp_size}"]
-    if args.keep:  # refuses a DIR holding what kda-tp did not write, changing nothing
-        claim_demo_dir(args.keep, entries)
-    # With --keep, built in DIR/.kda-tp-demo-*, then swapped in (replace_demo_dir).
+    # With --keep: DIR claimed (refused when it holds what kda-tp did not write, changing
+    # nothing), the demo built in DIR/.kda-tp-demo-*, then swapped in (replace_demo_dir); a
+    # demo that fails leaves no directory it made.
+    created = claim_demo_dir(args.keep, entries) if args.keep else []
+    try:
+        return _demo(args, entries, created)
+    except BaseException:
+        remove_created(created)
+        raise
+
+
+def _demo(args: argparse.Namespace, entries: list[str], created: list[Path]) -> int:
+    """:func:`cmd_demo` once ``--keep DIR`` is claimed (``created``: the directories that made)."""
+    import tempfile
+
+    from ..output.demo import replace_demo_dir
+    from ..output.marks import DEMO_STAGING_PREFIX
+    from ..shard.verify import verify_shards
+    from ..shard.writer import shard_checkpoint
+    from ..checkpoint.reader import SafetensorsSource
+    from ..checkpoint.description import describe
+    from ..synth.checkpoints import write_checkpoint
+
     prefix = DEMO_STAGING_PREFIX if args.keep else "kda-tp-demo-"
     with tempfile.TemporaryDirectory(prefix=prefix, dir=args.keep) as tmp:
         base = Path(tmp)
@@ -404,7 +421,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
               f"({size / 1e9:.3f} GB) in {time.perf_counter() - t0:.1f} s: "
               f"{(args.keep or base) / checkpoint.name}"
               + ("" if args.keep else " (deleted on exit; --keep DIR keeps it)"))
-        kda = set(kda_layer_indices(SafetensorsSource(checkpoint), None))
+        generated = SafetensorsSource(checkpoint)  # kept open while described
+        kda = set(describe(generated).kda_layers())
         mla = [i for i in range(args.num_layers) if i not in kda]
         if mla:
             print(f"layers {mla} (0-based) are full attention (MLA): passed through unsliced")
@@ -414,7 +432,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
         print()
         result = shard_checkpoint(checkpoint, out, args.tp_size, progress=make_progress(False))
         if args.keep:
-            replace_demo_dir(args.keep, base, entries)
+            for kept in replace_demo_dir(args.keep, base, entries):
+                print_kept(kept, "replaced")
             checkpoint, out = args.keep / entries[0], args.keep / entries[1]
         print(f"shard: {written_line(dataclasses.replace(result, out_dir=out))}")
         report = verify_shards(checkpoint, out, numeric=args.numeric, seq_len=args.seq_len,

@@ -21,7 +21,9 @@ from typing import Any, NoReturn
 
 from .._native import __version__
 from ..errors import KdaTpError, PlanError, ShardInterrupted
+from ..model.dtypes import SPELLINGS
 from ..model.families import FAMILIES
+from ..model.json_reader import ascii_int
 from .commands import (
     cmd_audit,
     cmd_demo,
@@ -42,7 +44,7 @@ EXIT_INTERRUPTED = 130
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status (0 OK, 1 verification failed, 2 refused
-    input, 130 interrupted)."""
+    input or not enough memory for a tensor, 130 interrupted)."""
     args = _parser().parse_args(argv)
     try:
         tp_size, rank = getattr(args, "tp_size", None), getattr(args, "rank", None)
@@ -79,6 +81,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_INTERRUPTED
     except KdaTpError as e:
         print_refusal(args, e)
+        return 2
+    except MemoryError as e:
+        # numpy's "Unable to allocate 1.00 TiB for an array with shape (...)": a tensor or an
+        # engine parameter (a declared size, perhaps a hostile one) that cannot be held.
+        message = (f"{e or 'out of memory'}; kda-tp holds one tensor or engine parameter in "
+                   "memory at a time, and this one does not fit in the memory free here")
+        print(f"kda-tp: error: MemoryError: {message}", file=sys.stderr)
+        emit_json(args, {"ok": False, "error": {"type": "MemoryError", "message": message}})
         return 2
 
 
@@ -197,8 +207,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--kda-only", action="store_true",
                    help="write only the sliced KDA tensors (an overlay on the input checkpoint)")
     p.add_argument("--wait", action="store_true",
-                   help="when another kda-tp shard is writing some of these ranks into --out, "
-                   "wait for it to finish instead of refusing")
+                   help="when another kda-tp run is writing some of these ranks, or another "
+                   "world size, into --out, wait for it to finish instead of refusing")
     _add_quiet(p)
     _add_qk_multiple(p)
     _add_json(p, "what was written")
@@ -239,6 +249,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true",
                    help="replace dump files of these ranks already in the output directory, "
                    "and remove another world size's")
+    p.add_argument("--wait", action="store_true",
+                   help="when another kda-tp run is writing these ranks, or another world "
+                   "size, into --out, wait for it to finish instead of refusing")
     _add_json(p, "what was written")
     p.set_defaults(run=cmd_dump)
 
@@ -291,9 +304,7 @@ def _nonempty_path(text: str) -> Path:
 
 def _model_dtype(text: str) -> str:
     """A model dtype as safetensors names it (``bfloat16`` -> ``BF16``)."""
-    names = {"bfloat16": "BF16", "float16": "F16", "half": "F16", "float32": "F32",
-             "float": "F32"}
-    return names.get(text.lower(), text.upper())
+    return SPELLINGS.get(text.lower(), text.upper())
 
 
 def _add_qk_multiple(p: argparse.ArgumentParser) -> None:
@@ -336,10 +347,12 @@ MAX_SEQ_LEN = 2**20
 
 def _bounded_int(text: str, low: int, high: int, what: str) -> int:
     """``text`` as an integer in ``[low, high]``, or an argparse error saying which."""
-    digits = text.strip().removeprefix("-").removeprefix("+")
-    if not digits.isascii() or not digits.isdigit() or len(digits) > 32:
+    try:
+        value = ascii_int(text.strip(), signed=True)
+    except OverflowError:
+        value = None
+    if value is None:
         raise argparse.ArgumentTypeError(f"expected an integer, got {text[:40]!r}")
-    value = int(text)
     if value < low:
         raise argparse.ArgumentTypeError(
             f"must be {'a positive integer' if low == 1 else f'an integer >= {low}'}, got {value}"
@@ -350,9 +363,9 @@ def _bounded_int(text: str, low: int, high: int, what: str) -> int:
 
 
 def _demo_layers(text: str) -> int:
-    from ..output.dirs import DEMO_MAX_LAYERS
+    from ..output.demo import DEMO_MAX_LAYERS
 
-    return _bounded_int(text, 1, DEMO_MAX_LAYERS, "the demo stays small (kda_tp.output.dirs."
+    return _bounded_int(text, 1, DEMO_MAX_LAYERS, "the demo stays small (kda_tp.output."
                         "DEMO_MAX_LAYERS); shard a checkpoint of your own for more")
 
 

@@ -29,6 +29,7 @@ __all__ = [
     "format_plan",
     "format_sizes",
     "plan_json",
+    "print_kept",
     "print_refusal",
     "print_shard",
     "print_verify",
@@ -286,7 +287,11 @@ def print_shard(
     processes: int = 1,
     sizes: Sequence[ShardSizes] = (),
 ) -> None:
-    """What ``shard`` wrote: the JSON document with ``--json``, else one line."""
+    """What ``shard`` wrote: the JSON document with ``--json``, else one line; on stderr, a
+    warning for each directory kept because another process put files into a rank directory
+    while it was replaced (:func:`print_kept`)."""
+    for kept in result.kept:
+        print_kept(kept, "replaced or removed")
     if args.json:
         emit_json(args, {
             **result.to_dict(), "skipped_unindexed": [str(p) for p in skipped],
@@ -296,6 +301,14 @@ def print_shard(
         print(f"{written_line(result)}; {processes} torchrun processes")
     else:
         print(written_line(result))
+
+
+def print_kept(path: Path, done: str) -> None:
+    """The warning (stderr) for ``path``, a directory kda-tp kept because it holds files another
+    process put there while kda-tp ``done`` it: kda-tp removed only its own files."""
+    print(f"kda-tp: warning: {path} holds files another process put there while kda-tp "
+          f"{done} it; kda-tp removed only what it wrote and kept the rest there",
+          file=sys.stderr)
 
 
 def print_verify(report: VerifyReport) -> None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import weakref
 from typing import Any
 
-from ..checkpoint.names import kda_tensor_name
+from ..checkpoint.names import kda_tensor_name, param_name
 from ..errors import EngineLayoutError
 from ..model.quant import SCALE_SUFFIXES
 from ..rank.view import KdaShardedSource
@@ -130,5 +130,5 @@ def _part_name(view: KdaShardedSource, layer: int, part: str) -> str:
         return kda_tensor_name(view.prefix, layer, part)
     weight = part.removesuffix(".scale")
     # The view checked that every quantized weight has exactly one of the spellings.
-    spellings = (f"{view.prefix}{layer}.self_attn.{weight}.{s}" for s in SCALE_SUFFIXES)
+    spellings = (param_name(view.prefix, layer, f"{weight}.{s}") for s in SCALE_SUFFIXES)
     return next(name for name in spellings if view.is_sharded(name))

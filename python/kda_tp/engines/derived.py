@@ -13,6 +13,8 @@ from typing import Any
 
 import numpy as np
 
+from ..model.dtypes import cast_to
+
 __all__ = ["DERIVED", "DERIVED_ATTRIBUTES", "DERIVED_NAMES", "Derived", "derived_copies"]
 
 
@@ -26,7 +28,7 @@ def _conv_decode(conv1d: np.ndarray) -> np.ndarray:
 def _norm_decode(o_norm: np.ndarray) -> np.ndarray:
     """vLLM K3's ``decode_norm_weight`` from its ``o_norm.weight`` ``[D]``: the same values in
     F32 (``_make_decode_norm_weight_loader`` copies the loaded parameter into an F32 buffer)."""
-    return o_norm.astype(np.float32)
+    return cast_to(o_norm, "F32")
 
 
 def _merged_conv(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:

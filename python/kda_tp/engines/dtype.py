@@ -24,18 +24,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from ..checkpoint.reader import SafetensorsSource
+from ..checkpoint.description import CheckpointDescription
 from ..errors import DtypeMismatchError
+from ..model.dtypes import FP8_DTYPES, MODEL_DTYPES, SPELLINGS
 
-__all__ = ["MODEL_DTYPES", "config_dtype", "config_model_dtype", "engine_model_dtype",
-           "model_dtype_name"]
-
-#: The model dtypes an engine runs in, as safetensors names them.
-MODEL_DTYPES = ("BF16", "F16", "F32")
-
-# torch's and the engines' --dtype spellings, as the configs write them.
-_NAMES = {"bfloat16": "BF16", "float16": "F16", "half": "F16", "float32": "F32", "float": "F32",
-          "torch.bfloat16": "BF16", "torch.float16": "F16", "torch.float32": "F32"}
+__all__ = ["config_dtype", "config_model_dtype", "engine_model_dtype", "model_dtype_name"]
 
 
 def _dtype_of(config: Mapping[str, Any] | None) -> str | None:
@@ -44,7 +37,8 @@ def _dtype_of(config: Mapping[str, Any] | None) -> str | None:
     if not isinstance(config, Mapping):
         return None
     value = config.get("dtype") or config.get("torch_dtype")
-    return _NAMES.get(value.lower()) if isinstance(value, str) else None
+    name = model_dtype_name(value) if isinstance(value, str) else None
+    return name if name in MODEL_DTYPES else None
 
 
 def config_dtype(config: Mapping[str, Any] | None, engine: str) -> str | None:
@@ -56,27 +50,29 @@ def config_dtype(config: Mapping[str, Any] | None, engine: str) -> str | None:
     return (text or top) if engine == "sglang" else (top or text)
 
 
-def engine_model_dtype(source: SafetensorsSource, engine: str,
+def engine_model_dtype(description: CheckpointDescription, engine: str,
                        model_dtype: str | None = None) -> str:
-    """The model dtype of ``engine`` serving ``source``: ``model_dtype`` (its ``--dtype``) when
-    given, else its ``auto`` dtype for the checkpoint (the module's rule).
+    """The model dtype of ``engine`` serving a checkpoint: ``model_dtype`` (its ``--dtype``)
+    when given, else its ``auto`` dtype for the checkpoint (the module's rule).
 
     Args:
-        source: the checkpoint (its ``config.json``; for vLLM without a config dtype, its
-            tensors' dtypes).
+        description: the checkpoint's description (``kda_tp.describe``: its config; for vLLM
+            without a config dtype, its tensors' dtypes).
         engine: the engine of the layout (``EngineLayout.engine``).
         model_dtype: ``"BF16"``, ``"F16"`` or ``"F32"`` (also ``bfloat16``, ``float16``,
             ``float32``), or None for the engine's default.
 
     Returns:
-        A safetensors dtype name, one of :data:`MODEL_DTYPES`.
+        A safetensors dtype name, one of ``kda_tp.model.dtypes.MODEL_DTYPES``.
 
     Raises:
         DtypeMismatchError: ``model_dtype`` is not a model dtype.
     """
-    if model_dtype is None and config_dtype(source.config, engine) is None and engine == "vllm":
-        return config_model_dtype(source.config, engine, tensors_dtype=_tensors_dtype(source))
-    return config_model_dtype(source.config, engine, model_dtype)
+    config = description.config
+    if model_dtype is None and config_dtype(config, engine) is None and engine == "vllm":
+        return config_model_dtype(config, engine,
+                                  tensors_dtype=_tensors_dtype(description.stored_dtypes))
+    return config_model_dtype(config, engine, model_dtype)
 
 
 def config_model_dtype(config: Mapping[str, Any] | None, engine: str,
@@ -91,7 +87,7 @@ def config_model_dtype(config: Mapping[str, Any] | None, engine: str,
         DtypeMismatchError: ``model_dtype`` is not a model dtype.
     """
     if model_dtype is not None:
-        name = _NAMES.get(str(model_dtype).lower(), str(model_dtype))
+        name = model_dtype_name(model_dtype) or str(model_dtype)
         if name not in MODEL_DTYPES:
             raise DtypeMismatchError(
                 f"model_dtype {model_dtype!r} is not a model dtype an engine runs in; pass one "
@@ -105,28 +101,26 @@ def config_model_dtype(config: Mapping[str, Any] | None, engine: str,
     return found
 
 
-def _tensors_dtype(source: SafetensorsSource) -> str | None:
-    """vLLM's dtype for a config without one: the dtype all the checkpoint's float tensors
-    cast to without loss (``common_broadcastable_dtype``): F32 when any is F32 (or F64), F16
-    when all are F16 (FP8 casts to it without loss), else BF16; None without float tensors."""
-    seen = set()
-    for name in source.names():
-        info = source.info(name)
-        if info is not None:
-            seen.add(info[0])
+def _tensors_dtype(seen: frozenset[str]) -> str | None:
+    """vLLM's dtype for a config without one, from the dtypes of the checkpoint's tensors
+    (``seen``): the dtype they all cast to without loss (``common_broadcastable_dtype``): F32
+    when any is F32 (or F64), F16 when all are F16 (FP8 casts to it without loss), else BF16;
+    None without float tensors."""
     if seen & {"F32", "F64"}:
         return "F32"
     if "F16" in seen and "BF16" not in seen:
         return "F16"
-    if seen & {"BF16", "F16", "F8_E4M3", "F8_E5M2"}:
+    if seen & {"BF16", "F16", *FP8_DTYPES}:
         return "BF16"
     return None
 
 
 def model_dtype_name(dtype: Any) -> str | None:
-    """The safetensors name (``"BF16"``) of an engine's model dtype (a torch dtype, a numpy
-    dtype or a string such as ``"bfloat16"``); None when it is not a float dtype kda_tp knows."""
-    text = str(dtype).removeprefix("torch.").lower()
-    return {"bfloat16": "BF16", "float16": "F16", "half": "F16", "float32": "F32",
-            "float": "F32", "float64": "F64", "bf16": "BF16", "f16": "F16", "f32": "F32",
-            "fp16": "F16"}.get(text)
+    """The safetensors name (``"BF16"``) of a float dtype as torch, numpy, a config or an
+    engine's ``--dtype`` spells it (``torch.bfloat16``, ``np.dtype("float32")``,
+    ``"bfloat16"``, ``"BF16"``: ``kda_tp.model.dtypes.SPELLINGS``); None for any other
+    (an integer dtype, an unknown name)."""
+    text = str(dtype)
+    if text in SPELLINGS.values():
+        return text
+    return SPELLINGS.get(text.lower().removeprefix("torch."))

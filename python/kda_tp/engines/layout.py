@@ -17,9 +17,9 @@ from typing import Any
 
 import numpy as np
 
-from ..checkpoint.reader import check_out, numpy_dtype, writable_bytes
+from ..checkpoint.reader import check_out, writable_bytes
 from ..errors import EngineLayoutError
-from ..model.quant import FP8_DTYPES
+from ..model.dtypes import FP8_DTYPES, cast_into, numpy_dtype
 from ..rank.plan import KdaTensorPlan, KdaTpPlan
 
 __all__ = ["EngineLayout", "EngineParam", "EngineParamPlan", "Region"]
@@ -108,7 +108,8 @@ class EngineParamPlan:
         """Build the parameter in ``out`` as the engine's loader leaves it: every part copied
         into its region by ``read_part(part, destination)`` (a rank's slice of a plan tensor,
         or of its FP8 block-scale grid: ``KdaShardedSource.read_into``), cast first where the
-        engine casts (e.g. BF16 conv weights to F32), the padding rows zeroed.
+        engine casts (e.g. BF16 conv weights to F32) as its torch ``copy_`` casts
+        (``kda_tp.model.dtypes.cast_to``: an F64 value through F32), the padding rows zeroed.
 
         Args:
             out: None to allocate a numpy array of ``shape`` and ``dtype``; or a writable
@@ -138,8 +139,8 @@ class EngineParamPlan:
             else:
                 raw = np.empty(part_nbytes(region.part), np.uint8)
                 read_part(region.part, raw)
-                np.copyto(dst.view(numpy_dtype(self.dtype)),
-                          raw.view(numpy_dtype(region.source_dtype)), casting="unsafe")
+                cast_into(dst.view(numpy_dtype(self.dtype)),
+                          raw.view(numpy_dtype(region.source_dtype)))
         if self.padding is not None:
             target[self.padding[0] : self.padding[1]] = 0
         return out
@@ -259,6 +260,17 @@ class EngineLayout:
                     "but the layout has no scale grid for it; pass a layout with FP8 scale "
                     "grids (kda_tp.engines.layouts_for(family, plan) lists those that fit)"
                 )
+
+    def follows_model(self, suffix: str, plan: KdaTpPlan) -> bool:
+        """Whether the engine casts parameter ``suffix`` to its model dtype for ``plan``'s
+        rank: it has no dtype of its own (``EngineParam.dtype`` is None: not the F32
+        ``A_log``, ``dt_bias`` or convs), is no scale grid, and its parts are not block-FP8.
+
+        Raises:
+            EngineLayoutError: no such parameter; parts mixing block-FP8 and unquantized.
+        """
+        param = self.param(suffix)
+        return param.dtype is None and param.scale_of is None and not _quantized(param, plan)
 
     def param_plan(
         self, suffix: str, plan: KdaTpPlan, model_dtype: str | None = None

@@ -45,11 +45,11 @@ buffers or transforms outside the loaded parameters.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable, Mapping
 from types import MappingProxyType
 from typing import Any
 
+from ..checkpoint.names import param_location, param_name
 from ..errors import CheckpointError, EngineLayoutError
 from ..model import families
 from ..model.config import parse_config
@@ -57,6 +57,8 @@ from ..rank.plan import KdaTpPlan
 from .layout import EngineLayout
 from .tables import TABLES
 
+# param_name and param_location (kda_tp.checkpoint.names) are how a layout's parameters are
+# named in an engine; importable here with the layouts, as the docs show.
 __all__ = ["FAMILIES", "LAYOUTS", "get_layout", "kda_only_suffixes", "layouts_for", "model_family",
            "param_location", "param_name", "recognise"]
 
@@ -146,30 +148,6 @@ def layouts_for(family: str | None = None, plan: KdaTpPlan | None = None) -> lis
                 continue
         found.append(layout)
     return found
-
-
-# ASCII digits (\d matches other scripts' digits), at most 10: a layer index is below 2**31.
-_PARAM_NAME = re.compile(r"^((?:.*\.)?layers\.)([0-9]{1,10})\.self_attn\.(.+)$")
-
-
-def param_name(prefix: str, layer: int, suffix: str) -> str:
-    """A KDA layer's parameter name, the inverse of :func:`param_location`:
-    ``param_name("model.layers.", 3, "A_log")`` -> ``"model.layers.3.self_attn.A_log"``."""
-    return f"{prefix}{layer}.self_attn.{suffix}"
-
-
-def param_location(name: str) -> tuple[str, int, str] | None:
-    """Split a parameter name of a decoder layer's attention into ``(prefix, layer, suffix)``.
-
-    ``"language_model.model.layers.3.self_attn.in_proj_qkvgfab.weight"`` ->
-    ``("language_model.model.layers.", 3, "in_proj_qkvgfab.weight")``; any model prefix works
-    (``model.``, ``language_model.model.``, none). None for a name outside ``self_attn``.
-    Whether layer 3 is a KDA layer is the config's business, never the name's.
-    """
-    match = _PARAM_NAME.match(name)
-    if match is None:
-        return None
-    return match.group(1), int(match.group(2)), match.group(3)
 
 
 def recognise(suffixes: Iterable[str], family: str | None = None) -> list[EngineLayout]:

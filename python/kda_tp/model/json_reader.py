@@ -19,6 +19,7 @@ __all__ = [
     "MAX_INT_DIGITS",
     "MAX_JSON_BYTES",
     "MAX_JSON_DEPTH",
+    "ascii_int",
     "parse_json",
     "parse_metadata_int",
     "read_json",
@@ -103,9 +104,12 @@ class _TooManyDigits(Exception):
 
 
 def _bounded_int(digits: str) -> int:
-    if len(digits) > MAX_INT_DIGITS + (digits[0] == "-"):
-        raise _TooManyDigits(len(digits.lstrip("-")))
-    return int(digits)
+    try:
+        found = ascii_int(digits, signed=True)
+    except OverflowError:
+        raise _TooManyDigits(len(digits.lstrip("-"))) from None
+    assert found is not None  # json's scanner passes ASCII digits with an optional "-"
+    return found
 
 
 def parse_json(text: str, source: str) -> Any:
@@ -141,11 +145,35 @@ def parse_json(text: str, source: str) -> Any:
         raise CheckpointError(f"{source}: cannot read it as JSON: {e}") from None
 
 
-_ASCII_DIGITS = re.compile(r"[0-9]+")
+# ASCII digits, after an optional sign (ascii_int's signed=True).
+_ASCII_INT = re.compile(r"([+-]?)([0-9]+)")
+
+
+def ascii_int(text: object, *, signed: bool = False) -> int | None:
+    """``text`` read as an integer written in ASCII digits ``0-9``, after one ``+`` or ``-``
+    when ``signed``: the one way kda_tp reads an integer from text (a config's numbers, header
+    metadata, a file name's rank, the command line's). None for anything else: not a str, empty,
+    spaces or underscores, other scripts' digits (``int`` reads ``"٤"`` as 4, ``str.isdigit``
+    takes ``"²"``).
+
+    Raises:
+        OverflowError: more than :data:`MAX_INT_DIGITS` digits (``int`` would spend time on
+            them, and refuses 4300 with a plain ``ValueError``); the caller says where.
+    """
+    if not isinstance(text, str):
+        return None
+    match = _ASCII_INT.fullmatch(text)
+    if match is None or (match.group(1) and not signed):
+        return None
+    if len(match.group(2)) > MAX_INT_DIGITS:
+        raise OverflowError(f"an integer of {len(match.group(2))} digits, more than "
+                            f"MAX_INT_DIGITS = {MAX_INT_DIGITS}")
+    return int(text)
 
 
 def parse_metadata_int(value: object, key: str, source: str) -> int:
-    """A count or index from a header's metadata (``tp_size``, ``tp_rank``): ASCII digits only.
+    """A count or index from a header's metadata (``tp_size``, ``tp_rank``): ASCII digits only
+    (:func:`ascii_int`).
 
     ``int()`` would also take ``" 4"``, ``"+4"``, ``"4_0"`` and other scripts' digits
     (``"٤"``), and raise a plain ``ValueError`` past 4300 digits.
@@ -159,17 +187,20 @@ def parse_metadata_int(value: object, key: str, source: str) -> int:
         CheckpointError: not a string of ASCII digits ``0-9``, or longer than
             :data:`MAX_INT_DIGITS` digits.
     """
-    if not isinstance(value, str) or not _ASCII_DIGITS.fullmatch(value):
+    try:
+        found = ascii_int(value)
+    except OverflowError:
+        assert isinstance(value, str)
+        raise CheckpointError(
+            f"{source}: metadata {key} has {len(value)} digits, more than MAX_INT_DIGITS = "
+            f"{MAX_INT_DIGITS}"
+        ) from None
+    if found is None:
         raise CheckpointError(
             f"{source}: metadata {key} = {short_repr(value)} is not a non-negative integer in "
             "ASCII digits"
         )
-    if len(value) > MAX_INT_DIGITS:
-        raise CheckpointError(
-            f"{source}: metadata {key} has {len(value)} digits, more than MAX_INT_DIGITS = "
-            f"{MAX_INT_DIGITS}"
-        )
-    return int(value)
+    return found
 
 
 def short_repr(value: object) -> str:

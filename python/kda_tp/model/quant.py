@@ -49,6 +49,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..errors import CheckpointError, ShapeMismatchError
+from .dtypes import FP8_DTYPES
 from .json_reader import read_json
 
 if TYPE_CHECKING:
@@ -56,7 +57,6 @@ if TYPE_CHECKING:
 
 __all__ = [
     "BlockFormat",
-    "FP8_DTYPES",
     "ModelOptModules",
     "SCALE_SUFFIXES",
     "block_format",
@@ -66,8 +66,6 @@ __all__ = [
     "quantization_config",
 ]
 
-#: Safetensors dtypes of block-quantized weights.
-FP8_DTYPES = ("F8_E4M3", "F8_E5M2")
 #: Names of a block scale after ``<p>.``: ModelOpt and compressed-tensors, DeepSeek.
 SCALE_SUFFIXES = ("weight_scale", "weight_scale_inv")
 HF_QUANT_CONFIG = "hf_quant_config.json"

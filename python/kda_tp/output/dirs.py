@@ -2,31 +2,27 @@
 
 The rules, for ``shard``, ``dump`` and ``demo --keep`` alike:
 
-* **Never touch what kda-tp did not write.** A directory is kda-tp's when it carries the mark
-  :data:`~kda_tp.output.MARK_NAME` (written into every directory kda-tp makes, naming what it
-  put there) and holds nothing else, or when it is empty; a safetensors file is kda-tp's when
-  its header's ``__metadata__`` carries :data:`~kda_tp.output.FILE_MARK`. Anything else in
-  the way (another tool's ``rank{N}/`` optimizer states, an engine's own dump, a symbolic
-  link, a plain file) is refused by name, ``--force`` or not.
+* **Never touch what kda-tp did not write, judged at the moment it is touched.** A directory
+  is kda-tp's when it carries the mark :data:`~kda_tp.output.MARK_NAME` (written into every
+  directory kda-tp makes, naming what it put there) and holds nothing else, each file judged
+  by its own mark (a safetensors file by :data:`~kda_tp.output.FILE_MARK` in its header, any
+  other file by the SHA-256 the directory's mark recorded), or when it is empty. Anything else
+  in the way (another tool's ``rank{N}/`` optimizer states, an engine's own dump, a symbolic
+  link, a plain file, a user's file put under a name kda-tp used) is refused by name,
+  ``--force`` or not. Each path is checked again just before it is moved aside, removed or
+  renamed over, a free name is taken without replacing what appeared under it meanwhile, and
+  what appeared in a directory kda-tp moved aside is put back (:mod:`kda_tp.output.moves`).
 * **Build first, then replace.** A run writes its output under hidden names and moves it into
   place only once all of it is complete; what it replaces is removed only then, so a refused
   or failed run leaves the previous output as it was.
-* **Locks are kda-tp's own files.** ``OUT/.rank{r}.lock`` is opened without following a
-  symbolic link (``O_NOFOLLOW``, and ``O_CLOEXEC``), refused unless a regular file with one
-  link, and written only when empty or holding a kda-tp holder line; the lock is the ``flock``
-  on it (see :func:`kda_tp.shard.shard_checkpoint`).
+* **One world size per output, one writer per rank**, each lock a kda-tp file
+  (:mod:`kda_tp.output.locks`).
 """
 
 from __future__ import annotations
 
-import errno
-import fcntl
 import os
-import re
 import shutil
-import socket
-import stat
-import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
@@ -34,41 +30,23 @@ from ..checkpoint.reader import SafetensorsSource
 from ..checkpoint.writer import resolve_out
 from ..errors import KdaTpError, OutputError
 from ..model.json_reader import parse_metadata_int
-from .marks import (
-    DEMO_STAGING_PREFIX,
-    NOFOLLOW,
-    foreign_dir,
-    foreign_output,
-    read_mark,
-    refuse,
-    write_mark,
-)
-from .names import LOCK_FILE, MARK_NAME, PARTIAL_DIR, RANK_DIR, rank_dir
-
-# What kda-tp wrote (its marks) and the refusals of anything else: kda_tp.output.marks.
+from .locks import OutputLocks, lock_output, output_error
+from .marks import foreign_dir, foreign_file, refuse
+from .moves import discard_ours, keep_foreign, put_aside, take_name
+from .names import ASIDE_DIR, LOCK_FILE, PARTIAL_DIR, RANK_DIR, WORLD_LOCK, rank_dir
 
 __all__ = [
-    "RankLocks",
     "check_out_dir",
     "check_out_location",
-    "DEMO_MAX_LAYERS",
-    "claim_demo_dir",
     "discard",
     "input_mode",
-    "lock_ranks",
     "make_dirs",
     "prepare_out_dir",
     "remove_created",
     "remove_dir",
-    "replace_demo_dir",
     "replace_files",
     "staged_name",
 ]
-
-#: Bytes of a lock file's holder line read back (for a refusal message, and to recognise it).
-_HOLDER_BYTES = 512
-#: The line a writer records in its lock file (see ``_lock_rank``).
-_HOLDER_LINE = re.compile(rb"pid [0-9]+ on [^\n]*, started [0-9TZ:-]+\n")
 
 
 def staged_name(final: Path) -> Path:
@@ -98,108 +76,63 @@ def input_mode(checkpoint: Path) -> int:
 
 def replace_files(staged: Mapping[Path, Path], stale: Iterable[Path]) -> None:
     """Move each complete file of ``staged`` (final path -> hidden staged path, all in one
-    directory) onto its final path, then remove the ``stale`` files not replaced so.
+    directory) onto its final path, and remove the ``stale`` files, all or nothing.
 
-    Each file is renamed in one step (a reader sees the old file or the new one); the caller
-    has checked ``stale`` with :func:`kda_tp.output.foreign_file`.
-
-    Raises:
-        OutputError: a rename or removal fails (the message names the file).
-    """
-    for final, path in staged.items():
-        try:
-            os.replace(path, final)
-        except OSError as e:
-            raise OutputError(f"{final}: cannot move the new file into place: {e}") from e
-    for path in stale:
-        if path in staged:
-            continue
-        try:
-            path.unlink(missing_ok=True)
-        except OSError as e:
-            raise OutputError(f"{path}: cannot remove it (--force): {e}") from e
-
-
-#: The most decoder layers ``demo --num-layers`` generates: the demo stays small (a Kimi-Linear
-#: layer is about 80 MB, a GLM-5.3-Flash layer about 280 MB, a Kimi K3 layer up to 0.9 GB).
-DEMO_MAX_LAYERS = 64
-
-
-def claim_demo_dir(path: Path, entries: Iterable[str]) -> None:
-    """Check that ``demo --keep`` may write ``entries`` (``checkpoint``, ``tp{N}``) into
-    ``path``, and create ``path`` if missing. Nothing already in ``path`` is changed: the demo
-    builds in a staging directory inside it (named :data:`DEMO_STAGING_PREFIX`...) and
-    :func:`replace_demo_dir` moves the entries into place once built, so a refused or failed
-    demo leaves the earlier one as it was.
-
-    ``path`` may be missing, empty, or an earlier demo's (carrying its mark); the entries an
-    earlier demo wrote and the new ``entries`` must be kda-tp's (``checkpoint/`` with its
-    ``checkpoint`` mark, ``tp{N}/`` a ``shard`` output of marked rank directories), and
-    anything else in it must be an output kda-tp wrote (``shard`` outputs, dumps: left in
-    place).
+    Every file in the way is judged again at that moment: one under a final name or in
+    ``stale`` is moved aside (:func:`~kda_tp.output.moves.put_aside`, checked by its own mark,
+    :func:`~kda_tp.output.foreign_file`) only when ``stale`` names it (``--force``); a file
+    that appeared under a final name since the caller looked is refused. Each new file then
+    takes its free name without replacing anything (:func:`~kda_tp.output.moves.take_name`),
+    and the files moved aside are removed last. On a refusal or failure the new files are
+    taken back to their staged names and the files moved aside are put back.
 
     Raises:
-        OutputError: ``path`` or something in it is not kda-tp's (the user's files, another
-            tool's, a link, a file), naming what is in the way; nothing is changed.
+        OutputError: a file in the way is not kda-tp's (or is not in ``stale``), or a move
+            fails (the message names the file).
     """
-    _check_demo_dir(path, set(entries))
-    make_dirs(path)
-
-
-def _check_demo_dir(path: Path, entries: set[str]) -> None:
-    """Refuse (OutputError) a ``demo --keep`` directory holding what kda-tp did not write
-    (:func:`claim_demo_dir`)."""
-    if path.is_symlink() or not path.is_dir():
-        why = foreign_dir(path, "demo")
-        if why is not None:
-            raise refuse(path, why, "demo")
-        return
+    allowed = set(stale)
+    asides: dict[Path, Path] = {}
+    placed: list[Path] = []
     try:
-        # A demo's staging directory (this one's, or a killed one's) is its own.
-        names = sorted(n for n in os.listdir(path) if not n.startswith(DEMO_STAGING_PREFIX))
-    except OSError as e:
-        raise refuse(path, f"cannot be listed ({e})", "demo") from e
-    if not names:
-        return
-    mark = read_mark(path)
-    if mark is None or mark[0] != "demo":
-        raise refuse(path, foreign_dir(path, "demo") or "no demo mark", "demo")
-    replaced = mark[1] | entries
-    for name in names:
-        entry = path / name
-        if name == MARK_NAME:
-            continue
-        if name not in replaced:
-            why = foreign_output(entry)
-        elif name == "checkpoint":
-            why = foreign_dir(entry, "checkpoint")
-        else:
-            why = foreign_output(entry)
-        if why is not None:
-            raise refuse(entry, why, "demo")
+        for final in dict.fromkeys([*staged, *allowed]):
+            if not os.path.lexists(final):
+                continue
+            if final not in allowed:
+                raise _appeared(final)
+            aside = final.with_name(f".{final.name}.kda-tp-old-{os.getpid()}")
+            put_aside(final, aside, foreign_file, "replaces")
+            asides[final] = aside
+        for final, path in staged.items():
+            try:
+                take_name(path, final)
+            except FileExistsError:
+                raise _appeared(final) from None
+            except OSError as e:
+                raise output_error(final, "move the new file into place", e) from e
+            placed.append(final)
+    except BaseException:
+        for final in placed:
+            try:
+                take_name(final, staged[final])
+            except OSError:
+                continue
+        for final, aside in asides.items():
+            try:
+                take_name(aside, final)
+            except OSError:
+                continue
+        raise
+    for aside in asides.values():
+        aside.unlink(missing_ok=True)
 
 
-def replace_demo_dir(path: Path, staging: Path, entries: Iterable[str]) -> None:
-    """Move the ``entries`` built in ``staging`` (:func:`claim_demo_dir`) into ``path``,
-    replacing an earlier demo's, and mark ``checkpoint/`` and ``path`` as kda-tp's. ``path`` is checked again first, so files put there meanwhile are kept.
-
-    Raises:
-        OutputError: something in ``path`` is not kda-tp's, or a move fails.
-    """
-    names = list(entries)
-    _check_demo_dir(path, set(names))
-    checkpoint = staging / "checkpoint"
-    write_mark(checkpoint, "checkpoint", os.listdir(checkpoint))
-    mark = read_mark(path)
-    for name in set() if mark is None else mark[1]:
-        discard(path / name)
-    for name in names:
-        discard(path / name)
-        try:
-            os.replace(staging / name, path / name)
-        except OSError as e:
-            raise OutputError(f"{path / name}: cannot move the new output into place: {e}") from e
-    write_mark(path, "demo", names)
+def _appeared(path: Path) -> OutputError:
+    """The refusal of a file that took one of a run's names while the run was writing."""
+    return OutputError(
+        f"{path}: appeared while kda-tp was writing (it was not there, or not to be replaced, "
+        "when the output directory was checked); kda-tp takes only free names and replaces "
+        "only its own files: move it away, or choose another --out"
+    )
 
 
 def prepare_out_dir(
@@ -215,9 +148,9 @@ def prepare_out_dir(
     checkpoint at ``root``), or check what it already holds; remove stale partial directories of
     ``ranks``. ``force`` allows replacing finished rank directories kda-tp wrote.
 
-    The ranks' locks (``OUT/.rank{r}.lock``, see :func:`kda_tp.shard.shard_checkpoint`) are
-    held while ``out`` is checked and cleaned, and released on return; a partial directory is
-    removed only while its rank's lock is held, so only a dead writer's.
+    The output's locks (its world size's and the ranks', :func:`~kda_tp.output.lock_output`)
+    are held while ``out`` is checked and cleaned, and released on return; a partial directory
+    is removed only while its rank's lock is held, so only a dead writer's.
 
     Args:
         root: the input checkpoint's directory.
@@ -225,7 +158,8 @@ def prepare_out_dir(
         tp_size: the world size.
         ranks: the ranks to be written.
         force: allow replacing finished rank directories and other files in ``out``.
-        wait: wait for another writer's lock on one of ``ranks`` instead of refusing.
+        wait: wait for another writer of one of ``ranks``, or of another world size, instead
+            of refusing.
 
     Returns:
         The directories this call created (``out`` and missing parents), deepest first; empty
@@ -236,14 +170,14 @@ def prepare_out_dir(
             output that ``force`` does not allow replacing, holds something in a rank's way
             that kda-tp did not write (:func:`foreign_dir`), cannot be created or listed, a
             lock file is not kda-tp's (a symbolic link, not a regular file), or another live
-            process holds the lock of one of ``ranks`` (without ``wait``).
+            process writes one of ``ranks`` or another world size there (without ``wait``).
     """
     check_out_location(root, out, ranks)
     created = make_dirs(out)
     try:
-        locks = lock_ranks(out, ranks, wait)
+        locks = lock_output(out, tp_size, ranks, wait)
         try:
-            for entry in check_out_dir(root, out, tp_size, ranks, force, locks):
+            for entry in check_out_dir(root, out, tp_size, ranks, force, locks, wait):
                 remove_dir(entry, out)
         finally:
             locks.release()
@@ -297,7 +231,7 @@ def make_dirs(out: Path) -> list[Path]:
             ) from None
         except OSError as e:
             remove_created(created[::-1])
-            raise OutputError(f"{out}: cannot create the output directory: {e}") from e
+            raise output_error(out, "create the output directory", e) from e
         created.append(path)
     return created[::-1]
 
@@ -307,129 +241,9 @@ def remove_created(created: list[Path]) -> None:
     that is not (another process wrote into it) stays, and so do its parents."""
     for path in created:
         try:
-            path.rmdir()
+            os.rmdir(path)
         except OSError:
             return
-
-
-class RankLocks:
-    """The lock files (path, descriptor) a writer holds, one per rank, each under ``flock``."""
-
-    def __init__(self) -> None:
-        self.held: dict[int, tuple[Path, int]] = {}
-
-    def add(self, out: Path, rank: int) -> None:
-        """Lock rank ``rank`` too, without waiting (see :func:`lock_ranks`)."""
-        if rank not in self.held:
-            self.held[rank] = _lock_rank(out, rank, wait=False)
-
-    def release(self) -> None:
-        """Remove each lock file (when it is still this writer's file) while still holding its
-        lock, then unlock it (by closing). A process that opened the file before it was removed
-        and then gets the lock sees that its file is no longer at that path, and locks the new
-        one (``_lock_rank``)."""
-        for path, fd in self.held.values():
-            try:
-                if _same_file(path, fd):
-                    path.unlink()
-            except OSError:
-                pass  # e.g. the directory became read-only: the lock is released all the same
-            os.close(fd)
-        self.held.clear()
-
-
-def lock_ranks(out: Path, ranks: Iterable[int], wait: bool) -> RankLocks:
-    """Lock ``OUT/.rank{r}.lock`` for each rank, in rank order (so that waiting writers never
-    deadlock); on any failure the locks taken so far are released.
-
-    Raises:
-        OutputError: as ``_lock_rank``.
-    """
-    locks = RankLocks()
-    try:
-        for r in sorted(ranks):
-            locks.held[r] = _lock_rank(out, r, wait)
-    except BaseException:
-        locks.release()
-        raise
-    return locks
-
-
-def _same_file(path: Path, fd: int) -> bool:
-    """Whether ``path`` (not followed if a link) is the file open as ``fd``."""
-    try:
-        current = os.stat(path, follow_symlinks=False)
-    except FileNotFoundError:
-        return False
-    mine = os.fstat(fd)
-    return (current.st_dev, current.st_ino) == (mine.st_dev, mine.st_ino)
-
-
-def _lock_rank(out: Path, rank: int, wait: bool) -> tuple[Path, int]:
-    """Take the exclusive ``flock`` of rank ``rank``'s lock file, then record this process
-    (pid, host, start time, UTC) in it for the message of a writer it refuses.
-
-    The file is opened without following a link (``O_NOFOLLOW``) and used only when it is a
-    regular file with one link that is empty or holds a holder line: a file kda-tp did not
-    write is never written to.
-
-    Raises:
-        OutputError: another process holds the lock (without ``wait``); the lock path is a
-            symbolic link, not a regular file, a file with other links, or a file holding
-            something else than a holder line; the lock file cannot be created or locked.
-    """
-    path = out / f".rank{rank}.lock"
-    while True:
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NONBLOCK | NOFOLLOW,
-                         0o644)
-        except OSError as e:
-            if e.errno == errno.ELOOP or path.is_symlink():
-                raise refuse(path, f"a symbolic link where rank {rank}'s lock file goes "
-                              "(kda-tp's lock files are regular files it creates)",
-                              "writes") from None
-            raise OutputError(f"{path}: cannot create the lock file of rank {rank}: {e}") from e
-        try:
-            info = os.fstat(fd)
-            if not stat.S_ISREG(info.st_mode) or info.st_nlink != 1:
-                what = ("not a regular file" if not stat.S_ISREG(info.st_mode)
-                        else f"a file with {info.st_nlink} hard links")
-                raise refuse(path, f"{what} where rank {rank}'s lock file goes", "writes")
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
-            except BlockingIOError:
-                raise OutputError(
-                    f"{out}: rank {rank} is being written by another kda-tp shard "
-                    f"({_holder(fd)}; lock file {path.name}); pass --wait (wait=True) to wait "
-                    "for it, or choose another --out"
-                ) from None
-            except OSError as e:
-                raise OutputError(f"{path}: cannot lock rank {rank}'s lock file: {e}") from e
-            if _same_file(path, fd):
-                held = os.pread(fd, _HOLDER_BYTES, 0)
-                if held and not _HOLDER_LINE.fullmatch(held):
-                    raise refuse(path, "holds something else than a kda-tp lock's holder line",
-                                  "writes")
-                started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-                line = f"pid {os.getpid()} on {socket.gethostname()}, started {started}\n"
-                os.pwrite(fd, line.encode(), 0)
-                os.ftruncate(fd, len(line.encode()))  # a longer holder line of its own before
-                return path, fd
-        except BaseException:
-            os.close(fd)
-            raise
-        # The previous holder removed the file before unlocking it: lock the one now there.
-        os.close(fd)
-
-
-def _holder(fd: int) -> str:
-    """The holder line of a lock file, as one printable line."""
-    try:
-        text = os.pread(fd, _HOLDER_BYTES, 0).decode("utf-8", "replace")
-    except OSError:
-        text = ""
-    text = "".join(c if c.isprintable() else " " for c in text).strip()
-    return f"held by {text}" if text else "held by a writer that is just starting"
 
 
 def check_out_dir(
@@ -438,10 +252,13 @@ def check_out_dir(
     tp_size: int,
     ranks: tuple[int, ...],
     force: bool,
-    locks: RankLocks,
+    locks: OutputLocks,
+    wait: bool = False,
 ) -> list[Path]:
     """:func:`prepare_out_dir`'s check and clean-up of ``out``, with ``ranks`` locked in
-    ``locks`` (and any other rank whose directory ``force`` removes added to them).
+    ``locks`` (and any other rank whose directory ``force`` removes added to them, waiting for
+    it with ``wait``). Partial directories of ``ranks`` left by a dead writer are removed, and
+    so are rank directories a killed run moved aside (each judged by its own marks).
 
     Returns:
         The rank directories of another world size that ``force`` replaces (checked to be
@@ -455,12 +272,17 @@ def check_out_dir(
     try:
         entries = sorted(out.iterdir())
     except OSError as e:
-        raise OutputError(f"{out}: cannot list the output directory: {e}") from e
+        raise output_error(out, "list the output directory", e) from e
     existing: list[Path] = []
     stale: list[Path] = []
     for entry in entries:
-        if LOCK_FILE.match(entry.name):
+        if LOCK_FILE.match(entry.name) or WORLD_LOCK.match(entry.name):
             continue  # a writer's lock (ours, or another rank's writer)
+        aside = ASIDE_DIR.match(entry.name)
+        if aside:
+            if int(aside.group(1)) in ranks:  # left by a killed run, judged as a rank
+                remove_dir(entry, out)
+            continue
         partial, final = PARTIAL_DIR.match(entry.name), RANK_DIR.match(entry.name)
         if (partial or final) and (resolve_out(entry) == input_root or _holds(entry, input_root)):
             # Never remove or replace the input, whatever its name.
@@ -497,9 +319,8 @@ def check_out_dir(
                 why = foreign_dir(entry, "rank")
                 if why is not None:
                     raise refuse(entry, why, "removes")
-                # Another rank: removed only while no live writer holds it (never waiting
-                # here: the ranks' locks are taken in order, and this one is out of order).
-                locks.add(out, int(final.group(1)))
+                # Another rank: removed only while no live writer holds it.
+                locks.add(int(final.group(1)), wait)
                 stale.append(entry)
         elif not partial and not force:
             raise OutputError(
@@ -535,17 +356,36 @@ def _rank_tp_size(path: Path) -> int | None:
         return None
 
 
-def remove_dir(path: Path, out: Path) -> None:
-    """Remove a directory after moving it aside in one rename, so it never lingers half-deleted
-    under its own name (the aside name is a partial name, cleaned by a later run)."""
-    aside = out / f".{path.name}.partial-removed-{os.getpid()}"
-    os.replace(path, aside)
-    discard(aside)
+def remove_dir(path: Path, out: Path) -> Path | None:
+    """Remove the rank directory ``path`` (of another world size, or one a killed run moved
+    aside), judged again first and moved aside in one rename so that it never lingers
+    half-deleted under its own name; then only what is kda-tp's is removed
+    (:func:`~kda_tp.output.moves.discard_ours`).
+
+    Returns:
+        None when it is gone; else where what was put into it meanwhile, which kda-tp did not
+        write, now is (back under ``path``'s name where it is free:
+        :func:`~kda_tp.output.moves.keep_foreign`).
+
+    Raises:
+        OutputError: ``path`` is not kda-tp's (it is left where it was).
+    """
+    match = RANK_DIR.match(path.name) or ASIDE_DIR.match(path.name)
+    rank = match.group(1) if match else path.name
+    aside = out / f".rank{rank}.replaced-{os.getpid()}-removed"
+    if aside == path:
+        aside = out / f".rank{rank}.replaced-{os.getpid()}-again"
+    put_aside(path, aside, lambda p: foreign_dir(p, "rank"), "removes")
+    if not discard_ours(aside):
+        return None
+    return keep_foreign(aside, path)
 
 
 def discard(path: Path) -> None:
-    """Remove a directory kda-tp wrote, or, when it is a symbolic link or a plain file, the
-    link or file alone: what a link points to is never touched."""
+    """Remove a partial directory a dead writer left (judged first by
+    :func:`~kda_tp.output.foreign_dir` with ``complete=False``: hidden, named by its writer,
+    written by it alone), or, when it is a symbolic link or a plain file, the link or file
+    alone: what a link points to is never touched."""
     if path.is_symlink() or not path.is_dir():
         path.unlink(missing_ok=True)
     else:

@@ -10,22 +10,36 @@ not (:func:`refuse`).
 
 from __future__ import annotations
 
+import errno
+import hashlib
 import json
 import os
 import stat
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
+from typing import NamedTuple
 
 from .._native import __version__
 from ..checkpoint.reader import SafetensorsSource
 from ..checkpoint.writer import TEMP_FILE, write_json
 from ..errors import KdaTpError, OutputError
-from .names import FILE_MARK, LOCK_FILE, MARK_NAME, PARTIAL_DIR, RANK_DIR
+from .names import (
+    ASIDE_DIR,
+    FILE_MARK,
+    LOCK_FILE,
+    MARK_NAME,
+    PARTIAL_DIR,
+    RANK_DIR,
+    WORLD_LOCK,
+)
 
 __all__ = [
     "DEMO_STAGING_PREFIX",
+    "Mark",
     "NOFOLLOW",
+    "file_marked",
     "foreign_dir",
+    "foreign_entry",
     "foreign_file",
     "foreign_output",
     "read_mark",
@@ -42,27 +56,74 @@ NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 DEMO_STAGING_PREFIX = ".kda-tp-demo-"
 
 
+class Mark(NamedTuple):
+    """A directory's kda-tp mark (:data:`~kda_tp.output.MARK_NAME`), as :func:`read_mark` reads
+    it: what kind of directory kda-tp made (``"rank"``, ``"checkpoint"``, ``"demo"``), the
+    names of the entries it wrote there, and the SHA-256 (hex) of each entry file that carries
+    no mark of its own (a safetensors file kda-tp wrote carries
+    :data:`~kda_tp.output.FILE_MARK` in its header instead)."""
+
+    kind: str
+    entries: frozenset[str]
+    digests: Mapping[str, str]
+
+
 def write_mark(directory: Path, kind: str, entries: Iterable[str], mode: int | None = None) -> None:
     """Write kda-tp's mark (:data:`~kda_tp.output.MARK_NAME`) into ``directory``: a JSON
-    object ``{"written_by": "kda-tp", "version", "kind", "entries"}``, ``entries`` sorted.
+    object ``{"written_by": "kda-tp", "version", "kind", "entries", "digests"}``, ``entries``
+    sorted, ``digests`` the SHA-256 of each entry that is a regular file now and carries no
+    mark of its own (:func:`file_marked`): the mark by which ``--force`` later judges that
+    file (:func:`foreign_entry`). Entries not written yet (a partial directory's) get none.
 
     Args:
         directory: a directory kda-tp made.
-        kind: what it is: ``"rank"`` (a shard rank directory) or ``"demo"`` (``demo --keep``).
-        entries: the names kda-tp wrote into it (the mark itself not included).
+        kind: what it is: ``"rank"`` (a shard rank directory), ``"checkpoint"`` (the demo's
+            checkpoint) or ``"demo"`` (``demo --keep``).
+        entries: the names kda-tp wrote (or is writing) into it (the mark itself not included).
         mode: the file's mode bits (default: ``0o666`` less the umask).
 
     Raises:
-        OutputError: the file cannot be written.
+        OutputError: the file cannot be written, or an entry cannot be read for its digest.
     """
+    names = sorted(entries)
+    digests = {n: d for n in names if (d := _entry_digest(directory / n)) is not None}
     document = {"written_by": "kda-tp", "version": __version__, "kind": kind,
-                "entries": sorted(entries)}
+                "entries": names, "digests": digests}
     write_json(directory / MARK_NAME, document, sync=False, mode=mode)
 
 
-def read_mark(directory: Path) -> tuple[str, set[str]] | None:
-    """The kind and the entries of ``directory``'s mark, or None when it has none (or one
-    kda-tp did not write)."""
+def _entry_digest(path: Path) -> str | None:
+    """The SHA-256 a mark records for ``path``: None for a directory, a missing file, or a
+    safetensors file carrying kda-tp's own header mark.
+
+    Raises:
+        OutputError: the file cannot be read.
+    """
+    if path.is_symlink() or not path.is_file():
+        return None
+    if path.name.endswith(".safetensors") and file_marked(path):
+        return None
+    try:
+        return _sha256(path)
+    except OSError as e:
+        raise OutputError(f"{path}: cannot read it for kda-tp's mark: {e}") from e
+
+
+def _sha256(path: Path) -> str:
+    """The SHA-256 (hex) of a regular file's bytes, read without following a link."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | NOFOLLOW)
+    with open(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", str(path))
+        digest = hashlib.sha256()
+        while block := f.read(1 << 20):
+            digest.update(block)
+        return digest.hexdigest()
+
+
+def read_mark(directory: Path) -> Mark | None:
+    """``directory``'s :class:`Mark`, or None when it has none (or one kda-tp did not write:
+    unreadable, not a regular file, not kda-tp's JSON, or naming a path elsewhere)."""
     path = directory / MARK_NAME
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | NOFOLLOW)
@@ -80,22 +141,29 @@ def read_mark(directory: Path) -> tuple[str, set[str]] | None:
     if not isinstance(document, dict) or document.get("written_by") != "kda-tp":
         return None
     kind, entries = document.get("kind"), document.get("entries")
-    if not isinstance(kind, str) or not isinstance(entries, list):
+    digests = document.get("digests", {})
+    if not isinstance(kind, str) or not isinstance(entries, list) or not isinstance(
+            digests, dict):
         return None
     # Names in the directory itself: a mark naming a path elsewhere is not kda-tp's.
     if not all(isinstance(e, str) and e not in ("", ".", "..") and "/" not in e
                and os.sep not in e for e in entries):
         return None
-    return kind, set(entries)
+    if not all(isinstance(d, str) for d in digests.values()):
+        return None
+    return Mark(kind, frozenset(entries), {n: d for n, d in digests.items() if n in entries})
 
 
 def foreign_dir(path: Path, kind: str, *, complete: bool = True) -> str | None:
     """Why kda-tp must not remove or replace ``path``, or None when it may (it is kda-tp's).
 
     kda-tp's: an empty directory, or one carrying the mark of ``kind`` and, with
-    ``complete``, holding only the entries the mark names (a partial directory, ``complete``
-    False, holds files still being written, or only kda-tp's temporary files when its writer
-    was killed while writing the mark).
+    ``complete``, holding only the entries the mark names, each file judged by its own mark
+    (:func:`foreign_entry`: a safetensors file by the kda-tp mark in its header, any other
+    file by the SHA-256 the directory's mark recorded when kda-tp wrote it). A partial
+    directory (``complete`` False) is its writer's alone (hidden, named by the writer's pid): it
+    holds files still being written, or only kda-tp's temporary files when its writer was
+    killed while writing the mark.
     """
     if path.is_symlink():
         return "a symbolic link (kda-tp writes directories, never links)"
@@ -110,16 +178,62 @@ def foreign_dir(path: Path, kind: str, *, complete: bool = True) -> str | None:
     mark = read_mark(path)
     if mark is None and not complete and all(TEMP_FILE.match(n) for n in names):
         return None
+    if mark is None and MARK_NAME in names:
+        return (f"its {MARK_NAME} is not a mark kda-tp wrote (unreadable, or another tool's), "
+                "so kda-tp did not write it")
     if mark is None:
         shown = sorted(names)[0]
         return f"it holds {shown} and no {MARK_NAME} (kda-tp's mark), so kda-tp did not write it"
-    if mark[0] != kind:
-        return f"its {MARK_NAME} marks a kda-tp {mark[0]} directory, not a {kind} directory"
-    extra = sorted(names - {MARK_NAME} - mark[1])
-    if complete and extra:
+    if mark.kind != kind:
+        return f"its {MARK_NAME} marks a kda-tp {mark.kind} directory, not a {kind} directory"
+    if not complete:
+        return None
+    extra = sorted(names - {MARK_NAME} - mark.entries)
+    if extra:
         more = f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""
         return f"it holds {extra[0]}{more}, which kda-tp did not write"
+    for name in sorted(names - {MARK_NAME}):
+        why = foreign_entry(path / name, mark)
+        if why is not None:
+            return f"its {name}: {why}"
     return None
+
+
+def foreign_entry(path: Path, mark: Mark) -> str | None:
+    """Why ``path``, an entry its directory's ``mark`` names, is not what kda-tp wrote there,
+    or None when it is: a directory kda-tp wrote (:func:`foreign_output`), a safetensors file
+    carrying :data:`~kda_tp.output.FILE_MARK`, or a file whose SHA-256 is the one ``mark``
+    recorded. A file put under the name kda-tp used is judged by itself, never by its name."""
+    if path.is_symlink():
+        return "a symbolic link (kda-tp writes files and directories, never links)"
+    if path.is_dir():
+        return foreign_output(path)
+    recorded = mark.digests.get(path.name)
+    if recorded is None:
+        if path.name.endswith(".safetensors"):
+            return foreign_file(path)
+        return ("kda-tp's mark records no SHA-256 for it, so it cannot tell it from a file "
+                "put there since" if path.exists() else None)
+    try:
+        same = _sha256(path) == recorded
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        return f"cannot be read ({e})"
+    return None if same else ("it is not the file kda-tp wrote there (its SHA-256 is not the "
+                              "one kda-tp's mark recorded)")
+
+
+def file_marked(path: Path) -> bool:
+    """Whether the safetensors file ``path`` carries :data:`~kda_tp.output.FILE_MARK` in its
+    header's ``__metadata__`` (kda-tp wrote it); False for a link or an unreadable file."""
+    if path.is_symlink():
+        return False
+    try:
+        files = SafetensorsSource(path).files()
+    except (KdaTpError, OSError):
+        return False
+    return bool(files) and FILE_MARK in (files[0][1] or {})
 
 
 def foreign_file(path: Path) -> str | None:
@@ -127,12 +241,7 @@ def foreign_file(path: Path) -> str | None:
     header's ``__metadata__`` carries :data:`~kda_tp.output.FILE_MARK` (kda-tp wrote it)."""
     if path.is_symlink():
         return "a symbolic link (kda-tp writes files, never links)"
-    try:
-        files = SafetensorsSource(path).files()
-        meta = (files[0][1] or {}) if files else {}
-    except (KdaTpError, OSError):
-        meta = {}
-    if FILE_MARK in meta:
+    if file_marked(path):
         return None
     return (f"its header carries no {FILE_MARK}, so kda-tp did not write it (an engine's own "
             "dump?)")
@@ -185,18 +294,20 @@ def foreign_output(path: Path) -> str | None:
         return "not a directory"
     mark = read_mark(path)
     if mark is not None:
-        return foreign_dir(path, mark[0])
+        return foreign_dir(path, mark.kind)
     try:
         names = sorted(os.listdir(path))
     except OSError as e:
         return f"cannot be listed ({e})"
     for name in names:
         entry = path / name
-        if RANK_DIR.match(name) and not entry.is_symlink() and entry.is_dir():
+        if (RANK_DIR.match(name) or ASIDE_DIR.match(name)) and not entry.is_symlink() \
+                and entry.is_dir():
             why = foreign_dir(entry, "rank")
         elif PARTIAL_DIR.match(name):
             why = foreign_dir(entry, "rank", complete=False)
-        elif LOCK_FILE.match(name) and not entry.is_symlink() and entry.is_file():
+        elif (LOCK_FILE.match(name) or WORLD_LOCK.match(name)) and not entry.is_symlink() \
+                and entry.is_file():
             why = None
         elif name.endswith(".safetensors"):
             why = foreign_file(entry)

@@ -3,8 +3,11 @@
 (:mod:`kda_tp.audit`), which all must agree on them:
 
 * ``OUT/rank{r}/`` is rank ``r``'s directory (:func:`rank_dir`); ``OUT/.rank{r}.partial-*`` a
-  directory being written (or left by a killed run); ``OUT/.rank{r}.lock`` the lock of its
-  writers;
+  directory being written (or left by a killed run); ``OUT/.rank{r}.replaced-*`` a rank
+  directory moved aside while a new one takes its place (:data:`ASIDE_DIR`);
+  ``OUT/.rank{r}.lock`` the lock of its writers (``shard`` and ``dump`` alike);
+  ``OUT/.tp{T}.lock`` the lock every writer of world size ``T`` shares (:data:`WORLD_LOCK`):
+  one world size per output;
 * kda-tp's mark :data:`MARK_NAME` in every directory it makes, and :data:`FILE_MARK` in the
   ``__metadata__`` of every safetensors file it writes.
 """
@@ -15,14 +18,20 @@ import os
 import re
 from pathlib import Path
 
-__all__ = ["FILE_MARK", "LOCK_FILE", "MARK_NAME", "PARTIAL_DIR", "RANK_DIR", "rank_dir"]
+__all__ = ["ASIDE_DIR", "FILE_MARK", "LOCK_FILE", "MARK_NAME", "PARTIAL_DIR", "RANK_DIR",
+           "WORLD_LOCK", "rank_dir"]
 
 #: A finished rank directory's name: ``rank{r}``.
 RANK_DIR = re.compile(r"^rank([0-9]{1,10})$")
 #: A rank directory being written, a replaced one kept aside, or one a killed run left.
 PARTIAL_DIR = re.compile(r"^\.rank([0-9]{1,10})\.partial-")
+#: A finished rank directory moved aside (one rename) while a new one takes its name, or before
+#: it is removed; removed once checked again, never before (``kda_tp.output.moves``).
+ASIDE_DIR = re.compile(r"^\.rank([0-9]{1,10})\.replaced-")
 #: The lock file of a rank's writers.
 LOCK_FILE = re.compile(r"^\.rank([0-9]{1,10})\.lock$")
+#: The lock file every writer of one world size holds (shared) while it writes into an output.
+WORLD_LOCK = re.compile(r"^\.tp([0-9]{1,10})\.lock$")
 
 #: The mark kda-tp writes into every directory it makes (a rank directory, a partial one, a
 #: ``demo --keep`` directory): a JSON object ``{"written_by": "kda-tp", "version", "kind",
@@ -32,7 +41,7 @@ LOCK_FILE = re.compile(r"^\.rank([0-9]{1,10})\.lock$")
 MARK_NAME = ".kda-tp.json"
 
 #: The ``__metadata__`` key every safetensors file kda-tp writes carries (its version): the
-#: mark by which ``dump --force`` recognises the files it may replace.
+#: mark by which ``--force`` recognises the safetensors files it may replace.
 FILE_MARK = "kda_tp_version"
 
 def rank_dir(out_dir: str | os.PathLike[str], tp_rank: int) -> Path:

@@ -8,15 +8,16 @@ once).
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from .. import _native
 from .._native import KdaShard, KdaTensorPlan
 from ..checkpoint.description import CheckpointDescription, describe
 from ..checkpoint.reader import SafetensorsSource
+from ..errors import PlanError
 
-__all__ = ["KdaShard", "KdaTensorPlan", "KdaTpPlan"]
+__all__ = ["KdaShard", "KdaTensorPlan", "KdaTpPlan", "distinct_ranks"]
 
 
 class KdaTpPlan(_native.KdaTpPlan):
@@ -221,3 +222,14 @@ class KdaTpPlan(_native.KdaTpPlan):
 
 def _rebuild(cls: type[KdaTpPlan], args: tuple[int, ...], options: dict[str, Any]) -> KdaTpPlan:
     return cls(*args, **options)
+
+
+def distinct_ranks(ranks: Sequence[int]) -> None:
+    """Refuse a list of ranks that names a rank twice (``--ranks 0,0,1``): ``shard``,
+    ``dump`` and ``digests`` write or hash each rank once, and a repeat is a typo.
+
+    Raises:
+        PlanError: naming the list.
+    """
+    if len(set(ranks)) != len(ranks):
+        raise PlanError(f"ranks {sorted(ranks)} name a rank twice; pass each rank once")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import warnings
+import weakref
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -31,16 +32,20 @@ from ..checkpoint.reader import (
     TensorSource,
     check_out,
     missing_tensor,
-    numpy_dtype,
     readonly_bytes,
     shard_bytes,
     writable_bytes,
 )
 from ..errors import CheckpointError, DtypeMismatchError, KdaTpError, TensorNotFoundError
+from ..model.dtypes import numpy_dtype
 from ..model.quant import SCALE_SUFFIXES
 from .plan import KdaShard, KdaTensorPlan, KdaTpPlan
 
 __all__ = ["KdaShardedSource", "open_rank"]
+
+# The zero-padded A_log tensors whose padding a view has checked, by opened checkpoint.
+_PADDING_CHECKED: weakref.WeakKeyDictionary[SafetensorsSource, set[str]] = (
+    weakref.WeakKeyDictionary())
 
 
 class KdaShardedSource:
@@ -99,7 +104,7 @@ class KdaShardedSource:
         # checkpoint name -> (plan entry, local shape)
         self._planned: dict[str, tuple[KdaTensorPlan, tuple[int, ...]]] = {}
         local_shapes: dict[tuple[str, tuple[int, ...]], tuple[int, ...]] = {}
-        seen: dict[int, set[str]] = {i: set() for i in self.layers}
+        seen: dict[int, dict[str, str]] = {i: {} for i in self.layers}
         for layer in self.layers:
             for suffix, name in described.attention(layer):
                 entry = by_suffix.get(suffix)
@@ -121,14 +126,23 @@ class KdaShardedSource:
                         raise type(e)(f"{location(source, name)}: {name}: {e}") from None
                 self._planned[name] = (entry, local_shapes[key])
                 key_name = entry.name if entry.name.endswith(".scale") else suffix
-                if key_name in seen[layer]:
+                first = seen[layer].get(key_name)
+                if first is not None and first.endswith(suffix):
+                    # The same tensor under two spellings of the layer number (layers.0 and
+                    # layers.00): an engine would load one of them, not both.
+                    raise CheckpointError(
+                        f"{location(source, name)}: {name}: KDA layer {layer} holds {suffix} "
+                        f"twice, as {first} and {name} (its layer number written two ways); "
+                        "keep one of them"
+                    )
+                if first is not None:
                     raise CheckpointError(
                         f"{location(source, name)}: {name}: KDA layer {layer} holds both "
                         f"{' and '.join(SCALE_SUFFIXES)} for {key_name.removesuffix('.scale')}"
                     )
-                seen[layer].add(key_name)
+                seen[layer][key_name] = name
         for layer in self.layers:
-            missing = sorted(required - seen[layer])
+            missing = sorted(required - seen[layer].keys())
             if missing:
                 lacking = ", ".join(
                     f"self_attn.{m.removesuffix('.scale')}.weight_scale (its block scale)"
@@ -136,11 +150,15 @@ class KdaShardedSource:
                     for m in missing
                 )
                 raise CheckpointError(f"{location(source)}: KDA layer {layer} lacks {lacking}")
+        # A SafetensorsSource's bytes do not change while it is open: its padding is read once
+        # for all its ranks' views.
+        checked = (_PADDING_CHECKED.setdefault(source, set())
+                   if isinstance(source, SafetensorsSource) else set())
         for name, (entry, _) in self._planned.items():
             if (entry.name == "A_log" and entry.full_rows > plan.full_heads
-                    and not described.padding_checked(name)):
+                    and name not in checked):
                 self._check_padding(name, entry, plan.full_heads)
-                described.mark_padding_checked(name)
+                checked.add(name)
         self._closed = False
         self._names: frozenset[str] | None = None
 
@@ -269,7 +287,13 @@ class KdaShardedSource:
                 writable C-contiguous buffer (``bytearray``, ``memoryview``, ``mmap``; for a
                 CPU ``torch`` tensor pass ``t.view(-1).view(torch.uint8).numpy()``) of exactly
                 the local tensor's size in bytes (``prod(info(name)[1])`` x the dtype's size).
-                Every byte of it is overwritten, row-major in the local shape.
+                Every byte of it is overwritten, row-major in the local shape. No other thread
+                may read or write it until the call returns (as with ``file.readinto``, the
+                copy runs with the GIL released).
+
+        The source's bytes must not be written during the call either: a
+        :class:`SafetensorsSource`'s never are (a read-only mapping, or a copy numpy cannot make
+        writable); a custom source's arrays are its owner's to keep still.
 
         Raises:
             ShapeMismatchError: ``out`` is not the local tensor's size in bytes, or its item
@@ -277,7 +301,8 @@ class KdaShardedSource:
                 both sizes in bytes).
             BufferLayoutError: ``out`` is read-only, not C-contiguous, an object array, or not
                 a buffer.
-            CheckpointError: the source has no tensor ``name``, or reading it fails.
+            CheckpointError: the source has no tensor ``name``, or reading it fails (a file
+                that changed since it was opened included).
         """
         self._check_open()
         target = writable_bytes(name, out)

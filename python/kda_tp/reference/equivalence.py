@@ -26,10 +26,9 @@ from typing import Any
 
 import numpy as np
 
-from ..checkpoint.names import decoder_prefix, kda_layer_indices
+from ..checkpoint.description import CheckpointDescription, describe
 from ..checkpoint.reader import SafetensorsSource
 from ..errors import CheckpointError, PlanError
-from ..model.config import parse_config
 from ..rank.plan import KdaTpPlan
 from ..rank.view import KdaShardedSource
 from .forward import source_layer_forward
@@ -41,6 +40,7 @@ __all__ = [
     "LayerEquivalence",
     "check_tp_equivalence",
     "compare_outputs",
+    "layers_to_check",
 ]
 
 #: Absolute part of the pass threshold (output units).
@@ -207,30 +207,20 @@ def check_tp_equivalence(
         source = SafetensorsSource(checkpoint)
     else:
         source = checkpoint
-    if source.config is None:
-        raise CheckpointError(f"{checkpoint}: no config.json beside the checkpoint")
-    layer_list = list(kda_layer_indices(source, layers))
-    if not layer_list:
-        raise CheckpointError(f"{checkpoint}: no KDA layer to check")
+    description, layer_list, all_kda = layers_to_check(source, layers, checkpoint)
     factory = KdaShardedSource if shard_source_factory is None else shard_source_factory
     plans = [
-        KdaTpPlan.from_config(
-            source, rank, tp_size, qk_multiple=qk_multiple, layers=layer_list
+        KdaTpPlan.from_description(
+            description, rank, tp_size, qk_multiple=qk_multiple, layers=layer_list
         )
         for rank in range(tp_size)
     ]
-    # The adapter shards every KDA layer (it refuses a KDA layer left out), even when only
-    # some are checked.
-    try:
-        all_kda = list(kda_layer_indices(source, None))
-    except CheckpointError:
-        all_kda = layer_list
     rank_sources = [factory(source, plan, all_kda) for plan in plans]
-    config = parse_config(source.config)
+    config = description.kda
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((1, seq_len, plans[0].hidden)).astype(np.float32)
 
-    prefix = decoder_prefix(source)
+    prefix = description.prefix
     results = []
     advance = progress(len(layer_list)) if progress else None
     for layer in layer_list:
@@ -248,6 +238,30 @@ def check_tp_equivalence(
         if advance:
             advance(1)
     return EquivalenceReport(tp_size, int(seq_len), seed, atol, rtol, tuple(results))
+
+
+def layers_to_check(source: Any, layers: Iterable[int] | None, checkpoint: object
+                    ) -> tuple[CheckpointDescription, list[int], list[int]]:
+    """``(description, checked, sharded)`` of a numeric check of ``source``: its description
+    (``kda_tp.describe``), the KDA layers it computes (``layers``, else the config's KDA
+    layers) and those every rank's view shards (the config's KDA layers, which a view refuses
+    to leave out; ``checked`` when the config does not list them). ``checkpoint`` is how
+    messages name it.
+
+    Raises:
+        CheckpointError: ``source`` has no config; ``layers`` is None and the config does not
+            list the KDA layers; no layer to check.
+    """
+    if source.config is None:
+        raise CheckpointError(f"{checkpoint}: no config.json beside the checkpoint")
+    description = describe(source)
+    checked = list(description.kda_layers(layers))
+    if not checked:
+        raise CheckpointError(f"{checkpoint}: no KDA layer to check")
+    try:
+        return description, checked, list(description.kda_layers())
+    except CheckpointError:
+        return description, checked, checked
 
 
 def compare_outputs(

@@ -39,11 +39,12 @@ from typing import Any
 
 import numpy as np
 
-from ..checkpoint.layers import layers_with_kda_tensors
-from ..checkpoint.names import decoder_prefix, kda_tensor_name, scale_tensor_name
+from ..checkpoint.description import describe
+from ..checkpoint.names import kda_tensor_name, scale_tensor_name
 from ..checkpoint.reader import SafetensorsSource
 from ..errors import CheckpointError, DtypeMismatchError, PlanError, ShapeMismatchError
-from ..model.config import CONFIG_NAME, KdaConfig, parse_config
+from ..model.config import CONFIG_NAME, KdaConfig
+from ..model.dtypes import FLOAT_DTYPES, SPELLINGS
 from ..model.quant import dequantize
 from ..rank.plan import KdaTpPlan
 from ..rank.view import KdaShardedSource
@@ -69,17 +70,10 @@ _LOW_RANK_GATE = ("g_a_proj", "g_b_proj")
 #: Epsilon of the per-head q/k L2 normalisation (fla ``l2norm``; fixed, not a config value).
 L2NORM_EPS = 1e-6
 
-_FLOAT_DTYPES = frozenset(np.dtype(t) for t in (np.float16, np.float32, np.float64))
-
-
 def _is_float(dtype: np.dtype) -> bool:
-    """F16, F32, F64, or ``ml_dtypes.bfloat16`` (imported only for a dtype outside the first
-    three: it takes longer to import than numpy)."""
-    if dtype in _FLOAT_DTYPES:
-        return True
-    import ml_dtypes  # noqa: PLC0415 - start-up time
-
-    return bool(dtype == np.dtype(ml_dtypes.bfloat16))
+    """F16, F32, F64 or ``ml_dtypes.bfloat16``, in the machine's byte order (by name: nothing
+    imports ``ml_dtypes`` for it, which takes longer to import than numpy)."""
+    return dtype.isnative and SPELLINGS.get(dtype.name) in FLOAT_DTYPES
 
 
 def kda_layer_forward(
@@ -244,7 +238,8 @@ def checkpoint_layer_forward(
         )
     if checkpoint.config is None:
         raise CheckpointError(f"{checkpoint.root}: no {CONFIG_NAME} beside the checkpoint")
-    config = parse_config(checkpoint.config, str(checkpoint.root / CONFIG_NAME))
+    description = describe(checkpoint)
+    config = description.kda
     if tp_rank is None:
         if tp_size != 1:
             raise PlanError(
@@ -263,16 +258,17 @@ def checkpoint_layer_forward(
     # The config's KDA layers; a config that does not list them: the layers holding A_log.
     all_kda = config.kda_layers
     if all_kda is None:
-        all_kda = layers_with_kda_tensors(checkpoint)
+        all_kda = description.a_log_layers
     if layer not in all_kda:
         raise CheckpointError(
             f"{config.source}: layer {layer} is not a KDA layer; the KDA layers are "
             f"{list(all_kda)} (0-based)"
         )
-    plan = KdaTpPlan.from_config(checkpoint, tp_rank, tp_size, qk_multiple=1, layers=[layer])
+    plan = KdaTpPlan.from_description(description, tp_rank, tp_size, qk_multiple=1,
+                                      layers=[layer])
     view: Any = checkpoint if tp_size == 1 else KdaShardedSource(checkpoint, plan, all_kda)
     return source_layer_forward(
-        view, int(layer), x, plan=plan, config=config, prefix=decoder_prefix(checkpoint)
+        view, int(layer), x, plan=plan, config=config, prefix=description.prefix
     )
 
 
@@ -291,7 +287,8 @@ def source_layer_forward(
         x: input ``(B, T, hidden)``.
         plan: the plan of the rank ``source`` holds (rank 0 of 1 for the full checkpoint).
         config: the checkpoint's parsed config.
-        prefix: the decoder-layer prefix of the KDA tensors (``kda_tp.checkpoint.decoder_prefix``).
+        prefix: the decoder-layer prefix of the KDA tensors (the description's:
+            ``kda_tp.describe(checkpoint).prefix``).
 
     Returns:
         float32 ``(B, T, hidden)``: the output, or the rank's partial sum.

@@ -25,15 +25,19 @@ import numpy as np
 # kda_tp.torch refuses a missing or too old torch (MissingDependencyError) when imported: first.
 from .. import torch as _checked_torch  # noqa: F401
 from .. import errors
-from ..checkpoint.names import decoder_prefix, kda_layer_indices
 from ..checkpoint.reader import SafetensorsSource
-from ..errors import CheckpointError, KdaTpError, PlanError
-from ..model.config import parse_config
+from ..errors import KdaTpError, PlanError
 from ..output.dirs import prepare_out_dir
 from ..output.names import rank_dir
-from ..rank.plan import KdaTpPlan
+from ..rank.plan import KdaTpPlan, distinct_ranks
 from ..rank.view import KdaShardedSource
-from ..reference.equivalence import DEFAULT_ATOL, DEFAULT_RTOL, EquivalenceReport, compare_outputs
+from ..reference.equivalence import (
+    DEFAULT_ATOL,
+    DEFAULT_RTOL,
+    EquivalenceReport,
+    compare_outputs,
+    layers_to_check,
+)
 from ..reference.forward import source_layer_forward
 from .writer import ShardResult, check_shard_input, shard_checkpoint, shard_sizes
 
@@ -90,23 +94,16 @@ def check_tp_equivalence_distributed(
     if not (dist.is_available() and dist.is_initialized()):
         raise PlanError("check_tp_equivalence_distributed needs an initialized process group")
     source = SafetensorsSource(checkpoint)
-    if source.config is None:
-        raise CheckpointError(f"{checkpoint}: no config.json beside the checkpoint")
-    checked = list(kda_layer_indices(source, layers))
-    if not checked:
-        raise CheckpointError(f"{checkpoint}: no KDA layer to check")
-    try:  # the adapter shards every KDA layer, even when only some are checked
-        all_kda = list(kda_layer_indices(source, None))
-    except CheckpointError:
-        all_kda = checked
+    description, checked, all_kda = layers_to_check(source, layers, checkpoint)
     process, processes = dist.get_rank(group), dist.get_world_size(group)
     def plan_of(rank: int) -> KdaTpPlan:
-        return KdaTpPlan.from_config(source, rank, tp_size, qk_multiple=qk_multiple, layers=checked)
+        return KdaTpPlan.from_description(description, rank, tp_size, qk_multiple=qk_multiple,
+                                          layers=checked)
 
     plan = plan_of(0)
-    config = parse_config(source.config)
+    config = description.kda
     x = np.random.default_rng(seed).standard_normal((1, seq_len, plan.hidden)).astype(np.float32)
-    prefix = decoder_prefix(source)
+    prefix = description.prefix
 
     partial = np.zeros((len(checked), 1, seq_len, plan.hidden), dtype=np.float32)
     for r in range(process, tp_size, processes):
@@ -194,7 +191,9 @@ def shard_checkpoint_distributed(
         raise PlanError("shard_checkpoint_distributed needs an initialized process group")
     if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
         raise PlanError(f"tp_size must be a positive integer, got {tp_size!r}")
-    wanted = sorted(set(range(tp_size) if ranks is None else (int(r) for r in ranks)))
+    given = list(range(tp_size) if ranks is None else (int(r) for r in ranks))
+    distinct_ranks(given)
+    wanted = sorted(given)
     if not wanted:
         raise PlanError("no ranks to write: --ranks is empty")
     process, processes = dist.get_rank(group), dist.get_world_size(group)
@@ -221,15 +220,16 @@ def shard_checkpoint_distributed(
 
     def write() -> None:
         result = shard_checkpoint(checkpoint, out_dir, tp_size, ranks=mine, **options)
-        totals.extend((result.bytes_written, result.seconds))
+        totals.extend((result.bytes_written, result.seconds, [str(p) for p in result.kept]))
 
-    outcomes = _agree(group, processes, bool(mine), write, lambda: totals or [0, 0.0])
+    outcomes = _agree(group, processes, bool(mine), write, lambda: totals or [0, 0.0, []])
     return ShardResult(
         Path(out_dir),
         tp_size,
         tuple(wanted),
         sum(o[0] for o in outcomes),
         max(o[1] for o in outcomes),
+        tuple(Path(p) for o in outcomes for p in o[2]),
     )
 
 

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..errors import KdaTpError, PlanError
+from ..model.json_reader import ascii_int
 
 if TYPE_CHECKING:
     from .writer import ShardResult, ShardSizes
@@ -40,9 +41,13 @@ def torchrun_processes() -> int:
     if "TORCHELASTIC_RUN_ID" not in os.environ:
         return 1
     world = os.environ.get("WORLD_SIZE", "1")
-    if not world.isdigit() or int(world) < 1:
-        raise PlanError(f"WORLD_SIZE={world!r} (set by torchrun) is not a positive integer")
-    return int(world)
+    try:
+        found = ascii_int(world)
+    except OverflowError:
+        found = None
+    if found is None or found < 1:
+        raise PlanError(f"WORLD_SIZE={world[:40]!r} (set by torchrun) is not a positive integer")
+    return found
 
 
 @dataclass(frozen=True)

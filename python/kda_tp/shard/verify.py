@@ -16,12 +16,20 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..checkpoint.layers import check_layers, layer_count
-from ..checkpoint.names import kda_layer_indices
+from ..checkpoint.description import describe
+from ..checkpoint.layers import check_layers
 from ..checkpoint.reader import INDEX_NAME, SafetensorsSource, Tensor, checked_get, checked_info
 from ..errors import CheckpointError
 from ..model.json_reader import parse_json, parse_metadata_int
-from ..output.names import LOCK_FILE, MARK_NAME, PARTIAL_DIR, RANK_DIR, rank_dir
+from ..output.names import (
+    ASIDE_DIR,
+    LOCK_FILE,
+    MARK_NAME,
+    PARTIAL_DIR,
+    RANK_DIR,
+    WORLD_LOCK,
+    rank_dir,
+)
 from ..rank.plan import KdaShard, KdaTpPlan
 from ..rank.view import KdaShardedSource
 from .rankdir import (
@@ -203,7 +211,8 @@ def verify_shards(
     entries = _listdir(out)
     present = {int(m.group(1)) for p in entries if (m := RANK_DIR.match(p.name))}
     if not present:
-        if all(PARTIAL_DIR.match(p.name) or LOCK_FILE.match(p.name) for p in entries):
+        if all(PARTIAL_DIR.match(p.name) or ASIDE_DIR.match(p.name) or LOCK_FILE.match(p.name)
+               or WORLD_LOCK.match(p.name) for p in entries):
             # Empty, or only what a killed run leaves: an output not yet complete.
             report.problems.append(f"{out}: no rank directory yet (incomplete run?)")
             return report
@@ -255,8 +264,9 @@ def verify_shards(
         )
     report.tp_size = tp_size
     if numeric and layers is not None:
-        known = kda_layers if kda_layers is not None else kda_layer_indices(source, None)
-        layers = check_layers(layers, known, layer_count(source))
+        described = describe(source)
+        known = kda_layers if kda_layers is not None else described.kda_layers()
+        layers = check_layers(layers, known, described.layer_count)
     # The plan refuses a tp_size the heads cannot split (so it stays small) before any listing.
     plans = [KdaTpPlan.from_config(source, 0, tp_size, qk_multiple=qk_multiple, layers=kda_layers)]
     extra = sorted(r for r in present if r >= tp_size)

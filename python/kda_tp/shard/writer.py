@@ -35,6 +35,7 @@ their own modules; the face :mod:`kda_tp.shard` gives all of them.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -43,28 +44,24 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
 
 from .._native import __version__
 from ..checkpoint.reader import INDEX_NAME, SafetensorsSource, checked_get, checked_info
-from ..checkpoint.writer import DTYPE_BITS, FileRange, tensor_nbytes, write_index, write_safetensors
+from ..checkpoint.writer import FileRange, write_index, write_safetensors
 from ..errors import CheckpointError, DtypeMismatchError, OutputError, PlanError, ShardInterrupted
-from ..output.dirs import (
-    check_out_dir,
-    check_out_location,
-    discard,
-    lock_ranks,
-    make_dirs,
-    remove_created,
-    remove_dir,
-)
-from ..output.marks import write_mark
+from ..model.dtypes import DTYPE_BITS, tensor_nbytes
+from ..output.dirs import check_out_dir, check_out_location, make_dirs, remove_created
+from ..output.locks import lock_output, output_error
+from ..output.marks import foreign_dir, write_mark
+from ..output.moves import put_aside, take_name
 from ..output.names import FILE_MARK, RANK_DIR, rank_dir
-from ..rank.plan import KdaTpPlan
+from ..rank.plan import KdaTpPlan, distinct_ranks
 from ..rank.view import KdaShardedSource
+from .place import Placed, appeared, commit, drop_replaced, partial_dir, undo
 from .rankdir import (
     companion_files,
     input_fingerprint,
@@ -84,22 +81,31 @@ class _Stopped(Exception):
 @dataclass(frozen=True)
 class ShardResult:
     """What :func:`shard_checkpoint` wrote: ``ranks`` of ``tp_size`` under ``out_dir``,
-    ``bytes_written`` tensor bytes (headers excluded, summed over ranks) in ``seconds``."""
+    ``bytes_written`` tensor bytes (headers excluded, summed over ranks) in ``seconds``;
+    ``kept``: directories holding files another process put into a rank directory while this
+    run replaced or removed it, which kda-tp did not write and so kept (see
+    :func:`shard_checkpoint`'s ``force``); usually empty."""
 
     out_dir: Path
     tp_size: int
     ranks: tuple[int, ...]
     bytes_written: int
     seconds: float
+    kept: tuple[Path, ...] = ()
 
     def to_dict(self) -> dict[str, object]:
         """The result as a JSON-ready dict, the first keys ``kda-tp shard --json`` prints:
         ``ok`` (True), ``out_dir``, ``tp_size``, ``ranks``, ``rank_dirs`` (each rank's
-        directory, :func:`rank_dir`), ``bytes_written`` and ``seconds`` (wall time)."""
-        return {"ok": True, "out_dir": str(self.out_dir), "tp_size": self.tp_size,
-                "ranks": list(self.ranks),
-                "rank_dirs": [str(rank_dir(self.out_dir, r)) for r in self.ranks],
-                "bytes_written": self.bytes_written, "seconds": self.seconds}
+        directory, :func:`rank_dir`), ``bytes_written`` and ``seconds`` (wall time), and
+        ``kept`` (paths) when not empty."""
+        doc: dict[str, object] = {
+            "ok": True, "out_dir": str(self.out_dir), "tp_size": self.tp_size,
+            "ranks": list(self.ranks),
+            "rank_dirs": [str(rank_dir(self.out_dir, r)) for r in self.ranks],
+            "bytes_written": self.bytes_written, "seconds": self.seconds}
+        if self.kept:
+            doc["kept"] = [str(p) for p in self.kept]
+        return doc
 
 
 @dataclass(frozen=True)
@@ -258,22 +264,25 @@ def shard_checkpoint(
     created = make_dirs(out)
     try:
         # Held from before OUT is looked at until this run's ranks are in place (or removed).
-        locks = lock_ranks(out, ranks, wait)
+        locks = lock_output(out, tp_size, ranks, wait)
         try:
-            stale = check_out_dir(source.root, out, tp_size, ranks, force, locks)
+            stale = check_out_dir(source.root, out, tp_size, ranks, force, locks, wait)
             if report_sizes:
                 report_sizes(sizes)
-            result = _write_ranks(source, shards, files, out, tp_size, ranks, sizes, kda_only,
-                                  progress, start)
-            # Another world size's ranks (force) go only once this run's are all in place.
-            for entry in stale:
-                remove_dir(entry, out)
-            return result
+            placed = _write_ranks(source, shards, files, out, tp_size, ranks, sizes, kda_only,
+                                  progress, force)
+            kept = commit(out, placed, stale)
+            return ShardResult(out, tp_size, ranks, sum(p.nbytes for p in placed),
+                               time.perf_counter() - start, tuple(kept))
         finally:
             locks.release()
     except BaseException:
-        # A refused or failed run removes the directories it created, where nothing else is
-        # left in them (an interrupted run's completed ranks stay, and so does OUT then).
+        # A refused or failed run removes its partial directories (again: a writer out of file
+        # descriptors could not list its own, and the locks' are free now) and the directories
+        # it created, where nothing else is left in them (an interrupted run's completed ranks
+        # stay, and so does OUT then).
+        for r in ranks:
+            shutil.rmtree(partial_dir(out, r), ignore_errors=True)
         remove_created(created)
         raise
 
@@ -288,9 +297,10 @@ def _write_ranks(
     sizes: ShardSizes,
     kda_only: bool,
     progress: ProgressFactory | None,
-    start: float,
-) -> ShardResult:
-    """:func:`shard_checkpoint`'s writing, with ``out`` checked and ``ranks`` locked."""
+    force: bool,
+) -> list[Placed]:
+    """:func:`shard_checkpoint`'s writing, with ``out`` checked and ``ranks`` locked: every
+    rank in place, or none (a failed run undoes the ranks it placed, :func:`_undo`)."""
     report = progress(sizes.total_bytes) if progress else None
     stop = threading.Event()
 
@@ -303,10 +313,11 @@ def _write_ranks(
 
     # Ranks are independent; the copies and writes release the GIL, so threads overlap them.
     pool = ThreadPoolExecutor(max_workers=min(len(shards), os.cpu_count() or 1))
-    futures: list[Future[tuple[int, Path, int, Path | None]]] = []
+    futures: list[Future[Placed]] = []
     try:
         for s in shards:
-            futures.append(pool.submit(_write_rank, source, s, files, out, advance, kda_only))
+            futures.append(pool.submit(_write_rank, source, s, files, out, advance, kda_only,
+                                       force))
         wait(futures)
         pool.shutdown()
     except KeyboardInterrupt:
@@ -316,36 +327,17 @@ def _write_ranks(
         for r, f in zip(ranks, futures):
             if not f.cancelled() and f.exception() is None:
                 completed.append(r)
-                replaced = f.result()[3]
-                if replaced is not None:
-                    discard(replaced)
+                drop_replaced(f.result())
         present = {int(m.group(1)) for p in out.iterdir() if (m := RANK_DIR.match(p.name))}
         remaining = tuple(r for r in range(tp_size) if r not in present)
         raise ShardInterrupted(out, tp_size, tuple(completed), remaining) from None
     failed = [error for f in futures if (error := f.exception()) is not None]
     if failed:
-        # All or nothing: a failed run (e.g. a full disk) also removes the ranks it completed,
-        # moving each aside in one rename first, so no incomplete rank{r} is ever visible.
-        # Only directories this run created (same inode) are removed, never another
-        # process's.
-        # A rank directory this run replaced is put back.
-        for f in futures:
-            if f.exception() is None:
-                _, final, inode, old = f.result()
-                try:
-                    if final.stat().st_ino == inode:
-                        remove_dir(final, out)
-                        if old is not None:
-                            os.replace(old, final)
-                except OSError:
-                    continue
+        # All or nothing: a failed run (e.g. a full disk) also removes the ranks it completed
+        # and puts back the rank directories it replaced.
+        undo(out, [f.result() for f in futures if f.exception() is None])
         raise failed[0]
-    for f in futures:
-        replaced = f.result()[3]
-        if replaced is not None:
-            discard(replaced)
-    written = sum(f.result()[0] for f in futures)
-    return ShardResult(out, tp_size, ranks, written, time.perf_counter() - start)
+    return [f.result() for f in futures]
 
 
 def shard_sizes(
@@ -378,14 +370,16 @@ def _checked_ranks(tp_size: int, ranks: Iterable[int] | None) -> tuple[int, tupl
     once the checkpoint has bounded ``tp_size``).
 
     Raises:
-        PlanError: ``tp_size`` not a positive integer, or no ranks.
+        PlanError: ``tp_size`` not a positive integer, no ranks, or a rank named twice.
     """
     if isinstance(tp_size, bool) or not isinstance(tp_size, (int, np.integer)) or tp_size < 1:
         raise PlanError(f"tp_size must be a positive integer, got {tp_size!r}")
     tp_size = int(tp_size)
     if ranks is None:
         return tp_size, None
-    wanted = tuple(sorted({int(r) for r in ranks}))
+    given = [int(r) for r in ranks]
+    distinct_ranks(given)
+    wanted = tuple(sorted(given))
     if not wanted:
         raise PlanError("no ranks to write: --ranks is empty")
     return tp_size, wanted
@@ -488,16 +482,19 @@ def _write_rank(
     files: dict[str, list[str]],
     out: Path,
     advance: Callable[[int], None] | None,
-    kda_only: bool = False,
-) -> tuple[int, Path, int, Path | None]:
+    kda_only: bool,
+    force: bool,
+) -> Placed:
     """Write ``shard``'s rank into a partial directory, then rename it into place (with
-    ``kda_only``, the KDA-only metadata and no companion files).
+    ``kda_only``, the KDA-only metadata and no companion files): its name is taken only while
+    free, or, with ``force``, once the rank directory there, judged again now, is moved aside.
 
-    Returns the tensor bytes written, the rank directory, its inode (to recognise it), and where
-    the directory it replaced was moved (None if there was none).
+    Raises:
+        OutputError: a write fails; ``rank{r}`` appeared during the run (without ``force``),
+            or is not kda-tp's now (with it).
     """
     plan = shard.plan
-    partial = out / f".rank{plan.tp_rank}.partial-{os.getpid()}"
+    partial = partial_dir(out, plan.tp_rank)
 
     previous: list[str] = []
 
@@ -529,10 +526,12 @@ def _write_rank(
     final = rank_dir(out, plan.tp_rank)
     old: Path | None = None
     dir_mode, file_modes, index_mode = _modes(source)
+    companions = [] if kda_only else companion_files(source)
+    entries = [*files, INDEX_NAME, *(p.name for p in companions)]
     try:
         partial.mkdir()
         os.chmod(partial, dir_mode)
-        write_mark(partial, "rank", [], index_mode)  # a partial directory is kda-tp's too
+        write_mark(partial, "rank", entries, index_mode)  # a partial directory is kda-tp's too
         input_meta = {path.name: meta or {} for path, meta in source.files()}
         fingerprint = input_fingerprint(source)
         weight_map: dict[str, str] = {}
@@ -560,27 +559,33 @@ def _write_rank(
             release_previous()
             weight_map.update(dict.fromkeys(names, file_name))
         write_index(partial / INDEX_NAME, weight_map, total, sync=False, mode=index_mode)
-        companions = [] if kda_only else companion_files(source)
         for extra in companions:
             shutil.copy2(extra, partial / extra.name)  # with its mode bits
-        write_mark(partial, "rank", [*files, INDEX_NAME, *(p.name for p in companions)],
-                   index_mode)
+        write_mark(partial, "rank", entries, index_mode)  # now with each file's digest
         inode = partial.stat().st_ino
-        if final.exists() or final.is_symlink():
-            # Keep the old directory aside (one rename) until the whole run has succeeded, so a
-            # failed --force rerun can put it back; its name is a partial name, so a run killed
-            # before then leaves it for the next run to clean.
-            old = out / f".rank{plan.tp_rank}.partial-old-{os.getpid()}"
-            os.replace(final, old)
-        os.replace(partial, final)
+        if os.path.lexists(final):
+            if not force:
+                raise appeared(final, plan.tp_rank)
+            # The old directory, judged again now, is kept aside (one rename) until the whole
+            # run has succeeded, so a failed --force rerun can put it back; a run killed before
+            # then leaves it for the next run to judge and remove.
+            old = out / f".rank{plan.tp_rank}.replaced-{os.getpid()}"
+            put_aside(final, old, lambda p: foreign_dir(p, "rank"), "replaces")
+        try:
+            take_name(partial, final)
+        except FileExistsError:
+            raise appeared(final, plan.tp_rank) from None
     except BaseException as e:
         shutil.rmtree(partial, ignore_errors=True)
-        if old is not None and not final.exists():
-            os.replace(old, final)
+        if old is not None and not os.path.lexists(final):
+            take_name(old, final)
+        cause = e if isinstance(e, OSError) else e.__cause__
+        if isinstance(cause, OSError) and cause.errno in (errno.EMFILE, errno.ENFILE):
+            raise output_error(partial, f"write rank {plan.tp_rank}", cause) from e
         if isinstance(e, OSError):
             raise OutputError(f"{partial}: writing rank {plan.tp_rank} failed: {e}") from e
         raise
-    return total, final, inode, old
+    return Placed(plan.tp_rank, final, inode, old, total)
 
 
 def _modes(source: SafetensorsSource) -> tuple[int, dict[str, int], int]:

@@ -73,6 +73,7 @@ from numpy.lib.stride_tricks import sliding_window_view
 
 from ..checkpoint import writer
 from ..errors import DtypeMismatchError, OutputError, PlanError
+from ..model.dtypes import TORCH_NAMES, cast_to
 from ..model.families import demo_geometries
 from .tensors import (
     STYLES,
@@ -96,7 +97,7 @@ __all__ = ["GEOMETRIES", "write_checkpoint", "write_small_checkpoint"]
 #: projections in FP8 128x128 blocks (NVIDIA's ModelOpt release of Kimi K3).
 GEOMETRIES: dict[str, dict[str, Any]] = demo_geometries()
 
-_WEIGHT_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
+_WEIGHT_DTYPES = ("BF16", "F16", "F32")
 _DEFAULT_MAX_FILE_BYTES = 400 * 2**20
 _PROJ_STD = 0.02
 # Projection matrices with more elements than this are built from pool windows; others are drawn.
@@ -281,7 +282,7 @@ def write_small_checkpoint(
         hidden, heads, head_dim, conv_kernel, gate_rank, style, flat_a_log, flat_conv, a_log_len
     )
     specs = model_tensors(geometry, num_layers, set(kda), vocab_size, weight_dtype)
-    config = config_json(geometry, num_layers, set(kda), vocab_size, _WEIGHT_DTYPES[weight_dtype])
+    config = config_json(geometry, num_layers, set(kda), vocab_size, TORCH_NAMES[weight_dtype])
     if fp8:
         specs = quantize_attention(specs)
         quant = modelopt_config([s.name for s in specs if s.name.endswith(".weight_scale")])
@@ -408,20 +409,10 @@ class _Generator:
 
 
 def _encode(values: np.ndarray, dtype: str) -> np.ndarray:
-    """float32 values -> little-endian storage array of ``dtype`` (BF16 as '<u2' bit patterns).
-
-    BF16 keeps the top 16 bits of the float32 pattern after adding 0x7FFF plus the lowest kept
-    bit, i.e. round to nearest, ties to even (valid for the finite values generated here).
-    """
-    if dtype == "F8_E4M3":
-        import ml_dtypes  # noqa: PLC0415 - start-up time: only FP8 checkpoints need it
-
-        return values.astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
-    if dtype == "BF16":
-        bits = values.astype("<f4", copy=False).view("<u4")
-        lowest_kept = (bits >> np.uint32(16)) & np.uint32(1)
-        return ((bits + np.uint32(0x7FFF) + lowest_kept) >> np.uint32(16)).astype("<u2")
-    return values.astype({"F16": "<f2", "F32": "<f4"}[dtype])
+    """float32 values -> little-endian storage array of ``dtype`` (BF16 as '<u2' bit patterns,
+    FP8 as bytes), rounded as an engine rounds (``kda_tp.model.dtypes.cast_to``)."""
+    encoded = cast_to(values, dtype)
+    return encoded.view({"BF16": "<u2", "F8_E4M3": "u1"}.get(dtype, encoded.dtype))
 
 
 def _check_positive(**sizes: int) -> None:

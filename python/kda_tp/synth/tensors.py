@@ -8,7 +8,7 @@ import dataclasses
 import math
 from typing import Any
 
-from ..checkpoint.writer import DTYPE_SIZES
+from ..model.dtypes import DTYPE_SIZES
 from ..model.families import FAMILIES
 
 __all__ = [

@@ -68,6 +68,49 @@ fn parse_header_names_the_tensor() {
     }
 }
 
+/// A shape numpy cannot hold is refused at the header, naming the tensor: more than 32 axes
+/// (numpy 1.x's limit; kda_tp supports numpy 1.24 on), or an empty tensor whose other axes
+/// exceed numpy's size (which the safetensors crate accepts: its byte size is 0). 32 unit axes,
+/// and an empty tensor within numpy's size, are read as usual.
+#[test]
+fn shapes_numpy_cannot_hold_are_refused() {
+    let unit = |n: usize| {
+        json!({"ok": {"dtype": "U8", "shape": [2], "data_offsets": [0, 2]},
+               "w": {"dtype": "BF16", "shape": vec![1; n], "data_offsets": [2, 4]}})
+    };
+    for n in [33, 65, 1000] {
+        assert_contains(
+            &header_err(unit(n).to_string().as_bytes(), 4),
+            &format!(
+                "tensor \"w\" has {n} axes, more than the 32 kda_tp reads (numpy 1.x holds at \
+                 most 32 axes, numpy 2 at most 64)"
+            ),
+        );
+    }
+    let m = parse_header(Path::new("m"), unit(32).to_string().as_bytes(), 4).unwrap();
+    assert_eq!(m.info("w").unwrap().shape.len(), 32);
+    let empty = |shape: serde_json::Value| json!({"e": {"dtype": "F32", "shape": shape, "data_offsets": [0, 0]}});
+    for (shape, shown) in [
+        (
+            json!([0, 1u64 << 40, 1u64 << 40]),
+            "[0, 1099511627776, 1099511627776]",
+        ),
+        (json!([1u64 << 62, 0, 2]), "[4611686018427387904, 0, 2]"),
+    ] {
+        assert_contains(
+            &header_err(empty(shape).to_string().as_bytes(), 0),
+            &format!("tensor \"e\": shape {shown} of F32 is too large for numpy"),
+        );
+    }
+    let m = parse_header(
+        Path::new("m"),
+        empty(json!([0, 1u64 << 40])).to_string().as_bytes(),
+        0,
+    )
+    .unwrap();
+    assert_eq!(m.info("e").unwrap().shape, [0, 1 << 40]);
+}
+
 /// The fast path of header parsing (typed, one pass) gives what the slow path (JSON values)
 /// gives, and gives up (`None`) where the slow path must word a refusal.
 #[test]
