@@ -19,11 +19,11 @@ from typing import Any
 
 from ..checkpoint.description import CheckpointDescription
 from ..checkpoint.names import checkpoint_suffix
-from ..checkpoint.reader import numpy_dtype
 from ..engines.dtype import model_dtype_name
 from ..engines.layout import EngineLayout
 from ..engines.registry import get_layout, param_location, recognise
 from ..errors import EngineLayoutError
+from ..model.dtypes import numpy_dtype
 from ..model.quant import SCALE_SUFFIXES
 from ..rank.plan import KdaTensorPlan, KdaTpPlan
 
