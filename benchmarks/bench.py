@@ -87,11 +87,18 @@ baseline measured alongside it; the last columns give the target and PASS/MISS.
    mapped checkpoint into a prefaulted buffer (single thread), best of N interleaved (target:
    the guard within 2x the memcpy); and its cost on a non-KDA model's parameters (an 80-layer
    Llama's 723 names), time per call (target: under 1 ms); and the check of one refit of the
-   same rank (``kda_tp.guard.updates``: the layer's full checkpoint-format tensors fed through
-   ``UpdateCheck.wrap`` as an engine consumes them, each part verified against the parameter
-   as it is applied, fingerprints re-checked at the end) against a single-thread memcpy of the
+   same rank (``kda_tp.guard.UpdateSession`` on the rank's ``RankTarget``, built once per
+   model: the layer's full checkpoint-format tensors fed through ``UpdateSession.wrap`` as an
+   engine consumes them, each part verified against the parameter as it is applied, every
+   region of the touched parameters checked at the end) against a single-thread memcpy of the
    rank's KDA bytes it touched (target: within 2x), with the extra host memory held (target: at
-   most the rank's largest parameter).
+   most the rank's largest parameter); and a per-tensor refit (OpenRLHF's and TRL's one
+   ``load_weights`` call per tensor): the layer's tensors among 6000 others (two experts' gate
+   and up projections into each of 1500 parameters) into a torch stand-in of the engine's
+   model whose ``load_weights`` does per call what vLLM's model class does
+   (``dict(named_parameters())``, then each tensor's loader), through the guard's own hook
+   (``kda_tp.guard.live.follow``, mode ``fail``) against without it, as a ratio (target: within
+   1.2x; skipped without torch; no vLLM needed).
    ``--only guard`` runs this section alone.
 8. A Kimi-K3-wide header: 60 layers of which 45 KDA (K3's wrapper config and names, full-rank
    ``g_proj``, padded ``A_log``; tiny geometry, 8 heads of 16), 384 experts x 3 projections per

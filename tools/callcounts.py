@@ -11,8 +11,10 @@ or the guard on one rank (``guard``: no ``kda-tp`` command runs it), without an 
 
 which builds the rank's KDA parameters from the checkpoint as the layout holds them (torch CPU
 tensors, the build API; not counted), then counts, each on its own: the first-load check
-(``kda_tp.guard.check``) and one refit session (``UpdateCheck``: construct, feed every KDA
-tensor of the checkpoint, check). It needs torch.
+(``kda_tp.guard.check``), the rank's update target (``RankTarget``, built once per model from
+the description the first-load check read) and one refit session (``UpdateSession`` on it:
+feed every KDA tensor of the checkpoint, close); before the guard's redesign, one
+``UpdateCheck`` (construct, feed, check). It needs torch.
 
 With counting wrappers around the functions below, wherever a kda_tp module holds them, it prints
 one line per counter (a heading per part in ``guard`` mode) on stderr. Counters: ``config.json
@@ -141,7 +143,8 @@ def guard(argv: list[str]) -> int:
              or (lambda v, *a, **k: v.build_param(*a, **k)))  # a view's method before the move
 
     check = _found("check", "kda_tp.guard.check", "kda_tp.guard")
-    update_check = _found("UpdateCheck", "kda_tp.guard.updates", "kda_tp.update_check")
+    update_check = _found("UpdateCheck", "kda_tp.guard.updates", "kda_tp.update_check") \
+        if not hasattr(importlib.import_module("kda_tp.guard"), "RankTarget") else None
     install()
     dtypes = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32,
               "F8_E4M3": torch.float8_e4m3fn}
@@ -177,14 +180,28 @@ def guard(argv: list[str]) -> int:
     print(f"guard: {result.line() if result is not None else 'not checked'} "
           f"({layout.name}, {len(params)} parameters)", file=sys.stderr)
     report("first-load guard (kda_tp.guard.check, one rank)")
-    session = update_check(args.checkpoint, params, tp_rank=args.tp_rank, tp_size=args.tp_size)
-    for name, tensor in fed.items():
-        session.feed(name, tensor)
-    checked = session.check(params)
+    guard_module = importlib.import_module("kda_tp.guard")
+    if hasattr(guard_module, "RankTarget"):
+        source = result.source if result is not None else args.checkpoint
+        target = guard_module.RankTarget.build(kda_tp.describe(source), params,
+                                               tp_rank=args.tp_rank, tp_size=args.tp_size)
+        report("the rank's update target (RankTarget, once per model, from that description)")
+        session = guard_module.UpdateSession(target)
+        for name, tensor in fed.items():
+            session.feed(name, tensor)
+        checked = session.close()
+        heading = "one refit session (UpdateSession: feed, close)"
+    else:
+        session = update_check(args.checkpoint, params, tp_rank=args.tp_rank,
+                               tp_size=args.tp_size)
+        for name, tensor in fed.items():
+            session.feed(name, tensor)
+        checked = session.check(params)
+        heading = "one refit session (UpdateCheck: construct, feed, check)"
     print(f"refit: {'passed' if checked.passed else checked.problems[:3]} "
           f"({checked.params} parameters, {checked.regions} regions, {len(fed)} tensors fed)",
           file=sys.stderr)
-    report("one refit session (UpdateCheck: construct, feed, check)")
+    report(heading)
     return 0 if (result is not None and result.passed and checked.passed) else 1
 
 

@@ -153,6 +153,11 @@ def stand_in_load_model(self: mr.ModelRunner) -> None:
     self.model = model
 
     def commit() -> None:
+        if s.get("dummy"):  # --load-format dummy: random values (SGLang's DummyModelLoader)
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.uniform_(-1e-3, 1e-3)
+            return
         load_weights(model, s["checkpoint"], s["T"], s.get("load_rank", s["R"]))
         spoil(model, s["kind"], s["checkpoint"], s["T"], s["R"], s.get("bug", ""))
 
@@ -187,6 +192,7 @@ from sglang.srt.plugins.hook_registry import HookRegistry  # noqa: E402
 
 load_plugins()
 from kda_tp.guard import sglang as sglang_plugin  # noqa: E402
+from kda_tp.guard import CHECKPOINT_ENV  # noqa: E402
 
 out: dict[str, object] = {
     "sglang_at_import": SGLANG_AT_IMPORT,
@@ -204,7 +210,8 @@ def runner_for(kind: str, T: int, R: int, **scenario: object) -> mr.ModelRunner:
     runner.model_config = types.SimpleNamespace(model_path=checkpoint, revision=None,
                                                 dtype=torch.float32)
     runner.load_config = types.SimpleNamespace(
-        load_format="sharded_state" if scenario.get("sharded") else "auto")
+        load_format="sharded_state" if scenario.get("sharded") else
+        "dummy" if scenario.get("dummy") else "auto")
     return runner
 
 
@@ -256,14 +263,14 @@ for kind in CKPT:
             load_weights(model, os.path.join(DATA, CKPT[kind]), 4, r)
             loader.ShardedStateLoader.save_model(model, shard_dir)
     shutil.copy(os.path.join(DATA, CKPT[kind], "config.json"), shard_dir)
-    os.environ[sglang_plugin.CHECKPOINT_ENV] = os.path.join(DATA, CKPT[kind])
+    os.environ[CHECKPOINT_ENV] = os.path.join(DATA, CKPT[kind])
     out["bugs"][f"{kind} sharded_state right"] = public(start(kind, 4, 2, sharded=shard_dir))
     a, b = (os.path.join(shard_dir, f"model-rank-{r}-part-0.safetensors") for r in (1, 2))
     os.replace(a, a + ".bak")
     shutil.copy(b, a)
     out["bugs"][f"{kind} sharded_state other rank"] = public(start(kind, 4, 1,
                                                                   sharded=shard_dir))
-    del os.environ[sglang_plugin.CHECKPOINT_ENV]
+    del os.environ[CHECKPOINT_ENV]
 out["sharded_no_checkpoint"] = public(start("k3", 4, 1, sharded=os.path.join(WORK,
                                                                           "sharded_k3")))
 
@@ -444,4 +451,88 @@ out["rpc"] = [{k: r[k] for k in ("tp_rank", "tp_size", "ok", "line", "engine", "
                                  "text", "skipped", "guarded", "hooks", "versions", "checks",
                                  "last")} for r in reports]
 out["rpc_files"] = sorted(os.listdir(os.path.join(WORK, "reports")))
+
+# 8. Weight-update sessions: SGLang 0.5.23's scheduler-side WeightUpdater
+#    (SchedulerWeightUpdaterManager: begin_weight_update, update_weights_from_tensor with
+#    load_format="flattened_bucket", end_weight_update), which drives the runner's WeightUpdater.
+#    Stand-ins: the tensors' IPC transport (the payload handed over by key) and the scheduler.
+import sglang.srt.managers.scheduler_components.weight_updater as swu  # noqa: E402
+from sglang.srt.managers.io_struct import (BeginWeightUpdateReqInput,  # noqa: E402
+                                           EndWeightUpdateReqInput,
+                                           UpdateWeightsFromTensorReqInput)
+from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket  # noqa: E402
+
+
+def manager_for(runner: mr.ModelRunner, R: int, payloads: dict) -> swu.SchedulerWeightUpdaterManager:
+    """The scheduler's weight-update manager of one TP rank, with the runner's own
+    WeightUpdater; its barrier on the one-process gloo group."""
+    worker = types.SimpleNamespace(
+        model_runner=runner, weight_update_runners=lambda: [("target", runner)],
+        deserialize_own_rank=lambda serialized: payloads[serialized[R].decode()])
+    manager = object.__new__(swu.SchedulerWeightUpdaterManager)
+    for key, value in dict(
+            tp_worker=worker, draft_worker=None, memory_saver_adapter=None,
+            flush_cache=lambda empty_cache=False: True, is_fully_idle=lambda **k: True,
+            scheduler=types.SimpleNamespace(record_weight_version_change=lambda **k: None),
+            metrics_collector=None, offload_tags=set(), stashed_model_static_state=None,
+            _session=None, tp_cpu_group=dist.group.WORLD).items():
+        setattr(manager, key, value)
+    return manager
+
+
+def session(kind: str, T: int, R: int, packs: list, bug: str = "", begin: bool = True,
+            **scenario: object) -> dict[str, object]:
+    """One weight-update session of rank R: begin, one flattened bucket per pack, end."""
+    runner = start(kind, T, R, **scenario)["runner"]
+    if bug == "q_in_k":  # the fused loader writes q's rows where k's belong
+        param = dict(runner.model.named_parameters())[PREFIX + FUSED[kind]]
+        original, seen = param.weight_loader, []
+
+        def swapped(p, w, *args):
+            seen.append(w)
+            return original(p, seen[0] if len(seen) == 2 else w, *args)
+
+        param.weight_loader = swapped
+    runner.weight_updater = wu.WeightUpdater(
+        tp_rank=R, device="cpu", gpu_id=0, model_config=None, custom_weight_loaders={},
+        get_model=lambda: runner.model, update_model_fields=lambda **k: None,
+        recapture_cuda_graph=lambda: None, get_model_runner=lambda: runner)
+    payloads: dict = {}
+    manager = manager_for(runner, R, payloads)
+    checks = sglang_plugin.status()["checks"].get("update", 0)
+    answers = []
+    del lines[:]
+    with rank(T, R):
+        if begin:
+            answers.append(manager.begin_weight_update(BeginWeightUpdateReqInput()))
+        for pack in packs:
+            bucket = FlattenedTensorBucket(named_tensors=pack)
+            key = str(len(payloads))
+            payloads[key] = {"flattened_tensor": bucket.get_flattened_tensor(),
+                             "metadata": bucket.get_metadata()}
+            answers.append(manager.update_weights_from_tensor(UpdateWeightsFromTensorReqInput(
+                serialized_named_tensors=[key.encode()] * T, load_format="flattened_bucket",
+                flush_cache=False)))
+        if begin:
+            answers.append(manager.end_weight_update(EndWeightUpdateReqInput()))
+    return {"answers": [[a.success, a.message] for a in answers], "lines": list(lines),
+            "counted": sglang_plugin.status()["checks"].get("update", 0) - checks}
+
+
+out["sessions"] = {}
+for kind in CKPT:
+    tensors = refit(kind)  # q_proj, k_proj first: two packs cut inside the fused projection
+    out["sessions"][f"{kind} right"] = session(kind, 4, 1, [tensors[:2], tensors[2:]])
+    out["sessions"][f"{kind} q_in_k"] = session(kind, 4, 2, [tensors[:2], tensors[2:]],
+                                                bug="q_in_k")
+    out["sessions"][f"{kind} dummy right"] = session(kind, 2, 0, [tensors], dummy=True)
+    out["sessions"][f"{kind} dummy no A_log"] = session(
+        kind, 2, 1, [[t for t in tensors if not t[0].endswith(("A_log", "dt_bias"))]],
+        dummy=True)
+out["sessions"]["per tensor"] = session("glm", 4, 3, [[t] for t in refit("glm")])
+out["sessions"]["refused"] = session("k3", 4, 0, [refit("k3")], begin=False)
+os.environ["KDA_TP_GUARD"] = "warn"
+out["sessions"]["warn right"] = session("kimi_linear", 2, 1, [refit("kimi_linear")])
+out["sessions"]["warn q_in_k"] = session("k3", 4, 2, [refit("k3")], bug="q_in_k")
+del os.environ["KDA_TP_GUARD"]
 print(json.dumps(out))

@@ -244,3 +244,68 @@ def test_update_weights_from_ipc_is_checked(outcome: dict[str, Any]) -> None:
     ((ok, message),) = outcome["updates"]["ipc_dt_bias_dropped"]["results"]
     assert ok is False
     assert f"rank 0 {P}dt_bias: dt_bias: holds the values from before the update" in message
+
+
+# -- SGLang 0.5.23's weight-update sessions, through its scheduler's WeightUpdater ----
+
+
+SESSION = "kda_tp guard: sglang weight update session: "
+
+
+@pytest.mark.parametrize("kind", FAMILIES)
+def test_a_session_in_two_buckets_cut_inside_the_fused_projection_is_one_checked_update(
+        outcome: dict[str, Any], kind: str) -> None:
+    run = outcome["sessions"][f"{kind} right"]
+    assert run["answers"] == [[True, "Success"]] * 4  # begin, two buckets, end
+    (line,) = run["lines"]  # one verdict, at the end
+    assert line.startswith(f"INFO kda_tp.guard: {SESSION}tp rank 1/4: ")
+    assert f"KDA parameters updated ({FAMILIES[kind]})" in line and line.endswith(": OK")
+    assert run["counted"] == 1
+
+
+@pytest.mark.parametrize("kind", FAMILIES)
+def test_a_wrong_session_fails_at_its_end_naming_the_part(outcome: dict[str, Any],
+                                                          kind: str) -> None:
+    *fed, (ok, message) = outcome["sessions"][f"{kind} q_in_k"]["answers"]
+    assert fed == [[True, "Success"]] * 3 and ok is False
+    assert message.startswith("the weight update is loaded, but the kda_tp guard found this "
+                              "rank's KDA weights wrong")
+    assert (f"rank 2 {P}{FUSED[kind]}: k_proj: holds what was fed as {P}q_proj.weight (this "
+            f"rank's slice), not {P}k_proj.weight") in message
+
+
+@pytest.mark.parametrize("kind", FAMILIES)
+def test_after_a_dummy_load_the_first_session_must_fill_every_region(outcome: dict[str, Any],
+                                                                     kind: str) -> None:
+    right = outcome["sessions"][f"{kind} dummy right"]
+    assert right["answers"][-1] == [True, "Success"]
+    assert not any("tp rank 0/2: " in line and "KDA parameters (" in line
+                   for line in right["lines"])  # the dummy load itself: not checked
+    assert right["lines"][-1].endswith(": OK")
+    *_, (ok, message) = outcome["sessions"][f"{kind} dummy no A_log"]["answers"]
+    assert ok is False
+    for name in ("A_log", "dt_bias"):
+        assert (f"rank 1 {P}{name}: {name}: never loaded since the dummy load (random values): "
+                "the update did not feed it") in message
+
+
+def test_one_tensor_per_call_in_a_session_and_an_update_sglang_refuses(
+        outcome: dict[str, Any]) -> None:
+    run = outcome["sessions"]["per tensor"]
+    assert all(answer == [True, "Success"] for answer in run["answers"])
+    (line,) = run["lines"]
+    assert line.startswith(f"INFO kda_tp.guard: {SESSION}tp rank 3/4: ") and line.endswith("OK")
+    refused = outcome["sessions"]["refused"]  # no begin_weight_update: SGLang refuses it
+    assert refused["answers"] == [[False, "update_weights_from_tensor must run between "
+                                   "begin_weight_update() and end_weight_update()"]]
+    assert refused["lines"] == [] and refused["counted"] == 0  # not reported as checked
+
+
+def test_sessions_in_warn_mode_pass_or_log_the_diagnosis(outcome: dict[str, Any]) -> None:
+    right = outcome["sessions"]["warn right"]
+    assert right["answers"][-1] == [True, "Success"] and right["lines"][-1].endswith(": OK")
+    wrong = outcome["sessions"]["warn q_in_k"]
+    assert wrong["answers"][-1] == [True, "Success"]
+    (line,) = wrong["lines"]
+    assert line.startswith(f"WARNING kda_tp.guard: {SESSION}tp rank 2/4: ")
+    assert "FAIL (1 wrong)" in line and "k_proj: holds what was fed as" in line

@@ -237,11 +237,11 @@ def test_audit_llm_reports_every_worker(vc):
 
 
 def test_a_modelopt_block_scale_is_checked_in_the_shape_vllm_squeezes_it_to(vc):
-    from kda_tp.guard.vllm import _as_processed
+    from kda_tp.guard.target import as_described
     loaded = torch.arange(6, dtype=torch.float32).reshape(2, 1, 3, 1)  # [ob, 1, ib, 1]
-    out = _as_processed(f"{ATTN}o_proj.weight_scale", loaded)
+    out = as_described(f"{ATTN}o_proj.weight_scale", loaded)
     assert out.shape == (2, 3) and out.data_ptr() == loaded.data_ptr()
-    assert _as_processed(f"{ATTN}A_log", loaded) is loaded
+    assert as_described(f"{ATTN}A_log", loaded) is loaded
 
 
 def test_k3s_decode_copies_are_checked_and_a_stale_one_stops_the_guard(vc, caplog):

@@ -77,7 +77,7 @@ def test_a_checkpoint_variable_that_is_not_there_fails_and_one_with_spaces_works
 
 def test_a_model_id_is_resolved_in_the_engines_download_dir(monkeypatch, tmp_path):
     import huggingface_hub
-    from kda_tp.guard.vllm import _checkpoint
+    from kda_tp.guard.modes import load_checkpoint
     seen = {}
 
     def snapshot_download(repo, revision=None, cache_dir=None, local_files_only=False):
@@ -85,8 +85,9 @@ def test_a_model_id_is_resolved_in_the_engines_download_dir(monkeypatch, tmp_pat
         return str(tmp_path)
 
     monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
-    config = types.SimpleNamespace(model="org/kda-model", model_weights="", revision=None)
-    assert _checkpoint(config, "DefaultModelLoader", None, "/data/models") == str(tmp_path)
+    found = load_checkpoint("org/kda-model", "DefaultModelLoader", "vllm: tp rank 0/1",
+                            download_dir="/data/models")
+    assert found.checkpoint == str(tmp_path) and found.check_load and not found.dummy
     assert seen == {"repo": "org/kda-model", "cache_dir": "/data/models",
                     "local_files_only": True}
 

@@ -1,5 +1,5 @@
-"""The guard inside vLLM 0.33.0 checks every weight-update path against what it fed (issue
-26): a trainer's refit through the model's ``load_weights`` in buckets, ``reload_weights`` and a
+"""The guard inside vLLM 0.33.0 checks every weight-update path against what it fed: a
+trainer's refit through the model's ``load_weights`` in buckets, ``reload_weights`` and a
 weight-transfer engine made by vLLM's own factory; the bugs of each path (rows landing in the
 wrong part, a fused part dropped from a later bucket, a parameter never applied, GLM's merged
 conv weight left stale, K3's decode copies). Built as test_guard_vllm.py's (helpers:
@@ -13,8 +13,8 @@ import warnings
 
 import pytest
 
-from vllm_guard import (ATTN, CKPT, build, default_load, guard_lines, model_config, reload_config,
-                        set_rank)
+from vllm_guard import (ATTN, CKPT, build, default_load, expected_after, fed, guard_lines,
+                        loaded, model_config, reload_config, set_rank)
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")  # vLLM's own import-time deprecations
@@ -26,33 +26,6 @@ from kda_tp import GuardError
 
 pytestmark = [pytest.mark.engines, pytest.mark.usefixtures("guard_env_unset")]
 
-
-
-def fed(kind: str, scale: float = 2.0) -> list[tuple[str, torch.Tensor]]:
-    """A trainer's refit of the fixture: every tensor of the checkpoint, values x ``scale``
-    (new weights), in checkpoint names and layout."""
-    from safetensors.torch import load_file
-    return [(n, t * scale) for n, t in sorted(load_file(str(CKPT[kind] / "model.safetensors"))
-                                              .items())]
-
-
-def loaded(vc, kind: str, tp_size: int, rank: int) -> torch.nn.Module:
-    """A model loaded by vLLM's own loader, as a worker holds it before the first refit."""
-    from vllm.model_executor.model_loader.reload import record_metadata_for_reloading
-    model = build(vc, kind, tp_size, rank)
-    record_metadata_for_reloading(model)  # as vLLM's initialize_model does
-    default_load(vc, model, CKPT[kind])
-    return model
-
-
-def expected_after(vc, kind: str, tp_size: int, rank: int, scale: float) -> dict[str, torch.Tensor]:
-    """What the rank must hold after a refit with values x ``scale``: an independent model
-    loaded with the same values by the model class's own load_weights."""
-    model = build(vc, kind, tp_size, rank)
-    with set_current_vllm_config(vc):
-        Model_load = model.load_weights
-        Model_load(fed(kind, scale))
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
 @pytest.mark.parametrize("kind", ["k3", "kimi_linear", "glm"])

@@ -44,7 +44,8 @@ def model_config(path: Path) -> types.SimpleNamespace:
     """The ModelConfig fields vLLM's loaders read."""
     return types.SimpleNamespace(
         model=str(path), model_weights="", revision=None, quantization=None,
-        dtype=torch.float32, multimodal_config=None, is_moe=False, get_num_experts=lambda: 0)
+        dtype=torch.float32, multimodal_config=None, is_moe=False, get_num_experts=lambda: 0,
+        word_embeddings_untied_by_checkpoint=False)
 
 
 
@@ -109,6 +110,33 @@ def loading_as(model, tp_size: int, rank: int) -> None:
             ps._TP = group
 
     model.load_weights = load_weights
+
+
+def fed(kind: str, scale: float = 2.0) -> list[tuple[str, torch.Tensor]]:
+    """A trainer's refit of the fixture: every tensor of the checkpoint, values x ``scale``
+    (new weights), in checkpoint names and layout."""
+    from safetensors.torch import load_file
+    return [(n, t * scale) for n, t in sorted(load_file(str(CKPT[kind] / "model.safetensors"))
+                                              .items())]
+
+
+def loaded(vc, kind: str, tp_size: int, rank: int) -> torch.nn.Module:
+    """A model loaded by vLLM's own loader, as a worker holds it before the first refit."""
+    from vllm.model_executor.model_loader.reload import record_metadata_for_reloading
+    model = build(vc, kind, tp_size, rank)
+    record_metadata_for_reloading(model)  # as vLLM's initialize_model does
+    default_load(vc, model, CKPT[kind])
+    return model
+
+
+def expected_after(vc, kind: str, tp_size: int, rank: int, scale: float
+                   ) -> dict[str, torch.Tensor]:
+    """What the rank must hold after a refit with values x ``scale``: an independent model
+    loaded with the same values by the model class's own load_weights (not followed)."""
+    model = build(vc, kind, tp_size, rank)
+    with set_current_vllm_config(vc):
+        model.load_weights(fed(kind, scale))
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
 def guard_lines(caplog) -> list[str]:

@@ -1,10 +1,12 @@
-"""kda_tp.guard.updates, with no engine: the reference of an update is what was fed.
+"""kda_tp.guard.updates, with no engine: the reference of an update is what
+was fed, every region of a touched parameter is checked, and nothing but report lines leaves a
+session.
 
 A rank's engine parameters before and after an update are built with the build API from the
 fixture checkpoint and from the same tensors x2 (the "new weights" a trainer sends); what is
 fed is the checkpoint-format x2 tensors. Right updates pass; a region that holds another fed
-part, the values from before the update, or other values is named; only this rank's slices are
-kept."""
+part (in this session or an earlier one), the values from before the update, other values,
+values nobody fed, or non-zero padding is named; only this rank's slices are kept."""
 
 from __future__ import annotations
 
@@ -15,9 +17,9 @@ import numpy as np
 import pytest
 from safetensors import safe_open
 
-from kda_tp import KdaShardedSource, KdaTpPlan, SafetensorsSource
+from kda_tp import KdaShardedSource, KdaTpPlan, SafetensorsSource, describe
 from kda_tp.engines import build_param, get_layout
-from kda_tp.guard import UpdateCheck
+from kda_tp.guard import RankTarget, UpdateSession
 
 from tp_fixtures import CKPT, PRE, write_one_file
 
@@ -40,104 +42,176 @@ def held(checkpoint: Path, layout: str, rank: int, tp_size: int) -> dict[str, np
     source = SafetensorsSource(checkpoint)
     shard = KdaShardedSource(source, KdaTpPlan.from_config(source, rank, tp_size, qk_multiple=1))
     lay = get_layout(layout)
-    return {PRE + p.suffix: build_param(shard, lay, p.suffix, 0)
-            for p in lay.params_for(shard.plan)}
+    return {PRE + p.suffix: build_param(shard, lay, p.suffix, 0) for p in lay.params_for(shard.plan)}
+
+
+def session_for(kind: str, params: dict[str, np.ndarray], rank: int, tp_size: int,
+                memory: dict | None = None) -> UpdateSession:
+    target = RankTarget.build(describe(CKPT[kind]), params, tp_rank=rank,
+                              tp_size=tp_size)
+    return UpdateSession(target, memory)
 
 
 @pytest.mark.parametrize("kind", LAYOUTS)
 def test_a_right_update_passes_and_an_unapplied_one_holds_the_old_values(kind, tmp_path):
     before = held(CKPT[kind], LAYOUTS[kind], 1, 4)
     after = held(scaled(kind, tmp_path, 2.0), LAYOUTS[kind], 1, 4)
-    session = UpdateCheck(CKPT[kind], before, tp_rank=1, tp_size=4)
-    assert session.layout.name == LAYOUTS[kind]
+    session = session_for(kind, before, 1, 4)
+    assert session.target.layout.name == LAYOUTS[kind]
     fed = list(session.wrap(tensors(kind, 2.0).items()))
     assert len(fed) == len(tensors(kind))  # every pair passed on
-    report = session.check(after)
+    report = session.close(after)
     assert report.passed, report.problems
-    assert report.params == len(after)
-    plan = KdaTpPlan.from_config(SafetensorsSource(CKPT[kind]), 1, 4, qk_multiple=1)
+    assert report.params == len(after) and report.fed == len(fed)
+    plan = session.target.plan
     lay = get_layout(LAYOUTS[kind])
-    regions = [r for p in lay.params_for(plan) for r in lay.param_plan(p.suffix, plan, "F32").regions]
-    assert report.regions == len(regions)
-    assert report.bytes == sum(r.byte_range[1] - r.byte_range[0] for r in regions)  # no padding
-    stale = session.check(before)  # the engine applied nothing
-    assert not stale.passed and len(stale.problems) == report.regions
+    plans = [lay.param_plan(p.suffix, plan, "F32") for p in lay.params_for(plan)]
+    parts = [r for p in plans for r in p.regions]
+    padding = [p.padding for p in plans if p.padding is not None]
+    assert report.regions == len(parts) + len(padding)  # every region, padding too
+    assert report.bytes == sum(p.nbytes for p in plans)
+    stale = session.close(before)  # the engine applied nothing
+    assert not stale.passed and len(stale.problems) == len(parts)
     assert all("holds the values from before the update" in p for p in stale.problems)
 
 
 def test_only_this_ranks_slices_are_kept():
     kind = "kimi_linear"
     before = held(CKPT[kind], LAYOUTS[kind], 3, 4)
-    session = UpdateCheck(CKPT[kind], before, tp_rank=3, tp_size=4)
+    session = session_for(kind, before, 3, 4)
     full = tensors(kind, 2.0)
     for name, value in full.items():
         session.feed(name, value)
     kept = session.kept_bytes
-    local = sum(t.local_bytes for t in session.plan.tensors)
+    local = sum(t.local_bytes for t in session.target.plan.tensors)
     assert kept == local and kept * 3 < sum(a.nbytes for a in full.values())
 
 
 def test_a_part_in_anothers_place_is_named_with_what_was_fed_there(tmp_path):
     before = held(CKPT["k3"], LAYOUTS["k3"], 0, 2)
     after = held(scaled("k3", tmp_path, 2.0), LAYOUTS["k3"], 0, 2)
-    session = UpdateCheck(CKPT["k3"], before, tp_rank=0, tp_size=2)
+    session = session_for("k3", before, 0, 2)
     for name, value in tensors("k3", 2.0).items():
         session.feed(name, value)
-    plan = KdaTpPlan.from_config(SafetensorsSource(CKPT["k3"]), 0, 2, qk_multiple=1)
     regions = {r.part: r.byte_range for r in get_layout(LAYOUTS["k3"]).param_plan(
-        "in_proj_qkvgfab.weight", plan, "F32").regions}
+        "in_proj_qkvgfab.weight", session.target.plan, "F32").regions}
     fused = after[PRE + "in_proj_qkvgfab.weight"].copy()
     raw = fused.reshape(-1).view(np.uint8)
     (q0, q1), (k0, k1) = regions["q_proj"], regions["k_proj"]
     raw[k0:k1] = raw[q0:q1]  # q's rows in k's place
     wrong = dict(after) | {PRE + "in_proj_qkvgfab.weight": fused}
-    (problem,) = session.check(wrong).problems
+    (problem,) = session.close(wrong).problems
     assert problem == (f"{PRE}in_proj_qkvgfab.weight: k_proj: holds what was fed as "
                        f"{PRE}q_proj.weight (this rank's slice), not {PRE}k_proj.weight: parts "
                        "swapped by the update's loader")
 
 
+def test_what_an_earlier_call_fed_for_another_part_is_named(tmp_path):
+    """Per-tensor refits (OpenRLHF, TRL): q's tensor in one call, k's in the next; k's rows
+    hold q's slice. The memory the plugin keeps across calls names it."""
+    before = held(CKPT["k3"], LAYOUTS["k3"], 1, 2)
+    after = held(scaled("k3", tmp_path, 2.0), LAYOUTS["k3"], 1, 2)
+    memory: dict = {}
+    full = tensors("k3", 2.0)
+    first = session_for("k3", before, 1, 2, memory)
+    for _ in first.wrap([(PRE + "q_proj.weight", full[PRE + "q_proj.weight"])]):
+        pass
+    q_applied = dict(before)
+    regions = {r.part: r.byte_range for r in get_layout(LAYOUTS["k3"]).param_plan(
+        "in_proj_qkvgfab.weight", first.target.plan, "F32").regions}
+    (q0, q1), (k0, k1) = regions["q_proj"], regions["k_proj"]
+    fused = before[PRE + "in_proj_qkvgfab.weight"].copy()
+    fused.reshape(-1).view(np.uint8)[q0:q1] = after[PRE + "in_proj_qkvgfab.weight"].reshape(
+        -1).view(np.uint8)[q0:q1]
+    q_applied[PRE + "in_proj_qkvgfab.weight"] = fused
+    assert first.close(q_applied).passed
+    second = session_for("k3", q_applied, 1, 2, memory)
+    second.feed(PRE + "k_proj.weight", full[PRE + "k_proj.weight"])
+    wrong = fused.copy()
+    raw = wrong.reshape(-1).view(np.uint8)
+    raw[k0:k1] = raw[q0:q1]
+    (problem,) = second.close(dict(q_applied) | {PRE + "in_proj_qkvgfab.weight": wrong}).problems
+    assert problem == (f"{PRE}in_proj_qkvgfab.weight: k_proj: holds what was fed as "
+                       f"{PRE}q_proj.weight in an earlier call of this refit (this rank's slice), "
+                       f"not {PRE}k_proj.weight: parts swapped by the update's loader")
+
+
+def test_regions_nobody_fed_must_keep_their_values_and_padding_stays_zero(tmp_path):
+    """vLLM's layerwise reload rebuilds a partly fed parameter from torch.empty_strided: the
+    parts the update did not feed change too."""
+    before = held(CKPT["k3"], LAYOUTS["k3"], 0, 2)
+    after = held(scaled("k3", tmp_path, 2.0), LAYOUTS["k3"], 0, 2)
+    session = session_for("k3", before, 0, 2)
+    fed = {n: v for n, v in tensors("k3", 2.0).items()
+           if not n.endswith((".b_proj.weight", ".f_a_proj.weight"))}
+    for name, value in fed.items():
+        session.feed(name, value)
+    plan = get_layout(LAYOUTS["k3"]).param_plan("in_proj_qkvgfab.weight", session.target.plan,
+                                                "F32")
+    regions = {r.part: r.byte_range for r in plan.regions}
+    fused = after[PRE + "in_proj_qkvgfab.weight"].copy()
+    raw, old = fused.reshape(-1).view(np.uint8), before[PRE + "in_proj_qkvgfab.weight"].reshape(
+        -1).view(np.uint8)
+    for part in ("b_proj", "f_a_proj"):  # what the unfed rows held before, as an engine keeps
+        raw[slice(*regions[part])] = old[slice(*regions[part])]
+    report = session.close(dict(after) | {PRE + "in_proj_qkvgfab.weight": fused})
+    assert report.passed, report.problems
+    raw[slice(*regions["b_proj"])] = 0  # rebuilt uninitialised
+    assert plan.padding is not None
+    raw[plan.padding[0]] = 1  # a padding row not zero
+    problems = session.close(dict(after) | {PRE + "in_proj_qkvgfab.weight": fused}).problems
+    assert problems == [
+        f"{PRE}in_proj_qkvgfab.weight: b_proj: not fed by this update and no longer holds its "
+        "values from before it (rebuilt uninitialised?)",
+        f"{PRE}in_proj_qkvgfab.weight: padding: not zero after the update (the engine zeroes "
+        "its padding rows at every load)"]
+
+
 def test_other_values_and_a_wrongly_shaped_tensor_are_named():
     torch = pytest.importorskip("torch")
     before = held(CKPT["glm"], LAYOUTS["glm"], 1, 2)
-    session = UpdateCheck(CKPT["glm"], before, tp_rank=1, tp_size=2)
+    session = session_for("glm", before, 1, 2)
     fed = {n: torch.from_numpy(v) for n, v in tensors("glm", 2.0).items()}  # torch, sliced in torch
     fed[PRE + "A_log"] = fed[PRE + "A_log"][:6]  # half of A_log: no place in the plan
     for name, value in fed.items():
         session.feed(name, value)
     after = {n: v * np.float32(2.0) for n, v in before.items()}
     after[PRE + "o_norm.weight"][3] += 1
-    problems = session.check(after).problems
+    problems = session.close(after).problems
     assert problems[0] == (f"{PRE}A_log: fed with shape [6], which does not hold the 12 "
                            "elements of A_log the plan places; the update cannot be right")
-    (norm,) = [p for p in problems[1:]]
+    (norm,) = [p for p in problems[1:] if "o_norm" in p]
     assert norm.startswith(f"{PRE}o_norm.weight: o_norm: differs from what was fed as "
                            f"{PRE}o_norm.weight at element 3 (expected ")
 
 
-def test_names_of_other_stacks_and_non_kda_tensors_are_not_kept():
+def test_names_of_other_stacks_and_non_kda_tensors_touch_nothing():
     before = held(CKPT["k3"], LAYOUTS["k3"], 0, 2)
-    session = UpdateCheck(CKPT["k3"], before, tp_rank=0, tp_size=2)
-    session.feed("vision_tower.encoder.layers.0.self_attn.q_proj.weight", np.zeros((4, 4)))
-    session.feed("model.layers.0.mlp.down_proj.weight", np.zeros((4, 4)))
-    session.feed("model.layers.7.self_attn.q_proj.weight", np.zeros((4, 4)))  # not a KDA layer
-    assert not session.touched
-    assert session.check(before).passed
+    session = session_for("k3", before, 0, 2)
+    for _ in session.wrap([("vision_tower.encoder.layers.0.self_attn.q_proj.weight",
+                            np.zeros((4, 4))),
+                           ("model.layers.0.mlp.down_proj.weight", np.zeros((4, 4))),
+                           ("model.layers.7.self_attn.q_proj.weight", np.zeros((4, 4))),
+                           (3, np.zeros(1))]):  # not KDA layers, not a name
+        pass
+    assert not session.touched and session.kept_bytes == 0
+    report = session.close()
+    assert report.passed and report.params == report.regions == 0
 
 
 def test_wrap_verifies_each_part_as_the_engine_consumes_it_and_keeps_no_copy(tmp_path):
     before = held(CKPT["kimi_linear"], LAYOUTS["kimi_linear"], 2, 4)
     after = held(scaled("kimi_linear", tmp_path, 2.0), LAYOUTS["kimi_linear"], 2, 4)
     live = {n: a.copy() for n, a in before.items()}  # the engine's parameters
-    session = UpdateCheck(CKPT["kimi_linear"], live, tp_rank=2, tp_size=4)
+    session = session_for("kimi_linear", live, 2, 4)
     for name, _ in session.wrap(tensors("kimi_linear", 2.0).items()):
         for n in live:  # the engine applies what it was fed (here: all of it at the first)
             live[n][...] = after[n]
         assert session.kept_bytes == 0  # verified on the fly: nothing kept
-    report = session.check(live)
+    report = session.close()
     assert report.passed and report.params == len(live)
     live[PRE + "o_norm.weight"][...] = 0  # changed after it was applied
-    (problem,) = session.check(live).problems
+    (problem,) = session.close().problems
     assert problem == (f"{PRE}o_norm.weight: o_norm: {PRE}o_norm.weight was applied, then "
                        "changed before the update ended (its sampled elements differ from what "
                        "was fed)")
@@ -146,9 +220,88 @@ def test_wrap_verifies_each_part_as_the_engine_consumes_it_and_keeps_no_copy(tmp
 def test_wrap_keeps_what_the_engine_has_not_applied_and_names_it():
     before = held(CKPT["glm"], LAYOUTS["glm"], 0, 2)
     live = {n: a.copy() for n, a in before.items()}
-    session = UpdateCheck(CKPT["glm"], live, tp_rank=0, tp_size=2)
+    session = session_for("glm", live, 0, 2)
     for _ in session.wrap(tensors("glm", 2.0).items()):
         pass  # an engine that applies nothing
-    assert session.kept_bytes == sum(t.local_bytes for t in session.plan.tensors)
-    problems = session.check(live).problems
+    session.end_call()
+    assert session.kept_bytes == sum(t.local_bytes for t in session.target.plan.tensors)
+    problems = session.close().problems
     assert problems and all("holds the values from before the update" in p for p in problems)
+
+
+def test_a_nan_sentinel_patch_is_judged_on_the_values_before_it():
+    """vLLM's load_checkpoint_weight_patches (and verl's delta loaders) replace
+    torch.Tensor.copy_ so that a NaN keeps the old value: the reference is that copy applied to
+    the region before the update; a loader that writes the NaN is named."""
+    torch = pytest.importorskip("torch")
+    before = {n: torch.from_numpy(a.copy()) for n, a in
+              held(CKPT["kimi_linear"], LAYOUTS["kimi_linear"], 1, 2).items()}
+    name = PRE + "dt_bias"
+    full = torch.full((1536,), float("nan"))
+    full[::7] = 5.0  # a sparse patch: every 7th value new, the rest "unchanged"
+    real = torch.Tensor.copy_
+
+    def keep_nan(dst, src, non_blocking=False):  # vLLM's copy_non_nan_
+        src = src.to(dtype=dst.dtype, device=dst.device)
+        return torch.where(torch.isnan(src), dst, src, out=dst)
+
+    for applied in (keep_nan, real):
+        live = {n: t.clone() for n, t in before.items()}
+        session = session_for("kimi_linear", live, 1, 2)
+        torch.Tensor.copy_ = keep_nan
+        try:
+            for n, t in session.wrap([(name, full)]):  # the engine's loader: its rank's half
+                applied(live[name], t[768:])
+        finally:
+            torch.Tensor.copy_ = real  # as vLLM puts it back: an attribute of torch.Tensor now
+        report = session.close()
+        if applied is keep_nan:
+            assert report.passed, report.problems
+            assert torch.equal(live[name][1::7], before[name][1::7])  # kept where NaN was fed
+        else:
+            (problem,) = report.problems
+            assert problem.startswith(f"{name}: dt_bias: differs from what was fed as {name} at "
+                                      "element 0 (expected ")
+
+
+def test_a_nan_cast_to_another_payload_matches_as_in_the_audit():
+    """The audit's rule: a NaN matches a NaN of any bit pattern (torch and ml_dtypes cast a NaN
+    to different ones)."""
+    torch = pytest.importorskip("torch")
+    before = {n: torch.from_numpy(a.copy()) for n, a in
+              held(CKPT["kimi_linear"], LAYOUTS["kimi_linear"], 0, 2).items()}
+    name = PRE + "o_norm.weight"
+    fed = torch.full((128,), float("nan"))
+    session = session_for("kimi_linear", before, 0, 2)
+    for _ in session.wrap([(name, fed)]):
+        before[name].view(torch.int32)[...] = 0x7FC00001  # another NaN payload
+    assert session.close().passed
+
+
+def test_an_error_of_the_check_itself_is_a_line_never_an_exception():
+    before = held(CKPT["glm"], LAYOUTS["glm"], 0, 2)
+    session = session_for("glm", before, 0, 2)
+
+    class Unreadable:
+        shape = (4,)
+
+        def reshape(self, *shape):
+            raise OverflowError("cannot be read")
+
+    for _ in session.wrap([(PRE + "o_norm.weight", Unreadable())]):
+        pass
+    report = session.close()
+    assert not report.passed and not report.problems
+    assert report.unchecked == [f"{PRE}o_norm.weight: the check failed: OverflowError: cannot "
+                                "be read"]
+
+
+def test_the_target_is_built_once_and_knows_the_parts_a_rank_holds():
+    before = held(CKPT["k3"], LAYOUTS["k3"], 1, 4)
+    target = RankTarget.build(describe(CKPT["k3"]), before, tp_rank=1,
+                              tp_size=4)
+    assert target.layout.name == LAYOUTS["k3"] and (target.tp_rank, target.tp_size) == (1, 4)
+    assert set(target.params) == set(before)
+    assert {n.removeprefix(PRE) for n in target.fed} >= {"q_proj.weight", "A_log", "o_proj.weight"}
+    assert target.nbytes == sum(a.nbytes for a in before.values())
+    assert target.holds(object())  # built without a model: nothing to compare

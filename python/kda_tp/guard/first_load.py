@@ -25,6 +25,10 @@ and ``dt_bias``, a checkpoint whose config describes no KDA layer, an explicitly
 ``KDA_TP_GUARD_CHECKPOINT`` that is not there, a tensor the guard cannot read: each a
 ``GuardError`` in mode ``fail``, a warning in mode ``warn``, never a crash.
 
+The checkpoint is described once per rank (``kda_tp.describe``: its config and names read
+once); the description goes down to the audit and comes back in the :class:`GuardResult`, for
+the engine plugin to build the rank's update target from it without reading anything again.
+
 This module imports no engine and no torch; torch tensors are read only when torch is imported
 already (they come from an engine).
 """
@@ -36,34 +40,24 @@ import os
 import time
 import warnings
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
-from pathlib import Path
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from ..audit.auditor import audit
 from ..audit.report import AuditReport
-from ..audit.values import as_record
-from ..checkpoint.reader import numpy_dtype
+from ..audit.values import as_record, first_difference, same_values
+from ..checkpoint.description import describe
+from ..checkpoint.reader import SafetensorsSource
 from ..engines.derived import DERIVED
-from ..engines.registry import kda_only_suffixes, param_location
+from ..engines.registry import kda_only_suffixes, param_location, param_name
 from ..errors import CheckpointError, GuardError, GuardModeError, KdaTpError
-from ..model.config import describes_kda, load_config
+from ..model.config import describes_kda
+from .modes import CHECKPOINT_ENV, MODE_ENV, MODES, cannot_check, mode
 
-__all__ = ["CHECKPOINT_ENV", "MODES", "MODE_ENV", "GuardResult", "cannot_check", "check",
-           "checkpoint_env", "derived_problem", "explicit_checkpoint", "holds_kda", "looks_kda",
-           "mode", "rank_report", "resolve_checkpoint", "stage_layers"]
-
-#: The environment variable that sets the guard's mode.
-MODE_ENV = "KDA_TP_GUARD"
-#: The environment variable an engine plugin reads for the checkpoint to check against when
-#: the engine's own model path is not it: a ``sharded_state`` directory (it holds the ranks'
-#: dumps, not the checkpoint they came from), or a model the engine streams from elsewhere
-#: while a local copy exists.
-CHECKPOINT_ENV = "KDA_TP_GUARD_CHECKPOINT"
-#: The guard's modes; the first is the default.
-MODES = ("fail", "warn", "off")
+__all__ = ["GuardResult", "check", "derived_problem", "holds_kda", "looks_kda", "rank_report",
+           "stage_layers"]
 
 logger = logging.getLogger("kda_tp.guard")
 
@@ -81,9 +75,10 @@ _KDA_LOOKING = tuple(f".{end}" for end in sorted(kda_only_suffixes()) if f".{end
 def derived_problem(name: str, value: Any, params: Mapping[str, Any], layout: str
                     ) -> str | None | bool:
     """The verdict on one derived copy against the parameters it derives from, as they are
-    in ``params`` now: None (exact), a problem (its shape, dtype, or the first element that
-    differs), or False when ``layout`` keeps no such copy (:data:`DERIVED`) or one of its
-    parameters is not in ``params`` (not checked).
+    in ``params`` now: None (exact, compared as the audit compares: ``same_values``), a
+    problem (its shape, dtype, or the first element that differs), or False when ``layout``
+    keeps no such copy (:data:`~kda_tp.engines.derived.DERIVED`) or one of its parameters is
+    not in ``params`` (not checked).
 
     Args:
         name: the copy's full name (``model.layers.0.self_attn._merged_conv_weight``).
@@ -97,35 +92,30 @@ def derived_problem(name: str, value: Any, params: Mapping[str, Any], layout: st
         return False
     prefix, layer, suffix = location
     copy = known[suffix]
-    origins = [f"{prefix}{layer}.self_attn.{source}" for source in copy.sources]
+    origins = [param_name(prefix, layer, source) for source in copy.sources]
     if any(origin not in params for origin in origins):
         return False
     try:
-        got, got_dtype = _array(name, value)
+        got = as_record(name, value)
+        bases = [as_record(origin, params[origin]) for origin in origins]
     except KdaTpError as error:
         return f"cannot be read: {error}"
-    bases = [_array(origin, params[origin]) for origin in origins]
-    want = np.ascontiguousarray(copy.derive(*(array for array, _ in bases)))
-    want_dtype = next((d for d in ("F64", "F32", "F16", "BF16") if numpy_dtype(d) == want.dtype),
-                      bases[0][1])
+    want = np.ascontiguousarray(copy.derive(*(b.array for b in bases)))
+    want_dtype = as_record(name, want).dtype
     what = " and ".join(copy.sources)
-    if got.shape != want.shape or got_dtype != want_dtype:
-        return (f"shape {list(got.shape)} x {got_dtype}, expected {list(want.shape)} x "
+    if got.array.shape != want.shape or got.dtype != want_dtype:
+        return (f"shape {list(got.array.shape)} x {got.dtype}, expected {list(want.shape)} x "
                 f"{want_dtype} (derived from {what})")
-    size = want.dtype.itemsize
-    got_bits = np.ascontiguousarray(got).reshape(-1).view(f"<u{size}")
-    want_bits = want.reshape(-1).view(f"<u{size}")
-    if np.array_equal(got_bits, want_bits):
+    flat_got, flat_want = np.ascontiguousarray(got.array).reshape(-1), want.reshape(-1)
+    if same_values(flat_got, flat_want):
         return None
-    # The first element whose bytes differ (-0.0 and 0.0 compare equal as values).
-    first = int(np.flatnonzero(got_bits != want_bits)[0])
-    index = [int(i) for i in np.unravel_index(first, got.shape)]
+    first = first_difference(flat_got, flat_want)
+    index = [int(i) for i in np.unravel_index(first, want.shape)]
     stale = (f"the engine's copy is stale (built before the last update and never rebuilt: "
              f"{copy.issue})" if copy.issue else
              "the engine's decode copy is stale or was filled from another slice")
     return (f"differs from what {what} makes of it at {index} (expected "
-            f"{float(want.reshape(-1)[first])!r}, got {float(got.reshape(-1)[first])!r}): "
-            f"{stale}")
+            f"{float(flat_want[first])!r}, got {float(flat_got[first])!r}): {stale}")
 
 
 def holds_kda(names: Iterable[str]) -> bool:
@@ -152,92 +142,6 @@ def _any_ending(names: Iterable[Any], ends: tuple[str, ...]) -> bool:
     except (AttributeError, TypeError):
         return any(isinstance(n, str) and n.endswith(ends) and ".self_attn." in n
                    for n in names)
-
-
-def mode() -> str:
-    """The guard's mode from ``KDA_TP_GUARD``: ``"fail"`` when unset or empty, else its value
-    (case and surrounding spaces ignored).
-
-    Raises:
-        GuardModeError: a value that is not one of :data:`MODES`.
-    """
-    value = os.environ.get(MODE_ENV, "").strip().lower()
-    if not value:
-        return MODES[0]
-    if value not in MODES:
-        raise GuardModeError(
-            f"{MODE_ENV}={os.environ[MODE_ENV]!r} is not a guard mode; use fail (the default), "
-            "warn or off"
-        )
-    return value
-
-
-def checkpoint_env() -> str | None:
-    """``KDA_TP_GUARD_CHECKPOINT`` (:data:`CHECKPOINT_ENV`) with surrounding spaces stripped;
-    None when unset or blank."""
-    return os.environ.get(CHECKPOINT_ENV, "").strip() or None
-
-
-def cannot_check(text: str, guard_mode: str | None = None) -> None:
-    """A check that could not run, as the mode says: in ``fail`` a :class:`GuardError`
-    carrying ``text`` (and how to start anyway), in ``warn`` one ``RuntimeWarning`` and a
-    WARNING line on ``kda_tp.guard``; nothing in ``off``.
-
-    Raises:
-        GuardError: mode ``fail``.
-        GuardModeError: ``KDA_TP_GUARD`` holds another value than the modes.
-    """
-    chosen = mode() if guard_mode is None else guard_mode
-    if chosen == "off":
-        return
-    if chosen == "fail":
-        raise GuardError(f"{text} (set {MODE_ENV}=warn to start anyway)")
-    logger.warning("%s", text)
-    warnings.warn(text, RuntimeWarning, stacklevel=3)
-
-
-def explicit_checkpoint(where: str, guard_mode: str | None = None) -> str | None:
-    """The checkpoint ``KDA_TP_GUARD_CHECKPOINT`` names (stripped), when set; None when unset.
-    A path that is not there is a check that cannot run (:func:`cannot_check`: a
-    ``GuardError`` in ``fail``; in ``warn`` one warning and ``""``, which the caller checks
-    nothing against).
-
-    Raises:
-        GuardError: mode ``fail`` and the variable names a path that does not exist.
-    """
-    chosen = checkpoint_env()
-    if chosen is None or "://" in chosen or os.path.exists(chosen):
-        return chosen
-    cannot_check(f"kda_tp guard: {where}: {CHECKPOINT_ENV}={chosen!r} does not exist; the KDA "
-                 "weights are not checked (a typo? set it to the checkpoint directory the "
-                 "engine loaded)", guard_mode)
-    return ""
-
-
-def resolve_checkpoint(path: str, *, revision: str | None = None,
-                       download_dir: str | None = None) -> str:
-    """A model path as the local checkpoint both engine plugins check against: a URL or an
-    existing path as it is; a Hugging Face repository id as its snapshot in the local cache
-    (in ``download_dir`` when the engine downloads there; never a download); anything else
-    unchanged (:func:`check` then warns that it is not local).
-
-    Args:
-        path: the engine's model path or repository id.
-        revision: the repository revision the engine loaded (None: the default branch).
-        download_dir: the engine's download directory (None: the Hugging Face cache).
-
-    Returns:
-        The local path, or ``path`` unchanged.
-    """
-    if "://" in path or os.path.exists(path):
-        return path
-    try:  # a repository id: the snapshot the engine downloaded
-        from huggingface_hub import snapshot_download
-
-        return str(snapshot_download(path, revision=revision, cache_dir=download_dir,
-                                     local_files_only=True))
-    except Exception:  # noqa: BLE001 - not cached or no huggingface_hub: check() warns
-        return path
 
 
 def rank_report(run: Callable[[], GuardResult | None], *, tp_rank: int, tp_size: int,
@@ -310,6 +214,8 @@ class GuardResult:
         bytes: their size on the rank, in bytes.
         seconds: wall time of the check, in seconds.
         where: the caller's label (``"vllm worker 3"``), or ``""``.
+        source: the checkpoint as this check opened it (its description, ``kda_tp.describe``
+            of it, read once): what the engine plugin builds the rank's update target from.
     """
 
     report: AuditReport
@@ -320,6 +226,7 @@ class GuardResult:
     bytes: int
     seconds: float
     where: str = ""
+    source: SafetensorsSource | None = field(default=None, repr=False, compare=False)
 
     @property
     def passed(self) -> bool:
@@ -351,18 +258,6 @@ def _nbytes(value: Any) -> int:
     """Bytes of an array, a torch tensor or a ``kda_tp.Tensor`` (all have ``nbytes``)."""
     found = getattr(value, "nbytes", 0)
     return int(found) if isinstance(found, (int, np.integer)) else 0
-
-
-def _array(name: str, value: Any) -> tuple[np.ndarray, str]:
-    """``value``'s values in its own dtype (numpy, ``kda_tp.Tensor`` or torch on any device;
-    BF16 and FP8 through ``ml_dtypes``) and that dtype's safetensors name.
-
-    Raises:
-        CheckpointError: a value that is not an array, a dtype not audited, a tensor without
-            data (meta, lazy) or not dense.
-    """
-    record = as_record(name, value)
-    return record.array, record.dtype
 
 
 def _is_local(checkpoint: Any) -> bool:
@@ -471,22 +366,25 @@ def check(
             RuntimeWarning, stacklevel=2,
         )
         return None
-    root = Path(checkpoint)
-    root = root if root.is_dir() else root.parent
-    try:
-        describes = describes_kda(load_config(root))
-    except KdaTpError:
-        describes = True  # no or a broken config.json: the audit below says so
-    if not describes:
-        cannot_check(f"kda_tp guard: {label}tp rank {tp_rank}/{tp_size}: the parameters are "
-                     "KDA layers' (...self_attn.A_log / dt_bias) but the config of "
-                     f"{os.fspath(checkpoint)} describes no KDA layer; the KDA weights are not "
-                     f"checked (is it the checkpoint the engine loaded? set {CHECKPOINT_ENV} "
-                     "to it)", chosen)
-        return None
     start = time.perf_counter()
     try:
-        report = audit(named, checkpoint, tp_rank=tp_rank, tp_size=tp_size, engine=engine,
+        try:
+            source: SafetensorsSource | None = SafetensorsSource(checkpoint)
+        except KdaTpError:
+            source = None  # no tensors to audit: the audit below says so, after the config
+        description = describe(source or checkpoint)  # config and names read once per rank
+        try:
+            describes = describes_kda(description.config)
+        except KdaTpError:
+            describes = True  # a broken config.json: the audit below says so
+        if not describes:
+            cannot_check(f"kda_tp guard: {label}tp rank {tp_rank}/{tp_size}: the parameters are "
+                         "KDA layers' (...self_attn.A_log / dt_bias) but the config of "
+                         f"{os.fspath(checkpoint)} describes no KDA layer; the KDA weights are "
+                         f"not checked (is it the checkpoint the engine loaded? set "
+                         f"{CHECKPOINT_ENV} to it)", chosen)
+            return None
+        report = audit(named, source or checkpoint, tp_rank=tp_rank, tp_size=tp_size, engine=engine,
                        layers=layers, model_dtype=model_dtype)
         checked = [p for p in report.params if p.status != "missing"]
         nbytes = sum(_nbytes(named[p.name]) for p in checked)
@@ -498,6 +396,8 @@ def check(
                 nbytes += _nbytes(value)
                 if problem:
                     report.problems.append(f"rank {tp_rank} {name}: {problem}")
+    except GuardError:
+        raise
     except Exception as error:  # the guard's own failure must never crash a warn-mode engine
         why = str(error) if isinstance(error, KdaTpError) else f"{type(error).__name__}: {error}"
         text = (f"kda_tp guard: {label}tp rank {tp_rank}/{tp_size}: cannot check the KDA "
@@ -507,7 +407,7 @@ def check(
         logger.warning("%s", text)
         return None
     result = GuardResult(report, tp_rank, tp_size, report.engine, count, nbytes,
-                         time.perf_counter() - start, where)
+                         time.perf_counter() - start, where, source)
     if result.passed:
         logger.info("%s", result.line())
         return result

@@ -13,13 +13,19 @@ registered with ``sglang.srt.plugins.hook_registry.HookRegistry``:
 * around ``WeightUpdater.update_weights_from_disk``: after a successful update the guard runs
   again, on the new checkpoint; a wrong update is reported as a failed update (the message is
   the diagnosis);
+* around the scheduler's ``SchedulerWeightUpdaterManager.begin_weight_update`` and
+  ``end_weight_update`` (SGLang 0.5.23's weight-update session; ``update_weights_from_tensor``
+  and ``update_weights_from_distributed`` are refused outside one): the session is one update
+  (:mod:`kda_tp.guard.updates`), opened once SGLang opened it and checked when SGLang ends
+  it; a wrong one turns the end's answer into ``success=False`` with the diagnosis in mode
+  ``fail`` (logged in ``warn``). An update SGLang refuses never reaches the model and is not
+  reported;
 * around ``WeightUpdater.update_weights_from_tensor``, ``load_weights_from_distributed`` (the
-  load step of ``update_weights_from_distributed``) and ``update_weights_from_ipc``: each is
-  one update session (:mod:`kda_tp.guard.updates`): what it feeds the model's
-  ``load_weights`` is the reference, every KDA parameter it touched is checked when it
-  returns, and a wrong one makes it a failed update ``(False, diagnosis)`` in mode ``fail``
-  (logged in ``warn``). A ``load_format="direct"`` or custom-loader tensor update writes
-  engine-format tensors without ``load_weights``: one warning that it is not checked;
+  load step of ``update_weights_from_distributed``) and ``update_weights_from_ipc``: inside a
+  session each feeds it; outside one (``update_weights_from_ipc``, which SGLang does not
+  confine to a session) each is one update, a wrong one a failed update ``(False,
+  diagnosis)`` in mode ``fail``. A ``load_format="direct"`` or custom-loader tensor update
+  writes engine-format tensors without ``load_weights``: one warning that it is not checked;
 * around ``Scheduler.handle_rpc_request``: the scheduler answers SGLang's own
   ``Engine.collective_rpc`` for the method ``kda_tp_guard_audit`` (:data:`RPC_METHOD`), which
   :func:`audit_engine` uses to audit a running engine on all its ranks.
@@ -34,12 +40,12 @@ slices of the checkpoint, in the SGLang 0.5.23 layout the parameter names fit
 ``off``). Draft (speculative / MTP) model runners are skipped before any work, non-KDA models
 by the guard's own name test.
 
-The checkpoint is the runner's ``model_config.model_path`` (a Hugging Face repository id is
-resolved to its local cache in the engine's ``download_dir``, never downloaded);
-``KDA_TP_GUARD_CHECKPOINT`` (``kda_tp.guard.CHECKPOINT_ENV``, stripped; a path that is not
-there is a ``GuardError`` in mode ``fail``) overrides it, which a ``--load-format
-sharded_state`` start needs (its directory holds the ranks' dumps, not the checkpoint they came
-from). The engine's model dtype (``model_config.dtype``) is passed to the check.
+The checkpoint is :func:`kda_tp.guard.modes.load_checkpoint`'s, as for vLLM: the runner's
+``model_config.model_path`` (a Hugging Face repository id resolved to its local cache in the
+engine's ``download_dir``, never downloaded), or ``KDA_TP_GUARD_CHECKPOINT`` (a
+``--load-format sharded_state`` start needs it); a ``--load-format dummy`` start (random
+weights) is not checked at load, and its first update must fill every KDA region. The
+engine's model dtype (``model_config.dtype``) is passed to the check.
 
 Armed, provably: at the first load each rank records which of :data:`TARGETS` SGLang's
 ``HookRegistry`` applied (``apply_hooks`` only logs a target it could not resolve); a missing
@@ -53,7 +59,6 @@ neither it nor SGLang.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
@@ -65,16 +70,11 @@ from typing import Any
 
 from ..engines.dtype import model_dtype_name
 from ..errors import GuardError, KdaTpError
-from .first_load import (
-    CHECKPOINT_ENV,
-    GuardResult,
-    check,
-    explicit_checkpoint,
-    holds_kda,
-    rank_report,
-    resolve_checkpoint,
-)
-from .updates import Followed, follow, followed, warn_once
+from .first_load import GuardResult, check, looks_kda, rank_report
+from .live import Follower, follow, followed
+from .modes import LoadSource, cannot_check, load_checkpoint, mode, warn_once
+from .record import RECORD
+from .record import status as _status
 
 __all__ = ["RPC_METHOD", "TARGETS", "audit_engine", "audit_runner", "checkpoint_of",
            "guard_runner", "rank_and_size", "register", "status"]
@@ -86,7 +86,10 @@ RPC_METHOD = "kda_tp_guard_audit"
 
 _RUNNER = "sglang.srt.model_executor.model_runner.ModelRunner"
 _UPDATER = "sglang.srt.model_executor.model_runner_components.weight_updater.WeightUpdater"
+_MANAGER = ("sglang.srt.managers.scheduler_components.weight_updater."
+            "SchedulerWeightUpdaterManager")
 _SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
+_SESSION = "weight update session"
 
 #: The SGLang 0.5.23 functions the plugin hooks (``HookRegistry`` targets).
 TARGETS = (
@@ -96,17 +99,10 @@ TARGETS = (
     f"{_UPDATER}.update_weights_from_tensor",
     f"{_UPDATER}.load_weights_from_distributed",
     f"{_UPDATER}.update_weights_from_ipc",
+    f"{_MANAGER}.begin_weight_update",
+    f"{_MANAGER}.end_weight_update",
     f"{_SCHEDULER}.handle_rpc_request",
 )
-
-# This process's record: checks run by kind, and the last verdict line.
-_checks: dict[str, int] = {}
-_last: list[str] = [""]
-
-
-def _ran(kind: str, line: str) -> None:
-    _checks[kind] = _checks.get(kind, 0) + 1
-    _last[0] = line
 
 
 def register() -> None:
@@ -117,54 +113,45 @@ def register() -> None:
     """
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    load, finalize, disk, tensor, distributed, ipc, rpc = TARGETS
+    load, finalize, disk, tensor, distributed, ipc, begin, end, rpc = TARGETS
     HookRegistry.register(load, _after_load_model, HookType.AFTER)
     HookRegistry.register(finalize, _after_finalize, HookType.AFTER)
     HookRegistry.register(disk, _around_update_from_disk, HookType.AROUND)
     HookRegistry.register(tensor, _around_update_from_tensor, HookType.AROUND)
     HookRegistry.register(distributed, _around_load_from_distributed, HookType.AROUND)
     HookRegistry.register(ipc, _around_update_from_ipc, HookType.AROUND)
+    HookRegistry.register(begin, _around_begin, HookType.AROUND)
+    HookRegistry.register(end, _around_end, HookType.AROUND)
     HookRegistry.register(rpc, _around_rpc, HookType.AROUND)
 
 
 def hooks() -> dict[str, str]:
     """Each of :data:`TARGETS`: ``"armed"`` when SGLang's ``HookRegistry`` applied it in this
-    process, else why not."""
+    process, else why not (also kept in the process's record)."""
     try:
         from sglang.srt.plugins.hook_registry import HookRegistry
 
         applied = set(getattr(HookRegistry, "_patched", ()))
+        found = {t: "armed" if t in applied else
+                 "missing: not applied by SGLang's HookRegistry (renamed in this SGLang "
+                 "version, or SGLANG_PLUGINS leaves out kda_tp_guard?)" for t in TARGETS}
     except ImportError as error:
-        return {t: f"missing: {error}" for t in TARGETS}
-    return {t: "armed" if t in applied else
-            "missing: not applied by SGLang's HookRegistry (renamed in this SGLang version, or "
-            "SGLANG_PLUGINS leaves out kda_tp_guard?)" for t in TARGETS}
+        found = {t: f"missing: {error}" for t in TARGETS}
+    RECORD.hooks.update(found)
+    return found
 
 
 def status() -> dict[str, Any]:
-    """This process's guard: ``versions`` (SGLang's, kda_tp's), ``mode``, ``hooks``
-    (:func:`hooks`), ``checks`` (run, by kind: ``first load``, ``update``) and ``last`` (the
-    last verdict line)."""
-    import sys
-
-    from .._native import __version__
-    from .first_load import mode
-
-    try:
-        chosen = mode()
-    except KdaTpError as error:
-        chosen = f"invalid: {error}"
-    sglang = sys.modules.get("sglang")
-    return {"versions": {"sglang": str(getattr(sglang, "__version__", "not imported")),
-                         "kda_tp": __version__},
-            "mode": chosen, "hooks": hooks(), "checks": dict(_checks), "last": _last[0]}
+    """This process's guard (:func:`kda_tp.guard.record.status` for SGLang): ``versions``,
+    ``mode``, ``hooks`` (:func:`hooks`), ``checks`` (by kind: ``first load``, ``update``...)
+    and ``last`` (the last verdict line)."""
+    hooks()
+    return _status("sglang")
 
 
 def _check_armed() -> None:
     """At the first load: every hook target applied, else a ``GuardError`` (mode ``fail``,
     raised from the load, which SGLang does not swallow) or a warning (``warn``)."""
-    from .first_load import cannot_check
-
     missing = {t: why for t, why in hooks().items() if why != "armed"}
     if missing:
         cannot_check("kda_tp guard: sglang: hooks not armed, so these paths are not checked: "
@@ -180,54 +167,95 @@ def _after_load_model(result: Any, runner: Any, *args: Any, **kwargs: Any) -> No
     later (``runner.startup_weight_load`` set: the finalize hook checks)."""
     _check_armed()
     if getattr(runner, "startup_weight_load", None) is None:
-        guard_runner(runner)
-        follow_runner(runner)
+        follow_runner(runner, guard_runner(runner))
 
 
 def _after_finalize(result: Any, runner: Any, *args: Any, **kwargs: Any) -> None:
     """After ``ModelRunner.finalize_startup_weight_load`` (overlap mode): check."""
-    guard_runner(runner)
-    follow_runner(runner)
+    follow_runner(runner, guard_runner(runner))
 
 
-def follow_runner(runner: Any) -> None:
-    """Check every later update of a (non-draft) runner's model: its ``load_weights`` feeds
-    the update sessions the update hooks open (:func:`kda_tp.guard.follow`)."""
+def follow_runner(runner: Any, result: GuardResult | None = None) -> Follower | None:
+    """Check every later update of a (non-draft) runner's model, KDA names (as vLLM's plugin,
+    :func:`kda_tp.guard.looks_kda`: a model that lost ``A_log`` too): its ``load_weights``
+    feeds the update sessions (:func:`kda_tp.guard.live.follow`). ``result``: the first
+    load's check, whose description and layout are taken. Returns the follower, or None.
+
+    Raises:
+        GuardError: mode ``fail`` and the checkpoint's config gives no plan for the model's
+            KDA parameters.
+    """
     model = getattr(runner, "model", None)
-    if (getattr(runner, "is_draft_worker", False) or model is None
-            or followed(model) is not None or not callable(getattr(model, "load_weights", None))
-            or not holds_kda(n for n, _ in model.named_parameters())):
-        return
-    import weakref
+    if getattr(runner, "is_draft_worker", False) or model is None or mode() == "off":
+        return None
+    how = followed(model)
+    if how is not None or not callable(getattr(model, "load_weights", None)):
+        return how
+    if not looks_kda(n for n, _ in model.named_parameters()):
+        return None
+    rank, size = rank_and_size()
+    where = f"{_label()} update: tp rank {rank}/{size}"
+    found = _load_source(runner, where)
+    if found.why or found.checkpoint == "":
+        return None  # no checkpoint to check against: the load's warning said why
+    checkpoint: Any = result.source if result is not None and result.source is not None \
+        else found.checkpoint
+    if not checkpoint or (isinstance(checkpoint, str) and
+                          ("://" in checkpoint or not os.path.exists(checkpoint))):
+        warn_once(f"kda_tp guard: {where}: no local checkpoint config for the model "
+                  f"({checkpoint!r}); its weight updates are not checked (set "
+                  "KDA_TP_GUARD_CHECKPOINT to a local copy of its config.json and safetensors "
+                  "files)")
+        return None
+    try:
+        return follow(model, "sglang", checkpoint, tp_rank=rank, tp_size=size,
+                      layout=result.engine if result is not None else None, dummy=found.dummy)
+    except KdaTpError as error:
+        cannot_check(f"kda_tp guard: {where}: the updates of this model cannot be checked "
+                     f"against {getattr(checkpoint, 'path', checkpoint)}: {error}")
+        return None
 
-    ref: Callable[[], Any] = weakref.ref(model)
-    follow(model, Followed("sglang", lambda: checkpoint_of(runner, quiet=True), rank_and_size,
-                           lambda: dict(ref().named_parameters()), dict, lambda: None,
-                           lambda line: _ran("update", line)))
+
+def _verdict(how: Follower, owner: str) -> str | None:
+    """Close ``owner``'s session: None when right (or not checked), else the diagnosis (mode
+    ``fail``; mode ``warn`` logs it and returns None)."""
+    try:
+        how.close(owner)
+    except GuardError as error:
+        return str(error)
+    return None
 
 
 def _updated(runner: Any, where: str, call: Callable[[], tuple[bool, str]]) -> tuple[bool, str]:
-    """Run one update of ``runner``'s model as an update session; a wrong result (mode
-    ``fail``) turns a successful update into ``(False, diagnosis)``."""
-    follow_runner(runner)
-    how = followed(getattr(runner, "model", None))
+    """One update call of ``runner``'s model: inside an open session it feeds it (a failure
+    SGLang reports spoils it: not checked); else it is one update by itself, whose wrong
+    result (mode ``fail``) turns a successful update into ``(False, diagnosis)``."""
+    how = follow_runner(runner)
     if how is None:
         return call()
+    owned = how.open(where, where)
     try:
-        with how.update(where):
-            ok, message = call()
-            if not ok:  # SGLang reports its own failure; nothing to check
-                how.session = None
-    except GuardError as error:
+        ok, message = call()
+    except BaseException:
+        how.abandon(where)
+        raise
+    if not ok:  # SGLang reports its own failure; nothing to check
+        if owned:
+            how.abandon(where)
+        else:
+            how.spoil(f"{where} failed in it: {message}")
+        return ok, message
+    wrong = _verdict(how, where) if owned else None
+    if wrong is not None:
         return False, (f"the update is loaded, but the kda_tp guard found this rank's KDA "
-                       f"weights wrong; the engine serves them until a correct update: {error}")
+                       f"weights wrong; the engine serves them until a correct update: {wrong}")
     return ok, message
 
 
 def _around_update_from_tensor(original: Callable[..., tuple[bool, str]], updater: Any,
                                named_tensors: Any, load_format: str | None = None,
                                *args: Any, **kwargs: Any) -> tuple[bool, str]:
-    """Around ``WeightUpdater.update_weights_from_tensor``: one checked update session."""
+    """Around ``WeightUpdater.update_weights_from_tensor``: feeds the session, or one update."""
     if load_format not in (None, "flattened_bucket"):
         warn_once(f"kda_tp guard: sglang: update_weights_from_tensor(load_format={load_format!r})"
                   " writes tensors without the model's load_weights; its KDA weights are not "
@@ -239,18 +267,63 @@ def _around_update_from_tensor(original: Callable[..., tuple[bool, str]], update
 
 def _around_load_from_distributed(original: Callable[..., tuple[bool, str]], updater: Any,
                                   *args: Any, **kwargs: Any) -> tuple[bool, str]:
-    """Around ``WeightUpdater.load_weights_from_distributed``: one checked update session."""
+    """Around ``WeightUpdater.load_weights_from_distributed``: feeds the session, or one
+    update."""
     return _updated(updater.get_model_runner(), "update_weights_from_distributed",
                     lambda: original(updater, *args, **kwargs))
 
 
 def _around_update_from_ipc(original: Callable[..., tuple[bool, str]], updater: Any,
                             *args: Any, **kwargs: Any) -> tuple[bool, str]:
-    """Around ``WeightUpdater.update_weights_from_ipc``: one checked update session."""
+    """Around ``WeightUpdater.update_weights_from_ipc``: feeds the session, or one update."""
     return _updated(updater.get_model_runner(), "update_weights_from_ipc",
                     lambda: original(updater, *args, **kwargs))
 
 
+def _target_runners(manager: Any, selector: str) -> list[Any]:
+    """The target (not draft) model runners a scheduler's weight-update request selects."""
+    try:
+        return [runner for role, runner in manager._select_runners(selector)
+                if role == "target"]
+    except ValueError:  # a selector SGLang refuses: its own answer says so
+        return []
+
+
+def _around_begin(original: Callable[..., Any], manager: Any, recv_req: Any, *args: Any,
+                  **kwargs: Any) -> Any:
+    """Around ``SchedulerWeightUpdaterManager.begin_weight_update``: once SGLang opened its
+    session (the runners' packed weights restored), an update session on each target
+    runner's model."""
+    out = original(manager, recv_req, *args, **kwargs)
+    if getattr(out, "success", False):
+        for runner in _target_runners(manager, getattr(recv_req, "selector", "all")):
+            how = follow_runner(runner)
+            if how is not None:
+                how.open(_SESSION, _SESSION)
+    return out
+
+
+def _around_end(original: Callable[..., Any], manager: Any, recv_req: Any, *args: Any,
+                **kwargs: Any) -> Any:
+    """Around ``SchedulerWeightUpdaterManager.end_weight_update``: once SGLang ended its
+    session (post-processing done, every rank past its barrier), check it; a wrong update
+    (mode ``fail``) turns the answer into ``success=False`` with the diagnosis."""
+    session = getattr(manager, "_session", None)
+    selector = getattr(session, "selector", "all")
+    out = original(manager, recv_req, *args, **kwargs)
+    if session is None or not getattr(out, "success", False):
+        return out
+    wrong = []
+    for runner in _target_runners(manager, selector):
+        how = followed(getattr(runner, "model", None))
+        problem = _verdict(how, _SESSION) if how is not None else None
+        if problem is not None:
+            wrong.append(problem)
+    if not wrong:
+        return out
+    return type(out)(success=False, message=(
+        "the weight update is loaded, but the kda_tp guard found this rank's KDA weights "
+        "wrong; the engine serves them until a correct update: " + "\n".join(wrong)))
 
 
 def _around_update_from_disk(original: Callable[..., tuple[bool, str]], updater: Any,
@@ -260,7 +333,10 @@ def _around_update_from_disk(original: Callable[..., tuple[bool, str]], updater:
     runner's new weights against ``model_path``; a failure in mode ``fail`` turns the result
     into ``(False, diagnosis)``. A filtered (partial) update is not checked."""
     how = followed(getattr(updater.get_model_runner(), "model", None))
-    with how.quietly() if how is not None else contextlib.nullcontext():
+    if how is not None:
+        with how.quietly():
+            ok, message = original(updater, model_path, load_format, *args, **kwargs)
+    else:
         ok, message = original(updater, model_path, load_format, *args, **kwargs)
     if not ok:
         return ok, message
@@ -317,36 +393,34 @@ def _label() -> str:
     return label
 
 
+def _load_source(runner: Any, where: str, given: str | None = None) -> LoadSource:
+    """:func:`kda_tp.guard.modes.load_checkpoint` for a model runner."""
+    load_config = getattr(runner, "load_config", None)
+    load_format = getattr(load_config, "load_format", "")
+    config = runner.model_config
+    return load_checkpoint(str(config.model_path), str(getattr(load_format, "value", load_format)),
+                           where, given=given, revision=getattr(config, "revision", None),
+                           download_dir=getattr(load_config, "download_dir", None))
+
+
 def checkpoint_of(runner: Any, quiet: bool = False) -> str | None:
-    """The local checkpoint a model runner loaded: ``KDA_TP_GUARD_CHECKPOINT`` if set
-    (stripped), else ``runner.model_config.model_path`` (a Hugging Face repository id: its
-    local snapshot, if cached, in the engine's ``download_dir``). None, after one warning
-    (unless ``quiet``), for a ``sharded_state`` load without ``KDA_TP_GUARD_CHECKPOINT`` (its
-    directory holds the dumps, not the checkpoint); ``""`` for a variable naming a path that
-    is not there, in mode ``warn`` (warned).
+    """The local checkpoint a model runner's load is checked against
+    (:func:`kda_tp.guard.modes.load_checkpoint`): ``KDA_TP_GUARD_CHECKPOINT`` if set, else
+    ``runner.model_config.model_path`` (a Hugging Face repository id: its local snapshot, if
+    cached). None for a ``sharded_state`` load without the variable (one warning unless
+    ``quiet``); ``""`` for a variable naming a path that is not there, in mode ``warn``
+    (warned).
 
     Raises:
         GuardError: mode ``fail`` and ``KDA_TP_GUARD_CHECKPOINT`` names a path that is not there.
     """
-    chosen = explicit_checkpoint("sglang")
-    if chosen is not None:
-        return chosen
-    load_config = getattr(runner, "load_config", None)
-    load_format = getattr(load_config, "load_format", "")
-    if str(getattr(load_format, "value", load_format)).lower() == "sharded_state":
-        if not quiet:
-            warnings.warn(
-                f"kda_tp guard: a sharded_state load is checked against the checkpoint it was "
-                f"saved from; set {CHECKPOINT_ENV} to that checkpoint's directory (not checked "
-                "now)", RuntimeWarning, stacklevel=2,
-            )
-        return None
-    config = runner.model_config
-    return resolve_checkpoint(str(config.model_path), revision=getattr(config, "revision", None),
-                              download_dir=getattr(load_config, "download_dir", None))
+    found = _load_source(runner, "sglang")
+    if found.why and not quiet:
+        warnings.warn(found.why, RuntimeWarning, stacklevel=2)
+    return found.checkpoint
 
 
-def guard_runner(runner: Any, checkpoint: str | None = None) -> Any:
+def guard_runner(runner: Any, checkpoint: str | None = None) -> GuardResult | None:
     """Run ``kda_tp.guard.check`` on one SGLang ``ModelRunner``'s loaded model.
 
     Args:
@@ -356,26 +430,35 @@ def guard_runner(runner: Any, checkpoint: str | None = None) -> Any:
 
     Returns:
         The ``kda_tp.guard.GuardResult``, or None when nothing was checked (draft runner,
-        mode ``off``, non-KDA model, no local checkpoint).
+        mode ``off``, non-KDA model, a dummy load, no local checkpoint).
 
     Raises:
         GuardError: mode ``fail`` and a KDA parameter is wrong (the audit's diagnosis).
     """
     if getattr(runner, "is_draft_worker", False) or getattr(runner, "model", None) is None:
         return None
-    from .first_load import mode
-
     if mode() == "off":
         return None
-    path = checkpoint if checkpoint is not None else checkpoint_of(runner)
+    path = checkpoint
+    if path is None:
+        found = _load_source(runner, "sglang")
+        if found.why:
+            warnings.warn(found.why, RuntimeWarning, stacklevel=2)
+        path = found.checkpoint if found.check_load else None  # a dummy load: not checked
     if not path:
         return None
     tp_rank, tp_size = rank_and_size()
     dtype = model_dtype_name(getattr(getattr(runner, "model_config", None), "dtype", None))
-    result = check(dict(runner.model.named_parameters()), path, tp_rank=tp_rank,
-                   tp_size=tp_size, where=_label(), model_dtype=dtype)
+    kind = "first load" if checkpoint is None else "update_weights_from_disk"
+    try:
+        result = check(dict(runner.model.named_parameters()), path, tp_rank=tp_rank,
+                       tp_size=tp_size, where=_label(), model_dtype=dtype)
+    except GuardError as error:
+        if error.report is not None:  # a FAIL verdict, raised in mode fail: counted too
+            RECORD.ran(kind, str(error).splitlines()[0])
+        raise
     if result is not None:
-        _ran("first load" if checkpoint is None else "update_weights_from_disk", result.line())
+        RECORD.ran(kind, result.line())
     return result
 
 

@@ -8,148 +8,100 @@ included, before the model loads (``vllm/v1/worker/worker_base.py``); it logs on
 (``kda_tp guard: registered in vLLM ...``). It wraps:
 
 * the ``load_weights`` of every model loader class (``DefaultModelLoader``,
-  ``ShardedStateLoader``, ``RunaiModelStreamerLoader``, ...: every subclass of
-  ``BaseModelLoader`` that defines one). ``BaseModelLoader.load_model`` calls it between
-  building the model and ``process_weights_after_loading``, so the guard sees the values as
-  the loader left them, before vLLM repacks any for its kernels. The main model is checked
-  against its checkpoint; a speculative draft (EAGLE, MTP: a separate model, ``runner="draft"``)
-  is not the KDA stack and is skipped, while with n-gram, suffix or ``custom_class`` decoding
-  (which share the target's config) the main model is checked as always;
-* the loaded model's own ``load_weights`` (an instance attribute): every later call, a direct
-  ``collective_rpc`` refit included, is an update (:mod:`kda_tp.guard.updates`): what it feeds
-  is the reference, and the KDA parameters it touched are checked when the call returns;
-* ``reload_weights`` (``vllm/model_executor/model_loader/reload/inplace.py``): a reload from disk
-  is checked against the new checkpoint; a reload with a ``weights_iterator`` is one update
-  session, checked when it returns; a kernel-format one (``is_checkpoint_format=False``) cannot
-  be checked, which one warning says;
+  ``ShardedStateLoader``, ``DummyModelLoader``, ...: every subclass of ``BaseModelLoader``
+  that defines one). ``BaseModelLoader.load_model`` calls it between building the model and
+  ``process_weights_after_loading``, so the guard sees the values as the loader left them. The
+  main model is checked against its checkpoint (a dummy load is not: random values; its first
+  update must fill every KDA region); a speculative draft (EAGLE, MTP: ``runner="draft"``) is
+  skipped, while n-gram, suffix or ``custom_class`` decoding (the target's config) is not;
+* the loaded model's own ``load_weights`` (an instance attribute, :mod:`kda_tp.guard.live`):
+  every later call, a direct ``collective_rpc`` refit included, feeds the update session open
+  on the model, or is one update by itself, checked when it returns;
+* ``initialize_layerwise_reload`` / ``finalize_layerwise_processing``
+  (``vllm/model_executor/model_loader/reload/layerwise.py``): the layerwise reload, whoever
+  runs it (vLLM's weight-transfer engines, ``reload_weights``, an RL stack directly), is one
+  update session from the first to the second, checked when it finalizes: inside it vLLM
+  holds the parameters on the meta device and applies each layer when all of it is in;
+* ``reload_weights`` (``reload/inplace.py``): a reload from disk is checked against the new
+  checkpoint; one with a ``weights_iterator`` is one update session; a kernel-format one
+  (``is_checkpoint_format=False``) cannot be checked, which one warning says;
 * ``WeightTransferEngineFactory.create_engine``: every weight-transfer engine (nccl, ipc,
-  sparse_nccl, nccl_m2n, sharded_rdt, or one registered by a user) is followed:
-  ``start_weight_update`` opens an update session, each ``update_weights`` chunk feeds it through
-  the model's ``load_weights``, and ``finish_weight_update`` checks every KDA parameter the
-  session touched (a fused parameter whose parts came in several chunks included) and raises
-  the diagnosis in mode ``fail``;
-* the tensorizer loader's path for a model that is not vLLM-tensorized (it calls
-  ``model.load_weights`` directly, with no checkpoint directory): one warning that it is not
-  checked.
+  sparse_nccl, nccl_m2n, sharded_rdt, or a user's) is followed: ``start_weight_update`` opens
+  an update session, ``finish_weight_update`` checks it and raises the diagnosis in mode
+  ``fail``;
+* ``process_weights_after_loading`` (``model_loader/utils.py``), which ends a refit made of
+  plain ``load_weights`` calls (verl, NeMo-RL): after a dummy load, a KDA part the refit never
+  loaded is named there;
+* the tensorizer loader's path for a model that is not vLLM-tensorized (no checkpoint
+  directory): one warning that its load is not checked.
 
-After every update the derived copies kda_tp knows (:data:`kda_tp.engines.DERIVED`: K3's decode
-buffers, GLM-5.3's ``_merged_conv_weight``) are checked against their parameters; with
+After every update the derived copies kda_tp knows (``kda_tp.engines.derived.DERIVED``: K3's
+decode buffers, GLM-5.3's ``_merged_conv_weight``) are checked against their parameters; with
 ``KDA_TP_GUARD_REPAIR=1`` (:data:`REPAIR_ENV`, off by default) GLM-5.3's
-``_merged_conv_weight`` is invalidated after every load and update instead, so that vLLM
-rebuilds it on the next forward (vLLM #55087).
+``_merged_conv_weight`` is dropped after every load and update instead, so that vLLM rebuilds
+it on the next forward (vLLM #55087).
 
 It also gives vLLM's workers a method ``kda_tp_audit`` that :func:`audit_llm` calls on every
 worker of a live ``LLM`` through ``collective_rpc``: each rank's verdict, the engine and kda_tp
 versions, the hooks armed and missing, the checks run and the last verdict.
 
 On each rank the first-load guard is :func:`kda_tp.guard.check` with the rank and world size of
-vLLM's own tensor-parallel group (``vllm.distributed.parallel_state``), the model's
-``named_parameters()``, the derived copies, the engine's model dtype (``model_config.dtype``),
-and the checkpoint: the model's local directory (a Hugging Face model id is resolved to its
-local snapshot in the engine's ``download_dir``), or ``KDA_TP_GUARD_CHECKPOINT`` when set
-(stripped; a path that is not there is a ``GuardError`` in mode ``fail``; needed for
-``sharded_state``: its directory holds the ranks' dumps, not the checkpoint). Skipped: the dummy
-loader (random weights; its later updates are checked), a draft model, models without KDA
-parameters. Under pipeline parallelism a rank checks the KDA layers of its stage (every layer
-with a KDA name: one whose ``A_log`` is missing is reported missing).
+vLLM's own tensor-parallel group, the model's ``named_parameters()`` and derived copies, the
+engine's model dtype and the checkpoint of :func:`kda_tp.guard.modes.load_checkpoint`; under
+pipeline parallelism a rank checks the KDA layers of its stage.
 
 Importing this module imports no vLLM; :func:`register` and the wrapped functions import it.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import inspect
 import logging
 import os
 import sys
 import threading
-import warnings
-import weakref
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from ..engines.derived import DERIVED_ATTRIBUTES, derived_copies
+from ..engines.derived import derived_copies
 from ..engines.dtype import model_dtype_name
-from ..errors import KdaTpError
-from .first_load import (
-    CHECKPOINT_ENV,
-    GuardResult,
-    cannot_check,
-    check,
-    explicit_checkpoint,
-    looks_kda,
-    mode,
-    rank_report,
-    resolve_checkpoint,
-    stage_layers,
-)
+from ..errors import GuardError, KdaTpError
+from .first_load import GuardResult, check, looks_kda, rank_report, stage_layers
+from .live import REPAIR_ENV, Follower, follow, followed, repair
 from .hooks import after_import, subclasses
-from .updates import Followed, follow, followed, warn_once
+from .modes import LoadSource, cannot_check, load_checkpoint, mode, warn_once
+from .record import RECORD
+from .record import status as _status
+from .target import as_described
 
 __all__ = ["REPAIR_ENV", "WORKER_METHOD", "audit_llm", "follow_updates", "guard_model",
            "register", "status"]
 
 #: The worker method :func:`register` adds, which :func:`audit_llm` calls.
 WORKER_METHOD = "kda_tp_audit"
-#: The opt-in repair switch: ``1`` invalidates GLM-5.3's ``_merged_conv_weight`` after every
-#: load and update, so that vLLM rebuilds it from the new conv weights (vLLM #55087).
-REPAIR_ENV = "KDA_TP_GUARD_REPAIR"
 
 logger = logging.getLogger("kda_tp.guard")
 
-# Loader classes whose load_weights only fill random or no weights: nothing to check.
-_UNCHECKED_LOADERS = ("DummyModelLoader",)
 _WRAPPED = "__kda_tp_guard__"
 _F = TypeVar("_F", bound=Callable[..., Any])
 _state = threading.local()  # nested load_weights calls (a subclass calling super()): guard once
 _installed = False
-
-
-@dataclass
-class _Armed:
-    """This process's record: the hooks installed and those that could not be, the checks
-    run and the last verdict (what :func:`status` reports)."""
-
-    hooks: dict[str, str] = field(default_factory=dict)
-    checks: dict[str, int] = field(default_factory=dict)
-    last: str = ""
-
-    def ran(self, kind: str, line: str) -> None:
-        self.checks[kind] = self.checks.get(kind, 0) + 1
-        self.last = line
-
-
-_armed = _Armed()
+_LAYERWISE = "vllm.model_executor.model_loader.reload.layerwise"
 
 
 def status() -> dict[str, Any]:
-    """This process's guard: ``versions`` (vLLM's and kda_tp's), ``mode``, ``hooks`` (each
-    target: ``"armed"`` or why it is not), ``checks`` (how many ran, by kind: ``first load``,
-    ``update``) and ``last`` (the last verdict line)."""
-    from .._native import __version__
-
-    vllm = sys.modules.get("vllm")
-    try:
-        chosen = mode()
-    except KdaTpError as error:
-        chosen = f"invalid: {error}"
-    return {"versions": {"vllm": str(getattr(vllm, "__version__", "not imported")),
-                         "kda_tp": __version__},
-            "mode": chosen, "hooks": dict(_armed.hooks), "checks": dict(_armed.checks),
-            "last": _armed.last}
+    """This process's guard (:func:`kda_tp.guard.record.status` for vLLM): ``versions``,
+    ``mode``, ``hooks`` (each target: ``"armed"`` or why not), ``checks`` (by kind: ``first
+    load``, ``update``, ...) and ``last`` (the last verdict line)."""
+    return _status("vllm")
 
 
 def register() -> None:
     """vLLM's entry point (``vllm.general_plugins``): install the guard on the model-loading
-    and weight-update paths of this process, and say so in one INFO line. vLLM may call it
-    several times per process; it installs once, and imports nothing of vLLM itself.
-
-    What it wraps: see the module docstring. Each hook is installed at once for the modules
-    this process has imported already, else as soon as it imports them (an import hook), so
-    that a process that never loads a model (vLLM's API server) pays nothing.
+    and weight-update paths of this process (at once for the modules imported already, else
+    as soon as they are: a process that never loads a model pays nothing), and say so in one
+    INFO line. vLLM may call it several times per process; it installs once.
 
     Raises:
         GuardModeError: ``KDA_TP_GUARD`` holds another value than ``fail``, ``warn``, ``off``
@@ -162,19 +114,19 @@ def register() -> None:
     chosen = mode()
     _installed = True
     _attach_vllm_logging()
-    logger.info("kda_tp guard: registered in vLLM (mode %s): checks the KDA weights of every "
-                "model load and weight update on every rank", chosen)
+    what = ("checks nothing (mode off)" if chosen == "off" else
+            "checks the KDA weights of every model load and weight update on every rank")
+    logger.info("kda_tp guard: registered in vLLM (mode %s): %s", chosen, what)
     after_import(_INSTALLERS)
 
 
 def _hook(target: str, found: Any) -> bool:
-    """Record hook ``target`` as armed (``found`` is not None) or missing. A missing target is
-    an error in mode ``fail`` (raised into vLLM's import of the module, which it does not
-    swallow), a warning in ``warn``; whether it is armed."""
+    """Record hook ``target`` as armed (``found`` is not None) or missing (a check that cannot
+    run, raised into vLLM's import of the module in mode ``fail``); whether it is armed."""
     if found is not None:
-        _armed.hooks[target] = "armed"
+        RECORD.hooks[target] = "armed"
         return True
-    _armed.hooks[target] = "missing: not in this vLLM version"
+    RECORD.hooks[target] = "missing: not in this vLLM version"
     cannot_check(f"kda_tp guard: cannot hook {target} (not in this vLLM version); the weights "
                  "it loads are not checked (a vLLM version kda_tp does not know?)")
     return False
@@ -194,11 +146,18 @@ def _mark(wrapper: _F) -> _F:
     return wrapper
 
 
+def _rebind(original: Any, wrapper: Any, attr: str) -> None:
+    """``wrapper`` wherever a vLLM module imported ``original`` under ``attr`` already."""
+    for name, module in list(sys.modules.items()):
+        if name.startswith("vllm.") and getattr(module, attr, None) is original:
+            setattr(module, attr, wrapper)
+
+
 def _install_loaders(model_loader: Any) -> None:
     """Wrap every loader class's ``load_weights`` and ``register_model_loader``
     (``vllm.model_executor.model_loader``, which imports every loader class)."""
     base: Any = getattr(sys.modules.get("vllm.model_executor.model_loader.base_loader"),
-                   "BaseModelLoader", None)
+                        "BaseModelLoader", None)
     if not _hook("vllm.model_executor.model_loader.base_loader.BaseModelLoader", base):
         return
     for cls in subclasses(base):
@@ -242,15 +201,20 @@ def _wrap_loader(cls: type) -> None:
         depth = getattr(_state, "depth", 0)
         _state.depth = depth + 1
         try:
-            with _quiet(model):
+            how = followed(model)
+            if how is not None:
+                with how.quietly():
+                    out = original(self, model, model_config, *args, **kwargs)
+            else:
                 out = original(self, model, model_config, *args, **kwargs)
         finally:
             _state.depth = depth
         if depth == 0:
             loader = type(self).__name__
-            guard_model(model, model_config, loader=loader)
-            follow_updates(model, model_config)
-            _repair(model)
+            result, found = _guard(model, model_config, loader=loader)
+            if found is not None:
+                follow_updates(model, model_config, result=result, found=found)
+            repair(model)
         return out
 
     cls.load_weights = load_weights  # type: ignore[attr-defined]
@@ -258,8 +222,8 @@ def _wrap_loader(cls: type) -> None:
 
 def _wrap_reload(inplace: Any) -> None:  # vllm.model_executor.model_loader.reload.inplace
     """Wrap vLLM's in-place ``reload_weights`` (and rebind it where vLLM imported it already):
-    a reload from disk is checked against the new checkpoint, one from an iterator is an
-    update session."""
+    a reload from disk is checked against the new checkpoint, one from an iterator is one
+    update session (the layerwise reload inside it joins it)."""
     original = _unwrapped(inplace, "reload_weights",
                           "vllm.model_executor.model_loader.reload.inplace.reload_weights")
     if original is None:
@@ -272,32 +236,116 @@ def _wrap_reload(inplace: Any) -> None:  # vllm.model_executor.model_loader.relo
         bound = signature.bind_partial(*args, **kwargs).arguments
         model, config = bound["model"], bound["vllm_config"]
         checkpoint_format = bound.get("is_checkpoint_format", True)
+        how = followed(model)
         if bound.get("weights_iterator") is None:
-            with _quiet(model):
+            if how is not None:
+                with how.quietly():
+                    out = original(*args, **kwargs)
+            else:
                 out = original(*args, **kwargs)
             if checkpoint_format:
                 path = bound.get("weights_path")
                 guard_model(model, config.model_config, loader="reload_weights",
                             vllm_config=config, checkpoint=str(path) if path else None)
-                _repair(model)
+                repair(model)
             else:
                 warn_once("kda_tp guard: a reload_weights from disk with "
                           "is_checkpoint_format=False is not checked (vLLM itself warns that "
                           "weights read from disk are in checkpoint format)")
             return out
         if not checkpoint_format:
-            warn_once("kda_tp guard: a reload_weights with is_checkpoint_format=False feeds kernel-format "
-                            "tensors (already sharded and repacked), which kda_tp cannot place "
-                            "by the plan; its KDA weights are not checked")
+            warn_once("kda_tp guard: a reload_weights with is_checkpoint_format=False feeds "
+                      "kernel-format tensors (already sharded and repacked), which kda_tp "
+                      "cannot place by the plan; its KDA weights are not checked")
             return original(*args, **kwargs)
         follow_updates(model, config.model_config, config)
-        with _session(model, "reload_weights"):
-            return original(*args, **kwargs)
+        return _in_session(followed(model), "reload_weights", original, *args, **kwargs)
 
     inplace.reload_weights = reload_weights
-    for name, module in list(sys.modules.items()):  # `from ... import reload_weights`
-        if name.startswith("vllm.") and getattr(module, "reload_weights", None) is original:
-            setattr(module, "reload_weights", reload_weights)
+    _rebind(original, reload_weights, "reload_weights")
+
+
+def _in_session(how: Follower | None, owner: str, call: Callable[..., Any], *args: Any,
+                **kwargs: Any) -> Any:
+    """``call(*args, **kwargs)`` as one update session owned by ``owner`` (unless one is open
+    already: then it joins it), checked when it returns.
+
+    Raises:
+        GuardError: mode ``fail`` and the session left a KDA parameter wrong.
+    """
+    if how is None or not how.open(owner, owner):
+        return call(*args, **kwargs)
+    try:
+        out = call(*args, **kwargs)
+    except BaseException:
+        how.abandon(owner)
+        raise
+    how.close(owner)
+    return out
+
+
+def _wrap_layerwise(layerwise: Any) -> None:  # vllm.model_executor.model_loader.reload.layerwise
+    """Wrap the layerwise reload's two ends: ``initialize_layerwise_reload(model)`` opens an
+    update session (before vLLM moves the parameters to the meta device), and
+    ``finalize_layerwise_processing`` (what ``finalize_layerwise_reload`` runs) checks it."""
+    start = _unwrapped(layerwise, "initialize_layerwise_reload",
+                       f"{_LAYERWISE}.initialize_layerwise_reload")
+    finish = _unwrapped(layerwise, "finalize_layerwise_processing",
+                        f"{_LAYERWISE}.finalize_layerwise_processing")
+    if start is None or finish is None:
+        return
+
+    @_mark
+    @functools.wraps(start)
+    def initialize_layerwise_reload(model: Any, *args: Any, **kwargs: Any) -> Any:
+        how = followed(model)
+        opened = how is not None and how.open("layerwise", "layerwise reload")
+        try:
+            return start(model, *args, **kwargs)
+        except BaseException:
+            if opened and how is not None:
+                how.abandon("layerwise")
+            raise
+
+    @_mark
+    @functools.wraps(finish)
+    def finalize_layerwise_processing(model: Any, *args: Any, **kwargs: Any) -> Any:
+        how = followed(model)
+        try:
+            out = finish(model, *args, **kwargs)
+        except BaseException:
+            if how is not None:
+                how.abandon("layerwise")
+            raise
+        if how is not None:
+            how.close("layerwise")
+        return out
+
+    layerwise.initialize_layerwise_reload = initialize_layerwise_reload
+    layerwise.finalize_layerwise_processing = finalize_layerwise_processing
+    _rebind(start, initialize_layerwise_reload, "initialize_layerwise_reload")
+    _rebind(finish, finalize_layerwise_processing, "finalize_layerwise_processing")
+
+
+def _wrap_process(utils: Any) -> None:  # vllm.model_executor.model_loader.utils
+    """Wrap ``process_weights_after_loading``: the end of a refit made of plain
+    ``load_weights`` calls (after a dummy load, the parts it never loaded are named)."""
+    original = _unwrapped(utils, "process_weights_after_loading",
+                          "vllm.model_executor.model_loader.utils.process_weights_after_loading")
+    if original is None:
+        return
+
+    @_mark
+    @functools.wraps(original)
+    def process_weights_after_loading(model: Any, *args: Any, **kwargs: Any) -> Any:
+        out = original(model, *args, **kwargs)
+        how = followed(model)
+        if how is not None:
+            how.end_of_refit("process_weights_after_loading")
+        return out
+
+    utils.process_weights_after_loading = process_weights_after_loading
+    _rebind(original, process_weights_after_loading, "process_weights_after_loading")
 
 
 def _wrap_transfer(factory: Any) -> None:  # vllm.distributed.weight_transfer.factory
@@ -324,7 +372,7 @@ def _wrap_transfer(factory: Any) -> None:  # vllm.distributed.weight_transfer.fa
 def follow_transfer(engine: Any, vllm_config: Any) -> None:
     """Follow one weight-transfer engine (``WeightTransferEngine``): its
     ``start_weight_update`` opens an update session on the main model (a session aimed at a
-    draft model is not checked), its ``finish_weight_update`` checks what the session touched.
+    draft model is not checked), its ``finish_weight_update`` checks it.
 
     Raises:
         GuardError: from ``finish_weight_update``, in mode ``fail``, when a KDA parameter the
@@ -334,38 +382,34 @@ def follow_transfer(engine: Any, vllm_config: Any) -> None:
     if getattr(start, _WRAPPED, False):
         return
     follow_updates(engine.model, getattr(engine, "model_config", None), vllm_config)
-    opened: list[Any] = []
+    owner = "weight transfer"
+    opened: list[Follower] = []
 
     @_mark
     def start_weight_update() -> None:
         model = engine.model
-        main = model is getattr(engine, "_default_model", model)
-        how = followed(model) if main else None
-        if how is not None and how.session is None and how.open("weight transfer"):
+        how = followed(model) if model is getattr(engine, "_default_model", model) else None
+        if how is not None and how.open(owner, owner):
             opened.append(how)
         try:
             start()
         except BaseException:
-            _drop(opened)
+            while opened:
+                opened.pop().abandon(owner)
             raise
 
     def finish_weight_update() -> None:
         try:
             finish()
         except BaseException:
-            _drop(opened)
+            while opened:
+                opened.pop().abandon(owner)
             raise
         while opened:
-            opened.pop().close("weight transfer")
+            opened.pop().close(owner)
 
     engine.start_weight_update = start_weight_update
     engine.finish_weight_update = finish_weight_update
-
-
-def _drop(opened: list[Any]) -> None:
-    """Forget the sessions of a failed transfer (vLLM reports that failure itself)."""
-    while opened:
-        opened.pop().session = None
 
 
 def _wrap_tensorizer(module: Any) -> None:  # ...model_loader.tensorizer_loader
@@ -383,9 +427,9 @@ def _wrap_tensorizer(module: Any) -> None:  # ...model_loader.tensorizer_loader
     def load(self: Any, *args: Any, **kwargs: Any) -> Any:
         model = original(self, *args, **kwargs)
         if looks_kda(n for n, _ in model.named_parameters()):
-            warn_once("kda_tp guard: a tensorizer load of a model that is not vLLM-tensorized streams "
-                            "its weights from a tensorizer URI, not a checkpoint directory; its "
-                            "KDA weights are not checked at load (later updates are)")
+            warn_once("kda_tp guard: a tensorizer load of a model that is not vLLM-tensorized "
+                      "streams its weights from a tensorizer URI, not a checkpoint directory; "
+                      "its KDA weights are not checked at load (later updates are)")
             follow_updates(model, None)
         return model
 
@@ -394,35 +438,14 @@ def _wrap_tensorizer(module: Any) -> None:  # ...model_loader.tensorizer_loader
 
 # What register() installs, by the vLLM module it patches.
 _INSTALLERS: dict[str, Callable[[Any], None]] = {
+    "vllm.model_executor.model_loader.utils": _wrap_process,
+    _LAYERWISE: _wrap_layerwise,
     "vllm.model_executor.model_loader": _install_loaders,
     "vllm.model_executor.model_loader.reload.inplace": _wrap_reload,
     "vllm.model_executor.model_loader.tensorizer_loader": _wrap_tensorizer,
     "vllm.distributed.weight_transfer.factory": _wrap_transfer,
     "vllm.v1.worker.worker_base": _add_worker_method,
 }
-
-
-def _checkpoint(model_config: Any, loader: str, given: str | None = None,
-                download_dir: str | None = None, where: str = "vllm") -> str | None:
-    """The checkpoint to check against: ``given`` (the ``weights_path`` a reload loaded
-    from: that path, whatever ``KDA_TP_GUARD_CHECKPOINT`` says), else
-    ``KDA_TP_GUARD_CHECKPOINT`` (stripped), else the model's local directory (a Hugging Face
-    id resolved to its cached snapshot, in ``download_dir`` when the engine downloads there);
-    None for a ``sharded_state`` directory without the variable, and ``""`` (checked against
-    nothing) for a variable naming a path that is not there in mode ``warn``.
-
-    Raises:
-        GuardError: mode ``fail`` and ``KDA_TP_GUARD_CHECKPOINT`` names a path that is not there.
-    """
-    if given is None:
-        override = explicit_checkpoint(where)
-        if override is not None:
-            return override
-    if given is None and loader == "ShardedStateLoader":
-        return None
-    path = given or str(getattr(model_config, "model_weights", "") or model_config.model)
-    return resolve_checkpoint(path, revision=getattr(model_config, "revision", None),
-                              download_dir=download_dir)
 
 
 def _attach_vllm_logging() -> None:
@@ -439,6 +462,7 @@ def _attach_vllm_logging() -> None:
 
 
 def _current_config(vllm_config: Any) -> Any:
+    """``vllm_config``, else vLLM's current one."""
     if vllm_config is not None:
         return vllm_config
     from vllm.config import get_current_vllm_config_or_none
@@ -468,6 +492,16 @@ def _rank() -> tuple[int, int]:
     return int(tp.rank_in_group), int(tp.world_size)
 
 
+def _source(model_config: Any, vllm_config: Any, loader: str, where: str,
+            given: str | None = None) -> Any:
+    """:func:`kda_tp.guard.modes.load_checkpoint` for a vLLM model config and loader."""
+    download = getattr(getattr(vllm_config, "load_config", None), "download_dir", None)
+    path = str(getattr(model_config, "model_weights", "") or model_config.model)
+    return load_checkpoint(path, loader, where, given=given,
+                           revision=getattr(model_config, "revision", None),
+                           download_dir=download)
+
+
 def guard_model(model: Any, model_config: Any, *, loader: str = "",
                 vllm_config: Any = None, guard_mode: str | None = None,
                 checkpoint: str | None = None) -> GuardResult | None:
@@ -475,12 +509,10 @@ def guard_model(model: Any, model_config: Any, *, loader: str = "",
 
     Args:
         model: the ``torch.nn.Module`` vLLM loaded.
-        model_config: the vLLM ``ModelConfig`` it was loaded with (``.model``,
-            ``.model_weights``, ``.revision``, ``.dtype``).
-        loader: the loader class's name (``"ShardedStateLoader"``...), or
-            ``"reload_weights"``.
-        vllm_config: vLLM's config, to tell a draft model apart and find the download
-            directory (None: the current one).
+        model_config: its vLLM ``ModelConfig`` (``.model``, ``.model_weights``, ``.revision``,
+            ``.dtype``).
+        loader: the loader class's name, or ``"reload_weights"``, ``"audit"``.
+        vllm_config: vLLM's config (a draft model, the download directory); None: current.
         guard_mode: as for :func:`kda_tp.guard.check` (None: ``KDA_TP_GUARD``'s).
         checkpoint: the path the weights were just loaded from (``reload_weights``'s
             ``weights_path``): checked against it, ``KDA_TP_GUARD_CHECKPOINT`` ignored; None:
@@ -488,60 +520,57 @@ def guard_model(model: Any, model_config: Any, *, loader: str = "",
 
     Returns:
         The :class:`~kda_tp.guard.GuardResult`, or None when nothing was checked (see
-        :func:`kda_tp.guard.check`; also the dummy loader, a draft model, a
-        ``sharded_state`` load without ``KDA_TP_GUARD_CHECKPOINT``: one warning).
+        :func:`kda_tp.guard.check`; also a dummy load, a draft model, a ``sharded_state``
+        load without ``KDA_TP_GUARD_CHECKPOINT``: one warning).
 
     Raises:
         GuardError: as :func:`kda_tp.guard.check` (mode ``fail``); also a
             ``KDA_TP_GUARD_CHECKPOINT`` that is not there.
     """
-    if (guard_mode or mode()) == "off" or loader in _UNCHECKED_LOADERS:
-        return None
-    params = {n: _as_processed(n, p) for n, p in model.named_parameters()}
+    return _guard(model, model_config, loader=loader, vllm_config=vllm_config,
+                  guard_mode=guard_mode, checkpoint=checkpoint)[0]
+
+
+def _guard(model: Any, model_config: Any, *, loader: str = "", vllm_config: Any = None,
+           guard_mode: str | None = None, checkpoint: str | None = None
+           ) -> tuple[GuardResult | None, LoadSource | None]:
+    """:func:`guard_model`, and what the load is checked against (None when the model is not
+    checked at all: mode ``off``, no KDA name, a draft model)."""
+    if (guard_mode or mode()) == "off":
+        return None, None
+    params = {n: as_described(n, p) for n, p in model.named_parameters()}
     if not looks_kda(params):  # no KDA name (check() warns for one without A_log/dt_bias)
-        return None
+        return None, None
     vllm_config = _current_config(vllm_config)
     if _is_draft(model_config, vllm_config):
-        return None  # a draft / MTP model: not the KDA stack
+        return None, None  # a draft / MTP model: not the KDA stack
     _attach_vllm_logging()
     rank, size = _rank()
     where = f"vllm {loader}" if loader else "vllm"
-    download = getattr(getattr(vllm_config, "load_config", None), "download_dir", None)
-    found = _checkpoint(model_config, loader, checkpoint, download,
-                        f"{where}: tp rank {rank}/{size}")
-    if found is None:
-        warnings.warn(
-            f"kda_tp guard: {where}: tp rank {rank}/{size}: a sharded_state load holds the "
-            f"ranks' own dumps, not the checkpoint; set {CHECKPOINT_ENV} to the checkpoint it "
-            "was saved from to check its KDA weights (not checked)",
-            RuntimeWarning, stacklevel=2,
-        )
-        return None
-    if not found:
-        return None  # a KDA_TP_GUARD_CHECKPOINT that is not there, in mode warn: warned
-    result = check(params, found, tp_rank=rank, tp_size=size, derived=derived_copies(model),
-                   where=where, layers=_stage_layers(params), guard_mode=guard_mode,
-                   model_dtype=model_dtype_name(getattr(model_config, "dtype", None)))
+    found = _source(model_config, vllm_config, loader, f"{where}: tp rank {rank}/{size}",
+                    checkpoint)
+    if found.why:
+        warn_once(found.why)
+        return None, found
+    if not found.check_load or not found.checkpoint:
+        return None, found  # a dummy load, or a KDA_TP_GUARD_CHECKPOINT not there (warned)
+    kind = "first load" if loader not in ("audit", "reload_weights") else loader
+    try:
+        result = check(params, found.checkpoint, tp_rank=rank, tp_size=size,
+                       derived=derived_copies(model), where=where, layers=_stage_layers(params),
+                       guard_mode=guard_mode,
+                       model_dtype=model_dtype_name(getattr(model_config, "dtype", None)))
+    except GuardError as error:
+        if error.report is not None:  # a FAIL verdict, raised in mode fail: counted too
+            RECORD.ran(kind, str(error).splitlines()[0])
+        raise
     if result is not None:
-        _armed.ran("first load" if loader not in ("audit", "reload_weights") else loader,
-                   result.line())
-    return result
-
-
-def _as_processed(name: str, param: Any) -> Any:
-    """``param`` as the layouts describe it: a ModelOpt ``FP8_PB_WO`` block scale is loaded
-    ``[ob, 1, ib, 1]`` and squeezed to ``[ob, ib]`` only by ``process_weights_after_loading``
-    (vLLM's ``KFp8Block128.process``), which runs after the guard; the squeezed view holds the
-    same bytes. Every other parameter as it is."""
-    shape = tuple(getattr(param, "shape", ()))
-    if name.endswith(".weight_scale") and len(shape) == 4 and shape[1] == shape[3] == 1:
-        return param.squeeze(3).squeeze(1)
-    return param
+        RECORD.ran(kind, result.line())
+    return result, found
 
 
 def _stage_layers(names: Iterable[str]) -> list[int] | None:
-    """Under pipeline parallelism, the decoder layers whose KDA parameters this stage holds
-    (every layer with a KDA name, so that a layer whose markers are missing is reported);
+    """Under pipeline parallelism, the decoder layers whose KDA parameters this stage holds;
     None (every KDA layer) without it."""
     from vllm.distributed import parallel_state
 
@@ -552,71 +581,62 @@ def _stage_layers(names: Iterable[str]) -> list[int] | None:
     return stage_layers(names) if stages > 1 else None
 
 
-# ------------------------------------------------------------------------------------------
-# Updates: what the model's load_weights is fed after the first load
-
-
-def follow_updates(model: Any, model_config: Any, vllm_config: Any = None) -> None:
-    """Check every later update of ``model`` (the main model of this worker): its own
-    ``load_weights`` is wrapped (:func:`kda_tp.guard.follow`) so that each call feeds
-    the open update session, or is one update by itself, checked when it returns.
-    Idempotent; a draft model or a model without KDA names is not followed.
+def follow_updates(model: Any, model_config: Any, vllm_config: Any = None, *,
+                   result: GuardResult | None = None, found: LoadSource | None = None) -> None:
+    """Check every later update of ``model`` (the main model of this worker)
+    (:func:`kda_tp.guard.live.follow`). Idempotent; a draft model or a model without KDA
+    names is not followed; no local checkpoint config: one warning, not followed.
 
     Args:
         model: the loaded ``torch.nn.Module``.
         model_config: its vLLM ``ModelConfig`` (None: the current vLLM config's).
         vllm_config: vLLM's config (None: the current one).
+        result: the first load's check, whose checkpoint and layout are taken.
+        found: what the load was checked against (a dummy load's first update must fill
+            every region); None: the model's checkpoint (:func:`kda_tp.guard.modes
+            .load_checkpoint`).
+
+    Raises:
+        GuardError: mode ``fail`` and the checkpoint's config gives no plan for the model's
+            KDA parameters.
     """
-    if followed(model) is not None or not callable(getattr(model, "load_weights", None)):
+    if mode() == "off" or followed(model) is not None or \
+            not callable(getattr(model, "load_weights", None)):
         return
-    if not looks_kda(n for n, _ in model.named_parameters()):
+    names = [n for n, _ in model.named_parameters()]
+    if not looks_kda(names):
         return
     try:
         vllm_config = _current_config(vllm_config)
     except ImportError:
         vllm_config = None
     model_config = model_config or getattr(vllm_config, "model_config", None)
-    if _is_draft(model_config, vllm_config):
+    if model_config is None or _is_draft(model_config, vllm_config):
         return
-    download = getattr(getattr(vllm_config, "load_config", None), "download_dir", None)
-    ref: Callable[[], Any] = weakref.ref(model)  # the record must not keep the model alive
-
-    def checkpoint() -> str | None:
-        if model_config is None:
-            return None
-        rank, size = _rank()
-        return _checkpoint(model_config, "update", None, download,
-                           f"vllm update: tp rank {rank}/{size}")
-
-    follow(model, Followed(
-        "vllm", checkpoint, _rank,
-        lambda: {n: _as_processed(n, p) for n, p in ref().named_parameters()},
-        lambda: derived_copies(ref()), lambda: _repair(ref()),
-        lambda line: _armed.ran("update", line)))
-    _armed.hooks.setdefault("model.load_weights (updates)", "armed")
-
-
-def _quiet(model: Any) -> contextlib.AbstractContextManager[Any]:
-    """No update session while a loader fills ``model`` (its own check covers it)."""
-    how = followed(model)
-    return how.quietly() if how is not None else contextlib.nullcontext()
-
-
-def _session(model: Any, where: str) -> contextlib.AbstractContextManager[Any]:
-    """One update session on ``model``, checked when the block ends without an error."""
-    how = followed(model)
-    return how.update(where) if how is not None else contextlib.nullcontext()
-
-
-def _repair(model: Any) -> None:
-    """With ``KDA_TP_GUARD_REPAIR=1``: drop every stale-prone cached copy kda_tp knows
-    (GLM-5.3's ``_merged_conv_weight``) so that the engine rebuilds it on the next forward."""
-    if os.environ.get(REPAIR_ENV, "").strip() not in ("1", "true", "yes", "on"):
+    rank, size = _rank()
+    where = f"vllm update: tp rank {rank}/{size}"
+    if found is None:
+        found = _source(model_config, vllm_config, "update", where)
+    if found.why or found.checkpoint == "":
+        return  # no checkpoint to check against: the load's warning said why
+    checkpoint: Any = result.source if result is not None and result.source is not None \
+        else found.checkpoint
+    if not checkpoint or (isinstance(checkpoint, str) and
+                          ("://" in checkpoint or not os.path.exists(checkpoint))):
+        warn_once(f"kda_tp guard: {where}: no local checkpoint config for the model "
+                  f"({checkpoint!r}); its weight updates are not checked (set "
+                  "KDA_TP_GUARD_CHECKPOINT to a local copy of its config.json and safetensors "
+                  "files)")
         return
-    for module in model.modules():
-        for attribute in DERIVED_ATTRIBUTES:
-            if module.__dict__.get(attribute) is not None:
-                setattr(module, attribute, None)
+    try:
+        follow(model, "vllm", checkpoint, tp_rank=rank, tp_size=size,
+               layout=result.engine if result is not None else None,
+               layers=_stage_layers(names), dummy=found.dummy)
+    except KdaTpError as error:
+        cannot_check(f"kda_tp guard: {where}: the updates of this model cannot be checked "
+                     f"against {getattr(checkpoint, 'path', checkpoint)}: {error}")
+        return
+    RECORD.hooks.setdefault("model.load_weights (updates)", "armed")
 
 
 # ------------------------------------------------------------------------------------------
@@ -662,8 +682,8 @@ def audit_llm(llm: Any) -> list[dict[str, Any]]:
     hint = ""
     if plugins is not None and "kda_tp_guard" not in [p.strip() for p in plugins.split(",")]:
         hint = f" (VLLM_PLUGINS={plugins!r} leaves out kda_tp_guard: the workers are unguarded)"
-        warn_once(f"kda_tp guard: VLLM_PLUGINS={plugins!r} leaves out kda_tp_guard: vLLM does not "
-                        "load the guard, no load or update is checked")
+        warn_once(f"kda_tp guard: VLLM_PLUGINS={plugins!r} leaves out kda_tp_guard: vLLM does "
+                  "not load the guard, no load or update is checked")
     try:
         answers = list(llm.collective_rpc(WORKER_METHOD))
     except Exception as error:  # noqa: BLE001 - a worker without the method: unguarded
@@ -677,3 +697,4 @@ def _unguarded(why: str) -> dict[str, Any]:
     """A worker's report when it has no guard to answer (:func:`audit_llm`)."""
     return {"ok": None, "guarded": False, "tp_rank": None, "tp_size": None,
             "line": f"unguarded: {why}", "report": None}
+

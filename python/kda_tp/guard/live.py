@@ -1,0 +1,315 @@
+"""Following a live model's weight updates, the same for both engine plugins.
+
+After the first load an engine plugin calls :func:`follow` once per model with what it knows
+(the checkpoint's description or path, the engine's tensor-parallel rank and world size, the
+layout, the pipeline stage's layers, whether the load was a dummy one). The model's own
+``load_weights`` is then wrapped (an instance attribute): every call feeds the update session
+open on the model, or is one update by itself. The plugin opens and closes the sessions the
+engine defines (:meth:`Follower.open`, :meth:`Follower.close`: vLLM's layerwise reload and
+weight-transfer sessions, SGLang's ``begin_weight_update`` / ``end_weight_update``) and the
+follower turns each session's :class:`~kda_tp.guard.updates.UpdateReport` into the verdict:
+an INFO line, a WARNING with the diagnosis (mode ``warn``), or a
+:class:`~kda_tp.errors.GuardError` (mode ``fail``), counted in the process's record.
+
+A call that feeds no KDA tensor of the rank costs a dictionary lookup per tensor; the rank's
+:class:`~kda_tp.guard.target.RankTarget` is built once and rebuilt only when the engine holds
+other parameter objects. After a dummy load the first update that feeds the KDA layers must
+fill every region: at the end of an engine session, or at vLLM's
+``process_weights_after_loading`` that ends a refit made of plain ``load_weights`` calls, a
+part never loaded since is named.
+
+This module imports no engine and no torch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import os
+import weakref
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..checkpoint.description import describe
+from ..checkpoint.reader import SafetensorsSource
+from ..engines.derived import DERIVED, DERIVED_ATTRIBUTES, derived_copies
+from ..errors import GuardError
+from .first_load import derived_problem
+from .modes import MODE_ENV, cannot_check, mode
+from .record import RECORD
+from .target import RankTarget
+from .updates import Memory, UpdateReport, UpdateSession
+
+__all__ = ["REPAIR_ENV", "Follower", "follow", "followed"]
+
+#: The opt-in repair switch: ``1`` drops every stale-prone derived copy kda_tp knows
+#: (GLM-5.3's ``_merged_conv_weight`` in vLLM) after every load and update, so that the engine
+#: rebuilds it from the new weights on the next forward (vLLM #55087).
+REPAIR_ENV = "KDA_TP_GUARD_REPAIR"
+
+logger = logging.getLogger("kda_tp.guard")
+
+
+def repair(model: Any) -> None:
+    """With ``KDA_TP_GUARD_REPAIR=1``: drop every stale-prone derived copy kda_tp knows
+    (:data:`~kda_tp.engines.derived.DERIVED_ATTRIBUTES`) so that the engine rebuilds it."""
+    if os.environ.get(REPAIR_ENV, "").strip().lower() not in ("1", "true", "yes", "on"):
+        return
+    for module in model.modules():
+        for attribute in DERIVED_ATTRIBUTES:
+            if module.__dict__.get(attribute) is not None:
+                setattr(module, attribute, None)
+
+
+@dataclass
+class Follower:
+    """How one model's updates are checked.
+
+    Attributes:
+        engine: the engine's name in the lines (``"vllm"``, ``"sglang"``).
+        target: the rank's target (rebuilt when the engine holds other parameter objects).
+        model: a weak reference to the model (the record never keeps it alive).
+        memory: what the refit's calls fed, by part (the diagnosis across calls).
+        unloaded: after a dummy load, the parts not loaded since; None when not pending.
+        updated: a KDA tensor was fed since the dummy load.
+        session: the open update session, if any; ``owner`` opened it, ``where`` names it.
+        spoiled: why the open session is not checked (the engine reported its own failure).
+        quiet: > 0 while a loader fills the model (its own full check covers that load).
+    """
+
+    engine: str
+    target: RankTarget
+    model: Any
+    memory: Memory = field(default_factory=dict)
+    unloaded: frozenset[tuple[int, str]] | None = None
+    updated: bool = False
+    session: UpdateSession | None = None
+    owner: str = ""
+    where: str = ""
+    spoiled: str = ""
+    quiet: int = 0
+
+    @contextlib.contextmanager
+    def quietly(self) -> Iterator[None]:
+        """No update session while a loader fills the model (its own check covers it)."""
+        self.quiet += 1
+        try:
+            yield
+        finally:
+            self.quiet -= 1
+
+    def open(self, owner: str, where: str) -> bool:
+        """Open an update session for ``owner`` (``"layerwise"``, ``"weight transfer"``...),
+        named ``where`` in the lines, on the parameters as they are now, before anything is
+        applied; False (nothing opened) when one is open already (the caller's calls join it),
+        in mode ``off``, or while a loader fills the model.
+
+        Raises:
+            GuardError: mode ``fail`` and the engine's parameters no longer fit the target (a
+                check that cannot run).
+        """
+        if self.session is not None or self.quiet or mode() == "off":
+            return False
+        model = self.model()
+        try:
+            if model is not None and not self.target.holds(model) \
+                    and not self.target.meta(model):
+                self.target = self.target.rebuilt(model)
+        except Exception as error:  # noqa: BLE001 - only GuardError leaves the engine's call
+            cannot_check(f"kda_tp guard: {self.engine} {where}: tp rank {self.target.tp_rank}/"
+                         f"{self.target.tp_size}: cannot check this update: "
+                         f"{type(error).__name__}: {error}")
+            return False
+        self.session = UpdateSession(self.target, self.memory)
+        self.owner, self.where, self.spoiled = owner, where, ""
+        return True
+
+    def spoil(self, why: str) -> None:
+        """The engine reported its own failure in the open session: it is not checked."""
+        if self.session is not None:
+            self.spoiled = why
+
+    def abandon(self, owner: str) -> None:
+        """Forget ``owner``'s session without a verdict (the engine's call raised)."""
+        if self.session is not None and self.owner == owner:
+            self.session = None
+
+    def close(self, owner: str) -> UpdateReport | None:
+        """Check ``owner``'s session: every region it touched, the derived copies, and after a
+        dummy load every part never loaded since (an engine session is one whole update).
+        Nothing when another owner's session is open (it closes its own).
+
+        Returns:
+            The report, or None when nothing was checked.
+
+        Raises:
+            GuardError: mode ``fail``, and a KDA parameter or derived copy is wrong, or the
+                check could not run.
+        """
+        session = self.session
+        if session is None or self.owner != owner:
+            return None
+        self.session = None
+        if self.spoiled:
+            logger.warning("kda_tp guard: %s %s: not checked: %s", self.engine, self.where,
+                           self.spoiled)
+            return None
+        unloaded = self.unloaded if self.unloaded is not None and session.touched else None
+        return self._verdict(session, self.where, unloaded)
+
+    def call(self, original: Any, weights: Any, args: tuple[Any, ...],
+             kwargs: dict[str, Any]) -> Any:
+        """One call of the model's ``load_weights``: fed to the open session, else one update
+        by itself (checked when the call returns, if it fed a KDA tensor of the rank)."""
+        if self.quiet or mode() == "off":
+            return original(weights, *args, **kwargs)
+        session = self.session
+        if session is not None:
+            try:
+                return original(session.wrap(weights), *args, **kwargs)
+            finally:
+                session.end_call()
+        model = self.model()
+        session = UpdateSession(self.target, self.memory, model)
+        try:
+            out = original(session.wrap(weights), *args, **kwargs)
+        finally:
+            session.end_call()
+        if session.deferred:  # a layerwise reload begun where the guard could not see it
+            self.session, self.owner, self.where = session, "layerwise", "layerwise reload"
+        elif session.touched:
+            self.target = session.target
+            self._verdict(session, "load_weights", None)
+        return out
+
+    def end_of_refit(self, where: str) -> UpdateReport | None:
+        """A refit made of plain ``load_weights`` calls ended (vLLM's
+        ``process_weights_after_loading``): after a dummy load, the parts the refit never
+        loaded are named.
+
+        Raises:
+            GuardError: mode ``fail`` and some part was never loaded.
+        """
+        if self.unloaded is None or not self.updated or self.session is not None \
+                or self.quiet or mode() == "off":
+            return None
+        report = UpdateReport()
+        names = set()
+        for layer, part in sorted(self.unloaded):
+            for place in self.target.places.get((layer, part), ()):
+                names.add(place.name)
+                report.regions += 1
+                report.bytes += place.nbytes
+                report.problems.append(f"{place.name}: {part}: never loaded since the dummy "
+                                       "load (random values): the refit did not feed it")
+        report.params = len(names)
+        self.unloaded = None
+        return self._report(report, where)
+
+    def _verdict(self, session: UpdateSession, where: str,
+                 unloaded: frozenset[tuple[int, str]] | None) -> UpdateReport | None:
+        report = session.close(unloaded=unloaded or frozenset())
+        if self.unloaded is not None and session.touched:
+            self.updated = True
+            left = self.unloaded - session.fed_parts
+            self.unloaded = None if unloaded is not None or not left else left
+        model = self.model()
+        if model is not None:
+            repair(model)
+            try:
+                self._derived(model, report)
+            except Exception as error:  # noqa: BLE001 - never an exception into the engine
+                report.unchecked.append(f"the derived copies: {type(error).__name__}: {error}")
+        if not session.touched and report.passed:
+            return None
+        return self._report(report, where)
+
+    def _derived(self, model: Any, report: UpdateReport) -> None:
+        """The derived copies the layout keeps, against their parameters now."""
+        layout = self.target.layout.name
+        if layout not in DERIVED:
+            return
+        params = {name: self.target.current(name) for name in self.target.params}
+        for name, value in derived_copies(model).items():
+            problem = derived_problem(name, value, params, layout)
+            if isinstance(problem, str):
+                report.problems.append(f"{name}: {problem}")
+
+    def _report(self, report: UpdateReport, where: str) -> UpdateReport:
+        """Log, raise or record one verdict."""
+        rank, size = self.target.tp_rank, self.target.tp_size
+        if report.problems:
+            verdict = f"FAIL ({len(report.problems)} wrong)"
+        elif report.unchecked:
+            verdict = f"NOT CHECKED ({len(report.unchecked)} checks could not run)"
+        else:
+            verdict = "OK"
+        line = (f"kda_tp guard: {self.engine} {where}: tp rank {rank}/{size}: {report.params} "
+                f"KDA parameters updated ({self.target.layout.name}), {report.bytes} bytes, "
+                f"{report.seconds:.3f} s: {verdict}")
+        RECORD.ran("update", line)
+        if report.passed:
+            logger.info("%s", line)
+            return report
+        text = (f"{line}\nthe KDA weights this rank holds after the update are not what the "
+                "update fed:\n" + "\n".join(f"  rank {rank} {p}" for p in report.problems)
+                + "".join(f"\n  rank {rank} not checked: {u}" for u in report.unchecked))
+        if mode() == "fail":
+            raise GuardError(text + f"\n(set {MODE_ENV}=warn to go on anyway)")
+        logger.warning("%s", text)
+        return report
+
+
+_followed: weakref.WeakKeyDictionary[Any, Follower] = weakref.WeakKeyDictionary()
+
+
+def followed(model: Any) -> Follower | None:
+    """The :class:`Follower` of ``model``, or None when its updates are not followed."""
+    try:
+        return _followed.get(model)
+    except TypeError:  # not weakly referenceable: never followed
+        return None
+
+
+def follow(model: Any, engine: str, checkpoint: SafetensorsSource | str, *, tp_rank: int,
+           tp_size: int, layout: str | None = None, layers: Any = None,
+           dummy: bool = False) -> Follower:
+    """Check every later update of ``model``: its ``load_weights`` is wrapped (an instance
+    attribute) so that each call feeds the open session, or is one update by itself.
+    Idempotent (the first follower stays).
+
+    Args:
+        model: the loaded ``torch.nn.Module`` (its ``named_parameters()`` and
+            ``load_weights``).
+        engine: the engine's name for the lines.
+        checkpoint: the checkpoint the first load's check opened (its description is read
+            already), or its local path (described once, here).
+        tp_rank, tp_size: the engine's tensor-parallel rank and world size.
+        layout: the engine layout's name (the first load's check found it); None: recognised.
+        layers: the KDA layers this rank holds (a pipeline stage's); None: every one.
+        dummy: the load filled random values: the first update must fill every region.
+
+    Raises:
+        KdaTpError: the checkpoint's config gives no plan for these parameters (no KDA layer,
+            no layout fits, a world size that does not divide the heads).
+    """
+    found = followed(model)
+    if found is not None:
+        return found
+    description = describe(checkpoint)
+    target = RankTarget.build(description, dict(model.named_parameters()), tp_rank=tp_rank,
+                              tp_size=tp_size, engine=layout, layers=layers, model=model)
+    how = Follower(engine, target, weakref.ref(model))
+    if dummy:
+        how.unloaded = frozenset(target.places)
+    _followed[model] = how
+    original = model.load_weights
+
+    @functools.wraps(original)
+    def load_weights(weights: Any, *args: Any, **kwargs: Any) -> Any:
+        return how.call(original, weights, args, kwargs)
+
+    model.load_weights = load_weights
+    return how

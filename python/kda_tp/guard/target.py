@@ -1,0 +1,235 @@
+"""One rank's KDA parameters as the update checker needs them, built once per model.
+
+A :class:`RankTarget` is made from what the engine plugin knows at the first load (the
+checkpoint's description, the rank and world size of the engine's tensor-parallel group, the
+engine layout, the rank's parameters): the plan of the rank, every region of every KDA
+parameter (each part, and the zero padding rows), and the checkpoint names an update feeds
+for them. It keeps the parameter objects: an update reads them as they are, and the target is
+reused for every later update while the engine holds the same objects in the same shapes
+(:meth:`RankTarget.holds`). It keeps neither the description nor the checkpoint open.
+
+This module imports no engine and no torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ..checkpoint.description import CheckpointDescription
+from ..checkpoint.names import checkpoint_suffix
+from ..engines.dtype import model_dtype_name
+from ..engines.layout import EngineLayout
+from ..engines.registry import get_layout, param_location, recognise
+from ..errors import EngineLayoutError
+from ..model.dtypes import numpy_dtype
+from ..model.quant import SCALE_SUFFIXES
+from ..rank.plan import KdaTensorPlan, KdaTpPlan
+
+__all__ = ["PADDING", "Place", "RankTarget", "as_described"]
+
+#: The part label of a parameter's zero padding rows (the engine's rule: zero after every
+#: load, e.g. vLLM K3's ``in_proj_qkvgfab``).
+PADDING = "padding"
+
+
+def as_described(name: str, param: Any) -> Any:
+    """``param`` as the layouts describe it: a ModelOpt ``FP8_PB_WO`` block scale is loaded
+    ``[ob, 1, ib, 1]`` and squeezed to ``[ob, ib]`` only by vLLM's
+    ``process_weights_after_loading`` (``KFp8Block128.process``), after the guard's first
+    check; the squeezed view holds the same bytes. Every other parameter as it is."""
+    shape = tuple(getattr(param, "shape", ()))
+    if name.endswith(".weight_scale") and len(shape) == 4 and shape[1] == shape[3] == 1:
+        return param.squeeze(3).squeeze(1)
+    return param
+
+
+@dataclass(frozen=True)
+class Place:
+    """One region of one KDA parameter.
+
+    Attributes:
+        name: the parameter's full name (``model.layers.0.self_attn.in_proj_qkvgfab.weight``).
+        layer: its decoder layer.
+        part: the plan part it holds (``"k_proj"``, ``"q_proj.scale"``) or :data:`PADDING`.
+        dtype: the parameter's dtype (safetensors name).
+        start: its first element in the parameter, flat (elements, not bytes).
+        stop: one past its last element.
+    """
+
+    name: str
+    layer: int
+    part: str
+    dtype: str
+    start: int
+    stop: int
+
+    @property
+    def nbytes(self) -> int:
+        """The region's size in bytes."""
+        return (self.stop - self.start) * numpy_dtype(self.dtype).itemsize
+
+
+class RankTarget:
+    """One rank's KDA parameters and what an update feeds for them.
+
+    Attributes:
+        plan: the rank's plan (``KdaTpPlan``; an RL refit changes values, not shapes).
+        layers: the KDA layers of the target (a pipeline stage's, or every one).
+        layout: the engine layout of the parameters.
+        tp_rank, tp_size: the engine's tensor-parallel rank and world size.
+        prefix: the checkpoint's decoder prefix (``"model.layers."``): fed names are
+            checkpoint names under it.
+        fed: checkpoint name of a KDA tensor an update may feed -> ``(layer, part, its plan
+            entry)``, for the parts this rank holds (scale grids under each spelling).
+        places: ``(layer, part)`` -> the regions that part fills.
+        regions: parameter name -> every region of it (its parts, then its padding).
+        params: parameter name -> the parameter as the layouts describe it
+            (:func:`as_described`), as the engine held it when the target was built.
+    """
+
+    def __init__(self, plan: KdaTpPlan, layout: EngineLayout, prefix: str,
+                 params: Mapping[str, Any], layers: Iterable[int],
+                 slots: Mapping[str, tuple[Any, str, Any]]):
+        self.plan, self.layout, self.prefix = plan, layout, prefix
+        self.tp_rank, self.tp_size = plan.tp_rank, plan.tp_size
+        self.layers = layers = frozenset(layers)
+        found: dict[tuple[int, str], str] = {}
+        for name in params:
+            location = param_location(name)
+            if location is not None and location[1] in layers and \
+                    location[2] in layout.suffixes:
+                found[(location[1], location[2])] = name
+        self.params = {name: params[name] for name in found.values()}
+        self._slots = {name: slots[name] for name in self.params if name in slots}
+        self._shapes = {name: tuple(getattr(v, "shape", ())) for name, v in self.params.items()}
+        self.places: dict[tuple[int, str], list[Place]] = {}
+        self.regions: dict[str, list[Place]] = {}
+        for param in layout.params_for(plan):
+            for layer in sorted(layers):
+                held = found.get((layer, param.suffix))
+                if held is None:
+                    continue  # another pipeline stage's layer, or a parameter the engine lacks
+                dtype = model_dtype_name(getattr(self.params[held], "dtype", None))
+                pplan = layout.param_plan(param.suffix, plan, dtype)
+                size = numpy_dtype(pplan.dtype).itemsize
+                spans = [(r.part, r.byte_range) for r in pplan.regions]
+                if pplan.padding is not None:
+                    spans.append((PADDING, pplan.padding))
+                for part, (start, stop) in spans:
+                    place = Place(held, layer, part, pplan.dtype, start // size, stop // size)
+                    self.regions.setdefault(held, []).append(place)
+                    if part != PADDING:
+                        self.places.setdefault((layer, part), []).append(place)
+        suffixes: dict[str, tuple[str, KdaTensorPlan]] = {}
+        for t in plan.tensors:
+            suffixes[checkpoint_suffix(t.name)] = (t.name, t)
+            if t.scale is not None:
+                for spelling in SCALE_SUFFIXES:
+                    suffixes[f"{t.name}.{spelling}"] = (f"{t.name}.scale", t.scale)
+        self.fed: dict[str, tuple[int, str, KdaTensorPlan]] = {
+            f"{prefix}{layer}.self_attn.{suffix}": (layer, part, entry)
+            for layer in layers for suffix, (part, entry) in suffixes.items()
+            if (layer, part) in self.places}
+
+    @classmethod
+    def build(cls, description: CheckpointDescription, params: Mapping[str, Any], *,
+              tp_rank: int, tp_size: int, engine: str | None = None,
+              layers: Iterable[int] | None = None, model: Any = None) -> RankTarget:
+        """The target of one rank.
+
+        Args:
+            description: the checkpoint's description (``kda_tp.describe``): config, decoder
+                prefix, KDA layers and tensor headers, read once; not kept.
+            params: the rank's parameters by full name (``model.named_parameters()``: torch
+                tensors on any device, or numpy arrays); only the KDA ones are kept.
+            tp_rank, tp_size: the engine's tensor-parallel rank and world size.
+            engine: a layout name (``kda_tp.engines.LAYOUTS``); None: recognised from the KDA
+                parameter names and the checkpoint's model family.
+            layers: the KDA layers this rank holds (a pipeline stage's); None: every KDA layer.
+            model: the ``torch.nn.Module`` holding ``params``: :meth:`holds` then tells
+                whether the engine still holds the same objects.
+
+        Raises:
+            CheckpointError: the description has no config or no KDA layer.
+            EngineLayoutError: no layout, or several, fit the parameter names.
+            PlanError: the world size does not divide the heads.
+        """
+        plan = KdaTpPlan.from_description(description, tp_rank, tp_size, qk_multiple=1)
+        chosen = set(description.kda_layers(layers))
+        described = {n: as_described(n, p) for n, p in params.items() if isinstance(n, str)}
+        suffixes = {loc[2] for n in described
+                    if (loc := param_location(n)) is not None and loc[1] in chosen}
+        if engine is not None:
+            layout = get_layout(engine)
+        else:
+            fitting = recognise(suffixes, description.family.name)
+            if len(fitting) != 1:
+                raise EngineLayoutError(
+                    f"the engine's KDA parameter names {sorted(suffixes)} fit "
+                    f"{'no' if not fitting else 'several'} {description.family.name} engine "
+                    f"layouts{': ' + ', '.join(x.name for x in fitting) if fitting else ''}")
+            layout = fitting[0]
+        slots = _slots(model, described) if model is not None else {}
+        return cls(plan, layout, description.prefix, described, chosen, slots)
+
+    def rebuilt(self, model: Any) -> RankTarget:
+        """The same target for the parameter objects ``model`` holds now (after the engine
+        re-registered some): same plan, layout and layers."""
+        params = {n: as_described(n, p) for n, p in model.named_parameters()}
+        return RankTarget(self.plan, self.layout, self.prefix, params, self.layers,
+                          _slots(model, params))
+
+    def holds(self, model: Any) -> bool:
+        """Whether ``model`` holds the target's parameter objects, in the same shapes (an
+        engine that re-registers a parameter, or repacks it, needs a new target). True for a
+        target built without a model."""
+        for name, (module, attr, obj) in self._slots.items():
+            now = getattr(module, "_parameters", {}).get(attr)
+            if now is not obj or tuple(getattr(now, "shape", ())) != \
+                    tuple(getattr(obj, "shape", ())):
+                return False
+        return True
+
+    def meta(self, model: Any) -> bool:
+        """Whether ``model`` holds some of the target's parameters on the meta device now: it
+        is inside vLLM's layerwise reload (the target's objects hold the values again once
+        the reload finalizes)."""
+        for module, attr, _ in self._slots.values():
+            now = getattr(module, "_parameters", {}).get(attr)
+            if now is not None and getattr(now, "is_meta", False):
+                return True
+        return False
+
+    def current(self, name: str) -> Any:
+        """Parameter ``name`` as its module holds it now (after an update that re-registered
+        it, the new object), as the layouts describe it; the target's object without a model."""
+        slot = self._slots.get(name)
+        if slot is None:
+            return self.params[name]
+        module, attr, _ = slot
+        now = getattr(module, "_parameters", {}).get(attr)
+        return self.params[name] if now is None else as_described(name, now)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the rank's KDA parameters."""
+        return sum(p.nbytes for places in self.regions.values() for p in places)
+
+
+def _slots(model: Any, params: Mapping[str, Any]) -> dict[str, tuple[Any, str, Any]]:
+    """For each KDA parameter name: ``(its module, attribute, the registered object)``."""
+    out: dict[str, tuple[Any, str, Any]] = {}
+    for name in params:
+        if param_location(name) is None:
+            continue
+        path, _, attr = name.rpartition(".")
+        try:
+            module = model.get_submodule(path)
+        except AttributeError:
+            continue
+        registered = getattr(module, "_parameters", {}).get(attr)
+        if registered is not None:
+            out[name] = (module, attr, registered)
+    return out
