@@ -286,7 +286,8 @@ def follow(model: Any, engine: str, checkpoint: SafetensorsSource | str, *, tp_r
         engine: the engine's name for the lines.
         checkpoint: the checkpoint the first load's check opened (its description is read
             already), or its local path (described once, here).
-        tp_rank, tp_size: the engine's tensor-parallel rank and world size.
+        tp_rank: the engine's tensor-parallel rank (0-based).
+        tp_size: the engine's tensor-parallel world size.
         layout: the engine layout's name (the first load's check found it); None: recognised.
         layers: the KDA layers this rank holds (a pipeline stage's); None: every one.
         dummy: the load filled random values: the first update must fill every region.

@@ -144,7 +144,8 @@ class RankTarget:
                 prefix, KDA layers and tensor headers, read once; not kept.
             params: the rank's parameters by full name (``model.named_parameters()``: torch
                 tensors on any device, or numpy arrays); only the KDA ones are kept.
-            tp_rank, tp_size: the engine's tensor-parallel rank and world size.
+            tp_rank: the engine's tensor-parallel rank (0-based).
+            tp_size: the engine's tensor-parallel world size.
             engine: a layout name (``kda_tp.engines.LAYOUTS``); None: recognised from the KDA
                 parameter names and the checkpoint's model family.
             layers: the KDA layers this rank holds (a pipeline stage's); None: every KDA layer.

@@ -24,7 +24,7 @@ What is checked, for every parameter the update touched (some part of it was fed
 
 A wrong region is named with what it holds instead, when kda_tp can tell without any other
 rank's data: what was fed for another part of the layer, in this session or in an earlier
-call (:attr:`UpdateSession.memory`, kept by the plugin across calls); the values from before
+call (an ``UpdateSession``'s ``memory``, kept by the plugin across calls); the values from before
 the update; else the first differing element. Memory stays about one layer's parts of this
 rank: a part is verified on the tensors' own device right after the engine consumes it (only
 a fingerprint kept), and a host copy of this rank's slice is kept only while the engine has
