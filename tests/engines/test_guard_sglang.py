@@ -92,7 +92,9 @@ def test_loading_bugs_stop_the_load_naming_the_parameter(
     assert f"rank {R} {name}: " in error
     assert says in error
     assert error.endswith("(set KDA_TP_GUARD=warn to start anyway)")
-    assert run["lines"] == []  # no OK line
+    # no OK line; one ERROR line: the verdict, the rank and the wrong parameters
+    (line,) = run["lines"]
+    assert line.startswith(f"ERROR kda_tp.guard: {error.splitlines()[0]}: ") and name in line
 
 
 @pytest.mark.parametrize("kind", FAMILIES)

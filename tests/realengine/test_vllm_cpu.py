@@ -45,14 +45,6 @@ HOOKS = {
 REPACK = pytest.mark.xfail(
     reason="guard fix (issue 34.2): after vLLM's CPU GEMM dispatch (process_weights_after_"
     "loading) each Linear weight is torch.empty(0); the guard must read what cpu_linear holds")
-COUNTS = pytest.mark.xfail(
-    reason="guard fix (issue 34.4): a FAIL raised in mode fail is neither counted in checks "
-    "nor kept as last, and audit_llm gives params/bytes/seconds 0 for a failing rank")
-ONE_LINE = pytest.mark.xfail(
-    reason="guard fix (issue 34.1): vLLM's RuntimeError cannot carry the diagnosis; the "
-    "guard's verdict line must name the wrong tensor so that one stderr line does")
-OFF_LINE = pytest.mark.xfail(
-    reason="guard fix (issue 34.4): mode off registers saying it checks every load")
 
 
 @pytest.fixture(scope="module")
@@ -214,7 +206,6 @@ def test_a_wrong_element_stops_start_up_in_mode_fail(fail_tp2: Engine) -> None:
                           "differs at [0, 8]")
 
 
-@ONE_LINE
 def test_one_stderr_line_names_the_rank_and_the_tensor(fail_tp2: Engine) -> None:
     assert [line for line in fail_tp2.lines("tp rank 1/2")
             if "FAIL" in line and WRONG_PARAM in line], fail_tp2.log[-6000:]
@@ -279,7 +270,6 @@ def test_audit_llm_names_the_rank_a_stopped_refit_left_wrong(bf16_tp2: Engine) -
     assert rank_1["last"].endswith("FAIL (2 wrong)")
 
 
-@COUNTS
 def test_audit_llm_gives_a_failing_ranks_numbers(bf16_tp2: Engine) -> None:
     _started(bf16_tp2)
     rank_1 = _value(bf16_tp2, 3)[1]
@@ -303,7 +293,6 @@ def test_a_reload_from_disk_with_the_rank_0_bug_stops_rank_1_only(bf16_tp2: Engi
     assert "rank 1 model.layers.0.self_attn.dt_bias" in rank_1["error"]["message"]
 
 
-@COUNTS
 def test_a_fail_raised_at_a_reload_is_counted_and_last(bf16_tp2: Engine) -> None:
     _started(bf16_tp2)
     rank_1 = _value(bf16_tp2, 6)[1]
@@ -334,7 +323,6 @@ def test_f32_reload_of_the_same_checkpoint_passes(f32_tp1: Engine) -> None:
 # Mode off
 
 
-@OFF_LINE
 def test_mode_off_registers_saying_it_checks_nothing(tmp_path: Path) -> None:
     """vLLM's own plugin loader, in a process of its own with logging set up: the
     registration line."""

@@ -57,7 +57,7 @@ from ..model.config import describes_kda
 from .modes import CHECKPOINT_ENV, MODE_ENV, MODES, cannot_check, mode
 
 __all__ = ["GuardResult", "check", "derived_problem", "holds_kda", "looks_kda", "rank_report",
-           "stage_layers"]
+           "stage_layers", "verdict_line"]
 
 logger = logging.getLogger("kda_tp.guard")
 
@@ -178,7 +178,7 @@ def rank_report(run: Callable[[], GuardResult | None], *, tp_rank: int, tp_size:
             if error.report is None:
                 out.update(skipped=str(error), line=f"not checked: {error}")
                 return out
-            result, report = None, error.report
+            result, report = error.result, error.report
             out["line"] = str(error).splitlines()[0]
     if result is not None:
         out.update(result.to_dict())
@@ -326,8 +326,10 @@ def check(
             or the check could not run (KDA layer names without ``A_log`` and ``dt_bias``, a
             config describing no KDA layer, no engine layout fits the names, a config the
             audit refuses, a tensor it cannot read: sparse, uninitialized, meta); the message
-            is the audit's diagnosis, ``.report`` the report (None when the audit could not
-            run).
+            is the audit's diagnosis, ``.report`` the report and ``.result`` the
+            :class:`GuardResult` (both None when the audit could not run). A failing verdict
+            is first logged at ERROR as one line naming the rank and the wrong parameters
+            (:func:`verdict_line`).
         GuardModeError: ``KDA_TP_GUARD`` (or ``guard_mode``) holds another value than
             ``fail``, ``warn``, ``off``.
         CheckpointError: a KDA model's ``params`` has a key that is not a ``str``.
@@ -414,9 +416,22 @@ def check(
     text = (f"{result.line()}\nthe KDA weights this rank loaded differ from "
             f"{os.fspath(checkpoint)}:\n{report.format()}")
     if chosen == "fail":
-        raise GuardError(text + f"\n(set {MODE_ENV}=warn to start anyway)", report)
+        wrong = [p.name for p in report.params if not p.passed]
+        wrong += [p.split(": ", 1)[0].removeprefix(f"rank {tp_rank} ") for p in report.problems]
+        logger.error("%s", verdict_line(result.line(), wrong))
+        raise GuardError(text + f"\n(set {MODE_ENV}=warn to start anyway)", report, result)
     logger.warning("%s", text)
     return result
+
+
+def verdict_line(line: str, wrong: Iterable[str]) -> str:
+    """A failing verdict ``line`` with the wrong parameters' names (the first 3, then ``+N
+    more``): the one line an engine's log carries where the engine cannot carry the
+    diagnosis to its caller (vLLM's ``LLM()`` raises only "Engine core initialization
+    failed" and logs the ``GuardError``'s lines one by one)."""
+    names = list(dict.fromkeys(wrong))
+    more = f" +{len(names) - 3} more" if len(names) > 3 else ""
+    return f"{line}: {', '.join(names[:3])}{more}" if names else line
 
 
 def _pairs(params: Iterable[Any]) -> dict[str, Any]:

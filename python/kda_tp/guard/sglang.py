@@ -72,7 +72,7 @@ from ..engines.dtype import model_dtype_name
 from ..errors import GuardError, KdaTpError
 from .first_load import GuardResult, check, looks_kda, rank_report
 from .live import Follower, follow, followed
-from .modes import LoadSource, cannot_check, load_checkpoint, mode, warn_once
+from .modes import MODE_ENV, LoadSource, cannot_check, load_checkpoint, mode, warn_once
 from .record import RECORD
 from .record import status as _status
 
@@ -110,6 +110,11 @@ def register() -> None:
 
     SGLang's ``load_plugins()`` calls it once per process and then applies the hooks
     (``HookRegistry.apply_hooks``); nothing is checked until a model runner loads weights.
+    It says so in one INFO line (``kda_tp guard: registered in SGLang (mode ...): ...``).
+
+    Raises:
+        GuardModeError: ``KDA_TP_GUARD`` holds another value than the modes (the hooks are
+            registered first: every load they see refuses too).
     """
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
@@ -123,6 +128,11 @@ def register() -> None:
     HookRegistry.register(begin, _around_begin, HookType.AROUND)
     HookRegistry.register(end, _around_end, HookType.AROUND)
     HookRegistry.register(rpc, _around_rpc, HookType.AROUND)
+    chosen = mode()  # an invalid mode raises here, the hooks registered (every load refuses)
+    what = (f"checks nothing ({MODE_ENV}=off); audit_engine still audits on request"
+            if chosen == "off" else
+            "checks the KDA weights of every model load and weight update on every rank")
+    logger.info("kda_tp guard: registered in SGLang (mode %s): %s", chosen, what)
 
 
 def hooks() -> dict[str, str]:
@@ -454,8 +464,8 @@ def guard_runner(runner: Any, checkpoint: str | None = None) -> GuardResult | No
         result = check(dict(runner.model.named_parameters()), path, tp_rank=tp_rank,
                        tp_size=tp_size, where=_label(), model_dtype=dtype)
     except GuardError as error:
-        if error.report is not None:  # a FAIL verdict, raised in mode fail: counted too
-            RECORD.ran(kind, str(error).splitlines()[0])
+        if error.result is not None:  # a FAIL verdict, raised in mode fail: counted too
+            RECORD.ran(kind, error.result.line())
         raise
     if result is not None:
         RECORD.ran(kind, result.line())

@@ -70,7 +70,7 @@ from ..errors import GuardError, KdaTpError
 from .first_load import GuardResult, check, looks_kda, rank_report, stage_layers
 from .live import REPAIR_ENV, Follower, follow, followed, repair
 from .hooks import after_import, subclasses
-from .modes import LoadSource, cannot_check, load_checkpoint, mode, warn_once
+from .modes import MODE_ENV, LoadSource, cannot_check, load_checkpoint, mode, warn_once
 from .record import RECORD
 from .record import status as _status
 from .target import as_described
@@ -114,7 +114,8 @@ def register() -> None:
     chosen = mode()
     _installed = True
     _attach_vllm_logging()
-    what = ("checks nothing (mode off)" if chosen == "off" else
+    what = (f"checks nothing ({MODE_ENV}=off); audit_llm still audits on request"
+            if chosen == "off" else
             "checks the KDA weights of every model load and weight update on every rank")
     logger.info("kda_tp guard: registered in vLLM (mode %s): %s", chosen, what)
     after_import(_INSTALLERS)
@@ -554,17 +555,17 @@ def _guard(model: Any, model_config: Any, *, loader: str = "", vllm_config: Any 
         return None, found
     if not found.check_load or not found.checkpoint:
         return None, found  # a dummy load, or a KDA_TP_GUARD_CHECKPOINT not there (warned)
-    kind = "first load" if loader not in ("audit", "reload_weights") else loader
+    kind = "first load" if loader != "reload_weights" else loader
     try:
         result = check(params, found.checkpoint, tp_rank=rank, tp_size=size,
                        derived=derived_copies(model), where=where, layers=_stage_layers(params),
                        guard_mode=guard_mode,
                        model_dtype=model_dtype_name(getattr(model_config, "dtype", None)))
     except GuardError as error:
-        if error.report is not None:  # a FAIL verdict, raised in mode fail: counted too
-            RECORD.ran(kind, str(error).splitlines()[0])
+        if error.result is not None and loader != "audit":  # a FAIL raised: counted too
+            RECORD.ran(kind, error.result.line())
         raise
-    if result is not None:
+    if result is not None and loader != "audit":  # an audit reports, it is no load
         RECORD.ran(kind, result.line())
     return result, found
 
@@ -649,10 +650,11 @@ def _worker_audit(worker: Any) -> dict[str, Any]:
     model = worker.model_runner.get_model()
     model_config = worker.vllm_config.model_config
     rank, size = _rank()
+    before = status()  # the record as the loads and updates left it, not this audit
     # "fail" to get the reason; a running engine is never stopped from here
     return {**rank_report(lambda: guard_model(model, model_config, loader="audit",
                                               vllm_config=worker.vllm_config, guard_mode="fail"),
-                          tp_rank=rank, tp_size=size, where="vllm audit"), **status()}
+                          tp_rank=rank, tp_size=size, where="vllm audit"), **before}
 
 
 def audit_llm(llm: Any) -> list[dict[str, Any]]:
