@@ -391,7 +391,7 @@ def test_rank_report_is_one_shape_for_a_pass_a_failure_and_a_check_not_run():
     remote = audit(built(CKPT["k3"], "vllm-0.33-k3", 2, 4), "s3://bucket/k3", 2)
     assert set(good) == set(wrong) == set(remote) == {
         "ok", "guarded", "line", "tp_rank", "tp_size", "where", "skipped", "engine", "params",
-        "bytes", "seconds", "summary", "text", "report"}
+        "bytes", "seconds", "summary", "text", "report", "unchecked"}
     assert (good["ok"], good["skipped"], good["tp_rank"], good["engine"]) == (
         True, None, 2, "vllm-0.33-k3")
     assert good["line"].startswith("kda_tp guard: w: tp rank 2/4: ") and good["line"].endswith(
@@ -426,7 +426,25 @@ def test_guard_result_to_dict_is_the_checked_ranks_report():
         "ok": True, "line": result.line(), "tp_rank": 1, "tp_size": 2, "where": "w1",
         "engine": result.engine, "params": result.params, "bytes": result.bytes,
         "seconds": result.seconds, "summary": result.report.summary(),
-        "text": result.report.format(), "report": result.report.to_dict()}
+        "text": result.report.format(), "report": result.report.to_dict(), "unchecked": []}
     assert json.loads(json.dumps(result.to_dict())) == result.to_dict()
     report = rank_report(lambda: result, tp_rank=1, tp_size=2, where="w1")
     assert report == {**result.to_dict(), "guarded": True, "skipped": None}
+
+
+def test_what_a_gemm_read_back_cannot_carry_is_named():
+    import ml_dtypes
+
+    from kda_tp.guard.repacked import not_carried
+
+    bf16 = np.dtype(ml_dtypes.bfloat16)
+    assert not_carried(np.array([1.0, 0.0, -2.5], dtype=bf16), "BF16") is None
+    assert not_carried(np.array([1.0, -0.0], dtype=bf16), "BF16") == "-0.0 (reads +0.0)"
+    assert not_carried(np.array([1.0, 2.0 ** -130], dtype=bf16), "BF16") == \
+        "a subnormal (reads 0)"
+    assert not_carried(np.array([2.0 ** -20], dtype=np.float16), "F16") == \
+        "a subnormal (reads 0)"
+    assert not_carried(np.array([2.0 ** -20], dtype=np.float32), "F32") is None
+    for bad in (np.nan, np.inf, -np.inf):
+        assert not_carried(np.array([1.0, bad], dtype=np.float32), "F32") == \
+            "a NaN or an infinity (its row reads NaN)"

@@ -73,6 +73,7 @@ from .hooks import after_import, subclasses
 from .modes import MODE_ENV, LoadSource, cannot_check, load_checkpoint, mode, warn_once
 from .record import RECORD
 from .record import status as _status
+from .repacked import held
 from .target import as_described
 
 __all__ = ["REPAIR_ENV", "WORKER_METHOD", "audit_llm", "follow_updates", "guard_model",
@@ -91,9 +92,7 @@ _LAYERWISE = "vllm.model_executor.model_loader.reload.layerwise"
 
 
 def status() -> dict[str, Any]:
-    """This process's guard (:func:`kda_tp.guard.record.status` for vLLM): ``versions``,
-    ``mode``, ``hooks`` (each target: ``"armed"`` or why not), ``checks`` (by kind: ``first
-    load``, ``update``, ...) and ``last`` (the last verdict line)."""
+    """This process's guard: :func:`kda_tp.guard.record.status` for vLLM."""
     return _status("vllm")
 
 
@@ -542,6 +541,7 @@ def _guard(model: Any, model_config: Any, *, loader: str = "", vllm_config: Any 
     params = {n: as_described(n, p) for n, p in model.named_parameters()}
     if not looks_kda(params):  # no KDA name (check() warns for one without A_log/dt_bias)
         return None, None
+    params, repacked = held(model, params)  # after vLLM's CPU repack: what it holds
     vllm_config = _current_config(vllm_config)
     if _is_draft(model_config, vllm_config):
         return None, None  # a draft / MTP model: not the KDA stack
@@ -559,7 +559,7 @@ def _guard(model: Any, model_config: Any, *, loader: str = "", vllm_config: Any 
     try:
         result = check(params, found.checkpoint, tp_rank=rank, tp_size=size,
                        derived=derived_copies(model), where=where, layers=_stage_layers(params),
-                       guard_mode=guard_mode,
+                       guard_mode=guard_mode, repacked=repacked,
                        model_dtype=model_dtype_name(getattr(model_config, "dtype", None)))
     except GuardError as error:
         if error.result is not None and loader != "audit":  # a FAIL raised: counted too
@@ -607,10 +607,7 @@ def follow_updates(model: Any, model_config: Any, vllm_config: Any = None, *,
     names = [n for n, _ in model.named_parameters()]
     if not looks_kda(names):
         return
-    try:
-        vllm_config = _current_config(vllm_config)
-    except ImportError:
-        vllm_config = None
+    vllm_config = _current_config(vllm_config)
     model_config = model_config or getattr(vllm_config, "model_config", None)
     if model_config is None or _is_draft(model_config, vllm_config):
         return
