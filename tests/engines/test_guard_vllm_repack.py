@@ -64,7 +64,8 @@ def audit(vc, model, checkpoint=None) -> dict:
     def collective_rpc(method):
         set_rank(2, 1)
         return [getattr(WorkerBase, method)(worker)]
-    (report,) = audit_llm(types.SimpleNamespace(collective_rpc=collective_rpc))
+    silent, report = audit_llm(types.SimpleNamespace(collective_rpc=collective_rpc))
+    assert (silent["tp_rank"], silent["guarded"]) == (0, False)  # rank 0 is not asked here
     return report
 
 

@@ -46,7 +46,8 @@ from typing import Any
 import numpy as np
 
 from ..audit.values import as_record, cast_to, first_difference, same_tensor_values, same_values
-from ..checkpoint.reader import numpy_dtype, shard_bytes, torch_dtype
+from ..checkpoint.reader import numpy_dtype, shard_bytes
+from ..model.dtypes import torch_dtype
 from ..rank.plan import KdaTensorPlan
 from .target import PADDING, Place, RankTarget
 
