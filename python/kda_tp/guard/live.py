@@ -36,12 +36,12 @@ from ..checkpoint.reader import SafetensorsSource
 from ..engines.derived import DERIVED, DERIVED_ATTRIBUTES, derived_copies
 from ..errors import GuardError
 from .first_load import derived_problem
-from .modes import MODE_ENV, REPAIR_ENV, cannot_check, mode, repair_on
+from .modes import MODE_ENV, cannot_check, mode, repair_on
 from .record import RECORD
 from .target import RankTarget
 from .updates import Memory, UpdateReport, UpdateSession
 
-__all__ = ["REPAIR_ENV", "UPDATES_HOOK", "Follower", "follow", "followed"]
+__all__ = ["UPDATES_HOOK", "Follower", "follow", "followed"]
 
 #: The record's name of the wrapper :func:`follow` puts on a model's ``load_weights``.
 UPDATES_HOOK = "model.load_weights (updates)"

@@ -68,9 +68,9 @@ from ..engines.derived import derived_copies
 from ..engines.dtype import model_dtype_name
 from ..errors import GuardError, GuardModeError, KdaTpError
 from .first_load import GuardResult, check, looks_kda, rank_report
-from .live import REPAIR_ENV, UPDATES_HOOK, Follower, follow, followed, repair
+from .live import UPDATES_HOOK, Follower, follow, followed, repair
 from .hooks import after_import, subclasses
-from .modes import MODE_ENV, LoadSource, cannot_check, mode, warn_once
+from .modes import MODE_ENV, REPAIR_ENV, LoadSource, cannot_check, mode, warn_once
 from .record import RECORD, account
 from .vllm_facts import (attach_vllm_logging, current_config, dp_rank, is_draft, load_source,
                          pp_rank_size, stage_layers_of, tp_rank_size)
