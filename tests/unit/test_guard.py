@@ -365,17 +365,26 @@ def test_bad_argument_types_are_named_errors():
 def test_audit_engine_reports_a_rank_that_wrote_no_report_as_unguarded(tmp_path):
     from kda_tp.guard.sglang import audit_engine
 
-    def collective_rpc(method, report_dir, checkpoint):  # only rank 0 of 2 has the guard
+    # an earlier audit's report of rank 1 is still there: never read as this audit's answer
+    (tmp_path / "kda_tp-guard-tp1.json").write_text(json.dumps(
+        {"ok": True, "guarded": True, "tp_rank": 1, "tp_size": 2, "where": "sglang",
+         "line": "kda_tp guard: sglang: tp rank 1/2: OK", "audit": "an earlier one"}))
+
+    def collective_rpc(method, report_dir, checkpoint, audit):  # only rank 0 of 2 answers
         (Path(report_dir) / "kda_tp-guard-tp0.json").write_text(json.dumps(
             {"ok": True, "guarded": True, "tp_rank": 0, "tp_size": 2, "where": "sglang",
-             "line": "kda_tp guard: sglang: tp rank 0/2: OK"}))
+             "line": "kda_tp guard: sglang: tp rank 0/2: OK", "audit": audit}))
 
     engine = type("Engine", (), {"collective_rpc": staticmethod(collective_rpc)})()
     first, second = audit_engine(engine, report_dir=tmp_path)
     assert (first["tp_rank"], first["guarded"]) == (0, True)
     assert (second["tp_rank"], second["guarded"], second["ok"]) == (1, False, None)
-    assert second["line"] == ("kda_tp guard: sglang: tp rank 1/2: unguarded: this rank wrote no "
-                              "report (no guard loaded, or no answer)")
+    assert second["line"] == ("kda_tp guard: sglang: tp rank 1/2: unguarded: did not answer "
+                              "(no guard loaded, or no answer)")
+    # nobody answers: one unguarded entry, never []
+    engine = type("Engine", (), {"collective_rpc": staticmethod(lambda *a, **k: None)})()
+    (nobody,) = audit_engine(engine)
+    assert nobody["guarded"] is False and "no rank wrote a report" in nobody["line"]
 
 
 def test_rank_report_is_one_shape_for_a_pass_a_failure_and_a_check_not_run():
