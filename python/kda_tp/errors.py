@@ -254,14 +254,17 @@ class GuardError(KdaTpError, RuntimeError):
     Attributes:
         report: the ``kda_tp.audit.AuditReport`` of the rank, or None when the audit
             could not run (the message says why).
+        result: the rank's ``kda_tp.guard.GuardResult`` (its parameter count, bytes and
+            seconds) when a check ran and failed; None otherwise.
 
     Example message: ``kda_tp guard: vllm worker 1: tp rank 1/4: KDA weights differ from
     /models/k3 ... rank 1 model.layers.0.self_attn.o_proj.weight: values differ in o_proj; ...``.
     """
 
-    def __init__(self, message: str, report: Any = None):
+    def __init__(self, message: str, report: Any = None, result: Any = None):
         super().__init__(message)
         self.report = report
+        self.result = result
 
 
 class GuardModeError(GuardError, ValueError):

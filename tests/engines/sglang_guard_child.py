@@ -451,6 +451,12 @@ out["rpc"] = [{k: r[k] for k in ("tp_rank", "tp_size", "ok", "line", "engine", "
                                  "text", "skipped", "guarded", "hooks", "versions", "checks",
                                  "last")} for r in reports]
 out["rpc_files"] = sorted(os.listdir(os.path.join(WORK, "reports")))
+# Rank 1 no longer answers; its report of the audit above is still in the directory.
+silent = schedulers.pop()
+again = sglang_plugin.audit_engine(engine, report_dir=os.path.join(WORK, "reports"))
+out["rpc_silent"] = [{k: r.get(k) for k in ("tp_rank", "tp_size", "guarded", "ok", "line")}
+                     for r in again]
+schedulers.append(silent)
 
 # 8. Weight-update sessions: SGLang 0.5.23's scheduler-side WeightUpdater
 #    (SchedulerWeightUpdaterManager: begin_weight_update, update_weights_from_tensor with

@@ -92,7 +92,9 @@ def test_loading_bugs_stop_the_load_naming_the_parameter(
     assert f"rank {R} {name}: " in error
     assert says in error
     assert error.endswith("(set KDA_TP_GUARD=warn to start anyway)")
-    assert run["lines"] == []  # no OK line
+    # no OK line; one ERROR line: the verdict, the rank and the wrong parameters
+    (line,) = run["lines"]
+    assert line.startswith(f"ERROR kda_tp.guard: {error.splitlines()[0]}: ") and name in line
 
 
 @pytest.mark.parametrize("kind", FAMILIES)
@@ -161,6 +163,17 @@ def test_audit_engine_returns_every_ranks_report(outcome: dict[str, Any]) -> Non
     assert second["line"].startswith("kda_tp guard: sglang: tp rank 1/2: FAIL: 6 KDA ")
     assert "equals rank 0's slice of q_proj" in second["text"]
     assert outcome["rpc_files"] == ["kda_tp-guard-tp0.json", "kda_tp-guard-tp1.json"]
+
+
+def test_audit_engine_reads_only_this_audits_reports(outcome: dict[str, Any]) -> None:
+    """A rank that does not answer an audit is unguarded, though its report of an earlier
+    audit is still in the report directory."""
+    rank_0, rank_1 = outcome["rpc_silent"]
+    assert (rank_0["tp_rank"], rank_0["guarded"], rank_0["ok"]) == (0, True, True)
+    assert (rank_1["tp_rank"], rank_1["tp_size"], rank_1["guarded"], rank_1["ok"]) == (
+        1, 2, False, None)
+    assert rank_1["line"] == ("kda_tp guard: sglang: tp rank 1/2: unguarded: did not answer "
+                              "(no guard loaded, or no answer)")
 
 
 # -- RL updates through SGLang's own WeightUpdater -------------------------------------------

@@ -101,8 +101,9 @@ def test_audit_llm_carries_the_real_reason_and_the_armed_record(vc, tmp_path, mo
     worker = types.SimpleNamespace(model_runner=types.SimpleNamespace(get_model=lambda: model),
                                    vllm_config=config)
     set_rank(2, 0)
-    (report,) = audit_llm(types.SimpleNamespace(
+    report, silent = audit_llm(types.SimpleNamespace(
         collective_rpc=lambda method: [getattr(WorkerBase, method)(worker)]))
+    assert (silent["tp_rank"], silent["guarded"]) == (1, False)  # only rank 0 is asked here
     assert report["ok"] is None and report["guarded"] is True
     assert report["line"].startswith("not checked: kda_tp guard: vllm audit: tp rank 0/2: ")
     assert "describes no KDA layer" in report["line"]

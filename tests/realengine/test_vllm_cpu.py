@@ -11,8 +11,8 @@ made as the field makes them: an engine serving a checkpoint that differs in one
 element from the reference (``KDA_TP_GUARD_CHECKPOINT``), and vLLM's sharded weight loaders
 told rank 0 during a refit (vllm-gguf-plugin #103).
 
-Tests marked ``GUARD_FIX`` need a change of the guard that issue 34 asks for (items 2-4) and
-fail until it is made (``xfail_strict``: once it is, they pass and the marker must go).
+After loading, vLLM's CPU GEMM dispatch empties every Linear weight; the audits and later checks
+read them back through the engine's GEMM (issue 34, item 2: ``kda_tp.guard.repacked``).
 """
 
 from __future__ import annotations
@@ -42,17 +42,6 @@ HOOKS = {
     "vllm.v1.worker.worker_base.WorkerBase",
     "model.load_weights (updates)",
 }
-REPACK = pytest.mark.xfail(
-    reason="guard fix (issue 34.2): after vLLM's CPU GEMM dispatch (process_weights_after_"
-    "loading) each Linear weight is torch.empty(0); the guard must read what cpu_linear holds")
-COUNTS = pytest.mark.xfail(
-    reason="guard fix (issue 34.4): a FAIL raised in mode fail is neither counted in checks "
-    "nor kept as last, and audit_llm gives params/bytes/seconds 0 for a failing rank")
-ONE_LINE = pytest.mark.xfail(
-    reason="guard fix (issue 34.1): vLLM's RuntimeError cannot carry the diagnosis; the "
-    "guard's verdict line must name the wrong tensor so that one stderr line does")
-OFF_LINE = pytest.mark.xfail(
-    reason="guard fix (issue 34.4): mode off registers saying it checks every load")
 
 
 @pytest.fixture(scope="module")
@@ -173,7 +162,6 @@ def test_the_guard_arms_every_hook_on_vllm_0_32(bf16_tp2: Engine) -> None:
 
 
 @pytest.mark.parametrize("name", ["bf16_tp2", "f32_tp1"])
-@REPACK
 def test_audit_llm_of_an_honest_engine_is_ok(name: str, request: pytest.FixtureRequest) -> None:
     engine: Engine = request.getfixturevalue(name)
     _started(engine)
@@ -190,7 +178,6 @@ def test_other_families_start_with_the_ok_line(other_family: tuple[str, Engine])
     assert f": {count} KDA parameters (vllm-" in line and layout in line, line
 
 
-@REPACK
 def test_other_families_audit_ok(other_family: tuple[str, Engine]) -> None:
     _started(other_family[1])
     [report] = _value(other_family[1], 0)
@@ -214,7 +201,6 @@ def test_a_wrong_element_stops_start_up_in_mode_fail(fail_tp2: Engine) -> None:
                           "differs at [0, 8]")
 
 
-@ONE_LINE
 def test_one_stderr_line_names_the_rank_and_the_tensor(fail_tp2: Engine) -> None:
     assert [line for line in fail_tp2.lines("tp rank 1/2")
             if "FAIL" in line and WRONG_PARAM in line], fail_tp2.log[-6000:]
@@ -228,7 +214,6 @@ def test_mode_warn_starts_and_logs_the_failing_rank(warn_tp2: Engine) -> None:
     assert " WARNING " in warning and warning.endswith("FAIL (1 wrong)")
 
 
-@REPACK
 def test_audit_llm_names_the_failing_rank_in_mode_warn(warn_tp2: Engine) -> None:
     _started(warn_tp2)
     rank_0, rank_1 = _value(warn_tp2, 0)
@@ -237,7 +222,6 @@ def test_audit_llm_names_the_failing_rank_in_mode_warn(warn_tp2: Engine) -> None
     assert _wrong_params(rank_1) == [WRONG_PARAM]
 
 
-@REPACK
 def test_reloading_the_right_checkpoint_then_passes_on_every_rank(warn_tp2: Engine) -> None:
     _started(warn_tp2)
     assert _value(warn_tp2, 1) == [None, None]  # vLLM's reload_weights returns nothing
@@ -279,7 +263,6 @@ def test_audit_llm_names_the_rank_a_stopped_refit_left_wrong(bf16_tp2: Engine) -
     assert rank_1["last"].endswith("FAIL (2 wrong)")
 
 
-@COUNTS
 def test_audit_llm_gives_a_failing_ranks_numbers(bf16_tp2: Engine) -> None:
     _started(bf16_tp2)
     rank_1 = _value(bf16_tp2, 3)[1]
@@ -288,13 +271,11 @@ def test_audit_llm_gives_a_failing_ranks_numbers(bf16_tp2: Engine) -> None:
     assert "18 KDA parameters" in rank_1["line"]
 
 
-@REPACK
 def test_a_layerwise_reload_of_the_same_weights_passes(bf16_tp2: Engine) -> None:
     _started(bf16_tp2)
     assert _value(bf16_tp2, 4) == [{"ok": True}, {"ok": True}]
 
 
-@REPACK
 def test_a_reload_from_disk_with_the_rank_0_bug_stops_rank_1_only(bf16_tp2: Engine) -> None:
     _started(bf16_tp2)
     rank_0, rank_1 = _value(bf16_tp2, 5)
@@ -303,7 +284,6 @@ def test_a_reload_from_disk_with_the_rank_0_bug_stops_rank_1_only(bf16_tp2: Engi
     assert "rank 1 model.layers.0.self_attn.dt_bias" in rank_1["error"]["message"]
 
 
-@COUNTS
 def test_a_fail_raised_at_a_reload_is_counted_and_last(bf16_tp2: Engine) -> None:
     _started(bf16_tp2)
     rank_1 = _value(bf16_tp2, 6)[1]
@@ -321,7 +301,6 @@ def test_f32_first_load_is_checked_before_the_repack(f32_tp1: Engine) -> None:
     assert "172704 bytes" in _ok_line(f32_tp1, "DefaultModelLoader", 0, 1)
 
 
-@REPACK
 def test_f32_reload_of_the_same_checkpoint_passes(f32_tp1: Engine) -> None:
     _started(f32_tp1)
     assert _value(f32_tp1, 1) == [None]
@@ -334,7 +313,6 @@ def test_f32_reload_of_the_same_checkpoint_passes(f32_tp1: Engine) -> None:
 # Mode off
 
 
-@OFF_LINE
 def test_mode_off_registers_saying_it_checks_nothing(tmp_path: Path) -> None:
     """vLLM's own plugin loader, in a process of its own with logging set up: the
     registration line."""

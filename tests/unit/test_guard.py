@@ -365,17 +365,26 @@ def test_bad_argument_types_are_named_errors():
 def test_audit_engine_reports_a_rank_that_wrote_no_report_as_unguarded(tmp_path):
     from kda_tp.guard.sglang import audit_engine
 
-    def collective_rpc(method, report_dir, checkpoint):  # only rank 0 of 2 has the guard
+    # an earlier audit's report of rank 1 is still there: never read as this audit's answer
+    (tmp_path / "kda_tp-guard-tp1.json").write_text(json.dumps(
+        {"ok": True, "guarded": True, "tp_rank": 1, "tp_size": 2, "where": "sglang",
+         "line": "kda_tp guard: sglang: tp rank 1/2: OK", "audit": "an earlier one"}))
+
+    def collective_rpc(method, report_dir, checkpoint, audit):  # only rank 0 of 2 answers
         (Path(report_dir) / "kda_tp-guard-tp0.json").write_text(json.dumps(
             {"ok": True, "guarded": True, "tp_rank": 0, "tp_size": 2, "where": "sglang",
-             "line": "kda_tp guard: sglang: tp rank 0/2: OK"}))
+             "line": "kda_tp guard: sglang: tp rank 0/2: OK", "audit": audit}))
 
     engine = type("Engine", (), {"collective_rpc": staticmethod(collective_rpc)})()
     first, second = audit_engine(engine, report_dir=tmp_path)
     assert (first["tp_rank"], first["guarded"]) == (0, True)
     assert (second["tp_rank"], second["guarded"], second["ok"]) == (1, False, None)
-    assert second["line"] == ("kda_tp guard: sglang: tp rank 1/2: unguarded: this rank wrote no "
-                              "report (no guard loaded, or no answer)")
+    assert second["line"] == ("kda_tp guard: sglang: tp rank 1/2: unguarded: did not answer "
+                              "(no guard loaded, or no answer)")
+    # nobody answers: one unguarded entry, never []
+    engine = type("Engine", (), {"collective_rpc": staticmethod(lambda *a, **k: None)})()
+    (nobody,) = audit_engine(engine)
+    assert nobody["guarded"] is False and "no rank wrote a report" in nobody["line"]
 
 
 def test_rank_report_is_one_shape_for_a_pass_a_failure_and_a_check_not_run():
@@ -391,7 +400,7 @@ def test_rank_report_is_one_shape_for_a_pass_a_failure_and_a_check_not_run():
     remote = audit(built(CKPT["k3"], "vllm-0.33-k3", 2, 4), "s3://bucket/k3", 2)
     assert set(good) == set(wrong) == set(remote) == {
         "ok", "guarded", "line", "tp_rank", "tp_size", "where", "skipped", "engine", "params",
-        "bytes", "seconds", "summary", "text", "report"}
+        "bytes", "seconds", "summary", "text", "report", "unchecked"}
     assert (good["ok"], good["skipped"], good["tp_rank"], good["engine"]) == (
         True, None, 2, "vllm-0.33-k3")
     assert good["line"].startswith("kda_tp guard: w: tp rank 2/4: ") and good["line"].endswith(
@@ -426,7 +435,25 @@ def test_guard_result_to_dict_is_the_checked_ranks_report():
         "ok": True, "line": result.line(), "tp_rank": 1, "tp_size": 2, "where": "w1",
         "engine": result.engine, "params": result.params, "bytes": result.bytes,
         "seconds": result.seconds, "summary": result.report.summary(),
-        "text": result.report.format(), "report": result.report.to_dict()}
+        "text": result.report.format(), "report": result.report.to_dict(), "unchecked": []}
     assert json.loads(json.dumps(result.to_dict())) == result.to_dict()
     report = rank_report(lambda: result, tp_rank=1, tp_size=2, where="w1")
     assert report == {**result.to_dict(), "guarded": True, "skipped": None}
+
+
+def test_what_a_gemm_read_back_cannot_carry_is_named():
+    import ml_dtypes
+
+    from kda_tp.guard.repacked import not_carried
+
+    bf16 = np.dtype(ml_dtypes.bfloat16)
+    assert not_carried(np.array([1.0, 0.0, -2.5], dtype=bf16), "BF16") is None
+    assert not_carried(np.array([1.0, -0.0], dtype=bf16), "BF16") == "-0.0 (reads +0.0)"
+    assert not_carried(np.array([1.0, 2.0 ** -130], dtype=bf16), "BF16") == \
+        "a subnormal (reads 0)"
+    assert not_carried(np.array([2.0 ** -20], dtype=np.float16), "F16") == \
+        "a subnormal (reads 0)"
+    assert not_carried(np.array([2.0 ** -20], dtype=np.float32), "F32") is None
+    for bad in (np.nan, np.inf, -np.inf):
+        assert not_carried(np.array([1.0, bad], dtype=np.float32), "F32") == \
+            "a NaN or an infinity (its row reads NaN)"

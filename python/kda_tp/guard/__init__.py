@@ -5,10 +5,12 @@
 (their ``register`` is each engine's entry point), with the import hooks they install
 (``kda_tp.guard.hooks``).
 
-Its modules, bottom to top: ``modes`` (the mode, a check that cannot run, which checkpoint a
-load is checked against), ``record`` (this process's hooks and verdicts), ``target`` (a rank's
-KDA parameters, built once per model), ``updates`` (one update's check), ``first_load`` (the
-check at load), ``live`` (a live model's updates), then the plugins.
+Its modules, bottom to top: ``modes`` (the mode, the repair switch, a check that cannot run,
+which checkpoint a load is checked against), ``record`` (this process's hooks, their wrappers
+still in place, verdicts, a live audit's ranks), ``repacked`` (what an engine holds after its
+post-load repack), ``target`` (a rank's KDA parameters, built once per model), ``updates`` (one
+update's check), ``first_load`` (the check at load), ``live`` (a live model's updates), then
+the plugins (``vllm_facts``: what the vLLM plugin reads from vLLM).
 """
 
 from . import first_load, live, modes, target, updates

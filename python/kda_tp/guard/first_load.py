@@ -55,9 +55,10 @@ from ..engines.registry import kda_only_suffixes, param_location, param_name
 from ..errors import CheckpointError, GuardError, GuardModeError, KdaTpError
 from ..model.config import describes_kda
 from .modes import CHECKPOINT_ENV, MODE_ENV, MODES, cannot_check, mode
+from .repacked import judge
 
 __all__ = ["GuardResult", "check", "derived_problem", "holds_kda", "looks_kda", "rank_report",
-           "stage_layers"]
+           "stage_layers", "verdict_line"]
 
 logger = logging.getLogger("kda_tp.guard")
 
@@ -168,7 +169,7 @@ def rank_report(run: Callable[[], GuardResult | None], *, tp_rank: int, tp_size:
     out: dict[str, Any] = {"ok": None, "guarded": True, "line": "", "tp_rank": tp_rank,
                            "tp_size": tp_size, "where": where, "skipped": None, "engine": None,
                            "params": 0, "bytes": 0, "seconds": 0.0, "summary": "", "text": "",
-                           "report": None}
+                           "report": None, "unchecked": []}
     report: AuditReport | None = None
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
@@ -178,7 +179,7 @@ def rank_report(run: Callable[[], GuardResult | None], *, tp_rank: int, tp_size:
             if error.report is None:
                 out.update(skipped=str(error), line=f"not checked: {error}")
                 return out
-            result, report = None, error.report
+            result, report = error.result, error.report
             out["line"] = str(error).splitlines()[0]
     if result is not None:
         out.update(result.to_dict())
@@ -216,6 +217,8 @@ class GuardResult:
         where: the caller's label (``"vllm worker 3"``), or ``""``.
         source: the checkpoint as this check opened it (its description, ``kda_tp.describe``
             of it, read once): what the engine plugin builds the rank's update target from.
+        unchecked: one line per parameter the engine repacked after loading that cannot be
+            checked (``<name>: ... not checkable ...``), out of ``report``'s verdicts.
     """
 
     report: AuditReport
@@ -227,6 +230,7 @@ class GuardResult:
     seconds: float
     where: str = ""
     source: SafetensorsSource | None = field(default=None, repr=False, compare=False)
+    unchecked: tuple[str, ...] = ()
 
     @property
     def passed(self) -> bool:
@@ -237,21 +241,29 @@ class GuardResult:
         """The result as a JSON-ready dict (each checked rank's part of the plugins' live
         audit, :func:`rank_report`): ``ok`` (:attr:`passed`), ``line`` (:meth:`line`),
         ``tp_rank``, ``tp_size``, ``where``, ``engine``, ``params``, ``bytes``, ``seconds``,
-        ``summary`` and ``text`` (the audit's summary line and full diagnosis) and ``report``
-        (``AuditReport.to_dict()``, as ``kda-tp audit --json`` prints it)."""
+        ``summary`` and ``text`` (the audit's summary line and full diagnosis), ``report``
+        (``AuditReport.to_dict()``, as ``kda-tp audit --json`` prints it) and ``unchecked``."""
         return {"ok": self.passed, "line": self.line(), "tp_rank": self.tp_rank,
                 "tp_size": self.tp_size, "where": self.where, "engine": self.engine,
                 "params": self.params, "bytes": self.bytes, "seconds": self.seconds,
-                "summary": self.report.summary(), "text": self.report.format(),
-                "report": self.report.to_dict()}
+                "summary": self.report.summary(), "text": self.text(),
+                "report": self.report.to_dict(), "unchecked": list(self.unchecked)}
+
+    def text(self) -> str:
+        """The audit's diagnosis, then one line per parameter not checkable."""
+        return "\n".join([self.report.format(), *(f"rank {self.tp_rank} {u}"
+                                                  for u in self.unchecked)])
 
     def line(self) -> str:
         """The one-line verdict: ``kda_tp guard: <where>: tp rank r/T: N KDA parameters, B
-        bytes, S s: OK`` (``FAIL`` when some parameter is wrong)."""
+        bytes, S s: OK`` (``FAIL`` when some parameter is wrong; ``, U not checkable
+        (repacked)`` before the verdict when some are, :attr:`unchecked`)."""
         where = f"{self.where}: " if self.where else ""
         verdict = "OK" if self.passed else f"FAIL ({len(self.report.failures)} wrong)"
+        held = f", {len(self.unchecked)} not checkable (repacked)" if self.unchecked else ""
         return (f"kda_tp guard: {where}tp rank {self.tp_rank}/{self.tp_size}: {self.params} KDA "
-                f"parameters ({self.engine}), {self.bytes} bytes, {self.seconds:.3f} s: {verdict}")
+                f"parameters ({self.engine}), {self.bytes} bytes, {self.seconds:.3f} s{held}: "
+                f"{verdict}")
 
 
 def _nbytes(value: Any) -> int:
@@ -280,6 +292,7 @@ def check(
     layers: Iterable[int] | None = None,
     guard_mode: str | None = None,
     model_dtype: str | None = None,
+    repacked: Mapping[str, str] | None = None,
 ) -> GuardResult | None:
     """Check one rank's loaded KDA parameters against the checkpoint, as the mode says.
 
@@ -310,6 +323,10 @@ def check(
             :func:`~kda_tp.engines.model_dtype_name`), passed to the audit so that a parameter held in
             another float dtype (a lossy cast) is wrong; None: the engine's default for the
             checkpoint's config (``kda_tp.engines.engine_model_dtype``).
+        repacked: the parameters the engine repacked after loading, as
+            :func:`kda_tp.guard.repacked.held` found them (``params`` holding their
+            read-back): a failing one it could not read, or whose expected values its GEMM
+            cannot carry, is not checkable (:attr:`GuardResult.unchecked`), never wrong.
 
     Returns:
         None without checking anything when the mode is ``off`` or ``params`` has no KDA
@@ -326,8 +343,10 @@ def check(
             or the check could not run (KDA layer names without ``A_log`` and ``dt_bias``, a
             config describing no KDA layer, no engine layout fits the names, a config the
             audit refuses, a tensor it cannot read: sparse, uninitialized, meta); the message
-            is the audit's diagnosis, ``.report`` the report (None when the audit could not
-            run).
+            is the audit's diagnosis, ``.report`` the report and ``.result`` the
+            :class:`GuardResult` (both None when the audit could not run). A failing verdict
+            is first logged at ERROR as one line naming the rank and the wrong parameters
+            (:func:`verdict_line`).
         GuardModeError: ``KDA_TP_GUARD`` (or ``guard_mode``) holds another value than
             ``fail``, ``warn``, ``off``.
         CheckpointError: a KDA model's ``params`` has a key that is not a ``str``.
@@ -386,9 +405,11 @@ def check(
             return None
         report = audit(named, source or checkpoint, tp_rank=tp_rank, tp_size=tp_size, engine=engine,
                        layers=layers, model_dtype=model_dtype)
+        count = len(report.params)
+        unchecked = judge(report, repacked, source or checkpoint, tp_rank=tp_rank,
+                          model_dtype=model_dtype) if repacked else []
         checked = [p for p in report.params if p.status != "missing"]
         nbytes = sum(_nbytes(named[p.name]) for p in checked)
-        count = len(report.params)
         for name, value in (derived or {}).items():
             problem = _check_derived(name, value, named, report)
             if problem is not False:
@@ -407,16 +428,29 @@ def check(
         logger.warning("%s", text)
         return None
     result = GuardResult(report, tp_rank, tp_size, report.engine, count, nbytes,
-                         time.perf_counter() - start, where, source)
+                         time.perf_counter() - start, where, source, tuple(unchecked))
     if result.passed:
         logger.info("%s", result.line())
         return result
     text = (f"{result.line()}\nthe KDA weights this rank loaded differ from "
-            f"{os.fspath(checkpoint)}:\n{report.format()}")
+            f"{os.fspath(checkpoint)}:\n{result.text()}")
     if chosen == "fail":
-        raise GuardError(text + f"\n(set {MODE_ENV}=warn to start anyway)", report)
+        wrong = [p.name for p in report.params if not p.passed]
+        wrong += [p.split(": ", 1)[0].removeprefix(f"rank {tp_rank} ") for p in report.problems]
+        logger.error("%s", verdict_line(result.line(), wrong))
+        raise GuardError(text + f"\n(set {MODE_ENV}=warn to start anyway)", report, result)
     logger.warning("%s", text)
     return result
+
+
+def verdict_line(line: str, wrong: Iterable[str]) -> str:
+    """A failing verdict ``line`` with the wrong parameters' names (the first 3, then ``+N
+    more``): the one line an engine's log carries where the engine cannot carry the
+    diagnosis to its caller (vLLM's ``LLM()`` raises only "Engine core initialization
+    failed" and logs the ``GuardError``'s lines one by one)."""
+    names = list(dict.fromkeys(wrong))
+    more = f" +{len(names) - 3} more" if len(names) > 3 else ""
+    return f"{line}: {', '.join(names[:3])}{more}" if names else line
 
 
 def _pairs(params: Iterable[Any]) -> dict[str, Any]:

@@ -26,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import os
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -37,25 +36,28 @@ from ..checkpoint.reader import SafetensorsSource
 from ..engines.derived import DERIVED, DERIVED_ATTRIBUTES, derived_copies
 from ..errors import GuardError
 from .first_load import derived_problem
-from .modes import MODE_ENV, cannot_check, mode
+from .modes import MODE_ENV, cannot_check, mode, repair_on
 from .record import RECORD
 from .target import RankTarget
 from .updates import Memory, UpdateReport, UpdateSession
 
-__all__ = ["REPAIR_ENV", "Follower", "follow", "followed"]
+__all__ = ["UPDATES_HOOK", "Follower", "follow", "followed"]
 
-#: The opt-in repair switch: ``1`` drops every stale-prone derived copy kda_tp knows
-#: (GLM-5.3's ``_merged_conv_weight`` in vLLM) after every load and update, so that the engine
-#: rebuilds it from the new weights on the next forward (vLLM #55087).
-REPAIR_ENV = "KDA_TP_GUARD_REPAIR"
+#: The record's name of the wrapper :func:`follow` puts on a model's ``load_weights``.
+UPDATES_HOOK = "model.load_weights (updates)"
 
 logger = logging.getLogger("kda_tp.guard")
 
 
 def repair(model: Any) -> None:
-    """With ``KDA_TP_GUARD_REPAIR=1``: drop every stale-prone derived copy kda_tp knows
-    (:data:`~kda_tp.engines.derived.DERIVED_ATTRIBUTES`) so that the engine rebuilds it."""
-    if os.environ.get(REPAIR_ENV, "").strip().lower() not in ("1", "true", "yes", "on"):
+    """With ``KDA_TP_GUARD_REPAIR=1`` (:func:`kda_tp.guard.modes.repair_on`): drop every
+    stale-prone derived copy kda_tp knows (:data:`~kda_tp.engines.derived.DERIVED_ATTRIBUTES`)
+    so that the engine rebuilds it.
+
+    Raises:
+        GuardModeError: ``KDA_TP_GUARD_REPAIR`` holds a value that is neither on nor off.
+    """
+    if not repair_on():
         return
     for module in model.modules():
         for attribute in DERIVED_ATTRIBUTES:
@@ -312,5 +314,5 @@ def follow(model: Any, engine: str, checkpoint: SafetensorsSource | str, *, tp_r
     def load_weights(weights: Any, *args: Any, **kwargs: Any) -> Any:
         return how.call(original, weights, args, kwargs)
 
-    model.load_weights = load_weights
+    RECORD.install(UPDATES_HOOK, model, "load_weights", load_weights)
     return how

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 
 from ..errors import GuardError, GuardModeError
 
-__all__ = ["CHECKPOINT_ENV", "MODES", "MODE_ENV", "LoadSource", "cannot_check",
-           "checkpoint_env", "explicit_checkpoint", "load_checkpoint", "mode",
+__all__ = ["CHECKPOINT_ENV", "MODES", "MODE_ENV", "REPAIR_ENV", "LoadSource", "cannot_check",
+           "checkpoint_env", "explicit_checkpoint", "load_checkpoint", "mode", "repair_on",
            "resolve_checkpoint", "warn_once"]
 
 #: The environment variable that sets the guard's mode.
@@ -37,6 +37,11 @@ MODE_ENV = "KDA_TP_GUARD"
 CHECKPOINT_ENV = "KDA_TP_GUARD_CHECKPOINT"
 #: The guard's modes; the first is the default.
 MODES = ("fail", "warn", "off")
+#: The opt-in repair switch: ``1`` drops every stale-prone derived copy kda_tp knows
+#: (GLM-5.3's ``_merged_conv_weight`` in vLLM) after every load and update, so that the engine
+#: rebuilds it from the new weights on the next forward (vLLM #55087).
+REPAIR_ENV = "KDA_TP_GUARD_REPAIR"
+_ON, _OFF = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
 
 logger = logging.getLogger("kda_tp.guard")
 _warned: set[str] = set()
@@ -58,6 +63,21 @@ def mode() -> str:
             "warn or off"
         )
     return value
+
+
+def repair_on() -> bool:
+    """Whether ``KDA_TP_GUARD_REPAIR`` (:data:`REPAIR_ENV`) asks for the repair: ``1``,
+    ``true``, ``yes``, ``on`` (case and surrounding spaces ignored); unset, empty, ``0``,
+    ``false``, ``no``, ``off``: not.
+
+    Raises:
+        GuardModeError: any other value (refused as an invalid mode is: never silently off).
+    """
+    value = os.environ.get(REPAIR_ENV, "").strip().lower()
+    if value in _ON or value in _OFF:
+        return value in _ON
+    raise GuardModeError(f"{REPAIR_ENV}={os.environ[REPAIR_ENV]!r} is not a repair setting; "
+                         "use 1 (on) or 0 (off, the default)")
 
 
 def cannot_check(text: str, guard_mode: str | None = None) -> None:
@@ -94,15 +114,22 @@ def checkpoint_env() -> str | None:
 
 def explicit_checkpoint(where: str, guard_mode: str | None = None) -> str | None:
     """The checkpoint ``KDA_TP_GUARD_CHECKPOINT`` names (stripped), when set; None when unset.
-    A path that is not there is a check that cannot run (:func:`cannot_check`: a
-    ``GuardError`` in ``fail``; in ``warn`` one warning and ``""``, which the caller checks
-    nothing against).
+    A value that cannot be checked against, a URL (any value holding ``://``) or a path that
+    is not there, is a check that cannot run (:func:`cannot_check`: a ``GuardError`` in
+    ``fail``; in ``warn`` one warning and ``""``, which the caller checks nothing against).
 
     Raises:
-        GuardError: mode ``fail`` and the variable names a path that does not exist.
+        GuardError: mode ``fail`` and the variable holds ``://`` or names a path that does
+            not exist.
     """
     chosen = checkpoint_env()
-    if chosen is None or "://" in chosen or os.path.exists(chosen):
+    if chosen is not None and "://" in chosen:
+        cannot_check(f"kda_tp guard: {where}: {CHECKPOINT_ENV}={chosen!r} is not a local path "
+                     "(it holds '://'); the KDA weights are not checked (set it to a local copy "
+                     "of the checkpoint directory: its config.json and safetensors files)",
+                     guard_mode)
+        return ""
+    if chosen is None or os.path.exists(chosen):
         return chosen
     cannot_check(f"kda_tp guard: {where}: {CHECKPOINT_ENV}={chosen!r} does not exist; the KDA "
                  "weights are not checked (a typo? set it to the checkpoint directory the "

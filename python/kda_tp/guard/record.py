@@ -7,26 +7,55 @@ This module imports no engine.
 
 from __future__ import annotations
 
+import inspect
 import sys
+import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from types import ModuleType
 from typing import Any
 
 from .._native import __version__
 from ..errors import KdaTpError
 from .modes import mode
 
-__all__ = ["RECORD", "Record", "status"]
+__all__ = ["RECORD", "Record", "account", "status"]
 
 
 @dataclass
 class Record:
     """The hooks installed in this process and those that could not be (target -> ``"armed"``
-    or why not), the checks run by kind (``first load``, ``update``, ...) and the last verdict
-    line."""
+    or why not), the checks run by kind (``first load``, ``update``, ...), the last verdict
+    line, and every wrapper installed (target -> its owner, attribute and the wrapper), which
+    :meth:`verify` checks is still in place."""
 
     hooks: dict[str, str] = field(default_factory=dict)
     checks: dict[str, int] = field(default_factory=dict)
     last: str = ""
+    installed: dict[str, tuple[Callable[[], Any], str, Any]] = field(default_factory=dict)
+
+    def install(self, target: str, owner: Any, attr: str, wrapper: Any) -> None:
+        """``owner.attr = wrapper``, remembered under ``target`` (a class or module owner
+        kept, an instance only weakly: the record never keeps a model alive)."""
+        setattr(owner, attr, wrapper)
+        ref: Callable[[], Any] = ((lambda: owner) if isinstance(owner, (type, ModuleType))
+                                  else weakref.ref(owner))
+        self.installed[target] = (ref, attr, wrapper)
+
+    def verify(self) -> None:
+        """Every installed wrapper still in place, else its target is ``"replaced by
+        <qualname>"`` in :attr:`hooks` (not armed). A replacement that wraps kda_tp's wrapper
+        (``__wrapped__``, as ``functools.wraps`` sets it) still runs it: in place."""
+        for target, (ref, attr, wrapper) in list(self.installed.items()):
+            owner = ref()
+            if owner is None:  # the model is gone
+                del self.installed[target]
+                continue
+            now = inspect.getattr_static(owner, attr, None)
+            if not _reaches(now, wrapper):
+                self.hooks[target] = f"replaced by {_qualname(now)}"
+            elif self.hooks.get(target, "").startswith("replaced by "):
+                self.hooks[target] = "armed"  # put back
 
     def ran(self, kind: str, line: str) -> None:
         """Count one verdict of ``kind`` (a pass, a failure, raised or not) and keep its line."""
@@ -38,12 +67,33 @@ class Record:
 RECORD = Record()
 
 
+def _reaches(now: Any, wrapper: Any) -> bool:
+    """Whether ``now`` is ``wrapper`` or wraps it (``__wrapped__`` / ``__func__``, 32 deep)."""
+    for _ in range(32):
+        if now is wrapper:
+            return True
+        now = getattr(now, "__wrapped__", None) or getattr(now, "__func__", None)
+        if now is None:
+            return False
+    return False
+
+
+def _qualname(value: Any) -> str:
+    """``module.qualname`` of a function, method or other object (its type's for others)."""
+    named = getattr(value, "__func__", value)
+    if not hasattr(named, "__qualname__"):
+        named = type(named)
+    return f"{getattr(named, '__module__', '?')}.{named.__qualname__}"
+
+
 def status(engine: str) -> dict[str, Any]:
     """This process's guard as a plain dict: ``versions`` (the engine's, ``engine`` being its
     module name ``"vllm"`` or ``"sglang"``, and kda_tp's), ``mode`` (or ``"invalid: ..."``),
-    ``hooks`` (each target: ``"armed"`` or why it is not), ``checks`` (how many verdicts, by
+    ``hooks`` (each target: ``"armed"``, ``"replaced by <qualname>"`` when a wrapper kda_tp
+    installed is no longer in place, or why it is not), ``checks`` (how many verdicts, by
     kind) and ``last`` (the last verdict line)."""
     module = sys.modules.get(engine)
+    RECORD.verify()
     try:
         chosen = mode()
     except KdaTpError as error:
@@ -52,3 +102,48 @@ def status(engine: str) -> dict[str, Any]:
                          "kda_tp": __version__},
             "mode": chosen, "hooks": dict(RECORD.hooks), "checks": dict(RECORD.checks),
             "last": RECORD.last}
+
+
+def account(reports: list[dict[str, Any]], expected: list[tuple[int, int, int]],
+            where: str) -> list[dict[str, Any]]:
+    """A live audit's answers, one per expected rank: every ``(dp, pp, tp)`` rank of
+    ``expected`` that did not answer, and a second answer of one rank, is an entry of its own
+    with ``guarded`` False and ``ok`` None (unguarded: never ``[]`` or all-OK when a rank is
+    silent); a rank that answered more than once is one such entry in place of its answers;
+    answers from ranks not expected are kept. Each answer's rank is read from its
+    ``dp_rank``, ``pp_rank`` (0 when absent) and ``tp_rank``.
+
+    Args:
+        reports: the ranks' answers (the plugins' per-rank dicts).
+        expected: every ``(dp_rank, pp_rank, tp_rank)`` the engine has.
+        where: the label of the entries made here (``"vllm audit"``, ``"sglang"``).
+
+    Returns:
+        The answers and the unguarded entries, by ``(dp, pp, tp)`` rank.
+    """
+    tp_size = max([t + 1 for _, _, t in expected] + [0])
+    by_rank: dict[tuple[int, int, int], list[dict[str, Any]]] = {}
+    for report in reports:
+        by_rank.setdefault(_rank_of(report), []).append(report)
+    out = [answers[0] if len(answers) == 1 else
+           _silent(rank, tp_size, where, f"answered {len(answers)} times in one audit (another "
+                   "process claims this rank: no answer of it can be trusted)")
+           for rank, answers in by_rank.items()]
+    out += [_silent(rank, tp_size, where, "did not answer (no guard loaded, or no answer)")
+            for rank in expected if rank not in by_rank]
+    return sorted(out, key=_rank_of)
+
+
+def _rank_of(report: dict[str, Any]) -> tuple[int, int, int]:
+    def number(key: str) -> int:
+        value = report.get(key)
+        return value if isinstance(value, int) and not isinstance(value, bool) else -1
+    return (max(number("dp_rank"), 0), max(number("pp_rank"), 0), number("tp_rank"))
+
+
+def _silent(rank: tuple[int, int, int], tp_size: int, where: str, why: str) -> dict[str, Any]:
+    dp, pp, tp = rank
+    label = "".join(f" {name} rank {value}" for name, value in (("dp", dp), ("pp", pp)) if value)
+    return {"ok": None, "guarded": False, "dp_rank": dp, "pp_rank": pp, "tp_rank": tp,
+            "tp_size": tp_size, "where": where, "report": None,
+            "line": f"kda_tp guard: {where}{label}: tp rank {tp}/{tp_size}: unguarded: {why}"}

@@ -72,8 +72,8 @@ from ..engines.dtype import model_dtype_name
 from ..errors import GuardError, KdaTpError
 from .first_load import GuardResult, check, looks_kda, rank_report
 from .live import Follower, follow, followed
-from .modes import LoadSource, cannot_check, load_checkpoint, mode, warn_once
-from .record import RECORD
+from .modes import MODE_ENV, LoadSource, cannot_check, load_checkpoint, mode, warn_once
+from .record import RECORD, account
 from .record import status as _status
 
 __all__ = ["RPC_METHOD", "TARGETS", "audit_engine", "audit_runner", "checkpoint_of",
@@ -110,6 +110,11 @@ def register() -> None:
 
     SGLang's ``load_plugins()`` calls it once per process and then applies the hooks
     (``HookRegistry.apply_hooks``); nothing is checked until a model runner loads weights.
+    It says so in one INFO line (``kda_tp guard: registered in SGLang (mode ...): ...``).
+
+    Raises:
+        GuardModeError: ``KDA_TP_GUARD`` holds another value than the modes (the hooks are
+            registered first: every load they see refuses too).
     """
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
@@ -123,6 +128,11 @@ def register() -> None:
     HookRegistry.register(begin, _around_begin, HookType.AROUND)
     HookRegistry.register(end, _around_end, HookType.AROUND)
     HookRegistry.register(rpc, _around_rpc, HookType.AROUND)
+    chosen = mode()  # an invalid mode raises here, the hooks registered (every load refuses)
+    what = (f"checks nothing ({MODE_ENV}=off); audit_engine still audits on request"
+            if chosen == "off" else
+            "checks the KDA weights of every model load and weight update on every rank")
+    logger.info("kda_tp guard: registered in SGLang (mode %s): %s", chosen, what)
 
 
 def hooks() -> dict[str, str]:
@@ -454,8 +464,8 @@ def guard_runner(runner: Any, checkpoint: str | None = None) -> GuardResult | No
         result = check(dict(runner.model.named_parameters()), path, tp_rank=tp_rank,
                        tp_size=tp_size, where=_label(), model_dtype=dtype)
     except GuardError as error:
-        if error.report is not None:  # a FAIL verdict, raised in mode fail: counted too
-            RECORD.ran(kind, str(error).splitlines()[0])
+        if error.result is not None:  # a FAIL verdict, raised in mode fail: counted too
+            RECORD.ran(kind, error.result.line())
         raise
     if result is not None:
         RECORD.ran(kind, result.line())
@@ -464,6 +474,21 @@ def guard_runner(runner: Any, checkpoint: str | None = None) -> GuardResult | No
 
 # ------------------------------------------------------------------------------------------------
 # A running engine
+
+
+def _expected_ranks(engine: Any, reports: list[dict[str, Any]]) -> list[tuple[int, int, int]]:
+    """Every ``(attention-DP, pipeline, attention-TP)`` rank of the engine: from its
+    ``server_args`` when it has them, else from the ranks' reports (their sizes)."""
+    args = getattr(engine, "server_args", None)
+    if args is not None:
+        tp, pp = int(getattr(args, "tp_size", 1)), int(getattr(args, "pp_size", 1))
+        dp = int(getattr(args, "dp_size", 1)) if getattr(args, "enable_dp_attention", False) \
+            else 1
+        return [(d, p, t) for d in range(dp) for p in range(pp) for t in range(tp // dp)]
+    tp = max([int(r.get("tp_size") or 0) for r in reports] + [0])
+    pp = max([int(r.get("pp_rank") or 0) + 1 for r in reports] + [1])
+    dps = sorted({int(r.get("dp_rank") or 0) for r in reports}) or [0]
+    return [(d, p, t) for d in dps for p in range(pp) for t in range(tp)]
 
 
 def audit_runner(runner: Any, checkpoint: str | None = None) -> dict[str, Any]:
@@ -499,18 +524,31 @@ def audit_runner(runner: Any, checkpoint: str | None = None) -> dict[str, Any]:
                          runner, "model_config", None), "dtype", None)))
 
     out = {**rank_report(run, tp_rank=tp_rank, tp_size=tp_size, where=where), **status()}
-    out["checkpoint"] = found["path"]
+    parallel = _parallel()
+    out.update(checkpoint=found["path"], dp_rank=_int(parallel, "attn_dp_rank"),
+               pp_rank=_int(parallel, "pp_rank"))
     out["line"] = (f"kda_tp guard: {where}: tp rank {tp_rank}/{tp_size}: "
                    f"{out['summary'] or 'not checked: ' + str(out['skipped'])}")
     return out
 
 
-def _scheduler_audit(scheduler: Any, report_dir: str = "", checkpoint: str = "") -> None:
+def _int(parallel: Any, name: str) -> int:
+    """``parallel.<name>`` as an int (0 when SGLang's context does not publish it)."""
+    try:
+        value = getattr(parallel, name)
+    except Exception:  # noqa: BLE001 - a context without that group published (its own error)
+        return 0
+    return value if isinstance(value, int) else 0
+
+
+def _scheduler_audit(scheduler: Any, report_dir: str = "", checkpoint: str = "",
+                     audit: str = "") -> None:
     """The scheduler side of :data:`RPC_METHOD`: audit this scheduler's target runner and
-    write the result as JSON to ``report_dir/kda_tp-guard-tp{r}.json`` (with ``-dp{d}`` /
-    ``-pp{p}`` when those groups have several ranks)."""
+    write the result, marked with this ``audit``'s id, as JSON to
+    ``report_dir/kda_tp-guard-tp{r}.json`` (with ``-dp{d}`` / ``-pp{p}`` when those groups
+    have several ranks)."""
     runner = scheduler.tp_worker.model_runner
-    result = audit_runner(runner, checkpoint or None)
+    result = {**audit_runner(runner, checkpoint or None), "audit": audit}
     logger.info("%s", result["line"])
     if report_dir:
         name = "kda_tp-guard" + result["where"].removeprefix("sglang").replace(" rank ", "")
@@ -540,25 +578,34 @@ def audit_engine(engine: Any, *, checkpoint: str | None = None,
         report_dir: where the ranks write ``kda_tp-guard-...-tp{r}.json``; kept when given.
 
     Returns:
-        One dict per rank (see :func:`audit_runner`), by DP / pipeline / TP rank; a rank of
-        the engine's TP group that wrote no report (no guard loaded in it, or it did not
-        answer) is one entry with ``guarded`` False and ``ok`` None.
+        One dict per rank (see :func:`audit_runner`, with ``dp_rank`` and ``pp_rank``), by DP
+        / pipeline / TP rank: every rank the engine has (its ``server_args``: ``tp_size``,
+        ``pp_size``, ``dp_size`` with DP attention; else the ranks' own reports), from this
+        audit's reports only (each marked with the audit's id: a file an earlier audit left
+        is never read as an answer). A rank that wrote no report (no guard loaded in it, or
+        it did not answer) or answered twice is one entry with ``guarded`` False and ``ok``
+        None (:func:`kda_tp.guard.record.account`); nobody answering is never ``[]``.
 
     Raises:
         AssertionError: from SGLang's ``collective_rpc`` when a scheduler's call failed (its
             message is the error).
     """
+    audit = os.urandom(16).hex()  # this audit's reports only, never an earlier one's
+
     def run(directory: str) -> list[dict[str, Any]]:
-        engine.collective_rpc(RPC_METHOD, report_dir=directory, checkpoint=checkpoint or "")
-        found = sorted(Path(directory).glob("kda_tp-guard*-tp*.json"))
-        reports = [json.loads(p.read_text()) for p in found]
-        size = max((int(r["tp_size"]) for r in reports), default=0)
-        answered = {int(r["tp_rank"]) for r in reports}
-        reports += [{"ok": None, "guarded": False, "tp_rank": r, "tp_size": size,
-                     "where": "sglang", "line": f"kda_tp guard: sglang: tp rank {r}/{size}: "
-                     "unguarded: this rank wrote no report (no guard loaded, or no answer)"}
-                    for r in range(size) if r not in answered]
-        return sorted(reports, key=lambda r: (r["where"], r["tp_rank"]))
+        engine.collective_rpc(RPC_METHOD, report_dir=directory, checkpoint=checkpoint or "",
+                              audit=audit)
+        reports = []
+        for path in sorted(Path(directory).glob("kda_tp-guard*-tp*.json")):
+            report = json.loads(path.read_text())
+            if isinstance(report, dict) and report.get("audit") == audit:
+                reports.append(report)
+        expected = _expected_ranks(engine, reports)
+        if not expected and not reports:
+            return [{"ok": None, "guarded": False, "tp_rank": None, "tp_size": None,
+                     "where": "sglang", "report": None, "line": "kda_tp guard: sglang: "
+                     "unguarded: no rank wrote a report (no guard loaded, or no answer)"}]
+        return account(reports, expected, "sglang")
 
     if report_dir is not None:
         os.makedirs(report_dir, exist_ok=True)

@@ -26,6 +26,7 @@ from ..errors import EngineLayoutError
 from ..model.dtypes import numpy_dtype
 from ..model.quant import SCALE_SUFFIXES
 from ..rank.plan import KdaTensorPlan, KdaTpPlan
+from .repacked import read_back
 
 __all__ = ["PADDING", "Place", "RankTarget", "as_described"]
 
@@ -205,13 +206,17 @@ class RankTarget:
 
     def current(self, name: str) -> Any:
         """Parameter ``name`` as its module holds it now (after an update that re-registered
-        it, the new object), as the layouts describe it; the target's object without a model."""
+        it, the new object), as the layouts describe it; a weight the engine repacked after
+        the update (vLLM's CPU GEMM dispatch) read back through the engine
+        (:func:`kda_tp.guard.repacked.read_back`); the target's object without a model."""
         slot = self._slots.get(name)
         if slot is None:
             return self.params[name]
         module, attr, _ = slot
         now = getattr(module, "_parameters", {}).get(attr)
-        return self.params[name] if now is None else as_described(name, now)
+        if now is None:
+            return self.params[name]
+        return read_back(module, now)[0] if attr == "weight" else as_described(name, now)
 
     @property
     def nbytes(self) -> int:

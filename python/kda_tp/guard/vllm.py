@@ -61,18 +61,21 @@ import logging
 import os
 import sys
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 from ..engines.derived import derived_copies
 from ..engines.dtype import model_dtype_name
-from ..errors import GuardError, KdaTpError
-from .first_load import GuardResult, check, looks_kda, rank_report, stage_layers
-from .live import REPAIR_ENV, Follower, follow, followed, repair
+from ..errors import GuardError, GuardModeError, KdaTpError
+from .first_load import GuardResult, check, looks_kda, rank_report
+from .live import UPDATES_HOOK, Follower, follow, followed, repair
 from .hooks import after_import, subclasses
-from .modes import LoadSource, cannot_check, load_checkpoint, mode, warn_once
-from .record import RECORD
+from .modes import MODE_ENV, REPAIR_ENV, LoadSource, cannot_check, mode, warn_once
+from .record import RECORD, account
+from .vllm_facts import (attach_vllm_logging, current_config, dp_rank, is_draft, load_source,
+                         pp_rank_size, stage_layers_of, tp_rank_size)
 from .record import status as _status
+from .repacked import held
 from .target import as_described
 
 __all__ = ["REPAIR_ENV", "WORKER_METHOD", "audit_llm", "follow_updates", "guard_model",
@@ -91,9 +94,7 @@ _LAYERWISE = "vllm.model_executor.model_loader.reload.layerwise"
 
 
 def status() -> dict[str, Any]:
-    """This process's guard (:func:`kda_tp.guard.record.status` for vLLM): ``versions``,
-    ``mode``, ``hooks`` (each target: ``"armed"`` or why not), ``checks`` (by kind: ``first
-    load``, ``update``, ...) and ``last`` (the last verdict line)."""
+    """This process's guard: :func:`kda_tp.guard.record.status` for vLLM."""
     return _status("vllm")
 
 
@@ -105,16 +106,23 @@ def register() -> None:
 
     Raises:
         GuardModeError: ``KDA_TP_GUARD`` holds another value than ``fail``, ``warn``, ``off``
-            (vLLM lets a plugin's exception stop the start-up).
+            (vLLM lets a plugin's exception stop the start-up); the hooks are installed first,
+            so that every load they see raises it too (vLLM marks its plugins loaded before
+            it calls them: a retry in the same process is guarded).
         GuardError: mode ``fail`` and a hook target is missing in an imported vLLM module.
     """
     global _installed
     if _installed:
         return
-    chosen = mode()
     _installed = True
-    _attach_vllm_logging()
-    what = ("checks nothing (mode off)" if chosen == "off" else
+    attach_vllm_logging()
+    try:
+        chosen = mode()
+    except GuardModeError:
+        after_import(_INSTALLERS)  # every load these hooks see raises the same error
+        raise
+    what = (f"checks nothing ({MODE_ENV}=off); audit_llm still audits on request"
+            if chosen == "off" else
             "checks the KDA weights of every model load and weight update on every rank")
     logger.info("kda_tp guard: registered in vLLM (mode %s): %s", chosen, what)
     after_import(_INSTALLERS)
@@ -179,13 +187,15 @@ def _install_loaders(model_loader: Any) -> None:
             return out
         return wrap
 
-    model_loader.register_model_loader = register_model_loader
+    RECORD.install("vllm.model_executor.model_loader.register_model_loader", model_loader,
+                   "register_model_loader", register_model_loader)
 
 
 def _add_worker_method(worker_base: Any) -> None:
     target = getattr(worker_base, "WorkerBase", None)
     if _hook("vllm.v1.worker.worker_base.WorkerBase", target):
-        setattr(target, WORKER_METHOD, _worker_audit)
+        RECORD.install("vllm.v1.worker.worker_base.WorkerBase", target, WORKER_METHOD,
+                       _worker_audit)
 
 
 def _wrap_loader(cls: type) -> None:
@@ -217,7 +227,8 @@ def _wrap_loader(cls: type) -> None:
             repair(model)
         return out
 
-    cls.load_weights = load_weights  # type: ignore[attr-defined]
+    RECORD.install(f"{cls.__module__}.{cls.__qualname__}.load_weights", cls, "load_weights",
+                   load_weights)
 
 
 def _wrap_reload(inplace: Any) -> None:  # vllm.model_executor.model_loader.reload.inplace
@@ -261,7 +272,8 @@ def _wrap_reload(inplace: Any) -> None:  # vllm.model_executor.model_loader.relo
         follow_updates(model, config.model_config, config)
         return _in_session(followed(model), "reload_weights", original, *args, **kwargs)
 
-    inplace.reload_weights = reload_weights
+    RECORD.install("vllm.model_executor.model_loader.reload.inplace.reload_weights", inplace,
+                   "reload_weights", reload_weights)
     _rebind(original, reload_weights, "reload_weights")
 
 
@@ -321,8 +333,10 @@ def _wrap_layerwise(layerwise: Any) -> None:  # vllm.model_executor.model_loader
             how.close("layerwise")
         return out
 
-    layerwise.initialize_layerwise_reload = initialize_layerwise_reload
-    layerwise.finalize_layerwise_processing = finalize_layerwise_processing
+    RECORD.install(f"{_LAYERWISE}.initialize_layerwise_reload", layerwise,
+                   "initialize_layerwise_reload", initialize_layerwise_reload)
+    RECORD.install(f"{_LAYERWISE}.finalize_layerwise_processing", layerwise,
+                   "finalize_layerwise_processing", finalize_layerwise_processing)
     _rebind(start, initialize_layerwise_reload, "initialize_layerwise_reload")
     _rebind(finish, finalize_layerwise_processing, "finalize_layerwise_processing")
 
@@ -344,7 +358,8 @@ def _wrap_process(utils: Any) -> None:  # vllm.model_executor.model_loader.utils
             how.end_of_refit("process_weights_after_loading")
         return out
 
-    utils.process_weights_after_loading = process_weights_after_loading
+    RECORD.install("vllm.model_executor.model_loader.utils.process_weights_after_loading",
+                   utils, "process_weights_after_loading", process_weights_after_loading)
     _rebind(original, process_weights_after_loading, "process_weights_after_loading")
 
 
@@ -366,7 +381,8 @@ def _wrap_transfer(factory: Any) -> None:  # vllm.distributed.weight_transfer.fa
         follow_transfer(engine, vllm_config)
         return engine
 
-    cls.create_engine = classmethod(create_engine)
+    RECORD.install("vllm.distributed.weight_transfer.factory.WeightTransferEngineFactory."
+                   "create_engine", cls, "create_engine", classmethod(create_engine))
 
 
 def follow_transfer(engine: Any, vllm_config: Any) -> None:
@@ -433,7 +449,8 @@ def _wrap_tensorizer(module: Any) -> None:  # ...model_loader.tensorizer_loader
             follow_updates(model, None)
         return model
 
-    cls._load_model_serialized_cpu = load
+    RECORD.install("vllm.model_executor.model_loader.tensorizer_loader.TensorizerLoader."
+                   "_load_model_serialized_cpu", cls, "_load_model_serialized_cpu", load)
 
 
 # What register() installs, by the vLLM module it patches.
@@ -446,60 +463,6 @@ _INSTALLERS: dict[str, Callable[[Any], None]] = {
     "vllm.distributed.weight_transfer.factory": _wrap_transfer,
     "vllm.v1.worker.worker_base": _add_worker_method,
 }
-
-
-def _attach_vllm_logging() -> None:
-    """Show the guard's lines where vLLM's own go, unless logging was set up elsewhere."""
-    guard = logging.getLogger("kda_tp.guard")
-    if guard.handlers or logging.getLogger().handlers:
-        return
-    vllm_logger = logging.getLogger("vllm")
-    for handler in vllm_logger.handlers:
-        guard.addHandler(handler)
-    if vllm_logger.handlers:
-        guard.setLevel(min(vllm_logger.getEffectiveLevel(), logging.INFO))
-        guard.propagate = False
-
-
-def _current_config(vllm_config: Any) -> Any:
-    """``vllm_config``, else vLLM's current one."""
-    if vllm_config is not None:
-        return vllm_config
-    from vllm.config import get_current_vllm_config_or_none
-
-    return get_current_vllm_config_or_none()
-
-
-def _is_draft(model_config: Any, vllm_config: Any) -> bool:
-    """Whether ``model_config`` is a speculative draft's: a separate model (vLLM builds its
-    ``ModelConfig`` with ``runner="draft"``: EAGLE, MTP, draft models), not the target's config
-    that n-gram, suffix and ``custom_class`` decoding reuse as their "draft" config."""
-    if getattr(model_config, "runner_type", None) == "draft":
-        return True
-    spec = getattr(vllm_config, "speculative_config", None)
-    draft = getattr(spec, "draft_model_config", None)
-    if spec is None or draft is None or model_config is not draft:
-        return False
-    targets = (getattr(spec, "target_model_config", None),
-               getattr(vllm_config, "model_config", None))
-    return not any(draft is target for target in targets)
-
-
-def _rank() -> tuple[int, int]:
-    from vllm.distributed import parallel_state
-
-    tp = parallel_state.get_tp_group()
-    return int(tp.rank_in_group), int(tp.world_size)
-
-
-def _source(model_config: Any, vllm_config: Any, loader: str, where: str,
-            given: str | None = None) -> Any:
-    """:func:`kda_tp.guard.modes.load_checkpoint` for a vLLM model config and loader."""
-    download = getattr(getattr(vllm_config, "load_config", None), "download_dir", None)
-    path = str(getattr(model_config, "model_weights", "") or model_config.model)
-    return load_checkpoint(path, loader, where, given=given,
-                           revision=getattr(model_config, "revision", None),
-                           download_dir=download)
 
 
 def guard_model(model: Any, model_config: Any, *, loader: str = "",
@@ -541,44 +504,33 @@ def _guard(model: Any, model_config: Any, *, loader: str = "", vllm_config: Any 
     params = {n: as_described(n, p) for n, p in model.named_parameters()}
     if not looks_kda(params):  # no KDA name (check() warns for one without A_log/dt_bias)
         return None, None
-    vllm_config = _current_config(vllm_config)
-    if _is_draft(model_config, vllm_config):
+    params, repacked = held(model, params)  # after vLLM's CPU repack: what it holds
+    vllm_config = current_config(vllm_config)
+    if is_draft(model_config, vllm_config):
         return None, None  # a draft / MTP model: not the KDA stack
-    _attach_vllm_logging()
-    rank, size = _rank()
+    attach_vllm_logging()
+    rank, size = tp_rank_size()
     where = f"vllm {loader}" if loader else "vllm"
-    found = _source(model_config, vllm_config, loader, f"{where}: tp rank {rank}/{size}",
+    found = load_source(model_config, vllm_config, loader, f"{where}: tp rank {rank}/{size}",
                     checkpoint)
     if found.why:
         warn_once(found.why)
         return None, found
     if not found.check_load or not found.checkpoint:
         return None, found  # a dummy load, or a KDA_TP_GUARD_CHECKPOINT not there (warned)
-    kind = "first load" if loader not in ("audit", "reload_weights") else loader
+    kind = "first load" if loader != "reload_weights" else loader
     try:
         result = check(params, found.checkpoint, tp_rank=rank, tp_size=size,
-                       derived=derived_copies(model), where=where, layers=_stage_layers(params),
-                       guard_mode=guard_mode,
+                       derived=derived_copies(model), where=where, layers=stage_layers_of(params),
+                       guard_mode=guard_mode, repacked=repacked,
                        model_dtype=model_dtype_name(getattr(model_config, "dtype", None)))
     except GuardError as error:
-        if error.report is not None:  # a FAIL verdict, raised in mode fail: counted too
-            RECORD.ran(kind, str(error).splitlines()[0])
+        if error.result is not None and loader != "audit":  # a FAIL raised: counted too
+            RECORD.ran(kind, error.result.line())
         raise
-    if result is not None:
+    if result is not None and loader != "audit":  # an audit reports, it is no load
         RECORD.ran(kind, result.line())
     return result, found
-
-
-def _stage_layers(names: Iterable[str]) -> list[int] | None:
-    """Under pipeline parallelism, the decoder layers whose KDA parameters this stage holds;
-    None (every KDA layer) without it."""
-    from vllm.distributed import parallel_state
-
-    try:
-        stages = int(parallel_state.get_pp_group().world_size)
-    except AssertionError:  # no pipeline group (a single process, as in tests)
-        return None
-    return stage_layers(names) if stages > 1 else None
 
 
 def follow_updates(model: Any, model_config: Any, vllm_config: Any = None, *,
@@ -606,17 +558,14 @@ def follow_updates(model: Any, model_config: Any, vllm_config: Any = None, *,
     names = [n for n, _ in model.named_parameters()]
     if not looks_kda(names):
         return
-    try:
-        vllm_config = _current_config(vllm_config)
-    except ImportError:
-        vllm_config = None
+    vllm_config = current_config(vllm_config)
     model_config = model_config or getattr(vllm_config, "model_config", None)
-    if model_config is None or _is_draft(model_config, vllm_config):
+    if model_config is None or is_draft(model_config, vllm_config):
         return
-    rank, size = _rank()
+    rank, size = tp_rank_size()
     where = f"vllm update: tp rank {rank}/{size}"
     if found is None:
-        found = _source(model_config, vllm_config, "update", where)
+        found = load_source(model_config, vllm_config, "update", where)
     if found.why or found.checkpoint == "":
         return  # no checkpoint to check against: the load's warning said why
     checkpoint: Any = result.source if result is not None and result.source is not None \
@@ -631,12 +580,12 @@ def follow_updates(model: Any, model_config: Any, vllm_config: Any = None, *,
     try:
         follow(model, "vllm", checkpoint, tp_rank=rank, tp_size=size,
                layout=result.engine if result is not None else None,
-               layers=_stage_layers(names), dummy=found.dummy)
+               layers=stage_layers_of(names), dummy=found.dummy)
     except KdaTpError as error:
         cannot_check(f"kda_tp guard: {where}: the updates of this model cannot be checked "
                      f"against {getattr(checkpoint, 'path', checkpoint)}: {error}")
         return
-    RECORD.hooks.setdefault("model.load_weights (updates)", "armed")
+    RECORD.hooks[UPDATES_HOOK] = "armed"
 
 
 # ------------------------------------------------------------------------------------------
@@ -648,11 +597,13 @@ def _worker_audit(worker: Any) -> dict[str, Any]:
     (collective_rpc results cross processes as msgpack)."""
     model = worker.model_runner.get_model()
     model_config = worker.vllm_config.model_config
-    rank, size = _rank()
+    rank, size = tp_rank_size()
+    before = status()  # the record as the loads and updates left it, not this audit
     # "fail" to get the reason; a running engine is never stopped from here
     return {**rank_report(lambda: guard_model(model, model_config, loader="audit",
                                               vllm_config=worker.vllm_config, guard_mode="fail"),
-                          tp_rank=rank, tp_size=size, where="vllm audit"), **status()}
+                          tp_rank=rank, tp_size=size, where="vllm audit"), **before,
+            "dp_rank": dp_rank(worker.vllm_config), "pp_rank": pp_rank_size()[0]}
 
 
 def audit_llm(llm: Any) -> list[dict[str, Any]]:
@@ -676,7 +627,12 @@ def audit_llm(llm: Any) -> list[dict[str, Any]]:
         <why>``), ``skipped``, ``engine``, ``params``, ``bytes``, ``seconds``, ``summary``,
         ``text``, ``report`` (``AuditReport.to_dict()``: every parameter's verdict and
         diagnosis), and the worker's ``versions``, ``mode``, ``hooks`` (armed or missing),
-        ``checks`` (run, by kind) and ``last`` (the last verdict before this audit).
+        ``checks`` (run, by kind) and ``last`` (the last verdict before this audit), with
+        ``dp_rank`` and ``pp_rank``. Every rank the engine has (its data-parallel rank,
+        pipeline x tensor-parallel sizes: the LLM's parallel config, else the answers') is
+        reported once: one that did not answer, or answered twice, is an entry with
+        ``guarded`` False (:func:`kda_tp.guard.record.account`); nobody answering is never
+        ``[]``.
     """
     plugins = os.environ.get("VLLM_PLUGINS")
     hint = ""
@@ -689,8 +645,21 @@ def audit_llm(llm: Any) -> list[dict[str, Any]]:
     except Exception as error:  # noqa: BLE001 - a worker without the method: unguarded
         return [_unguarded(f"the workers do not answer {WORKER_METHOD} "
                            f"({type(error).__name__}: {error}){hint}")]
-    return [answer if isinstance(answer, dict) else
-            _unguarded(f"worker {i} answered {answer!r}{hint}") for i, answer in enumerate(answers)]
+    reports = [answer for answer in answers if isinstance(answer, dict)]
+    odd = [_unguarded(f"worker {i} answered {answer!r}{hint}")
+           for i, answer in enumerate(answers) if not isinstance(answer, dict)]
+    parallel = getattr(getattr(getattr(llm, "llm_engine", None), "vllm_config", None),
+                       "parallel_config", None)
+    tp = getattr(parallel, "tensor_parallel_size", None) or \
+        max([int(r.get("tp_size") or 0) for r in reports] + [0])
+    pp = getattr(parallel, "pipeline_parallel_size", None) or \
+        max([int(r.get("pp_rank") or 0) + 1 for r in reports] + [1])
+    dp = {dp_rank(getattr(getattr(llm, "llm_engine", None), "vllm_config", None))} \
+        if parallel is not None else {int(r.get("dp_rank") or 0) for r in reports} or {0}
+    if not tp and not odd:
+        return [_unguarded(f"no worker answered {WORKER_METHOD}{hint}")]
+    expected = [(d, p, t) for d in sorted(dp) for p in range(pp) for t in range(tp)]
+    return account(reports, expected, "vllm audit") + odd
 
 
 def _unguarded(why: str) -> dict[str, Any]:

@@ -1,0 +1,96 @@
+"""What the vLLM plugin (:mod:`kda_tp.guard.vllm`) reads from vLLM 0.33: the worker's ranks
+(tensor-parallel, pipeline, data-parallel), its current config, whether a model is a
+speculative draft, the checkpoint a load is checked against, and where the guard's log lines
+go.
+
+This module imports vLLM only inside its functions (they run in a vLLM process).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from typing import Any
+
+from .first_load import stage_layers
+from .modes import LoadSource, load_checkpoint
+
+__all__ = ["attach_vllm_logging", "current_config", "dp_rank", "is_draft", "load_source",
+           "pp_rank_size", "stage_layers_of", "tp_rank_size"]
+
+
+def attach_vllm_logging() -> None:
+    """Show the guard's lines where vLLM's own go, unless logging was set up elsewhere."""
+    guard = logging.getLogger("kda_tp.guard")
+    if guard.handlers or logging.getLogger().handlers:
+        return
+    vllm_logger = logging.getLogger("vllm")
+    for handler in vllm_logger.handlers:
+        guard.addHandler(handler)
+    if vllm_logger.handlers:
+        guard.setLevel(min(vllm_logger.getEffectiveLevel(), logging.INFO))
+        guard.propagate = False
+
+
+def current_config(vllm_config: Any) -> Any:
+    """``vllm_config``, else vLLM's current one."""
+    if vllm_config is not None:
+        return vllm_config
+    from vllm.config import get_current_vllm_config_or_none
+
+    return get_current_vllm_config_or_none()
+
+
+def is_draft(model_config: Any, vllm_config: Any) -> bool:
+    """Whether ``model_config`` is a speculative draft's: a separate model (vLLM builds its
+    ``ModelConfig`` with ``runner="draft"``: EAGLE, MTP, draft models), not the target's config
+    that n-gram, suffix and ``custom_class`` decoding reuse as their "draft" config."""
+    if getattr(model_config, "runner_type", None) == "draft":
+        return True
+    spec = getattr(vllm_config, "speculative_config", None)
+    draft = getattr(spec, "draft_model_config", None)
+    if spec is None or draft is None or model_config is not draft:
+        return False
+    targets = (getattr(spec, "target_model_config", None),
+               getattr(vllm_config, "model_config", None))
+    return not any(draft is target for target in targets)
+
+
+def tp_rank_size() -> tuple[int, int]:
+    """This worker's rank and world size in vLLM's tensor-parallel group."""
+    from vllm.distributed import parallel_state
+
+    tp = parallel_state.get_tp_group()
+    return int(tp.rank_in_group), int(tp.world_size)
+
+
+def load_source(model_config: Any, vllm_config: Any, loader: str, where: str,
+                given: str | None = None) -> LoadSource:
+    """:func:`kda_tp.guard.modes.load_checkpoint` for a vLLM model config and loader."""
+    download = getattr(getattr(vllm_config, "load_config", None), "download_dir", None)
+    path = str(getattr(model_config, "model_weights", "") or model_config.model)
+    return load_checkpoint(path, loader, where, given=given,
+                           revision=getattr(model_config, "revision", None),
+                           download_dir=download)
+
+
+def stage_layers_of(names: Iterable[str]) -> list[int] | None:
+    """Under pipeline parallelism, the decoder layers whose KDA parameters this stage holds;
+    None (every KDA layer) without it."""
+    return stage_layers(names) if pp_rank_size()[1] > 1 else None
+
+
+def pp_rank_size() -> tuple[int, int]:
+    """This worker's pipeline rank and size ((0, 1) without a pipeline group)."""
+    from vllm.distributed import parallel_state
+
+    try:
+        group = parallel_state.get_pp_group()
+    except AssertionError:  # no pipeline group (a single process, as in tests)
+        return 0, 1
+    return int(group.rank_in_group), int(group.world_size)
+
+
+def dp_rank(vllm_config: Any) -> int:
+    """The data-parallel rank of ``vllm_config`` (0 without one)."""
+    return int(getattr(getattr(vllm_config, "parallel_config", None), "data_parallel_rank", 0))

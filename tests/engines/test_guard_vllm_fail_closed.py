@@ -1,0 +1,162 @@
+"""The vLLM guard fails closed (issue 33, item 2), through vLLM 0.33.0's own plugin loader,
+loaders and ``WorkerBase`` on CPU: a ``KDA_TP_GUARD_CHECKPOINT`` that cannot be checked
+against (a URL) stops the load in mode ``fail``; the hooks are installed even when the mode is
+invalid, so every load raises and a retry in the same process is guarded; a wrapper replaced
+by someone else is reported "replaced by <qualname>", not armed; ``audit_llm`` reports every
+rank the engine has, a silent or twice-answering rank as unguarded; ``KDA_TP_GUARD_REPAIR``
+refuses an unknown value. Helpers in vllm_guard.py."""
+
+from __future__ import annotations
+
+import functools
+import os
+import subprocess
+import sys
+import types
+import warnings
+
+import pytest
+
+from vllm_guard import CKPT, build, default_load, loaded, model_config, set_rank
+
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")  # vLLM's own import-time deprecations
+    from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+    from vllm.v1.worker.worker_base import WorkerBase
+
+from kda_tp import GuardError
+from kda_tp.errors import GuardModeError
+from kda_tp.guard import CHECKPOINT_ENV, MODE_ENV, REPAIR_ENV
+from kda_tp.guard.live import UPDATES_HOOK
+from kda_tp.guard.vllm import audit_llm, status
+
+pytestmark = [pytest.mark.engines, pytest.mark.usefixtures("guard_env_unset")]
+LOADER = "vllm.model_executor.model_loader.default_loader.DefaultModelLoader.load_weights"
+
+
+def test_a_checkpoint_variable_holding_a_url_stops_the_load_in_fail_and_warns_in_warn(
+        vc, monkeypatch):
+    monkeypatch.setenv(CHECKPOINT_ENV, f"file://{CKPT['kimi_linear']}")
+    with pytest.raises(GuardError, match=f"{CHECKPOINT_ENV}='file://.*' is not a local path"):
+        default_load(vc, build(vc, "kimi_linear", 2, 1), CKPT["kimi_linear"])
+    monkeypatch.setenv(MODE_ENV, "warn")
+    with pytest.warns(RuntimeWarning, match="is not a local path"):
+        default_load(vc, build(vc, "kimi_linear", 2, 1), CKPT["kimi_linear"])
+
+
+def test_an_invalid_mode_makes_every_hooked_load_raise(vc, monkeypatch):
+    monkeypatch.setenv(MODE_ENV, "strict")
+    with pytest.raises(GuardModeError, match="KDA_TP_GUARD='strict' is not a guard mode"):
+        default_load(vc, build(vc, "kimi_linear", 2, 1), CKPT["kimi_linear"])
+
+
+def test_a_bad_mode_at_registration_still_installs_the_hooks_so_a_retry_is_guarded():
+    code = """
+import os, warnings
+warnings.simplefilter("ignore")
+os.environ["KDA_TP_GUARD"] = "bogus"
+from vllm.plugins import load_general_plugins
+try:
+    load_general_plugins()
+    print("no error")
+except Exception as error:
+    print(type(error).__name__)
+os.environ["KDA_TP_GUARD"] = "fail"
+load_general_plugins()  # vLLM marked its plugins loaded: register() is not called again
+from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+from kda_tp.guard.vllm import status
+hooks = status()["hooks"]
+print(getattr(DefaultModelLoader.load_weights, "__kda_tp_guard__", False), len(hooks),
+      sorted(set(hooks.values())))
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "VLLM_TARGET_DEVICE": "cpu"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    first, second = done.stdout.strip().splitlines()[-2:]
+    assert first == "GuardModeError"
+    assert second.startswith("True ") and second.endswith(" ['armed']"), second
+    assert int(second.split()[1]) >= 5
+
+
+def test_a_replaced_loader_wrapper_is_reported_replaced_not_armed(vc, monkeypatch):
+    ours = DefaultModelLoader.__dict__["load_weights"]
+    assert LOADER not in status()["hooks"] or status()["hooks"][LOADER] == "armed"
+
+    def load_weights(self, model, model_config):  # another plugin's, installed after kda_tp
+        return None
+
+    monkeypatch.setattr(DefaultModelLoader, "load_weights", load_weights)
+    assert status()["hooks"][LOADER] == (
+        f"replaced by {__name__}.test_a_replaced_loader_wrapper_is_reported_replaced_not_"
+        "armed.<locals>.load_weights")
+
+    @functools.wraps(ours)  # one that wraps kda_tp's wrapper still runs it: armed
+    def around(self, *args, **kwargs):
+        return ours(self, *args, **kwargs)
+
+    monkeypatch.setattr(DefaultModelLoader, "load_weights", around)
+    assert status()["hooks"][LOADER] == "armed"
+
+
+def test_a_replaced_model_load_weights_is_reported_by_the_live_audit(vc):
+    model = loaded(vc, "kimi_linear", 2, 1)
+    assert status()["hooks"][UPDATES_HOOK] == "armed"
+    model.load_weights = lambda weights: None  # an RL framework's own, after the first load
+    assert status()["hooks"][UPDATES_HOOK].startswith("replaced by ")
+    [report] = audit_llm(_llm([(1, _worker(model))], 2))[1:]
+    assert report["hooks"][UPDATES_HOOK].startswith("replaced by ")
+
+
+def _worker(model) -> types.SimpleNamespace:
+    config = types.SimpleNamespace(model_config=model_config(CKPT["kimi_linear"]),
+                                   speculative_config=None)
+    return types.SimpleNamespace(model_runner=types.SimpleNamespace(get_model=lambda: model),
+                                 vllm_config=config)
+
+
+def _llm(workers, tp_size: int, engine_tp: int | None = None):
+    def collective_rpc(method):
+        out = []
+        for rank, worker in workers:
+            set_rank(tp_size, rank)
+            out.append(getattr(WorkerBase, method)(worker))
+        return out
+    llm = types.SimpleNamespace(collective_rpc=collective_rpc)
+    if engine_tp is not None:
+        llm.llm_engine = types.SimpleNamespace(vllm_config=types.SimpleNamespace(
+            parallel_config=types.SimpleNamespace(tensor_parallel_size=engine_tp,
+                                                  pipeline_parallel_size=1,
+                                                  data_parallel_rank=0)))
+    return llm
+
+
+def test_audit_llm_reports_every_rank_a_silent_one_and_a_duplicate_unguarded(vc):
+    one = _worker(loaded(vc, "kimi_linear", 2, 1))
+    # TP 2, rank 0 silent: two entries, rank 0 unguarded
+    silent, answered = audit_llm(_llm([(1, one)], 2))
+    assert (silent["tp_rank"], silent["guarded"], silent["ok"]) == (0, False, None)
+    assert "tp rank 0/2: unguarded: did not answer" in silent["line"]
+    assert (answered["tp_rank"], answered["ok"]) == (1, True)
+    # the engine says TP 4: every missing rank named
+    reports = audit_llm(_llm([(1, one)], 2, engine_tp=4))
+    assert [(r["tp_rank"], r["guarded"]) for r in reports] == [
+        (0, False), (1, True), (2, False), (3, False)]
+    # one rank twice: that rank unguarded
+    (rank_0, twice) = audit_llm(_llm([(1, one), (1, one)], 2))
+    assert (twice["tp_rank"], twice["guarded"]) == (1, False)
+    assert "answered 2 times in one audit" in twice["line"]
+    # nobody answers: never []
+    (nobody,) = audit_llm(types.SimpleNamespace(collective_rpc=lambda method: []))
+    assert nobody["guarded"] is False and "no worker answered" in nobody["line"]
+
+
+@pytest.mark.parametrize("value,on", [("1", True), ("ON", True), (" Yes ", True),
+                                      ("", False), ("0", False), ("Off", False)])
+def test_the_repair_switch_ignores_case_and_refuses_an_unknown_value(vc, monkeypatch, value, on):
+    from kda_tp.guard.modes import repair_on
+
+    monkeypatch.setenv(REPAIR_ENV, value)
+    assert repair_on() is on
+    monkeypatch.setenv(REPAIR_ENV, "maybe")
+    with pytest.raises(GuardModeError, match="KDA_TP_GUARD_REPAIR='maybe' is not a repair"):
+        default_load(vc, build(vc, "glm", 2, 1), CKPT["glm"])
