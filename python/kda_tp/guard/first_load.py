@@ -257,7 +257,7 @@ class GuardResult:
     def line(self) -> str:
         """The one-line verdict: ``kda_tp guard: <where>: tp rank r/T: N KDA parameters, B
         bytes, S s: OK`` (``FAIL`` when some parameter is wrong; ``, U not checkable
-        (repacked)`` before the verdict when some are, :attr:`unchecked`)."""
+        (repacked)`` before the verdict when some are, ``unchecked``)."""
         where = f"{self.where}: " if self.where else ""
         verdict = "OK" if self.passed else f"FAIL ({len(self.report.failures)} wrong)"
         held = f", {len(self.unchecked)} not checkable (repacked)" if self.unchecked else ""
@@ -326,7 +326,7 @@ def check(
         repacked: the parameters the engine repacked after loading, as
             :func:`kda_tp.guard.repacked.held` found them (``params`` holding their
             read-back): a failing one it could not read, or whose expected values its GEMM
-            cannot carry, is not checkable (:attr:`GuardResult.unchecked`), never wrong.
+            cannot carry, is not checkable (``GuardResult.unchecked``), never wrong.
 
     Returns:
         None without checking anything when the mode is ``off`` or ``params`` has no KDA

@@ -44,7 +44,7 @@ class Record:
 
     def verify(self) -> None:
         """Every installed wrapper still in place, else its target is ``"replaced by
-        <qualname>"`` in :attr:`hooks` (not armed). A replacement that wraps kda_tp's wrapper
+        <qualname>"`` in ``hooks`` (not armed). A replacement that wraps kda_tp's wrapper
         (``__wrapped__``, as ``functools.wraps`` sets it) still runs it: in place."""
         for target, (ref, attr, wrapper) in list(self.installed.items()):
             owner = ref()
