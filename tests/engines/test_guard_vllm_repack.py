@@ -161,3 +161,70 @@ def test_a_layerwise_reload_after_the_repack_is_checked_on_what_vllm_holds(vc, z
         inplace.reload_weights(config, model, iter(fed("kimi_linear", 4.0)), None, True)
     assert "rank 1 model.layers.0.self_attn." in str(caught.value)
     assert "holds 0" not in str(caught.value)
+
+
+def _reload_after_repack(vc, monkeypatch, caplog, weights, unpack=None) -> list[str]:
+    """A layerwise ``reload_weights`` of ``weights`` into the rank-1 model after the repack
+    (``unpack(model)`` first, if given), in mode fail; the guard's lines."""
+    import logging
+
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader.reload import inplace, record_metadata_for_reloading
+
+    from vllm_guard import guard_lines, reload_config
+
+    model = build(vc, "kimi_linear", 2, 1)
+    record_metadata_for_reloading(model)
+    default_load(vc, model, CKPT["kimi_linear"])
+    repack(model, monkeypatch)
+    if unpack is not None:
+        unpack(model)
+    monkeypatch.setenv("KDA_TP_GUARD", "fail")
+    with caplog.at_level(logging.INFO, logger="kda_tp.guard"), set_current_vllm_config(vc):
+        inplace.reload_weights(reload_config("kimi_linear"), model, iter(weights), None, True)
+    return guard_lines(caplog)
+
+
+def test_an_honest_reload_feeding_a_value_the_gemm_cannot_carry_is_never_stopped(
+        vc, zentorch, monkeypatch, caplog):
+    """A refit whose o_proj holds -0.0 in this rank's columns: the weight read back after
+    vLLM repacks it again holds +0.0 there. Not checkable, never wrong: the update goes on
+    in mode fail, the line says so."""
+    from vllm_guard import fed
+
+    weights = fed("kimi_linear", 3.0)
+    name = "model.layers.0.self_attn.o_proj.weight"
+    (o_proj,) = [t for n, t in weights if n == name]
+    o_proj[2, o_proj.shape[1] - 1] = -0.0  # rank 1's half of the row-parallel columns
+    (line, detail) = _reload_after_repack(vc, monkeypatch, caplog, weights)[0].split("\n")
+    assert line.startswith("kda_tp guard: vllm reload_weights: tp rank 1/2: ")
+    assert line.endswith(", 1 not checkable (repacked): OK"), line
+    assert detail == (f"  rank 1 not checkable: {ATTN}o_proj.weight: repacked by the engine; "
+                      "not checkable: its values hold -0.0 (reads +0.0)")
+
+
+def test_a_reload_into_a_weight_kda_tp_cannot_read_back_is_not_checkable_never_wrong(
+        vc, zentorch, monkeypatch, caplog):
+    """The repack replaced o_proj with an empty tensor and kda_tp finds no ``cpu_linear`` to
+    read it through: never "holds 0", never a stopped update."""
+    from vllm_guard import fed
+
+    def unknown_repack(model) -> None:
+        # Every later repack of o_proj is one kda_tp does not know: no cpu_linear.
+        layer = model.model.layers[0].self_attn.o_proj
+        real = layer.quant_method.process_weights_after_loading
+
+        def process(module):
+            real(module)
+            if module is layer:
+                del module.cpu_linear
+        monkeypatch.setattr(layer.quant_method, "process_weights_after_loading", process)
+        del layer.cpu_linear
+
+    (text,) = _reload_after_repack(vc, monkeypatch, caplog, fed("kimi_linear", 3.0),
+                                   unknown_repack)
+    line, detail = text.split("\n")
+    assert line.endswith(", 1 not checkable (repacked): OK"), text
+    assert detail.startswith(f"  rank 1 not checkable: {ATTN}o_proj.weight: not checkable "
+                             "(repacked): the engine replaced it with an empty tensor")
+    assert "holds 0" not in text

@@ -248,16 +248,19 @@ class Follower:
             verdict = f"NOT CHECKED ({len(report.unchecked)} checks could not run)"
         else:
             verdict = "OK"
+        repacked = f", {len(report.repacked)} not checkable (repacked)" if report.repacked else ""
         line = (f"kda_tp guard: {self.engine} {where}: tp rank {rank}/{size}: {report.params} "
                 f"KDA parameters updated ({self.target.layout.name}), {report.bytes} bytes, "
-                f"{report.seconds:.3f} s: {verdict}")
+                f"{report.seconds:.3f} s{repacked}: {verdict}")
         RECORD.ran("update", line)
         if report.passed:
-            logger.info("%s", line)
+            logger.info("%s", line + "".join(f"\n  rank {rank} not checkable: {u}"
+                                             for u in report.repacked))
             return report
         text = (f"{line}\nthe KDA weights this rank holds after the update are not what the "
                 "update fed:\n" + "\n".join(f"  rank {rank} {p}" for p in report.problems)
-                + "".join(f"\n  rank {rank} not checked: {u}" for u in report.unchecked))
+                + "".join(f"\n  rank {rank} not checked: {u}" for u in report.unchecked)
+                + "".join(f"\n  rank {rank} not checkable: {u}" for u in report.repacked))
         if mode() == "fail":
             raise GuardError(text + f"\n(set {MODE_ENV}=warn to go on anyway)")
         logger.warning("%s", text)

@@ -205,18 +205,29 @@ class RankTarget:
         return False
 
     def current(self, name: str) -> Any:
+        """Parameter ``name`` as its module holds it now: :meth:`read`'s value."""
+        return self.read(name)[0]
+
+    def read(self, name: str) -> tuple[Any, str | None]:
         """Parameter ``name`` as its module holds it now (after an update that re-registered
         it, the new object), as the layouts describe it; a weight the engine repacked after
         the update (vLLM's CPU GEMM dispatch) read back through the engine
-        (:func:`kda_tp.guard.repacked.read_back`); the target's object without a model."""
+        (:func:`kda_tp.guard.repacked.read_back`); the target's object without a model.
+
+        Returns:
+            ``(value, how)``: ``how`` is None (held as it is),
+            :data:`~kda_tp.guard.repacked.GEMM` (read back through the engine's GEMM: some
+            values it cannot carry, :func:`~kda_tp.guard.repacked.not_carried`) or why the
+            repacked weight cannot be read back (not checkable).
+        """
         slot = self._slots.get(name)
         if slot is None:
-            return self.params[name]
+            return self.params[name], None
         module, attr, _ = slot
         now = getattr(module, "_parameters", {}).get(attr)
         if now is None:
-            return self.params[name]
-        return read_back(module, now)[0] if attr == "weight" else as_described(name, now)
+            return self.params[name], None
+        return read_back(module, now) if attr == "weight" else (as_described(name, now), None)
 
     @property
     def nbytes(self) -> int:

@@ -49,6 +49,7 @@ from ..audit.values import as_record, cast_to, first_difference, same_tensor_val
 from ..checkpoint.reader import shard_bytes
 from ..model.dtypes import numpy_dtype, torch_dtype
 from ..rank.plan import KdaTensorPlan
+from .repacked import GEMM, not_carried
 from .target import PADDING, Place, RankTarget
 
 __all__ = ["FINGERPRINT_ELEMENTS", "Memory", "UpdateReport", "UpdateSession"]
@@ -75,6 +76,10 @@ class UpdateReport:
             that could not be placed; empty when every region holds what it must.
         unchecked: one line per check that could not run (a parameter the engine left
             unreadable, an error of the guard's own).
+        repacked: one line per parameter the engine repacked after the update (vLLM's CPU
+            GEMM dispatch) that kda_tp cannot judge: not readable back, or its values hold one
+            a GEMM read-back cannot carry (:mod:`kda_tp.guard.repacked`). Not checkable, never
+            wrong: they do not fail the update (issue 34, item 2).
     """
 
     params: int = 0
@@ -84,6 +89,7 @@ class UpdateReport:
     fed: int = 0
     problems: list[str] = field(default_factory=list)
     unchecked: list[str] = field(default_factory=list)
+    repacked: list[str] = field(default_factory=list)
 
     @property
     def passed(self) -> bool:
@@ -129,6 +135,8 @@ class UpdateSession:
         self._pending: tuple[int, str] | None = None
         self._problems: list[str] = []
         self._unchecked: list[str] = []
+        # Parameters read back through the engine's GEMM at the close (repacked).
+        self._gemm: set[str] = set()
         self._now: Mapping[str, Any] | None = None
         self.count = 0
         #: The engine held the parameters on the meta device when the first KDA tensor came:
@@ -309,11 +317,31 @@ class UpdateSession:
         """Parameter ``name`` now (looked up once per close); None, with a problem line, when
         the engine no longer holds it."""
         if name not in values:
-            values[name] = self.target.current(name) if self._now is None else \
-                self._now.get(name)
-            if values[name] is None:
+            how = None
+            if self._now is None:
+                values[name], how = self.target.read(name)
+            else:
+                values[name] = self._now.get(name)
+            if how == GEMM:
+                self._gemm.add(name)
+            elif how is not None:
+                # Repacked by the engine where kda_tp cannot read it: not checkable, not wrong.
+                report.repacked.append(f"{name}: {how}")
+                values[name] = None
+            elif values[name] is None:
                 report.problems.append(f"{name}: missing after the update")
         return values[name]
+
+    def _wrong(self, report: UpdateReport, place: Place, want: np.ndarray, line: str) -> None:
+        """Report ``line`` as a problem of ``place``, unless the parameter was read back through
+        the engine's GEMM and ``want`` holds a value a GEMM cannot carry: then not checkable."""
+        why = not_carried(want, place.dtype) if place.name in self._gemm else None
+        if why is None:
+            report.problems.append(line)
+            return
+        line = f"{place.name}: repacked by the engine; not checkable: its values hold {why}"
+        if line not in report.repacked:
+            report.repacked.append(line)
 
     @staticmethod
     def _read(place: Place, value: Any, report: UpdateReport) -> np.ndarray | None:
@@ -346,7 +374,7 @@ class UpdateSession:
                 report.regions += 1
                 report.bytes += place.nbytes
                 if not same_values(now, print_):
-                    report.problems.append(
+                    self._wrong(report, place, print_,
                         f"{place.name}: {part}: {fed.name} was applied, then changed before "
                         "the update ended (its sampled elements differ from what was fed)")
             for place, want in fed.copies.items():
@@ -361,7 +389,7 @@ class UpdateSession:
                         f"{place.name}: {part}: {fed.name} was fed with {want.size} elements "
                         f"for this rank, the engine's region holds {region.size}")
                 elif not same_values(region, want):
-                    report.problems.append(f"{place.name}: {part}: " + self._diagnose(
+                    self._wrong(report, place, want, f"{place.name}: {part}: " + self._diagnose(
                         place, region, want, fed.name, values, report))
         for name, before in self._before.items():
             value = self._value(values, name, report)
@@ -388,7 +416,7 @@ class UpdateSession:
                 report.bytes += place.nbytes
                 if not same_values(now, earlier):
                     what = self._earlier(place, now)
-                    report.problems.append(
+                    self._wrong(report, place, earlier,
                         f"{name}: {place.part}: not fed by this update and no longer holds its "
                         "values from before it (rebuilt uninitialised?)"
                         + (f"; it holds what was fed as {what}" if what else ""))
