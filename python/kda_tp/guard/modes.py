@@ -21,6 +21,7 @@ import logging
 import os
 import warnings
 from dataclasses import dataclass
+from typing import Any
 
 from ..errors import GuardError, GuardModeError
 
@@ -220,3 +221,24 @@ def load_checkpoint(model_path: str, load_format: str, where: str, *,
             "KDA weights and its updates (not checked)"))
     return LoadSource(resolve_checkpoint(model_path, revision=revision,
                                          download_dir=download_dir), not dummy, dummy)
+
+
+def update_checkpoint(found: LoadSource, opened: Any, where: str) -> Any:
+    """What a model's later updates are checked against, the same for both engines: the
+    source the first load's check opened (``opened``), else ``found``'s checkpoint path.
+
+    Returns:
+        The open source or local path; None when there is none (the load's warning said why)
+        or it is not a local checkpoint (a repository id not in the cache, a URL): then a
+        warning, once, says its updates are not checked and how to name a local copy.
+    """
+    if found.why or found.checkpoint == "":
+        return None
+    checkpoint = opened if opened is not None else found.checkpoint
+    if not checkpoint or (isinstance(checkpoint, str) and
+                          ("://" in checkpoint or not os.path.exists(checkpoint))):
+        warn_once(f"kda_tp guard: {where}: no local checkpoint config for the model "
+                  f"({checkpoint!r}); its weight updates are not checked (set "
+                  f"{CHECKPOINT_ENV} to a local copy of its config.json and safetensors files)")
+        return None
+    return checkpoint

@@ -72,7 +72,8 @@ from ..engines.dtype import model_dtype_name
 from ..errors import GuardError, KdaTpError
 from .first_load import GuardResult, check, looks_kda, rank_report
 from .live import Follower, follow, followed
-from .modes import MODE_ENV, LoadSource, cannot_check, load_checkpoint, mode, warn_once
+from .modes import (MODE_ENV, LoadSource, cannot_check, load_checkpoint, mode,
+                    update_checkpoint, warn_once)
 from .record import RECORD, account
 from .record import status as _status
 
@@ -206,16 +207,8 @@ def follow_runner(runner: Any, result: GuardResult | None = None) -> Follower | 
     rank, size = rank_and_size()
     where = f"{_label()} update: tp rank {rank}/{size}"
     found = _load_source(runner, where)
-    if found.why or found.checkpoint == "":
-        return None  # no checkpoint to check against: the load's warning said why
-    checkpoint: Any = result.source if result is not None and result.source is not None \
-        else found.checkpoint
-    if not checkpoint or (isinstance(checkpoint, str) and
-                          ("://" in checkpoint or not os.path.exists(checkpoint))):
-        warn_once(f"kda_tp guard: {where}: no local checkpoint config for the model "
-                  f"({checkpoint!r}); its weight updates are not checked (set "
-                  "KDA_TP_GUARD_CHECKPOINT to a local copy of its config.json and safetensors "
-                  "files)")
+    checkpoint = update_checkpoint(found, getattr(result, "source", None), where)
+    if checkpoint is None:
         return None
     try:
         return follow(model, "sglang", checkpoint, tp_rank=rank, tp_size=size,

@@ -70,7 +70,8 @@ from ..errors import GuardError, GuardModeError, KdaTpError
 from .first_load import GuardResult, check, looks_kda, rank_report
 from .live import UPDATES_HOOK, Follower, follow, followed, repair
 from .hooks import after_import, subclasses
-from .modes import MODE_ENV, REPAIR_ENV, LoadSource, cannot_check, mode, warn_once
+from .modes import (MODE_ENV, REPAIR_ENV, LoadSource, cannot_check, mode,
+                    update_checkpoint, warn_once)
 from .record import RECORD, account
 from .vllm_facts import (attach_vllm_logging, current_config, dp_rank, is_draft, load_source,
                          pp_rank_size, stage_layers_of, tp_rank_size)
@@ -566,16 +567,8 @@ def follow_updates(model: Any, model_config: Any, vllm_config: Any = None, *,
     where = f"vllm update: tp rank {rank}/{size}"
     if found is None:
         found = load_source(model_config, vllm_config, "update", where)
-    if found.why or found.checkpoint == "":
-        return  # no checkpoint to check against: the load's warning said why
-    checkpoint: Any = result.source if result is not None and result.source is not None \
-        else found.checkpoint
-    if not checkpoint or (isinstance(checkpoint, str) and
-                          ("://" in checkpoint or not os.path.exists(checkpoint))):
-        warn_once(f"kda_tp guard: {where}: no local checkpoint config for the model "
-                  f"({checkpoint!r}); its weight updates are not checked (set "
-                  "KDA_TP_GUARD_CHECKPOINT to a local copy of its config.json and safetensors "
-                  "files)")
+    checkpoint = update_checkpoint(found, getattr(result, "source", None), where)
+    if checkpoint is None:
         return
     try:
         follow(model, "vllm", checkpoint, tp_rank=rank, tp_size=size,
