@@ -33,7 +33,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from ..errors import KdaTpError, OpenFilesLimitError, OutputError
-from .marks import NOFOLLOW, refuse
+from .marks import NOFOLLOW, read_regular, refuse
 from .names import WORLD_LOCK
 
 __all__ = ["OutputLocks", "is_lock_file", "lock_output", "output_error"]
@@ -142,17 +142,8 @@ def lock_output(out: Path, tp_size: int, ranks: Iterable[int], wait: bool) -> Ou
 def is_lock_file(path: Path) -> bool:
     """Whether ``path`` is a lock file as kda-tp writes them: a regular file (not a link),
     empty or holding a holder line."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | NOFOLLOW)
-    except OSError:
-        return False
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return False
-        held = os.pread(fd, _HOLDER_BYTES, 0)
-    finally:
-        os.close(fd)
-    return not held or bool(_HOLDER_LINE.fullmatch(held))
+    held = read_regular(path, _HOLDER_BYTES)
+    return held is not None and (not held or bool(_HOLDER_LINE.fullmatch(held)))
 
 
 def _same_file(path: Path, fd: int) -> bool:

@@ -43,6 +43,7 @@ __all__ = [
     "foreign_file",
     "foreign_output",
     "read_mark",
+    "read_regular",
     "refuse",
     "refuse_foreign_files",
     "write_mark",
@@ -121,10 +122,10 @@ def _sha256(path: Path) -> str:
         return digest.hexdigest()
 
 
-def read_mark(directory: Path) -> Mark | None:
-    """``directory``'s :class:`Mark`, or None when it has none (or one kda-tp did not write:
-    unreadable, not a regular file, not kda-tp's JSON, or naming a path elsewhere)."""
-    path = directory / MARK_NAME
+def read_regular(path: Path, limit: int) -> bytes | None:
+    """The first ``limit`` bytes of ``path`` when it is a regular file, opened without
+    following a link and without blocking (a FIFO or a device is never waited on); None when it
+    is anything else or cannot be read."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | NOFOLLOW)
     except OSError:
@@ -133,11 +134,23 @@ def read_mark(directory: Path) -> Mark | None:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             return None
         with open(fd, "rb", closefd=False) as f:
-            document = json.loads(f.read(1 << 20))
-    except (OSError, ValueError, RecursionError):  # RecursionError: json's, deep nesting
+            return f.read(limit)
+    except OSError:
         return None
     finally:
         os.close(fd)
+
+
+def read_mark(directory: Path) -> Mark | None:
+    """``directory``'s :class:`Mark`, or None when it has none (or one kda-tp did not write:
+    unreadable, not a regular file, not kda-tp's JSON, or naming a path elsewhere)."""
+    raw = read_regular(directory / MARK_NAME, 1 << 20)
+    if raw is None:
+        return None
+    try:
+        document = json.loads(raw)
+    except (ValueError, RecursionError):  # RecursionError: json's, deep nesting
+        return None
     if not isinstance(document, dict) or document.get("written_by") != "kda-tp":
         return None
     kind, entries = document.get("kind"), document.get("entries")
