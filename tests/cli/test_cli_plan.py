@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from kda_tp.cli import main
 from kda_tp.synth import write_small_checkpoint
+
+from cli_run import run
 
 # 4 decoder layers, 0-based 0 and 2 KDA; TP 1 and 2 pass the 256-channel rule.
 SMALL = dict(hidden=96, heads=4, head_dim=64, conv_kernel=4, gate_rank=64, num_layers=4)
@@ -18,12 +19,6 @@ SMALL = dict(hidden=96, heads=4, head_dim=64, conv_kernel=4, gate_rank=64, num_l
 @pytest.fixture
 def ckpt(tmp_path) -> Path:
     return write_small_checkpoint(tmp_path / "ckpt", **SMALL, kda_layers=[0, 2], seed=1)
-
-
-def run(capsys, *args: object) -> tuple[int, str, str]:
-    status = main([str(a) for a in args])
-    captured = capsys.readouterr()
-    return status, captured.out, captured.err
 
 
 def test_a_bare_config_gives_the_config_s_layers_and_totals(ckpt, capsys):

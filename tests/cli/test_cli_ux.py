@@ -8,6 +8,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -26,6 +27,7 @@ from kda_tp.shard import rank_dir, shard_checkpoint, verify_shards
 from kda_tp.synth import write_small_checkpoint
 
 from children import kda_tp_child
+from cli_run import run
 from paths import DATA
 from tp_fixtures import small_checkpoint_fixtures
 
@@ -34,12 +36,6 @@ from tp_fixtures import small_checkpoint_fixtures
 SMALL = dict(hidden=96, heads=4, head_dim=64, conv_kernel=4, gate_rank=16, num_layers=4)
 
 ckpt, sharded = small_checkpoint_fixtures({**SMALL, "kda_layers": [0, 1, 2]}, seed=3)
-
-
-def run(capsys, *args: object) -> tuple[int, str, str]:
-    status = main([str(a) for a in args])
-    captured = capsys.readouterr()
-    return status, captured.out, captured.err
 
 
 def _retype(path: Path, name: str, dtype: str, data: bytes | None = None) -> None:
@@ -644,3 +640,22 @@ def test_an_unreadable_input_companion_under_verify_is_a_named_error(
     assert main(["verify", str(ckpt), str(sharded), "--quiet"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("kda-tp: error: CheckpointError: ") and "Permission denied" in err
+
+
+def test_audit_names_the_config_file_of_a_bad_config_value(
+    kept: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    status, _, err = run(capsys, "dump", kept / "checkpoint", "--engine",
+                         "vllm-0.33-kimi-linear", "--tp-size", 2, "--out", tmp_path / "dump")
+    assert status == 0, err
+    bad = tmp_path / "bad"
+    shutil.copytree(kept / "checkpoint", bad)
+    config = json.loads((bad / "config.json").read_text())
+    config["linear_attn_config"]["head_dim"] = "many"
+    (bad / "config.json").write_text(json.dumps(config))
+    expected = (f"kda-tp: error: CheckpointError: {bad / 'config.json'}: "
+                "'linear_attn_config.head_dim' = 'many' is not an integer in [1, 2**31)\n")
+    for command in (["audit", bad, tmp_path / "dump", "--tp-size", 2],
+                    ["plan", bad, "--tp-size", 2]):
+        status, out, err = run(capsys, *command)
+        assert (status, out, err) == (2, "", expected)

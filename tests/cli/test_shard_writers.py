@@ -20,6 +20,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import select
 import shutil
 import subprocess
@@ -36,6 +37,7 @@ from kda_tp.shard import ShardSizes, shard_checkpoint, shard_sizes, verify_shard
 from kda_tp.synth import write_small_checkpoint
 
 from children import counting_setup, kda_tp_child, shard_cmd
+from cli_run import run
 from tp_fixtures import SHARD_GEOMETRY, tree
 
 #: How long any one child may take on a loaded 2-core machine (a bound, not a synchronisation).
@@ -483,3 +485,18 @@ def test_shard_result_to_dict_is_what_shard_json_prints_first(checkpoint: Path, 
     assert list(doc)[:len(mine)] == list(mine)
     assert doc["rank_dirs"] == [str(out / "rank0"), str(out / "rank1")]
     assert doc["bytes_written"] == result.bytes_written and doc["ok"] is True
+
+
+def test_shard_prints_its_sizes_progress_and_summary_in_one_unit(
+    kept: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    status, out, err = run(capsys, "shard", kept / "checkpoint", "--tp-size", 2, "--out",
+                           tmp_path / "out")
+    assert status == 0, err
+    writing = re.match(r"shard: writing ([\d.]+) (MB) of tensors for 2 ranks \(", err)
+    assert writing, err
+    total = writing.group(1)
+    assert f"shard: {total} of {total} MB (100%), " in err
+    assert re.fullmatch(rf"wrote ranks \[0, 1\] of 2 to {re.escape(str(tmp_path / 'out'))}: "
+                        rf"{total} MB of tensors in [\d.]+ s \([\d.]+ MB/s written\)\n", out), out
+    assert " GB" not in err + out

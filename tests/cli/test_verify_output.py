@@ -16,9 +16,9 @@ import pytest
 import kda_tp
 from kda_tp import oracle
 from kda_tp import SafetensorsSource
-from kda_tp.cli import main
 from kda_tp.shard import rank_dir, shard_checkpoint, verify_shards
 
+from cli_run import run
 from paths import ENGINE_RANKS
 from tp_fixtures import small_checkpoint_fixtures
 
@@ -27,12 +27,6 @@ SMALL = dict(hidden=96, heads=8, head_dim=32, conv_kernel=4, gate_rank=16, num_l
 
 ckpt, sharded = small_checkpoint_fixtures({**SMALL, "kda_layers": [0, 1, 2]}, seed=5,
                                           qk_multiple=1)
-
-
-def run(capsys, *args: object) -> tuple[int, str, str]:
-    status = main([str(a) for a in args])
-    captured = capsys.readouterr()
-    return status, captured.out, captured.err
 
 
 def _truncate(path: Path) -> None:
