@@ -125,7 +125,7 @@ baseline measured alongside it; the last columns give the target and PASS/MISS.
    (``CLI_KINDS``), each ``python -m kda_tp`` in a process of its own measured by a parent of
    its own (wall time, peak RSS of that child alone): the slowest and the largest, against
    ``python -m kda_tp --help`` measured alongside (ratio for information); the targets are
-   acceptance bounds, under 5 s and 600 MB each (``tests/unit/test_malformed.py`` checks the one
+   acceptance bounds, under 5 s and 600 MB each (``tests/checkpoint/test_malformed.py`` checks the one
    ``kda-tp: error:`` line and exit 2, not these bounds).
 
 If the ``kda-tp shard`` CLI is not available, sections 3-4 print n/a for it (the baselines still

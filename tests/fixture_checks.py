@@ -1,5 +1,5 @@
 """Checks of a checkpoint's tensor-parallel split that several test modules make
-(tests/integration/test_k3.py; tests/unit/test_fp8.py makes the same on the FP8 fixture): a
+(tests/integration/test_k3.py; tests/model/test_fp8.py makes the same on the FP8 fixture): a
 fixture's stored per-rank reference outputs, and the CLI's shard + numeric verify."""
 
 from __future__ import annotations

@@ -1,12 +1,13 @@
-"""Where the tests' files are, computed once for every test directory (unit/, cli/,
-integration/, engines/): the repository root, tests/ itself, and the fixture checkpoints."""
+"""Where the tests' files are, computed once for every test directory (a folder per room of the
+package, integration/, engines/, realengine/): the repository root, tests/ itself, and the
+fixture checkpoints."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-#: tests/: the shared helper modules (tp_fixtures, children, malformed, dist_workers,
-#: audit_helpers, checkpoint_files, this one).
+#: tests/: the shared helper modules (tp_fixtures, children, cli_run, malformed, dist_workers,
+#: audit_helpers, checkpoint_files, this one) and conftest.py's shared fixtures.
 TESTS = Path(__file__).resolve().parent
 #: The repository root (README.md, docs/, tools/, examples/, pyproject.toml).
 ROOT = TESTS.parent

@@ -6,7 +6,7 @@ type, never a Rust panic reaching Python (``pyo3_runtime.PanicException``, a ``B
 which ``except Exception`` would not even catch), never a crash or a hang.
 
 300 examples per property by default; set ``KDA_TP_FUZZ_EXAMPLES`` for a longer run by hand,
-e.g. ``KDA_TP_FUZZ_EXAMPLES=20000 pytest tests/unit/test_fuzz.py``. The coverage-guided fuzzer of
+e.g. ``KDA_TP_FUZZ_EXAMPLES=20000 pytest tests/checkpoint/test_fuzz.py``. The coverage-guided fuzzer of
 the Rust side is in ``fuzz/`` (cargo-fuzz).
 """
 

@@ -3,7 +3,7 @@
 
 Files are read back two ways: with the ``safetensors`` package (which validates the layout) and
 with a small header parser (``checkpoint_files.read_file``), so byte offsets, padding and raw
-bytes are checked exactly. Synthetic checkpoints (kda_tp.synth): test_synth.py.
+bytes are checked exactly. Synthetic checkpoints (kda_tp.synth): tests/synth/test_synth.py.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@
   everywhere) is an ``OutputError`` naming the file, with no partial output left.
 * A file truncated or replaced after it was opened: truncated, every read refused (both
   backends); replaced by rename, the old bytes still read; the documented SIGBUS of an ``mmap``
-  view taken before a truncation (rewrites in place: ``tests/unit/test_changed_files.py``).
+  view taken before a truncation (rewrites in place: ``tests/checkpoint/test_changed_files.py``).
 * Threads sharing one source, and processes writing different ranks into one output directory,
   give the same bytes as one run.
 """

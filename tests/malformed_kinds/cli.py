@@ -1,6 +1,6 @@
 """Hostile input for the command line: each is one ``kda-tp`` command line, refused
 with exit 2 and one ``kda-tp: error:`` line, fast and in little memory
-(tests/unit/test_malformed.py runs each in a subprocess under a time and a memory bound)."""
+(tests/checkpoint/test_malformed.py runs each in a subprocess under a time and a memory bound)."""
 
 from __future__ import annotations
 

@@ -105,7 +105,7 @@ def kda_wrong_size(tensor: Tensor) -> Tensor:
 @_changed(DtypeMismatchError, ATTN.format(1) + "o_norm.weight", "F4")
 def kda_sub_byte_dtype(tensor: Tensor) -> Tensor:
     """Layer 1's o_norm is packed F4: a KDA tensor must be BF16/F16/F32/F64 (a tensor outside
-    the KDA layers may be F4; it is copied through, see tests/unit/test_file_quirks.py)."""
+    the KDA layers may be F4; it is copied through, see tests/checkpoint/test_file_quirks.py)."""
     name, _, shape, _ = tensor
     return name, "F4", shape, pattern(int(np.prod(shape)) // 2)
 
