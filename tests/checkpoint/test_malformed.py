@@ -201,15 +201,22 @@ def test_the_api_refuses_bools_bad_offsets_backends_and_plans(corpus_root: Path)
         KdaTpPlan(0, False, 64, 64, 4, 4, 16)
     with pytest.raises(PlanError, match="True is not a layer index"):
         check_layers([True], None, None)
-    name = source.names()[0]
-    for start, stop in [(-5, 10), (True, 10), (0, 2**70), (0, 1.5)]:
-        with pytest.raises(UsageError, match="must be a byte offset"):
-            source.read_range(name, start, stop)  # type: ignore[arg-type]
     with pytest.raises(UsageError, match="backend='bogus'") as info:
         SafetensorsSource(base, backend="bogus")
     assert isinstance(info.value, ValueError)
     with pytest.raises(TypeError, match="plan must be a KdaTpPlan .* got NoneType"):
         KdaShardedSource(source, None)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("start, stop", [(-5, 10), (True, 10), (0, 2**70), (0, 1.5)])
+def test_read_range_refuses_what_is_not_a_byte_offset(corpus_root: Path, start: object,
+                                                      stop: object) -> None:
+    from kda_tp.errors import UsageError
+
+    source = SafetensorsSource(malformed.base_checkpoint(corpus_root))
+    name = source.names()[0]
+    with pytest.raises(UsageError, match="must be a byte offset"):
+        source.read_range(name, start, stop)  # type: ignore[arg-type]
 
 
 def test_a_deep_or_huge_config_is_refused_in_the_api(corpus_root: Path) -> None:

@@ -49,31 +49,44 @@ def test_a_refusal_in_json_says_not_ok(ckpt, capsys):
 
 
 @pytest.mark.parametrize("tp_size", [-2, 0])
-def test_a_tp_size_below_one_is_named_positive(ckpt, capsys, tp_size):
-    for command in (["plan", ckpt], ["shard", ckpt, "--out", ckpt.parent / "out"], ["demo"]):
-        with pytest.raises(SystemExit) as exit_info:
-            run(capsys, *command, "--tp-size", tp_size)
-        err = capsys.readouterr().err
-        assert exit_info.value.code == 2, command
-        assert f"argument --tp-size: must be a positive integer, got {tp_size}" in err
-        assert "non-negative" not in err
+@pytest.mark.parametrize("command", ["plan", "shard", "demo"])
+def test_a_tp_size_below_one_is_named_positive(ckpt, capsys, tp_size, command):
+    command = {"plan": ["plan", ckpt], "shard": ["shard", ckpt, "--out", ckpt.parent / "out"],
+               "demo": ["demo"]}[command]
+    with pytest.raises(SystemExit) as exit_info:
+        run(capsys, *command, "--tp-size", tp_size)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2, command
+    assert f"argument --tp-size: must be a positive integer, got {tp_size}" in err
+    assert "non-negative" not in err
     assert not (ckpt.parent / "out").exists()
 
 
-def test_a_directory_without_config_json_is_told_to_add_it(ckpt, tmp_path, capsys):
-    """Not to pass --layers: without the config the geometry is unknown, so that fails too."""
+@pytest.fixture
+def bare(ckpt, tmp_path) -> Path:
+    """``ckpt``'s safetensors files in a directory without its config.json."""
     bare = tmp_path / "weights"
     bare.mkdir()
     for path in ckpt.glob("*.safetensors*"):
         (bare / path.name).write_bytes(path.read_bytes())
+    return bare
+
+
+@pytest.mark.parametrize("command, extra", [
+    ("plan", []), ("plan", ["--layers", "0"]), ("shard", []), ("shard", ["--layers", "0,2"]),
+])
+def test_a_directory_without_config_json_is_told_to_add_it(bare, tmp_path, capsys, command,
+                                                             extra):
+    """Not to pass --layers: without the config the geometry is unknown, so that fails too."""
     fix = "no config.json in this directory; kda_tp reads the model's geometry"
-    for args in (["plan", bare, "--tp-size", 2], ["plan", bare, "--tp-size", 2, "--layers", "0"],
-                 ["shard", bare, "--tp-size", 2, "--out", tmp_path / "out"],
-                 ["shard", bare, "--tp-size", 2, "--out", tmp_path / "out", "--layers", "0,2"]):
-        status, _, err = run(capsys, *args)
-        assert status == 2 and fix in err and "put the model's config.json there" in err, args
-        assert "--layers" not in err, args
-    # Following the advice works.
+    out = ["--out", tmp_path / "out"] if command == "shard" else []
+    args = [command, bare, "--tp-size", 2, *out, *extra]
+    status, _, err = run(capsys, *args)
+    assert status == 2 and fix in err and "put the model's config.json there" in err, args
+    assert "--layers" not in err, args
+
+
+def test_following_the_advice_to_add_config_json_works(ckpt, bare, capsys):
     (bare / "config.json").write_bytes((ckpt / "config.json").read_bytes())
     assert run(capsys, "plan", bare, "--tp-size", 2)[0] == 0
 

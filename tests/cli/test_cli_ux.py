@@ -64,25 +64,29 @@ def _flip_byte(path: Path, name: str, offset: int) -> None:
 # --- 1. --layers ---------------------------------------------------------------------------
 
 
-def test_check_layers_refuses_with_the_layer_count():
+@pytest.mark.parametrize("bad, words", [
+    ([-1], ["-1 is negative", "the model has 4 layers, 0..3"]),
+    ([1, 1], ["1 given more than once", "the model has 4 layers"]),
+    ([7], ["7 out of range", "the model has 4 layers, 0..3"]),
+    ([0, 3], ["3 not a KDA layer", "0,1,2"]),
+    # MLA layer 3: not a KDA layer, or Kimi's 1-based 3.
+    ([3], ["3 not a KDA layer", "1-based", "--layers 2"]),
+    ([1, 2, 3], ["1-based", "--layers 0,1,2"]),
+    ([1, 4], ["4 out of range", "the model has 4 layers"]),
+    ([], ["empty"]),
+])
+def test_check_layers_refuses_with_the_layer_count(bad, words):
+    kda = (0, 1, 2)
+    with pytest.raises(PlanError) as info:
+        check_layers(bad, kda, 4)
+    for word in words:
+        assert word in str(info.value), (bad, str(info.value))
+
+
+def test_check_layers_takes_0_based_layers_and_names_a_1_based_list():
     kda = (0, 1, 2)
     assert check_layers([2, 0], kda, 4) == (0, 2)
     assert check_layers([1, 2], kda, 4) == (1, 2)  # valid 0-based, though also 1 more than 0,1
-    for bad, words in [
-        ([-1], ["-1 is negative", "the model has 4 layers, 0..3"]),
-        ([1, 1], ["1 given more than once", "the model has 4 layers"]),
-        ([7], ["7 out of range", "the model has 4 layers, 0..3"]),
-        ([0, 3], ["3 not a KDA layer", "0,1,2"]),
-        # MLA layer 3: not a KDA layer, or Kimi's 1-based 3.
-        ([3], ["3 not a KDA layer", "1-based", "--layers 2"]),
-        ([1, 2, 3], ["1-based", "--layers 0,1,2"]),
-        ([1, 4], ["4 out of range", "the model has 4 layers"]),
-        ([], ["empty"]),
-    ]:
-        with pytest.raises(PlanError) as info:
-            check_layers(bad, kda, 4)
-        for word in words:
-            assert word in str(info.value), (bad, str(info.value))
     # Every layer KDA: 1..4 is out of range as 0-based, and recognised as 1-based.
     with pytest.raises(PlanError, match="1-based.*--layers 0,1,2,3"):
         check_layers([1, 2, 3, 4], (0, 1, 2, 3), 4)
@@ -119,14 +123,19 @@ def test_shard_layers_is_only_an_override(ckpt, tmp_path, capsys):
     # Kimi's own numbers, copied from config.json:
     status, _, err = run(capsys, "shard", ckpt, "--tp-size", 2, "--out", out, "--layers", "1,2,3")
     assert status == 2 and "1-based" in err and "--layers 0,1,2" in err and not out.exists()
-    for value, word in [("-1", "negative"), ("0,0,1,2", "more than once"), ("0,1,9", "range")]:
-        status, _, err = run(capsys, "shard", ckpt, "--tp-size", 2, "--out", out,
-                             f"--layers={value}")
-        assert status == 2 and word in err and "the model has 4 layers" in err, err
-    assert not out.exists()
     # The config's own list is accepted.
     assert run(capsys, "shard", ckpt, "--tp-size", 2, "--out", out, "--layers", "0,1,2",
                "--quiet")[0] == 0
+
+
+@pytest.mark.parametrize("value, word", [("-1", "negative"), ("0,0,1,2", "more than once"),
+                                         ("0,1,9", "range")])
+def test_shard_layers_refusals_give_the_layer_count(ckpt, tmp_path, capsys, value, word):
+    out = tmp_path / "out"
+    status, _, err = run(capsys, "shard", ckpt, "--tp-size", 2, "--out", out,
+                         f"--layers={value}")
+    assert status == 2 and word in err and "the model has 4 layers" in err, err
+    assert not out.exists()
 
 
 def test_shard_layers_for_a_config_without_the_list(ckpt, tmp_path, capsys):
@@ -499,15 +508,21 @@ def test_torchrun_processes_reads_torchruns_environment_without_importing_torch(
     assert torchrun_processes() == 1
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "x")
     assert torchrun_processes() == 8
-    for bad in ("0", "-1", "two"):
-        monkeypatch.setenv("WORLD_SIZE", bad)
-        with pytest.raises(PlanError, match=f"WORLD_SIZE={bad!r} .set by torchrun."):
-            torchrun_processes()
     done = subprocess.run([sys.executable, "-c", "import sys, kda_tp.shard.torchrun as t; "
                            "print(t.torchrun_processes(), 'torch' in sys.modules)"],
                           capture_output=True, text=True, timeout=120,
                           env={**os.environ, "TORCHELASTIC_RUN_ID": "x", "WORLD_SIZE": "2"})
     assert done.stdout.strip() == "2 False", done.stderr
+
+
+@pytest.mark.parametrize("bad", ["0", "-1", "two"])
+def test_torchrun_processes_refuses_a_world_size_that_is_not_positive(monkeypatch, bad):
+    from kda_tp.shard.torchrun import torchrun_processes
+
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "x")
+    monkeypatch.setenv("WORLD_SIZE", bad)
+    with pytest.raises(PlanError, match=f"WORLD_SIZE={bad!r} .set by torchrun."):
+        torchrun_processes()
 
 
 def test_a_plan_from_the_config_alone_says_its_shapes_are_assumed(capsys):

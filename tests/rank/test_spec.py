@@ -104,17 +104,20 @@ def test_plan_totals_and_refusals():
     assert plan.get("nope") is None
     with pytest.raises(KeyError):
         plan["nope"]
-    for args, message in [
-        ((2, 2, 4096, 128, 64, 4, 128), "tp_rank 2 >= tp_size 2"),
-        ((0, 3, 4096, 128, 64, 4, 128), r"heads \(64\) divisible by tp_size \(3\)"),
-        ((0, 2, 4096, 0, 64, 4, 128), "head_dim is 0"),
-        ((0, 4, 256, 64, 4, 4, 64), r"qk_channels \(128\) must be a multiple of 256"),
-        ((0, 2, -1, 128, 64, 4, 128), "hidden must be a non-negative integer"),
-        ((0, 1, 2**62, 128, 64, 4, 128), "overflows"),
-    ]:
-        with pytest.raises(kda_tp.PlanError, match=message):
-            KdaTpPlan(*args)
     assert KdaTpPlan(0, 4, 256, 64, 4, 4, 64, qk_multiple=1).local_heads == 1
+
+
+@pytest.mark.parametrize("args, message", [
+    ((2, 2, 4096, 128, 64, 4, 128), "tp_rank 2 >= tp_size 2"),
+    ((0, 3, 4096, 128, 64, 4, 128), r"heads \(64\) divisible by tp_size \(3\)"),
+    ((0, 2, 4096, 0, 64, 4, 128), "head_dim is 0"),
+    ((0, 4, 256, 64, 4, 4, 64), r"qk_channels \(128\) must be a multiple of 256"),
+    ((0, 2, -1, 128, 64, 4, 128), "hidden must be a non-negative integer"),
+    ((0, 1, 2**62, 128, 64, 4, 128), "overflows"),
+])
+def test_bad_plan_arguments_are_refused_by_name(args, message):
+    with pytest.raises(kda_tp.PlanError, match=message):
+        KdaTpPlan(*args)
 
 
 def test_dtype_overrides_change_element_sizes():
