@@ -338,13 +338,15 @@ def test_json_documents(ckpt, tmp_path, capsys):
 # --- 5. messages that point at the fix ------------------------------------------------------
 
 
-def test_one_file_of_an_indexed_checkpoint(ckpt, sharded, tmp_path, capsys):
+@pytest.mark.parametrize("command", ["plan", "shard", "verify"])
+def test_one_file_of_an_indexed_checkpoint(ckpt, sharded, tmp_path, capsys, command):
     one = ckpt / "model-00001-of-00002.safetensors"
-    for args in (["plan", one, "--tp-size", 2], ["shard", one, "--tp-size", 2, "--out",
-                 tmp_path / "o"], ["verify", one, sharded]):
-        status, _, err = run(capsys, *args)
-        assert status == 2, args
-        assert f"pass the directory {ckpt} (it has model.safetensors.index.json)" in err
+    args = {"plan": ["plan", one, "--tp-size", 2],
+            "shard": ["shard", one, "--tp-size", 2, "--out", tmp_path / "o"],
+            "verify": ["verify", one, sharded]}[command]
+    status, _, err = run(capsys, *args)
+    assert status == 2, args
+    assert f"pass the directory {ckpt} (it has model.safetensors.index.json)" in err
 
 
 def test_verify_against_another_checkpoint(ckpt, sharded, tmp_path, capsys):

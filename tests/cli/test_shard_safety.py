@@ -383,15 +383,15 @@ def test_verify_refuses_an_absurd_tp_size_quickly(three_layer_ckpt, tmp_path):
         verify_shards(three_layer_ckpt, out)
 
 
+@pytest.mark.parametrize("force", [False, True])
 @pytest.mark.parametrize("name", ["rank5", ".rank0.partial-keep"])
-def test_an_input_inside_the_output_is_never_removed(three_layer_ckpt, tmp_path, name):
+def test_an_input_inside_the_output_is_never_removed(three_layer_ckpt, tmp_path, name, force):
     out = tmp_path / "out"
     inside = out / name
     shutil.copytree(three_layer_ckpt, inside)
     before = sorted(p.name for p in inside.iterdir())
-    for force in (False, True):
-        with pytest.raises(kda_tp.OutputError, match="is \\(or holds\\) the input checkpoint"):
-            shard_checkpoint(inside, out, 2, force=force)
+    with pytest.raises(kda_tp.OutputError, match="is \\(or holds\\) the input checkpoint"):
+        shard_checkpoint(inside, out, 2, force=force)
     assert sorted(p.name for p in inside.iterdir()) == before
 
 
