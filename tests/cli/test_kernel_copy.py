@@ -8,7 +8,6 @@ same bytes; failures of the kernel copy are named errors and leave nothing behin
 from __future__ import annotations
 
 import errno
-import hashlib
 import os
 from pathlib import Path
 
@@ -18,6 +17,8 @@ from kda_tp.checkpoint import writer as _io
 from kda_tp.errors import CheckpointError, OutputError
 from kda_tp.shard import shard_checkpoint, verify_shards
 from kda_tp.synth import write_small_checkpoint
+
+from tp_fixtures import tree
 
 GEOMETRY = dict(
     hidden=64, heads=4, head_dim=64, conv_kernel=4, gate_rank=16, num_layers=2, kda_layers=[0, 1]
@@ -31,14 +32,6 @@ pytestmark = pytest.mark.skipif(
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_small_checkpoint(tmp_path_factory.mktemp("ckpt") / "ckpt", **GEOMETRY, seed=5)
-
-
-def tree(path: Path) -> dict[str, str]:
-    return {
-        str(p.relative_to(path)): hashlib.sha256(p.read_bytes()).hexdigest()
-        for p in sorted(path.rglob("*"))
-        if p.is_file()
-    }
 
 
 def _unsupported(code: int):

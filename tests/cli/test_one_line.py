@@ -13,7 +13,6 @@ exit status 2, nothing left behind.
 
 from __future__ import annotations
 
-import errno
 import os
 import resource
 import shutil
@@ -31,6 +30,7 @@ from kda_tp.errors import PlanError
 from kda_tp.output import MARK_NAME
 from kda_tp.shard import shard_checkpoint
 
+from full_disk import FullDisk
 from paths import DATA, ROOT
 
 KIMI_LINEAR = DATA / "engine_ranks" / "ckpt_kl"
@@ -117,37 +117,13 @@ def test_an_output_that_is_a_file_or_a_device_is_named_as_such(
     assert plain.read_text() == "mine"
 
 
-class _FullDisk:
-    """``open(fd, "wb")`` in the writer whose writes fail with ENOSPC past ``budget`` bytes."""
-
-    def __init__(self, budget: int) -> None:
-        self.budget = budget
-
-    def __call__(self, fd: int, mode: str):  # noqa: ANN204 - a file object
-        real = open(fd, mode)  # noqa: SIM115
-        disk = self
-
-        class File:
-            def write(self, data: bytes) -> int:
-                n = memoryview(data).nbytes
-                if n > disk.budget:
-                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-                disk.budget -= n
-                return real.write(data)
-
-            def __getattr__(self, name: str) -> object:
-                return getattr(real, name)
-
-        return File()
-
-
 @pytest.mark.parametrize("command", ["dump", "demo"])
 def test_a_full_disk_leaves_no_directory_the_run_made(
     command: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     """``dump`` and ``demo --keep`` left the empty directories they had made."""
-    monkeypatch.setattr(_io, "open", _FullDisk(4096), raising=False)
+    monkeypatch.setattr(_io, "open", FullDisk(4096), raising=False)
     where = tmp_path / "new" / "deeper"
     args = (["dump", str(KIMI_LINEAR), *ENGINE, "--tp-size", "4", "--out", str(where)]
             if command == "dump" else

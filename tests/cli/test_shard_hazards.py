@@ -32,6 +32,7 @@ from kda_tp.errors import CheckpointError, OutputError
 from kda_tp.shard import shard_checkpoint
 
 from children import shard_cmd
+from full_disk import FullDisk
 from tp_fixtures import hidden_entries, tree
 
 
@@ -78,43 +79,12 @@ def test_full_disk_on_a_small_tmpfs(checkpoint: Path, reference: Path, tmp_path:
         subprocess.run(["umount", str(disk)], check=False, timeout=60)
 
 
-class _FullDisk:
-    """A stand-in for ``open(fd, "wb")`` whose writes fail with ENOSPC past ``budget`` bytes
-    (shared by every file, like a disk) or, with ``at="flush"``, whose flush fails."""
-
-    def __init__(self, budget: int, at: str = "write"):
-        self.budget, self.at, self.lock = budget, at, threading.Lock()
-
-    def __call__(self, fd: int, mode: str):
-        real = open(fd, mode)  # noqa: SIM115
-        disk = self
-
-        class File:
-            def write(self, data) -> int:
-                n = memoryview(data).nbytes
-                with disk.lock:
-                    if disk.at == "write" and n > disk.budget:
-                        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-                    disk.budget -= n
-                return real.write(data)
-
-            def flush(self) -> None:
-                if disk.at == "flush":
-                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-                real.flush()
-
-            def __getattr__(self, name):
-                return getattr(real, name)
-
-        return File()
-
-
 # A rank is about 192 KB: at 300 KB one rank completes before the other fails.
 @pytest.mark.parametrize("budget", [0, 1000, 150_000, 300_000])
 def test_injected_enospc_on_write(
     checkpoint: Path, reference: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, budget: int
 ) -> None:
-    monkeypatch.setattr(_io, "open", _FullDisk(budget), raising=False)
+    monkeypatch.setattr(_io, "open", FullDisk(budget), raising=False)
     out = tmp_path / "out"
     with pytest.raises(OutputError, match="No space left on device") as info:
         shard_checkpoint(checkpoint, out, 2)
@@ -129,7 +99,7 @@ def test_injected_enospc_on_write(
 def test_injected_enospc_on_flush_and_on_copying_the_config(
     checkpoint: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(_io, "open", _FullDisk(0, at="flush"), raising=False)
+    monkeypatch.setattr(_io, "open", FullDisk(0, at="flush"), raising=False)
     with pytest.raises(OutputError, match="No space left on device"):
         shard_checkpoint(checkpoint, tmp_path / "a", 2)
     assert not (tmp_path / "a").exists()

@@ -25,7 +25,6 @@ import select
 import shutil
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import pytest
@@ -38,6 +37,7 @@ from kda_tp.synth import write_small_checkpoint
 
 from children import counting_setup, kda_tp_child, shard_cmd
 from cli_run import run
+from full_disk import FullDisk
 from tp_fixtures import SHARD_GEOMETRY, tree
 
 #: How long any one child may take on a loaded 2-core machine (a bound, not a synchronisation).
@@ -252,38 +252,13 @@ def test_force_over_plain_files_named_like_ranks_leaves_them(
     assert tree(out) == tree(reference) and everything(out) == everything(reference)
 
 
-class _FullDisk:
-    """``open(fd, "wb")`` for the writer whose writes fail with ENOSPC past ``budget`` bytes."""
-
-    def __init__(self, budget: int):
-        self.budget, self.lock = budget, threading.Lock()
-
-    def __call__(self, fd: int, mode: str):
-        real = open(fd, mode)  # noqa: SIM115
-        disk = self
-
-        class File:
-            def write(self, data) -> int:
-                with disk.lock:
-                    n = memoryview(data).nbytes
-                    if n > disk.budget:
-                        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-                    disk.budget -= n
-                return real.write(data)
-
-            def __getattr__(self, name):
-                return getattr(real, name)
-
-        return File()
-
-
 def test_a_full_disk_removes_the_directories_the_run_created(
     checkpoint: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     keep = tmp_path / "keep"
     keep.mkdir()
     (keep / "mine.txt").write_text("the user's")
-    monkeypatch.setattr(_io, "open", _FullDisk(300_000), raising=False)  # one rank fits
+    monkeypatch.setattr(_io, "open", FullDisk(300_000), raising=False)  # one rank fits
     with pytest.raises(OutputError, match="No space left on device"):
         shard_checkpoint(checkpoint, keep / "a" / "b" / "out", 2)
     assert everything(keep) == ["mine.txt"]  # a/, a/b/ and out/ are gone, keep/ stays
