@@ -22,7 +22,9 @@ reads`` (the JSON reader's ``read_json`` of a ``config.json``), ``parse_config``
 ``quantization_config``, ``names() lists`` (``SafetensorsSource.names``), ``descriptions``
 (checkpoints inspected: ``CheckpointDescription`` built), ``plans built``
 (``KdaTpPlan.from_description`` calls, else ``from_config``), ``rank views``
-(``KdaShardedSource`` built) and ``param_plan`` (``EngineLayout.param_plan``).
+(``KdaShardedSource`` built), ``param_plan`` (``EngineLayout.param_plan``), ``safetensors
+opens`` (``SafetensorsSource`` built: the checkpoint's and each dump file's), ``engine_params``
+(a rank's engine parameter list) and ``engine_model_dtype`` (the engine's model dtype decided).
 """
 
 from __future__ import annotations
@@ -40,7 +42,8 @@ import kda_tp
 
 COUNTS: Counter[str] = Counter()
 LABELS = ("config.json reads", "parse_config", "quantization_config", "names() lists",
-          "descriptions", "plans built", "rank views", "param_plan")
+          "descriptions", "plans built", "rank views", "param_plan", "safetensors opens",
+          "engine_params", "engine_model_dtype")
 # Not imported by install(): the command line's entry, the engine plugins, the optional torch
 # modules (and the torchrun jobs) and the oracle (a separate restatement of the spec).
 SKIPPED = ("__main__", "vllm_plugin", "sglang_plugin", "vllm", "sglang", "torch", "distributed",
@@ -114,6 +117,10 @@ def install() -> None:
     _patch_method(view, "__init__", "rank views")
     _patch_method(layout, "param_plan", "param_plan")
     _patch_method(description, "__init__", "descriptions")
+    _patch_method(source, "__init__", "safetensors opens")
+    _patch_everywhere(_found("engine_params", "kda_tp.engines.build"), "engine_params")
+    _patch_everywhere(_found("engine_model_dtype", "kda_tp.engines.dtype"),
+                      "engine_model_dtype")
 
 
 def report(heading: str | None = None) -> None:
