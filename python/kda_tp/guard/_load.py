@@ -129,7 +129,7 @@ def on_load(engine: Engine, model: Any, *, where: str, kind: str = "first load",
 
 
 def follow_model(engine: Engine, model: Any, found: LoadSource | None = None,
-                 result: GuardResult | None = None, rank: tuple[int, int] | None = None,
+                 result: GuardResult | None = None, ranks: tuple[int, int] | None = None,
                  layers: Iterable[int] | None = None, *, known: bool = False
                  ) -> Follower | None:
     """Follow every later update of ``model`` (:func:`kda_tp.guard.follow`): from the plan
@@ -143,7 +143,7 @@ def follow_model(engine: Engine, model: Any, found: LoadSource | None = None,
         found: what the load was checked against (a dummy load's first update must fill
             every region); None: the engine's load source, now.
         result: the first load's check.
-        rank: the rank and world size, when read already.
+        ranks: the rank and world size, when read already.
         layers: the pipeline stage's KDA layers, when known already.
         known: the model is known to be a KDA model that is no draft (``on_load`` checked).
 
@@ -161,7 +161,7 @@ def follow_model(engine: Engine, model: Any, found: LoadSource | None = None,
         if not looks_kda(names) or engine.is_draft():
             return None
         layers = engine.stage_layers(names)
-    rank, size = rank or engine.rank_size()
+    rank, size = ranks or engine.rank_size()
     where = f"{engine.label()} update: tp rank {rank}/{size}"
     if found is None:
         found = engine.load_source(where, None)

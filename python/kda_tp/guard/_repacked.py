@@ -41,7 +41,7 @@ def _smallest_normal(dtype: str) -> float:
     except ValueError:  # an ml_dtypes type (BF16, FP8): its own finfo
         import ml_dtypes
 
-        return float(ml_dtypes.finfo(found).smallest_normal)
+        return float(ml_dtypes.finfo(found).smallest_normal)  # type: ignore[no-untyped-call]
 
 
 def not_carried(expected: np.ndarray, dtype: str) -> str | None:

@@ -16,7 +16,7 @@ from ...engines.derived import derived_copies
 from ...engines.dtype import model_dtype_name
 from .._modes import LoadSource, load_checkpoint
 from .._names import stage_layers
-from .._target import AS_HELD
+from .._target import AS_HELD, Reader
 
 __all__ = ["SglangEngine", "checkpoint_of", "label", "parallel", "parallel_int", "rank_and_size"]
 
@@ -30,7 +30,7 @@ class SglangEngine:
     """
 
     name = "sglang"
-    reader = AS_HELD
+    reader: Reader = AS_HELD
 
     def __init__(self, runner: Any):
         self.runner = runner

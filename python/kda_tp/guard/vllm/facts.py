@@ -15,6 +15,7 @@ from typing import Any
 from ...engines.derived import derived_copies
 from ...engines.dtype import model_dtype_name
 from .._modes import LoadSource, load_checkpoint
+from .._target import Reader
 from .._names import stage_layers
 from . import repacked
 
@@ -44,7 +45,7 @@ class VllmEngine:
     """
 
     name = "vllm"
-    reader = _VllmReader()
+    reader: Reader = _VllmReader()
 
     def __init__(self, model_config: Any, vllm_config: Any = None, loader: str = "update"):
         self.vllm_config = current_config(vllm_config)
