@@ -97,7 +97,7 @@ baseline measured alongside it; the last columns give the target and PASS/MISS.
    and up projections into each of 1500 parameters) into a torch stand-in of the engine's
    model whose ``load_weights`` does per call what vLLM's model class does
    (``dict(named_parameters())``, then each tensor's loader), through the guard's own hook
-   (``kda_tp.guard.live.follow``, mode ``fail``) against without it, as a ratio (target: within
+   (``kda_tp.guard.follow``, mode ``fail``) against without it, as a ratio (target: within
    1.2x; skipped without torch; no vLLM needed).
    ``--only guard`` runs this section alone.
 8. A Kimi-K3-wide header: 60 layers of which 45 KDA (K3's wrapper config and names, full-rank

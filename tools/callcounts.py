@@ -11,8 +11,8 @@ or the guard on one rank (``guard``: no ``kda-tp`` command runs it), without an 
 
 which builds the rank's KDA parameters from the checkpoint as the layout holds them (torch CPU
 tensors, the build API; not counted), then counts, each on its own: the first-load check
-(``kda_tp.guard.check``), the rank's update target (``RankTarget``, built once per model from
-the description the first-load check read) and one refit session (``UpdateSession`` on it:
+(``kda_tp.guard.check``), the rank's update target (``RankTarget.of``, built once per model from
+the plan the first-load check built) and one refit session (``UpdateSession`` on it:
 feed every KDA tensor of the checkpoint, close); before the guard's redesign, one
 ``UpdateCheck`` (construct, feed, check). It needs torch.
 
@@ -22,7 +22,9 @@ reads`` (the JSON reader's ``read_json`` of a ``config.json``), ``parse_config``
 ``quantization_config``, ``names() lists`` (``SafetensorsSource.names``), ``descriptions``
 (checkpoints inspected: ``CheckpointDescription`` built), ``plans built``
 (``KdaTpPlan.from_description`` calls, else ``from_config``), ``rank views``
-(``KdaShardedSource`` built) and ``param_plan`` (``EngineLayout.param_plan``).
+(``KdaShardedSource`` built), ``param_plan`` (``EngineLayout.param_plan``), ``safetensors
+opens`` (``SafetensorsSource`` built: the checkpoint's and each dump file's), ``engine_params``
+(a rank's engine parameter list) and ``engine_model_dtype`` (the engine's model dtype decided).
 """
 
 from __future__ import annotations
@@ -40,7 +42,8 @@ import kda_tp
 
 COUNTS: Counter[str] = Counter()
 LABELS = ("config.json reads", "parse_config", "quantization_config", "names() lists",
-          "descriptions", "plans built", "rank views", "param_plan")
+          "descriptions", "plans built", "rank views", "param_plan", "safetensors opens",
+          "engine_params", "engine_model_dtype")
 # Not imported by install(): the command line's entry, the engine plugins, the optional torch
 # modules (and the torchrun jobs) and the oracle (a separate restatement of the spec).
 SKIPPED = ("__main__", "vllm_plugin", "sglang_plugin", "vllm", "sglang", "torch", "distributed",
@@ -114,6 +117,10 @@ def install() -> None:
     _patch_method(view, "__init__", "rank views")
     _patch_method(layout, "param_plan", "param_plan")
     _patch_method(description, "__init__", "descriptions")
+    _patch_method(source, "__init__", "safetensors opens")
+    _patch_everywhere(_found("engine_params", "kda_tp.engines.build"), "engine_params")
+    _patch_everywhere(_found("engine_model_dtype", "kda_tp.engines.dtype"),
+                      "engine_model_dtype")
 
 
 def report(heading: str | None = None) -> None:
@@ -143,7 +150,7 @@ def guard(argv: list[str]) -> int:
              or (lambda v, *a, **k: v.build_param(*a, **k)))  # a view's method before the move
 
     check = _found("check", "kda_tp.guard.check", "kda_tp.guard")
-    update_check = _found("UpdateCheck", "kda_tp.guard.updates", "kda_tp.update_check") \
+    update_check = _found("UpdateCheck", "kda_tp.guard._updates", "kda_tp.guard.updates", "kda_tp.update_check") \
         if not hasattr(importlib.import_module("kda_tp.guard"), "RankTarget") else None
     install()
     dtypes = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32,
@@ -181,11 +188,10 @@ def guard(argv: list[str]) -> int:
           f"({layout.name}, {len(params)} parameters)", file=sys.stderr)
     report("first-load guard (kda_tp.guard.check, one rank)")
     guard_module = importlib.import_module("kda_tp.guard")
-    if hasattr(guard_module, "RankTarget"):
-        source = result.source if result is not None else args.checkpoint
-        target = guard_module.RankTarget.build(kda_tp.describe(source), params,
-                                               tp_rank=args.tp_rank, tp_size=args.tp_size)
-        report("the rank's update target (RankTarget, once per model, from that description)")
+    if hasattr(guard_module, "RankTarget"):  # built from the plan the first-load check built
+        target = guard_module.RankTarget.of(result.plan, params)
+        report("the rank's update target (RankTarget.of, once per model, from that check's "
+               "plan)")
         session = guard_module.UpdateSession(target)
         for name, tensor in fed.items():
             session.feed(name, tensor)

@@ -1,6 +1,6 @@
 """Section 7: the guard (``kda_tp.guard.check``) and the refit check
-(``kda_tp.guard.updates``) on one Kimi K3 rank; a per-tensor refit through the guard's own
-``load_weights`` hook (``kda_tp.guard.live``) against none; the guard on a non-KDA model."""
+(``kda_tp.guard.UpdateSession``) on one Kimi K3 rank; a per-tensor refit through the guard's own
+``load_weights`` hook (``kda_tp.guard.follow``) against none; the guard on a non-KDA model."""
 
 from __future__ import annotations
 
@@ -136,7 +136,7 @@ def section_guard_per_tensor(ckpt: Path, src: SafetensorsSource, params: dict, r
     of the engine's model whose ``load_weights`` does per call what vLLM 0.33's
     ``KimiLinearModel.load_weights`` does (``dict(self.named_parameters())``, then each tensor's
     loader: the rank's values into the KDA parameter's region, a stacked shard into its half),
-    with the guard's own hook (``kda_tp.guard.live.follow``, mode ``fail``) against without it;
+    with the guard's own hook (``kda_tp.guard.follow``, mode ``fail``) against without it;
     no vLLM needed. Skipped without torch."""
     import os
 

@@ -237,7 +237,7 @@ def test_audit_llm_reports_every_worker(vc):
 
 
 def test_a_modelopt_block_scale_is_checked_in_the_shape_vllm_squeezes_it_to(vc):
-    from kda_tp.guard.target import as_described
+    from kda_tp.guard.vllm.repacked import as_described
     loaded = torch.arange(6, dtype=torch.float32).reshape(2, 1, 3, 1)  # [ob, 1, ib, 1]
     out = as_described(f"{ATTN}o_proj.weight_scale", loaded)
     assert out.shape == (2, 3) and out.data_ptr() == loaded.data_ptr()

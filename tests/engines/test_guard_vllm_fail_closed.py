@@ -27,7 +27,7 @@ with warnings.catch_warnings():
 from kda_tp import GuardError
 from kda_tp.errors import GuardModeError
 from kda_tp.guard import CHECKPOINT_ENV, MODE_ENV, REPAIR_ENV
-from kda_tp.guard.live import UPDATES_HOOK
+from kda_tp.guard._live import UPDATES_HOOK
 from kda_tp.guard.vllm import audit_llm, status
 
 pytestmark = [pytest.mark.engines, pytest.mark.usefixtures("guard_env_unset")]
@@ -153,7 +153,7 @@ def test_audit_llm_reports_every_rank_a_silent_one_and_a_duplicate_unguarded(vc)
 @pytest.mark.parametrize("value,on", [("1", True), ("ON", True), (" Yes ", True),
                                       ("", False), ("0", False), ("Off", False)])
 def test_the_repair_switch_ignores_case_and_refuses_an_unknown_value(vc, monkeypatch, value, on):
-    from kda_tp.guard.modes import repair_on
+    from kda_tp.guard._modes import repair_on
 
     monkeypatch.setenv(REPAIR_ENV, value)
     assert repair_on() is on

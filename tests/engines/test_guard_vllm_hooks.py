@@ -77,7 +77,7 @@ def test_a_checkpoint_variable_that_is_not_there_fails_and_one_with_spaces_works
 
 def test_a_model_id_is_resolved_in_the_engines_download_dir(monkeypatch, tmp_path):
     import huggingface_hub
-    from kda_tp.guard.modes import load_checkpoint
+    from kda_tp.guard._modes import load_checkpoint
     seen = {}
 
     def snapshot_download(repo, revision=None, cache_dir=None, local_files_only=False):

@@ -26,8 +26,8 @@ with warnings.catch_warnings():
     from vllm.v1.worker.worker_base import WorkerBase
 
 from kda_tp import GuardError
-from kda_tp.guard import verdict_line
-from kda_tp.guard.record import RECORD
+from kda_tp.guard._first_load import verdict_line
+from kda_tp.guard._record import RECORD
 from kda_tp.guard.vllm import audit_llm
 
 pytestmark = [pytest.mark.engines, pytest.mark.usefixtures("guard_env_unset")]

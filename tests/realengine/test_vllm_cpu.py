@@ -12,7 +12,7 @@ element from the reference (``KDA_TP_GUARD_CHECKPOINT``), and vLLM's sharded wei
 told rank 0 during a refit (vllm-gguf-plugin #103).
 
 After loading, vLLM's CPU GEMM dispatch empties every Linear weight; the audits and later checks
-read them back through the engine's GEMM (issue 34, item 2: ``kda_tp.guard.repacked``).
+read them back through the engine's GEMM (issue 34, item 2: ``kda_tp.guard.vllm.repacked``).
 """
 
 from __future__ import annotations

@@ -205,7 +205,7 @@ def test_a_pipeline_stage_checks_only_its_layers(tmp_path):
 
 
 def test_holds_kda_looks_at_names_only():
-    from kda_tp.guard import holds_kda
+    from kda_tp.guard._names import holds_kda
     assert holds_kda(["language_model.model.layers.3.self_attn.A_log"])
     assert holds_kda(iter(["layers.0.self_attn.forget_gate.dt_bias"]))
     assert not holds_kda(["model.layers.0.linear_attn.A_log", "model.layers.0.self_attn.o_proj.weight"])
@@ -240,7 +240,7 @@ def test_a_kda_layer_without_a_log_and_dt_bias_fails_in_fail_and_warns_in_warn(m
 
 
 def test_the_layers_of_a_stage_come_from_every_kda_name_so_missing_markers_are_missing(tmp_path):
-    from kda_tp.guard import stage_layers
+    from kda_tp.guard._names import stage_layers
     params = built(CKPT["glm"], "vllm-0.33-glm-5.3", 1, 2)
     moved = {k.replace("layers.0.", "layers.3."): v for k, v in params.items()
              if not k.endswith(("A_log", "dt_bias"))}
@@ -248,7 +248,7 @@ def test_the_layers_of_a_stage_come_from_every_kda_name_so_missing_markers_are_m
 
 
 def test_the_checkpoint_variable_is_stripped_and_a_missing_one_fails(monkeypatch, tmp_path):
-    from kda_tp.guard import CHECKPOINT_ENV, explicit_checkpoint
+    from kda_tp.guard._modes import CHECKPOINT_ENV, explicit_checkpoint
     monkeypatch.setenv(CHECKPOINT_ENV, f"  {CKPT['k3']} ")
     assert explicit_checkpoint("w") == str(CKPT["k3"])
     monkeypatch.setenv(CHECKPOINT_ENV, str(tmp_path / "typo"))
@@ -415,7 +415,7 @@ def test_rank_report_is_one_shape_for_a_pass_a_failure_and_a_check_not_run():
 
 
 def test_resolve_checkpoint_keeps_local_paths_and_urls_and_never_downloads(tmp_path):
-    from kda_tp.guard import resolve_checkpoint
+    from kda_tp.guard._modes import resolve_checkpoint
 
     assert resolve_checkpoint(str(CKPT["k3"])) == str(CKPT["k3"])
     assert resolve_checkpoint("s3://bucket/k3") == "s3://bucket/k3"
@@ -444,7 +444,7 @@ def test_guard_result_to_dict_is_the_checked_ranks_report():
 def test_what_a_gemm_read_back_cannot_carry_is_named():
     import ml_dtypes
 
-    from kda_tp.guard.repacked import not_carried
+    from kda_tp.guard import not_carried
 
     bf16 = np.dtype(ml_dtypes.bfloat16)
     assert not_carried(np.array([1.0, 0.0, -2.5], dtype=bf16), "BF16") is None

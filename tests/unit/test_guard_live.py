@@ -14,7 +14,7 @@ torch = pytest.importorskip("torch")
 from kda_tp import GuardError, KdaShardedSource, KdaTpPlan, SafetensorsSource  # noqa: E402
 from kda_tp.engines import build_param, get_layout  # noqa: E402
 from kda_tp.guard import MODE_ENV, follow, followed  # noqa: E402
-from kda_tp.guard.record import RECORD  # noqa: E402
+from kda_tp.guard._record import RECORD  # noqa: E402
 
 from tp_fixtures import CKPT, PRE  # noqa: E402
 

@@ -30,7 +30,7 @@ import numpy as np
 from ..checkpoint.names import param_location, param_name
 from ..checkpoint.description import describe
 from ..checkpoint.reader import SafetensorsSource
-from ..engines.build import build_param, engine_params, param_plan
+from ..engines.build import RankPlan, build_param, engine_params
 from ..engines.dtype import config_model_dtype, engine_model_dtype
 from ..engines.layout import EngineLayout, EngineParam
 from ..engines.registry import LAYOUTS, get_layout, recognise
@@ -40,11 +40,12 @@ from ..model.families import FAMILIES
 from ..rank.plan import KdaTpPlan
 from ..rank.view import KdaShardedSource
 from .diagnosis import Candidates, audit_overflow, compare, exact_in_place
-from .dump_files import RankFiles, dump_world_size, meta_int, rank_of_file, sharded_state_files
+from .dump_files import (RankFiles, dump_world_size, meta_int, open_files, rank_of_file,
+                         sharded_state_files)
 from .report import AuditReport, ParamAudit
 from .values import as_record
 
-__all__ = ["audit", "audit_path"]
+__all__ = ["RankAudit", "audit", "audit_path", "audit_rank"]
 
 # The model families' names in messages.
 _FAMILY_NAMES = {name: family.display for name, family in FAMILIES.items()}
@@ -62,12 +63,33 @@ class _Selected:
     problems: tuple[str, ...] = ()
 
 
+@dataclass(frozen=True)
+class RankAudit:
+    """One rank's audit (:func:`audit_rank`) with what it built for the rank, handed on.
+
+    Attributes:
+        report: the rank's :class:`AuditReport`.
+        plan: the rank's plan and engine parameter plans in the report's layout, for the
+            engine's model dtype (built once for the audit).
+        view: the rank's view of the checkpoint the audit read (to build an expected
+            parameter with ``plan``'s parameter plans).
+    """
+
+    report: AuditReport
+    plan: RankPlan
+    view: KdaShardedSource
+
+
 class _Auditor:
-    """Audits ranks of one engine's dump against one checkpoint at one world size."""
+    """Audits ranks of one engine's dump against one checkpoint at one world size. Each rank's
+    view and :class:`RankPlan`, and the engine's model dtype, are built once and kept here.
+
+    ``first``: the rank whose view is built now (the plan refuses a world size the heads cannot
+    split, or a rank out of range, before anything else is read)."""
 
     def __init__(self, checkpoint: str | os.PathLike[str] | SafetensorsSource, tp_size: int,
                  engine: str | None, layers: Iterable[int] | None = None,
-                 model_dtype: str | None = None):
+                 model_dtype: str | None = None, *, first: int = 0):
         self.source = (checkpoint if isinstance(checkpoint, SafetensorsSource)
                        else SafetensorsSource(checkpoint))
         # The checkpoint's description (read once, shared with every rank's plan and view).
@@ -88,9 +110,12 @@ class _Auditor:
                 )
             self.layers = tuple(sorted(wanted))
         self._shards: dict[int, KdaShardedSource] = {}
+        self._plans: dict[tuple[int, str], RankPlan] = {}
+        self._dtypes: dict[str, str] = {}
         # The names any layout knows, and those only a KDA layer has.
         self.known = frozenset().union(*(lay.suffixes for lay in LAYOUTS.values()))
         self.markers = {s for s in self.known if s.rsplit(".", 1)[-1] in ("A_log", "dt_bias")}
+        self.shard(first)
 
     def shard(self, rank: int) -> KdaShardedSource:
         """Rank ``rank``'s view of the checkpoint (any split the heads allow: no q|k width
@@ -100,6 +125,16 @@ class _Auditor:
                                               qk_multiple=1)
             self._shards[rank] = KdaShardedSource(self.source, plan)
         return self._shards[rank]
+
+    def rank_plan(self, rank: int, layout: EngineLayout) -> RankPlan:
+        """Rank ``rank``'s plan and engine parameter plans in ``layout``, for the engine's model
+        dtype (:meth:`model_dtype`): built once per rank and layout."""
+        key = (rank, layout.name)
+        if key not in self._plans:
+            self._plans[key] = RankPlan.of(self.shard(rank).plan, layout,
+                                           self.model_dtype(layout), self.description.prefix,
+                                           self.layers)
+        return self._plans[key]
 
     def select(self, names: Sequence[str], where: str) -> _Selected | None:
         """The dump's KDA parameters: those under the prefix where ``A_log``/``dt_bias`` lie
@@ -215,22 +250,23 @@ class _Auditor:
                 if layer in self.layers]
 
     def run(self, records: Mapping[str, Any], rank: int, selected: _Selected,
-            layout: EngineLayout, report: AuditReport,
+            layout: EngineLayout, report: AuditReport, params: list[tuple[int, EngineParam]],
             advance: Callable[[int], None] | None) -> None:
-        """Audit every KDA parameter of every KDA layer of one rank into ``report``."""
+        """Audit every KDA parameter of one rank (``params``: :meth:`engine_params`) into
+        ``report``."""
         report.ignored += selected.ignored
         report.problems += selected.problems
         candidates: Candidates | None = None
         expected: dict[int, set[str]] = {}
-        model_dtype = self.model_dtype(layout)
-        for layer, param in self.engine_params(rank, layout):
+        rank_plan = self.rank_plan(rank, layout)
+        for layer, param in params:
             if candidates is None or candidates.layer != layer:
                 candidates = Candidates(self.source, self.shard, rank, layer)
             expected.setdefault(layer, set()).add(param.suffix)
             name = selected.layers.get(layer, {}).get(
                 param.suffix, param_name(selected.prefix, layer, param.suffix))
-            report.params.append(self.param(rank, layer, name, records.get(name), layout,
-                                            param.suffix, candidates, model_dtype))
+            report.params.append(self.param(rank, layer, name, records.get(name), rank_plan,
+                                            param.suffix, candidates))
             if advance:
                 advance(1)
         # Names of another quantization form (scale grids of unquantized weights).
@@ -239,17 +275,22 @@ class _Auditor:
 
     def model_dtype(self, layout: EngineLayout) -> str:
         """The engine's model dtype (``kda_tp.engines.engine_model_dtype``): the one
-        asked for, else ``layout``'s engine's default for this checkpoint."""
-        return engine_model_dtype(self.description, layout.engine, self.requested_dtype)
+        asked for, else ``layout``'s engine's default for this checkpoint (decided once)."""
+        if layout.engine not in self._dtypes:
+            self._dtypes[layout.engine] = engine_model_dtype(self.description, layout.engine,
+                                                             self.requested_dtype)
+        return self._dtypes[layout.engine]
 
-    def param(self, rank: int, layer: int, name: str, value: Any, layout: EngineLayout,
-              suffix: str, candidates: Candidates, model_dtype: str) -> ParamAudit:
-        """One parameter's verdict, the engine running in ``model_dtype`` (:meth:`model_dtype`):
-        a parameter that follows the model dtype held in another float dtype is a mismatch
-        naming both (e.g. F16 in a BF16 engine: a lossy cast)."""
+    def param(self, rank: int, layer: int, name: str, value: Any, rank_plan: RankPlan,
+              suffix: str, candidates: Candidates) -> ParamAudit:
+        """One parameter's verdict, the engine running in ``rank_plan``'s model dtype
+        (:meth:`model_dtype`): a parameter that follows the model dtype held in another float
+        dtype is a mismatch naming both (e.g. F16 in a BF16 engine: a lossy cast)."""
         shard = self.shard(rank)
+        layout, model_dtype = rank_plan.layout, rank_plan.model_dtype
+        assert model_dtype is not None  # the auditor decides it
         record = None if value is None else as_record(name, value)
-        plan = param_plan(shard, layout, suffix, model_dtype=model_dtype)
+        plan = rank_plan.param_plan(suffix)
         if record is None:
             return ParamAudit(rank, layer, name, "missing",
                               f"missing: {layout.name} holds {suffix} {list(plan.shape)} here")
@@ -268,7 +309,7 @@ class _Auditor:
         def build() -> np.ndarray:
             with np.errstate(over="ignore", invalid="ignore"):  # an overflow is reported below
                 built: np.ndarray = build_param(shard, layout, suffix, layer,
-                                                model_dtype=model_dtype)
+                                                model_dtype=model_dtype, plan=plan)
             return built.reshape(-1)
 
         result = compare(rank, layer, name, record, plan, build, candidates)
@@ -350,13 +391,33 @@ def audit(
         PlanError: ``tp_size`` or ``tp_rank`` is not an integer (a bool included), ``tp_size``
             does not divide the heads, or ``tp_rank`` is out of range.
     """
+    return audit_rank(state_dict, checkpoint, tp_rank=tp_rank, tp_size=tp_size, engine=engine,
+                      layers=layers, model_dtype=model_dtype).report
+
+
+def audit_rank(
+    state_dict: Mapping[str, Any],
+    checkpoint: str | os.PathLike[str] | SafetensorsSource,
+    *,
+    tp_rank: int,
+    tp_size: int,
+    engine: str | None = None,
+    layers: Iterable[int] | None = None,
+    model_dtype: str | None = None,
+) -> RankAudit:
+    """:func:`audit`, with the rank's :class:`~kda_tp.engines.RankPlan` and view it built
+    (what the guard hands on to the rank's update target, instead of building them again).
+
+    Raises:
+        As :func:`audit`.
+    """
     tp_size, tp_rank = _whole("tp_size", tp_size, 1), _whole("tp_rank", tp_rank, 0)
     names = list(state_dict.keys())
     for name in names:
         if not isinstance(name, str):
             raise CheckpointError(f"state_dict: the key {name!r} ({type(name).__name__}) is not a "
                                   "parameter name (a str)")
-    auditor = _Auditor(checkpoint, tp_size, engine, layers, model_dtype)
+    auditor = _Auditor(checkpoint, tp_size, engine, layers, model_dtype, first=tp_rank)
     selected = auditor.select(names, "state_dict")
     if selected is None:
         raise auditor.no_kda("state_dict")
@@ -364,8 +425,9 @@ def audit(
     report = AuditReport(layout.name, tp_size, (tp_rank,))
     note = auditor.elsewhere(_suffixes(selected), layout, "state_dict")
     report.problems += [note] if note else []
-    auditor.run(state_dict, tp_rank, selected, layout, report, None)
-    return report
+    auditor.run(state_dict, tp_rank, selected, layout, report,
+                auditor.engine_params(tp_rank, layout), None)
+    return RankAudit(report, auditor.rank_plan(tp_rank, layout), auditor.shard(tp_rank))
 
 
 def _suffixes(selected: _Selected) -> set[str]:
@@ -417,7 +479,8 @@ def _check_metadata(records: RankFiles, rank: int, tp_size: int, how: str, famil
     return note
 
 
-def _world_size(root: Path, files: Mapping[int, Sequence[Path]], given: int | None) -> int:
+def _world_size(root: Path, files: Mapping[int, Sequence[SafetensorsSource]],
+                given: int | None) -> int:
     """The world size to audit a dump at: ``given`` (``--tp-size``), which must agree with what
     the dump tells, else the dump's.
 
@@ -493,18 +556,17 @@ def audit_path(
     root = Path(path)
     given = None if tp_size is None else _whole("tp_size", tp_size, 1)
     rank = None if tp_rank is None else _whole("tp_rank", tp_rank, 0)
-    auditor = None if given is None else _Auditor(checkpoint, given, engine,
-                                                  model_dtype=model_dtype)
-    if auditor is not None:
-        # The plan refuses a tp_size the checkpoint's heads cannot split (so tp_size <= heads)
-        # before anything is listed.
-        auditor.shard(rank if rank is not None and rank < auditor.tp_size else 0)
+    # A given tp_size: the plan refuses a split the checkpoint's heads cannot make (so
+    # tp_size <= heads) before anything is listed; else the dump tells it, below.
+    early = None if given is None else _Auditor(
+        checkpoint, given, engine, model_dtype=model_dtype,
+        first=rank if rank is not None and rank < given else 0)
     if root.is_dir():
-        files = sharded_state_files(root)
+        files = {r: open_files(paths) for r, paths in sharded_state_files(root).items()}
         how = "its name"
     elif root.is_file():
-        found = rank if rank is not None else rank_of_file(root)
-        files = {found: [root]}
+        (source,) = open_files([root])
+        files = {rank if rank is not None else rank_of_file(source): [source]}
         how = "--rank (rank=)" if rank is not None else "its name"
     elif os.path.lexists(root):
         raise CheckpointError(f"{root}: not a regular file or a directory (a device, FIFO or "
@@ -513,12 +575,12 @@ def audit_path(
     else:
         raise CheckpointError(f"{root}: no such file or directory")
     tp_size = _world_size(root, files, given)
-    auditor = auditor or _Auditor(checkpoint, tp_size, engine, model_dtype=model_dtype)
     wanted = (list(range(tp_size)) if rank is None else [rank]) if root.is_dir() else list(files)
     for r in wanted:
         if not 0 <= r < tp_size:
             raise PlanError(f"rank {r} is not a rank of tp_size {tp_size} (0..{tp_size - 1})")
-    auditor.shard(wanted[0])
+    auditor = early or _Auditor(checkpoint, tp_size, engine, model_dtype=model_dtype,
+                                first=wanted[0])
     report = AuditReport("", tp_size)
     noted = False  # the dump's model metadata named another family (said once, first)
     dumps: list[tuple[int, RankFiles, _Selected | None]] = []
@@ -534,7 +596,7 @@ def audit_path(
         if note is not None and not noted:
             report.problems.insert(0, note)
             noted = True
-        where = str(files[r][0]) if len(files[r]) == 1 else f"{root} rank {r}"
+        where = str(files[r][0].path) if len(files[r]) == 1 else f"{root} rank {r}"
         dumps.append((r, records, auditor.select(list(records), where)))
     present = [(r, selected) for r, _, selected in dumps if selected is not None]
     if dumps and not present:
@@ -548,12 +610,12 @@ def audit_path(
     report.engine = layout.name
     note = auditor.elsewhere(set().union(*(_suffixes(s) for _, s in present)), layout, str(root))
     report.problems += [note] if note else []
-    total = sum(len(auditor.engine_params(r, layout)) for r, *_ in dumps)
-    advance = progress(total) if progress else None
+    params = {r: auditor.engine_params(r, layout) for r, *_ in dumps}
+    advance = progress(sum(map(len, params.values()))) if progress else None
     for r, records, selected in dumps:
         if selected is None:  # this rank's KDA parameters are all missing
             selected = _Selected(present[0][1].prefix, {}, len(records))
-        auditor.run(records, r, selected, layout, report, advance)
+        auditor.run(records, r, selected, layout, report, params[r], advance)
     return report
 
 

@@ -19,8 +19,8 @@ from ..checkpoint.writer import open_files_error
 from ..errors import CheckpointError
 from ..model.json_reader import ascii_int, parse_metadata_int
 
-__all__ = ["DUMP_FILE", "RankFiles", "dump_world_size", "meta_int", "rank_of_file",
-           "rank_of_name", "sharded_state_files"]
+__all__ = ["DUMP_FILE", "RankFiles", "dump_world_size", "meta_int", "open_files",
+           "rank_of_file", "rank_of_name", "sharded_state_files"]
 
 #: The file ``kda-tp dump`` writes for one rank (vLLM's and SGLang's default pattern, part 0).
 DUMP_FILE = "model-rank-{rank}-part-0.safetensors"
@@ -98,15 +98,26 @@ def meta_int(meta: Mapping[str, Any], key: str, path: Path) -> int | None:
         return parse_metadata_int(value, key, str(path))  # refused, naming the digits
 
 
-class RankFiles(Mapping[str, Tensor]):
-    """One rank's tensors across its ``save_sharded_state`` files (parts, pipeline stages)."""
+def open_files(files: Sequence[Path]) -> list[SafetensorsSource]:
+    """One rank's dumped files, each opened (and its header validated) once, for
+    :func:`dump_world_size`, :func:`rank_of_file` and :class:`RankFiles` alike.
 
-    def __init__(self, files: Sequence[Path]):
-        # Every part stays open: past RLIMIT_NOFILE, say so rather than blame one part.
-        limit = open_files_error(len(files), files[0].parent if files else ".")
-        if limit is not None:
-            raise limit
-        self.sources = [SafetensorsSource(f) for f in files]
+    Raises:
+        CheckpointError: a file cannot be read, or opening them all would pass the process's
+            open-files limit (every part stays open: said so rather than blame one part).
+    """
+    limit = open_files_error(len(files), files[0].parent if files else ".")
+    if limit is not None:
+        raise limit
+    return [SafetensorsSource(f) for f in files]
+
+
+class RankFiles(Mapping[str, Tensor]):
+    """One rank's tensors across its ``save_sharded_state`` files (parts, pipeline stages),
+    opened by :func:`open_files`."""
+
+    def __init__(self, sources: Sequence[SafetensorsSource]):
+        self.sources = list(sources)
         self.where: dict[str, SafetensorsSource] = {}
         for source in self.sources:
             for name in source.names():
@@ -129,17 +140,18 @@ class RankFiles(Mapping[str, Tensor]):
         return len(self.where)
 
 
-def rank_of_file(path: Path) -> int:
-    """The rank of one dumped file: from its ``save_sharded_state`` name, else its header's
-    ``tp_rank`` metadata.
+def rank_of_file(source: SafetensorsSource) -> int:
+    """The rank of one dumped file (opened): from its ``save_sharded_state`` name, else its
+    header's ``tp_rank`` metadata.
 
     Raises:
         CheckpointError: neither says, or the metadata's ``tp_rank`` is not a rank.
     """
+    path = source.path
     found = rank_of_name(path.name)
     if found is not None:
         return found
-    meta = SafetensorsSource(path).files()[0][1] or {}
+    meta = source.files()[0][1] or {}
     found = meta_int(meta, "tp_rank", path)
     if found is not None:
         return found
@@ -154,7 +166,7 @@ def rank_of_file(path: Path) -> int:
     )
 
 
-def dump_world_size(files: Mapping[int, Sequence[Path]], *, by_names: bool
+def dump_world_size(files: Mapping[int, Sequence[SafetensorsSource]], *, by_names: bool
                     ) -> tuple[int, Path | None] | None:
     """The tensor-parallel world size a dump tells, and how it tells it; None when it does not.
 
@@ -164,7 +176,8 @@ def dump_world_size(files: Mapping[int, Sequence[Path]], *, by_names: bool
     the audit's problem to report). One file without metadata does not tell it.
 
     Args:
-        files: the dump's files by rank (:func:`sharded_state_files`, or one file's).
+        files: the dump's files by rank, opened (:func:`open_files` of
+            :func:`sharded_state_files`'s, or one file's).
         by_names: whether the ranks in ``files`` are every rank the dump has (a directory).
 
     Returns:
@@ -175,11 +188,11 @@ def dump_world_size(files: Mapping[int, Sequence[Path]], *, by_names: bool
         CheckpointError: two files' metadata name different world sizes.
     """
     told: dict[int, Path] = {}
-    for paths in files.values():
-        for path in paths:
-            size = meta_int(SafetensorsSource(path).files()[0][1] or {}, "tp_size", path)
+    for sources in files.values():
+        for source in sources:
+            size = meta_int(source.files()[0][1] or {}, "tp_size", source.path)
             if size is not None:
-                told.setdefault(size, path)
+                told.setdefault(size, source.path)
     if len(told) > 1:
         (a, pa), (b, pb) = sorted(told.items())[:2]
         raise CheckpointError(f"{pa} says tp_size {a} and {pb} says tp_size {b} in their "

@@ -17,7 +17,7 @@ import numpy as np
 from ..checkpoint.description import describe
 from ..checkpoint.names import kda_tensor_name, param_name
 from ..checkpoint.reader import SafetensorsSource, checked_get
-from ..engines.build import build_param, engine_params, param_plan
+from ..engines.build import RankPlan, build_param
 from ..engines.dtype import engine_model_dtype
 from ..engines.layout import EngineLayout, EngineParamPlan
 from ..engines.registry import get_layout, layouts_for
@@ -93,16 +93,16 @@ def expected_params(
     for r in checked_ranks(ranks, tp_size):
         shard = KdaShardedSource(source, plan0 if r == 0 else KdaTpPlan.from_description(
             description, r, tp_size, qk_multiple=1))
+        rank_plan = RankPlan.of(shard.plan, layout, model_dtype, shard.prefix, shard.layers)
         prefix = layout.state_dict_prefix(shard.prefix)
         params = []
-        for layer, param in engine_params(shard, layout):
-            plan = param_plan(shard, layout, param.suffix, model_dtype=model_dtype)
-
-            name = param_name(prefix, layer, param.suffix)
-            build = functools.partial(
-                build_checked, shard, layout, layer, plan, name, model_dtype,
-                "pass another --dtype (model_dtype=), the one the engine runs in")
-            params.append(ExpectedParam(name, plan, build))
+        for layer in shard.layers:
+            for suffix, plan in rank_plan.params.items():
+                name = param_name(prefix, layer, suffix)
+                build = functools.partial(
+                    build_checked, shard, layout, layer, plan, name, model_dtype,
+                    "pass another --dtype (model_dtype=), the one the engine runs in")
+                params.append(ExpectedParam(name, plan, build))
         out.append((r, params))
     return layout, out
 
@@ -144,7 +144,7 @@ def build_checked(shard: KdaShardedSource, layout: EngineLayout, layer: int,
     """
     with np.errstate(over="ignore"):  # an overflow is refused below
         built: np.ndarray = build_param(shard, layout, plan.suffix, layer,
-                                        model_dtype=model_dtype)
+                                        model_dtype=model_dtype, plan=plan)
     overflow = cast_overflow(plan, built.reshape(-1), lambda part: checked_get(
         shard, kda_tensor_name(shard.prefix, layer, part)).array.reshape(-1))
     if overflow is not None:

@@ -4,29 +4,77 @@ The view (:class:`~kda_tp.rank.view.KdaShardedSource`, what :func:`kda_tp.open_r
 gives this rank's slice of every checkpoint tensor; an engine layout (:mod:`kda_tp.engines`)
 says how an engine fuses them into its parameters. This module joins the two:
 :func:`engine_params` lists the parameters a rank holds, :func:`param_plan` says what one holds
-(its shape, dtype and the part regions, computed once per view), :func:`build_param` fills it
-with the parts' bytes (:meth:`EngineParamPlan.fill <kda_tp.engines.EngineParamPlan.fill>`).
+(its shape, dtype and the part regions), :func:`build_param` fills it with the parts' bytes
+(:meth:`EngineParamPlan.fill <kda_tp.engines.EngineParamPlan.fill>`). A :class:`RankPlan` is
+one rank's plan with every engine parameter plan of a layout, built once per rank and handed
+to whoever needs them (the audit, the guard's update target, the dump, the digests).
 """
 
 from __future__ import annotations
 
-import weakref
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..checkpoint.names import kda_tensor_name, param_name
 from ..errors import EngineLayoutError
 from ..model.quant import SCALE_SUFFIXES
+from ..rank.plan import KdaTpPlan
 from ..rank.view import KdaShardedSource
 from .layout import EngineLayout, EngineParam, EngineParamPlan
 from .registry import get_layout
 
-__all__ = ["build_param", "engine_params", "param_plan"]
+__all__ = ["RankPlan", "build_param", "engine_params", "param_plan"]
 
-# One view's parameter plans, by (layout, parameter, model dtype): the same arithmetic for
-# every layer, done once per view (and dropped with it).
-_PLANS: weakref.WeakKeyDictionary[
-    KdaShardedSource, dict[tuple[EngineLayout, str, str | None], EngineParamPlan]
-] = weakref.WeakKeyDictionary()
+
+@dataclass(frozen=True)
+class RankPlan:
+    """One rank's plan and the plans of every engine parameter it holds in one layout, for one
+    model dtype: built once per rank (:meth:`of`) and handed down, never looked up again.
+
+    Attributes:
+        plan: the rank's :class:`~kda_tp.KdaTpPlan`.
+        layout: the engine layout.
+        model_dtype: the engine's model dtype the parameter plans are for (None: the
+            checkpoint's).
+        prefix: the checkpoint's decoder prefix (``"model.layers."``).
+        layers: the KDA layers the rank holds (a pipeline stage's, or every one).
+        params: each parameter's plan by its name after ``self_attn.``
+            (:meth:`EngineLayout.param_plan <kda_tp.engines.EngineLayout.param_plan>`).
+    """
+
+    plan: KdaTpPlan
+    layout: EngineLayout
+    model_dtype: str | None
+    prefix: str
+    layers: tuple[int, ...]
+    params: Mapping[str, EngineParamPlan] = field(repr=False)
+
+    @classmethod
+    def of(cls, plan: KdaTpPlan, layout: EngineLayout, model_dtype: str | None, prefix: str,
+           layers: tuple[int, ...]) -> RankPlan:
+        """Every parameter plan of ``layout`` for ``plan``'s rank, each computed once.
+
+        Raises:
+            EngineLayoutError: the layout does not fit the plan.
+        """
+        return cls(plan, layout, model_dtype, prefix, tuple(layers),
+                   {p.suffix: layout.param_plan(p.suffix, plan, model_dtype)
+                    for p in layout.params_for(plan)})
+
+    def param_plan(self, suffix: str, model_dtype: str | None = None) -> EngineParamPlan:
+        """Parameter ``suffix``'s plan: the one built for :attr:`model_dtype`, unless
+        ``model_dtype`` (a parameter held in another dtype) gives it another dtype, then
+        computed for that one.
+
+        Raises:
+            EngineLayoutError: no such parameter in the layout.
+        """
+        found = self.params.get(suffix)
+        if found is not None and (model_dtype is None or model_dtype == self.model_dtype
+                                  or not self.layout.follows_model(suffix, self.plan)):
+            return found
+        return self.layout.param_plan(suffix, self.plan, model_dtype)
 
 
 def build_param(
@@ -37,6 +85,7 @@ def build_param(
     out: Any = None,
     *,
     model_dtype: str | None = None,
+    plan: EngineParamPlan | None = None,
 ) -> Any:
     """Fill one fused engine parameter of KDA layer ``layer`` for the view's rank, in one call.
 
@@ -59,6 +108,8 @@ def build_param(
             .numpy()``), every byte of which is overwritten.
         model_dtype: the engine's model dtype for parameters it casts to it (None: the
             checkpoint's dtype; see :meth:`~kda_tp.engines.EngineLayout.param_plan`).
+        plan: the parameter's plan when the caller holds it already (a :class:`RankPlan`'s,
+            for ``model_dtype``); None: computed here (:func:`param_plan`).
 
     Returns:
         ``out``, or the new array.
@@ -70,7 +121,8 @@ def build_param(
             is neither 1 nor the parameter dtype's.
         BufferLayoutError: ``out`` is read-only, not C-contiguous, or not a buffer.
     """
-    plan = param_plan(view, layout, suffix, model_dtype=model_dtype)
+    if plan is None:
+        plan = param_plan(view, layout, suffix, model_dtype=model_dtype)
     if layer not in view.layers:
         raise EngineLayoutError(
             f"{plan.layout}: {suffix}: layer {layer} is not a KDA layer of this checkpoint "
@@ -109,18 +161,13 @@ def engine_params(view: KdaShardedSource,
 def param_plan(view: KdaShardedSource, layout: str | EngineLayout, suffix: str, *,
                model_dtype: str | None = None) -> EngineParamPlan:
     """:meth:`EngineLayout.param_plan <kda_tp.engines.EngineLayout.param_plan>` for the view's
-    plan: the parameter's local shape, dtype and part regions (computed once per view).
+    plan: the parameter's local shape, dtype and part regions (each call computes it: hold a
+    :class:`RankPlan` to compute every parameter's once per rank).
 
     Raises:
         EngineLayoutError: as there.
     """
-    table = get_layout(layout)
-    key = (table, suffix, model_dtype)
-    plans = _PLANS.setdefault(view, {})
-    found = plans.get(key)
-    if found is None:  # the same arithmetic for every layer: once per view
-        found = plans[key] = table.param_plan(suffix, view.plan, model_dtype)
-    return found
+    return get_layout(layout).param_plan(suffix, view.plan, model_dtype)
 
 
 def _part_name(view: KdaShardedSource, layer: int, part: str) -> str:

@@ -1,23 +1,32 @@
 """The guard: one rank's KDA parameters checked against the checkpoint at the first load
 (:func:`check`, behind the mode switch ``KDA_TP_GUARD``) and after every weight update (an
 :class:`UpdateSession` on the rank's :class:`RankTarget`, driven by the model's
-:class:`Follower`). The engine plugins are ``kda_tp.guard.vllm`` and ``kda_tp.guard.sglang``
-(their ``register`` is each engine's entry point), with the import hooks they install
-(``kda_tp.guard.hooks``).
+:class:`Follower`), in one flow for every engine (:func:`on_load`, given an :class:`Engine`
+adapter). The engine plugins are ``kda_tp.guard.vllm`` and ``kda_tp.guard.sglang`` (their
+``register`` is each engine's entry point).
 
-Its modules, bottom to top: ``modes`` (the mode, the repair switch, a check that cannot run,
-which checkpoint a load is checked against), ``record`` (this process's hooks, their wrappers
-still in place, verdicts, a live audit's ranks), ``repacked`` (what an engine holds after its
-post-load repack), ``target`` (a rank's KDA parameters, built once per model), ``updates`` (one
-update's check), ``first_load`` (the check at load), ``live`` (a live model's updates), then
-the plugins (``vllm_facts``: what the vLLM plugin reads from vLLM).
+The engine-neutral core, in-room modules: ``_modes`` (the mode, the repair switch, a check
+that cannot run, which checkpoint a load is checked against), ``_names`` (which names are a KDA
+layer's), ``_derived`` (an engine's derived copies), ``_repacked`` (what a post-load repack
+leaves checkable), ``_target`` (a rank's KDA parameters), ``_updates`` (one update's check),
+``_first_load`` (the check at load), ``_live`` (a live model's updates), ``_record`` (this
+process's hooks, verdicts and a live audit's ranks) and ``_load`` (the one flow and the
+:class:`Engine` protocol). No engine fact is in them: each is in its adapter
+(``kda_tp.guard.vllm``, ``kda_tp.guard.sglang``).
 """
 
-from . import first_load, live, modes, target, updates
-from .modes import *  # noqa: F403
-from .first_load import *  # noqa: F403
-from .target import *  # noqa: F403
-from .updates import *  # noqa: F403
-from .live import *  # noqa: F403
+from ._first_load import GuardResult, check
+from ._live import Follower, follow, followed
+from ._load import Engine, on_load
+from ._modes import (CHECKPOINT_ENV, MODE_ENV, MODES, REPAIR_ENV, LoadSource, load_checkpoint,
+                     mode)
+from ._names import looks_kda
+from ._record import rank_report
+from ._repacked import not_carried
+from ._target import RankTarget
+from ._updates import UpdateReport, UpdateSession
 
-__all__ = modes.__all__ + first_load.__all__ + target.__all__ + updates.__all__ + live.__all__
+__all__ = ["CHECKPOINT_ENV", "MODES", "MODE_ENV", "REPAIR_ENV", "Engine", "Follower",
+           "GuardResult", "LoadSource", "RankTarget", "UpdateReport", "UpdateSession", "check",
+           "follow", "followed", "load_checkpoint", "looks_kda", "mode", "not_carried",
+           "on_load", "rank_report"]

@@ -224,11 +224,11 @@ def load_checkpoint(model_path: str, load_format: str, where: str, *,
 
 
 def update_checkpoint(found: LoadSource, opened: Any, where: str) -> Any:
-    """What a model's later updates are checked against, the same for both engines: the
-    source the first load's check opened (``opened``), else ``found``'s checkpoint path.
+    """What a model's later updates are checked against, the same for both engines: what the
+    first load's check built (``opened``: its plan), else ``found``'s checkpoint path.
 
     Returns:
-        The open source or local path; None when there is none (the load's warning said why)
+        The plan or local path; None when there is none (the load's warning said why)
         or it is not a local checkpoint (a repository id not in the cache, a URL): then a
         warning, once, says its updates are not checked and how to name a local copy.
     """

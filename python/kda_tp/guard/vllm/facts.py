@@ -1,7 +1,7 @@
 """What the vLLM plugin (:mod:`kda_tp.guard.vllm`) reads from vLLM 0.33: the worker's ranks
 (tensor-parallel, pipeline, data-parallel), its current config, whether a model is a
 speculative draft, the checkpoint a load is checked against, and where the guard's log lines
-go.
+go; gathered for the guard's one flow as vLLM's adapter (:class:`VllmEngine`).
 
 This module imports vLLM only inside its functions (they run in a vLLM process).
 """
@@ -9,14 +9,75 @@ This module imports vLLM only inside its functions (they run in a vLLM process).
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
-from .first_load import stage_layers
-from .modes import LoadSource, load_checkpoint
+from ...engines.derived import derived_copies
+from ...engines.dtype import model_dtype_name
+from .._modes import LoadSource, load_checkpoint
+from .._target import Reader
+from .._names import stage_layers
+from . import repacked
 
-__all__ = ["attach_vllm_logging", "current_config", "dp_rank", "is_draft", "load_source",
-           "pp_rank_size", "stage_layers_of", "tp_rank_size"]
+__all__ = ["VllmEngine", "attach_vllm_logging", "current_config", "dp_rank", "is_draft",
+           "load_source", "pp_rank_size", "stage_layers_of", "tp_rank_size"]
+
+
+class _VllmReader:
+    """How vLLM holds its parameters: ModelOpt block scales squeezed after loading, weights
+    repacked by its CPU GEMM dispatch (:mod:`kda_tp.guard.vllm.repacked`)."""
+
+    def described(self, name: str, param: Any) -> Any:
+        return repacked.as_described(name, param)
+
+    def read_back(self, module: Any, param: Any) -> tuple[Any, str | None]:
+        return repacked.read_back(module, param)
+
+
+class VllmEngine:
+    """vLLM's facts about one model on this worker (:class:`kda_tp.guard.Engine`).
+
+    Args:
+        model_config: the model's vLLM ``ModelConfig`` (None: the current config's).
+        vllm_config: vLLM's config (None: the current one).
+        loader: the loader class's name (``"DefaultModelLoader"``), ``"reload_weights"``,
+            ``"update"``...: how :func:`load_source` reads the load format.
+    """
+
+    name = "vllm"
+    reader: Reader = _VllmReader()
+
+    def __init__(self, model_config: Any, vllm_config: Any = None, loader: str = "update"):
+        self.vllm_config = current_config(vllm_config)
+        self.model_config = model_config or getattr(self.vllm_config, "model_config", None)
+        self.loader = loader
+        attach_vllm_logging()
+
+    def label(self) -> str:
+        return "vllm"
+
+    def is_draft(self) -> bool:
+        """A speculative draft (:func:`is_draft`), or no model config to know it by."""
+        return self.model_config is None or is_draft(self.model_config, self.vllm_config)
+
+    def rank_size(self) -> tuple[int, int]:
+        return tp_rank_size()
+
+    def stage_layers(self, names: Iterable[str]) -> list[int] | None:
+        return stage_layers_of(names)
+
+    def load_source(self, where: str, given: str | None) -> LoadSource:
+        return load_source(self.model_config, self.vllm_config, self.loader, where, given)
+
+    def held(self, model: Any, params: Mapping[str, Any]
+             ) -> tuple[dict[str, Any], dict[str, str]]:
+        return repacked.held(model, params)
+
+    def derived(self, model: Any) -> dict[str, Any]:
+        return derived_copies(model)
+
+    def model_dtype(self) -> str | None:
+        return model_dtype_name(getattr(self.model_config, "dtype", None))
 
 
 def attach_vllm_logging() -> None:

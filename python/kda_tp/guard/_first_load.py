@@ -26,8 +26,9 @@ and ``dt_bias``, a checkpoint whose config describes no KDA layer, an explicitly
 ``GuardError`` in mode ``fail``, a warning in mode ``warn``, never a crash.
 
 The checkpoint is described once per rank (``kda_tp.describe``: its config and names read
-once); the description goes down to the audit and comes back in the :class:`GuardResult`, for
-the engine plugin to build the rank's update target from it without reading anything again.
+once); the audit builds the rank's plan and engine parameter plans once
+(:class:`~kda_tp.engines.RankPlan`), which the :class:`GuardResult` carries for the rank's
+update target to be built from without planning anything again.
 
 This module imports no engine and no torch; torch tensors are read only when torch is imported
 already (they come from an engine).
@@ -35,171 +36,32 @@ already (they come from an engine).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
 import warnings
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from ..audit.auditor import audit
+from ..audit.auditor import audit_rank
 from ..audit.report import AuditReport
-from ..audit.values import as_record, first_difference, same_values
 from ..checkpoint.description import describe
 from ..checkpoint.reader import SafetensorsSource
-from ..engines.derived import DERIVED
-from ..engines.registry import kda_only_suffixes, param_location, param_name
+from ..engines.build import RankPlan
 from ..errors import CheckpointError, GuardError, GuardModeError, KdaTpError
 from ..model.config import describes_kda
-from .modes import CHECKPOINT_ENV, MODE_ENV, MODES, cannot_check, mode
-from .repacked import judge
+from ._derived import first_load_problem
+from ._modes import CHECKPOINT_ENV, MODE_ENV, MODES, cannot_check, mode
+from ._names import holds_kda, looks_kda
+from ._repacked import judge
 
-__all__ = ["GuardResult", "check", "derived_problem", "holds_kda", "looks_kda", "rank_report",
-           "stage_layers", "verdict_line"]
+__all__ = ["GuardResult", "check", "verdict_line"]
 
 logger = logging.getLogger("kda_tp.guard")
-
-# Parameter names only a KDA layer has (every engine layout holds A_log and dt_bias; other
-# linear-attention layers such as Qwen3-Next's hold theirs under `linear_attn.`).
-_MARKERS = (".A_log", ".dt_bias")
-
-
-# Names only a KDA layer has (any engine layout, and the derived copies): a model holding
-# some under `.self_attn.` without the markers is a KDA model whose markers are missing.
-_KDA_LOOKING = tuple(f".{end}" for end in sorted(kda_only_suffixes()) if f".{end}" not in _MARKERS
-                     ) + tuple(f".{copy}" for copies in DERIVED.values() for copy in copies)
-
-
-def derived_problem(name: str, value: Any, params: Mapping[str, Any], layout: str
-                    ) -> str | None | bool:
-    """The verdict on one derived copy against the parameters it derives from, as they are
-    in ``params`` now: None (exact, compared as the audit compares: ``same_values``), a
-    problem (its shape, dtype, or the first element that differs), or False when ``layout``
-    keeps no such copy (:data:`~kda_tp.engines.derived.DERIVED`) or one of its parameters is
-    not in ``params`` (not checked).
-
-    Args:
-        name: the copy's full name (``model.layers.0.self_attn._merged_conv_weight``).
-        value: its tensor (torch on any device, numpy).
-        params: the rank's parameters by full name.
-        layout: the engine layout's name.
-    """
-    location = param_location(name)
-    known = DERIVED.get(layout, {})
-    if location is None or location[2] not in known:
-        return False
-    prefix, layer, suffix = location
-    copy = known[suffix]
-    origins = [param_name(prefix, layer, source) for source in copy.sources]
-    if any(origin not in params for origin in origins):
-        return False
-    try:
-        got = as_record(name, value)
-        bases = [as_record(origin, params[origin]) for origin in origins]
-    except KdaTpError as error:
-        return f"cannot be read: {error}"
-    want = np.ascontiguousarray(copy.derive(*(b.array for b in bases)))
-    want_dtype = as_record(name, want).dtype
-    what = " and ".join(copy.sources)
-    if got.array.shape != want.shape or got.dtype != want_dtype:
-        return (f"shape {list(got.array.shape)} x {got.dtype}, expected {list(want.shape)} x "
-                f"{want_dtype} (derived from {what})")
-    flat_got, flat_want = np.ascontiguousarray(got.array).reshape(-1), want.reshape(-1)
-    if same_values(flat_got, flat_want):
-        return None
-    first = first_difference(flat_got, flat_want)
-    index = [int(i) for i in np.unravel_index(first, want.shape)]
-    stale = (f"the engine's copy is stale (built before the last update and never rebuilt: "
-             f"{copy.issue})" if copy.issue else
-             "the engine's decode copy is stale or was filled from another slice")
-    return (f"differs from what {what} makes of it at {index} (expected "
-            f"{float(flat_want[first])!r}, got {float(flat_got[first])!r}): {stale}")
-
-
-def holds_kda(names: Iterable[str]) -> bool:
-    """Whether parameter names include a KDA layer's (``...self_attn.A_log`` or
-    ``...self_attn.dt_bias``, any prefix): the cheap test :func:`check` skips on, for plugins
-    that must decide before they know the checkpoint. One pass over the names, no I/O; a
-    name that is not a ``str`` is no KDA name."""
-    return _any_ending(names, _MARKERS)
-
-
-def looks_kda(names: Iterable[Any]) -> bool:
-    """Whether names include a KDA layer's: :func:`holds_kda`'s markers or other names only a
-    KDA layer has (its gate projections, ``o_norm``, its fused projections or convs, under
-    ``.self_attn.``). True with :func:`holds_kda` false is a KDA model whose ``A_log`` and
-    ``dt_bias`` are missing, which :func:`check` skips with a warning. One pass over the
-    names, no I/O."""
-    return _any_ending(names, _MARKERS + _KDA_LOOKING)
-
-
-def _any_ending(names: Iterable[Any], ends: tuple[str, ...]) -> bool:
-    names = list(names) if not isinstance(names, Mapping | list | tuple) else names
-    try:  # the fast path: every name a str
-        return any(n.endswith(ends) and ".self_attn." in n for n in names)
-    except (AttributeError, TypeError):
-        return any(isinstance(n, str) and n.endswith(ends) and ".self_attn." in n
-                   for n in names)
-
-
-def rank_report(run: Callable[[], GuardResult | None], *, tp_rank: int, tp_size: int,
-                where: str) -> dict[str, Any]:
-    """One rank's live audit as the plain dict both engine plugins return per rank
-    (``vllm_plugin.audit_llm``, ``sglang_plugin.audit_engine``); never raises for a wrong
-    rank or a check that could not run.
-
-    Args:
-        run: the rank's check: a call of :func:`check` in mode ``fail`` (a failure raises
-            :class:`GuardError` with its report; a check that cannot run raises it without).
-        tp_rank: the rank checked.
-        tp_size: the tensor-parallel world size.
-        where: the caller's label (``"sglang"``, ``"vllm audit"``).
-
-    Returns:
-        Keys ``ok`` (True, False, or None when nothing was checked), ``guarded`` (True),
-        ``line`` (the guard's one-line verdict, or ``not checked: <why>``), ``tp_rank``,
-        ``tp_size``, ``where``, ``skipped`` (why nothing was checked, or
-        None), ``engine`` (the layout), ``params``, ``bytes``, ``seconds``, ``summary`` and
-        ``text`` (the audit's summary and full diagnosis) and ``report``
-        (``AuditReport.to_dict()``, as ``kda-tp audit --json``).
-    """
-    out: dict[str, Any] = {"ok": None, "guarded": True, "line": "", "tp_rank": tp_rank,
-                           "tp_size": tp_size, "where": where, "skipped": None, "engine": None,
-                           "params": 0, "bytes": 0, "seconds": 0.0, "summary": "", "text": "",
-                           "report": None, "unchecked": []}
-    report: AuditReport | None = None
-    with warnings.catch_warnings(record=True) as seen:
-        warnings.simplefilter("always")
-        try:
-            result = run()
-        except GuardError as error:
-            if error.report is None:
-                out.update(skipped=str(error), line=f"not checked: {error}")
-                return out
-            result, report = error.result, error.report
-            out["line"] = str(error).splitlines()[0]
-    if result is not None:
-        out.update(result.to_dict())
-        return out
-    if report is None:
-        why = "; ".join(str(w.message) for w in seen) or "no KDA parameter in this model"
-        out.update(skipped=why, line=f"not checked: {why}")
-        return out
-    out.update(ok=report.passed, engine=report.engine, summary=report.summary(),
-               text=report.format(), report=report.to_dict())
-    return out
-
-
-def stage_layers(names: Iterable[Any]) -> list[int]:
-    """The decoder layers whose KDA parameters ``names`` hold: every layer with a KDA name
-    (:func:`looks_kda`'s, not only ``A_log`` / ``dt_bias``), so that a layer whose markers are
-    missing is checked, and reported missing, instead of dropped."""
-    return sorted({loc[1] for n in names
-                   if isinstance(n, str) and looks_kda([n]) and (loc := param_location(n))})
-
 
 @dataclass(frozen=True)
 class GuardResult:
@@ -215,8 +77,8 @@ class GuardResult:
         bytes: their size on the rank, in bytes.
         seconds: wall time of the check, in seconds.
         where: the caller's label (``"vllm worker 3"``), or ``""``.
-        source: the checkpoint as this check opened it (its description, ``kda_tp.describe``
-            of it, read once): what the engine plugin builds the rank's update target from.
+        plan: the rank's plan and engine parameter plans the audit built
+            (:class:`~kda_tp.engines.RankPlan`): what the rank's update target is built from.
         unchecked: one line per parameter the engine repacked after loading that cannot be
             checked (``<name>: ... not checkable ...``), out of ``report``'s verdicts.
     """
@@ -229,7 +91,7 @@ class GuardResult:
     bytes: int
     seconds: float
     where: str = ""
-    source: SafetensorsSource | None = field(default=None, repr=False, compare=False)
+    plan: RankPlan | None = field(default=None, repr=False, compare=False)
     unchecked: tuple[str, ...] = ()
 
     @property
@@ -239,7 +101,7 @@ class GuardResult:
 
     def to_dict(self) -> dict[str, Any]:
         """The result as a JSON-ready dict (each checked rank's part of the plugins' live
-        audit, :func:`rank_report`): ``ok`` (:attr:`passed`), ``line`` (:meth:`line`),
+        audit, :func:`kda_tp.guard.rank_report`): ``ok`` (:attr:`passed`), ``line`` (:meth:`line`),
         ``tp_rank``, ``tp_size``, ``where``, ``engine``, ``params``, ``bytes``, ``seconds``,
         ``summary`` and ``text`` (the audit's summary line and full diagnosis), ``report``
         (``AuditReport.to_dict()``, as ``kda-tp audit --json`` prints it) and ``unchecked``."""
@@ -403,20 +265,22 @@ def check(
                          f"not checked (is it the checkpoint the engine loaded? set "
                          f"{CHECKPOINT_ENV} to it)", chosen)
             return None
-        report = audit(named, source or checkpoint, tp_rank=tp_rank, tp_size=tp_size, engine=engine,
-                       layers=layers, model_dtype=model_dtype)
-        count = len(report.params)
-        unchecked = judge(report, repacked, source or checkpoint, tp_rank=tp_rank,
-                          model_dtype=model_dtype) if repacked else []
+        audited = audit_rank(named, source or checkpoint, tp_rank=tp_rank, tp_size=tp_size,
+                             engine=engine, layers=layers, model_dtype=model_dtype)
+        count = len(audited.report.params)
+        report, unchecked = judge(audited, repacked) if repacked else (audited.report, [])
         checked = [p for p in report.params if p.status != "missing"]
         nbytes = sum(_nbytes(named[p.name]) for p in checked)
+        problems = []
         for name, value in (derived or {}).items():
-            problem = _check_derived(name, value, named, report)
+            problem = first_load_problem(name, value, named, report)
             if problem is not False:
                 count += 1
                 nbytes += _nbytes(value)
                 if problem:
-                    report.problems.append(f"rank {tp_rank} {name}: {problem}")
+                    problems.append(f"rank {tp_rank} {name}: {problem}")
+        if problems:
+            report = dataclasses.replace(report, problems=[*report.problems, *problems])
     except GuardError:
         raise
     except Exception as error:  # the guard's own failure must never crash a warn-mode engine
@@ -428,7 +292,7 @@ def check(
         logger.warning("%s", text)
         return None
     result = GuardResult(report, tp_rank, tp_size, report.engine, count, nbytes,
-                         time.perf_counter() - start, where, source, tuple(unchecked))
+                         time.perf_counter() - start, where, audited.plan, tuple(unchecked))
     if result.passed:
         logger.info("%s", result.line())
         return result
@@ -471,22 +335,3 @@ def _pairs(params: Iterable[Any]) -> dict[str, Any]:
                             "tensor) pair; pass a mapping or model.named_parameters()")
         out[item[0]] = item[1]
     return out
-
-
-def _check_derived(name: str, value: Any, named: Mapping[str, Any],
-                   report: AuditReport) -> str | None | bool:
-    """:func:`derived_problem` after the first load: checked only when every parameter it
-    derives from is exact (else the parameter's failure says it all)."""
-    location = param_location(name)
-    known = DERIVED.get(report.engine, {})
-    if location is None or location[2] not in known:
-        return False
-    prefix, layer, suffix = location
-    verdicts = {p.name: p for p in report.params}
-    for source in known[suffix].sources:
-        origin = f"{prefix}{layer}.self_attn.{source}"
-        if origin not in verdicts:
-            return f"its parameter {origin} was not checked"
-        if not verdicts[origin].passed:
-            return None
-    return derived_problem(name, value, named, report.engine)

@@ -1,10 +1,11 @@
 """One rank's KDA parameters as the update checker needs them, built once per model.
 
-A :class:`RankTarget` is made from what the engine plugin knows at the first load (the
-checkpoint's description, the rank and world size of the engine's tensor-parallel group, the
-engine layout, the rank's parameters): the plan of the rank, every region of every KDA
-parameter (each part, and the zero padding rows), and the checkpoint names an update feeds
-for them. It keeps the parameter objects: an update reads them as they are, and the target is
+A :class:`RankTarget` is made from what the first load's check built for the rank (its
+:class:`~kda_tp.engines.RankPlan`: the plan, the engine layout and its parameter plans) and the
+rank's parameters, or from a checkpoint's description when no check ran: every region of every
+KDA parameter (each part, and the zero padding rows), and the checkpoint names an update feeds
+for them. How the engine holds its parameters (its post-load repack and how to read it back)
+is the engine adapter's (a :class:`Reader`). It keeps the parameter objects: an update reads them as they are, and the target is
 reused for every later update while the engine holds the same objects in the same shapes
 (:meth:`RankTarget.holds`). It keeps neither the description nor the checkpoint open.
 
@@ -15,35 +16,49 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from ..checkpoint.description import CheckpointDescription
-from ..checkpoint.names import checkpoint_suffix
+from ..checkpoint.names import checkpoint_suffix, param_location, param_name
+from ..engines.build import RankPlan
 from ..engines.dtype import model_dtype_name
-from ..engines.layout import EngineLayout
-from ..engines.registry import get_layout, param_location, recognise
+from ..engines.registry import get_layout, recognise
 from ..errors import EngineLayoutError
 from ..model.dtypes import numpy_dtype
 from ..model.quant import SCALE_SUFFIXES
 from ..rank.plan import KdaTensorPlan, KdaTpPlan
-from .repacked import read_back
 
-__all__ = ["PADDING", "Place", "RankTarget", "as_described"]
+__all__ = ["AS_HELD", "PADDING", "Place", "RankTarget", "Reader"]
 
 #: The part label of a parameter's zero padding rows (the engine's rule: zero after every
 #: load, e.g. vLLM K3's ``in_proj_qkvgfab``).
 PADDING = "padding"
 
 
-def as_described(name: str, param: Any) -> Any:
-    """``param`` as the layouts describe it: a ModelOpt ``FP8_PB_WO`` block scale is loaded
-    ``[ob, 1, ib, 1]`` and squeezed to ``[ob, ib]`` only by vLLM's
-    ``process_weights_after_loading`` (``KFp8Block128.process``), after the guard's first
-    check; the squeezed view holds the same bytes. Every other parameter as it is."""
-    shape = tuple(getattr(param, "shape", ()))
-    if name.endswith(".weight_scale") and len(shape) == 4 and shape[1] == shape[3] == 1:
-        return param.squeeze(3).squeeze(1)
-    return param
+class Reader(Protocol):
+    """How an engine holds its parameters (the engine adapter's part of a target)."""
+
+    def described(self, name: str, param: Any) -> Any:
+        """``param`` as the engine layouts describe it (its bytes, maybe another view)."""
+
+    def read_back(self, module: Any, param: Any) -> tuple[Any, str | None]:
+        """What ``module`` holds as its ``weight`` (``param``) after the engine's post-load
+        repack: ``(value, how)``, ``how`` None (as it is), :data:`kda_tp.guard.GEMM` (read
+        through the engine's GEMM) or why it cannot be read back (not checkable)."""
+
+
+class _AsHeld:
+    """An engine that holds every parameter as loaded (no repack, no other view)."""
+
+    def described(self, name: str, param: Any) -> Any:
+        return param
+
+    def read_back(self, module: Any, param: Any) -> tuple[Any, str | None]:
+        return param, None
+
+
+#: The :class:`Reader` of an engine that holds its parameters as loaded.
+AS_HELD: Reader = _AsHeld()
 
 
 @dataclass(frozen=True)
@@ -87,12 +102,13 @@ class RankTarget:
         places: ``(layer, part)`` -> the regions that part fills.
         regions: parameter name -> every region of it (its parts, then its padding).
         params: parameter name -> the parameter as the layouts describe it
-            (:func:`as_described`), as the engine held it when the target was built.
+            (:meth:`Reader.described`), as the engine held it when the target was built.
     """
 
-    def __init__(self, plan: KdaTpPlan, layout: EngineLayout, prefix: str,
-                 params: Mapping[str, Any], layers: Iterable[int],
-                 slots: Mapping[str, tuple[Any, str, Any]]):
+    def __init__(self, rank_plan: RankPlan, params: Mapping[str, Any], layers: Iterable[int],
+                 slots: Mapping[str, tuple[Any, str, Any]], reader: Reader):
+        self.rank_plan, self.reader = rank_plan, reader
+        plan, layout, prefix = rank_plan.plan, rank_plan.layout, rank_plan.prefix
         self.plan, self.layout, self.prefix = plan, layout, prefix
         self.tp_rank, self.tp_size = plan.tp_rank, plan.tp_size
         self.layers = layers = frozenset(layers)
@@ -113,7 +129,7 @@ class RankTarget:
                 if held is None:
                     continue  # another pipeline stage's layer, or a parameter the engine lacks
                 dtype = model_dtype_name(getattr(self.params[held], "dtype", None))
-                pplan = layout.param_plan(param.suffix, plan, dtype)
+                pplan = rank_plan.param_plan(param.suffix, dtype)
                 size = numpy_dtype(pplan.dtype).itemsize
                 spans = [(r.part, r.byte_range) for r in pplan.regions]
                 if pplan.padding is not None:
@@ -130,15 +146,35 @@ class RankTarget:
                 for spelling in SCALE_SUFFIXES:
                     suffixes[f"{t.name}.{spelling}"] = (f"{t.name}.scale", t.scale)
         self.fed: dict[str, tuple[int, str, KdaTensorPlan]] = {
-            f"{prefix}{layer}.self_attn.{suffix}": (layer, part, entry)
+            param_name(prefix, layer, suffix): (layer, part, entry)
             for layer in layers for suffix, (part, entry) in suffixes.items()
             if (layer, part) in self.places}
 
     @classmethod
+    def of(cls, rank_plan: RankPlan, params: Mapping[str, Any], *, model: Any = None,
+           reader: Reader = AS_HELD) -> RankTarget:
+        """The target of one rank from the plan the first load's check built for it (its
+        layout and layers, nothing planned again).
+
+        Args:
+            rank_plan: the rank's plan (``kda_tp.audit.auditor.RankAudit.plan``).
+            params: the rank's parameters by full name (``model.named_parameters()``);
+                only the KDA ones are kept.
+            model: the ``torch.nn.Module`` holding ``params``: :meth:`holds` then tells
+                whether the engine still holds the same objects.
+            reader: how the engine holds them (its adapter's).
+        """
+        described = {n: reader.described(n, p) for n, p in params.items() if isinstance(n, str)}
+        slots = _slots(model, described) if model is not None else {}
+        return cls(rank_plan, described, rank_plan.layers, slots, reader)
+
+    @classmethod
     def build(cls, description: CheckpointDescription, params: Mapping[str, Any], *,
               tp_rank: int, tp_size: int, engine: str | None = None,
-              layers: Iterable[int] | None = None, model: Any = None) -> RankTarget:
-        """The target of one rank.
+              layers: Iterable[int] | None = None, model: Any = None,
+              reader: Reader = AS_HELD) -> RankTarget:
+        """The target of one rank from a checkpoint's description (no first-load check ran:
+        a dummy load, a load path that could not be checked).
 
         Args:
             description: the checkpoint's description (``kda_tp.describe``): config, decoder
@@ -152,6 +188,7 @@ class RankTarget:
             layers: the KDA layers this rank holds (a pipeline stage's); None: every KDA layer.
             model: the ``torch.nn.Module`` holding ``params``: :meth:`holds` then tells
                 whether the engine still holds the same objects.
+            reader: how the engine holds them (its adapter's).
 
         Raises:
             CheckpointError: the description has no config or no KDA layer.
@@ -160,7 +197,7 @@ class RankTarget:
         """
         plan = KdaTpPlan.from_description(description, tp_rank, tp_size, qk_multiple=1)
         chosen = set(description.kda_layers(layers))
-        described = {n: as_described(n, p) for n, p in params.items() if isinstance(n, str)}
+        described = {n: reader.described(n, p) for n, p in params.items() if isinstance(n, str)}
         suffixes = {loc[2] for n in described
                     if (loc := param_location(n)) is not None and loc[1] in chosen}
         if engine is not None:
@@ -174,14 +211,16 @@ class RankTarget:
                     f"layouts{': ' + ', '.join(x.name for x in fitting) if fitting else ''}")
             layout = fitting[0]
         slots = _slots(model, described) if model is not None else {}
-        return cls(plan, layout, description.prefix, described, chosen, slots)
+        # Each parameter planned for the dtype it is held in, as it is asked for.
+        rank_plan = RankPlan(plan, layout, None, description.prefix, tuple(sorted(chosen)), {})
+        return cls(rank_plan, described, chosen, slots, reader)
 
     def rebuilt(self, model: Any) -> RankTarget:
         """The same target for the parameter objects ``model`` holds now (after the engine
         re-registered some): same plan, layout and layers."""
-        params = {n: as_described(n, p) for n, p in model.named_parameters()}
-        return RankTarget(self.plan, self.layout, self.prefix, params, self.layers,
-                          _slots(model, params))
+        params = {n: self.reader.described(n, p) for n, p in model.named_parameters()}
+        return RankTarget(self.rank_plan, params, self.layers, _slots(model, params),
+                          self.reader)
 
     def holds(self, model: Any) -> bool:
         """Whether ``model`` holds the target's parameter objects, in the same shapes (an
@@ -212,12 +251,12 @@ class RankTarget:
         """Parameter ``name`` as its module holds it now (after an update that re-registered
         it, the new object), as the layouts describe it; a weight the engine repacked after
         the update (vLLM's CPU GEMM dispatch) read back through the engine
-        (:func:`kda_tp.guard.repacked.read_back`); the target's object without a model.
+        (:meth:`Reader.read_back`); the target's object without a model.
 
         Returns:
             ``(value, how)``: ``how`` is None (held as it is),
-            :data:`~kda_tp.guard.repacked.GEMM` (read back through the engine's GEMM: some
-            values it cannot carry, :func:`~kda_tp.guard.repacked.not_carried`) or why the
+            :data:`~kda_tp.guard.GEMM` (read back through the engine's GEMM: some
+            values it cannot carry, :func:`~kda_tp.guard.not_carried`) or why the
             repacked weight cannot be read back (not checkable).
         """
         slot = self._slots.get(name)
@@ -227,7 +266,8 @@ class RankTarget:
         now = getattr(module, "_parameters", {}).get(attr)
         if now is None:
             return self.params[name], None
-        return read_back(module, now) if attr == "weight" else (as_described(name, now), None)
+        return (self.reader.read_back(module, now) if attr == "weight"
+                else (self.reader.described(name, now), None))
 
     @property
     def nbytes(self) -> int:

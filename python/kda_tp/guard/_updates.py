@@ -49,8 +49,8 @@ from ..audit.values import as_record, cast_to, first_difference, same_tensor_val
 from ..checkpoint.reader import shard_bytes
 from ..model.dtypes import numpy_dtype, torch_dtype
 from ..rank.plan import KdaTensorPlan
-from .repacked import GEMM, not_carried
-from .target import PADDING, Place, RankTarget
+from ._repacked import GEMM, not_carried
+from ._target import PADDING, Place, RankTarget
 
 __all__ = ["FINGERPRINT_ELEMENTS", "Memory", "UpdateReport", "UpdateSession"]
 
@@ -78,7 +78,7 @@ class UpdateReport:
             unreadable, an error of the guard's own).
         repacked: one line per parameter the engine repacked after the update (vLLM's CPU
             GEMM dispatch) that kda_tp cannot judge: not readable back, or its values hold one
-            a GEMM read-back cannot carry (:mod:`kda_tp.guard.repacked`). Not checkable, never
+            a GEMM read-back cannot carry (:func:`kda_tp.guard.not_carried`). Not checkable, never
             wrong: they do not fail the update (issue 34, item 2).
     """
 
@@ -138,6 +138,9 @@ class UpdateSession:
         # Parameters read back through the engine's GEMM at the close (repacked).
         self._gemm: set[str] = set()
         self._now: Mapping[str, Any] | None = None
+        #: The parameters :meth:`close` read, by name (None: the engine no longer holds it, or
+        #: it cannot be read back), for the caller's checks after it (the derived copies).
+        self.values: dict[str, Any] = {}
         self.count = 0
         #: The engine held the parameters on the meta device when the first KDA tensor came:
         #: a layerwise reload the guard did not see begin; the session goes on to its end.
@@ -298,7 +301,7 @@ class UpdateSession:
         start = time.perf_counter()
         report = UpdateReport(fed=self.count, problems=list(self._problems),
                               unchecked=list(self._unchecked))
-        values: dict[str, Any] = {}
+        values = self.values = {}
         self._now = params
         try:
             self._close(report, values)

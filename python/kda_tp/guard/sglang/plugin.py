@@ -68,14 +68,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ..engines.dtype import model_dtype_name
-from ..errors import GuardError, KdaTpError
-from .first_load import GuardResult, check, looks_kda, rank_report
-from .live import Follower, follow, followed
-from .modes import (MODE_ENV, LoadSource, cannot_check, load_checkpoint, mode,
-                    update_checkpoint, warn_once)
-from .record import RECORD, account
-from .record import status as _status
+from ...errors import GuardError
+from .._first_load import GuardResult, check
+from .._live import Follower, followed
+from .._load import follow_model, on_load
+from .._modes import MODE_ENV, cannot_check, mode, warn_once
+from .._record import RECORD, account, rank_report
+from .._record import status as _status
+from .facts import SglangEngine, parallel_int, label, parallel, checkpoint_of, rank_and_size
 
 __all__ = ["RPC_METHOD", "TARGETS", "audit_engine", "audit_runner", "checkpoint_of",
            "guard_runner", "rank_and_size", "register", "status"]
@@ -178,45 +178,28 @@ def _after_load_model(result: Any, runner: Any, *args: Any, **kwargs: Any) -> No
     later (``runner.startup_weight_load`` set: the finalize hook checks)."""
     _check_armed()
     if getattr(runner, "startup_weight_load", None) is None:
-        follow_runner(runner, guard_runner(runner))
+        guard_runner(runner, follows=True)
 
 
 def _after_finalize(result: Any, runner: Any, *args: Any, **kwargs: Any) -> None:
     """After ``ModelRunner.finalize_startup_weight_load`` (overlap mode): check."""
-    follow_runner(runner, guard_runner(runner))
+    guard_runner(runner, follows=True)
 
 
-def follow_runner(runner: Any, result: GuardResult | None = None) -> Follower | None:
+def follow_runner(runner: Any) -> Follower | None:
     """Check every later update of a (non-draft) runner's model, KDA names (as vLLM's plugin,
     :func:`kda_tp.guard.looks_kda`: a model that lost ``A_log`` too): its ``load_weights``
-    feeds the update sessions (:func:`kda_tp.guard.live.follow`). ``result``: the first
-    load's check, whose description and layout are taken. Returns the follower, or None.
+    feeds the update sessions (:func:`kda_tp.guard.follow`). A model whose first load was
+    checked is followed from that check already. Returns the follower, or None.
 
     Raises:
         GuardError: mode ``fail`` and the checkpoint's config gives no plan for the model's
             KDA parameters.
     """
     model = getattr(runner, "model", None)
-    if getattr(runner, "is_draft_worker", False) or model is None or mode() == "off":
+    if model is None:
         return None
-    how = followed(model)
-    if how is not None or not callable(getattr(model, "load_weights", None)):
-        return how
-    if not looks_kda(n for n, _ in model.named_parameters()):
-        return None
-    rank, size = rank_and_size()
-    where = f"{_label()} update: tp rank {rank}/{size}"
-    found = _load_source(runner, where)
-    checkpoint = update_checkpoint(found, getattr(result, "source", None), where)
-    if checkpoint is None:
-        return None
-    try:
-        return follow(model, "sglang", checkpoint, tp_rank=rank, tp_size=size,
-                      layout=result.engine if result is not None else None, dummy=found.dummy)
-    except KdaTpError as error:
-        cannot_check(f"kda_tp guard: {where}: the updates of this model cannot be checked "
-                     f"against {getattr(checkpoint, 'path', checkpoint)}: {error}")
-        return None
+    return follow_model(SglangEngine(runner), model)
 
 
 def _verdict(how: Follower, owner: str) -> str | None:
@@ -368,68 +351,18 @@ def _around_rpc(original: Callable[..., Any], scheduler: Any, recv_req: Any,
 # The check of one model runner
 
 
-def _parallel() -> Any:
-    """SGLang's parallel context (``get_parallel()``) of this process."""
-    from sglang.srt.runtime_context import get_parallel
-
-    return get_parallel()
-
-
-def rank_and_size() -> tuple[int, int]:
-    """``(attn_tp_rank, attn_tp_size)`` of this process, from SGLang's ``get_parallel()``:
-    the group SGLang's KDA layers shard their heads over (the TP group without DP attention)."""
-    parallel = _parallel()
-    return int(parallel.attn_tp_rank), int(parallel.attn_tp_size)
-
-
-def _label() -> str:
-    """``"sglang"``, with the DP-attention and pipeline ranks when there are several."""
-    parallel = _parallel()
-    label = "sglang"
-    for what in ("attn_dp", "pp"):
-        try:
-            size, rank = getattr(parallel, f"{what}_size"), getattr(parallel, f"{what}_rank")
-        except (AttributeError, ValueError):  # a context without that group published
-            continue
-        if isinstance(size, int) and size > 1:
-            label += f" {what} rank {rank}"
-    return label
-
-
-def _load_source(runner: Any, where: str, given: str | None = None) -> LoadSource:
-    """:func:`kda_tp.guard.modes.load_checkpoint` for a model runner."""
-    load_config = getattr(runner, "load_config", None)
-    load_format = getattr(load_config, "load_format", "")
-    config = runner.model_config
-    return load_checkpoint(str(config.model_path), str(getattr(load_format, "value", load_format)),
-                           where, given=given, revision=getattr(config, "revision", None),
-                           download_dir=getattr(load_config, "download_dir", None))
-
-
-def checkpoint_of(runner: Any, quiet: bool = False) -> str | None:
-    """The local checkpoint a model runner's load is checked against
-    (:func:`kda_tp.guard.modes.load_checkpoint`): ``KDA_TP_GUARD_CHECKPOINT`` if set, else
-    ``runner.model_config.model_path`` (a Hugging Face repository id: its local snapshot, if
-    cached). None for a ``sharded_state`` load without the variable (one warning unless
-    ``quiet``); ``""`` for a variable naming a path that is not there, in mode ``warn``
-    (warned).
-
-    Raises:
-        GuardError: mode ``fail`` and ``KDA_TP_GUARD_CHECKPOINT`` names a path that is not there.
-    """
-    found = _load_source(runner, "sglang")
-    if found.why and not quiet:
-        warnings.warn(found.why, RuntimeWarning, stacklevel=2)
-    return found.checkpoint
-
-
-def guard_runner(runner: Any, checkpoint: str | None = None) -> GuardResult | None:
-    """Run ``kda_tp.guard.check`` on one SGLang ``ModelRunner``'s loaded model.
+def guard_runner(runner: Any, checkpoint: str | None = None, *,
+                 follows: bool = False) -> GuardResult | None:
+    """Run the guard's one flow (:func:`kda_tp.guard.on_load`) on one SGLang ``ModelRunner``'s
+    loaded model: its check (``kda_tp.guard.check``), then, with ``follows``, its updates
+    followed from that check's plan.
 
     Args:
         runner: the model runner (``runner.model`` loaded); a draft runner
             (``runner.is_draft_worker``) is skipped.
-        checkpoint: the checkpoint to check against; None: :func:`checkpoint_of`.
+        checkpoint: the checkpoint to check against (a reload from disk); None:
+            :func:`checkpoint_of`.
+        follows: follow the model's later updates (the first load).
 
     Returns:
         The ``kda_tp.guard.GuardResult``, or None when nothing was checked (draft runner,
@@ -440,29 +373,9 @@ def guard_runner(runner: Any, checkpoint: str | None = None) -> GuardResult | No
     """
     if getattr(runner, "is_draft_worker", False) or getattr(runner, "model", None) is None:
         return None
-    if mode() == "off":
-        return None
-    path = checkpoint
-    if path is None:
-        found = _load_source(runner, "sglang")
-        if found.why:
-            warnings.warn(found.why, RuntimeWarning, stacklevel=2)
-        path = found.checkpoint if found.check_load else None  # a dummy load: not checked
-    if not path:
-        return None
-    tp_rank, tp_size = rank_and_size()
-    dtype = model_dtype_name(getattr(getattr(runner, "model_config", None), "dtype", None))
     kind = "first load" if checkpoint is None else "update_weights_from_disk"
-    try:
-        result = check(dict(runner.model.named_parameters()), path, tp_rank=tp_rank,
-                       tp_size=tp_size, where=_label(), model_dtype=dtype)
-    except GuardError as error:
-        if error.result is not None:  # a FAIL verdict, raised in mode fail: counted too
-            RECORD.ran(kind, error.result.line())
-        raise
-    if result is not None:
-        RECORD.ran(kind, result.line())
-    return result
+    return on_load(SglangEngine(runner), runner.model, where=label(), kind=kind,
+                   given=checkpoint, follows=follows)[0]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -499,7 +412,7 @@ def audit_runner(runner: Any, checkpoint: str | None = None) -> dict[str, Any]:
     ``line``: ``kda_tp guard: <where>: tp rank r/T: <summary>`` (or ``not checked: <why>``).
     """
     tp_rank, tp_size = rank_and_size()
-    where = _label()
+    where = label()
     found: dict[str, str | None] = {"path": None}
 
     def run() -> GuardResult | None:
@@ -511,27 +424,19 @@ def audit_runner(runner: Any, checkpoint: str | None = None) -> dict[str, Any]:
         if not path:
             why = "; ".join(str(w.message) for w in seen)
             raise GuardError(f"no local checkpoint ({path!r})" + (f": {why}" if why else ""))
-        return check(dict(runner.model.named_parameters()), path, tp_rank=tp_rank,
-                     tp_size=tp_size, where=where, guard_mode="fail",
-                     model_dtype=model_dtype_name(getattr(getattr(
-                         runner, "model_config", None), "dtype", None)))
+        engine = SglangEngine(runner)
+        params = dict(runner.model.named_parameters())
+        return check(params, path, tp_rank=tp_rank, tp_size=tp_size, where=where,
+                     guard_mode="fail", derived=engine.derived(runner.model),
+                     layers=engine.stage_layers(params), model_dtype=engine.model_dtype())
 
     out = {**rank_report(run, tp_rank=tp_rank, tp_size=tp_size, where=where), **status()}
-    parallel = _parallel()
-    out.update(checkpoint=found["path"], dp_rank=_int(parallel, "attn_dp_rank"),
-               pp_rank=_int(parallel, "pp_rank"))
+    context = parallel()
+    out.update(checkpoint=found["path"], dp_rank=parallel_int(context, "attn_dp_rank"),
+               pp_rank=parallel_int(context, "pp_rank"))
     out["line"] = (f"kda_tp guard: {where}: tp rank {tp_rank}/{tp_size}: "
                    f"{out['summary'] or 'not checked: ' + str(out['skipped'])}")
     return out
-
-
-def _int(parallel: Any, name: str) -> int:
-    """``parallel.<name>`` as an int (0 when SGLang's context does not publish it)."""
-    try:
-        value = getattr(parallel, name)
-    except Exception:  # noqa: BLE001 - a context without that group published (its own error)
-        return 0
-    return value if isinstance(value, int) else 0
 
 
 def _scheduler_audit(scheduler: Any, report_dir: str = "", checkpoint: str = "",

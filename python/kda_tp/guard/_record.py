@@ -1,5 +1,6 @@
 """This process's guard record, one for both engine plugins: the hooks armed (or why not), the
-checks run by kind and the last verdict line, as :func:`status` reports them (the live audits
+checks run by kind and the last verdict line, as :func:`status` reports them, and one rank's
+live audit as a plain dict (:func:`rank_report`: the live audits
 ``kda_tp.guard.vllm.audit_llm`` and ``kda_tp.guard.sglang.audit_engine`` return it per rank).
 
 This module imports no engine.
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import inspect
 import sys
+import warnings
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -16,10 +18,12 @@ from types import ModuleType
 from typing import Any
 
 from .._native import __version__
-from ..errors import KdaTpError
-from .modes import mode
+from ..audit.report import AuditReport
+from ..errors import GuardError, KdaTpError
+from ._first_load import GuardResult
+from ._modes import mode
 
-__all__ = ["RECORD", "Record", "account", "status"]
+__all__ = ["RECORD", "Record", "account", "rank_report", "status"]
 
 
 @dataclass
@@ -147,3 +151,51 @@ def _silent(rank: tuple[int, int, int], tp_size: int, where: str, why: str) -> d
     return {"ok": None, "guarded": False, "dp_rank": dp, "pp_rank": pp, "tp_rank": tp,
             "tp_size": tp_size, "where": where, "report": None,
             "line": f"kda_tp guard: {where}{label}: tp rank {tp}/{tp_size}: unguarded: {why}"}
+
+
+def rank_report(run: Callable[[], GuardResult | None], *, tp_rank: int, tp_size: int,
+                where: str) -> dict[str, Any]:
+    """One rank's live audit as the plain dict both engine plugins return per rank
+    (``vllm_plugin.audit_llm``, ``sglang_plugin.audit_engine``); never raises for a wrong
+    rank or a check that could not run.
+
+    Args:
+        run: the rank's check: a call of :func:`check` in mode ``fail`` (a failure raises
+            :class:`GuardError` with its report; a check that cannot run raises it without).
+        tp_rank: the rank checked.
+        tp_size: the tensor-parallel world size.
+        where: the caller's label (``"sglang"``, ``"vllm audit"``).
+
+    Returns:
+        Keys ``ok`` (True, False, or None when nothing was checked), ``guarded`` (True),
+        ``line`` (the guard's one-line verdict, or ``not checked: <why>``), ``tp_rank``,
+        ``tp_size``, ``where``, ``skipped`` (why nothing was checked, or
+        None), ``engine`` (the layout), ``params``, ``bytes``, ``seconds``, ``summary`` and
+        ``text`` (the audit's summary and full diagnosis) and ``report``
+        (``AuditReport.to_dict()``, as ``kda-tp audit --json``).
+    """
+    out: dict[str, Any] = {"ok": None, "guarded": True, "line": "", "tp_rank": tp_rank,
+                           "tp_size": tp_size, "where": where, "skipped": None, "engine": None,
+                           "params": 0, "bytes": 0, "seconds": 0.0, "summary": "", "text": "",
+                           "report": None, "unchecked": []}
+    report: AuditReport | None = None
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        try:
+            result = run()
+        except GuardError as error:
+            if error.report is None:
+                out.update(skipped=str(error), line=f"not checked: {error}")
+                return out
+            result, report = error.result, error.report
+            out["line"] = str(error).splitlines()[0]
+    if result is not None:
+        out.update(result.to_dict())
+        return out
+    if report is None:
+        why = "; ".join(str(w.message) for w in seen) or "no KDA parameter in this model"
+        out.update(skipped=why, line=f"not checked: {why}")
+        return out
+    out.update(ok=report.passed, engine=report.engine, summary=report.summary(),
+               text=report.format(), report=report.to_dict())
+    return out

@@ -33,13 +33,14 @@ from typing import Any
 
 from ..checkpoint.description import describe
 from ..checkpoint.reader import SafetensorsSource
+from ..engines.build import RankPlan
 from ..engines.derived import DERIVED, DERIVED_ATTRIBUTES, derived_copies
 from ..errors import GuardError
-from .first_load import derived_problem
-from .modes import MODE_ENV, cannot_check, mode, repair_on
-from .record import RECORD
-from .target import RankTarget
-from .updates import Memory, UpdateReport, UpdateSession
+from ._derived import derived_problem
+from ._modes import MODE_ENV, cannot_check, mode, repair_on
+from ._record import RECORD
+from ._target import AS_HELD, RankTarget, Reader
+from ._updates import Memory, UpdateReport, UpdateSession
 
 __all__ = ["UPDATES_HOOK", "Follower", "follow", "followed"]
 
@@ -221,19 +222,22 @@ class Follower:
         if model is not None:
             repair(model)
             try:
-                self._derived(model, report)
+                self._derived(model, report, session.values)
             except Exception as error:  # noqa: BLE001 - never an exception into the engine
                 report.unchecked.append(f"the derived copies: {type(error).__name__}: {error}")
+        session.values.clear()
         if not session.touched and report.passed:
             return None
         return self._report(report, where)
 
-    def _derived(self, model: Any, report: UpdateReport) -> None:
-        """The derived copies the layout keeps, against their parameters now."""
+    def _derived(self, model: Any, report: UpdateReport, read: dict[str, Any]) -> None:
+        """The derived copies the layout keeps, against their parameters now (those the
+        session's close read already, ``read``, not read again)."""
         layout = self.target.layout.name
         if layout not in DERIVED:
             return
-        params = {name: self.target.current(name) for name in self.target.params}
+        params = {name: value if (value := read.get(name)) is not None
+                  else self.target.current(name) for name in self.target.params}
         for name, value in derived_copies(model).items():
             problem = derived_problem(name, value, params, layout)
             if isinstance(problem, str):
@@ -278,9 +282,10 @@ def followed(model: Any) -> Follower | None:
         return None
 
 
-def follow(model: Any, engine: str, checkpoint: SafetensorsSource | str, *, tp_rank: int,
-           tp_size: int, layout: str | None = None, layers: Any = None,
-           dummy: bool = False) -> Follower:
+def follow(model: Any, engine: str, checkpoint: SafetensorsSource | str | None = None, *,
+           tp_rank: int, tp_size: int, layout: str | None = None, layers: Any = None,
+           dummy: bool = False, plan: RankPlan | None = None,
+           reader: Reader = AS_HELD) -> Follower:
     """Check every later update of ``model``: its ``load_weights`` is wrapped (an instance
     attribute) so that each call feeds the open session, or is one update by itself.
     Idempotent (the first follower stays).
@@ -289,13 +294,16 @@ def follow(model: Any, engine: str, checkpoint: SafetensorsSource | str, *, tp_r
         model: the loaded ``torch.nn.Module`` (its ``named_parameters()`` and
             ``load_weights``).
         engine: the engine's name for the lines.
-        checkpoint: the checkpoint the first load's check opened (its description is read
-            already), or its local path (described once, here).
+        checkpoint: the checkpoint's local path or open source (described once, here); not
+            read when ``plan`` is given.
         tp_rank: the engine's tensor-parallel rank (0-based).
         tp_size: the engine's tensor-parallel world size.
         layout: the engine layout's name (the first load's check found it); None: recognised.
         layers: the KDA layers this rank holds (a pipeline stage's); None: every one.
         dummy: the load filled random values: the first update must fill every region.
+        plan: the rank's plan the first load's check built (``GuardResult.plan``): the
+            target is built from it (its layout and layers), nothing read or planned again.
+        reader: how the engine holds its parameters (the engine adapter's).
 
     Raises:
         KdaTpError: the checkpoint's config gives no plan for these parameters (no KDA layer,
@@ -304,9 +312,15 @@ def follow(model: Any, engine: str, checkpoint: SafetensorsSource | str, *, tp_r
     found = followed(model)
     if found is not None:
         return found
-    description = describe(checkpoint)
-    target = RankTarget.build(description, dict(model.named_parameters()), tp_rank=tp_rank,
-                              tp_size=tp_size, engine=layout, layers=layers, model=model)
+    params = dict(model.named_parameters())
+    if plan is not None:
+        target = RankTarget.of(plan, params, model=model, reader=reader)
+    elif checkpoint is None:
+        raise TypeError("follow: neither a checkpoint nor a plan to check the updates against")
+    else:
+        target = RankTarget.build(describe(checkpoint), params, tp_rank=tp_rank,
+                                  tp_size=tp_size, engine=layout, layers=layers, model=model,
+                                  reader=reader)
     how = Follower(engine, target, weakref.ref(model))
     if dummy:
         how.unloaded = frozenset(target.places)

@@ -64,20 +64,16 @@ import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from ..engines.derived import derived_copies
-from ..engines.dtype import model_dtype_name
-from ..errors import GuardError, GuardModeError, KdaTpError
-from .first_load import GuardResult, check, looks_kda, rank_report
-from .live import UPDATES_HOOK, Follower, follow, followed, repair
-from .hooks import after_import, subclasses
-from .modes import (MODE_ENV, REPAIR_ENV, LoadSource, cannot_check, mode,
-                    update_checkpoint, warn_once)
-from .record import RECORD, account
-from .vllm_facts import (attach_vllm_logging, current_config, dp_rank, is_draft, load_source,
-                         pp_rank_size, stage_layers_of, tp_rank_size)
-from .record import status as _status
-from .repacked import held
-from .target import as_described
+from ...errors import GuardModeError
+from .._first_load import GuardResult
+from .._live import UPDATES_HOOK, Follower, followed, repair
+from .._load import follow_model, on_load
+from .._modes import MODE_ENV, REPAIR_ENV, LoadSource, cannot_check, mode, warn_once
+from .._names import looks_kda
+from .._record import RECORD, account, rank_report
+from .._record import status as _status
+from ._hooks import after_import, subclasses
+from .facts import VllmEngine, attach_vllm_logging, dp_rank, pp_rank_size, tp_rank_size
 
 __all__ = ["REPAIR_ENV", "WORKER_METHOD", "audit_llm", "follow_updates", "guard_model",
            "register", "status"]
@@ -222,9 +218,9 @@ def _wrap_loader(cls: type) -> None:
             _state.depth = depth
         if depth == 0:
             loader = type(self).__name__
-            result, found = _guard(model, model_config, loader=loader)
-            if found is not None:
-                follow_updates(model, model_config, result=result, found=found)
+            before = followed(model)
+            _armed(before, on_load(VllmEngine(model_config, loader=loader), model,
+                                   where=f"vllm {loader}")[1])
             repair(model)
         return out
 
@@ -491,60 +487,25 @@ def guard_model(model: Any, model_config: Any, *, loader: str = "",
         GuardError: as :func:`kda_tp.guard.check` (mode ``fail``); also a
             ``KDA_TP_GUARD_CHECKPOINT`` that is not there.
     """
-    return _guard(model, model_config, loader=loader, vllm_config=vllm_config,
-                  guard_mode=guard_mode, checkpoint=checkpoint)[0]
-
-
-def _guard(model: Any, model_config: Any, *, loader: str = "", vllm_config: Any = None,
-           guard_mode: str | None = None, checkpoint: str | None = None
-           ) -> tuple[GuardResult | None, LoadSource | None]:
-    """:func:`guard_model`, and what the load is checked against (None when the model is not
-    checked at all: mode ``off``, no KDA name, a draft model)."""
-    if (guard_mode or mode()) == "off":
-        return None, None
-    params = {n: as_described(n, p) for n, p in model.named_parameters()}
-    if not looks_kda(params):  # no KDA name (check() warns for one without A_log/dt_bias)
-        return None, None
-    params, repacked = held(model, params)  # after vLLM's CPU repack: what it holds
-    vllm_config = current_config(vllm_config)
-    if is_draft(model_config, vllm_config):
-        return None, None  # a draft / MTP model: not the KDA stack
-    attach_vllm_logging()
-    rank, size = tp_rank_size()
     where = f"vllm {loader}" if loader else "vllm"
-    found = load_source(model_config, vllm_config, loader, f"{where}: tp rank {rank}/{size}",
-                    checkpoint)
-    if found.why:
-        warn_once(found.why)
-        return None, found
-    if not found.check_load or not found.checkpoint:
-        return None, found  # a dummy load, or a KDA_TP_GUARD_CHECKPOINT not there (warned)
     kind = "first load" if loader != "reload_weights" else loader
-    try:
-        result = check(params, found.checkpoint, tp_rank=rank, tp_size=size,
-                       derived=derived_copies(model), where=where, layers=stage_layers_of(params),
-                       guard_mode=guard_mode, repacked=repacked,
-                       model_dtype=model_dtype_name(getattr(model_config, "dtype", None)))
-    except GuardError as error:
-        if error.result is not None and loader != "audit":  # a FAIL raised: counted too
-            RECORD.ran(kind, error.result.line())
-        raise
-    if result is not None and loader != "audit":  # an audit reports, it is no load
-        RECORD.ran(kind, result.line())
-    return result, found
+    return on_load(VllmEngine(model_config, vllm_config, loader), model, where=where, kind=kind,
+                   given=checkpoint, guard_mode=guard_mode, record=loader != "audit",
+                   follows=False)[0]
 
 
 def follow_updates(model: Any, model_config: Any, vllm_config: Any = None, *,
-                   result: GuardResult | None = None, found: LoadSource | None = None) -> None:
+                   found: LoadSource | None = None) -> None:
     """Check every later update of ``model`` (the main model of this worker)
-    (:func:`kda_tp.guard.live.follow`). Idempotent; a draft model or a model without KDA
-    names is not followed; no local checkpoint config: one warning, not followed.
+    (:func:`kda_tp.guard.follow`), against the model's checkpoint. Idempotent; a draft model or
+    a model without KDA names is not followed; no local checkpoint config: one warning, not
+    followed. (A model loaded through a wrapped loader is followed from its first load's
+    check already.)
 
     Args:
         model: the loaded ``torch.nn.Module``.
         model_config: its vLLM ``ModelConfig`` (None: the current vLLM config's).
         vllm_config: vLLM's config (None: the current one).
-        result: the first load's check, whose checkpoint and layout are taken.
         found: what the load was checked against (a dummy load's first update must fill
             every region); None: the model's checkpoint (:func:`kda_tp.guard.modes
             .load_checkpoint`).
@@ -553,32 +514,15 @@ def follow_updates(model: Any, model_config: Any, vllm_config: Any = None, *,
         GuardError: mode ``fail`` and the checkpoint's config gives no plan for the model's
             KDA parameters.
     """
-    if mode() == "off" or followed(model) is not None or \
-            not callable(getattr(model, "load_weights", None)):
-        return
-    names = [n for n, _ in model.named_parameters()]
-    if not looks_kda(names):
-        return
-    vllm_config = current_config(vllm_config)
-    model_config = model_config or getattr(vllm_config, "model_config", None)
-    if model_config is None or is_draft(model_config, vllm_config):
-        return
-    rank, size = tp_rank_size()
-    where = f"vllm update: tp rank {rank}/{size}"
-    if found is None:
-        found = load_source(model_config, vllm_config, "update", where)
-    checkpoint = update_checkpoint(found, getattr(result, "source", None), where)
-    if checkpoint is None:
-        return
-    try:
-        follow(model, "vllm", checkpoint, tp_rank=rank, tp_size=size,
-               layout=result.engine if result is not None else None,
-               layers=stage_layers_of(names), dummy=found.dummy)
-    except KdaTpError as error:
-        cannot_check(f"kda_tp guard: {where}: the updates of this model cannot be checked "
-                     f"against {getattr(checkpoint, 'path', checkpoint)}: {error}")
-        return
-    RECORD.hooks[UPDATES_HOOK] = "armed"
+    before = followed(model)
+    if before is None:
+        _armed(before, follow_model(VllmEngine(model_config, vllm_config), model, found))
+
+
+def _armed(before: Follower | None, how: Follower | None) -> None:
+    """A model newly followed: its updates hook is armed in the record."""
+    if before is None and how is not None:
+        RECORD.hooks[UPDATES_HOOK] = "armed"
 
 
 # ------------------------------------------------------------------------------------------

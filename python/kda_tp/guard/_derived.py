@@ -1,0 +1,94 @@
+"""The copies an engine derives from its KDA parameters, checked against what those parameters
+make of them now (:data:`kda_tp.engines.DERIVED`): at the first load (only where every
+parameter a copy derives from is exact) and after every update.
+
+This module imports no engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from ..audit.report import AuditReport
+from ..audit.values import as_record, first_difference, same_values
+from ..checkpoint.names import param_location, param_name
+from ..engines.derived import DERIVED, Derived
+from ..errors import KdaTpError
+
+__all__ = ["derived_problem", "first_load_problem"]
+
+
+def _origins(name: str, layout: str) -> tuple[Derived, list[str]] | None:
+    """The copy ``name`` is under ``layout`` and the full names of the parameters it derives
+    from; None when ``layout`` keeps no such copy."""
+    location = param_location(name)
+    copy = DERIVED.get(layout, {}).get(location[2]) if location is not None else None
+    if location is None or copy is None:
+        return None
+    prefix, layer, _ = location
+    return copy, [param_name(prefix, layer, source) for source in copy.sources]
+
+
+def derived_problem(name: str, value: Any, params: Mapping[str, Any], layout: str
+                    ) -> str | None | bool:
+    """The verdict on one derived copy against the parameters it derives from, as they are
+    in ``params`` now: None (exact, compared as the audit compares: ``same_values``), a
+    problem (its shape, dtype, or the first element that differs), or False when ``layout``
+    keeps no such copy (:data:`~kda_tp.engines.derived.DERIVED`) or one of its parameters is
+    not in ``params`` (not checked).
+
+    Args:
+        name: the copy's full name (``model.layers.0.self_attn._merged_conv_weight``).
+        value: its tensor (torch on any device, numpy).
+        params: the rank's parameters by full name.
+        layout: the engine layout's name.
+    """
+    found = _origins(name, layout)
+    return False if found is None else _problem(name, value, params, *found)
+
+
+def first_load_problem(name: str, value: Any, params: Mapping[str, Any],
+                       report: AuditReport) -> str | None | bool:
+    """:func:`derived_problem` after the first load's audit (``report``): checked only when
+    every parameter the copy derives from is exact (else the parameter's failure says it
+    all); a parameter the audit did not check is the problem."""
+    found = _origins(name, report.engine)
+    if found is None:
+        return False
+    verdicts = {p.name: p for p in report.params}
+    for origin in found[1]:
+        if origin not in verdicts:
+            return f"its parameter {origin} was not checked"
+        if not verdicts[origin].passed:
+            return None
+    return _problem(name, value, params, *found)
+
+
+def _problem(name: str, value: Any, params: Mapping[str, Any], copy: Derived,
+             origins: list[str]) -> str | None | bool:
+    if any(origin not in params for origin in origins):
+        return False
+    try:
+        got = as_record(name, value)
+        bases = [as_record(origin, params[origin]) for origin in origins]
+    except KdaTpError as error:
+        return f"cannot be read: {error}"
+    want = np.ascontiguousarray(copy.derive(*(b.array for b in bases)))
+    want_dtype = as_record(name, want).dtype
+    what = " and ".join(copy.sources)
+    if got.array.shape != want.shape or got.dtype != want_dtype:
+        return (f"shape {list(got.array.shape)} x {got.dtype}, expected {list(want.shape)} x "
+                f"{want_dtype} (derived from {what})")
+    flat_got, flat_want = np.ascontiguousarray(got.array).reshape(-1), want.reshape(-1)
+    if same_values(flat_got, flat_want):
+        return None
+    first = first_difference(flat_got, flat_want)
+    index = [int(i) for i in np.unravel_index(first, want.shape)]
+    stale = (f"the engine's copy is stale (built before the last update and never rebuilt: "
+             f"{copy.issue})" if copy.issue else
+             "the engine's decode copy is stale or was filled from another slice")
+    return (f"differs from what {what} makes of it at {index} (expected "
+            f"{float(flat_want[first])!r}, got {float(flat_got[first])!r}): {stale}")

@@ -1,0 +1,13 @@
+"""The guard inside vLLM 0.33 (the entry point ``kda_tp.guard.vllm:register`` of the group
+``vllm.general_plugins``): vLLM's adapter to the guard's one flow (:mod:`.facts`: ranks,
+config, draft models, the checkpoint; :mod:`.repacked`: what vLLM holds after its post-load
+repack, read back) and the hooks on its loading and weight-update paths (:mod:`.plugin`).
+
+Importing it imports no vLLM.
+"""
+
+from .plugin import (REPAIR_ENV, WORKER_METHOD, audit_llm, follow_updates, guard_model,
+                     register, status)
+
+__all__ = ["REPAIR_ENV", "WORKER_METHOD", "audit_llm", "follow_updates", "guard_model",
+           "register", "status"]
