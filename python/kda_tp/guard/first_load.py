@@ -47,9 +47,9 @@ import numpy as np
 
 from ..audit.auditor import audit
 from ..audit.report import AuditReport
-from ..audit.values import as_record, first_difference, same_values
 from ..checkpoint.description import describe
 from ..checkpoint.reader import SafetensorsSource
+from ..checkpoint.values import as_record, first_difference, same_values
 from ..engines.derived import DERIVED
 from ..engines.registry import kda_only_suffixes, param_location, param_name
 from ..errors import CheckpointError, GuardError, GuardModeError, KdaTpError

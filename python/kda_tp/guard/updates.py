@@ -45,9 +45,9 @@ from typing import Any
 
 import numpy as np
 
-from ..audit.values import as_record, cast_to, first_difference, same_tensor_values, same_values
 from ..checkpoint.reader import shard_bytes
-from ..model.dtypes import numpy_dtype, torch_dtype
+from ..checkpoint.values import as_record, first_difference, same_tensor_values, same_values
+from ..model.dtypes import cast_to, numpy_dtype, torch_dtype
 from ..rank.plan import KdaTensorPlan
 from .repacked import GEMM, not_carried
 from .target import PADDING, Place, RankTarget
