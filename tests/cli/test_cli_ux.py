@@ -172,11 +172,11 @@ def test_verify_and_plan_layers_select(ckpt, sharded, capsys):
 # interrupts, rank 0 is complete and rank 1 half-written, however fast the machine is.
 _HOLD_RANK_1 = """
 import os, threading
-from kda_tp.checkpoint import writer as _io
+from kda_tp.checkpoint import files as _files
 from kda_tp.shard import writer as shard
 os.cpu_count = lambda: 1
 stopping = threading.Event()
-write, shutdown = _io._checked_write, shard._shutdown
+write, shutdown = _files.checked_write, shard._shutdown
 def held(f, path, data):
     if path.parent.name.startswith(".rank1.partial-"):
         stopping.wait()
@@ -184,7 +184,7 @@ def held(f, path, data):
 def stop(pool):
     stopping.set()
     shutdown(pool)
-_io._checked_write, shard._shutdown = held, stop
+_files.checked_write, shard._shutdown = held, stop
 """
 
 

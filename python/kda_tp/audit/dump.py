@@ -24,7 +24,8 @@ from typing import Any
 
 from .._native import __version__
 from ..checkpoint.reader import SafetensorsSource
-from ..checkpoint.writer import resolve_out, write_safetensors
+from ..checkpoint.files import resolve_out
+from ..checkpoint.writer import write_safetensors
 from ..engines.layout import EngineLayout
 from ..errors import KdaTpError, OutputError
 from ..model.json_reader import parse_metadata_int

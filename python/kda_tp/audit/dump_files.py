@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from ..checkpoint.reader import SafetensorsSource, Tensor, checked_get
-from ..checkpoint.writer import open_files_error
+from ..checkpoint.files import open_files_error
 from ..errors import CheckpointError
 from ..model.json_reader import ascii_int, parse_metadata_int
 

@@ -27,7 +27,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 from ..checkpoint.reader import SafetensorsSource
-from ..checkpoint.writer import resolve_out
+from ..checkpoint.files import resolve_out
 from ..errors import KdaTpError, OutputError
 from ..model.json_reader import parse_metadata_int
 from .locks import OutputLocks, lock_output, output_error

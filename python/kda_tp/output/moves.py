@@ -22,7 +22,7 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from ..checkpoint.writer import TEMP_FILE
+from ..checkpoint.files import TEMP_FILE
 from ..errors import OutputError
 from .locks import is_lock_file
 from .marks import Mark, foreign_entry, read_mark, refuse

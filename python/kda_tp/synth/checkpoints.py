@@ -71,7 +71,7 @@ from typing import Any
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-from ..checkpoint import writer
+from ..checkpoint import files, writer
 from ..errors import DtypeMismatchError, OutputError, PlanError
 from ..model.dtypes import TORCH_NAMES, cast_to
 from ..model.families import demo_geometries
@@ -287,9 +287,9 @@ def write_small_checkpoint(
         specs = quantize_attention(specs)
         quant = modelopt_config([s.name for s in specs if s.name.endswith(".weight_scale")])
         config["quantization_config"] = {"quant_method": "modelopt_mixed", **quant}
-        writer.write_json(out / "hf_quant_config.json",
+        files.write_json(out / "hf_quant_config.json",
                           {"producer": {"name": "modelopt"}, "quantization": quant})
-    writer.write_json(out / "config.json", config)
+    files.write_json(out / "config.json", config)
     _write_tensor_files(out, specs, seed, max_file_bytes, progress)
     return out
 
