@@ -73,7 +73,7 @@ from numpy.lib.stride_tricks import sliding_window_view
 
 from ..checkpoint import files, writer
 from ..errors import DtypeMismatchError, OutputError, PlanError
-from ..model.dtypes import TORCH_NAMES, cast_to
+from ..model.dtypes import MODEL_DTYPES, TORCH_NAMES, cast_to
 from ..model.families import demo_geometries
 from .tensors import (
     STYLES,
@@ -97,7 +97,6 @@ __all__ = ["GEOMETRIES", "write_checkpoint", "write_small_checkpoint"]
 #: projections in FP8 128x128 blocks (NVIDIA's ModelOpt release of Kimi K3).
 GEOMETRIES: dict[str, dict[str, Any]] = demo_geometries()
 
-_WEIGHT_DTYPES = ("BF16", "F16", "F32")
 _DEFAULT_MAX_FILE_BYTES = 400 * 2**20
 _PROJ_STD = 0.02
 # Projection matrices with more elements than this are built from pool windows; others are drawn.
@@ -249,10 +248,10 @@ def write_small_checkpoint(
         raise PlanError(f"seed must be a non-negative int, got {seed!r}")
     if style not in STYLES:
         raise PlanError(f"unknown config style {style!r}; expected one of {tuple(STYLES)}")
-    if weight_dtype not in _WEIGHT_DTYPES:
+    if weight_dtype not in MODEL_DTYPES:
         raise DtypeMismatchError(
             f"weight_dtype {weight_dtype!r} is not supported; "
-            f"expected one of {list(_WEIGHT_DTYPES)}"
+            f"expected one of {list(MODEL_DTYPES)}"
         )
     if style == "k3":
         a_log_len = max(heads, head_dim) if a_log_len is None else a_log_len
