@@ -44,7 +44,7 @@ from .names import (
 )
 from .reader import SafetensorsSource, refuse_index_member
 
-__all__ = ["CheckpointDescription", "LayerFacts", "assumed_layout", "describe"]
+__all__ = ["CheckpointDescription", "LayerFacts", "assumed_layout", "describe", "open_checkpoint"]
 
 _LAYER = re.compile(rf"^({LAYER_NUMBER})\.")
 # "Read the config from the source" (a bare config may be any object: parse_config refuses it).
@@ -520,13 +520,9 @@ def describe(
         return found
     if isinstance(checkpoint, (str, os.PathLike)):
         path = Path(checkpoint)
-        refuse_index_member(path)
-        source = None
-        if path.suffix == ".safetensors" and path.is_file():
-            source = SafetensorsSource(path)
+        source = open_checkpoint(path)
+        if source is not None and not path.is_dir():
             path = path.parent
-        elif path.is_dir() and any(path.glob("*.safetensors")):
-            source = SafetensorsSource(path)
         config = load_config(path)
         root = path if path.is_dir() else path.parent
         where = str(path / CONFIG_NAME if path.is_dir() else path)
@@ -536,6 +532,24 @@ def describe(
     at: Path | None = getattr(checkpoint, "root", None)
     where = str(Path(at) / CONFIG_NAME) if at is not None else repr(checkpoint)
     return CheckpointDescription(checkpoint, where=where, root=at)
+
+
+def open_checkpoint(path: str | os.PathLike[str]) -> SafetensorsSource | None:
+    """The checkpoint at ``path``, opened: a ``.safetensors`` file (beside its ``config.json``)
+    or a directory holding ``.safetensors`` files; None where ``path`` is a bare config (a
+    ``config.json``, or a directory without ``.safetensors`` files). The one answer to
+    "checkpoint or config?", for :func:`describe` and ``kda-tp plan``.
+
+    Raises:
+        CheckpointError: one file of an indexed checkpoint (pass the directory); a
+            ``.safetensors`` path that cannot be opened.
+    """
+    path = Path(path)
+    refuse_index_member(path)
+    if (path.name.endswith(".safetensors") and not path.is_dir()) or (
+            path.is_dir() and any(path.glob("*.safetensors"))):
+        return SafetensorsSource(path)
+    return None
 
 
 def _check_quantizable(

@@ -57,25 +57,22 @@ def cmd_plan(args: argparse.Namespace) -> int:
     """``plan``: the shard table of one rank (``--json``:
     :func:`~kda_tp.cli.format.plan_json`), read from a checkpoint directory or a bare
     config."""
-    from ..checkpoint.reader import refuse_index_member
-    from ..checkpoint.description import CheckpointDescription, describe
+    from ..checkpoint.description import (
+        CheckpointDescription,
+        assumed_layout,
+        describe,
+        open_checkpoint,
+    )
     from ..checkpoint.layers import check_layers, config_layer_count
-    from ..rank.plan import KdaTpPlan
-    from ..checkpoint.description import assumed_layout
-    from ..checkpoint.reader import SafetensorsSource
     from ..checkpoint.names import kda_tensor_name, scale_tensor_name
+    from ..rank.plan import KdaTpPlan
 
     # `demo` calls this with a namespace that has no --layers or --json.
     requested, as_json = getattr(args, "layers", None), getattr(args, "json", False)
-    refuse_index_member(args.input)
-    source: SafetensorsSource | None = None
     layers: tuple[int, ...] | None = None
     # The checkpoint (or config) is read once: its description (kda_tp.checkpoint.description).
-    # A checkpoint (a directory of safetensors files, or one file beside its config.json),
-    # else a bare config.
-    if args.input.name.endswith(".safetensors") or (
-            args.input.is_dir() and any(args.input.glob("*.safetensors"))):
-        source = SafetensorsSource(args.input)
+    source = open_checkpoint(args.input)
+    if source is not None:
         description = describe(source)
         layers = _selected_layers(description, requested)
     else:
