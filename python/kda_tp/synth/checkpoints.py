@@ -151,7 +151,7 @@ def write_checkpoint(
     _check_positive(num_layers=num_layers)
     every = geometry["full_attn_every"]
     kda_layers = [i for i in range(num_layers) if every is None or (i + 1) % every != 0]
-    if geometry["style"] == "k3" and num_layers > 1:
+    if STYLES[geometry["style"]].last_layer_full_attention and num_layers > 1:
         kda_layers = [i for i in kda_layers if i != num_layers - 1]
     return write_small_checkpoint(
         out_dir,
@@ -253,12 +253,14 @@ def write_small_checkpoint(
             f"weight_dtype {weight_dtype!r} is not supported; "
             f"expected one of {list(MODEL_DTYPES)}"
         )
-    if style == "k3":
+    family = STYLES[style]
+    if family.padded_a_log:
         a_log_len = max(heads, head_dim) if a_log_len is None else a_log_len
         _check_positive(a_log_len=a_log_len)
         if a_log_len < heads:
             raise PlanError(f"a_log_len {a_log_len} is below the {heads} heads")
-    elif a_log_len is not None or fp8:
+    if (a_log_len is not None and not family.padded_a_log) or (
+            fp8 and not any(v.get("fp8") for v in family.variants.values())):
         raise PlanError("a_log_len (a zero-padded A_log) and fp8 need style='k3'")
     kda = list(kda_layers)
     if (
