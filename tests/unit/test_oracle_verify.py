@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 from kda_tp import oracle
+from kda_tp.errors import CheckpointError
 from kda_tp.cli import main
 from kda_tp.errors import CheckpointError
 from kda_tp.shard import shard_checkpoint, verify_shards
@@ -339,7 +340,7 @@ def test_the_oracle_refuses_the_configs_transformers_refuses():
          "layer_types has ['kda_attention', 'kda_attention']: transformers allows only"),
     ]
     for config, needle in bad:
-        with pytest.raises(oracle.CheckpointError, match=re.escape(needle)):
+        with pytest.raises(CheckpointError, match=re.escape(needle)):
             oracle.read_kda_config(config)
         with pytest.raises(CheckpointError):
             parse_config(config)

@@ -45,9 +45,6 @@ names below are importable from ``kda_tp.oracle`` itself.
 
 from __future__ import annotations
 
-# The errors the oracle raises, importable from here as before the split.
-from kda_tp.errors import CheckpointError, PlanError, ShapeMismatchError
-
 from .bind import local_shape, plan_name, shard_bytes
 from .cli import main
 from .config import KdaConfig, read_kda_config
