@@ -269,7 +269,7 @@ def test_already_exists_and_missing_ranks_name_the_finishing_ranks(ckpt, tmp_pat
 
 
 def test_progress_lines_when_not_a_terminal(ckpt, tmp_path, capsys, monkeypatch):
-    import kda_tp.cli.progress as cli_progress
+    import kda_tp.cli._progress as cli_progress
 
     # A clock that stands still: the lines come every few seconds, not per tensor, so the run
     # prints its last line only, however long it takes.

@@ -309,7 +309,7 @@ class CheckpointDescription:
 
     def kda_layers(self, layers: Iterable[int] | None = None) -> tuple[int, ...]:
         """0-based KDA layer indices: ``layers`` (sorted, each once) if given, else the
-        config's (``kda_tp.checkpoint.kda_layer_indices``).
+        config's.
 
         Raises:
             CheckpointError: ``layers`` is None and the checkpoint has no config, or the config

@@ -6,7 +6,7 @@ status (0 OK, 1 verification or audit failed; a refusal raises a ``KdaTpError``,
 ``audit``, ``dump``, ``digests``, ``demo``; ``shard`` and ``verify`` as torchrun jobs
 (:mod:`kda_tp.shard.torchrun`). Each command imports what it uses (numpy with the reader, the writer
 and verifier only for shard/verify), so that ``kda-tp --help`` imports no numpy and ``kda-tp
-plan`` no writer. What they print is :mod:`kda_tp.cli.format`'s.
+plan`` no writer. What they print is :mod:`kda_tp.cli._format`'s.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 from ..errors import CheckpointError, KdaTpError, PlanError
 from ..model.config import load_config
-from .format import (
+from ._format import (
     emit_json,
     format_plan,
     format_sizes,
@@ -34,7 +34,7 @@ from .format import (
     verify_json,
     written_line,
 )
-from .progress import make_progress
+from ._progress import make_progress
 
 if TYPE_CHECKING:
     from ..checkpoint.description import CheckpointDescription
@@ -55,7 +55,7 @@ __all__ = [
 
 def cmd_plan(args: argparse.Namespace) -> int:
     """``plan``: the shard table of one rank (``--json``:
-    :func:`~kda_tp.cli.format.plan_json`), read from a checkpoint directory or a bare
+    :func:`~kda_tp.cli._format.plan_json`), read from a checkpoint directory or a bare
     config."""
     from ..checkpoint.description import (
         CheckpointDescription,

@@ -24,7 +24,7 @@ from ..errors import KdaTpError, PlanError, ShardInterrupted
 from ..model.dtypes import MODEL_DTYPES, SPELLINGS
 from ..model.families import FAMILIES
 from ..model.json_reader import ascii_int
-from .commands import (
+from ._commands import (
     cmd_audit,
     cmd_demo,
     cmd_digests,
@@ -34,7 +34,7 @@ from .commands import (
     run_shard,
     run_verify,
 )
-from .format import emit_json, print_refusal, rank_message
+from ._format import emit_json, print_refusal, rank_message
 
 __all__ = ["main"]
 

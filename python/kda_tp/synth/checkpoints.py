@@ -75,7 +75,7 @@ from ..checkpoint import files, writer
 from ..errors import DtypeMismatchError, OutputError, PlanError
 from ..model.dtypes import MODEL_DTYPES, TORCH_NAMES, cast_to
 from ..model.families import demo_geometries
-from .tensors import (
+from ._tensors import (
     STYLES,
     Geometry,
     Spec,
