@@ -112,6 +112,7 @@ class KdaTpPlan(_native.KdaTpPlan):
         config: Mapping[str, Any] | str | os.PathLike[str] | Any,
         tp_rank: int,
         tp_size: int,
+        *,
         gate_rank: int | None = None,
         qk_multiple: int = 256,
         layers: Iterable[int] | None = None,
