@@ -184,7 +184,7 @@ class CheckpointDescription:
 
     @cached_property
     def prefix(self) -> str:
-        """The decoder prefix of the KDA layers (``kda_tp.checkpoint.decoder_prefix``).
+        """The decoder prefix of the KDA layers (``kda_tp.checkpoint.names.decoder_prefix``).
 
         Raises:
             CheckpointError: ``A_log`` tensors under more than one prefix.
@@ -255,8 +255,7 @@ class CheckpointDescription:
 
     @cached_property
     def a_log_layers(self) -> tuple[int, ...]:
-        """0-based indices of the layers holding ``self_attn.A_log`` under the prefix
-        (``kda_tp.checkpoint.layers_with_kda_tensors``)."""
+        """0-based indices of the layers holding ``self_attn.A_log`` under the prefix."""
         prefix, cut = self.prefix, len(self.prefix)
         found = set()
         for name in self._a_log_names:
@@ -267,7 +266,7 @@ class CheckpointDescription:
     @cached_property
     def layer_count(self) -> int | None:
         """The decoder layer count: the config's ``num_hidden_layers``, else one more than the
-        largest layer index under the prefix (``kda_tp.checkpoint.layer_count``); None when
+        largest layer index under the prefix; None when
         neither says."""
         count = config_layer_count(getattr(self.source, "config", None) or {})
         if count is not None:

@@ -50,7 +50,7 @@ class ModelFamily:
         full_rank_gate: whether the family's KDA layers have the full-rank output gate
             ``g_proj`` (K3), which tells it from another family read by the same rules.
         decoder_prefix: the name prefix of its decoder layers (up to the layer index) in its
-            published checkpoints; ``kda_tp.checkpoint.decoder_prefix`` reads a checkpoint's own.
+            published checkpoints; ``kda_tp.checkpoint.names.decoder_prefix`` reads a checkpoint's own.
         lm_head: the name of its ``lm_head`` weight.
         stored_dtypes: the dtypes (by plan name) its checkpoints store where they differ from
             the plan's defaults, assumed by a plan made from a bare config; None: the plan's

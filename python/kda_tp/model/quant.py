@@ -106,7 +106,7 @@ def quantization_config(config: Mapping[str, Any], root: Path | None = None) -> 
 
     Raises:
         CheckpointError: an ``hf_quant_config.json`` that is unreadable, not JSON, beyond
-            the bounds of ``kda_tp.model.read_json`` (size, depth, digits) or has no
+            the bounds of ``kda_tp.model.json_reader.read_json`` (size, depth, digits) or has no
             ``quantization`` object.
     """
     quant = config.get("quantization_config")
