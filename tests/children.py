@@ -44,7 +44,7 @@ def counted(kind, function, arg):
             AT_EVENT
         return function(*args, **kwargs)
     return call
-_io._checked_write = counted("write", _io._checked_write, 1)
+_files.checked_write = counted("write", _files.checked_write, 1)
 _io._copy_file_range = counted("copy", _io._copy_file_range, 1)
 os.replace = counted("rename", os.replace, 0)
 moves._rename = counted("rename", moves._rename, 0)
@@ -64,7 +64,8 @@ def counting_setup(arguments: str, at_event: str, at_exit: str) -> str:
     the child runs ``at_event`` (one line); with ``event_at`` 0 it runs to the end and evaluates
     ``at_exit`` (an expression of ``events``) at exit."""
     return ("import os, shutil, signal, sys\nfrom pathlib import Path\n"
-            "from kda_tp.checkpoint import writer as _io\nfrom kda_tp.output import moves\n"
+            "from kda_tp.checkpoint import files as _files, writer as _io\n"
+            "from kda_tp.output import moves\n"
             + arguments + _COUNTED.replace("AT_EVENT", at_event).replace("AT_EXIT", at_exit))
 
 

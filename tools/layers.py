@@ -1,12 +1,13 @@
 #!/usr/bin/env python3
-"""Print the Python package's import cycles, cross-module private imports and imports against
-the order of its rooms.
+"""Print the Python package's import cycles, cross-module private imports, imports of a room's
+private (underscore) modules from outside it, and imports against the order of its rooms.
 
 A room is a folder of the package (with everything in it) or a module at its root. kda_tp's rooms
 stand in the order of LAYERS (as import-linter's `layers` contract: top first, rooms on one
 floor independent of each other): a room imports only rooms on the floors below it, and nothing
-imports the package face (`kda_tp/__init__.py`) but `__main__`. ARCHITECTURE.md explains the
-order.
+imports the package face (`kda_tp/__init__.py`) but `__main__`. A module whose name starts with
+an underscore (`kda_tp/cli/_format.py`) is its room's own: only modules of that room import it.
+ARCHITECTURE.md explains the order.
 
 Usage: python3 tools/layers.py [PACKAGE_DIR]   (default: python/kda_tp)
 Counts every `import`/`from ... import` in a module, inside functions too (type-checking-only
@@ -102,6 +103,19 @@ def face_imports(mods: dict[str, str]) -> list[str]:
     return found
 
 
+def private_modules(mods: dict[str, str], g: dict[str, set[str]]) -> list[str]:
+    """Imports of a private (underscore) module, ``_native`` aside, from outside its room."""
+    top = min(mods, key=len)
+    found = []
+    for m in sorted(g):
+        for t in sorted(g[m]):
+            name = t.rpartition(".")[2]
+            if name.startswith("_") and not name.startswith("__") and t != f"{top}._native" \
+                    and room(m) != room(t):
+                found.append(f"{m} imports {t}, a private module of room {room(t)}")
+    return found
+
+
 def against_layers(mods: dict[str, str], g: dict[str, set[str]]) -> list[str]:
     """Imports between rooms that do not go down LAYERS (kda_tp only), and rooms it lacks."""
     top = min(mods, key=len)
@@ -165,6 +179,7 @@ def main() -> int:
     cyc = cycles(g)
     ordered = min(mods, key=len) == "kda_tp"
     against = (against_layers(mods, g) + face_imports(mods)) if ordered else []
+    against += private_modules(mods, g)
     for c in cyc:
         print("import cycle: " + " <-> ".join(c))
     for p in private:

@@ -47,22 +47,7 @@ if TYPE_CHECKING:
     from ._native import __version__
     from .checkpoint.description import CheckpointDescription, describe
     from .checkpoint.reader import SafetensorsSource, Tensor, shard_bytes
-    from .errors import (
-        BufferLayoutError,
-        CheckpointError,
-        DtypeMismatchError,
-        EngineLayoutError,
-        GuardError,
-        GuardModeError,
-        KdaTpError,
-        MissingDependencyError,
-        OpenFilesLimitError,
-        OutputError,
-        PlanError,
-        ShapeMismatchError,
-        TensorNotFoundError,
-        UsageError,
-    )
+    from .errors import *  # noqa: F403 - the errors, as errors.__all__ lists them
     from .rank.plan import KdaShard, KdaTensorPlan, KdaTpPlan
     from .rank.view import KdaShardedSource, open_rank
 
@@ -79,20 +64,6 @@ __all__ = [
     "Tensor",
     "shard_bytes",
     "errors",
-    "KdaTpError",
-    "PlanError",
-    "ShapeMismatchError",
-    "DtypeMismatchError",
-    "BufferLayoutError",
-    "CheckpointError",
-    "TensorNotFoundError",
-    "OutputError",
-    "OpenFilesLimitError",
-    "MissingDependencyError",
-    "EngineLayoutError",
-    "GuardError",
-    "GuardModeError",
-    "UsageError",
 ]
 
 #: The module each public name is imported from on first use.
@@ -108,20 +79,23 @@ _LAZY = {
     "SafetensorsSource": "checkpoint.reader",
     "Tensor": "checkpoint.reader",
     "shard_bytes": "checkpoint.reader",
-    **{name: "errors" for name in __all__[11:]},
 }
 
 #: The folders (and modules) importable as attributes of the face: ``kda_tp.audit.audit(...)``
 #: after ``import kda_tp``.
-_FOLDERS = frozenset({"audit", "checkpoint", "cli", "engines", "guard", "model", "oracle",
-                      "output", "rank", "reference", "shard", "synth", "torch"})
+_FOLDERS = frozenset({"audit", "checkpoint", "cli", "engines", "errors", "guard", "model",
+                      "oracle", "output", "rank", "reference", "shard", "synth", "torch"})
 
 
 def __getattr__(name: str) -> object:
     module = _LAZY.get(name)
-    if module is None:
-        if name not in _FOLDERS:
+    if module is None and name not in _FOLDERS:
+        # The errors: every name of `kda_tp.errors.__all__` (the list written once, there).
+        errors_module = import_module(f"{__name__}.errors")
+        if name not in errors_module.__all__:
             raise AttributeError(f"module 'kda_tp' has no attribute {name!r}")
+        module = "errors"
+    elif module is None:
         module = name
     found = import_module(f"{__name__}.{module}")
     value = found if module == name else getattr(found, name)  # `errors`: the module itself
@@ -130,4 +104,4 @@ def __getattr__(name: str) -> object:
 
 
 def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+    return sorted({*globals(), *__all__, *import_module(f"{__name__}.errors").__all__})

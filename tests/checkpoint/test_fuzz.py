@@ -466,7 +466,7 @@ def test_parse_json_agrees_with_json_or_refuses_by_name(
 ) -> None:
     """``parse_json`` returns what ``json.loads`` does, or raises CheckpointError: for depth
     past MAX_JSON_DEPTH, integers past MAX_INT_DIGITS digits, or text that is not JSON."""
-    from kda_tp.model import MAX_INT_DIGITS, MAX_JSON_DEPTH, parse_json
+    from kda_tp.model.json_reader import MAX_INT_DIGITS, MAX_JSON_DEPTH, parse_json
 
     text = "[" * wrap + json.dumps(value) + "]" * wrap
     text = text if at > len(text) else text[:at] + junk + text[at:]
@@ -487,7 +487,7 @@ def test_parse_json_agrees_with_json_or_refuses_by_name(
 def test_regression_mixed_brackets_count_one_level_each() -> None:
     """``{[]}`` is two levels: 63 lists around ``{"": []}`` nest 65 deep and are refused (the
     depth scan once removed ``[]`` and then ``{}`` in one round; hypothesis found it)."""
-    from kda_tp.model import MAX_JSON_DEPTH, parse_json
+    from kda_tp.model.json_reader import MAX_JSON_DEPTH, parse_json
 
     inner = '{"": []}'
     ok = "[" * (MAX_JSON_DEPTH - 2) + inner + "]" * (MAX_JSON_DEPTH - 2)

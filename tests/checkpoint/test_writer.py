@@ -1,5 +1,5 @@
 """Tests of the streaming safetensors writer (kda_tp.checkpoint.writer): ``write_safetensors``,
-``write_index`` and ``write_json``.
+``write_index``, and the atomic ``write_json`` they share (kda_tp.checkpoint.files).
 
 Files are read back two ways: with the ``safetensors`` package (which validates the layout) and
 with a small header parser (``checkpoint_files.read_file``), so byte offsets, padding and raw
@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from safetensors import safe_open
 
-from kda_tp.checkpoint import writer as _io
+from kda_tp.checkpoint import files as _files, writer as _io
 from kda_tp.errors import DtypeMismatchError, OutputError, ShapeMismatchError
 
 from checkpoint_files import read_file
@@ -269,7 +269,7 @@ def test_enospc_during_data_write_becomes_output_error(tmp_path, monkeypatch):
             return getattr(self._f, name)
 
     real_open = open
-    monkeypatch.setattr(_io, "open", lambda fd, mode: FullDisk(real_open(fd, mode)), raising=False)
+    monkeypatch.setattr(_files, "open", lambda fd, mode: FullDisk(real_open(fd, mode)), raising=False)
     path = tmp_path / "l.safetensors"
     with pytest.raises(OutputError, match="l.safetensors.*write failed") as info:
         _io.write_safetensors(path, [spec("t", "U8", (1000,), bytes(1000))])
@@ -339,6 +339,6 @@ def test_write_json_is_atomic_on_unserialisable_input(tmp_path):
     path = tmp_path / "config.json"
     path.write_text("{}")
     with pytest.raises(TypeError):
-        _io.write_json(path, {"x": object()})
+        _files.write_json(path, {"x": object()})
     assert path.read_text() == "{}"
     assert leftovers(tmp_path) == []

@@ -177,11 +177,11 @@ def test_verify_and_plan_layers_select(ckpt, sharded, capsys):
 # interrupts, rank 0 is complete and rank 1 half-written, however fast the machine is.
 _HOLD_RANK_1 = """
 import os, threading
-from kda_tp.checkpoint import writer as _io
+from kda_tp.checkpoint import files as _files
 from kda_tp.shard import writer as shard
 os.cpu_count = lambda: 1
 stopping = threading.Event()
-write, shutdown = _io._checked_write, shard._shutdown
+write, shutdown = _files.checked_write, shard._shutdown
 def held(f, path, data):
     if path.parent.name.startswith(".rank1.partial-"):
         stopping.wait()
@@ -189,7 +189,7 @@ def held(f, path, data):
 def stop(pool):
     stopping.set()
     shutdown(pool)
-_io._checked_write, shard._shutdown = held, stop
+_files.checked_write, shard._shutdown = held, stop
 """
 
 
@@ -274,7 +274,7 @@ def test_already_exists_and_missing_ranks_name_the_finishing_ranks(ckpt, tmp_pat
 
 
 def test_progress_lines_when_not_a_terminal(ckpt, tmp_path, capsys, monkeypatch):
-    import kda_tp.cli.progress as cli_progress
+    import kda_tp.cli._progress as cli_progress
 
     # A clock that stands still: the lines come every few seconds, not per tensor, so the run
     # prints its last line only, however long it takes.

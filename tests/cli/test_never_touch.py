@@ -29,7 +29,8 @@ from pathlib import Path
 
 import pytest
 from kda_tp import SafetensorsSource
-from kda_tp.checkpoint import open_files_error, write_safetensors
+from kda_tp.checkpoint.files import open_files_error
+from kda_tp.checkpoint.writer import write_safetensors
 from kda_tp.errors import OpenFilesLimitError
 from kda_tp.output import FILE_MARK, MARK_NAME
 from kda_tp.shard import rank_dir, shard_checkpoint, verify_shards

@@ -25,7 +25,7 @@ import pytest
 from kda_tp import cli
 from kda_tp.audit import dump as dump_module
 from kda_tp.checkpoint import SafetensorsSource, write_safetensors
-from kda_tp.checkpoint import writer as _io
+from kda_tp.checkpoint import files as _files
 from kda_tp.errors import PlanError
 from kda_tp.output import MARK_NAME
 from kda_tp.shard import shard_checkpoint
@@ -123,7 +123,7 @@ def test_a_full_disk_leaves_no_directory_the_run_made(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     """``dump`` and ``demo --keep`` left the empty directories they had made."""
-    monkeypatch.setattr(_io, "open", FullDisk(4096), raising=False)
+    monkeypatch.setattr(_files, "open", FullDisk(4096), raising=False)
     where = tmp_path / "new" / "deeper"
     args = (["dump", str(KIMI_LINEAR), *ENGINE, "--tp-size", "4", "--out", str(where)]
             if command == "dump" else

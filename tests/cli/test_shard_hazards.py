@@ -27,7 +27,7 @@ import kda_tp
 import numpy as np
 import pytest
 from kda_tp import KdaShardedSource, KdaTpPlan, SafetensorsSource, cli
-from kda_tp.checkpoint import writer as _io
+from kda_tp.checkpoint import files as _files, writer as _io
 from kda_tp.errors import CheckpointError, OutputError
 from kda_tp.shard import shard_checkpoint
 
@@ -84,7 +84,7 @@ def test_full_disk_on_a_small_tmpfs(checkpoint: Path, reference: Path, tmp_path:
 def test_injected_enospc_on_write(
     checkpoint: Path, reference: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, budget: int
 ) -> None:
-    monkeypatch.setattr(_io, "open", FullDisk(budget), raising=False)
+    monkeypatch.setattr(_files, "open", FullDisk(budget), raising=False)
     out = tmp_path / "out"
     with pytest.raises(OutputError, match="No space left on device") as info:
         shard_checkpoint(checkpoint, out, 2)
@@ -99,7 +99,7 @@ def test_injected_enospc_on_write(
 def test_injected_enospc_on_flush_and_on_copying_the_config(
     checkpoint: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(_io, "open", FullDisk(0, at="flush"), raising=False)
+    monkeypatch.setattr(_files, "open", FullDisk(0, at="flush"), raising=False)
     with pytest.raises(OutputError, match="No space left on device"):
         shard_checkpoint(checkpoint, tmp_path / "a", 2)
     assert not (tmp_path / "a").exists()

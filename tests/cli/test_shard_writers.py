@@ -28,7 +28,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from kda_tp.checkpoint import writer as _io
+from kda_tp.checkpoint import files as _files
 from kda_tp.cli import main
 from kda_tp.errors import CheckpointError, OutputError
 from kda_tp.output import write_mark
@@ -258,7 +258,7 @@ def test_a_full_disk_removes_the_directories_the_run_created(
     keep = tmp_path / "keep"
     keep.mkdir()
     (keep / "mine.txt").write_text("the user's")
-    monkeypatch.setattr(_io, "open", FullDisk(300_000), raising=False)  # one rank fits
+    monkeypatch.setattr(_files, "open", FullDisk(300_000), raising=False)  # one rank fits
     with pytest.raises(OutputError, match="No space left on device"):
         shard_checkpoint(checkpoint, keep / "a" / "b" / "out", 2)
     assert everything(keep) == ["mine.txt"]  # a/, a/b/ and out/ are gone, keep/ stays

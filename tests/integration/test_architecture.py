@@ -74,3 +74,15 @@ def test_an_import_up_the_floors_or_of_the_face_is_refused(tmp_path):
             "the same floor as room output (LAYERS)") in done.stdout
     assert ("against the layers: kda_tp.rank.plan imports open_rank from the package face kda_tp"
             in done.stdout)
+
+
+def test_a_private_module_is_imported_from_its_own_room_only(tmp_path):
+    package = _copy_of_the_package(tmp_path)
+    verify = package / "shard" / "verify.py"
+    verify.write_text(verify.read_text() + "\n\ndef _plumbing():\n"
+                      "    from ..synth._tensors import Spec\n    from ._place import commit\n")
+    done = _layers(package)
+    assert done.returncode == 1
+    assert ("against the layers: kda_tp.shard.verify imports kda_tp.synth._tensors, a private "
+            "module of room synth") in done.stdout
+    assert "kda_tp.shard._place" not in done.stdout  # its own room's

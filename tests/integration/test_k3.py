@@ -136,7 +136,7 @@ def _rewrite(tmp_path: Path, change: dict[str, np.ndarray | None], config=None) 
             arrays[name] = array
     out = tmp_path / "ckpt"
     out.mkdir(parents=True)
-    dtypes = {np.dtype(kda_tp.checkpoint.numpy_dtype(d)): d for d in ("BF16", "F32")}
+    dtypes = {np.dtype(kda_tp.model.numpy_dtype(d)): d for d in ("BF16", "F32")}
     write_safetensors(
         out / "model.safetensors",
         [(n, dtypes[a.dtype], a.shape, a.nbytes, lambda a=a: np.ascontiguousarray(a))
@@ -148,7 +148,7 @@ def _rewrite(tmp_path: Path, change: dict[str, np.ndarray | None], config=None) 
 
 
 def _bf16(shape) -> np.ndarray:
-    return np.full(shape, 0.5, dtype=kda_tp.checkpoint.numpy_dtype("BF16"))
+    return np.full(shape, 0.5, dtype=kda_tp.model.numpy_dtype("BF16"))
 
 
 def _low_rank_config() -> dict:

@@ -15,7 +15,8 @@ from typing import Any
 import pytest
 
 from kda_tp.cli import main
-from kda_tp.model import RULES_GENERIC, RULES_GLM, RULES_KIMI, load_config, parse_config
+from kda_tp.model import load_config, parse_config
+from kda_tp.model.families import RULES_GENERIC, RULES_GLM, RULES_KIMI
 from kda_tp.errors import CheckpointError
 
 from paths import ENGINE_RANKS

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from kda_tp import _native
-from kda_tp.checkpoint import readonly_bytes
+from kda_tp.checkpoint.reader import readonly_bytes
 from kda_tp import (
     BufferLayoutError,
     CheckpointError,

@@ -30,6 +30,7 @@ import numpy as np
 from ..checkpoint.names import param_location, param_name
 from ..checkpoint.description import describe
 from ..checkpoint.reader import SafetensorsSource
+from ..checkpoint.values import as_record
 from ..engines.build import RankPlan, build_param, engine_params
 from ..engines.dtype import config_model_dtype, engine_model_dtype
 from ..engines.layout import EngineLayout, EngineParam
@@ -43,7 +44,6 @@ from .diagnosis import Candidates, audit_overflow, compare, exact_in_place
 from .dump_files import (RankFiles, dump_world_size, meta_int, open_files, rank_of_file,
                          sharded_state_files)
 from .report import AuditReport, ParamAudit
-from .values import as_record
 
 __all__ = ["RankAudit", "audit", "audit_path", "audit_rank"]
 

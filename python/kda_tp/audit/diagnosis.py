@@ -16,12 +16,12 @@ import numpy as np
 
 from ..checkpoint.names import kda_tensor_name, scale_tensor_name
 from ..checkpoint.reader import SafetensorsSource, Tensor, checked_get
+from ..checkpoint.values import bytes_equal, first_difference, same_values
 from ..engines.layout import EngineParamPlan
 from ..model.dtypes import FLOAT_DTYPES, cast_to, numpy_dtype
 from ..rank.plan import KdaShard, KdaTensorPlan
 from ..rank.view import KdaShardedSource
 from .report import ParamAudit, PartDifference
-from .values import bytes_equal, first_difference, same_values
 
 __all__ = ["DIAGNOSIS_BUDGET", "Candidates", "audit_overflow", "cast_nan", "cast_overflow",
            "compare", "exact_in_place", "identify"]

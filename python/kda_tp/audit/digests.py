@@ -31,6 +31,7 @@ import numpy as np
 from ..checkpoint.description import CheckpointDescription
 from ..checkpoint.names import checkpoint_suffix, kda_tensor_name, param_location, param_name
 from ..checkpoint.reader import SafetensorsSource, Tensor
+from ..checkpoint.values import as_record
 from ..engines.build import engine_params, param_plan
 from ..engines.dtype import config_model_dtype
 from ..engines.layout import EngineLayout, EngineParamPlan
@@ -42,7 +43,6 @@ from ..rank.plan import KdaTpPlan
 from ..rank.view import KdaShardedSource
 from .diagnosis import cast_nan
 from .expected_params import build_checked, checked_ranks, expected_params
-from .values import as_record
 
 __all__ = ["DIGEST_KEY", "engine_digests", "expected_digests", "param_digest", "vllm_layout"]
 

@@ -24,7 +24,8 @@ from typing import Any
 
 from .._native import __version__
 from ..checkpoint.reader import SafetensorsSource
-from ..checkpoint.writer import resolve_out, write_safetensors
+from ..checkpoint.files import resolve_out
+from ..checkpoint.writer import write_safetensors
 from ..engines.layout import EngineLayout
 from ..errors import KdaTpError, OutputError
 from ..model.json_reader import parse_metadata_int
@@ -148,7 +149,7 @@ def write_engine_dump(
         EngineLayoutError: an unknown layout, one of another model family, or one that does
             not fit the checkpoint.
         CheckpointError: the checkpoint cannot be read or has no config; a dump-file name in
-            ``out`` whose rank has more than ``kda_tp.model.MAX_INT_DIGITS`` digits.
+            ``out`` whose rank has more than ``kda_tp.model.json_reader.MAX_INT_DIGITS`` digits.
     """
     start = time.perf_counter()
     if str(out) == "":
@@ -183,7 +184,7 @@ def _write_files(root: Path, source_root: Path, engine: str, tp_size: int,
                  by_rank: list[tuple[int, list[ExpectedParam]]], force: bool
                  ) -> tuple[tuple[Path, ...], int, int]:
     """:func:`write_engine_dump`'s check of ``root``, then its files built under hidden names
-    and moved into place (:func:`~kda_tp.output.replace_files`); returns the files, the
+    and moved into place (:func:`~kda_tp.output.dirs.replace_files`); returns the files, the
     parameters and the bytes written."""
     try:
         next(root.iterdir(), None)
@@ -209,7 +210,7 @@ def _write_files(root: Path, source_root: Path, engine: str, tp_size: int,
     # --force: every file of another world size, and every file (any part, any pipeline
     # stage) of the ranks written, so that what is left is this dump's; each only when kda-tp
     # wrote it (its own mark, judged now and again as it is moved), and only once the new
-    # files are complete (kda_tp.output.replace_files).
+    # files are complete (kda_tp.output.dirs.replace_files).
     stale = list(dict.fromkeys([p for p, _ in foreign] + ours))
     refuse_foreign_files(stale)
     mode = input_mode(source_root)

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from ..checkpoint.reader import SafetensorsSource, Tensor, checked_get
-from ..checkpoint.writer import open_files_error
+from ..checkpoint.files import open_files_error
 from ..errors import CheckpointError
 from ..model.json_reader import ascii_int, parse_metadata_int
 
@@ -54,7 +54,7 @@ def sharded_state_files(
     Raises:
         CheckpointError: ``path`` cannot be listed, holds no such file (unless
             ``allow_empty``), or a file name's rank has more digits than
-            ``kda_tp.model.MAX_INT_DIGITS``.
+            ``kda_tp.model.json_reader.MAX_INT_DIGITS``.
     """
     root = Path(path)
     try:
@@ -89,7 +89,7 @@ def meta_int(meta: Mapping[str, Any], key: str, path: Path) -> int | None:
     digits (``str.isdigit`` is also true for ``"²"``, which ``int`` refuses).
 
     Raises:
-        CheckpointError: ASCII digits, but more than ``kda_tp.model.MAX_INT_DIGITS``.
+        CheckpointError: ASCII digits, but more than ``kda_tp.model.json_reader.MAX_INT_DIGITS``.
     """
     value = meta.get(key)
     try:

@@ -1,13 +1,43 @@
 """Checkpoints on disk: the safetensors reader (:class:`SafetensorsSource`, zero-copy
-:class:`Tensor` records), the streaming writer, the names of KDA tensors per model family, which
-layers are KDA, and :func:`describe`: a checkpoint read once per opened source.
+:class:`Tensor` records), :func:`describe` (a checkpoint read once per opened source), the names
+of KDA tensors per model family, ``--layers`` lists, and the streaming writer.
+
+The face lists what a user may touch; the modules' other names are the package's own plumbing
+(``files``: atomic writes and the open-files limit; ``values``: the equality of values).
 """
 
-from . import description, layers, names, reader, writer
-from .reader import *  # noqa: F403
-from .writer import *  # noqa: F403
-from .names import *  # noqa: F403
-from .layers import *  # noqa: F403
-from .description import *  # noqa: F403
+from .description import CheckpointDescription, LayerFacts, describe, open_checkpoint
+from .layers import check_layers
+from .names import checkpoint_suffix, kda_tensor_name
+from .reader import (
+    BACKENDS,
+    BACKEND_ENV,
+    INDEX_NAME,
+    SafetensorsSource,
+    Tensor,
+    TensorSource,
+    shard_bytes,
+)
+from .writer import FileRange, TensorSpec, write_index, write_safetensors
 
-__all__ = reader.__all__ + writer.__all__ + names.__all__ + layers.__all__ + description.__all__
+__all__ = [
+    "SafetensorsSource",
+    "Tensor",
+    "TensorSource",
+    "shard_bytes",
+    "BACKENDS",
+    "BACKEND_ENV",
+    "INDEX_NAME",
+    "describe",
+    "open_checkpoint",
+    "CheckpointDescription",
+    "LayerFacts",
+    "kda_tensor_name",
+    "checkpoint_suffix",
+    "check_layers",
+    "write_safetensors",
+    "write_index",
+    "TensorSpec",
+    "FileRange",
+]
+

@@ -44,7 +44,7 @@ from .names import (
 )
 from .reader import SafetensorsSource, refuse_index_member
 
-__all__ = ["CheckpointDescription", "LayerFacts", "assumed_layout", "describe"]
+__all__ = ["CheckpointDescription", "LayerFacts", "assumed_layout", "describe", "open_checkpoint"]
 
 _LAYER = re.compile(rf"^({LAYER_NUMBER})\.")
 # "Read the config from the source" (a bare config may be any object: parse_config refuses it).
@@ -184,7 +184,7 @@ class CheckpointDescription:
 
     @cached_property
     def prefix(self) -> str:
-        """The decoder prefix of the KDA layers (``kda_tp.checkpoint.decoder_prefix``).
+        """The decoder prefix of the KDA layers (``kda_tp.checkpoint.names.decoder_prefix``).
 
         Raises:
             CheckpointError: ``A_log`` tensors under more than one prefix.
@@ -255,8 +255,7 @@ class CheckpointDescription:
 
     @cached_property
     def a_log_layers(self) -> tuple[int, ...]:
-        """0-based indices of the layers holding ``self_attn.A_log`` under the prefix
-        (``kda_tp.checkpoint.layers_with_kda_tensors``)."""
+        """0-based indices of the layers holding ``self_attn.A_log`` under the prefix."""
         prefix, cut = self.prefix, len(self.prefix)
         found = set()
         for name in self._a_log_names:
@@ -267,7 +266,7 @@ class CheckpointDescription:
     @cached_property
     def layer_count(self) -> int | None:
         """The decoder layer count: the config's ``num_hidden_layers``, else one more than the
-        largest layer index under the prefix (``kda_tp.checkpoint.layer_count``); None when
+        largest layer index under the prefix; None when
         neither says."""
         count = config_layer_count(getattr(self.source, "config", None) or {})
         if count is not None:
@@ -309,7 +308,7 @@ class CheckpointDescription:
 
     def kda_layers(self, layers: Iterable[int] | None = None) -> tuple[int, ...]:
         """0-based KDA layer indices: ``layers`` (sorted, each once) if given, else the
-        config's (``kda_tp.checkpoint.kda_layer_indices``).
+        config's.
 
         Raises:
             CheckpointError: ``layers`` is None and the checkpoint has no config, or the config
@@ -520,13 +519,9 @@ def describe(
         return found
     if isinstance(checkpoint, (str, os.PathLike)):
         path = Path(checkpoint)
-        refuse_index_member(path)
-        source = None
-        if path.suffix == ".safetensors" and path.is_file():
-            source = SafetensorsSource(path)
+        source = open_checkpoint(path)
+        if source is not None and not path.is_dir():
             path = path.parent
-        elif path.is_dir() and any(path.glob("*.safetensors")):
-            source = SafetensorsSource(path)
         config = load_config(path)
         root = path if path.is_dir() else path.parent
         where = str(path / CONFIG_NAME if path.is_dir() else path)
@@ -536,6 +531,24 @@ def describe(
     at: Path | None = getattr(checkpoint, "root", None)
     where = str(Path(at) / CONFIG_NAME) if at is not None else repr(checkpoint)
     return CheckpointDescription(checkpoint, where=where, root=at)
+
+
+def open_checkpoint(path: str | os.PathLike[str]) -> SafetensorsSource | None:
+    """The checkpoint at ``path``, opened: a ``.safetensors`` file (beside its ``config.json``)
+    or a directory holding ``.safetensors`` files; None where ``path`` is a bare config (a
+    ``config.json``, or a directory without ``.safetensors`` files). The one answer to
+    "checkpoint or config?", for :func:`describe` and ``kda-tp plan``.
+
+    Raises:
+        CheckpointError: one file of an indexed checkpoint (pass the directory); a
+            ``.safetensors`` path that cannot be opened.
+    """
+    path = Path(path)
+    refuse_index_member(path)
+    if (path.name.endswith(".safetensors") and not path.is_dir()) or (
+            path.is_dir() and any(path.glob("*.safetensors"))):
+        return SafetensorsSource(path)
+    return None
 
 
 def _check_quantizable(

@@ -14,11 +14,9 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
-from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointError
-from ..model.config import no_config_message, parse_config
 from ..model.quant import SCALE_SUFFIXES
 
 __all__ = [
@@ -33,7 +31,6 @@ __all__ = [
     "checkpoint_suffix",
     "decoder_prefix",
     "gate_form_problem",
-    "kda_layer_indices",
     "kda_tensor_name",
     "location",
     "param_location",
@@ -204,29 +201,4 @@ def scale_tensor_name(source: Any, prefix: str, layer: int, plan_name: str) -> s
         if source.get(name) is not None:
             return name
     return None
-
-
-def kda_layer_indices(source: Any, layers: Iterable[int] | None) -> tuple[int, ...]:
-    """0-based KDA layer indices: ``layers`` if given, else the source config's.
-
-    Raises:
-        CheckpointError: ``layers`` is None and the source has a ``root`` but no config
-            (``config.json`` is missing), or neither ``layers`` nor the config says which layers
-            are KDA.
-    """
-    if layers is not None:
-        return tuple(sorted({int(i) for i in layers}))
-    config = getattr(source, "config", None)
-    root = getattr(source, "root", None)
-    if config is None and root is not None:
-        raise CheckpointError(no_config_message(root))
-    where = str(Path(root) / "config.json") if root is not None else repr(source)
-    if config is not None:
-        kda_layers = parse_config(config, where).kda_layers
-        if kda_layers is not None:
-            return kda_layers
-    raise CheckpointError(
-        f"{where}: the config does not list the KDA layers (linear_attn_config.kda_layers or "
-        "layer_types); pass layers=[...] (0-based)"
-    )
 

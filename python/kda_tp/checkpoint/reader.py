@@ -29,7 +29,7 @@ from ..errors import (
 from ..model.config import load_config
 from ..model.dtypes import DTYPE_SIZES, import_torch, numpy_dtype, torch_dtype
 from .names import location
-from .writer import open_files_error
+from .files import open_files_error
 
 __all__ = ["BACKEND_ENV", "BACKENDS", "INDEX_NAME", "InfoSource", "Tensor", "TensorSource",
            "SafetensorsSource", "check_out", "checked_get", "checked_info", "missing_tensor",

@@ -1,4 +1,4 @@
-"""Streaming, crash-safe writers for safetensors files, their index and JSON configs.
+"""Streaming, crash-safe writers for safetensors files and their index.
 
 The safetensors layout written here::
 
@@ -10,10 +10,10 @@ The JSON header maps each tensor name to ``{"dtype", "shape", "data_offsets": [b
 (byte offsets relative to the start of the data section) and may carry ``"__metadata__"``, a flat
 str -> str object.
 
-Each file is first written to a hidden temporary file in the destination directory
-(``.<name>.<random>.partial``), flushed and fsync'd, then renamed over the final name with
-``os.replace``; the directory is fsync'd after the rename. A reader therefore sees either the
-old file or the complete new one, never a half-written file under the final name.
+Each file is written atomically (``files.atomic_write``): a hidden temporary file in the
+destination directory, flushed and fsync'd, then renamed over the final name. A reader therefore
+sees either the old file or the complete new one, never a half-written file under the final
+name.
 
 Only numpy and the standard library are used.
 """
@@ -24,7 +24,6 @@ import errno
 import io
 import json
 import os
-import re
 import struct
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -33,24 +32,11 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from ..errors import (
-    CheckpointError,
-    DtypeMismatchError,
-    OpenFilesLimitError,
-    OutputError,
-    ShapeMismatchError,
-)
+from ..errors import CheckpointError, DtypeMismatchError, OutputError, ShapeMismatchError
 from ..model.dtypes import DTYPE_BITS, tensor_nbytes
+from . import files
 
-__all__ = [
-    "FileRange",
-    "TEMP_FILE",
-    "TensorSpec",
-    "open_files_error",
-    "write_index",
-    "write_json",
-    "write_safetensors",
-]
+__all__ = ["FileRange", "TensorSpec", "write_index", "write_safetensors"]
 
 @dataclass(frozen=True)
 class FileRange:
@@ -83,11 +69,6 @@ TensorSpec = tuple[str, str, tuple[int, ...], int, Callable[[], Any]]
 _NO_KERNEL_COPY = {errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP}
 
 _METADATA_KEY = "__metadata__"
-
-#: The name of a temporary file the writers write before renaming it into place (a killed
-#: writer leaves it): ``.<name>.<12 hex digits>.partial``.
-TEMP_FILE = re.compile(r"^\..+\.[0-9a-f]{12}\.partial$")
-
 
 def write_safetensors(
     path: str | os.PathLike[str],
@@ -141,7 +122,7 @@ def write_safetensors(
     data_size = sum(spec[3] for spec in specs)
 
     def write_body(f: BinaryIO) -> None:
-        _checked_write(f, path, header)
+        files.checked_write(f, path, header)
         for name, _dtype, _shape, nbytes, get_bytes in specs:
             data = get_bytes()
             if isinstance(data, FileRange):
@@ -155,10 +136,10 @@ def write_safetensors(
                 data = data.fallback()
             view = _byte_view(name, data, nbytes)
             del data  # only the view keeps the buffer alive, and it is released below
-            _checked_write(f, path, view)
+            files.checked_write(f, path, view)
             view.release()
 
-    _atomic_write(path, write_body, sync=sync, mode=mode)
+    files.atomic_write(path, write_body, sync=sync, mode=mode)
     return data_size
 
 
@@ -173,7 +154,7 @@ def write_index(
     """Write a Hugging Face ``model.safetensors.index.json`` atomically.
 
     The file holds ``{"metadata": {"total_size": total_size}, "weight_map": {...}}`` with the
-    weight map sorted by tensor name (see :func:`write_json` for the formatting).
+    weight map sorted by tensor name (see ``files.write_json`` for the formatting).
 
     Args:
         path: final file name (normally ``<dir>/model.safetensors.index.json``).
@@ -192,24 +173,7 @@ def write_index(
         "metadata": {"total_size": total_size},
         "weight_map": {name: weight_map[name] for name in sorted(weight_map)},
     }
-    write_json(path, document, sync=sync, mode=mode)
-
-
-def write_json(
-    path: str | os.PathLike[str], document: Any, *, sync: bool = True, mode: int | None = None
-) -> None:
-    """Write ``document`` as UTF-8 JSON (two-space indent, trailing newline) atomically.
-
-    Uses the same temporary-file, fsync (with ``sync``), mode bits (``mode``) and rename
-    sequence as :func:`write_safetensors`.
-
-    Raises:
-        TypeError: ``document`` is not JSON-serialisable (nothing is written).
-        OutputError: an OS error while creating, writing, syncing or renaming the file.
-    """
-    path = Path(path)
-    encoded = (json.dumps(document, indent=2) + "\n").encode("utf-8")
-    _atomic_write(path, lambda f: _checked_write(f, path, encoded), sync=sync, mode=mode)
+    files.write_json(path, document, sync=sync, mode=mode)
 
 
 def _build_header(path: Path, specs: list[TensorSpec], metadata: Mapping[str, str] | None) -> bytes:
@@ -311,151 +275,3 @@ def _copy_file_range(f: BinaryIO, path: Path, name: str, source: FileRange) -> b
             )
         done += n
     return True
-
-
-def _checked_write(f: BinaryIO, path: Path, data: bytes | memoryview) -> None:
-    """Write all of ``data``, turning an OS error into :class:`OutputError`."""
-    try:
-        f.write(data)
-    except OSError as exc:
-        raise OutputError(f"{path}: write failed: {exc}") from exc
-
-
-def _atomic_write(
-    path: Path,
-    write_body: Callable[[BinaryIO], None],
-    *,
-    sync: bool = True,
-    mode: int | None = None,
-) -> None:
-    """Run ``write_body`` on a temporary file beside ``path``, then rename it to ``path``.
-
-    The temporary file is created with ``O_EXCL`` and mode 0o666 filtered by the umask (the
-    permissions an ordinary ``open`` would give), or, with ``mode``, created 0o600 and set to
-    ``mode`` before anything is written (never more open than ``mode`` meanwhile). On success
-    it is flushed, fsync'd, closed and renamed, and the directory is fsync'd. On any exception it is removed and the exception
-    propagates; OS errors of the file operations themselves become :class:`OutputError`, while
-    exceptions raised inside ``write_body`` pass through as they are.
-    """
-    temp = path.with_name(f".{path.name}.{os.urandom(6).hex()}.partial")
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0)
-    try:
-        fd = os.open(temp, flags, 0o666 if mode is None else 0o600)
-        if mode is not None:
-            try:
-                os.chmod(fd, mode)
-            except BaseException:
-                os.close(fd)
-                os.unlink(temp)
-                raise
-    except OSError as exc:
-        raise OutputError(f"{path}: cannot create temporary file {temp.name}: {exc}") from exc
-    try:
-        # Not a with-block: a close() error must not mask the exception from write_body.
-        f = open(fd, "wb")  # noqa: SIM115
-        try:
-            write_body(f)
-            _flush_and_sync(f, path, sync)
-        except BaseException:
-            _close_quietly(f)
-            raise
-        try:
-            f.close()
-            os.replace(temp, path)
-        except OSError as exc:
-            raise OutputError(f"{path}: cannot close and rename {temp.name}: {exc}") from exc
-    except BaseException:
-        try:
-            os.unlink(temp)
-        except FileNotFoundError:
-            pass
-        raise
-    if sync:
-        _fsync_directory(path)
-
-
-def _flush_and_sync(f: BinaryIO, path: Path, sync: bool) -> None:
-    """Push buffered bytes to the kernel and, with ``sync``, the kernel's to the disk (ENOSPC
-    often shows here)."""
-    try:
-        f.flush()
-        if sync:
-            os.fsync(f.fileno())
-    except OSError as exc:
-        raise OutputError(f"{path}: flush/fsync failed: {exc}") from exc
-
-
-def _close_quietly(f: BinaryIO) -> None:
-    """Close ``f`` while another exception is already propagating; a second error is dropped."""
-    try:
-        f.close()
-    except OSError:
-        pass
-
-
-def _fsync_directory(path: Path) -> None:
-    """fsync the directory holding ``path`` so the rename itself is durable (POSIX only)."""
-    if not hasattr(os, "O_DIRECTORY"):
-        return
-    try:
-        dir_fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
-    except OSError as exc:
-        raise OutputError(f"{path}: written, but syncing its directory failed: {exc}") from exc
-
-
-def resolve_out(path: Path) -> Path:
-    """``path.resolve()`` for an output path the user gave, or an :class:`OutputError` naming it
-    when it cannot be resolved: a symlink loop (``Path.resolve`` raises ``RuntimeError`` for it
-    on Python 3.10-3.12 and returns the path unresolved on 3.13, so ``os.stat``'s ``ELOOP`` is
-    checked too), a path too long."""
-    try:
-        try:
-            os.stat(path)
-        except OSError as e:
-            if e.errno in (errno.ELOOP, errno.ENAMETOOLONG):
-                raise
-        return path.resolve()
-    except (OSError, RuntimeError) as e:
-        raise OutputError(f"{path}: cannot resolve the output path ({e}); a symlink loop? "
-                          "choose another --out") from e
-
-
-def open_files_error(needed: int, what: str | os.PathLike[str]) -> OpenFilesLimitError | None:
-    """The error to raise when holding ``needed`` more files open at once, on top of those
-    this process has open now, exceeds its soft ``RLIMIT_NOFILE``; None when it fits (or the
-    platform has no such limit).
-
-    Args:
-        needed: the files the read of ``what`` holds open at once.
-        what: the checkpoint or dump being read, for the message.
-    """
-    try:
-        import resource  # noqa: PLC0415 - POSIX only
-
-        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    except (ImportError, OSError, ValueError):
-        return None
-    if soft == resource.RLIM_INFINITY:
-        return None
-    try:
-        open_now = len(os.listdir("/proc/self/fd")) - 1  # less the listing's own descriptor
-    except OSError:
-        open_now = 0
-    if open_now + needed <= soft:
-        return None
-    # Room for what is open, the files, and a margin for the writers, in a round number.
-    want = 1 << max(open_now + needed + 64, 1).bit_length()
-    raise_to = (f"e.g. ulimit -n {want}" if hard == resource.RLIM_INFINITY or want <= hard
-                else f"up to its hard limit (ulimit -n {hard}), and have the hard limit raised "
-                     f"past {open_now + needed}")
-    shown_hard = "unlimited" if hard == resource.RLIM_INFINITY else str(hard)
-    return OpenFilesLimitError(
-        f"{what}: reading it holds {needed} files open at once, and {open_now} are open "
-        f"already, over this process's limit of {soft} open files (RLIMIT_NOFILE; hard limit "
-        f"{shown_hard}); raise it in the shell that runs kda-tp, {raise_to}, and run again",
-        needed, open_now, soft, hard,
-    )

@@ -1,9 +1,8 @@
 """The ``kda-tp`` command line: :func:`main` parses the arguments and dispatches
-(``entry``); the commands' bodies (``commands``), what they print (``format``) and their
-progress on stderr (``progress``).
+(``entry``); the commands' bodies (``_commands``), what they print (``_format``) and their
+progress on stderr (``_progress``) are its own.
 """
 
-from . import entry
-from .entry import *  # noqa: F403
+from .entry import main
 
-__all__ = entry.__all__
+__all__ = ["main"]

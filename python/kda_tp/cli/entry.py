@@ -21,10 +21,10 @@ from typing import Any, NoReturn
 
 from .._native import __version__
 from ..errors import KdaTpError, PlanError, ShardInterrupted
-from ..model.dtypes import SPELLINGS
+from ..model.dtypes import MODEL_DTYPES, SPELLINGS
 from ..model.families import FAMILIES
 from ..model.json_reader import ascii_int
-from .commands import (
+from ._commands import (
     cmd_audit,
     cmd_demo,
     cmd_digests,
@@ -34,7 +34,7 @@ from .commands import (
     run_shard,
     run_verify,
 )
-from .format import emit_json, print_refusal, rank_message
+from ._format import emit_json, print_refusal, rank_message
 
 __all__ = ["main"]
 
@@ -288,7 +288,7 @@ def _add_engine_output(p: argparse.ArgumentParser) -> None:
 
 def _add_model_dtype(p: argparse.ArgumentParser) -> None:
     """``audit``'s, ``dump``'s and ``digests``' ``--dtype``: the engine's model dtype."""
-    p.add_argument("--dtype", type=_model_dtype, choices=["BF16", "F16", "F32"],
+    p.add_argument("--dtype", type=_model_dtype, choices=MODEL_DTYPES,
                    help="the engine's model dtype (its --dtype: bfloat16, float16, float32) "
                    "for the parameters it casts to it (default: the engine's auto dtype for "
                    "the checkpoint's config: its dtype/torch_dtype; an F32 or dtype-less "

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from ..audit.report import AuditReport
-from ..audit.values import as_record, first_difference, same_values
+from ..checkpoint.values import as_record, first_difference, same_values
 from ..checkpoint.names import param_location, param_name
 from ..engines.derived import DERIVED, Derived
 from ..errors import KdaTpError

@@ -13,7 +13,7 @@ layerwise reload, a weight-transfer session, SGLang's ``begin_weight_update`` /
 What is checked, for every parameter the update touched (some part of it was fed):
 
 * each region that was fed holds what was fed, cast to the parameter's dtype by the engine's
-  own cast (torch's ``Tensor.to`` for torch tensors; ``kda_tp.audit.values.cast_to``
+  own cast (torch's ``Tensor.to`` for torch tensors; ``kda_tp.model.dtypes.cast_to``
   otherwise) and compared as the audit compares (``same_values``: a NaN matches any NaN);
   where the engine applies a NaN as "keep the old value" (``torch.Tensor.copy_`` replaced by
   the loader, as vLLM's ``load_checkpoint_weight_patches`` and verl's delta loaders do), the
@@ -45,9 +45,9 @@ from typing import Any
 
 import numpy as np
 
-from ..audit.values import as_record, cast_to, first_difference, same_tensor_values, same_values
 from ..checkpoint.reader import shard_bytes
-from ..model.dtypes import numpy_dtype, torch_dtype
+from ..checkpoint.values import as_record, first_difference, same_tensor_values, same_values
+from ..model.dtypes import cast_to, numpy_dtype, torch_dtype
 from ..rank.plan import KdaTensorPlan
 from ._repacked import GEMM, not_carried
 from ._target import PADDING, Place, RankTarget

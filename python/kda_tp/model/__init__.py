@@ -1,17 +1,43 @@
-"""Model facts: the model families (``families``), the KDA geometry and gate a config
-describes (``config``), block-FP8 quantization formats and :func:`dequantize` (``quant``), the
-hardened JSON reader every config and metadata value goes through (``json_reader``), and the
-dtype facts with the engines' cast (``dtypes``).
+"""Model facts: the model families (:data:`FAMILIES`), the KDA geometry and gate a config
+describes (:class:`KdaConfig`, :func:`load_config`), block-FP8 quantization formats and
+:func:`dequantize`, the hardened JSON reader every config goes through (:func:`parse_json`), and
+the dtype facts with the engines' cast (:func:`cast_to`).
 
-Imports nothing but ``kda_tp.errors``.
+Imports nothing but ``kda_tp.errors``. The face lists what a user may touch.
 """
 
-from . import config, dtypes, families, json_reader, quant
-from .families import *  # noqa: F403
-from .config import *  # noqa: F403
-from .quant import *  # noqa: F403
-from .json_reader import *  # noqa: F403
-from .dtypes import *  # noqa: F403
+from .config import KdaConfig, load_config, parse_config
+from .dtypes import (
+    DTYPE_SIZES,
+    FLOAT_DTYPES,
+    FP8_DTYPES,
+    MODEL_DTYPES,
+    cast_to,
+    numpy_dtype,
+    torch_dtype,
+)
+from .families import FAMILIES, ModelFamily, family_for
+from .json_reader import parse_json
+from .quant import BlockFormat, declared_quantization, dequantize, quantization_config
 
-__all__ = (families.__all__ + config.__all__ + quant.__all__ + json_reader.__all__
-           + dtypes.__all__)
+__all__ = [
+    "FAMILIES",
+    "ModelFamily",
+    "family_for",
+    "KdaConfig",
+    "load_config",
+    "parse_config",
+    "parse_json",
+    "BlockFormat",
+    "quantization_config",
+    "declared_quantization",
+    "dequantize",
+    "DTYPE_SIZES",
+    "FLOAT_DTYPES",
+    "FP8_DTYPES",
+    "MODEL_DTYPES",
+    "numpy_dtype",
+    "torch_dtype",
+    "cast_to",
+]
+

@@ -21,7 +21,7 @@ FP8 source, a small F64 tensor, a CPU without AVX2), keeps the payload in F16 (F
 writes ``0x7FFF``; a blocking ``copy_`` from a CPU tensor into a CUDA parameter converts on the
 CPU (``aten/src/ATen/native/cuda/Copy.cu``, ``copy_kernel_cuda``), which is how both engines
 load a checkpoint. So kda_tp writes numpy's NaN, compares a NaN as matching any NaN
-(:func:`kda_tp.audit.values.same_values`), and refuses to promise a digest of a cast NaN
+(:func:`kda_tp.checkpoint.values.same_values`), and refuses to promise a digest of a cast NaN
 (:func:`kda_tp.audit.diagnosis.cast_nan`).
 """
 

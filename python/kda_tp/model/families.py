@@ -50,12 +50,21 @@ class ModelFamily:
         full_rank_gate: whether the family's KDA layers have the full-rank output gate
             ``g_proj`` (K3), which tells it from another family read by the same rules.
         decoder_prefix: the name prefix of its decoder layers (up to the layer index) in its
-            published checkpoints; ``kda_tp.checkpoint.decoder_prefix`` reads a checkpoint's own.
+            published checkpoints; ``kda_tp.checkpoint.names.decoder_prefix`` reads a checkpoint's own.
         lm_head: the name of its ``lm_head`` weight.
         stored_dtypes: the dtypes (by plan name) its checkpoints store where they differ from
             the plan's defaults, assumed by a plan made from a bare config; None: the plan's
             defaults (Kimi-Linear's), which a bare K3 config is planned with too.
         flat_a_log: its checkpoints store ``A_log`` 1-D ``[H]`` (else ``[1, 1, H, 1]``).
+        padded_a_log: its checkpoints store ``A_log`` 1-D with more entries than heads, the
+            entries past the heads zero (K3).
+        conv_dtype: the dtype its checkpoints store the q/k/v conv weights in; None: the
+            weights' dtype.
+        o_norm_dtype: the dtype its checkpoints store ``o_norm`` in; None: the weights' dtype.
+        last_layer_full_attention: its last decoder layer is full attention, whatever
+            ``geometry``'s ``full_attn_every`` says (K3).
+        vision_tower: its checkpoints hold a vision tower (K3), whose ``self_attn`` names must
+            never be taken for KDA.
         demo: the ``kda-tp demo --model`` and ``synth.GEOMETRIES`` name.
         style: the synthetic checkpoint's config dialect (``synth.write_small_checkpoint``).
         geometry: the synthetic checkpoint's sizes (elements): ``hidden``, ``heads``,
@@ -74,6 +83,11 @@ class ModelFamily:
     lm_head: str = "lm_head.weight"
     stored_dtypes: Mapping[str, str] | None = None
     flat_a_log: bool = False
+    padded_a_log: bool = False
+    conv_dtype: str | None = None
+    o_norm_dtype: str | None = None
+    last_layer_full_attention: bool = False
+    vision_tower: bool = False
     demo: str
     style: str
     geometry: Mapping[str, Any]
@@ -116,6 +130,7 @@ _ENTRIES = (
         stored_dtypes=dict.fromkeys(("q_conv1d", "k_conv1d", "v_conv1d", "A_log", "dt_bias"),
                                     _F32),
         flat_a_log=True,
+        conv_dtype=_F32,
         demo="glm-5.3-flash",
         style="glm",
         geometry=_geometry(hidden=4096, heads=64, full_attn_every=None),
@@ -129,6 +144,11 @@ _ENTRIES = (
         full_rank_gate=True,
         decoder_prefix="language_model.model.layers.",
         lm_head="language_model.lm_head.weight",
+        padded_a_log=True,
+        conv_dtype=_F32,
+        o_norm_dtype=_F32,
+        last_layer_full_attention=True,
+        vision_tower=True,
         demo="kimi-k3",
         style="k3",
         geometry=_geometry(hidden=7168, heads=96, full_attn_every=4),

@@ -59,10 +59,8 @@ __all__ = [
     "BlockFormat",
     "ModelOptModules",
     "SCALE_SUFFIXES",
-    "block_format",
     "declared_quantization",
     "dequantize",
-    "modelopt_modules",
     "quantization_config",
 ]
 
@@ -108,7 +106,7 @@ def quantization_config(config: Mapping[str, Any], root: Path | None = None) -> 
 
     Raises:
         CheckpointError: an ``hf_quant_config.json`` that is unreadable, not JSON, beyond
-            the bounds of ``kda_tp.model.read_json`` (size, depth, digits) or has no
+            the bounds of ``kda_tp.model.json_reader.read_json`` (size, depth, digits) or has no
             ``quantization`` object.
     """
     quant = config.get("quantization_config")
@@ -129,33 +127,24 @@ def quantization_config(config: Mapping[str, Any], root: Path | None = None) -> 
     return quant if isinstance(quant, Mapping) else None
 
 
-def block_format(config: Mapping[str, Any], root: Path | None = None) -> BlockFormat | str | None:
-    """The block-FP8 format a model config declares.
-
-    Reads :func:`quantization_config`.
+def declared_quantization(
+    config: Mapping[str, Any], root: Path | None = None
+) -> tuple[BlockFormat | str | None, ModelOptModules | None]:
+    """What a config declares of quantization, with one read of its
+    :func:`quantization_config` (and of ``hf_quant_config.json``).
 
     Returns:
-        A :class:`BlockFormat`; or a string naming a quantization format kda_tp cannot slice
-        KDA weights in (e.g. ``"NVFP4 (compressed-tensors nvfp4-pack-quantized)"``), to be
-        used in a refusal if the KDA layers turn out to be quantized; or None when the config
-        declares no quantization.
+        The block-FP8 format: a :class:`BlockFormat`; or a string naming a quantization format
+        kda_tp cannot slice KDA weights in (e.g. ``"NVFP4 (compressed-tensors
+        nvfp4-pack-quantized)"``), to be used in a refusal if the KDA layers turn out to be
+        quantized; or None when the config declares no quantization. And the per-module
+        declarations of a ModelOpt config (:class:`ModelOptModules`), None when the config is
+        not ModelOpt's.
 
     Raises:
         CheckpointError: a block-FP8 config whose block size is missing or not two positive
             integers; an ``hf_quant_config.json`` that is not JSON or has no ``quantization``
             object.
-    """
-    return _block_format(quantization_config(config, root))
-
-
-def declared_quantization(
-    config: Mapping[str, Any], root: Path | None = None
-) -> tuple[BlockFormat | str | None, ModelOptModules | None]:
-    """:func:`block_format` and :func:`modelopt_modules` of a config, with one read of its
-    :func:`quantization_config` (and of ``hf_quant_config.json``).
-
-    Raises:
-        CheckpointError: as :func:`block_format`.
     """
     quant = quantization_config(config, root)
     return _block_format(quant), _modelopt_modules(quant)
@@ -236,23 +225,6 @@ class ModelOptModules:
             if any(fnmatch.fnmatchcase(alias, pattern) for alias in _module_aliases(module)):
                 return pattern
         return None
-
-
-def modelopt_modules(
-    config: Mapping[str, Any], root: Path | None = None
-) -> ModelOptModules | None:
-    """The per-module declarations of a ModelOpt config (see :class:`ModelOptModules`); None
-    when the config is not ModelOpt's.
-
-    Args:
-        config: the model config (``config.json`` as a dict).
-        root: the checkpoint directory, for ``hf_quant_config.json`` (as
-            :func:`quantization_config`).
-
-    Raises:
-        CheckpointError: as :func:`quantization_config`.
-    """
-    return _modelopt_modules(quantization_config(config, root))
 
 
 def _modelopt_modules(quant: Mapping[str, Any] | None) -> ModelOptModules | None:

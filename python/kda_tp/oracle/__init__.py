@@ -36,22 +36,19 @@ on a block boundary or stays inside one block; otherwise the plan is refused.
 
 Sizes are in elements unless a name says bytes.
 
-Its modules, each importing only the ones before it (and ``kda_tp.errors``): ``shard_plan``
-(the plan, spec ``tp.rs.txt``), ``bind`` (a rank's bytes, shapes and plan names, spec
-``tp_bind.rs.txt``), ``config`` (its own reading of ``config.json``), ``checkpoint`` (safetensors
-headers and raw bytes), ``verifier`` (a sharded directory against its source) and ``cli``. The
-names below are importable from ``kda_tp.oracle`` itself.
+Its private modules, each importing only the ones before it (and ``kda_tp.errors``):
+``_shard_plan`` (the plan, spec ``tp.rs.txt``), ``_bind`` (a rank's bytes, shapes and plan
+names, spec ``tp_bind.rs.txt``), ``_config`` (its own reading of ``config.json``),
+``_checkpoint`` (safetensors headers and raw bytes), ``_verifier`` (a sharded directory against
+its source) and ``_cli``. The names below are its API, importable from ``kda_tp.oracle``.
 """
 
 from __future__ import annotations
 
-# The errors the oracle raises, importable from here as before the split.
-from kda_tp.errors import CheckpointError, PlanError, ShapeMismatchError
-
-from .bind import local_shape, plan_name, shard_bytes
-from .cli import main
-from .config import KdaConfig, read_kda_config
-from .shard_plan import (
+from ._bind import local_shape, plan_name, shard_bytes
+from ._cli import main
+from ._config import KdaConfig, read_kda_config
+from ._shard_plan import (
     ELEM_BYTES,
     FP8_ELEM_BYTES,
     FULL_RANK_GATE_TENSOR_NAMES,
@@ -61,7 +58,7 @@ from .shard_plan import (
     OracleTensor,
     plan,
 )
-from .verifier import verify
+from ._verifier import verify
 
 __all__ = [
     "TENSOR_NAMES",

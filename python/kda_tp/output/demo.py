@@ -44,7 +44,7 @@ def claim_demo_dir(path: Path, entries: Iterable[str]) -> list[Path]:
 
     Returns:
         The directories this call created (``path`` and missing parents), deepest first: a
-        demo that fails later removes them where empty (``kda_tp.output.remove_created``).
+        demo that fails later removes them where empty (``kda_tp.output.dirs.remove_created``).
 
     Raises:
         OutputError: ``path`` or something in it is not kda-tp's (the user's files, another

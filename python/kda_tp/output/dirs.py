@@ -27,7 +27,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 from ..checkpoint.reader import SafetensorsSource
-from ..checkpoint.writer import resolve_out
+from ..checkpoint.files import resolve_out
 from ..errors import KdaTpError, OutputError
 from ..model.json_reader import parse_metadata_int
 from .locks import OutputLocks, lock_output, output_error
@@ -80,7 +80,7 @@ def replace_files(staged: Mapping[Path, Path], stale: Iterable[Path]) -> None:
 
     Every file in the way is judged again at that moment: one under a final name or in
     ``stale`` is moved aside (:func:`~kda_tp.output.moves.put_aside`, checked by its own mark,
-    :func:`~kda_tp.output.foreign_file`) only when ``stale`` names it (``--force``); a file
+    :func:`~kda_tp.output.marks.foreign_file`) only when ``stale`` names it (``--force``); a file
     that appeared under a final name since the caller looked is refused. Each new file then
     takes its free name without replacing anything (:func:`~kda_tp.output.moves.take_name`),
     and the files moved aside are removed last. On a refusal or failure the new files are
@@ -383,7 +383,7 @@ def remove_dir(path: Path, out: Path) -> Path | None:
 
 def discard(path: Path) -> None:
     """Remove a partial directory a dead writer left (judged first by
-    :func:`~kda_tp.output.foreign_dir` with ``complete=False``: hidden, named by its writer,
+    :func:`~kda_tp.output.marks.foreign_dir` with ``complete=False``: hidden, named by its writer,
     written by it alone), or, when it is a symbolic link or a plain file, the link or file
     alone: what a link points to is never touched."""
     if path.is_symlink() or not path.is_dir():

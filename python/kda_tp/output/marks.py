@@ -21,7 +21,7 @@ from typing import NamedTuple
 
 from .._native import __version__
 from ..checkpoint.reader import SafetensorsSource
-from ..checkpoint.writer import TEMP_FILE, write_json
+from ..checkpoint.files import TEMP_FILE, write_json
 from ..errors import KdaTpError, OutputError
 from .names import (
     ASIDE_DIR,

@@ -22,7 +22,7 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from ..checkpoint.writer import TEMP_FILE
+from ..checkpoint.files import TEMP_FILE
 from ..errors import OutputError
 from .locks import is_lock_file
 from .marks import Mark, foreign_entry, read_mark, refuse
@@ -93,9 +93,9 @@ def put_aside(path: Path, aside: Path, judge: Callable[[Path], str | None], what
     into it between the two looks sends it back to ``path`` and refuses.
 
     Args:
-        judge: :func:`~kda_tp.output.foreign_dir` or :func:`~kda_tp.output.foreign_file`
+        judge: :func:`~kda_tp.output.marks.foreign_dir` or :func:`~kda_tp.output.marks.foreign_file`
             with their arguments bound.
-        what: the refusal's fix (``"replaces"`` or ``"removes"``, :func:`~kda_tp.output.refuse`).
+        what: the refusal's fix (``"replaces"`` or ``"removes"``, :func:`~kda_tp.output.marks.refuse`).
 
     Raises:
         OutputError: ``path`` is not kda-tp's, before or after the move (then it is back
@@ -123,7 +123,7 @@ def put_aside(path: Path, aside: Path, judge: Callable[[Path], str | None], what
 def discard_ours(path: Path) -> list[str]:
     """Remove the directory ``path`` (one kda-tp moved aside) entry by entry, then itself,
     removing only what is kda-tp's: an entry its mark names and that its own mark says kda-tp
-    wrote (:func:`~kda_tp.output.foreign_entry`), kda-tp's temporary files, and in an
+    wrote (:func:`~kda_tp.output.marks.foreign_entry`), kda-tp's temporary files, and in an
     unmarked shard output its lock files and rank directories (each in turn the same way).
 
     Returns:

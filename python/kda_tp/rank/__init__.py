@@ -3,8 +3,13 @@ checkpoint's description) and its view of a checkpoint (:func:`open_rank`,
 :class:`KdaShardedSource`).
 """
 
-from . import plan, view
-from .plan import *  # noqa: F403
-from .view import *  # noqa: F403
+from .plan import KdaShard, KdaTensorPlan, KdaTpPlan
+from .view import KdaShardedSource, open_rank
 
-__all__ = plan.__all__ + view.__all__
+__all__ = [
+    "KdaTpPlan",
+    "KdaTensorPlan",
+    "KdaShard",
+    "KdaShardedSource",
+    "open_rank",
+]

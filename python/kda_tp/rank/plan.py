@@ -112,6 +112,7 @@ class KdaTpPlan(_native.KdaTpPlan):
         config: Mapping[str, Any] | str | os.PathLike[str] | Any,
         tp_rank: int,
         tp_size: int,
+        *,
         gate_rank: int | None = None,
         qk_multiple: int = 256,
         layers: Iterable[int] | None = None,
@@ -155,7 +156,7 @@ class KdaTpPlan(_native.KdaTpPlan):
                 or invalid config, a config with no KDA layers, or a
                 checkpoint whose first KDA layer lacks a tensor or holds the other output-gate
                 form than the config says; a KDA projection (any KDA layer) that contradicts a
-                ModelOpt config's per-module declaration (``kda_tp.model.ModelOptModules``:
+                ModelOpt config's per-module declaration (``kda_tp.model.quant.ModelOptModules``:
                 a ``quant_algo`` other than ``FP8_PB_WO``, e.g. ``NVFP4``, named in the message;
                 ``FP8_PB_WO`` but not FP8; FP8 but not listed, or excluded).
             DtypeMismatchError: a first-KDA-layer tensor whose dtype is not BF16, F16, F32 or

@@ -1,20 +1,25 @@
 """Rank checkpoints: the writer (:func:`shard_checkpoint`), what a rank directory
-holds and their verification (:func:`verify_shards`); the same as torchrun jobs are
-``kda_tp.shard.torchrun`` and, needing torch, ``kda_tp.shard.distributed``.
+holds (:func:`rank_dir`, :func:`rank_dir_metadata`) and their verification
+(:func:`verify_shards`); the same as torchrun jobs are ``kda_tp.shard.torchrun`` and, needing
+torch, ``kda_tp.shard.distributed``.
 """
 
-from . import rankdir, verify, writer
-from .writer import *  # noqa: F403
-from .verify import *  # noqa: F403
-from .rankdir import *  # noqa: F403
-
-# Imported from here too, where they always were: a rank directory's name, the output check and
-# the writer's interruption.
-from ..errors import ShardInterrupted
-from ..output.dirs import prepare_out_dir
 from ..output.names import rank_dir
+from .rankdir import finish_command, rank_dir_metadata
+from .verify import ProgressFactory, VerifyReport, verify_shards
+from .writer import ShardResult, ShardSizes, check_shard_input, shard_checkpoint, shard_sizes
 
-__all__ = (writer.__all__
-           + verify.__all__
-           + rankdir.__all__
-           + ["ShardInterrupted", "prepare_out_dir", "rank_dir"])
+__all__ = [
+    "shard_checkpoint",
+    "shard_sizes",
+    "check_shard_input",
+    "ShardResult",
+    "ShardSizes",
+    "verify_shards",
+    "VerifyReport",
+    "ProgressFactory",
+    "rank_dir_metadata",
+    "finish_command",
+    "rank_dir",
+]
+

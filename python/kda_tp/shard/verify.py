@@ -19,6 +19,7 @@ import numpy as np
 from ..checkpoint.description import describe
 from ..checkpoint.layers import check_layers
 from ..checkpoint.reader import INDEX_NAME, SafetensorsSource, Tensor, checked_get, checked_info
+from ..checkpoint.values import bytes_equal
 from ..errors import CheckpointError
 from ..model.json_reader import parse_json, parse_metadata_int
 from ..output.names import (
@@ -399,7 +400,9 @@ def _check_tensor(
     release: Callable[[int], None],
 ) -> str | None:
     """One line describing how ``records`` (one per rank, None where the rank lacks ``name``)
-    fail to rejoin to ``full``, naming the ranks whose bytes differ. A whole copy on every rank
+    fail to rejoin to ``full``, naming the ranks whose bytes differ (byte for byte,
+    ``kda_tp.checkpoint.values.bytes_equal``: a rank checkpoint is a copy, so a NaN of another
+    bit pattern differs). A whole copy on every rank
     (passed through or replicated) is compared rank by rank, calling ``release(r)`` after rank
     ``r``'s, so only one copy is resident at a time."""
     parts: list[Tensor] = []  # the records, each checked to be there with the planned shape
@@ -415,7 +418,7 @@ def _check_tensor(
     if entry is None or entry.kind == KdaShard.REPLICATED:
         differ = []
         for r, p in enumerate(parts):
-            if not np.array_equal(p.data, full_bytes):
+            if not bytes_equal(p.data, full_bytes):
                 differ.append(r)
             release(r)
         if entry is None:  # not sliced: the same bytes on every rank
@@ -437,7 +440,7 @@ def _check_tensor(
             cols = slice(e.src_col_offset * e.elem_bytes,
                          (e.src_col_offset + e.local_row_elems) * e.elem_bytes)
             want = grid[e.src_row_offset : e.src_row_offset + e.local_rows, cols]
-            if not np.array_equal(part.data, want.ravel()):
+            if not bytes_equal(part.data, want.ravel()):
                 return f"{name}: rank {r}'s scale blocks differ from the input's covering blocks"
         return None
     if entry.kind == KdaShard.CHANNEL_COLS:
@@ -454,10 +457,10 @@ def _check_tensor(
         pieces = [p.data for p in parts]
         bounds = np.cumsum([0] + [p.nbytes for p in parts])
         slices = [full_bytes[lo:hi] for lo, hi in zip(bounds[:-1], bounds[1:])]
-    if np.array_equal(rejoined, full_bytes):
+    if bytes_equal(rejoined, full_bytes):
         return None
     differ = [r for r, (got, want) in enumerate(zip(pieces, slices))
-              if not np.array_equal(got, want)]
+              if not bytes_equal(got.ravel(), want.ravel())]
     return (
         f"{name}: the ranks' {entry.kind.name} slices do not rejoin to the input "
         f"(the slice on {_ranks(differ)} differs)"

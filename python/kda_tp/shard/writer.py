@@ -61,7 +61,7 @@ from ..output.moves import put_aside, take_name
 from ..output.names import FILE_MARK, RANK_DIR, rank_dir
 from ..rank.plan import KdaTpPlan, distinct_ranks
 from ..rank.view import KdaShardedSource
-from .place import Placed, appeared, commit, drop_replaced, partial_dir, undo
+from ._place import Placed, appeared, commit, drop_replaced, partial_dir, undo
 from .rankdir import (
     companion_files,
     input_fingerprint,

@@ -1,9 +1,8 @@
 """Synthetic checkpoints of every model family: the tensors and ``config.json`` per
-dialect (``tensors``) and the values and files (``checkpoints``: :func:`write_checkpoint`,
+dialect (``_tensors``) and the values and files (``checkpoints``: :func:`write_checkpoint`,
 :data:`GEOMETRIES`).
 """
 
-from . import checkpoints
-from .checkpoints import *  # noqa: F403
+from .checkpoints import GEOMETRIES, write_checkpoint, write_small_checkpoint
 
-__all__ = checkpoints.__all__
+__all__ = ["GEOMETRIES", "write_checkpoint", "write_small_checkpoint"]

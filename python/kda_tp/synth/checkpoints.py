@@ -71,11 +71,11 @@ from typing import Any
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-from ..checkpoint import writer
+from ..checkpoint import files, writer
 from ..errors import DtypeMismatchError, OutputError, PlanError
-from ..model.dtypes import TORCH_NAMES, cast_to
+from ..model.dtypes import MODEL_DTYPES, TORCH_NAMES, cast_to
 from ..model.families import demo_geometries
-from .tensors import (
+from ._tensors import (
     STYLES,
     Geometry,
     Spec,
@@ -97,7 +97,6 @@ __all__ = ["GEOMETRIES", "write_checkpoint", "write_small_checkpoint"]
 #: projections in FP8 128x128 blocks (NVIDIA's ModelOpt release of Kimi K3).
 GEOMETRIES: dict[str, dict[str, Any]] = demo_geometries()
 
-_WEIGHT_DTYPES = ("BF16", "F16", "F32")
 _DEFAULT_MAX_FILE_BYTES = 400 * 2**20
 _PROJ_STD = 0.02
 # Projection matrices with more elements than this are built from pool windows; others are drawn.
@@ -152,7 +151,7 @@ def write_checkpoint(
     _check_positive(num_layers=num_layers)
     every = geometry["full_attn_every"]
     kda_layers = [i for i in range(num_layers) if every is None or (i + 1) % every != 0]
-    if geometry["style"] == "k3" and num_layers > 1:
+    if STYLES[geometry["style"]].last_layer_full_attention and num_layers > 1:
         kda_layers = [i for i in kda_layers if i != num_layers - 1]
     return write_small_checkpoint(
         out_dir,
@@ -249,17 +248,19 @@ def write_small_checkpoint(
         raise PlanError(f"seed must be a non-negative int, got {seed!r}")
     if style not in STYLES:
         raise PlanError(f"unknown config style {style!r}; expected one of {tuple(STYLES)}")
-    if weight_dtype not in _WEIGHT_DTYPES:
+    if weight_dtype not in MODEL_DTYPES:
         raise DtypeMismatchError(
             f"weight_dtype {weight_dtype!r} is not supported; "
-            f"expected one of {list(_WEIGHT_DTYPES)}"
+            f"expected one of {list(MODEL_DTYPES)}"
         )
-    if style == "k3":
+    family = STYLES[style]
+    if family.padded_a_log:
         a_log_len = max(heads, head_dim) if a_log_len is None else a_log_len
         _check_positive(a_log_len=a_log_len)
         if a_log_len < heads:
             raise PlanError(f"a_log_len {a_log_len} is below the {heads} heads")
-    elif a_log_len is not None or fp8:
+    if (a_log_len is not None and not family.padded_a_log) or (
+            fp8 and not any(v.get("fp8") for v in family.variants.values())):
         raise PlanError("a_log_len (a zero-padded A_log) and fp8 need style='k3'")
     kda = list(kda_layers)
     if (
@@ -287,9 +288,9 @@ def write_small_checkpoint(
         specs = quantize_attention(specs)
         quant = modelopt_config([s.name for s in specs if s.name.endswith(".weight_scale")])
         config["quantization_config"] = {"quant_method": "modelopt_mixed", **quant}
-        writer.write_json(out / "hf_quant_config.json",
+        files.write_json(out / "hf_quant_config.json",
                           {"producer": {"name": "modelopt"}, "quantization": quant})
-    writer.write_json(out / "config.json", config)
+    files.write_json(out / "config.json", config)
     _write_tensor_files(out, specs, seed, max_file_bytes, progress)
     return out
 

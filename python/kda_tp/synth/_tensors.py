@@ -9,7 +9,7 @@ import math
 from typing import Any
 
 from ..model.dtypes import DTYPE_SIZES
-from ..model.families import FAMILIES
+from ..model.families import FAMILIES, ModelFamily
 
 __all__ = [
     "FP8_BLOCK",
@@ -63,14 +63,19 @@ class Geometry:
         return self.heads * self.head_dim
 
     @property
+    def family(self) -> ModelFamily:
+        """The family whose checkpoints this dialect imitates: what they store differently."""
+        return STYLES[self.style]
+
+    @property
     def stack(self) -> str:
         """The decoder stack's name prefix (K3 and GLM nest it in a wrapper)."""
-        return STYLES[self.style].decoder_prefix.removesuffix("layers.")
+        return self.family.decoder_prefix.removesuffix("layers.")
 
     @property
     def lm_head(self) -> str:
         """``lm_head``'s tensor name."""
-        return STYLES[self.style].lm_head
+        return self.family.lm_head
 
     @property
     def q_lora_rank(self) -> int:
@@ -117,19 +122,12 @@ def model_tensors(
     for i in range(num_layers):
         layer = f"{g.stack}layers.{i}."
         specs.append(Spec(layer + "input_layernorm.weight", wdt, (g.hidden,), "norm"))
-        if i in kda:
-            attention = _kda_tensors(g, wdt)
-        elif g.style == "kimi":
-            attention = _mla_tensors(g, wdt)
-        elif g.style == "k3":
-            attention = _k3_mla_tensors(g, wdt)
-        else:
-            attention = _glm_mla_tensors(g, wdt)
+        attention = _kda_tensors(g, wdt) if i in kda else _MLA_TENSORS[g.style](g, wdt)
         specs.extend(Spec(layer + "self_attn." + n, dt, s, k) for n, dt, s, k in attention)
         specs.append(Spec(layer + "post_attention_layernorm.weight", wdt, (g.hidden,), "norm"))
     specs.append(Spec(g.stack + "norm.weight", wdt, (g.hidden,), "norm"))
     specs.append(Spec(g.lm_head, wdt, (vocab, g.hidden), "proj"))
-    if g.style == "k3":
+    if g.family.vision_tower:
         # A vision tower whose `self_attn.q_proj`/`o_proj` must never be taken for KDA.
         tower, width = "vision_tower.encoder.blocks.0.self_attn.", VISION_HIDDEN
         specs.append(Spec(tower + "q_proj.weight", wdt, (width, width), "proj"))
@@ -138,19 +136,19 @@ def model_tensors(
     return specs
 
 def _kda_tensors(g: Geometry, wdt: str) -> list[Entry]:
-    """A KDA layer's ``self_attn`` tensors in the plan's spec order. K3: one full-rank output
-    gate, ``A_log`` zero-padded, F32 convs and ``o_norm``; GLM-5.3-Flash (transformers
-    ``modeling_glm5_next.py``): F32 convs, ``A_log`` ``[H]``."""
-    c, d, r = g.channels, g.hidden, g.gate_rank
-    k3 = g.style == "k3"
+    """A KDA layer's ``self_attn`` tensors in the plan's spec order, as the geometry's family
+    stores them (:class:`~kda_tp.model.families.ModelFamily`): K3 one full-rank output gate,
+    ``A_log`` zero-padded, F32 convs and ``o_norm``; GLM-5.3-Flash (transformers
+    ``modeling_glm5_next.py``) F32 convs, ``A_log`` ``[H]``."""
+    c, d, r, family = g.channels, g.hidden, g.gate_rank, g.family
     conv = (c, g.conv_kernel) if g.flat_conv else (c, 1, g.conv_kernel)
-    conv_dtype = "F32" if g.style in ("k3", "glm") else wdt
-    gate: list[Entry] = [("g_proj.weight", wdt, (c, d), "proj")] if k3 else [
+    conv_dtype = family.conv_dtype or wdt
+    gate: list[Entry] = [("g_proj.weight", wdt, (c, d), "proj")] if family.full_rank_gate else [
         ("g_a_proj.weight", wdt, (r, d), "proj"), ("g_b_proj.weight", wdt, (c, r), "proj")]
-    if k3:
+    if family.padded_a_log:
         a_log: Entry = ("A_log", "F32", (g.a_log_len or g.heads,), f"a_log_pad:{g.heads}")
     else:
-        flat = g.flat_a_log or g.style == "glm"
+        flat = g.flat_a_log or family.flat_a_log
         a_log = ("A_log", "F32", (g.heads,) if flat else (1, 1, g.heads, 1), "a_log")
     return [
         *((f"{p}_proj.weight", wdt, (c, d), "proj") for p in "qkv"),
@@ -161,7 +159,7 @@ def _kda_tensors(g: Geometry, wdt: str) -> list[Entry]:
         ("b_proj.weight", wdt, (g.heads, d), "proj"),
         a_log,
         ("dt_bias", "F32", (c,), "dt_bias"),
-        ("o_norm.weight", "F32" if k3 else wdt, (g.head_dim,), "norm"),
+        ("o_norm.weight", family.o_norm_dtype or wdt, (g.head_dim,), "norm"),
         ("o_proj.weight", wdt, (d, c), "proj"),
     ]
 
@@ -212,6 +210,10 @@ def _glm_mla_tensors(g: Geometry, wdt: str) -> list[Entry]:
     ]
 
 
+#: A full-attention (MLA) layer's ``self_attn`` tensors, by config dialect.
+_MLA_TENSORS = {"kimi": _mla_tensors, "k3": _k3_mla_tensors, "glm": _glm_mla_tensors}
+
+
 def quantize_attention(specs: list[Spec]) -> list[Spec]:
     """Every attention projection as FP8_PB_WO: an F8_E4M3 weight followed by its F32 scale
     grid ``[ceil(out/128), 1, ceil(in/128), 1]``; everything else unchanged."""
@@ -245,7 +247,12 @@ def config_json(
     g: Geometry, num_layers: int, kda: set[int], vocab: int, torch_dtype: str
 ) -> dict[str, Any]:
     """config.json contents in the geometry's dialect."""
-    common = {
+    return _CONFIG_JSON[g.style](g, num_layers, kda, vocab, torch_dtype)
+
+
+def _common(g: Geometry, num_layers: int, vocab: int, torch_dtype: str) -> dict[str, Any]:
+    """The keys every dialect's (text) config has alike."""
+    return {
         "hidden_size": g.hidden,
         "num_hidden_layers": num_layers,
         "num_attention_heads": g.heads,
@@ -254,44 +261,59 @@ def config_json(
         "tie_word_embeddings": False,
         "torch_dtype": torch_dtype,
     }
-    if g.style == "k3":
-        kimi = dataclasses.replace(g, style="kimi", flat_a_log=False, flat_conv=False,
-                                   a_log_len=None)
-        text = config_json(kimi, num_layers, kda, vocab, torch_dtype)
-        text["linear_attn_config"].update(
-            use_full_rank_gate=True, gate_lower_bound=K3_GATE_LOWER_BOUND
-        )
-        text.pop("architectures")
-        text.update(q_lora_rank=g.q_lora_rank, mla_use_output_gate=True)
-        return {
-            "architectures": ["KimiK3ForConditionalGeneration"],
-            "model_type": "kimi_k3",
-            "text_config": text,
-            "vision_config": {"hidden_size": VISION_HIDDEN, "num_hidden_layers": 1},
-        }
-    if g.style == "kimi":
-        return {
-            "architectures": ["KimiLinearForCausalLM"],
-            "model_type": "kimi_linear",
-            **common,
-            "num_key_value_heads": g.heads,
-            "q_lora_rank": None,
-            "kv_lora_rank": g.kv_lora_rank,
-            "qk_nope_head_dim": g.head_dim,
-            "qk_rope_head_dim": g.rope_dim,
-            "v_head_dim": g.head_dim,
-            "mla_use_nope": True,
-            "linear_attn_config": {
-                "head_dim": g.head_dim,
-                "num_heads": g.heads,
-                "short_conv_kernel_size": g.conv_kernel,
-                "kda_layers": [i + 1 for i in range(num_layers) if i in kda],
-                "full_attn_layers": [i + 1 for i in range(num_layers) if i not in kda],
-            },
-        }
+
+
+def _kimi_config(
+    g: Geometry, num_layers: int, kda: set[int], vocab: int, torch_dtype: str
+) -> dict[str, Any]:
+    """Kimi-Linear's config.json (1-based ``kda_layers``)."""
+    return {
+        "architectures": ["KimiLinearForCausalLM"],
+        "model_type": "kimi_linear",
+        **_common(g, num_layers, vocab, torch_dtype),
+        "num_key_value_heads": g.heads,
+        "q_lora_rank": None,
+        "kv_lora_rank": g.kv_lora_rank,
+        "qk_nope_head_dim": g.head_dim,
+        "qk_rope_head_dim": g.rope_dim,
+        "v_head_dim": g.head_dim,
+        "mla_use_nope": True,
+        "linear_attn_config": {
+            "head_dim": g.head_dim,
+            "num_heads": g.heads,
+            "short_conv_kernel_size": g.conv_kernel,
+            "kda_layers": [i + 1 for i in range(num_layers) if i in kda],
+            "full_attn_layers": [i + 1 for i in range(num_layers) if i not in kda],
+        },
+    }
+
+
+def _k3_config(
+    g: Geometry, num_layers: int, kda: set[int], vocab: int, torch_dtype: str
+) -> dict[str, Any]:
+    """Kimi K3's config.json: Kimi-Linear's text config with the full-rank gate, q-LoRA and
+    the MLA output gate, nested beside a vision config."""
+    text = _kimi_config(g, num_layers, kda, vocab, torch_dtype)
+    text["linear_attn_config"].update(
+        use_full_rank_gate=True, gate_lower_bound=K3_GATE_LOWER_BOUND
+    )
+    text.pop("architectures")
+    text.update(q_lora_rank=g.q_lora_rank, mla_use_output_gate=True)
+    return {
+        "architectures": ["KimiK3ForConditionalGeneration"],
+        "model_type": "kimi_k3",
+        "text_config": text,
+        "vision_config": {"hidden_size": VISION_HIDDEN, "num_hidden_layers": 1},
+    }
+
+
+def _glm_config(
+    g: Geometry, num_layers: int, kda: set[int], vocab: int, torch_dtype: str
+) -> dict[str, Any]:
+    """GLM-5.3-Flash's config.json (transformers ``glm5_next``: ``layer_types``)."""
     text = {
         "model_type": "glm5_next_text",
-        **common,
+        **_common(g, num_layers, vocab, torch_dtype),
         "num_key_value_heads": g.heads,
         "q_lora_rank": g.q_lora_rank,
         "kv_lora_rank": g.kv_lora_rank,
@@ -313,3 +335,6 @@ def config_json(
         "torch_dtype": torch_dtype,
     }
 
+
+#: The config.json of each dialect.
+_CONFIG_JSON = {"kimi": _kimi_config, "k3": _k3_config, "glm": _glm_config}

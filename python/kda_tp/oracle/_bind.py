@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 from kda_tp.errors import ShapeMismatchError
 
-from .shard_plan import CHANNEL_COLS, REPLICATED, OracleTensor
+from ._shard_plan import CHANNEL_COLS, REPLICATED, OracleTensor
 
 def shard_bytes(entry: OracleTensor, data: bytes | bytearray | memoryview) -> bytes:
     """This rank's bytes of one tensor (spec ``tp_bind.rs.txt``, ``shard_bytes``).

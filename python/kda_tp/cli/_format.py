@@ -3,7 +3,7 @@ wrote, ``verify``'s report and its JSON, sizes in decimal units, and refusals in
 terms (one ``kda-tp: error:`` line, flags instead of keyword arguments).
 
 Every function here formats or prints; none reads a checkpoint. The command bodies are
-:mod:`kda_tp.cli.commands`, the argument parsing and exit codes :mod:`kda_tp.cli`.
+:mod:`kda_tp.cli._commands`, the argument parsing and exit codes :mod:`kda_tp.cli`.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from .format import format_bytes, in_unit
+from ._format import format_bytes, in_unit
 
 __all__ = ["make_progress"]
 

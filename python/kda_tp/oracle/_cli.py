@@ -7,7 +7,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from .verifier import verify
+from ._verifier import verify
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Command line: ``python -m kda_tp.oracle verify CHECKPOINT OUT``.

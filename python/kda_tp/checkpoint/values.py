@@ -5,9 +5,9 @@ An engine's parameter arrives as a numpy array, a torch tensor (any device) or a
 Values compare by their bits, except that a NaN matches any NaN (:func:`same_values`): an
 engine's cast writes a NaN in one of several patterns, by device and code path
 (``kda_tp.model.dtypes``). The expected values are cast to the parameter's dtype as the
-engines' loaders cast them (:func:`cast_to`, defined with the dtype facts in
-``kda_tp.model.dtypes``, where the engine layouts below the audit fill parameters with it).
-The one rule of the audit, the dump, the digests and the guard.
+engines' loaders cast them (``kda_tp.model.dtypes.cast_to``, with the dtype facts, where the
+engine layouts fill parameters with it). The one rule of the audit, the dump, the digests, the
+guard and the verification of rank checkpoints (:func:`bytes_equal`), beside :class:`Tensor`.
 """
 
 from __future__ import annotations
@@ -18,13 +18,12 @@ from typing import Any
 
 import numpy as np
 
-from ..checkpoint.reader import Tensor
 from ..errors import CheckpointError, ShapeMismatchError
-from ..model.dtypes import AUDITED_DTYPES, cast_to, numpy_dtype, torch_dtype
+from ..model.dtypes import AUDITED_DTYPES, numpy_dtype, torch_dtype
+from .reader import Tensor
 
-# cast_to is the equality rule's cast, importable here with it.
-__all__ = ["as_record", "bytes_equal", "cast_to", "differing", "first_difference",
-           "same_tensor_values", "same_values"]
+__all__ = ["as_record", "bytes_equal", "differing", "first_difference", "same_tensor_values",
+           "same_values"]
 
 
 def as_record(name: str, value: Any) -> Tensor:
@@ -149,10 +148,13 @@ def same_tensor_values(a: Any, b: Any) -> bool:
 
 
 def bytes_equal(a: np.ndarray, b: np.ndarray) -> bool:
-    """Whether two flat uint8 arrays of one size hold the same bytes, compared as the widest
-    integers that tile them in 1 MiB chunks (as fast as a memcpy of one of them, 2.4x faster
-    than bytes on 112 MB; no temporary larger than a chunk). Equal bytes are the same values;
-    unequal ones may still be (two NaNs): a verdict is :func:`same_values`'."""
+    """Whether two flat uint8 arrays hold the same bytes (arrays of two sizes do not), compared
+    as the widest integers that tile them in 1 MiB chunks (as fast as a memcpy of one of them,
+    2.4x faster than bytes on 112 MB; no temporary larger than a chunk). Equal bytes are the
+    same values; unequal ones may still be (two NaNs): a verdict on values is
+    :func:`same_values`', one on bytes (a rank checkpoint against its input) this one's."""
+    if a.shape != b.shape:
+        return False
     word = next(w for w in (8, 4, 2, 1) if a.size % w == 0 and a.ctypes.data % w == 0
                 and b.ctypes.data % w == 0)
     x, y = a.view(f"<u{word}"), b.view(f"<u{word}")

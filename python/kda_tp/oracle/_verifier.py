@@ -13,10 +13,10 @@ from pathlib import Path
 
 from kda_tp.errors import CheckpointError, PlanError, ShapeMismatchError
 
-from .bind import local_shape, plan_name, shard_bytes
-from .checkpoint import Checkpoint, read_safetensors_header
-from .config import KdaConfig, config_block, read_kda_config
-from .shard_plan import (
+from ._bind import local_shape, plan_name, shard_bytes
+from ._checkpoint import Checkpoint, read_safetensors_header
+from ._config import KdaConfig, config_block, read_kda_config
+from ._shard_plan import (
     FP8_ELEM_BYTES,
     FULL_RANK_GATE_TENSOR_NAMES,
     TENSOR_NAMES,

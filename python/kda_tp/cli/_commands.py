@@ -6,7 +6,7 @@ status (0 OK, 1 verification or audit failed; a refusal raises a ``KdaTpError``,
 ``audit``, ``dump``, ``digests``, ``demo``; ``shard`` and ``verify`` as torchrun jobs
 (:mod:`kda_tp.shard.torchrun`). Each command imports what it uses (numpy with the reader, the writer
 and verifier only for shard/verify), so that ``kda-tp --help`` imports no numpy and ``kda-tp
-plan`` no writer. What they print is :mod:`kda_tp.cli.format`'s.
+plan`` no writer. What they print is :mod:`kda_tp.cli._format`'s.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 from ..errors import CheckpointError, KdaTpError, PlanError
 from ..model.config import load_config
-from .format import (
+from ._format import (
     emit_json,
     format_plan,
     format_sizes,
@@ -34,7 +34,7 @@ from .format import (
     verify_json,
     written_line,
 )
-from .progress import make_progress
+from ._progress import make_progress
 
 if TYPE_CHECKING:
     from ..checkpoint.description import CheckpointDescription
@@ -55,27 +55,24 @@ __all__ = [
 
 def cmd_plan(args: argparse.Namespace) -> int:
     """``plan``: the shard table of one rank (``--json``:
-    :func:`~kda_tp.cli.format.plan_json`), read from a checkpoint directory or a bare
+    :func:`~kda_tp.cli._format.plan_json`), read from a checkpoint directory or a bare
     config."""
-    from ..checkpoint.reader import refuse_index_member
-    from ..checkpoint.description import CheckpointDescription, describe
+    from ..checkpoint.description import (
+        CheckpointDescription,
+        assumed_layout,
+        describe,
+        open_checkpoint,
+    )
     from ..checkpoint.layers import check_layers, config_layer_count
-    from ..rank.plan import KdaTpPlan
-    from ..checkpoint.description import assumed_layout
-    from ..checkpoint.reader import SafetensorsSource
     from ..checkpoint.names import kda_tensor_name, scale_tensor_name
+    from ..rank.plan import KdaTpPlan
 
     # `demo` calls this with a namespace that has no --layers or --json.
     requested, as_json = getattr(args, "layers", None), getattr(args, "json", False)
-    refuse_index_member(args.input)
-    source: SafetensorsSource | None = None
     layers: tuple[int, ...] | None = None
     # The checkpoint (or config) is read once: its description (kda_tp.checkpoint.description).
-    # A checkpoint (a directory of safetensors files, or one file beside its config.json),
-    # else a bare config.
-    if args.input.name.endswith(".safetensors") or (
-            args.input.is_dir() and any(args.input.glob("*.safetensors"))):
-        source = SafetensorsSource(args.input)
+    source = open_checkpoint(args.input)
+    if source is not None:
         description = describe(source)
         layers = _selected_layers(description, requested)
     else:
