@@ -144,7 +144,8 @@ def guard(argv: list[str]) -> int:
     import numpy as np
     import torch
 
-    from kda_tp.engines import get_layout, layouts_for, param_name
+    from kda_tp.checkpoint.names import param_name
+    from kda_tp.engines import get_layout, layouts_for
 
     build = (getattr(importlib.import_module("kda_tp.engines"), "build_param", None)
              or (lambda v, *a, **k: v.build_param(*a, **k)))  # a view's method before the move

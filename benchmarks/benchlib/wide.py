@@ -107,7 +107,8 @@ def wide_guard(ckpt: Path, rank: int, tp: int, reps: int, read_headers) -> None:
     the K3-wide checkpoint vs reading its headers (safetensors) + copying the rank's bytes."""
     import logging
 
-    from kda_tp.engines import build_param, engine_params, get_layout, param_name
+    from kda_tp.checkpoint.names import param_name
+    from kda_tp.engines import build_param, engine_params, get_layout
     from kda_tp.guard import check
 
     logging.getLogger("kda_tp.guard").setLevel(logging.WARNING)  # no pass line per call

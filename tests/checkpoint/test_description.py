@@ -22,7 +22,7 @@ from kda_tp import (
 from kda_tp.model import parse_config
 from kda_tp.model.config import RULES
 from kda_tp.model.families import RULES_GLM, RULES_KIMI
-from kda_tp.engines import FAMILIES, LAYOUTS, kda_only_suffixes, model_family
+from kda_tp.engines import FAMILIES, LAYOUTS, kda_only_suffixes
 from kda_tp.model import FAMILIES as REGISTRY
 from kda_tp.model import family_for
 from kda_tp.guard import looks_kda
@@ -182,7 +182,7 @@ def test_a_synthetic_checkpoint_is_read_back_as_its_family(family, tmp_path):
                                  conv_kernel=4, gate_rank=16, num_layers=2, kda_layers=[0],
                                  style=family.style)
     source = SafetensorsSource(out)
-    assert model_family(source.config) == family.name
+    assert describe(source).family.name == family.name
     kda = parse_config(source.config)
     assert family_for(kda.rules, kda.full_rank_gate) is family
     assert describe(source).prefix == family.decoder_prefix

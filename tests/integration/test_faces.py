@@ -15,7 +15,9 @@ from paths import ROOT
 
 #: The faces this test holds to the rule: the package face and its folders' faces.
 FACES = ("kda_tp", "kda_tp.checkpoint", "kda_tp.model", "kda_tp.rank", "kda_tp.output",
-         "kda_tp.synth", "kda_tp.shard", "kda_tp.reference", "kda_tp.cli", "kda_tp.oracle")
+         "kda_tp.synth", "kda_tp.shard", "kda_tp.reference", "kda_tp.cli", "kda_tp.oracle",
+         "kda_tp.engines", "kda_tp.audit", "kda_tp.guard", "kda_tp.guard.vllm",
+         "kda_tp.guard.sglang")
 #: The most names a face may list.
 MOST_NAMES = 25
 

@@ -144,7 +144,7 @@ def test_the_diagnosis_stops_at_its_budget_and_says_what_it_did_not_try(monkeypa
     meta, tensors, ckpt = fixture("vllm_glm_tp4_r3")
     rank0 = rank_params(ckpt, "vllm-0.33-glm-5.3", 0, 4)
     tensors[PRE + "o_proj.weight"] = rank0[PRE + "o_proj.weight"]
-    monkeypatch.setattr(sys.modules["kda_tp.audit.diagnosis"], "DIAGNOSIS_BUDGET", 0)
+    monkeypatch.setattr(sys.modules["kda_tp.audit._diagnosis"], "DIAGNOSIS_BUDGET", 0)
     [failure] = kda_tp.audit.audit(tensors, ckpt, tp_rank=3, tp_size=4, model_dtype="F32").failures
     [diff] = failure.differences
     # rank 0's column slice of o_proj starts as the part does (its first row's columns, read

@@ -20,7 +20,7 @@ from kda_tp.checkpoint import write_safetensors
 from kda_tp.cli import main
 from kda_tp.audit import audit_path
 from kda_tp.audit import DIGEST_KEY
-from kda_tp.engines import LAYOUTS, build_param, get_layout, layouts_for, model_family
+from kda_tp.engines import LAYOUTS, build_param, get_layout, layouts_for
 from kda_tp.errors import DtypeMismatchError, EngineLayoutError, OutputError, PlanError
 from kda_tp.output import FILE_MARK
 from kda_tp.synth import write_small_checkpoint
@@ -139,7 +139,7 @@ def test_a_wrapped_checkpoint_is_named_as_the_engine_names_it(tmp_path):
     ckpt = write_small_checkpoint(tmp_path / "k3", hidden=64, heads=4, head_dim=64,
                                   conv_kernel=4, gate_rank=64, num_layers=2, kda_layers=[0],
                                   style="k3", weight_dtype="F32")
-    assert model_family(SafetensorsSource(ckpt).config) == "kimi-k3"
+    assert kda_tp.describe(ckpt).family.name == "kimi-k3"
     result = kda_tp.audit.write_engine_dump(ckpt, tmp_path / "dump", engine="vllm-0.33-k3",
                                             tp_size=2, model_dtype="F32")
     with safe_open(result.files[0], "np") as f:

@@ -13,13 +13,12 @@ from safetensors import safe_open
 
 import kda_tp
 from kda_tp import EngineLayoutError, KdaShardedSource, KdaTpPlan, SafetensorsSource
+from kda_tp.checkpoint.names import param_location
 from kda_tp.engines import (
     LAYOUTS,
     build_param,
     get_layout,
     layouts_for,
-    model_family,
-    param_location,
     param_plan,
     recognise,
 )
@@ -412,11 +411,11 @@ def test_transformers_tables_match_what_transformers_loads(ckpt, tmp_path):
         assert want.contiguous().view(-1).view(torch.uint8).numpy().tobytes() == got.tobytes()
 
 
-def test_model_family_needs_a_config():
+def test_model_family_needs_a_config(tmp_path):
     from kda_tp import CheckpointError
 
     with pytest.raises(CheckpointError, match="no config.json"):
-        model_family(None)
-    assert model_family({"text_config": {"model_type": "glm5_next_text", "hidden_size": 64,
-                                         "linear_head_dim": 128, "linear_num_heads": 12,
-                                         "linear_conv_kernel_dim": 4}}) == "glm-5.3"
+        kda_tp.describe(tmp_path).family
+    assert kda_tp.describe({"text_config": {"model_type": "glm5_next_text", "hidden_size": 64,
+                                            "linear_head_dim": 128, "linear_num_heads": 12,
+                                            "linear_conv_kernel_dim": 4}}).family.name == "glm-5.3"

@@ -3,13 +3,31 @@
 (:class:`AuditReport`), the parameters an engine must hold written as a ``save_sharded_state``
 dump (:func:`write_engine_dump`) or hashed as vLLM's weight checksums
 (:func:`engine_digests`), and the trainer's side of an RL refit (:func:`expected_digests`).
+
+The face lists what a user may touch. The modules other rooms use keep their other names
+(``auditor.audit_rank``, the guard's one-rank audit; ``expected_params``, every parameter an
+engine rank must hold); the audit's own plumbing is in underscore modules (``_diagnosis``: the
+bounded diagnosis of a wrong parameter; ``_dump_files``: dump-file names, ranks and metadata).
 """
 
-from . import auditor, digests, dump, dump_files, report
-from .auditor import *  # noqa: F403
-from .report import *  # noqa: F403
-from .dump import *  # noqa: F403
-from .digests import *  # noqa: F403
-from .dump_files import *  # noqa: F403
+from ._dump_files import dump_world_size, sharded_state_files
+from .auditor import audit, audit_path
+from .digests import DIGEST_KEY, engine_digests, expected_digests, param_digest
+from .dump import DumpResult, write_engine_dump
+from .report import AuditReport, ParamAudit, PartDifference
 
-__all__ = auditor.__all__ + report.__all__ + dump.__all__ + digests.__all__ + dump_files.__all__
+__all__ = [
+    "audit",
+    "audit_path",
+    "AuditReport",
+    "ParamAudit",
+    "PartDifference",
+    "write_engine_dump",
+    "DumpResult",
+    "engine_digests",
+    "expected_digests",
+    "param_digest",
+    "DIGEST_KEY",
+    "sharded_state_files",
+    "dump_world_size",
+]

@@ -40,8 +40,8 @@ from ..model.dtypes import FLOAT_DTYPES
 from ..model.families import FAMILIES
 from ..rank.plan import KdaTpPlan
 from ..rank.view import KdaShardedSource
-from .diagnosis import Candidates, audit_overflow, compare, exact_in_place
-from .dump_files import (RankFiles, dump_world_size, meta_int, open_files, rank_of_file,
+from ._diagnosis import Candidates, audit_overflow, compare, exact_in_place
+from ._dump_files import (RankFiles, dump_world_size, meta_int, open_files, rank_of_file,
                          sharded_state_files)
 from .report import AuditReport, ParamAudit
 

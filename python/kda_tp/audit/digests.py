@@ -41,7 +41,7 @@ from ..model.config import KdaConfig, load_config
 from ..model.dtypes import FP8_DTYPES
 from ..rank.plan import KdaTpPlan
 from ..rank.view import KdaShardedSource
-from .diagnosis import cast_nan
+from ._diagnosis import cast_nan
 from .expected_params import build_checked, checked_ranks, expected_params
 
 __all__ = ["DIGEST_KEY", "engine_digests", "expected_digests", "param_digest", "vllm_layout"]
@@ -148,7 +148,7 @@ def _promised_digest(rank: int, name: str, plan: EngineParamPlan, built: np.ndar
 
     Raises:
         CheckpointError: a part the engine casts holds a NaN, whose bits after the cast are the
-            engine's device's and code path's (``kda_tp.audit.diagnosis.cast_nan``).
+            engine's device's and code path's (``kda_tp.audit._diagnosis.cast_nan``).
     """
     nan = cast_nan(plan, built.reshape(-1))
     if nan is not None:

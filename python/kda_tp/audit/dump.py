@@ -33,7 +33,7 @@ from ..output.dirs import input_mode, make_dirs, remove_created, replace_files, 
 from ..output.locks import lock_output, output_error
 from ..output.marks import refuse_foreign_files
 from ..output.names import FILE_MARK
-from .dump_files import DUMP_FILE, sharded_state_files
+from ._dump_files import DUMP_FILE, sharded_state_files
 from .expected_params import ExpectedParam, expected_params
 
 __all__ = ["DumpResult", "write_engine_dump"]
@@ -141,7 +141,7 @@ def write_engine_dump(
         OpenFilesLimitError: the process has no file descriptor left for a lock or a file.
         DtypeMismatchError: ``model_dtype`` is not a model dtype; casting a parameter to
             the model dtype overflows (a finite value
-            becomes inf; ``kda_tp.audit.diagnosis.cast_overflow``): the message names the rank,
+            becomes inf; ``kda_tp.audit._diagnosis.cast_overflow``): the message names the rank,
             the parameter and the value; no file of this call is left, and what ``out`` held
             before is untouched.
         PlanError: ``tp_size`` or a rank is not valid for the model (range, repeats), or

@@ -24,7 +24,7 @@ from ..engines.registry import get_layout, layouts_for
 from ..errors import DtypeMismatchError, EngineLayoutError, PlanError
 from ..rank.plan import KdaTpPlan, distinct_ranks
 from ..rank.view import KdaShardedSource
-from .diagnosis import cast_overflow
+from ._diagnosis import cast_overflow
 
 __all__ = ["ExpectedParam", "build_checked", "checked_ranks", "expected_params"]
 
@@ -140,7 +140,7 @@ def build_checked(shard: KdaShardedSource, layout: EngineLayout, layer: int,
 
     Raises:
         DtypeMismatchError: a finite value becomes inf in the cast
-            (``kda_tp.audit.diagnosis.cast_overflow``): the rank, the parameter and the value.
+            (``kda_tp.audit._diagnosis.cast_overflow``): the rank, the parameter and the value.
     """
     with np.errstate(over="ignore"):  # an overflow is refused below
         built: np.ndarray = build_param(shard, layout, plan.suffix, layer,

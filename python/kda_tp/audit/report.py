@@ -29,7 +29,7 @@ class PartDifference:
             ``"rank 0's slice of q_proj"``); for the padding, which rows must be zero. None
             when it matches nothing tried.
         untried: how many candidate slices the diagnosis did not compare, its budget spent
-            (``kda_tp.audit.diagnosis.DIAGNOSIS_BUDGET``); 0 when every one was tried.
+            (``kda_tp.audit._diagnosis.DIAGNOSIS_BUDGET``); 0 when every one was tried.
     """
 
     part: str

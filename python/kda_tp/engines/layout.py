@@ -3,7 +3,7 @@ model family's KDA parameters), its :class:`EngineParam` rows, and what a parame
 rank's plan (:class:`EngineParamPlan`: shape, dtype, the :class:`Region` of every part, the
 padding).
 
-The tables themselves are data, in :mod:`kda_tp.engines.tables`; :mod:`kda_tp.engines` holds
+The tables themselves are data, in ``kda_tp.engines._tables``; :mod:`kda_tp.engines` holds
 them by name (``LAYOUTS``) and re-exports these classes. The rules every table follows are
 :mod:`kda_tp.engines`' docstring.
 """

@@ -7,7 +7,7 @@ takes another shape and F32. Each :class:`EngineLayout` lists, for every paramet
 layer as the engine holds it (its name under ``...layers.{i}.self_attn.``), the plan tensors it
 is made of, in order, how they are joined, the padding, the on-device shape and the dtype the
 engine casts to. Adding an engine version is adding a table to
-``kda_tp.engines.tables.TABLES`` (all of them by name here: :data:`LAYOUTS`); nothing else
+``kda_tp.engines._tables.TABLES`` (all of them by name here: :data:`LAYOUTS`); nothing else
 branches on the engine. The machinery (``EngineLayout``, ``EngineParam``, ``EngineParamPlan``,
 ``Region``) is :mod:`kda_tp.engines.layout`'s.
 
@@ -47,20 +47,14 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from types import MappingProxyType
-from typing import Any
 
-from ..checkpoint.names import param_location, param_name
-from ..errors import CheckpointError, EngineLayoutError
+from ..errors import EngineLayoutError
 from ..model import families
-from ..model.config import parse_config
 from ..rank.plan import KdaTpPlan
+from ._tables import TABLES
 from .layout import EngineLayout
-from .tables import TABLES
 
-# param_name and param_location (kda_tp.checkpoint.names) are how a layout's parameters are
-# named in an engine; importable here with the layouts, as the docs show.
-__all__ = ["FAMILIES", "LAYOUTS", "get_layout", "kda_only_suffixes", "layouts_for", "model_family",
-           "param_location", "param_name", "recognise"]
+__all__ = ["FAMILIES", "LAYOUTS", "get_layout", "kda_only_suffixes", "layouts_for", "recognise"]
 
 #: Model families a layout is written for (the names of :data:`kda_tp.model.FAMILIES`):
 #: Kimi-Linear and GLM-5.3-Flash (low-rank gate; GLM's config is transformers' ``glm5_next``),
@@ -105,32 +99,11 @@ def get_layout(name: str | EngineLayout) -> EngineLayout:
         ) from None
 
 
-def model_family(config: Mapping[str, Any] | None) -> str:
-    """The model family of a config, one of :data:`FAMILIES`.
-
-    ``"kimi-k3"`` for a full-rank output gate (``use_full_rank_gate``), ``"glm-5.3"`` for a
-    config read with GLM-5.3-Flash's rules (``model_type`` ``glm5_next`` or ``glm5_next_text``,
-    top level or ``text_config``), else ``"kimi-linear"``.
-
-    Args:
-        config: a parsed ``config.json`` (e.g. ``SafetensorsSource.config``).
-
-    Raises:
-        CheckpointError: no config (None: the checkpoint has no ``config.json``), or one
-            without KDA geometry (from ``kda_tp.model.parse_config``).
-    """
-    if config is None:
-        raise CheckpointError(
-            "no config.json: the model family (and which layers are KDA) comes from the config"
-        )
-    kda = parse_config(config)
-    return families.family_for(kda.rules, kda.full_rank_gate).name
-
-
 def layouts_for(family: str | None = None, plan: KdaTpPlan | None = None) -> list[EngineLayout]:
-    """The layouts that can hold a model: of ``family`` (see :func:`model_family`), and, with
-    ``plan``, those that fit it (:meth:`EngineLayout.check_plan`: output-gate form, block-FP8
-    scale grids, tensor parallelism).
+    """The layouts that can hold a model: of ``family`` (one of :data:`FAMILIES`, e.g. a
+    checkpoint's ``CheckpointDescription.family.name``), and, with ``plan``, those that fit it
+    (:meth:`EngineLayout.check_plan`: output-gate form, block-FP8 scale grids, tensor
+    parallelism).
 
     Raises:
         EngineLayoutError: ``family`` is not one of :data:`FAMILIES`.
@@ -161,8 +134,9 @@ def recognise(suffixes: Iterable[str], family: str | None = None) -> list[Engine
 
     Args:
         suffixes: parameter names of one KDA layer (or the union over layers).
-        family: keep only layouts of this family (e.g. :func:`model_family` of the config):
-            SGLang holds Kimi-Linear and GLM-5.3 under the same names.
+        family: keep only layouts of this family (e.g. the checkpoint's
+            ``CheckpointDescription.family.name``): SGLang holds Kimi-Linear and GLM-5.3 under
+            the same names.
 
     Raises:
         EngineLayoutError: ``family`` is not one of :data:`FAMILIES`.

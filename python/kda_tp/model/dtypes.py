@@ -22,7 +22,7 @@ writes ``0x7FFF``; a blocking ``copy_`` from a CPU tensor into a CUDA parameter 
 CPU (``aten/src/ATen/native/cuda/Copy.cu``, ``copy_kernel_cuda``), which is how both engines
 load a checkpoint. So kda_tp writes numpy's NaN, compares a NaN as matching any NaN
 (:func:`kda_tp.checkpoint.values.same_values`), and refuses to promise a digest of a cast NaN
-(:func:`kda_tp.audit.diagnosis.cast_nan`).
+(``kda_tp.audit._diagnosis.cast_nan``).
 """
 
 from __future__ import annotations
@@ -179,7 +179,7 @@ def cast_to(values: np.ndarray, dtype: str) -> np.ndarray:
     """``values`` (a numpy array of a float or FP8 dtype) in safetensors dtype ``dtype``, with
     the bytes a serving engine's loader leaves (torch's ``copy_``: round to nearest even, an F64
     value through F32; see the module's text); ``values`` itself when already of it. A value
-    too large becomes an infinity (no warning: :func:`kda_tp.audit.diagnosis.cast_overflow`
+    too large becomes an infinity (no warning: ``kda_tp.audit._diagnosis.cast_overflow``
     names it); a NaN stays a NaN (numpy's pattern: see the module's text).
 
     Raises:
