@@ -1,4 +1,4 @@
-"""kda_tp benchmark: slicing throughput, zero-copy gets, and whole-checkpoint sharding.
+"""kda_tp benchmark: slicing throughput, zero-copy reads, and whole-checkpoint sharding.
 
 Run by hand (not part of the test suite), from the repository root::
 
@@ -45,13 +45,13 @@ baseline measured alongside it; the last columns give the target and PASS/MISS.
      hand back heap memory an earlier call already faulted in; kda_tp advises huge pages on it);
    * prefaulted memory: ``read_into`` and ``np.copyto`` into the same reused buffer;
    * other implementations, each allocating its output: ``shard_bytes``,
-     ``KdaShardedSource.get(name)``, numpy ``a[:, lo:hi].copy()`` (``a`` = the buffer viewed as
+     ``view[name]`` (a ``KdaShardedSource``), numpy ``a[:, lo:hi].copy()`` (``a`` = the buffer viewed as
      uint16 [4096, 8192]), safetensors ``safe_open(file, framework="np").get_slice(name)[:,
      lo:hi]`` (BF16 via ml_dtypes; its own mapping of the same file, handle opened once), torch
      ``narrow(1, lo, w).contiguous()`` when torch is installed.
    Caches are evicted before every call (a read of twice the last-level cache). Figures are GB/s
    of output (1 GB = 1e9 bytes). Outputs are checked byte-equal before timing.
-2. ``get()`` of row-sliced and replicated tensors, 64 MiB and 1 MiB class: time per call (us,
+2. ``view[name]`` (and ``SafetensorsSource.get``) of row-sliced and replicated tensors, 64 MiB and 1 MiB class: time per call (us,
    best of several loops of many calls) and bytes copied (0 when the returned array's data lies
    inside one of ``source.mappings()`` and two calls share memory; else the tensor's size).
    A safetensors np row slice of the same tensor is shown for contrast (it copies).
@@ -71,7 +71,7 @@ baseline measured alongside it; the last columns give the target and PASS/MISS.
    128, a full-rank ``g_proj [12288, 7168]`` instead of g_a/g_b; 0.89 GB), written as a
    safetensors file. A rank's whole layer at TP=2 and TP=8 into preallocated, prefaulted
    parameter buffers, best of N interleaved: (a) ``KdaShardedSource.read_into`` (the plan with
-   ``full_rank_gate=True, a_log_len=128``); (b) ``get()`` then ``np.copyto``; (c) safetensors ``safe_open(..., "pt").get_slice(...)`` then
+   ``full_rank_gate=True, a_log_len=128``); (b) ``view[name]`` then ``np.copyto``; (c) safetensors ``safe_open(..., "pt").get_slice(...)`` then
    ``param.copy_()`` (only when torch is installed); (d) ``np.copyto`` of the same number of
    contiguous bytes of each tensor. GB/s of local bytes.
 6. vLLM's fused K3 parameter: ``in_proj_qkvgfab`` of rank 3 of 8 (q, k, v, g rows of the rank,

@@ -50,7 +50,7 @@ def section1(ckpt: Path, reps: int, fresh_reps: int) -> None:
         prefaulted = np.ones(n, np.uint8)  # faulted in once, reused: no page faults
         funcs = {
             "kda": lambda: shard_bytes(entry, buf),
-            "kda_get": lambda: sharded.get(name).data,
+            "kda_get": lambda: sharded[name].data,
             "read_into": lambda: sharded.read_into(name, prefaulted),
             "numpy": lambda: a[:, lo:hi].copy(),
             "safetensors": lambda: st_file.get_slice(name)[:, lo:hi],

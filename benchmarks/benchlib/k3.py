@@ -73,7 +73,7 @@ def section_k3(scratch: Path, reps: int) -> None:
 
         def via_get_copy():
             for name, _ in entries:
-                np.copyto(params[name], shard.get(name).data)
+                np.copyto(params[name], shard[name].data)
 
         def via_memcpy():
             for name, t in entries:
@@ -116,7 +116,7 @@ def section_k3(scratch: Path, reps: int) -> None:
         row(sec, f"one K3 KDA layer ({size / 1e9:.2f} GB), this rank's {local / 1e6:.0f} MB",
             "", "", "into preallocated, prefaulted parameters")
         row(sec, "plain memcpy of the same bytes", f"{gbs['memcpy']:.2f}", "GB/s")
-        row(sec, "get() then copy into the parameter", f"{gbs['get_copy']:.2f}", "GB/s",
+        row(sec, "view[name] then copy into the parameter", f"{gbs['get_copy']:.2f}", "GB/s",
             f"get+copy/memcpy {gbs['get_copy'] / gbs['memcpy']:.2f}x")
         r_mem = gbs["read_into"] / gbs["memcpy"]
         row(sec, "read_into the parameters", f"{gbs['read_into']:.2f}", "GB/s",
@@ -159,7 +159,7 @@ def section_vllm_fused(src: SafetensorsSource, reps: int) -> None:
 
     via_build()  # correctness: each part equals the rank's slice, the padding is zero
     for region in plan.regions:
-        want = shard.get(K3_PREFIX + f"{region.part}.weight").data
+        want = shard[K3_PREFIX + f"{region.part}.weight"].data
         assert np.array_equal(param[region.byte_range[0] : region.byte_range[1]], want)
     assert plan.padding is not None and not param[plan.padding[0] :].any()
     t = best_interleaved({"build": via_build, "memcpy": via_memcpy}, reps)

@@ -23,7 +23,7 @@ def verify_baseline(ckpt: Path, out: Path, tp: int, rank: int) -> None:
     got = SafetensorsSource(out / f"rank{rank}")
     assert sorted(got.names()) == sorted(sharded.names()), "baseline names differ"
     for name in sharded.names():
-        a, b = sharded.get(name), got.get(name)
+        a, b = sharded[name], got.get(name)
         assert a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a.data, b.data), name
 
 

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from .checkpoint.description import describe
-from .checkpoint.reader import SafetensorsSource, Tensor, checked_get, checked_info
+from .checkpoint.reader import SafetensorsSource, Tensor, checked_info
 from .errors import MissingDependencyError, PlanError
 from .model.dtypes import TORCH_MISSING, torch_dtype
 from .rank.plan import KdaShard, KdaTpPlan
@@ -151,7 +151,7 @@ def load_rank(
     names = [n for n in shard.names() if include_non_kda or shard.is_sharded(n)]
     device = torch.device(device)
     if device.type == "cpu":
-        return {name: to_torch(checked_get(shard, name)) for name in names}
+        return {name: to_torch(shard[name]) for name in names}
     return _load_to_device(shard, names, device)
 
 
@@ -203,7 +203,7 @@ def _load_to_device(
             shard.read_into(name, host.numpy())  # one copy, the GIL released
             send(slot, host, flat)
         elif nbytes:
-            data = checked_get(shard, name).data
+            data = shard[name].data
             for start in range(0, nbytes, chunk):
                 stop = min(start + chunk, nbytes)
                 slot, host = next_buffer(stop - start)
@@ -294,7 +294,7 @@ def load_dtensors(
     names = [n for n in shard.names() if include_non_kda or shard.is_sharded(n)]
     device = torch.device(device_mesh.device_type)
     if device.type == "cpu":
-        local = {name: to_torch(checked_get(shard, name)) for name in names}
+        local = {name: to_torch(shard[name]) for name in names}
     else:
         local = _load_to_device(shard, names, device)
     source = shard.source

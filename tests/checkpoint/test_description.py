@@ -108,14 +108,12 @@ def test_open_rank_is_a_closable_view_with_its_plan():
         local = view[kda]
         assert local.shape == view.info(kda)[1]
         assert bytes(view.get_tensor(kda)) == bytes(local)
-        with pytest.warns(DeprecationWarning, match="use view\\[name\\]"):
-            assert view.get("no.such.tensor") is None  # documented: Mapping.get, deprecated
         with pytest.raises(TensorNotFoundError, match="no tensor named 'no.such.tensor'") as e:
             view["no.such.tensor"]
         assert isinstance(e.value, KeyError) and isinstance(e.value, CheckpointError)
         kept = np.array(local.array, copy=True)
     with pytest.raises(CheckpointError, match="closed"):
-        view.get(kda)
+        view[kda]
     with pytest.raises(CheckpointError, match="closed"):
         view.source.names()
     view.close()  # twice is harmless

@@ -420,7 +420,7 @@ def test_random_layers_for_the_adapter_never_crash(
             source, KdaTpPlan.from_config(source, tp_rank, tp_size, qk_multiple=qk), layers
         )
         for name in source.names():
-            full, part = source.get(name), shard.get(name)
+            full, part = source.get(name), shard[name]
             local_shape = shard.info(name)[1]
             assert tuple(part.shape) == tuple(local_shape)
             # Same dtype: bytes per element agree between the full tensor and the slice.

@@ -42,7 +42,7 @@ def test_sharded_rows_and_replicated_view_the_mapping(checkpoint):
     shard = kda_tp.KdaShardedSource(source, kda_tp.KdaTpPlan.from_config(source, 1, 2))
     ranges = source.mappings()
     for name in source.names():
-        t = shard.get(name)
+        t = shard[name]
         if name.endswith("o_proj.weight"):
             assert not _inside(t.data, ranges)  # a gather: new memory
         else:
@@ -55,7 +55,7 @@ def test_views_outlive_the_source(checkpoint):
     name = "model.layers.0.self_attn.q_proj.weight"
     expected = bytes(source.get(name))
     shard = kda_tp.KdaShardedSource(source, kda_tp.KdaTpPlan.from_config(source, 1, 2))
-    local = shard.get(name).array
+    local = shard[name].array
     view = source.get(name).data
     del source, shard
     gc.collect()
@@ -76,10 +76,10 @@ def test_eight_threads_read_the_same_bytes(checkpoint):
     source = kda_tp.SafetensorsSource(checkpoint)
     shard = kda_tp.KdaShardedSource(source, kda_tp.KdaTpPlan.from_config(source, 0, 2))
     names = source.names()
-    single = {n: bytes(shard.get(n)) for n in names}
+    single = {n: bytes(shard[n]) for n in names}
 
     def read_all(_):
-        return {n: bytes(shard.get(n)) for n in names}
+        return {n: bytes(shard[n]) for n in names}
 
     with ThreadPoolExecutor(8) as pool:
         for result in pool.map(read_all, range(8)):
@@ -121,7 +121,7 @@ def test_sharded_reads_agree_across_backends(checkpoint):
     for backend in ("mmap", "pread"):
         source = kda_tp.SafetensorsSource(checkpoint, backend=backend)
         shard = kda_tp.KdaShardedSource(source, kda_tp.KdaTpPlan.from_config(source, 1, 2))
-        views.append({n: (shard.get(n).shape, bytes(shard.get(n))) for n in source.names()})
+        views.append({n: (shard[n].shape, bytes(shard[n])) for n in source.names()})
     assert views[0] == views[1]
 
 

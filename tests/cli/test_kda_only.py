@@ -39,7 +39,7 @@ def test_each_rank_holds_exactly_its_kda_tensors_with_metadata(kda_only_output):
         written = SafetensorsSource(rank_dir(out, rank))
         assert sorted(written.names()) == sorted(kda)
         for name in kda:
-            assert np.array_equal(written.get(name).data, shard.get(name).data), name
+            assert np.array_equal(written.get(name).data, shard[name].data), name
         for file, meta in written.files():
             assert meta["tp_rank"] == str(rank) and meta["tp_size"] == str(tp_size)
             assert meta["kda_tp_kda_only"] == "1"
@@ -49,7 +49,7 @@ def test_each_rank_holds_exactly_its_kda_tensors_with_metadata(kda_only_output):
         files = sorted(p.name for p in rank_dir(out, rank).iterdir())
         assert "config.json" not in files
         index = json.loads((rank_dir(out, rank) / "model.safetensors.index.json").read_text())
-        local = sum(shard.get(n).nbytes for n in kda)
+        local = sum(shard[n].nbytes for n in kda)
         assert index["metadata"]["total_size"] == local
         assert set(index["weight_map"]) == set(kda)
         on_disk = sum(p.stat().st_size for p in rank_dir(out, rank).glob("*.safetensors"))
@@ -97,4 +97,4 @@ def test_the_readme_overlay_example_rebuilds_a_rank(kda_only_output):
     assert list(state) == source.names()
     for name, tensor in state.items():
         assert tensor.shape == shard.info(name)[1], name
-        assert np.array_equal(tensor.data, shard.get(name).data), name
+        assert np.array_equal(tensor.data, shard[name].data), name

@@ -86,7 +86,7 @@ class _EvenSplitOfThePadding:
     def get(self, name):
         if name == KDA + "A_log":
             return type("Record", (), {"array": self._a_log})()
-        return self._inner.get(name)
+        return self._inner[name]
 
 
 def test_an_even_split_of_the_padded_a_log_fails_the_numeric_check():

@@ -118,7 +118,7 @@ def test_load_rank_on_cpu_equals_the_adapter_and_views_the_mapping(fixture, tmp_
         shard = KdaShardedSource(source, plan)
         assert list(loaded) == source.names()
         for name, tensor in loaded.items():
-            want = shard.get(name)
+            want = shard[name]
             assert tuple(tensor.shape) == want.shape
             assert tensor.dtype == kt.torch_dtype(want.dtype)
             assert np.array_equal(tensor.view(torch.uint8).reshape(-1).numpy(), want.data)

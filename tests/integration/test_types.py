@@ -47,7 +47,7 @@ assert_type(KdaTpPlan.from_config({}, 0, 1), KdaTpPlan)
 source = kda_tp.SafetensorsSource("ckpt")
 assert_type(source.get("w"), Tensor | None)
 local = kda_tp.KdaShardedSource(source, plan)
-assert_type(local.get("w"), Tensor | None)
+assert_type(local["w"], Tensor)
 """
 
 # Each line is a misuse; the expected mypy error for it follows ``# E:``.

@@ -147,7 +147,7 @@ class _Swapped:
     def get(self, name):
         if name in self._replacements:
             return type("Record", (), {"array": self._replacements[name]})()
-        return self._inner.get(name)
+        return self._inner[name]
 
 
 def _even_scale_split(source, plan, layers):
@@ -158,7 +158,7 @@ def _even_scale_split(source, plan, layers):
     grid = source.get(name).array
     share = grid.shape[0] // plan.tp_size
     wrong = grid[::-1][plan.tp_rank * share : (plan.tp_rank + 1) * share]  # not the covering block
-    assert wrong.shape == inner.get(name).array.shape
+    assert wrong.shape == inner[name].array.shape
     return _Swapped(inner, {name: wrong})
 
 
@@ -166,7 +166,7 @@ def _scale_left_out(source, plan, layers):
     """o_proj served without its scale: the FP8 values taken at face value (scale 1)."""
     inner = kda_tp.KdaShardedSource(source, plan, layers)
     name = KDA + "o_proj.weight_scale"
-    return _Swapped(inner, {name: np.ones_like(inner.get(name).array)})
+    return _Swapped(inner, {name: np.ones_like(inner[name].array)})
 
 
 @pytest.mark.parametrize("factory", [_even_scale_split, _scale_left_out])

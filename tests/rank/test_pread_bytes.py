@@ -31,9 +31,9 @@ def test_one_rank_reads_at_most_1_1x_its_local_kda_bytes(fixture, tp_size, tmp_p
         before = source.bytes_read
         local = 0
         for name in names:
-            tensor = shard.get(name)
+            tensor = shard[name]
             local += tensor.nbytes
-            assert np.array_equal(tensor.data, reference.get(name).data), name
+            assert np.array_equal(tensor.data, reference[name].data), name
         read = source.bytes_read - before
         assert read <= 1.1 * local, (rank, read, local)
         assert read == local, "exactly the local bytes: nothing around them"

@@ -57,7 +57,7 @@ def test_bytes_equal_get_for_every_tensor_rank_and_tp(tp, backend):
     for rank in range(tp):
         shard = sharded(tp, rank, backend)
         for name in shard.names():
-            want = shard.get(name).data
+            want = shard[name].data
             out = np.full(want.nbytes, 0xAB, np.uint8)  # stale bytes must all be overwritten
             assert shard.read_into(name, out) is None
             assert np.array_equal(out, want), (name, rank)
@@ -70,7 +70,7 @@ def test_bytes_equal_get_for_every_tensor_rank_and_tp(tp, backend):
 def test_typed_and_shaped_numpy_outputs():
     shard = sharded(2, 1)
     for name in (O_PROJ, Q_PROJ, "model.layers.0.self_attn.A_log"):
-        t = shard.get(name)
+        t = shard[name]
         out = np.zeros(t.shape, t.array.dtype)  # bfloat16 / float32, the local shape
         shard.read_into(name, out)
         assert np.array_equal(out.view(np.uint8).reshape(-1), t.data), name
@@ -78,14 +78,14 @@ def test_typed_and_shaped_numpy_outputs():
     # int16 has BF16's item size, so it can hold the raw bits too.
     out = np.zeros(shard.info(O_PROJ)[1], np.int16)
     shard.read_into(O_PROJ, out)
-    assert np.array_equal(out.view(np.uint8).reshape(-1), shard.get(O_PROJ).data)
+    assert np.array_equal(out.view(np.uint8).reshape(-1), shard[O_PROJ].data)
 
 
 @pytest.mark.parametrize("make", ["bytearray", "memoryview", "mmap", "2d_memoryview"])
 def test_other_buffer_protocol_outputs(make):
     shard = sharded(4, 3)
     for name in (O_PROJ, Q_PROJ, "model.norm.weight"):
-        want = shard.get(name).data
+        want = shard[name].data
         n = want.nbytes
         if make == "bytearray":
             out = bytearray(n)
@@ -117,7 +117,7 @@ def test_a_generic_source_without_read_range():
     shard = KdaShardedSource(Plain(), KdaTpPlan.from_config(full, 1, 2))
     reference = sharded(2, 1)
     for name in shard.names():
-        want = reference.get(name).data
+        want = reference[name].data
         out = np.empty(want.nbytes, np.uint8)
         shard.read_into(name, out)
         assert np.array_equal(out, want), name
@@ -125,11 +125,11 @@ def test_a_generic_source_without_read_range():
 
 def test_a_wrong_size_is_a_shape_mismatch_naming_both_sizes():
     shard = sharded(2, 0)
-    n = shard.get(O_PROJ).nbytes  # [256, 128] BF16
+    n = shard[O_PROJ].nbytes  # [256, 128] BF16
     assert n == 65536
     for name, size in ((O_PROJ, n - 2), (O_PROJ, n + 2), (Q_PROJ, 0), ("model.norm.weight", 1)):
         out = np.full(size, 7, np.uint8)
-        expected = shard.get(name).nbytes
+        expected = shard[name].nbytes
         with pytest.raises(ShapeMismatchError) as e:
             shard.read_into(name, out)
         message = str(e.value)
@@ -141,14 +141,14 @@ def test_a_wrong_size_is_a_shape_mismatch_naming_both_sizes():
 
 def test_a_wrong_item_size_is_a_shape_mismatch():
     shard = sharded(2, 0)
-    out = np.zeros(shard.get(O_PROJ).nbytes // 4, np.float32)  # right bytes, BF16 is 2 each
+    out = np.zeros(shard[O_PROJ].nbytes // 4, np.float32)  # right bytes, BF16 is 2 each
     with pytest.raises(ShapeMismatchError, match=r"o_proj.*4-byte items.*BF16 has 2-byte"):
         shard.read_into(O_PROJ, out)
 
 
 def test_unusable_buffers_raise_buffer_layout_error_naming_the_tensor():
     shard = sharded(2, 1)
-    n = shard.get(O_PROJ).nbytes
+    n = shard[O_PROJ].nbytes
     readonly = np.zeros(n, np.uint8)
     readonly.flags.writeable = False
     strided = np.zeros(2 * n, np.uint8)[::2]
@@ -215,7 +215,7 @@ def test_a_large_parallel_gather_equals_numpy():
     lo, w = entry.src_col_offset, entry.local_row_elems
     want = source.o_proj.view(np.uint16).reshape(entry.full_rows, -1)[:, lo : lo + w]
     assert np.array_equal(out.view(np.uint16).reshape(entry.full_rows, w), want)
-    assert np.array_equal(shard.get(O_PROJ).data, out)
+    assert np.array_equal(shard[O_PROJ].data, out)
 
 
 def counter_moves(work: Callable[[], object], tries: int, until_moved: bool) -> list[int]:
@@ -294,7 +294,7 @@ def test_a_safetensors_sources_bytes_cannot_be_made_writable(backend: str) -> No
     arrays = {
         "get": source.get(Q_PROJ).data,
         "read_range": source.read_range(Q_PROJ, *entry.byte_range),
-        "view[q_proj]": view.get(Q_PROJ).data,
+        "view[q_proj]": view[Q_PROJ].data,
         "what read_into copies from": readonly_bytes(source.get(Q_PROJ).data),
     }
     for what, array in arrays.items():

@@ -43,7 +43,7 @@ class _Swapped:
     def get(self, name):
         if name in self._replacements:
             return _Array(self._replacements[name])
-        return self._inner.get(name)
+        return self._inner[name]
 
 
 def _wrong_split(make_array):
@@ -55,7 +55,7 @@ def _wrong_split(make_array):
     def factory(source, plan, layers):
         inner = kda_tp.KdaShardedSource(source, plan, layers)
         name, array = make_array(source, plan, inner)
-        assert array.shape == inner.get(name).array.shape
+        assert array.shape == inner[name].array.shape
         return _Swapped(inner, {name: array})
 
     return factory
@@ -66,7 +66,7 @@ def _o_proj_row_block(source, plan, inner):
     name = PREFIX + "o_proj.weight"
     full = source.get(name).array
     rows = full.shape[0] // plan.tp_size
-    local_shape = inner.get(name).array.shape
+    local_shape = inner[name].array.shape
     return name, full[plan.tp_rank * rows : (plan.tp_rank + 1) * rows].reshape(local_shape)
 
 

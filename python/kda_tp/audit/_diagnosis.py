@@ -82,7 +82,7 @@ class Candidates:
         """Rank ``rank``'s slice of ``part``, flat, in the checkpoint's dtype."""
         key = (rank, part)
         if key not in self._slices:
-            self._slices[key] = checked_get(self.shards(rank), self._name(part)).array.reshape(-1)
+            self._slices[key] = self.shards(rank)[self._name(part)].array.reshape(-1)
         return self._slices[key]
 
     def candidate(self, rank: int, part: str) -> np.ndarray | None:

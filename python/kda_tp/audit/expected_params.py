@@ -16,7 +16,7 @@ import numpy as np
 
 from ..checkpoint.description import describe
 from ..checkpoint.names import kda_tensor_name, param_name
-from ..checkpoint.reader import SafetensorsSource, checked_get
+from ..checkpoint.reader import SafetensorsSource
 from ..engines.build import RankPlan, build_param
 from ..engines.dtype import engine_model_dtype
 from ..engines.layout import EngineLayout, EngineParamPlan
@@ -145,8 +145,8 @@ def build_checked(shard: KdaShardedSource, layout: EngineLayout, layer: int,
     with np.errstate(over="ignore"):  # an overflow is refused below
         built: np.ndarray = build_param(shard, layout, plan.suffix, layer,
                                         model_dtype=model_dtype, plan=plan)
-    overflow = cast_overflow(plan, built.reshape(-1), lambda part: checked_get(
-        shard, kda_tensor_name(shard.prefix, layer, part)).array.reshape(-1))
+    overflow = cast_overflow(plan, built.reshape(-1), lambda part: shard[
+        kda_tensor_name(shard.prefix, layer, part)].array.reshape(-1))
     if overflow is not None:
         raise DtypeMismatchError(f"rank {shard.plan.tp_rank} {name}: {overflow}; {fix}")
     return built

@@ -195,10 +195,10 @@ def gate_form_problem(full_rank_gate: bool) -> str:
 def scale_tensor_name(source: Any, prefix: str, layer: int, plan_name: str) -> str | None:
     """The checkpoint name of a block-quantized weight's scale grid in ``source``:
     ``...{plan_name}.weight_scale`` (ModelOpt, compressed-tensors) or ``.weight_scale_inv``
-    (DeepSeek), whichever ``source.get`` finds; None if neither."""
+    (DeepSeek), whichever ``source`` holds (its ``info``, else its ``get``); None if neither."""
     for suffix in SCALE_SUFFIXES:
         name = param_name(prefix, layer, f"{plan_name}.{suffix}")
-        if source.get(name) is not None:
+        if _holds(source, name):
             return name
     return None
 

@@ -10,7 +10,6 @@ fused parameters are built from a view in :mod:`kda_tp.engines`
 from __future__ import annotations
 
 import os
-import warnings
 import weakref
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -227,30 +226,9 @@ class KdaShardedSource:
         record = self.source.get(name)
         return None if record is None else (record.dtype, tuple(record.shape))
 
-    def get(self, name: str) -> Tensor | None:
-        """This rank's tensor ``name``: a local slice for KDA tensors, else the source's record
-        (what ``view[name]`` returns).
-
-        Row-sliced and replicated tensors are views of the source's bytes (no copy);
-        ``o_proj`` is gathered into a new array.
-
-        Returns:
-            The tensor; None when the source has no such tensor, which is deprecated: a
-            ``DeprecationWarning`` says so. Use ``view[name]`` (:meth:`get_tensor`), which
-            raises ``TensorNotFoundError`` for it as ``safe_open`` does, and ``name in view``
-            to ask.
-        """
-        found = self._lookup(name)
-        if found is None:
-            warnings.warn(
-                f"{location(self.source)}: no tensor named {name!r}; KdaShardedSource.get() "
-                "returning None for a missing tensor is deprecated: use view[name], which raises "
-                "TensorNotFoundError, or `name in view`",
-                DeprecationWarning, stacklevel=2)
-        return found
-
     def _lookup(self, name: str) -> Tensor | None:
-        """:meth:`get` without the warning: None when the source has no tensor ``name``."""
+        """This rank's tensor ``name`` (:meth:`get_tensor`), or None when the source has no
+        tensor ``name``."""
         self._check_open()
         planned = self._planned.get(name)
         if planned is None:
@@ -276,7 +254,7 @@ class KdaShardedSource:
         into ``out``, with no intermediate array and the GIL released during the copy. Row-sliced
         (``q_proj``, ``A_log``, ...), replicated and passed-through tensors are one contiguous
         copy; ``o_proj`` (CHANNEL_COLS) is the strided column gather. Copies of 4 MiB or more
-        use several threads. The bytes written equal ``get(name).data``. With the ``"pread"``
+        use several threads. The bytes written equal ``view[name].data``. With the ``"pread"``
         backend a row slice is first read into a temporary copy (the rank's rows only), then
         copied into ``out``.
 
@@ -343,8 +321,10 @@ class KdaShardedSource:
         return self.names()
 
     def get_tensor(self, name: str) -> Tensor:
-        """This rank's tensor ``name``, as ``safe_open``'s ``get_tensor``: what :meth:`get`
-        returns, but an unknown name raises (``view[name]`` is the same call).
+        """This rank's tensor ``name``, as ``safe_open``'s ``get_tensor`` (``view[name]`` is the
+        same call): a local slice for KDA tensors, else the source's record. Row-sliced and
+        replicated tensors are views of the source's bytes (no copy); ``o_proj`` is gathered
+        into a new array.
 
         Raises:
             TensorNotFoundError: the checkpoint has no tensor ``name`` (a ``KeyError`` and a
@@ -402,7 +382,7 @@ class KdaShardedSource:
     def close(self) -> None:
         """Close the view and the source it wraps (its ``close()``, if it has one): a
         :class:`SafetensorsSource` drops its file mappings and descriptors once no array
-        returned by :meth:`get` still views them. Later reads raise ``CheckpointError``;
+        returned by ``view[name]`` still views them. Later reads raise ``CheckpointError``;
         closing twice is harmless."""
         self._closed = True
         close = getattr(self.source, "close", None)

@@ -171,8 +171,9 @@ def check_tp_equivalence(
         qk_multiple: forwarded to ``KdaTpPlan.from_config`` (the local q|k width rule; lower it
             to check splits the default 256 refuses).
         shard_source_factory: how each rank's view is made, called as ``factory(source, plan,
-            layers)`` once per rank; it must return an object whose ``get(name)`` gives a record
-            with ``.array`` in local shape. Default: ``kda_tp.KdaShardedSource``;
+            layers)`` once per rank; it must return a view (``view[name]``) or an object whose
+            ``get(name)`` gives a record with ``.array`` in local shape. Default:
+            ``kda_tp.KdaShardedSource``;
             ``kda_tp.shard.verify_shards`` passes one that opens the written rank directories,
             and a test can inject a wrong split.
         progress: called once with the number of layers to check; returns ``advance(n)``,

@@ -281,8 +281,8 @@ def source_layer_forward(
 
     Args:
         source: the full checkpoint or one rank's view (``kda_tp.KdaShardedSource``, a rank
-            directory's source): any object whose ``get(name)`` returns a record with
-            ``.array``.
+            directory's source): a view, or any object whose ``get(name)`` returns a record
+            with ``.array``.
         layer: 0-based KDA layer index.
         x: input ``(B, T, hidden)``.
         plan: the plan of the rank ``source`` holds (rank 0 of 1 for the full checkpoint).
@@ -306,6 +306,15 @@ def source_layer_forward(
     )
 
 
+def _tensor(source: Any, name: str) -> Any:
+    """``source``'s tensor ``name``, None when it has none: a rank's view is read as
+    ``view[name]``, a checkpoint source (``SafetensorsSource``, a rank directory's, any object
+    with ``get``) as ``source.get(name)``."""
+    if isinstance(source, KdaShardedSource):
+        return source[name] if name in source else None
+    return source.get(name)
+
+
 def layer_weights(source: Any, layer: int, prefix: str, plan: Any) -> dict[str, np.ndarray]:
     """Plan name -> float32 array of ``{prefix}{layer}.self_attn.*`` for every tensor of
     ``plan``, as ``source`` has it, in the shape :func:`kda_layer_forward` takes;
@@ -323,14 +332,14 @@ def layer_weights(source: Any, layer: int, prefix: str, plan: Any) -> dict[str, 
     weights = {}
     for entry in plan.tensors:
         key = kda_tensor_name(prefix, layer, entry.name)
-        record = source.get(key)
+        record = _tensor(source, key)
         if record is None:
             raise CheckpointError(f"{key}: missing (KDA layer {layer})")
         array = _canonical(record.array, entry)
         read = [key]
         if entry.scale is not None:
             scale_key = scale_tensor_name(source, prefix, layer, entry.name)
-            scale = None if scale_key is None else source.get(scale_key)
+            scale = None if scale_key is None else _tensor(source, scale_key)
             if scale is None or scale_key is None:
                 raise CheckpointError(f"{key}: block scale missing (KDA layer {layer})")
             array = dequantize(array, _canonical(scale.array, entry.scale), entry.block)

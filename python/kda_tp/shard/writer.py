@@ -50,7 +50,7 @@ from pathlib import Path
 import numpy as np
 
 from .._native import __version__
-from ..checkpoint.reader import INDEX_NAME, SafetensorsSource, checked_get, checked_info
+from ..checkpoint.reader import INDEX_NAME, SafetensorsSource, checked_info
 from ..checkpoint.writer import FileRange, write_index, write_safetensors
 from ..errors import CheckpointError, DtypeMismatchError, OutputError, PlanError, ShardInterrupted
 from ..model.dtypes import DTYPE_BITS, tensor_nbytes
@@ -506,7 +506,7 @@ def _write_rank(
 
     def fetch(name: str, count: bool = True) -> np.ndarray:
         release_previous()
-        data = checked_get(shard, name).data
+        data = shard[name].data
         previous.append(name)
         if advance and count:
             advance(data.nbytes)
