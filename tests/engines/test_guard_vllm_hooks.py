@@ -128,7 +128,8 @@ def test_a_worker_without_the_guard_is_reported_unguarded(monkeypatch):
 
 
 def test_a_missing_hook_target_fails_in_fail_and_warns_in_warn(monkeypatch):
-    from kda_tp.guard.vllm import _wrap_reload, status
+    from kda_tp.guard.vllm import status
+    from kda_tp.guard.vllm.plugin import _wrap_reload
     gone = types.SimpleNamespace()  # a vLLM whose reload module lost reload_weights
     with pytest.raises(GuardError, match="cannot hook .*reload.inplace.reload_weights"):
         _wrap_reload(gone)
