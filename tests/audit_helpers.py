@@ -1,4 +1,4 @@
-"""Helpers of the engine-audit tests (tests/unit/test_audit*.py): the engine_ranks fixture dumps,
+"""Helpers of the engine-audit tests (tests/audit/): the engine_ranks fixture dumps,
 `kda-tp audit` in this process, a rank's parameters built with the engines' build API, an edited
 dump audited, and a save_sharded_state directory made from a fixture dump."""
 

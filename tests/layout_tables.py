@@ -1,5 +1,5 @@
 """The engine layouts as Markdown tables: the tables of ``docs/engine-layouts.md``, kept current
-by tests/unit/test_engines.py (documentation tooling, not part of the package)."""
+by tests/engines/test_layouts.py (documentation tooling, not part of the package)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Where the tests' files are, computed once for every test directory (a folder per room of the
-package, integration/, engines/, realengine/): the repository root, tests/ itself, and the
-fixture checkpoints."""
+package, integration/, realengine/): the repository root, tests/ itself, and the fixture
+checkpoints."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """SGLang 0.5.23's KDA layer and model classes of each family, the config they are built from
-and the stand-in model that holds one layer, for the engine tests' child processes beside it
-(sglang_guard_child.py, test_audit_engines.py's); as in the fixtures' recipe
+and the stand-in model that holds one layer, for the engine tests' child processes
+(guard/sglang_guard_child.py, audit/test_audit_engines.py's); as in the fixtures' recipe
 (tests/data/engine_ranks/make/sglang_rank.py).
 
 Nothing here imports SGLang or torch until a function is called (inside the caller's

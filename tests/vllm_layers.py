@@ -1,7 +1,7 @@
 """vLLM 0.33.0's KDA layer and model classes of each family, the config they are built from,
 the faked tensor-parallel group and the stand-in model that holds one layer, for the engine
-tests beside it (test_digests_vllm.py's and test_audit_engines.py's child processes,
-test_guard_vllm*.py) and the fixtures' recipe (tests/data/engine_ranks/make/vllm_rank.py).
+tests (audit/test_digests_vllm.py's and audit/test_audit_engines.py's child processes,
+guard/test_vllm*.py) and the fixtures' recipe (tests/data/engine_ranks/make/vllm_rank.py).
 
 Nothing here imports vLLM or torch until a function is called (:func:`kda_classes` inside the
 caller's ``set_current_vllm_config``), so collecting the tests without vLLM never imports it."""

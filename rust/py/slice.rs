@@ -11,7 +11,7 @@
 //! * the source is not written by another thread during the call. What `SafetensorsSource`
 //!   reads keeps it by construction: a `TensorBytes` (a read-only file mapping, or a copy that
 //!   object owns and never changes), which numpy cannot make writable
-//!   (`tests/unit/test_read_into.py`), or an aligned copy made for the one call. Another
+//!   (`tests/rank/test_read_into.py`), or an aligned copy made for the one call. Another
 //!   source's arrays (a custom source behind `KdaShardedSource`, a buffer passed to
 //!   `kda_tp.shard_bytes`) are its owner's to keep still;
 //! * the output belongs to the caller: no other thread reads or writes it until the call

@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 import kda_tp
+from paths import TESTS
 from tp_fixtures import CKPT, release_dtypes
 
 pytestmark = pytest.mark.engines
@@ -90,7 +90,7 @@ def test_a_release_dtype_checkpoint_in_a_bf16_engine_passes_with_no_dtype(engine
     ckpt = release_dtypes(CKPT[kind], tmp_path / "ckpt")
     held_file = tmp_path / f"model-rank-{R}-part-0.safetensors"
     proc = subprocess.run([sys.executable, "-c", LOAD, engine, kind, str(ckpt), str(T), str(R),
-                           str(Path(__file__).parent), str(held_file)],
+                           str(TESTS), str(held_file)],
                           capture_output=True, text=True, timeout=600, check=False)
     assert proc.returncode == 0, proc.stderr[-4000:]
     held = load_file(str(held_file))

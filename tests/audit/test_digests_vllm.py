@@ -31,7 +31,7 @@ from kda_tp import SafetensorsSource
 from kda_tp.cli import main
 from kda_tp.model import parse_config
 
-from paths import ENGINE_RANKS as DATA
+from paths import ENGINE_RANKS as DATA, TESTS
 from tp_fixtures import f64_near_ties, release_dtypes
 
 pytestmark = pytest.mark.engines
@@ -98,7 +98,7 @@ def vllm_checksums(kind: str, ckpt: Path, dtype: str = "float32") -> dict[str, d
                 "hidden": kda.hidden}
     proc = subprocess.run(
         [sys.executable, "-c", ENGINE, kind, str(ckpt), json.dumps(geometry),
-         ",".join(f"{t}:{r}" for t, r in runs), str(Path(__file__).parent), dtype],
+         ",".join(f"{t}:{r}" for t, r in runs), str(TESTS), dtype],
         capture_output=True, text=True, timeout=600, check=False)
     assert proc.returncode == 0, proc.stderr[-4000:]
     (line,) = [x for x in proc.stdout.splitlines() if x.startswith("DIGESTS ")]

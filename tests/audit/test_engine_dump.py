@@ -2,7 +2,7 @@
 kda_tp.audit.engine_digests: a dump of what an engine's ranks must hold passes `kda-tp audit`, the
 same dump damaged fails it with the parameter named, and the digests are SHA-256 over the bytes of
 each parameter, keyed as vLLM's Worker.compute_weight_checksums keys them. The engines' own
-digests are compared in tests/engines/test_digests_vllm.py."""
+digests are compared in tests/audit/test_digests_vllm.py."""
 
 from __future__ import annotations
 

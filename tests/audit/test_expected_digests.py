@@ -1,6 +1,9 @@
 """kda_tp.audit.expected_digests: a trainer's expected per-rank digests from the tensors it sends
 (no checkpoint on disk) equal ``kda-tp digests`` / ``engine_digests`` on a checkpoint holding the
-same tensors, for every vLLM layout, from numpy and torch tensors, streamed or as a mapping."""
+same tensors, for every vLLM layout, from numpy and torch tensors, streamed or as a mapping; it
+refuses ``A_log``/``dt_bias`` of a layer its config does not list as KDA (another model's
+config), and items that are not ``(name, tensor)`` pairs. (The ``kept`` fixture, a
+``demo --keep`` directory, is tests/conftest.py's.)"""
 
 from __future__ import annotations
 
@@ -14,7 +17,7 @@ import kda_tp
 from kda_tp import SafetensorsSource
 from kda_tp.cli import main
 from kda_tp.engines import LAYOUTS, get_layout
-from kda_tp.errors import CheckpointError, EngineLayoutError, PlanError
+from kda_tp.errors import CheckpointError, EngineLayoutError, PlanError, UsageError
 from kda_tp.synth import write_small_checkpoint
 
 from paths import ENGINE_RANKS as DATA
@@ -191,7 +194,7 @@ def test_each_layer_is_dropped_once_hashed(tmp_path):
 def test_equal_to_what_vllms_own_load_weights_leaves(kind, tmp_path):
     """The trainer's digests, from the tensors it feeds (in the release dtypes), equal vLLM
     0.33's own checksums of what its own KDA layer's ``load_weights`` left from those tensors
-    in a BF16 model (tests/engines/test_digests_vllm.py's engine run), rank by rank, with no dtype
+    in a BF16 model (tests/audit/test_digests_vllm.py's engine run), rank by rank, with no dtype
     given: the engine's default."""
     pytest.importorskip("vllm")
     from test_digests_vllm import CASES, vllm_checksums
@@ -216,3 +219,32 @@ def test_block_fp8_tensors_are_refused_with_the_checkpoint_route(tmp_path):
     with pytest.raises(DtypeMismatchError, match="block-FP8 KDA weights are not handled from "
                        "tensors in memory; hash the checkpoint with kda_tp.audit.engine_digests"):
         kda_tp.audit.expected_digests(fed(ckpt), ckpt, engine="vllm-0.33-k3", tp_size=2)
+
+
+def test_expected_digests_refuses_kda_tensors_of_a_layer_the_config_does_not_list(
+    kept: Path,
+) -> None:
+    source = kda_tp.SafetensorsSource(kept / "checkpoint")
+    tensors = {n: source.get(n) for n in source.names()}
+    engine = {"engine": "vllm-0.33-kimi-linear", "tp_size": 2}
+    digests = kda_tp.audit.expected_digests(tensors, kept / "checkpoint", **engine)
+    assert digests == kda_tp.audit.engine_digests(kept / "checkpoint", **engine)
+    copies = {n.replace("layers.0.", "layers.2."): t for n, t in tensors.items()
+              if n.startswith("model.layers.0.self_attn.")}
+    with pytest.raises(CheckpointError) as raised:
+        kda_tp.audit.expected_digests({**tensors, **copies}, kept / "checkpoint", **engine)
+    message = str(raised.value)
+    assert message.startswith("model.layers.2.self_attn.A_log, model.layers.2.self_attn.dt_bias:"
+                               " layer 2 holds KDA tensors, but the ")
+    assert message.endswith("lists no KDA layer 2 (its KDA layers: [0]); is this the config of "
+                            "the model being updated?")
+
+
+@pytest.mark.parametrize("tensors", [["model.layers.0.self_attn.A_log"], [("a", 1, 2)], [7]])
+def test_expected_digests_refuses_what_is_not_name_tensor_pairs(
+    kept: Path, tensors: list[object]
+) -> None:
+    with pytest.raises(UsageError, match=r"^tensors: expected \(name, tensor\) pairs or a "
+                       r"mapping of names to tensors, got an item "):
+        kda_tp.audit.expected_digests(tensors, kept / "checkpoint",  # type: ignore[arg-type]
+                                      engine="vllm-0.33-kimi-linear", tp_size=2)

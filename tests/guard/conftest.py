@@ -1,4 +1,4 @@
-"""Fixtures of the vLLM guard tests (test_guard_vllm*.py; helpers in vllm_guard.py). vLLM is
+"""Fixtures of the vLLM guard tests (test_vllm*.py; helpers in vllm_guard.py). vLLM is
 imported only when a test asks for ``vc``, so collecting without vLLM imports nothing."""
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
-"""The child process of test_guard_sglang.py (beside it): the guard through SGLang 0.5.23's own code.
+"""The child process of test_sglang.py (beside it): the guard through SGLang 0.5.23's own code.
 
-Run as ``python sglang_guard_child.py ENGINE_RANKS_DIR WORK_DIR``; prints one JSON object (the
+Run as ``python sglang_guard_child.py ENGINE_RANKS_DIR WORK_DIR TESTS_DIR`` (tests/, where the
+layer builders are); prints one JSON object (the
 outcome of every scenario) as its last stdout line. A child of its own because SGLang's
 ``load_plugins()`` and ``HookRegistry`` patch classes once per process, and SGLang's imports
 warn (which the test run turns into errors).
@@ -50,7 +51,8 @@ SGLANG_AT_IMPORT = "sglang" in sys.modules
 import torch  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
-DATA, WORK = sys.argv[1], sys.argv[2]
+DATA, WORK, TESTS = sys.argv[1], sys.argv[2], sys.argv[3]
+sys.path.insert(0, TESTS)  # the layer builders (sglang_layers.py)
 CKPT = {"k3": "ckpt_k3", "kimi_linear": "ckpt_kl", "glm": "ckpt_glm"}
 FUSED = {"k3": "fused_qkvg_proj.weight", "kimi_linear": "fused_qkvbfg_a_proj.weight",
          "glm": "fused_qkvbfg_a_proj.weight"}

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from paths import ENGINE_RANKS
+from paths import ENGINE_RANKS, TESTS
 
 pytestmark = pytest.mark.engines
 
@@ -40,7 +40,7 @@ def outcome(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
            if not k.startswith(("KDA_TP_GUARD", "SGLANG_PLUGINS"))}
     done = subprocess.run(
         [sys.executable, str(HERE / "sglang_guard_child.py"), str(ENGINE_RANKS),
-         str(work)], capture_output=True, text=True, timeout=600, env=env, check=False)
+         str(work), str(TESTS)], capture_output=True, text=True, timeout=600, env=env, check=False)
     assert done.returncode == 0, done.stderr[-4000:]
     result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
     return result

@@ -9,8 +9,8 @@ stand-in module holding only ``layers.0.self_attn`` goes through the model class
 ``load_weights`` (vLLM's full model constructors need CUDA). Every loading bug below is made
 with vLLM's own classes or by wrapping one of its weight loaders, and stops the load with the
 parameter named. The helpers are in vllm_guard.py; the checks of which model,
-which checkpoint, every hook armed are in test_guard_vllm_hooks.py, those of every update
-path) in test_guard_vllm_updates.py."""
+which checkpoint, every hook armed are in test_vllm_hooks.py, those of every update
+path) in test_vllm_updates.py."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 guard that cannot arm fails in mode fail: the main model whatever the
 speculative method, the checkpoint variable, a model id resolved in the engine's download
 directory, ``audit_llm``'s report of a worker with and without the guard, every hook armed
-after vLLM's own plugin loading. Built as test_guard_vllm.py's (helpers: vllm_guard.py)."""
+after vLLM's own plugin loading. Built as test_vllm.py's (helpers: vllm_guard.py)."""
 
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ sync), ``DummyModelLoader`` (verl, NeMo-RL, SkyRL boot with ``load_format=dummy`
 ``load_weights`` one tensor per call (OpenRLHF, TRL colocate), for Kimi-Linear, Kimi K3 and
 GLM-5.3-Flash. Honest variants pass in modes fail and warn; wrong ones are stopped (fail) or
 logged (warn) and named; out of the engine's calls the guard raises only ``GuardError``.
-Built as test_guard_vllm.py's (helpers: vllm_guard.py)."""
+Built as test_vllm.py's (helpers: vllm_guard.py)."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 (BF16 projections; F32 convs, ``A_log``, ``dt_bias`` and ``o_norm``; ``torch_dtype: bfloat16``:
 ``tp_fixtures.release_dtypes``), loaded into a BF16 model, vLLM's default for such a config:
 what the guard expects is what vLLM's KDA layers really hold there (F32 on disk, BF16 in the
-layer), not only in the all-F32 fixtures of test_guard_vllm.py; and an F64 checkpoint, whose
+layer), not only in the all-F32 fixtures of test_vllm.py; and an F64 checkpoint, whose
 values torch rounds through F32 (``tp_fixtures.f64_near_ties``). Helpers in vllm_guard.py."""
 
 from __future__ import annotations

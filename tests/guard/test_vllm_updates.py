@@ -2,7 +2,7 @@
 trainer's refit through the model's ``load_weights`` in buckets, ``reload_weights`` and a
 weight-transfer engine made by vLLM's own factory; the bugs of each path (rows landing in the
 wrong part, a fused part dropped from a later bucket, a parameter never applied, GLM's merged
-conv weight left stale, K3's decode copies). Built as test_guard_vllm.py's (helpers:
+conv weight left stale, K3's decode copies). Built as test_vllm.py's (helpers:
 vllm_guard.py)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""What the vLLM guard tests (test_guard_vllm*.py beside this) share: a stand-in model of one
+"""What the vLLM guard tests (test_vllm*.py beside this) share: a stand-in model of one
 KDA layer built with vLLM 0.33.0's own classes for a faked tensor-parallel rank, loaded by
 vLLM's own loaders, and the bugs a loader makes (a rank's loaders told another rank).
 
