@@ -243,35 +243,46 @@ def test_vllm_pipeline_stage_names(tmp_path, capsys):
     assert run(capsys, "audit", ckpt, out, "--tp-size", tp, "--dtype", "F32")[0] == 0
 
 
-def test_refused_inputs_exit_2(tmp_path, capsys):
-    out, ckpt, tp = sharded_state(tmp_path, "vllm_k3_tp4_r1")
-    status, _, err = run(capsys, "audit", ckpt, out, "--tp-size", 2, "--dtype", "F32")
-    assert status == 2 and "holds the files of ranks [0, 1, 2, 3], but tp_size is 2" in err
-    status, _, err = run(capsys, "audit", ckpt, tmp_path, "--tp-size", 4, "--dtype", "F32")
-    assert status == 2 and "no sharded_state file" in err
-    status, _, err = run(capsys, "audit", ckpt, out, "--tp-size", 4, "--rank", 4, "--dtype", "F32")
-    assert status == 2 and "rank 4 is out of range for --tp-size 4: valid ranks are 0..3" in err
-    # a layout of another family, forced
-    status, _, err = run(capsys, "audit", ckpt, out, "--tp-size", 4,
-                         "--engine", "sglang-0.5.23-glm-5.3", "--dtype", "F32")
-    assert status == 2 and "EngineLayoutError" in err and "g_proj" in err
-    status, _, err = run(capsys, "audit", ckpt, out, "--tp-size", 4, "--engine", "vllm-9",
-                         "--dtype", "F32")
-    assert status == 2 and "no engine layout 'vllm-9'" in err
-    # one file without a rank in its name or metadata
+def _lone(tmp_path):
+    """One rank's dump file without a rank in its name or metadata."""
     lone = tmp_path / "rank.safetensors"
     save_file(load(DATA / "vllm_k3_tp4_r1.safetensors")[1], lone)
-    status, _, err = run(capsys, "audit", ckpt, lone, "--tp-size", 4, "--dtype", "F32")
-    assert status == 2 and "pass --rank" in err
-    # a checkpoint without its config.json (the dump file given in its place)
-    with pytest.raises(CheckpointError, match="config"):
-        kda_tp.audit.audit(load(lone)[1], lone, tp_rank=1, tp_size=4, model_dtype="F32")
-    # not a dump of this model
-    with pytest.raises(CheckpointError, match="no KDA parameter"):
-        kda_tp.audit.audit({"lm_head.weight": np.zeros(2)}, ckpt, tp_rank=0, tp_size=4,
-                           model_dtype="F32")
-    with pytest.raises(PlanError):
-        kda_tp.audit.audit(load(lone)[1], ckpt, tp_rank=0, tp_size=5, model_dtype="F32")
+    return lone
+
+
+@pytest.mark.parametrize("dump, args, needles", [
+    ("out", ("--tp-size", 2), ["holds the files of ranks [0, 1, 2, 3], but tp_size is 2"]),
+    ("no dump", ("--tp-size", 4), ["no sharded_state file"]),
+    ("out", ("--tp-size", 4, "--rank", 4),
+     ["rank 4 is out of range for --tp-size 4: valid ranks are 0..3"]),
+    # a layout of another family, forced
+    ("out", ("--tp-size", 4, "--engine", "sglang-0.5.23-glm-5.3"), ["EngineLayoutError", "g_proj"]),
+    ("out", ("--tp-size", 4, "--engine", "vllm-9"), ["no engine layout 'vllm-9'"]),
+    # one file without a rank in its name or metadata
+    ("lone", ("--tp-size", 4), ["pass --rank"]),
+], ids=["tp-size", "no-dump", "rank", "engine-of-another-family", "unknown-engine", "no-rank"])
+def test_refused_inputs_exit_2(tmp_path, capsys, dump, args, needles):
+    out, ckpt, tp = sharded_state(tmp_path, "vllm_k3_tp4_r1")
+    where = {"out": out, "no dump": tmp_path, "lone": _lone(tmp_path)}[dump]
+    status, _, err = run(capsys, "audit", ckpt, where, *args, "--dtype", "F32")
+    assert status == 2 and all(needle in err for needle in needles), err
+
+
+@pytest.mark.parametrize("case", ["a dump as the checkpoint", "not a dump of this model",
+                                  "tp_size 5"])
+def test_refused_audit_inputs_raise(tmp_path, case):
+    _, _, ckpt = fixture("vllm_k3_tp4_r1")
+    lone = _lone(tmp_path)
+    if case == "a dump as the checkpoint":  # a checkpoint without its config.json
+        with pytest.raises(CheckpointError, match="config"):
+            kda_tp.audit.audit(load(lone)[1], lone, tp_rank=1, tp_size=4, model_dtype="F32")
+    elif case == "not a dump of this model":
+        with pytest.raises(CheckpointError, match="no KDA parameter"):
+            kda_tp.audit.audit({"lm_head.weight": np.zeros(2)}, ckpt, tp_rank=0, tp_size=4,
+                               model_dtype="F32")
+    else:
+        with pytest.raises(PlanError):
+            kda_tp.audit.audit(load(lone)[1], ckpt, tp_rank=0, tp_size=5, model_dtype="F32")
 
 
 def test_names_no_layout_or_several_layouts_fit(monkeypatch):

@@ -1,8 +1,12 @@
-"""Fixtures of the vLLM guard tests (test_vllm*.py; helpers in vllm_guard.py). vLLM is
-imported only when a test asks for ``vc``, so collecting without vLLM imports nothing."""
+"""Fixtures of the guard's tests: ``vc`` (vLLM's config) and ``guard_env_unset`` for the vLLM
+guard tests (test_vllm*.py; helpers in vllm_guard.py), and the guard's log lines captured
+(``guard_log``; ``vllm_log`` inside vLLM's config). vLLM is imported only when a test asks
+for ``vc``, so collecting without vLLM imports nothing."""
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import types
 
 import pytest
@@ -29,3 +33,55 @@ def guard_env_unset(monkeypatch):
 
     monkeypatch.delenv(MODE_ENV, raising=False)
     monkeypatch.delenv(CHECKPOINT_ENV, raising=False)
+
+
+class GuardLog:
+    """What the guard logs (the ``kda_tp.guard`` logger), captured at INFO inside
+    ``with log:`` (and inside vLLM's config ``vc`` when given, as the engine's calls run).
+
+    Attributes:
+        lines: the messages captured so far; ``records``: their log records.
+    """
+
+    def __init__(self, caplog: pytest.LogCaptureFixture, vc=None):
+        self._caplog, self._vc = caplog, vc
+        self._open: list[contextlib.ExitStack] = []
+
+    def __enter__(self) -> GuardLog:
+        stack = contextlib.ExitStack()
+        stack.enter_context(self._caplog.at_level(logging.INFO, logger="kda_tp.guard"))
+        if self._vc is not None:
+            from vllm.config import set_current_vllm_config
+
+            stack.enter_context(set_current_vllm_config(self._vc))
+        self._open.append(stack)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._open.pop().__exit__(*exc)
+
+    @property
+    def records(self) -> list[logging.LogRecord]:
+        return [r for r in self._caplog.records if r.name == "kda_tp.guard"]
+
+    @property
+    def lines(self) -> list[str]:
+        return [r.getMessage() for r in self.records]
+
+    def clear(self) -> None:
+        """Forget what was captured (``caplog.clear()``)."""
+        self._caplog.clear()
+
+
+@pytest.fixture
+def guard_log(caplog):
+    """The guard's log lines: ``with guard_log:`` captures them, ``guard_log.lines`` reads
+    them."""
+    return GuardLog(caplog)
+
+
+@pytest.fixture
+def vllm_log(vc, caplog):
+    """:func:`guard_log` inside vLLM's config (``set_current_vllm_config(vc)``), where vLLM's
+    loaders and the model's ``load_weights`` run."""
+    return GuardLog(caplog, vc)

@@ -37,10 +37,10 @@ def _default_mode(monkeypatch):
 
 
 @pytest.mark.parametrize("path", DUMPS, ids=lambda p: p.stem)
-def test_every_engine_fixture_rank_passes_with_one_log_line(path, caplog):
+def test_every_engine_fixture_rank_passes_with_one_log_line(path, caplog, guard_log):
     meta, tensors = load(path)
     rank, tp_size = int(meta["tp_rank"]), int(meta["tp_size"])
-    with caplog.at_level(logging.INFO, logger="kda_tp.guard"):
+    with guard_log:
         result = check(tensors, CKPT[meta["model"]], tp_rank=rank, tp_size=tp_size,
                        where="test worker", model_dtype="F32")
     assert isinstance(result, GuardResult) and result.passed
@@ -81,10 +81,10 @@ def test_rank_0s_slices_on_rank_2_stop_with_the_parameter_and_the_slice_named():
     assert f"{PRE}o_proj.weight" in {p.name for p in error.report.failures}
 
 
-def test_warn_logs_the_diagnosis_and_returns_the_result(monkeypatch, caplog):
+def test_warn_logs_the_diagnosis_and_returns_the_result(monkeypatch, caplog, guard_log):
     monkeypatch.setenv(MODE_ENV, "warn")
     params = built(CKPT["glm"], "vllm-0.33-glm-5.3", 1, 2)
-    with caplog.at_level(logging.INFO, logger="kda_tp.guard"):
+    with guard_log:
         result = check(params, CKPT["glm"], tp_rank=0, tp_size=2, model_dtype="F32")
     assert result is not None and not result.passed
     (record,) = caplog.records
@@ -319,7 +319,8 @@ def test_a_derived_copy_differing_in_the_sign_of_zero_is_a_difference():
             f"[{zero}] (expected 0.0, got -0.0)") in str(caught.value)
 
 
-def test_unreadable_tensors_are_a_guard_error_or_a_warning_never_a_crash(monkeypatch, caplog):
+def test_unreadable_tensors_are_a_guard_error_or_a_warning_never_a_crash(monkeypatch, caplog,
+                                                                          guard_log):
     torch = pytest.importorskip("torch")
     params = {k: torch.from_numpy(v) for k, v in built(CKPT["k3"], "vllm-0.33-k3", 0, 4).items()}
     bad = [
@@ -333,8 +334,8 @@ def test_unreadable_tensors_are_a_guard_error_or_a_warning_never_a_crash(monkeyp
             check(params | change, CKPT["k3"], tp_rank=0, tp_size=4, derived=derived,
                   model_dtype="F32")
         monkeypatch.setenv(MODE_ENV, "warn")
-        caplog.clear()
-        with caplog.at_level(logging.INFO, logger="kda_tp.guard"):
+        guard_log.clear()
+        with guard_log:
             out = check(params | change, CKPT["k3"], tp_rank=0, tp_size=4, derived=derived,
                         model_dtype="F32")
         assert out is None or not out.passed

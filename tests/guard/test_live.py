@@ -5,7 +5,6 @@ an engine's loaders do (this rank's slice of each part into its region), or with
 
 from __future__ import annotations
 
-import logging
 
 import pytest
 
@@ -82,30 +81,26 @@ def engine(dummy: bool = False) -> Engine:
     return model
 
 
-def lines(caplog) -> list[str]:
-    return [r.getMessage() for r in caplog.records if r.name == "kda_tp.guard"]
-
-
 def test_a_call_feeding_no_kda_tensor_touches_nothing_and_mode_off_passes_straight_through(
-        caplog, monkeypatch):
+        monkeypatch, guard_log):
     model = engine()
     how = followed(model)
     target, checks = how.target, dict(RECORD.checks)
-    with caplog.at_level(logging.INFO, logger="kda_tp.guard"):
+    with guard_log:
         model.load_weights([("model.layers.0.mlp.down_proj.weight", torch.zeros(4))])
-    assert lines(caplog) == [] and how.target is target and not how.memory
+    assert guard_log.lines == [] and how.target is target and not how.memory
     assert RECORD.checks == checks and model.calls == [1]
     monkeypatch.setenv(MODE_ENV, "off")
     model.drop = ("v_proj.weight",)  # wrong, and not looked at
     model.load_weights(tensors(2.0))
-    assert lines(caplog) == []
+    assert guard_log.lines == []
 
 
-def test_one_call_is_one_update_right_or_stopped_or_logged(caplog, monkeypatch):
+def test_one_call_is_one_update_right_or_stopped_or_logged(monkeypatch, guard_log):
     model = engine()
-    with caplog.at_level(logging.INFO, logger="kda_tp.guard"):
+    with guard_log:
         model.load_weights(tensors(2.0))
-    (line,) = lines(caplog)
+    (line,) = guard_log.lines
     assert line.startswith("kda_tp guard: test load_weights: tp rank 1/2: 9 KDA parameters "
                            f"updated ({LAYOUT}), ") and line.endswith(": OK")
     assert RECORD.last == line
@@ -116,10 +111,10 @@ def test_one_call_is_one_update_right_or_stopped_or_logged(caplog, monkeypatch):
             f"{PRE}dt_bias was fed but the engine never applied it") in str(caught.value)
     assert RECORD.last.endswith(": FAIL (1 wrong)")
     monkeypatch.setenv(MODE_ENV, "warn")
-    caplog.clear()
-    with caplog.at_level(logging.INFO, logger="kda_tp.guard"):
+    guard_log.clear()
+    with guard_log:
         model.load_weights(tensors(4.0))
-    (line,) = lines(caplog)
+    (line,) = guard_log.lines
     assert "FAIL (1 wrong)" in line and "dt_bias: holds the values from before" in line
 
 
@@ -139,13 +134,13 @@ def test_an_engine_session_is_one_update_whatever_its_calls():
     assert how.session is None
 
 
-def test_an_error_of_the_engine_propagates_unchanged_and_nothing_is_reported(caplog):
+def test_an_error_of_the_engine_propagates_unchanged_and_nothing_is_reported(guard_log):
     model = engine()
     model.drop = ("o_norm.weight",)
     model.calls = None  # the engine fails after consuming every tensor (a TypeError of its own)
-    with caplog.at_level(logging.INFO, logger="kda_tp.guard"), pytest.raises(AttributeError):
+    with guard_log, pytest.raises(AttributeError):
         model.load_weights(tensors(2.0))
-    assert lines(caplog) == [] and followed(model).session is None
+    assert guard_log.lines == [] and followed(model).session is None
 
 
 def test_after_a_dummy_load_the_first_update_must_fill_every_region():

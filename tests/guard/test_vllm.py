@@ -17,14 +17,13 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import types
 import warnings
 from pathlib import Path
 
 import pytest
 
-from vllm_guard import (ATTN, CKPT, D, build, default_load, guard_lines, loading_as, model_config,
-                        reload_config, set_rank)
+from vllm_guard import (ATTN, CKPT, D, build, default_load, fake_llm, loading_as, model_config,
+                        reload_config, set_rank, worker)
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")  # vLLM's own import-time deprecations
@@ -53,19 +52,18 @@ def test_vllms_own_plugin_loader_installs_the_guard(vc):
 
 
 @pytest.mark.parametrize("kind", ["k3", "kimi_linear", "glm"])
-def test_every_family_passes_on_several_ranks_of_tp_2_and_4(vc, kind, caplog):
+def test_every_family_passes_on_several_ranks_of_tp_2_and_4(vc, kind, guard_log):
     for tp_size, ranks in ((2, (0, 1)), (4, (1, 3))):
         for rank in ranks:
             model = build(vc, kind, tp_size, rank)
-            caplog.clear()
-            with caplog.at_level(logging.INFO, logger="kda_tp.guard"):
+            guard_log.clear()
+            with guard_log:
                 default_load(vc, model, CKPT[kind])
-            lines = guard_lines(caplog)
+            lines = guard_log.lines
             assert len(lines) == 1, lines
             assert lines[0].startswith(
                 f"kda_tp guard: vllm DefaultModelLoader: tp rank {rank}/{tp_size}: ")
             assert lines[0].endswith(" s: OK")
-            print(lines[0])
 
 
 def test_o_proj_row_sliced_stops_the_load(vc):
@@ -73,7 +71,6 @@ def test_o_proj_row_sliced_stops_the_load(vc):
     with pytest.raises(GuardError) as caught:
         default_load(vc, model, CKPT["k3"])
     assert f"rank 1 {ATTN}o_proj.weight: shape [16, 1536], expected [64, 384]" in str(caught.value)
-    print(caught.value)
 
 
 def test_every_rank_loading_rank_0s_slice_stops_the_load(vc):
@@ -87,7 +84,6 @@ def test_every_rank_loading_rank_0s_slice_stops_the_load(vc):
         assert f"rank {rank} {ATTN}in_proj_qkvgfab.weight: values differ in q_proj" in text
         assert "equals rank 0's slice of q_proj" in text
         assert f"rank {rank} {ATTN}o_proj.weight" in text
-    print(text)
 
 
 def test_two_ranks_swapped_stop_the_load(vc):
@@ -119,7 +115,6 @@ def test_a_fused_sub_block_shifted_by_a_head_stops_the_load(vc):
     text = str(caught.value)
     assert f"rank 1 {ATTN}in_proj_qkvgfab.weight: values differ in k_proj" in text
     assert "(its [0, 0]; expected 10768.0, got 10896.0)" in text
-    print(text)
 
 
 def sharded_state(vc, kind: str, tp_size: int, out: Path) -> None:
@@ -141,12 +136,12 @@ def sharded_load(vc, kind: str, tp_size: int, rank: int, path: Path) -> None:
 
 
 def test_sharded_state_checked_against_the_checkpoint_and_a_part_of_another_rank_stops_it(
-        vc, tmp_path, monkeypatch, caplog):
+        vc, tmp_path, monkeypatch, caplog, guard_log):
     sharded_state(vc, "k3", 2, tmp_path / "dump")
     with pytest.warns(RuntimeWarning, match=f"set {CHECKPOINT_ENV} to the checkpoint"):
         sharded_load(vc, "k3", 2, 1, tmp_path / "dump")
     monkeypatch.setenv(CHECKPOINT_ENV, str(CKPT["k3"]))
-    with caplog.at_level(logging.INFO, logger="kda_tp.guard"):
+    with guard_log:
         sharded_load(vc, "k3", 2, 1, tmp_path / "dump")
     assert caplog.records[-1].getMessage().startswith(
         "kda_tp guard: vllm ShardedStateLoader: tp rank 1/2: 7 KDA parameters (vllm-0.33-k3)")
@@ -158,26 +153,26 @@ def test_sharded_state_checked_against_the_checkpoint_and_a_part_of_another_rank
     assert f"rank 1 {ATTN}dt_bias: values differ in dt_bias" in str(caught.value)
 
 
-def test_warn_logs_and_loads_off_checks_nothing(vc, monkeypatch, caplog):
+def test_warn_logs_and_loads_off_checks_nothing(vc, monkeypatch, guard_log):
     monkeypatch.setenv(MODE_ENV, "warn")
     model = build(vc, "k3", 2, 0)
     set_rank(2, 1)
     loading_as(model, 2, 0)
-    with caplog.at_level(logging.INFO, logger="kda_tp.guard"):
+    with guard_log:
         default_load(vc, model, CKPT["k3"])
-    (record,) = [r for r in caplog.records if r.name == "kda_tp.guard"]
+    (record,) = guard_log.records
     assert record.levelno == logging.WARNING and "equals rank 0's slice" in record.getMessage()
     monkeypatch.setenv(MODE_ENV, "off")
-    caplog.clear()
+    guard_log.clear()
     model = build(vc, "k3", 2, 0)
     set_rank(2, 1)
     loading_as(model, 2, 0)
-    with caplog.at_level(logging.INFO, logger="kda_tp.guard"):
+    with guard_log:
         default_load(vc, model, CKPT["k3"])
-    assert not [r for r in caplog.records if r.name == "kda_tp.guard"]
+    assert not guard_log.records
 
 
-def test_a_reload_from_disk_is_checked_against_the_new_checkpoint(vc, tmp_path, caplog):
+def test_a_reload_from_disk_is_checked_against_the_new_checkpoint(vc, tmp_path, vllm_log):
     from safetensors.torch import load_file
     from vllm.model_executor.model_loader.reload import record_metadata_for_reloading
     model = build(vc, "kimi_linear", 2, 1)
@@ -190,22 +185,17 @@ def test_a_reload_from_disk_is_checked_against_the_new_checkpoint(vc, tmp_path, 
     save_file(load_file(str(CKPT["kimi_linear"] / "model.safetensors")), str(new / "model.safetensors"))
     config = reload_config("kimi_linear")
     assert isinstance(get_model_loader(config.load_config), DefaultModelLoader)
-    with caplog.at_level(logging.INFO, logger="kda_tp.guard"), set_current_vllm_config(vc):
+    with vllm_log:
         inplace.reload_weights(config, model, None, str(new), True)  # the worker's call
     assert config.model_config.model == str(new)
-    (line,) = guard_lines(caplog)
+    (line,) = vllm_log.lines
     assert line.startswith("kda_tp guard: vllm reload_weights: tp rank 1/2: ") and line.endswith("OK")
     loading_as(model, 2, 0)  # now the reload loads rank 0's slices
-    caplog.clear()
-    with pytest.raises(GuardError) as caught, set_current_vllm_config(vc), caplog.at_level(logging.INFO, logger="kda_tp.guard"):
-        try:
-            inplace.reload_weights(config, model, None, str(new), True)
-        finally:
-            print("LOG", [r.getMessage()[:300] for r in caplog.records if r.name == "kda_tp.guard"])
-            print("P", [(n, float(p.detach().flatten()[1])) for n, p in model.named_parameters()])
+    vllm_log.clear()
+    with pytest.raises(GuardError) as caught, vllm_log:
+        inplace.reload_weights(config, model, None, str(new), True)
     assert f"differ from {new}:" in str(caught.value)
     assert "equals rank 0's slice of " in str(caught.value)  # the loaders asking the group
-    print(caught.value)
 
 
 def test_audit_llm_reports_every_worker(vc):
@@ -213,21 +203,11 @@ def test_audit_llm_reports_every_worker(vc):
     for rank in range(2):
         model = build(vc, "glm", 2, rank)
         default_load(vc, model, CKPT["glm"])
-        config = types.SimpleNamespace(model_config=model_config(CKPT["glm"]),
-                                       speculative_config=None)
-        workers.append((rank, types.SimpleNamespace(
-            model_runner=types.SimpleNamespace(get_model=lambda m=model: m), vllm_config=config)))
+        workers.append((rank, worker(model, CKPT["glm"])))
     with torch.no_grad():  # rank 1's o_proj overwritten after start-up
         workers[1][1].model_runner.get_model().model.layers[0].self_attn.o_proj.weight.zero_()
 
-    def collective_rpc(method):
-        out = []
-        for rank, worker in workers:
-            set_rank(2, rank)
-            out.append(getattr(WorkerBase, method)(worker))
-        return out
-
-    reports = audit_llm(types.SimpleNamespace(collective_rpc=collective_rpc))
+    reports = audit_llm(fake_llm(workers, 2))
     assert [r["tp_rank"] for r in reports] == [0, 1]
     assert reports[0]["ok"] is True and reports[0]["line"].endswith(": OK")
     assert reports[1]["ok"] is False and reports[1]["report"]["ok"] is False
@@ -244,14 +224,14 @@ def test_a_modelopt_block_scale_is_checked_in_the_shape_vllm_squeezes_it_to(vc):
     assert as_described(f"{ATTN}A_log", loaded) is loaded
 
 
-def test_k3s_decode_copies_are_checked_and_a_stale_one_stops_the_guard(vc, caplog):
+def test_k3s_decode_copies_are_checked_and_a_stale_one_stops_the_guard(vc, guard_log):
     from kda_tp.guard.vllm import guard_model
     model = build(vc, "k3", 4, 2, decode_copies=True)
     layer = model.model.layers[0].self_attn
     assert layer.decode_conv1d_weight is not None and layer.decode_norm_weight is not None
-    with caplog.at_level(logging.INFO, logger="kda_tp.guard"):
+    with guard_log:
         default_load(vc, model, CKPT["k3"])
-    (line,) = guard_lines(caplog)
+    (line,) = guard_log.lines
     assert "tp rank 2/4: 9 KDA parameters (vllm-0.33-k3)" in line and line.endswith("OK")
     other = build(vc, "k3", 4, 1, decode_copies=True)
     default_load(vc, other, CKPT["k3"])
@@ -292,7 +272,7 @@ print(late, [getattr(f, "__kda_tp_guard__", False) for f in (
 
 
 def test_a_reload_from_a_path_is_checked_against_that_path_not_the_variable(
-        vc, tmp_path, monkeypatch, caplog):
+        vc, tmp_path, monkeypatch, vllm_log):
     from safetensors.torch import load_file
     from vllm.model_executor.model_loader.reload import record_metadata_for_reloading
     monkeypatch.setenv(CHECKPOINT_ENV, str(CKPT["kimi_linear"]))
@@ -306,9 +286,9 @@ def test_a_reload_from_a_path_is_checked_against_that_path_not_the_variable(
     save_file({k: v * 2 for k, v in load_file(str(CKPT["kimi_linear"] / "model.safetensors")).items()},
               str(new / "model.safetensors"))
     config = reload_config("kimi_linear")
-    with caplog.at_level(logging.INFO, logger="kda_tp.guard"), set_current_vllm_config(vc):
+    with vllm_log:
         inplace.reload_weights(config, model, None, str(new), True)  # a right reload: OK
-    (line,) = guard_lines(caplog)
+    (line,) = vllm_log.lines
     assert line.startswith("kda_tp guard: vllm reload_weights: tp rank 1/2: ") and line.endswith("OK")
     # (Checked against the variable's ckpt_kl, this right reload failed: "differ from ...ckpt_kl".)
     loading_as(model, 2, 0)  # now the reload loads rank 0's slices of the new checkpoint

@@ -17,12 +17,11 @@ import warnings
 
 import pytest
 
-from vllm_guard import CKPT, build, default_load, loaded, model_config, set_rank
+from vllm_guard import CKPT, build, default_load, fake_llm, loaded, worker
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")  # vLLM's own import-time deprecations
     from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
-    from vllm.v1.worker.worker_base import WorkerBase
 
 from kda_tp import GuardError
 from kda_tp.errors import GuardModeError
@@ -103,25 +102,12 @@ def test_a_replaced_model_load_weights_is_reported_by_the_live_audit(vc):
     assert status()["hooks"][UPDATES_HOOK] == "armed"
     model.load_weights = lambda weights: None  # an RL framework's own, after the first load
     assert status()["hooks"][UPDATES_HOOK].startswith("replaced by ")
-    [report] = audit_llm(_llm([(1, _worker(model))], 2))[1:]
+    [report] = audit_llm(_llm([(1, worker(model, CKPT["kimi_linear"]))], 2))[1:]
     assert report["hooks"][UPDATES_HOOK].startswith("replaced by ")
 
 
-def _worker(model) -> types.SimpleNamespace:
-    config = types.SimpleNamespace(model_config=model_config(CKPT["kimi_linear"]),
-                                   speculative_config=None)
-    return types.SimpleNamespace(model_runner=types.SimpleNamespace(get_model=lambda: model),
-                                 vllm_config=config)
-
-
 def _llm(workers, tp_size: int, engine_tp: int | None = None):
-    def collective_rpc(method):
-        out = []
-        for rank, worker in workers:
-            set_rank(tp_size, rank)
-            out.append(getattr(WorkerBase, method)(worker))
-        return out
-    llm = types.SimpleNamespace(collective_rpc=collective_rpc)
+    llm = fake_llm(workers, tp_size)
     if engine_tp is not None:
         llm.llm_engine = types.SimpleNamespace(vllm_config=types.SimpleNamespace(
             parallel_config=types.SimpleNamespace(tensor_parallel_size=engine_tp,
@@ -131,7 +117,7 @@ def _llm(workers, tp_size: int, engine_tp: int | None = None):
 
 
 def test_audit_llm_reports_every_rank_a_silent_one_and_a_duplicate_unguarded(vc):
-    one = _worker(loaded(vc, "kimi_linear", 2, 1))
+    one = worker(loaded(vc, "kimi_linear", 2, 1), CKPT["kimi_linear"])
     # TP 2, rank 0 silent: two entries, rank 0 unguarded
     silent, answered = audit_llm(_llm([(1, one)], 2))
     assert (silent["tp_rank"], silent["guarded"], silent["ok"]) == (0, False, None)

@@ -6,20 +6,18 @@ after vLLM's own plugin loading. Built as test_vllm.py's (helpers: vllm_guard.py
 
 from __future__ import annotations
 
-import logging
 import types
 import warnings
 
 import pytest
 
-from vllm_guard import CKPT, build, default_load, loading_as, model_config, set_rank, vllm
+from vllm_guard import CKPT, build, default_load, fake_llm, loading_as, model_config, set_rank, vllm, worker
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")  # vLLM's own import-time deprecations
     from vllm.config import LoadConfig, set_current_vllm_config
     from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
     from vllm.model_executor.model_loader.reload import inplace
-    from vllm.v1.worker.worker_base import WorkerBase
 
 from kda_tp import GuardError
 from kda_tp.guard import CHECKPOINT_ENV, MODE_ENV
@@ -61,7 +59,7 @@ def test_the_main_model_is_checked_whatever_the_speculative_method(vc, method, m
 
 
 def test_a_checkpoint_variable_that_is_not_there_fails_and_one_with_spaces_works(
-        vc, monkeypatch, tmp_path, caplog):
+        vc, monkeypatch, tmp_path, caplog, guard_log):
     monkeypatch.setenv(CHECKPOINT_ENV, str(tmp_path / "typo"))
     with pytest.raises(GuardError, match=f"{CHECKPOINT_ENV}='.*typo' does not exist"):
         default_load(vc, build(vc, "glm", 2, 1), CKPT["glm"])
@@ -70,7 +68,7 @@ def test_a_checkpoint_variable_that_is_not_there_fails_and_one_with_spaces_works
         default_load(vc, build(vc, "glm", 2, 1), CKPT["glm"])
     monkeypatch.setenv(MODE_ENV, "fail")
     monkeypatch.setenv(CHECKPOINT_ENV, f" {CKPT['glm']}\n")
-    with caplog.at_level(logging.INFO, logger="kda_tp.guard"):
+    with guard_log:
         default_load(vc, build(vc, "glm", 2, 1), CKPT["glm"])
     assert caplog.records[-1].getMessage().endswith(": OK")
 
@@ -96,13 +94,7 @@ def test_audit_llm_carries_the_real_reason_and_the_armed_record(vc, tmp_path, mo
     (tmp_path / "config.json").write_text('{"model_type": "deepseek_v3", "hidden_size": 64}')
     model = build(vc, "glm", 2, 0)
     default_load(vc, model, CKPT["glm"])
-    config = types.SimpleNamespace(model_config=model_config(tmp_path), speculative_config=None,
-                                   load_config=None)
-    worker = types.SimpleNamespace(model_runner=types.SimpleNamespace(get_model=lambda: model),
-                                   vllm_config=config)
-    set_rank(2, 0)
-    report, silent = audit_llm(types.SimpleNamespace(
-        collective_rpc=lambda method: [getattr(WorkerBase, method)(worker)]))
+    report, silent = audit_llm(fake_llm([(0, worker(model, tmp_path, load_config=None))], 2))
     assert (silent["tp_rank"], silent["guarded"]) == (1, False)  # only rank 0 is asked here
     assert report["ok"] is None and report["guarded"] is True
     assert report["line"].startswith("not checked: kda_tp guard: vllm audit: tp rank 0/2: ")

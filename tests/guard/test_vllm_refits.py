@@ -10,19 +10,19 @@ Built as test_vllm.py's (helpers: vllm_guard.py)."""
 
 from __future__ import annotations
 
-import logging
 import re
 import warnings
 
 import pytest
 
-from vllm_guard import (ATTN, CKPT, build, default_load, expected_after, fed, guard_lines, loaded,
-                        loading_as, model_config, reload_config, set_rank)
+from vllm_guard import (ATTN, CKPT, build, default_load, expected_after, fed, loaded,
+                        loading_as, model_config, reload_config, set_rank, swap_q_into_k)
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")  # vLLM's own import-time deprecations
     import torch
     from vllm.config import LoadConfig, set_current_vllm_config
+    from vllm.model_executor.layers import utils as layer_utils
     from vllm.model_executor.model_loader import utils as loader_utils
     from vllm.model_executor.model_loader.checkpoint_weight_patch import (
         CheckpointWeightPatch, load_checkpoint_weight_patches)
@@ -68,21 +68,21 @@ def holds(vc, model, kind, tp_size, rank, scale) -> bool:
 @pytest.mark.parametrize("mode", ["fail", "warn"])
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_layerwise_reload_in_two_packs_cut_inside_the_fused_projection_passes(
-        vc, kind, mode, monkeypatch, caplog):
+        vc, kind, mode, monkeypatch, guard_log):
     monkeypatch.setenv(MODE_ENV, mode)
     model = loaded(vc, kind, 2, 1)
     tensors = q_k_first(fed(kind, 2.0))
-    caplog.clear()
-    with caplog.at_level(logging.INFO, logger="kda_tp.guard"):
+    guard_log.clear()
+    with guard_log:
         layerwise(vc, model, kind, [tensors[:2], tensors[2:]])
-    (line,) = guard_lines(caplog)
+    (line,) = guard_log.lines
     assert line.startswith("kda_tp guard: vllm layerwise reload: tp rank 1/2: ")
     assert line.endswith(": OK")
     assert holds(vc, model, kind, 2, 1, 2.0)
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_a_fused_part_the_layerwise_reload_never_applies_is_named(vc, kind, monkeypatch, caplog):
+def test_a_fused_part_the_layerwise_reload_never_applies_is_named(vc, kind, monkeypatch, guard_log):
     model = build(vc, kind, 4, 2)
     real = model.load_weights
     calls = {"n": 0}
@@ -107,10 +107,10 @@ def test_a_fused_part_the_layerwise_reload_never_applies_is_named(vc, kind, monk
     assert text.startswith("kda_tp guard: vllm layerwise reload: tp rank 2/4: ")
     assert re.search(rf"rank 2 {ATTN}{FUSED[kind]}\.weight: v_proj: {DROPPED}", text), text
     monkeypatch.setenv(MODE_ENV, "warn")
-    caplog.clear()
-    with caplog.at_level(logging.INFO, logger="kda_tp.guard"):
+    guard_log.clear()
+    with guard_log:
         layerwise(vc, model, kind, [tensors[:2], tensors[2:]])
-    (line,) = guard_lines(caplog)
+    (line,) = guard_log.lines
     assert "FAIL (1 wrong)" in line and re.search(f"v_proj: {DROPPED}", line), line
 
 
@@ -137,7 +137,7 @@ def test_rows_a_reload_never_fed_and_rebuilt_uninitialised_are_named(vc, kind):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_a_sparse_nan_patch_is_judged_on_the_values_before_it(vc, kind, caplog):
+def test_a_sparse_nan_patch_is_judged_on_the_values_before_it(vc, kind, vllm_log):
     """vLLM's load_checkpoint_weight_patches: NaN marks "unchanged", vLLM's loader keeps the old
     value there; the reference is the patch applied to this rank's values before it."""
     model = loaded(vc, kind, 2, 1)
@@ -150,10 +150,10 @@ def test_a_sparse_nan_patch_is_judged_on_the_values_before_it(vc, kind, caplog):
             index = torch.randperm(full.numel(), generator=g)[: max(1, full.numel() // 50)]
             patches.append(CheckpointWeightPatch(name, tuple(full.shape), full.dtype,
                                                  full.reshape(-1)[index] + 1.0, index))
-    caplog.clear()
-    with caplog.at_level(logging.INFO, logger="kda_tp.guard"), set_current_vllm_config(vc):
+    vllm_log.clear()
+    with vllm_log:
         load_checkpoint_weight_patches(model, patches)
-    (line,) = guard_lines(caplog)
+    (line,) = vllm_log.lines
     assert line.startswith("kda_tp guard: vllm load_weights: tp rank 1/2: ")
     assert line.endswith(": OK")
     loading_as(model, 2, 0)  # the patch applied to rank 0's rows on rank 1
@@ -164,7 +164,7 @@ def test_a_sparse_nan_patch_is_judged_on_the_values_before_it(vc, kind, caplog):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_after_a_dummy_load_the_first_sync_must_fill_every_kda_region(vc, kind, caplog):
+def test_after_a_dummy_load_the_first_sync_must_fill_every_kda_region(vc, kind, vllm_log):
     """verl, NeMo-RL and SkyRL boot with load_format=dummy: the first sync is the first load."""
     def dummy_boot():
         model = build(vc, kind, 2, 0)
@@ -194,34 +194,25 @@ def test_after_a_dummy_load_the_first_sync_must_fill_every_kda_region(vc, kind, 
     assert (f"rank 0 {ATTN}A_log: A_log: never loaded since the dummy load (random values): "
             "the refit did not feed it") in str(caught.value)
     model = dummy_boot()  # an honest first sync, one tensor per call, then a partial update
-    caplog.clear()
-    with caplog.at_level(logging.INFO, logger="kda_tp.guard"), set_current_vllm_config(vc):
+    vllm_log.clear()
+    with vllm_log:
         for item in fed(kind, 2.0):
             model.load_weights([item])
         loader_utils.process_weights_after_loading(model, config, torch.device("cpu"))
         layerwise(vc, model, kind, [partial])  # later updates are judged as any update
-    assert all(line.endswith(": OK") for line in guard_lines(caplog))
-    assert guard_lines(caplog)[-1].startswith("kda_tp guard: vllm layerwise reload: ")
+    assert all(line.endswith(": OK") for line in vllm_log.lines)
+    assert vllm_log.lines[-1].startswith("kda_tp guard: vllm layerwise reload: ")
 
 
-def test_one_tensor_per_call_costs_a_lookup_and_names_what_an_earlier_call_fed(vc, caplog):
+def test_one_tensor_per_call_costs_a_lookup_and_names_what_an_earlier_call_fed(vc, vllm_log):
     model = loaded(vc, "k3", 2, 1)
     how = followed(model)
     target = how.target
-    caplog.clear()
-    with caplog.at_level(logging.INFO, logger="kda_tp.guard"), set_current_vllm_config(vc):
+    vllm_log.clear()
+    with vllm_log:
         model.load_weights([(f"{ATTN}rotary_emb.inv_freq", torch.zeros(4))])  # vLLM skips it
-    assert guard_lines(caplog) == [] and how.target is target and not how.memory
-    param = model.model.layers[0].self_attn.in_proj_qkvgfab.weight
-    original = param.weight_loader
-    last_q = {}
-
-    def swapped(p, w, shard_id=None):  # the refit's loader writes q's rows where k's go
-        if shard_id == 0:
-            last_q["q"] = w
-        return original(p, last_q["q"] if shard_id == 1 else w, shard_id)
-
-    param.weight_loader = swapped
+    assert vllm_log.lines == [] and how.target is target and not how.memory
+    swap_q_into_k(model)
     tensors = q_k_first(fed("k3"))
     with pytest.raises(GuardError) as caught, set_current_vllm_config(vc):
         for item in tensors:
@@ -233,9 +224,13 @@ def test_one_tensor_per_call_costs_a_lookup_and_names_what_an_earlier_call_fed(v
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_trainer_dtypes_into_a_bf16_engine_are_judged_by_the_engines_cast(vc, kind, caplog):
+def test_trainer_dtypes_into_a_bf16_engine_are_judged_by_the_engines_cast(vc, kind, vllm_log,
+                                                                         monkeypatch):
     """verl's FSDP sends FP32 master weights into a BF16 engine; OpenRLHF, SkyRL and NeMo-RL
     send BF16 for everything, A_log and dt_bias (F32 in the engine) included."""
+    # A BF16 layer's repack at the end of the layerwise reload takes vLLM's sgl-kernel GEMM on a
+    # CPU with AMX tiles, whose op this CUDA build of vLLM lacks (vllm._C): its plain GEMM.
+    monkeypatch.setattr(layer_utils, "check_cpu_sgl_kernel", lambda *args: False)
     vc.model_config.dtype = torch.bfloat16
     previous = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
@@ -252,11 +247,11 @@ def test_trainer_dtypes_into_a_bf16_engine_are_judged_by_the_engines_cast(vc, ki
         fp32 = [(n, t + torch.linspace(0, 97, t.numel()).reshape(t.shape))
                 for n, t in fed(kind, 1.0)]  # not representable in BF16
         bf16 = [(n, t.to(torch.bfloat16)) for n, t in fed(kind, 3.0)]
-        caplog.clear()
-        with caplog.at_level(logging.INFO, logger="kda_tp.guard"), set_current_vllm_config(vc):
+        vllm_log.clear()
+        with vllm_log:
             model.load_weights(fp32)
             layerwise(vc, model, kind, [bf16])
-        lines = guard_lines(caplog)
+        lines = vllm_log.lines
         assert len(lines) == 2 and all(line.endswith(": OK") for line in lines), lines
         layer.o_norm.weight.weight_loader = (  # a loader that truncates instead of rounding
             lambda p, w: p.data.copy_((w.view(torch.int32) & -65536).view(torch.float32)))

@@ -7,13 +7,12 @@ values torch rounds through F32 (``tp_fixtures.f64_near_ties``). Helpers in vllm
 
 from __future__ import annotations
 
-import logging
 import warnings
 
 import pytest
 
 from tp_fixtures import f64_near_ties, release_dtypes
-from vllm_guard import ATTN, CKPT, build, guard_lines, loading_as, model_config, set_rank
+from vllm_guard import ATTN, CKPT, build, loading_as, model_config, set_rank
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")  # vLLM's own import-time deprecations
@@ -47,19 +46,19 @@ def bf16_load(vc, model, path) -> None:
 # copy_): values just off a BF16 tie round the other way when rounded once.
 @pytest.mark.parametrize("stored", [release_dtypes, f64_near_ties], ids=["release", "f64"])
 @pytest.mark.parametrize("kind", ["k3", "kimi_linear", "glm"])
-def test_a_release_dtype_checkpoint_in_a_bf16_model_passes(bf16, kind, stored, tmp_path, caplog):
+def test_a_release_dtype_checkpoint_in_a_bf16_model_passes(bf16, kind, stored, tmp_path, guard_log):
     ckpt = stored(CKPT[kind], tmp_path / "ckpt")
     for tp_size, rank in ((2, 1), (4, 3)):
         model = build(bf16, kind, tp_size, rank)
         held = dict(model.named_parameters())
-        caplog.clear()
-        with caplog.at_level(logging.INFO, logger="kda_tp.guard"):
+        guard_log.clear()
+        with guard_log:
             bf16_load(bf16, model, ckpt)
         # mixed, as vLLM holds a release: o_norm F32 on disk, BF16 held; the convs F32
         assert held[f"{ATTN}o_proj.weight"].dtype == torch.bfloat16
         assert held[f"{ATTN}o_norm.weight"].dtype == torch.bfloat16
         assert {p.dtype for n, p in held.items() if "conv1d" in n} == {torch.float32}
-        lines = guard_lines(caplog)
+        lines = guard_log.lines
         assert len(lines) == 1 and lines[0].endswith(" s: OK"), lines
         assert f"tp rank {rank}/{tp_size}: " in lines[0]
 

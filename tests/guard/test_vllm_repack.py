@@ -11,12 +11,11 @@ weight kda_tp cannot read back are "not checkable", never wrong. Helpers in vllm
 from __future__ import annotations
 
 import shutil
-import types
 import warnings
 
 import pytest
 
-from vllm_guard import ATTN, CKPT, build, default_load, model_config, set_rank
+from vllm_guard import ATTN, CKPT, build, default_load, fake_llm, worker
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")  # vLLM's own import-time deprecations
@@ -24,7 +23,6 @@ with warnings.catch_warnings():
     from safetensors.torch import load_file, save_file
     from vllm.model_executor.layers import utils as layer_utils
     from vllm.model_executor.layers.linear import LinearBase
-    from vllm.v1.worker.worker_base import WorkerBase
 
 from kda_tp.guard.vllm import audit_llm
 
@@ -55,33 +53,28 @@ def repack(model, monkeypatch) -> None:
             layer_utils.dispatch_cpu_unquantized_gemm(module, remove_weight=True)
 
 
-def audit(vc, model, checkpoint=None) -> dict:
-    config = types.SimpleNamespace(model_config=model_config(checkpoint or CKPT["kimi_linear"]),
-                                   speculative_config=None)
-    worker = types.SimpleNamespace(model_runner=types.SimpleNamespace(get_model=lambda: model),
-                                   vllm_config=config)
-
-    def collective_rpc(method):
-        set_rank(2, 1)
-        return [getattr(WorkerBase, method)(worker)]
-    silent, report = audit_llm(types.SimpleNamespace(collective_rpc=collective_rpc))
+def rank_1_audit(model, checkpoint=None) -> dict:
+    """``audit_llm``'s report of rank 1 of 2 holding ``model`` (Kimi-Linear's fixture, or
+    ``checkpoint``)."""
+    silent, report = audit_llm(fake_llm([(1, worker(model, checkpoint or CKPT["kimi_linear"]))]))
     assert (silent["tp_rank"], silent["guarded"]) == (0, False)  # rank 0 is not asked here
     return report
 
 
-def loaded(vc, checkpoint=None):
+def rank_1_loaded(vc, checkpoint=None):
+    """Kimi-Linear's rank 1 of 2 (of the fixture, or ``checkpoint``), loaded by vLLM."""
     model = build(vc, "kimi_linear", 2, 1)
     default_load(vc, model, checkpoint or CKPT["kimi_linear"])
     return model
 
 
 def test_an_honest_rank_reads_back_ok_through_the_engines_gemm(vc, zentorch, monkeypatch):
-    model = loaded(vc)
-    before = audit(vc, model)
+    model = rank_1_loaded(vc)
+    before = rank_1_audit(model)
     repack(model, monkeypatch)
     emptied = [n for n, p in model.named_parameters() if p.numel() == 0]
     assert f"{ATTN}o_proj.weight" in emptied and len(emptied) >= 3, emptied
-    after = audit(vc, model)
+    after = rank_1_audit(model)
     assert after["ok"] is True, after["text"]
     assert after["unchecked"] == [] and after["line"].endswith(" s: OK")
     assert (after["params"], after["bytes"]) == (before["params"], before["bytes"]) == \
@@ -89,11 +82,11 @@ def test_an_honest_rank_reads_back_ok_through_the_engines_gemm(vc, zentorch, mon
 
 
 def test_a_wrong_repacked_weight_is_named(vc, zentorch, monkeypatch):
-    model = loaded(vc)
+    model = rank_1_loaded(vc)
     with torch.no_grad():
         model.model.layers[0].self_attn.o_proj.weight[0, 3] += 1.0
     repack(model, monkeypatch)
-    report = audit(vc, model)
+    report = rank_1_audit(model)
     assert report["ok"] is False and report["line"].endswith("FAIL (1 wrong)")
     (wrong,) = [p for p in report["report"]["params"] if p["status"] != "exact"]
     assert wrong["name"] == f"{ATTN}o_proj.weight"
@@ -108,10 +101,10 @@ def test_a_value_the_gemm_cannot_carry_is_not_checkable_never_wrong(vc, zentorch
     tensors[name][2, tensors[name].shape[1] - 1] = -0.0
     shutil.copy(CKPT["kimi_linear"] / "config.json", tmp_path)
     save_file(tensors, str(tmp_path / "model.safetensors"))
-    model = loaded(vc, tmp_path)
-    assert audit(vc, model, tmp_path)["ok"] is True  # before the repack: -0.0 held
+    model = rank_1_loaded(vc, tmp_path)
+    assert rank_1_audit(model, tmp_path)["ok"] is True  # before the repack: -0.0 held
     repack(model, monkeypatch)
-    report = audit(vc, model, tmp_path)
+    report = rank_1_audit(model, tmp_path)
     assert report["ok"] is True, report["text"]
     (line,) = report["unchecked"]
     assert line == (f"{ATTN}o_proj.weight: repacked by the engine; not checkable: its expected "
@@ -122,10 +115,10 @@ def test_a_value_the_gemm_cannot_carry_is_not_checkable_never_wrong(vc, zentorch
 
 
 def test_a_weight_kda_tp_cannot_read_back_is_not_checkable(vc, zentorch, monkeypatch):
-    model = loaded(vc)
+    model = rank_1_loaded(vc)
     repack(model, monkeypatch)
     del model.model.layers[0].self_attn.o_proj.cpu_linear  # a repack kda_tp does not know
-    report = audit(vc, model)
+    report = rank_1_audit(model)
     assert report["ok"] is True, report["text"]
     (line,) = report["unchecked"]
     assert line.startswith(f"{ATTN}o_proj.weight: not checkable (repacked): the engine "
@@ -133,26 +126,24 @@ def test_a_weight_kda_tp_cannot_read_back_is_not_checkable(vc, zentorch, monkeyp
 
 
 def test_a_layerwise_reload_after_the_repack_is_checked_on_what_vllm_holds(vc, zentorch,
-                                                                          monkeypatch, caplog):
+                                                                          monkeypatch, vllm_log):
     """vLLM's layerwise ``reload_weights`` restores the repacked weights, loads, and repacks
     again inside the session (``process_weights_after_loading``): the update's check reads
     the weights back; an honest reload passes, the rank-0 bug is named."""
-    import logging
-
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader.reload import inplace, record_metadata_for_reloading
 
     from kda_tp import GuardError
-    from vllm_guard import fed, guard_lines, loading_as, reload_config
+    from vllm_guard import fed, loading_as, reload_config
 
     model = build(vc, "kimi_linear", 2, 1)
     record_metadata_for_reloading(model)  # as vLLM's initialize_model does
     default_load(vc, model, CKPT["kimi_linear"])
     repack(model, monkeypatch)
     config = reload_config("kimi_linear")
-    with caplog.at_level(logging.INFO, logger="kda_tp.guard"), set_current_vllm_config(vc):
+    with vllm_log:
         inplace.reload_weights(config, model, iter(fed("kimi_linear", 3.0)), None, True)
-    (line,) = guard_lines(caplog)
+    (line,) = vllm_log.lines
     assert line.startswith("kda_tp guard: vllm reload_weights: tp rank 1/2: ")
     assert line.endswith(": OK"), line
     assert model.model.layers[0].self_attn.o_proj.weight.numel() == 0  # repacked again
@@ -163,15 +154,12 @@ def test_a_layerwise_reload_after_the_repack_is_checked_on_what_vllm_holds(vc, z
     assert "holds 0" not in str(caught.value)
 
 
-def _reload_after_repack(vc, monkeypatch, caplog, weights, unpack=None) -> list[str]:
+def _reload_after_repack(vc, monkeypatch, vllm_log, weights, unpack=None) -> list[str]:
     """A layerwise ``reload_weights`` of ``weights`` into the rank-1 model after the repack
     (``unpack(model)`` first, if given), in mode fail; the guard's lines."""
-    import logging
-
-    from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader.reload import inplace, record_metadata_for_reloading
 
-    from vllm_guard import guard_lines, reload_config
+    from vllm_guard import reload_config
 
     model = build(vc, "kimi_linear", 2, 1)
     record_metadata_for_reloading(model)
@@ -180,13 +168,13 @@ def _reload_after_repack(vc, monkeypatch, caplog, weights, unpack=None) -> list[
     if unpack is not None:
         unpack(model)
     monkeypatch.setenv("KDA_TP_GUARD", "fail")
-    with caplog.at_level(logging.INFO, logger="kda_tp.guard"), set_current_vllm_config(vc):
+    with vllm_log:
         inplace.reload_weights(reload_config("kimi_linear"), model, iter(weights), None, True)
-    return guard_lines(caplog)
+    return vllm_log.lines
 
 
 def test_an_honest_reload_feeding_a_value_the_gemm_cannot_carry_is_never_stopped(
-        vc, zentorch, monkeypatch, caplog):
+        vc, zentorch, monkeypatch, vllm_log):
     """A refit whose o_proj holds -0.0 in this rank's columns: the weight read back after
     vLLM repacks it again holds +0.0 there. Not checkable, never wrong: the update goes on
     in mode fail, the line says so."""
@@ -196,7 +184,7 @@ def test_an_honest_reload_feeding_a_value_the_gemm_cannot_carry_is_never_stopped
     name = "model.layers.0.self_attn.o_proj.weight"
     (o_proj,) = [t for n, t in weights if n == name]
     o_proj[2, o_proj.shape[1] - 1] = -0.0  # rank 1's half of the row-parallel columns
-    (line, detail) = _reload_after_repack(vc, monkeypatch, caplog, weights)[0].split("\n")
+    (line, detail) = _reload_after_repack(vc, monkeypatch, vllm_log, weights)[0].split("\n")
     assert line.startswith("kda_tp guard: vllm reload_weights: tp rank 1/2: ")
     assert line.endswith(", 1 not checkable (repacked): OK"), line
     assert detail == (f"  rank 1 not checkable: {ATTN}o_proj.weight: repacked by the engine; "
@@ -204,7 +192,7 @@ def test_an_honest_reload_feeding_a_value_the_gemm_cannot_carry_is_never_stopped
 
 
 def test_a_reload_into_a_weight_kda_tp_cannot_read_back_is_not_checkable_never_wrong(
-        vc, zentorch, monkeypatch, caplog):
+        vc, zentorch, monkeypatch, vllm_log):
     """The repack replaced o_proj with an empty tensor and kda_tp finds no ``cpu_linear`` to
     read it through: never "holds 0", never a stopped update."""
     from vllm_guard import fed
@@ -221,7 +209,7 @@ def test_a_reload_into_a_weight_kda_tp_cannot_read_back_is_not_checkable_never_w
         monkeypatch.setattr(layer.quant_method, "process_weights_after_loading", process)
         del layer.cpu_linear
 
-    (text,) = _reload_after_repack(vc, monkeypatch, caplog, fed("kimi_linear", 3.0),
+    (text,) = _reload_after_repack(vc, monkeypatch, vllm_log, fed("kimi_linear", 3.0),
                                    unknown_repack)
     line, detail = text.split("\n")
     assert line.endswith(", 1 not checkable (repacked): OK"), text

@@ -16,14 +16,14 @@ import warnings
 
 import pytest
 
-from vllm_guard import ATTN, CKPT, build, default_load, loading_as, model_config, reload_config, set_rank
+from vllm_guard import (ATTN, CKPT, build, default_load, fake_llm, loading_as,
+                        reload_config, worker)
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")  # vLLM's own import-time deprecations
     import torch
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader.reload import inplace, record_metadata_for_reloading
-    from vllm.v1.worker.worker_base import WorkerBase
 
 from kda_tp import GuardError
 from kda_tp.guard._first_load import verdict_line
@@ -38,10 +38,7 @@ def _workers(vc, kind: str, wrong_rank: int | None = None) -> list[tuple[int, ty
     for rank in range(2):
         model = build(vc, kind, 2, rank)
         default_load(vc, model, CKPT[kind])
-        config = types.SimpleNamespace(model_config=model_config(CKPT[kind]),
-                                       speculative_config=None)
-        workers.append((rank, types.SimpleNamespace(
-            model_runner=types.SimpleNamespace(get_model=lambda m=model: m), vllm_config=config)))
+        workers.append((rank, worker(model, CKPT[kind])))
     if wrong_rank is not None:
         with torch.no_grad():  # its o_proj overwritten after start-up
             model = workers[wrong_rank][1].model_runner.get_model()
@@ -49,20 +46,10 @@ def _workers(vc, kind: str, wrong_rank: int | None = None) -> list[tuple[int, ty
     return workers
 
 
-def _llm(workers):
-    def collective_rpc(method):
-        out = []
-        for rank, worker in workers:
-            set_rank(2, rank)
-            out.append(getattr(WorkerBase, method)(worker))
-        return out
-    return types.SimpleNamespace(collective_rpc=collective_rpc)
-
-
 def test_audit_llm_gives_a_failing_ranks_numbers_and_does_not_count_itself(vc):
     workers = _workers(vc, "kimi_linear", wrong_rank=1)
     before = dict(RECORD.checks)
-    rank_0, rank_1 = audit_llm(_llm(workers))
+    rank_0, rank_1 = audit_llm(fake_llm(workers))
     assert rank_0["ok"] is True and rank_1["ok"] is False
     assert rank_1["params"] == rank_0["params"] == 9
     assert rank_1["bytes"] == rank_0["bytes"] > 0 and rank_1["seconds"] > 0
@@ -73,7 +60,8 @@ def test_audit_llm_gives_a_failing_ranks_numbers_and_does_not_count_itself(vc):
     assert not rank_1["last"].startswith("kda_tp guard: vllm audit:")
 
 
-def test_a_fail_raised_at_a_reload_is_counted_last_and_logged_in_one_error_line(vc, caplog):
+def test_a_fail_raised_at_a_reload_is_counted_last_and_logged_in_one_error_line(vc, caplog,
+                                                                                guard_log):
     model = build(vc, "kimi_linear", 2, 1)
     record_metadata_for_reloading(model)  # as vLLM's initialize_model does
     default_load(vc, model, CKPT["kimi_linear"])
@@ -81,7 +69,7 @@ def test_a_fail_raised_at_a_reload_is_counted_last_and_logged_in_one_error_line(
     loading_as(model, 2, 0)  # the reload loads rank 0's slices
     config = reload_config("kimi_linear")
     with pytest.raises(GuardError) as caught, set_current_vllm_config(vc), \
-            caplog.at_level(logging.INFO, logger="kda_tp.guard"):
+            guard_log:
         inplace.reload_weights(config, model, None, str(CKPT["kimi_linear"]), True)
     first = str(caught.value).splitlines()[0]
     assert first.startswith("kda_tp guard: vllm reload_weights: tp rank 1/2: ")

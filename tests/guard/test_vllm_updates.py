@@ -7,14 +7,13 @@ vllm_guard.py)."""
 
 from __future__ import annotations
 
-import logging
 import types
 import warnings
 
 import pytest
 
-from vllm_guard import (ATTN, CKPT, build, default_load, expected_after, fed, guard_lines,
-                        loaded, model_config, reload_config, set_rank)
+from vllm_guard import (ATTN, CKPT, build, default_load, expected_after, fed, loaded, model_config,
+                        reload_config, set_rank, swap_q_into_k)
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")  # vLLM's own import-time deprecations
@@ -29,36 +28,35 @@ pytestmark = [pytest.mark.engines, pytest.mark.usefixtures("guard_env_unset")]
 
 
 @pytest.mark.parametrize("kind", ["k3", "kimi_linear", "glm"])
-def test_honest_refits_in_several_buckets_pass_on_every_path(vc, kind, caplog):
+def test_honest_refits_in_several_buckets_pass_on_every_path(vc, kind, vllm_log):
     tensors = fed(kind)
     buckets = [tensors[:5], tensors[5:9], tensors[9:]]
     model = loaded(vc, kind, 4, 2)
-    caplog.clear()
-    with caplog.at_level(logging.INFO, logger="kda_tp.guard"), set_current_vllm_config(vc):
+    vllm_log.clear()
+    with vllm_log:
         for bucket in buckets:  # collective_rpc straight into the model's load_weights
             model.load_weights(iter(bucket))
-    lines = guard_lines(caplog)
+    lines = vllm_log.lines
     assert len(lines) == 3, lines
     assert all(line.startswith("kda_tp guard: vllm load_weights: tp rank 2/4: ")
                and line.endswith(": OK") for line in lines)
     want = expected_after(vc, kind, 4, 2, 2.0)
     set_rank(4, 2)
     assert all(torch.equal(p, want[n]) for n, p in model.named_parameters())
-    caplog.clear()
+    vllm_log.clear()
     config = reload_config(kind)
-    with caplog.at_level(logging.INFO, logger="kda_tp.guard"), set_current_vllm_config(vc):
+    with vllm_log:
         inplace.reload_weights(config, model, iter(fed(kind, 3.0)), None, True)
-    (line,) = guard_lines(caplog)
+    (line,) = vllm_log.lines
     assert line.startswith("kda_tp guard: vllm reload_weights: tp rank 2/4: ")
     assert line.endswith(": OK")
-    caplog.clear()
+    vllm_log.clear()
     engine = transfer_engine(vc, model, kind)
-    with caplog.at_level(logging.INFO, logger="kda_tp.guard"), set_current_vllm_config(vc):
+    with vllm_log:
         run_session(engine, [fed(kind, 4.0)[:7], fed(kind, 4.0)[7:]])
-    (line,) = guard_lines(caplog)
+    (line,) = vllm_log.lines
     assert line.startswith("kda_tp guard: vllm weight transfer: tp rank 2/4: ")
     assert line.endswith(": OK")
-    print(line)
 
 
 class _Bucket:
@@ -132,16 +130,7 @@ def run_session(engine, chunks) -> None:
 
 def test_q_rows_landing_in_ks_place_are_stopped_and_named(vc):
     model = loaded(vc, "k3", 2, 1)
-    param = model.model.layers[0].self_attn.in_proj_qkvgfab.weight
-    original = param.weight_loader
-    last_q = {}
-
-    def swapped(p, w, shard_id=None):  # the refit's loader writes q's rows where k's go
-        if shard_id == 0:
-            last_q["q"] = w
-        return original(p, last_q["q"] if shard_id == 1 else w, shard_id)
-
-    param.weight_loader = swapped
+    swap_q_into_k(model)
     tensors = sorted(fed("k3"), key=lambda t: "q_proj" not in t[0])  # q_proj first
     with pytest.raises(GuardError) as caught, set_current_vllm_config(vc):
         model.load_weights(iter(tensors))
@@ -149,7 +138,6 @@ def test_q_rows_landing_in_ks_place_are_stopped_and_named(vc):
     assert f"rank 1 {ATTN}in_proj_qkvgfab.weight: k_proj: holds what was fed as " \
            f"{ATTN}q_proj.weight (this rank's slice), not {ATTN}k_proj.weight" in text
     assert "tp rank 1/2: " in text and "FAIL (1 wrong)" in text
-    print(text)
 
 
 @pytest.mark.parametrize("kind", ["kimi_linear", "glm"])
@@ -177,7 +165,6 @@ def test_a_fused_part_dropped_from_a_later_bucket_is_stopped(vc, kind, caplog):
     text = str(caught.value)
     assert "kda_tp guard: vllm weight transfer: tp rank 0/2: " in text
     assert f"rank 0 {ATTN}{suffix}.weight: v_proj: " in text
-    print(text)
 
 
 def test_a_sent_parameter_the_engine_never_applied_is_named(vc):
@@ -189,7 +176,6 @@ def test_a_sent_parameter_the_engine_never_applied_is_named(vc):
     text = str(caught.value)
     assert (f"rank 3 {ATTN}dt_bias: dt_bias: holds the values from before the update: "
             f"{ATTN}dt_bias was fed but the engine never applied it") in text
-    print(text)
 
 
 def merged_conv(layer) -> torch.Tensor:
@@ -201,7 +187,7 @@ def merged_conv(layer) -> torch.Tensor:
 
 
 def test_glm_merged_conv_weight_stale_after_a_reload_is_named_and_the_repair_switch_fixes_it(
-        vc, monkeypatch, caplog):
+        vc, monkeypatch, vllm_log):
     from kda_tp.guard.vllm import REPAIR_ENV
     model = loaded(vc, "glm", 2, 1)
     layer = model.model.layers[0].self_attn
@@ -215,13 +201,12 @@ def test_glm_merged_conv_weight_stale_after_a_reload_is_named_and_the_repair_swi
             "k_conv1d.weight and v_conv1d.weight makes of it at [0, 0]") in text
     assert "stale (built before the last update and never rebuilt: " \
            "https://github.com/vllm-project/vllm/issues/55087)" in text
-    print(text)
     monkeypatch.setenv(REPAIR_ENV, "1")
-    caplog.clear()
-    with caplog.at_level(logging.INFO, logger="kda_tp.guard"), set_current_vllm_config(vc):
+    vllm_log.clear()
+    with vllm_log:
         inplace.reload_weights(config, model, iter(fed("glm", 3.0)), None, True)
     assert layer._merged_conv_weight is None  # vLLM rebuilds it from the new convs
-    assert guard_lines(caplog)[-1].endswith(": OK")
+    assert vllm_log.lines[-1].endswith(": OK")
 
 
 def test_a_kernel_format_reload_warns_that_it_is_not_checked(vc):
@@ -233,17 +218,17 @@ def test_a_kernel_format_reload_warns_that_it_is_not_checked(vc):
         inplace.reload_weights(config, model, iter(state), None, False)
 
 
-def test_k3s_decode_copies_are_checked_after_every_update(vc, caplog):
+def test_k3s_decode_copies_are_checked_after_every_update(vc, vllm_log):
     from vllm.model_executor.model_loader.reload import record_metadata_for_reloading
     model = build(vc, "k3", 4, 1, decode_copies=True)
     record_metadata_for_reloading(model)
     default_load(vc, model, CKPT["k3"])
     layer = model.model.layers[0].self_attn
     old = layer.decode_conv1d_weight.detach().clone()
-    caplog.clear()
-    with caplog.at_level(logging.INFO, logger="kda_tp.guard"), set_current_vllm_config(vc):
+    vllm_log.clear()
+    with vllm_log:
         model.load_weights(iter(fed("k3")))  # vLLM's decode loaders refresh the copies
-    assert guard_lines(caplog)[-1].endswith(": OK")
+    assert vllm_log.lines[-1].endswith(": OK")
     assert not torch.equal(layer.decode_conv1d_weight, old)
     with torch.no_grad():
         layer.decode_conv1d_weight.copy_(old)  # a copy an update path left stale

@@ -27,6 +27,7 @@ with warnings.catch_warnings():
     from vllm.config import LoadConfig, VllmConfig, set_current_vllm_config
     from vllm.model_executor.layers.linear import ColumnParallelLinear
     from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+    from vllm.v1.worker.worker_base import WorkerBase
 
 from tp_fixtures import CKPT
 from tp_fixtures import PRE as ATTN
@@ -139,5 +140,42 @@ def expected_after(vc, kind: str, tp_size: int, rank: int, scale: float
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def guard_lines(caplog) -> list[str]:
-    return [r.getMessage() for r in caplog.records if r.name == "kda_tp.guard"]
+def swap_q_into_k(model) -> None:
+    """The bug of a refit's loader that writes q_proj's rows where k_proj's go in K3's fused
+    ``in_proj_qkvgfab`` (k_proj's shard gets the q_proj fed last, in this call or an earlier
+    one)."""
+    param = model.model.layers[0].self_attn.in_proj_qkvgfab.weight
+    original = param.weight_loader
+    last_q = {}
+
+    def swapped(p, w, shard_id=None):
+        if shard_id == 0:
+            last_q["q"] = w
+        return original(p, last_q["q"] if shard_id == 1 else w, shard_id)
+
+    param.weight_loader = swapped
+
+
+def worker(model, checkpoint: Path, **config) -> types.SimpleNamespace:
+    """A vLLM worker as ``WorkerBase``'s methods read it: ``model`` in its model runner, its
+    ``vllm_config`` the model config of ``checkpoint`` with no draft model (and ``config``'s
+    other fields)."""
+    vllm_config = types.SimpleNamespace(model_config=model_config(checkpoint),
+                                        speculative_config=None, **config)
+    return types.SimpleNamespace(model_runner=types.SimpleNamespace(get_model=lambda: model),
+                                 vllm_config=vllm_config)
+
+
+def fake_llm(workers, tp_size: int = 2) -> types.SimpleNamespace:
+    """An ``LLM`` whose ``collective_rpc(method)`` runs ``WorkerBase.method`` on each
+    ``(rank, worker)`` of ``workers`` in turn, the tensor-parallel group faked to that rank
+    of ``tp_size``: what vLLM's workers answer ``audit_llm``."""
+    def collective_rpc(method):
+        out = []
+        for rank, one in workers:
+            set_rank(tp_size, rank)
+            out.append(getattr(WorkerBase, method)(one))
+        return out
+
+    return types.SimpleNamespace(collective_rpc=collective_rpc)
+
