@@ -30,7 +30,6 @@ DUMP_FILE = "model-rank-{rank}-part-0.safetensors"
 # ASCII digits only: \d also matches other scripts' digits, which int() reads.
 _RANK_FILE = re.compile(r"^model-rank-([0-9]+)-part-([0-9]+)\.safetensors$")
 _PP_TP_FILE = re.compile(r"^model-pp-([0-9]+)-tp-([0-9]+)-part-([0-9]+)\.safetensors$")
-# A rank or size in a file header's metadata.
 
 
 def sharded_state_files(
