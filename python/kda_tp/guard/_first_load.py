@@ -186,7 +186,7 @@ def check(
             another float dtype (a lossy cast) is wrong; None: the engine's default for the
             checkpoint's config (``kda_tp.engines.engine_model_dtype``).
         repacked: the parameters the engine repacked after loading, as
-            :func:`kda_tp.guard.repacked.held` found them (``params`` holding their
+            ``kda_tp.guard.vllm.repacked.held`` found them (``params`` holding their
             read-back): a failing one it could not read, or whose expected values its GEMM
             cannot carry, is not checkable (``GuardResult.unchecked``), never wrong.
 

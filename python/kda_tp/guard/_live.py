@@ -7,12 +7,12 @@ layout, the pipeline stage's layers, whether the load was a dummy one). The mode
 open on the model, or is one update by itself. The plugin opens and closes the sessions the
 engine defines (:meth:`Follower.open`, :meth:`Follower.close`: vLLM's layerwise reload and
 weight-transfer sessions, SGLang's ``begin_weight_update`` / ``end_weight_update``) and the
-follower turns each session's :class:`~kda_tp.guard.updates.UpdateReport` into the verdict:
+follower turns each session's :class:`~kda_tp.guard.UpdateReport` into the verdict:
 an INFO line, a WARNING with the diagnosis (mode ``warn``), or a
 :class:`~kda_tp.errors.GuardError` (mode ``fail``), counted in the process's record.
 
 A call that feeds no KDA tensor of the rank costs a dictionary lookup per tensor; the rank's
-:class:`~kda_tp.guard.target.RankTarget` is built once and rebuilt only when the engine holds
+:class:`~kda_tp.guard.RankTarget` is built once and rebuilt only when the engine holds
 other parameter objects. After a dummy load the first update that feeds the KDA layers must
 fill every region: at the end of an engine session, or at vLLM's
 ``process_weights_after_loading`` that ends a refit made of plain ``load_weights`` calls, a
@@ -51,7 +51,7 @@ logger = logging.getLogger("kda_tp.guard")
 
 
 def repair(model: Any) -> None:
-    """With ``KDA_TP_GUARD_REPAIR=1`` (:func:`kda_tp.guard.modes.repair_on`): drop every
+    """With ``KDA_TP_GUARD_REPAIR=1`` (``kda_tp.guard._modes.repair_on``): drop every
     stale-prone derived copy kda_tp knows (:data:`~kda_tp.engines.derived.DERIVED_ATTRIBUTES`)
     so that the engine rebuilds it.
 

@@ -52,17 +52,17 @@ class Engine(Protocol):
         """The rank and world size of the group the engine splits the KDA heads over."""
 
     def stage_layers(self, names: Iterable[str]) -> list[int] | None:
-        """The KDA layers a pipeline stage holds (``kda_tp.guard.stage_layers``); None
+        """The KDA layers a pipeline stage holds (``kda_tp.guard._names.stage_layers``); None
         without pipeline parallelism (every KDA layer)."""
 
     def load_source(self, where: str, given: str | None) -> LoadSource:
-        """What the load is checked against (``kda_tp.guard.modes.load_checkpoint`` with the
+        """What the load is checked against (``kda_tp.guard.load_checkpoint`` with the
         engine's model path, load format, revision and download directory)."""
 
     def held(self, model: Any, params: Mapping[str, Any]
              ) -> tuple[dict[str, Any], dict[str, str]]:
         """``params`` with each parameter the engine repacked after loading read back, and
-        each repacked one's :data:`kda_tp.guard.GEMM` or why it cannot be read back."""
+        each repacked one's ``kda_tp.guard._repacked.GEMM`` or why it cannot be read back."""
 
     def derived(self, model: Any) -> dict[str, Any]:
         """The engine's derived copies of KDA parameters, by full name."""

@@ -43,7 +43,7 @@ class Reader(Protocol):
 
     def read_back(self, module: Any, param: Any) -> tuple[Any, str | None]:
         """What ``module`` holds as its ``weight`` (``param``) after the engine's post-load
-        repack: ``(value, how)``, ``how`` None (as it is), :data:`kda_tp.guard.GEMM` (read
+        repack: ``(value, how)``, ``how`` None (as it is), ``kda_tp.guard._repacked.GEMM`` (read
         through the engine's GEMM) or why it cannot be read back (not checkable)."""
 
 
@@ -255,7 +255,7 @@ class RankTarget:
 
         Returns:
             ``(value, how)``: ``how`` is None (held as it is),
-            :data:`~kda_tp.guard.GEMM` (read back through the engine's GEMM: some
+            ``kda_tp.guard._repacked.GEMM`` (read back through the engine's GEMM: some
             values it cannot carry, :func:`~kda_tp.guard.not_carried`) or why the
             repacked weight cannot be read back (not checkable).
         """

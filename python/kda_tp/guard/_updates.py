@@ -4,7 +4,7 @@ An RL refit has no checkpoint on disk: the bytes a rank must hold after it are t
 slices, by the plan and the engine's layout, of the checkpoint-format tensors the update
 handed to the model's ``load_weights``. An :class:`UpdateSession` takes them as they pass
 (:meth:`UpdateSession.wrap`, around the iterator the engine consumes) for the rank's
-:class:`~kda_tp.guard.target.RankTarget`, and :meth:`UpdateSession.close` returns an
+:class:`~kda_tp.guard.RankTarget`, and :meth:`UpdateSession.close` returns an
 :class:`UpdateReport`; the engine plugin logs, raises or records it. One session is one update:
 one ``load_weights`` call, or every call between the two ends of an engine's session (vLLM's
 layerwise reload, a weight-transfer session, SGLang's ``begin_weight_update`` /
@@ -115,7 +115,7 @@ class UpdateSession:
     """One rank's check of one update, built from what the update feeds.
 
     Args:
-        target: the rank's :class:`~kda_tp.guard.target.RankTarget` (its parameter objects
+        target: the rank's :class:`~kda_tp.guard.RankTarget` (its parameter objects
             are read before the engine applies each part and after the update).
         memory: what earlier calls of the refit fed (:data:`Memory`), updated at
             :meth:`close`; None: a memory of this session only.

@@ -45,7 +45,7 @@ class SglangEngine:
         return rank_and_size()
 
     def stage_layers(self, names: Iterable[str]) -> list[int] | None:
-        """The pipeline stage's KDA layers (:func:`kda_tp.guard.stage_layers`) when SGLang
+        """The pipeline stage's KDA layers (``kda_tp.guard._names.stage_layers``) when SGLang
         runs several stages; None without."""
         size = parallel_int(parallel(), "pp_size")
         return stage_layers(names) if size > 1 else None
@@ -94,7 +94,7 @@ def label() -> str:
 
 
 def _load_source(runner: Any, where: str, given: str | None = None) -> LoadSource:
-    """:func:`kda_tp.guard.modes.load_checkpoint` for a model runner."""
+    """:func:`kda_tp.guard.load_checkpoint` for a model runner."""
     load_config = getattr(runner, "load_config", None)
     load_format = getattr(load_config, "load_format", "")
     config = runner.model_config
@@ -105,7 +105,7 @@ def _load_source(runner: Any, where: str, given: str | None = None) -> LoadSourc
 
 def checkpoint_of(runner: Any, quiet: bool = False) -> str | None:
     """The local checkpoint a model runner's load is checked against
-    (:func:`kda_tp.guard.modes.load_checkpoint`): ``KDA_TP_GUARD_CHECKPOINT`` if set, else
+    (:func:`kda_tp.guard.load_checkpoint`): ``KDA_TP_GUARD_CHECKPOINT`` if set, else
     ``runner.model_config.model_path`` (a Hugging Face repository id: its local snapshot, if
     cached). None for a ``sharded_state`` load without the variable (one warning unless
     ``quiet``); ``""`` for a variable naming a path that is not there, in mode ``warn``

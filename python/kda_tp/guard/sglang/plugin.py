@@ -16,7 +16,7 @@ registered with ``sglang.srt.plugins.hook_registry.HookRegistry``:
 * around the scheduler's ``SchedulerWeightUpdaterManager.begin_weight_update`` and
   ``end_weight_update`` (SGLang 0.5.23's weight-update session; ``update_weights_from_tensor``
   and ``update_weights_from_distributed`` are refused outside one): the session is one update
-  (:mod:`kda_tp.guard.updates`), opened once SGLang opened it and checked when SGLang ends
+  (``kda_tp.guard._updates``), opened once SGLang opened it and checked when SGLang ends
   it; a wrong one turns the end's answer into ``success=False`` with the diagnosis in mode
   ``fail`` (logged in ``warn``). An update SGLang refuses never reaches the model and is not
   reported;
@@ -40,7 +40,7 @@ slices of the checkpoint, in the SGLang 0.5.23 layout the parameter names fit
 ``off``). Draft (speculative / MTP) model runners are skipped before any work, non-KDA models
 by the guard's own name test.
 
-The checkpoint is :func:`kda_tp.guard.modes.load_checkpoint`'s, as for vLLM: the runner's
+The checkpoint is :func:`kda_tp.guard.load_checkpoint`'s, as for vLLM: the runner's
 ``model_config.model_path`` (a Hugging Face repository id resolved to its local cache in the
 engine's ``download_dir``, never downloaded), or ``KDA_TP_GUARD_CHECKPOINT`` (a
 ``--load-format sharded_state`` start needs it); a ``--load-format dummy`` start (random
@@ -153,7 +153,7 @@ def hooks() -> dict[str, str]:
 
 
 def status() -> dict[str, Any]:
-    """This process's guard (:func:`kda_tp.guard.record.status` for SGLang): ``versions``,
+    """This process's guard (``kda_tp.guard._record.status`` for SGLang): ``versions``,
     ``mode``, ``hooks`` (:func:`hooks`), ``checks`` (by kind: ``first load``, ``update``...)
     and ``last`` (the last verdict line)."""
     hooks()
@@ -482,7 +482,7 @@ def audit_engine(engine: Any, *, checkpoint: str | None = None,
         audit's reports only (each marked with the audit's id: a file an earlier audit left
         is never read as an answer). A rank that wrote no report (no guard loaded in it, or
         it did not answer) or answered twice is one entry with ``guarded`` False and ``ok``
-        None (:func:`kda_tp.guard.record.account`); nobody answering is never ``[]``.
+        None (``kda_tp.guard._record.account``); nobody answering is never ``[]``.
 
     Raises:
         AssertionError: from SGLang's ``collective_rpc`` when a scheduler's call failed (its

@@ -127,7 +127,7 @@ def tp_rank_size() -> tuple[int, int]:
 
 def load_source(model_config: Any, vllm_config: Any, loader: str, where: str,
                 given: str | None = None) -> LoadSource:
-    """:func:`kda_tp.guard.modes.load_checkpoint` for a vLLM model config and loader."""
+    """:func:`kda_tp.guard.load_checkpoint` for a vLLM model config and loader."""
     download = getattr(getattr(vllm_config, "load_config", None), "download_dir", None)
     path = str(getattr(model_config, "model_weights", "") or model_config.model)
     return load_checkpoint(path, loader, where, given=given,

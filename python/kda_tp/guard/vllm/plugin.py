@@ -14,7 +14,7 @@ included, before the model loads (``vllm/v1/worker/worker_base.py``); it logs on
   main model is checked against its checkpoint (a dummy load is not: random values; its first
   update must fill every KDA region); a speculative draft (EAGLE, MTP: ``runner="draft"``) is
   skipped, while n-gram, suffix or ``custom_class`` decoding (the target's config) is not;
-* the loaded model's own ``load_weights`` (an instance attribute, :mod:`kda_tp.guard.live`):
+* the loaded model's own ``load_weights`` (an instance attribute, ``kda_tp.guard._live``):
   every later call, a direct ``collective_rpc`` refit included, feeds the update session open
   on the model, or is one update by itself, checked when it returns;
 * ``initialize_layerwise_reload`` / ``finalize_layerwise_processing``
@@ -47,7 +47,7 @@ versions, the hooks armed and missing, the checks run and the last verdict.
 
 On each rank the first-load guard is :func:`kda_tp.guard.check` with the rank and world size of
 vLLM's own tensor-parallel group, the model's ``named_parameters()`` and derived copies, the
-engine's model dtype and the checkpoint of :func:`kda_tp.guard.modes.load_checkpoint`; under
+engine's model dtype and the checkpoint of :func:`kda_tp.guard.load_checkpoint`; under
 pipeline parallelism a rank checks the KDA layers of its stage.
 
 Importing this module imports no vLLM; :func:`register` and the wrapped functions import it.
@@ -91,7 +91,7 @@ _LAYERWISE = "vllm.model_executor.model_loader.reload.layerwise"
 
 
 def status() -> dict[str, Any]:
-    """This process's guard: :func:`kda_tp.guard.record.status` for vLLM."""
+    """This process's guard: ``kda_tp.guard._record.status`` for vLLM."""
     return _status("vllm")
 
 
@@ -507,8 +507,7 @@ def follow_updates(model: Any, model_config: Any, vllm_config: Any = None, *,
         model_config: its vLLM ``ModelConfig`` (None: the current vLLM config's).
         vllm_config: vLLM's config (None: the current one).
         found: what the load was checked against (a dummy load's first update must fill
-            every region); None: the model's checkpoint (:func:`kda_tp.guard.modes
-            .load_checkpoint`).
+            every region); None: the model's checkpoint (:func:`kda_tp.guard.load_checkpoint`).
 
     Raises:
         GuardError: mode ``fail`` and the checkpoint's config gives no plan for the model's
@@ -568,7 +567,7 @@ def audit_llm(llm: Any) -> list[dict[str, Any]]:
         ``dp_rank`` and ``pp_rank``. Every rank the engine has (its data-parallel rank,
         pipeline x tensor-parallel sizes: the LLM's parallel config, else the answers') is
         reported once: one that did not answer, or answered twice, is an entry with
-        ``guarded`` False (:func:`kda_tp.guard.record.account`); nobody answering is never
+        ``guarded`` False (``kda_tp.guard._record.account``); nobody answering is never
         ``[]``.
     """
     plugins = os.environ.get("VLLM_PLUGINS")

@@ -56,7 +56,7 @@ def held(model: Any, params: Mapping[str, Any]) -> tuple[dict[str, Any], dict[st
     Returns:
         ``(values, repacked)``: ``values`` by name (the read-back where there is one, else the
         parameter as it is); ``repacked`` maps each repacked parameter's name to
-        :data:`~kda_tp.guard.GEMM` (read through vLLM's GEMM: :func:`kda_tp.guard.judge`
+        ``kda_tp.guard._repacked.GEMM`` (read through vLLM's GEMM: ``kda_tp.guard._repacked.judge``
         decides what it can carry) or to why it cannot be read back (not checkable).
     """
     values, repacked = dict(params), {}
@@ -78,7 +78,7 @@ def held(model: Any, params: Mapping[str, Any]) -> tuple[dict[str, Any], dict[st
 def read_back(module: Any, param: Any) -> tuple[Any, str | None]:
     """What ``module`` (the module holding ``param`` as its ``weight``) holds after vLLM's
     post-load repack: ``(value, how)``, ``how`` being None (not repacked, or a conv whose
-    loaded values vLLM kept: ``value`` is them), :data:`~kda_tp.guard.GEMM` (``value`` read
+    loaded values vLLM kept: ``value`` is them), ``kda_tp.guard._repacked.GEMM`` (``value`` read
     through vLLM's GEMM) or why it cannot be read back (``value`` is ``param``)."""
     unpacked = getattr(module, "_cpu_unpacked_conv_weight", None)
     if unpacked is not None and getattr(unpacked, "ndim", 0) == 2:
