@@ -229,7 +229,7 @@ def test_threads_share_one_source(checkpoint: Path, backend: str) -> None:
     names = source.names()
     want = {n: hashlib.sha256(bytes(source.get(n))).hexdigest() for n in names}
     shards = [KdaShardedSource(source, KdaTpPlan.from_config(source, r, 2)) for r in range(2)]
-    want_shards = [{n: bytes(s.get(n)) for n in names} for s in shards]
+    want_shards = [{n: bytes(s[n]) for n in names} for s in shards]
     errors: list[BaseException] = []
 
     def work(seed: int) -> None:
@@ -241,7 +241,7 @@ def test_threads_share_one_source(checkpoint: Path, backend: str) -> None:
                 for n in order:
                     assert hashlib.sha256(bytes(source.get(n))).hexdigest() == want[n], n
                     r = rng.randrange(2)
-                    assert bytes(shards[r].get(n)) == want_shards[r][n], n
+                    assert bytes(shards[r][n]) == want_shards[r][n], n
         except BaseException as e:  # noqa: BLE001 - reported below
             errors.append(e)
 

@@ -319,30 +319,36 @@ def test_a_derived_copy_differing_in_the_sign_of_zero_is_a_difference():
             f"[{zero}] (expected 0.0, got -0.0)") in str(caught.value)
 
 
-def test_unreadable_tensors_are_a_guard_error_or_a_warning_never_a_crash(monkeypatch, caplog,
+@pytest.mark.parametrize("case", ["sparse", "uninitialized", "meta"])
+def test_unreadable_tensors_are_a_guard_error_or_a_warning_never_a_crash(case, monkeypatch, caplog,
                                                                           guard_log):
     torch = pytest.importorskip("torch")
     params = {k: torch.from_numpy(v) for k, v in built(CKPT["k3"], "vllm-0.33-k3", 0, 4).items()}
-    bad = [
-        ({PRE + "A_log": params[PRE + "A_log"].to_sparse()}, None, "torch.sparse_coo tensor"),
-        ({PRE + "A_log": torch.nn.UninitializedParameter()}, None, "uninitialized"),
-        ({}, {PRE + "decode_norm_weight": torch.empty(128, device="meta")}, "a meta tensor"),
-    ]
-    for change, derived, why in bad:
-        monkeypatch.delenv(MODE_ENV, raising=False)
-        with pytest.raises(GuardError, match=why):
-            check(params | change, CKPT["k3"], tp_rank=0, tp_size=4, derived=derived,
-                  model_dtype="F32")
-        monkeypatch.setenv(MODE_ENV, "warn")
-        guard_log.clear()
-        with guard_log:
-            out = check(params | change, CKPT["k3"], tp_rank=0, tp_size=4, derived=derived,
-                        model_dtype="F32")
-        assert out is None or not out.passed
-        assert [r.levelno for r in caplog.records] == [logging.WARNING]
-        assert why in caplog.records[0].getMessage()
+    change, derived, why = {
+        "sparse": ({PRE + "A_log": params[PRE + "A_log"].to_sparse()}, None,
+                   "torch.sparse_coo tensor"),
+        "uninitialized": ({PRE + "A_log": torch.nn.UninitializedParameter()}, None,
+                          "uninitialized"),
+        "meta": ({}, {PRE + "decode_norm_weight": torch.empty(128, device="meta")},
+                 "a meta tensor"),
+    }[case]
     monkeypatch.delenv(MODE_ENV, raising=False)
-    # A negated view holds its values once resolved: the right values pass.
+    with pytest.raises(GuardError, match=why):
+        check(params | change, CKPT["k3"], tp_rank=0, tp_size=4, derived=derived,
+              model_dtype="F32")
+    monkeypatch.setenv(MODE_ENV, "warn")
+    guard_log.clear()
+    with guard_log:
+        out = check(params | change, CKPT["k3"], tp_rank=0, tp_size=4, derived=derived,
+                    model_dtype="F32")
+    assert out is None or not out.passed
+    assert [r.levelno for r in caplog.records] == [logging.WARNING]
+    assert why in caplog.records[0].getMessage()
+
+
+def test_a_negated_view_holds_its_values_once_resolved_and_passes():
+    torch = pytest.importorskip("torch")
+    params = {k: torch.from_numpy(v) for k, v in built(CKPT["k3"], "vllm-0.33-k3", 0, 4).items()}
     negated = (-params[PRE + "A_log"])._neg_view()
     assert negated.is_neg()
     result = check(params | {PRE + "A_log": negated}, CKPT["k3"], tp_rank=0, tp_size=4,
