@@ -7,7 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 
 #: tests/: the shared helper modules (tp_fixtures, children, cli_run, full_disk, malformed,
-#: dist_workers, audit_helpers, checkpoint_files, this one) and conftest.py's shared fixtures.
+#: dist_workers, audit_helpers, checkpoint_files, the vLLM and SGLang layer builders, this one)
+#: and conftest.py's shared fixtures; passed to child scripts that import them.
 TESTS = Path(__file__).resolve().parent
 #: The repository root (README.md, docs/, tools/, examples/, pyproject.toml).
 ROOT = TESTS.parent
