@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from safetensors.numpy import save_file
 
 import kda_tp
-from kda_tp import EngineLayoutError, KdaShardedSource, KdaTpPlan, SafetensorsSource
+from kda_tp import KdaShardedSource, KdaTpPlan, SafetensorsSource
 from kda_tp.audit import audit_path
 from kda_tp.engines import LAYOUTS, build_param, param_plan
 from kda_tp.errors import CheckpointError, PlanError, ShapeMismatchError
