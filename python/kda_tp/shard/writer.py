@@ -17,7 +17,8 @@ the input's index, else of its first file); a rank directory keeps the input dir
 owner's read, write and search bits added (a 0600 checkpoint in a 0700 directory gives 0600
 files in 0700 rank directories).
 
-A rank is written into a hidden ``OUT/.rank{r}.partial-<pid>`` directory and renamed to
+A rank is written into a hidden ``OUT/.rank{r}.partial-<run>`` directory (``<run>``: this
+run's own id, :func:`~kda_tp.output.names.run_id`, never the pid alone) and renamed to
 ``OUT/rank{r}`` only when every file in it is complete, so a run killed at any point leaves no
 incomplete ``rank{r}``; a rank directory it replaces (``force``) is removed only once the whole
 run has succeeded, and only when kda-tp wrote it (:mod:`kda_tp.output`). A writer holds an
@@ -58,7 +59,7 @@ from ..output.dirs import check_out_dir, check_out_location, make_dirs, remove_c
 from ..output.locks import lock_output, output_error
 from ..output.marks import foreign_dir, write_mark
 from ..output.moves import put_aside, take_name
-from ..output.names import FILE_MARK, RANK_DIR, rank_dir
+from ..output.names import FILE_MARK, RANK_DIR, rank_dir, run_id
 from ..rank.plan import KdaTpPlan, distinct_ranks
 from ..rank.view import KdaShardedSource
 from ._place import Placed, appeared, commit, drop_replaced, partial_dir, undo
@@ -261,6 +262,8 @@ def shard_checkpoint(
                 f"{companion}: cannot be read ({e}); shard copies it into every rank"
             ) from e
     check_out_location(source.root, out, ranks)
+    run = run_id()
+    made: list[Path] = []  # the partial directories this run created: the only ones it removes
     created = make_dirs(out)
     try:
         # Held from before OUT is looked at until this run's ranks are in place (or removed).
@@ -270,19 +273,19 @@ def shard_checkpoint(
             if report_sizes:
                 report_sizes(sizes)
             placed = _write_ranks(source, shards, files, out, tp_size, ranks, sizes, kda_only,
-                                  progress, force)
+                                  progress, force, (run, made))
             kept = commit(out, placed, stale)
             return ShardResult(out, tp_size, ranks, sum(p.nbytes for p in placed),
                                time.perf_counter() - start, tuple(kept))
         finally:
             locks.release()
     except BaseException:
-        # A refused or failed run removes its partial directories (again: a writer out of file
-        # descriptors could not list its own, and the locks' are free now) and the directories
-        # it created, where nothing else is left in them (an interrupted run's completed ranks
-        # stay, and so does OUT then).
-        for r in ranks:
-            shutil.rmtree(partial_dir(out, r), ignore_errors=True)
+        # A refused or failed run removes the partial directories it created (again: a writer
+        # out of file descriptors could not remove its own), never another run's, whatever its
+        # pid, and the directories it created, where nothing else is left in them (an
+        # interrupted run's completed ranks stay, and so does OUT then).
+        for partial in made:
+            shutil.rmtree(partial, ignore_errors=True)
         remove_created(created)
         raise
 
@@ -298,9 +301,11 @@ def _write_ranks(
     kda_only: bool,
     progress: ProgressFactory | None,
     force: bool,
+    run: tuple[str, list[Path]],
 ) -> list[Placed]:
     """:func:`shard_checkpoint`'s writing, with ``out`` checked and ``ranks`` locked: every
-    rank in place, or none (a failed run undoes the ranks it placed, :func:`_undo`)."""
+    rank in place, or none (a failed run undoes the ranks it placed, :func:`_undo`). ``run``:
+    this run's id and the list of partial directories it created (:func:`_write_rank`)."""
     report = progress(sizes.total_bytes) if progress else None
     stop = threading.Event()
 
@@ -317,7 +322,7 @@ def _write_ranks(
     try:
         for s in shards:
             futures.append(pool.submit(_write_rank, source, s, files, out, advance, kda_only,
-                                       force))
+                                       force, run))
         wait(futures)
         pool.shutdown()
     except KeyboardInterrupt:
@@ -484,17 +489,22 @@ def _write_rank(
     advance: Callable[[int], None] | None,
     kda_only: bool,
     force: bool,
+    run: tuple[str, list[Path]],
 ) -> Placed:
     """Write ``shard``'s rank into a partial directory, then rename it into place (with
     ``kda_only``, the KDA-only metadata and no companion files): its name is taken only while
     free, or, with ``force``, once the rank directory there, judged again now, is moved aside.
+    ``run``: this run's id, which names the partial directory, and the list it is added to
+    once created (the run removes only those).
 
     Raises:
         OutputError: a write fails; ``rank{r}`` appeared during the run (without ``force``),
             or is not kda-tp's now (with it).
     """
     plan = shard.plan
-    partial = partial_dir(out, plan.tp_rank)
+    run_name, made = run
+    partial = partial_dir(out, plan.tp_rank, run_name)
+    mine = False
 
     previous: list[str] = []
 
@@ -531,6 +541,8 @@ def _write_rank(
         companions = [] if kda_only else companion_files(source)
         entries = [*files, INDEX_NAME, *(p.name for p in companions)]
         partial.mkdir()
+        mine = True
+        made.append(partial)
         os.chmod(partial, dir_mode)
         write_mark(partial, "rank", entries, index_mode)  # a partial directory is kda-tp's too
         input_meta = {path.name: meta or {} for path, meta in source.files()}
@@ -570,14 +582,15 @@ def _write_rank(
             # The old directory, judged again now, is kept aside (one rename) until the whole
             # run has succeeded, so a failed --force rerun can put it back; a run killed before
             # then leaves it for the next run to judge and remove.
-            old = out / f".rank{plan.tp_rank}.replaced-{os.getpid()}"
+            old = out / f".rank{plan.tp_rank}.replaced-{run_name}"
             put_aside(final, old, lambda p: foreign_dir(p, "rank"), "replaces")
         try:
             take_name(partial, final)
         except FileExistsError:
             raise appeared(final, plan.tp_rank) from None
     except BaseException as e:
-        shutil.rmtree(partial, ignore_errors=True)
+        if mine:
+            shutil.rmtree(partial, ignore_errors=True)
         if old is not None and not os.path.lexists(final):
             take_name(old, final)
         cause = e if isinstance(e, OSError) else e.__cause__
