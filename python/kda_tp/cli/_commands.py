@@ -397,18 +397,14 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def _demo(args: argparse.Namespace, entries: list[str], created: list[Path]) -> int:
     """:func:`cmd_demo` once ``--keep DIR`` is claimed (``created``: the directories that made)."""
-    import tempfile
-
-    from ..output.demo import replace_demo_dir
-    from ..output.marks import DEMO_STAGING_PREFIX
+    from ..output.demo import demo_staging, replace_demo_dir
     from ..shard.verify import verify_shards
     from ..shard.writer import shard_checkpoint
     from ..checkpoint.reader import SafetensorsSource
     from ..checkpoint.description import describe
     from ..synth.checkpoints import write_checkpoint
 
-    prefix = DEMO_STAGING_PREFIX if args.keep else "kda-tp-demo-"
-    with tempfile.TemporaryDirectory(prefix=prefix, dir=args.keep) as tmp:
+    with demo_staging(args.keep) as tmp:
         base = Path(tmp)
         checkpoint, out = base / entries[0], base / entries[1]
         t0 = time.perf_counter()
