@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pytest
 from kda_tp import oracle
-from kda_tp.errors import CheckpointError
 from kda_tp.cli import main
 from kda_tp.errors import CheckpointError
 from kda_tp.shard import shard_checkpoint, verify_shards
@@ -341,8 +340,7 @@ def test_the_oracle_refuses_the_configs_transformers_refuses(config, needle):
     length or with a type transformers does not know. kda_tp.model.config refuses them too."""
     from kda_tp.model import parse_config
 
-<<<<<<< HEAD:tests/oracle/test_oracle_verify.py
-    with pytest.raises(oracle.CheckpointError, match=re.escape(needle)):
+    with pytest.raises(CheckpointError, match=re.escape(needle)):
         oracle.read_kda_config(config)
     with pytest.raises(CheckpointError):
         parse_config(config)
@@ -350,24 +348,4 @@ def test_the_oracle_refuses_the_configs_transformers_refuses(config, needle):
 
 def test_the_oracle_reads_a_legacy_glm_layer_types_list():
     legacy = {**_TEXT, "layer_types": ["mamba", "attention", "mamba", "full_attention"]}
-=======
-    lac = {"head_dim": 16, "num_heads": 4, "short_conv_kernel_size": 4}
-    kimi = {"model_type": "kimi_linear", "hidden_size": 64, "num_hidden_layers": 4}
-    text = {"model_type": "glm5_next_text", "hidden_size": 64, "num_hidden_layers": 4}
-    bad = [
-        ({**kimi, "linear_attn_config": {**lac, "kda_layers": [1, 1]}}, "repeats a layer"),
-        ({**kimi, "linear_attn_config": {**lac, "kda_layers": [1, 5]}},
-         "goes beyond num_hidden_layers 4"),
-        ({"model_type": "glm5_next", "text_config": {**text, "layer_types": ["mamba"] * 3}},
-         "layer_types has 3 entries, num_hidden_layers is 4"),
-        ({**text, "layer_types": ["linear_attention", "kda_attention"] * 2},
-         "layer_types has ['kda_attention', 'kda_attention']: transformers allows only"),
-    ]
-    for config, needle in bad:
-        with pytest.raises(CheckpointError, match=re.escape(needle)):
-            oracle.read_kda_config(config)
-        with pytest.raises(CheckpointError):
-            parse_config(config)
-    legacy = {**text, "layer_types": ["mamba", "attention", "mamba", "full_attention"]}
->>>>>>> house-lower:tests/unit/test_oracle_verify.py
     assert oracle.read_kda_config(legacy).kda_layers == {0, 2}
