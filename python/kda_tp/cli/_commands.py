@@ -24,6 +24,7 @@ from ..errors import CheckpointError, KdaTpError, PlanError
 from ..model.config import load_config
 from ._format import (
     emit_json,
+    format_bytes,
     format_plan,
     format_sizes,
     plan_json,
@@ -175,14 +176,14 @@ def _shard_layers(description: CheckpointDescription,
 
 def _shard_input(
     args: argparse.Namespace, warn: bool = True
-) -> tuple[list[int] | None, list[Path]]:
+) -> tuple[list[int] | None, list[Path], list[Path]]:
     """``shard``'s checks of its input before anything is written: the ``--layers`` to pass on
-    (see :func:`_shard_layers`) and the files ``--skip-unindexed`` leaves out (a warning each
-    on stderr when ``warn``)."""
+    (see :func:`_shard_layers`), the files ``--skip-unindexed`` leaves out and the heavy files
+    ``--skip-heavy-files`` leaves out (a warning each on stderr when ``warn``)."""
     from ..checkpoint.reader import INDEX_NAME, refuse_index_member
     from ..checkpoint.description import describe
     from ..checkpoint.reader import SafetensorsSource
-    from ..shard.rankdir import unindexed_files
+    from ..shard.rankdir import heavy_files, unindexed_files
 
     refuse_index_member(args.checkpoint)
     source = SafetensorsSource(args.checkpoint, args.backend)
@@ -191,7 +192,11 @@ def _shard_input(
     for path in skipped if warn else ():
         print(f"kda-tp: warning: {path} is not named by {INDEX_NAME}; it is left out of every "
               "rank (--skip-unindexed)", file=sys.stderr)
-    return layers, skipped
+    heavy = heavy_files(source) if args.skip_heavy_files and not args.kda_only else []
+    for path, size, why in heavy if warn else ():
+        print(f"kda-tp: warning: {path} ({format_bytes(size)}: {why}) is left out of every "
+              "rank (--skip-heavy-files)", file=sys.stderr)
+    return layers, skipped, [path for path, _, _ in heavy]
 
 
 def _size_reporter(
@@ -210,11 +215,12 @@ def _size_reporter(
 
 def _write_shards(
     args: argparse.Namespace, shard: Callable[..., ShardResult], warn: bool = True
-) -> tuple[ShardResult, list[Path], list[ShardSizes]]:
+) -> tuple[ShardResult, tuple[list[Path], list[Path]], list[ShardSizes]]:
     """``shard``'s input checked (:func:`_shard_input`), then the ranks written with ``shard``
     (``shard_checkpoint``, or a torchrun job's ``shard``) and ``shard``'s flags: the result,
-    the files ``--skip-unindexed`` left out, and the sizes reported before writing."""
-    layers, skipped = _shard_input(args, warn=warn)
+    the files ``--skip-unindexed`` and ``--skip-heavy-files`` left out, and the sizes reported
+    before writing."""
+    layers, skipped, heavy = _shard_input(args, warn=warn)
     sizes: list[ShardSizes] = []
     result = shard(
         args.checkpoint,
@@ -231,8 +237,9 @@ def _write_shards(
         kda_only=args.kda_only,
         wait=args.wait,
         report_sizes=_size_reporter(args, sizes),
+        skip_heavy_files=args.skip_heavy_files,
     )
-    return result, skipped, sizes
+    return result, (skipped, heavy), sizes
 
 
 def run_shard(args: argparse.Namespace) -> int:
@@ -265,7 +272,7 @@ def finish_command_for(args: argparse.Namespace, ranks: Sequence[int]) -> str:
     command = finish_command(args.checkpoint, args.out, args.tp_size, ranks, args.qk_multiple)
     if args.layers is not None:
         command += f" --layers {','.join(map(str, args.layers))}"
-    for flag in ("allow_resharding", "skip_unindexed"):
+    for flag in ("allow_resharding", "skip_unindexed", "skip_heavy_files"):
         if getattr(args, flag):
             command += " --" + flag.replace("_", "-")
     if args.backend:

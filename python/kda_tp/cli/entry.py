@@ -204,6 +204,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--skip-unindexed", action="store_true",
                    help="shard although the directory has .safetensors files its index does not "
                    "name (they are left out of every rank)")
+    p.add_argument("--skip-heavy-files", action="store_true",
+                   help="shard although the directory holds heavy files beside its safetensors "
+                   "files (weights or training state in other formats, e.g. optimizer.pt or "
+                   "pytorch_model.bin, or any file of 100 MB or more): they are left out of "
+                   "every rank")
     p.add_argument("--kda-only", action="store_true",
                    help="write only the sliced KDA tensors (an overlay on the input checkpoint)")
     p.add_argument("--wait", action="store_true",

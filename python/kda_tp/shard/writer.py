@@ -4,7 +4,8 @@ Layout written by ``kda-tp shard CHECKPOINT --tp-size T --out OUT``:
 
 ```text
 OUT/rank0/ ... OUT/rank{T-1}/
-    config.json and the input's other small files, unchanged;
+    config.json and the input's other small files, unchanged (never its heavy files: weights
+    in other formats, training state, files of 100 MB or more; see shard.rankdir.heavy_files);
     the input's safetensors file names, each holding the same tensors as in the input
     (KDA tensors as this rank's slice, with local shapes), __metadata__ carrying
     tp_rank, tp_size, kda_tp_qk_multiple, kda_tp_layers, kda_tp_version and kda_tp_input;
@@ -65,6 +66,7 @@ from ..rank.view import KdaShardedSource
 from ._place import Placed, appeared, commit, drop_replaced, partial_dir, undo
 from .rankdir import (
     companion_files,
+    heavy_files,
     input_fingerprint,
     kda_only_files,
     names_by_file,
@@ -111,7 +113,8 @@ class ShardResult:
 
 @dataclass(frozen=True)
 class ShardSizes:
-    """The tensor bytes (headers excluded) a :func:`shard_checkpoint` run writes, per rank.
+    """The tensor bytes (headers excluded) a :func:`shard_checkpoint` run writes, per rank, and
+    the companion files it copies into every rank.
 
     Attributes:
         input_bytes: tensor bytes of the input checkpoint (every tensor its index names).
@@ -120,6 +123,9 @@ class ShardSizes:
         other_bytes: per rank of ``ranks``, the other tensors, copied whole into every rank
             (0 with ``kda_only``).
         kda_only: whether the run writes only the KDA tensors.
+        companions: the input's companion files copied into every rank (config, tokenizer:
+            :func:`~kda_tp.shard.rankdir.companion_files`), by name; none with ``kda_only``.
+        companion_bytes: their bytes, what each rank gets.
     """
 
     input_bytes: int
@@ -127,6 +133,8 @@ class ShardSizes:
     kda_bytes: tuple[int, ...]
     other_bytes: tuple[int, ...]
     kda_only: bool = False
+    companions: tuple[str, ...] = ()
+    companion_bytes: int = 0
 
     @property
     def rank_bytes(self) -> tuple[int, ...]:
@@ -139,6 +147,12 @@ class ShardSizes:
         return sum(self.rank_bytes)
 
     @property
+    def written_bytes(self) -> int:
+        """Every byte of data written over all of ``ranks``: the tensors and the companion
+        files (headers, indexes and marks excluded)."""
+        return self.total_bytes + self.companion_bytes * len(self.ranks)
+
+    @property
     def suggest_kda_only(self) -> bool:
         """True when the tensors copied whole into every rank outweigh the KDA slices (then
         ``kda_only`` would write far less: an overlay on the input)."""
@@ -146,7 +160,8 @@ class ShardSizes:
 
     def to_dict(self) -> dict[str, object]:
         """The sizes as JSON-ready values (what ``kda-tp shard --json`` prints under
-        ``sizes``): the attributes, ``rank_bytes``, ``total_bytes`` and ``suggest_kda_only``."""
+        ``sizes``): the attributes, ``rank_bytes``, ``total_bytes``, ``written_bytes`` and
+        ``suggest_kda_only``."""
         return {
             "input_bytes": self.input_bytes,
             "ranks": list(self.ranks),
@@ -154,6 +169,9 @@ class ShardSizes:
             "other_bytes": list(self.other_bytes),
             "rank_bytes": list(self.rank_bytes),
             "total_bytes": self.total_bytes,
+            "companions": list(self.companions),
+            "companion_bytes": self.companion_bytes,
+            "written_bytes": self.written_bytes,
             "kda_only": self.kda_only,
             "suggest_kda_only": self.suggest_kda_only,
         }
@@ -175,6 +193,7 @@ def shard_checkpoint(
     kda_only: bool = False,
     wait: bool = False,
     report_sizes: Callable[[ShardSizes], None] | None = None,
+    skip_heavy_files: bool = False,
 ) -> ShardResult:
     """Write one checkpoint directory per rank (layout in the module docstring).
 
@@ -215,10 +234,15 @@ def shard_checkpoint(
             free is stale and removed.
         report_sizes: called once, after every check and before the first byte is written,
             with the :class:`ShardSizes` this run will write.
+        skip_heavy_files: shard a directory holding heavy files beside its safetensors files
+            (weights or training state in other formats, files of 100 MB or more:
+            :func:`~kda_tp.shard.rankdir.heavy_files`), leaving them out of every rank;
+            refused by default. They are never copied into a rank.
 
     Raises:
         CheckpointError, PlanError, DtypeMismatchError, ShapeMismatchError: bad input (also:
-            an input that is already a shard, unindexed files); nothing is written.
+            an input that is already a shard, unindexed files, heavy files); nothing is
+            written.
         OutputError: the output directory is refused (e.g. a ``rank{r}`` there that kda-tp
             did not write, or a lock path that is a symbolic link), another live process is
             writing one
@@ -236,7 +260,8 @@ def shard_checkpoint(
     source = SafetensorsSource(checkpoint, backend)
     out = Path(out_dir)
     tp_size, chosen = _checked_ranks(tp_size, ranks)
-    check_shard_input(source, allow_resharding=allow_resharding, skip_unindexed=skip_unindexed)
+    check_shard_input(source, allow_resharding=allow_resharding, skip_unindexed=skip_unindexed,
+                      skip_heavy_files=skip_heavy_files or kda_only)
     shards = _rank_views(source, tp_size, chosen, qk_multiple, layers)
     ranks = tuple(s.plan.tp_rank for s in shards)
     # Tensors outside the KDA layers are copied through whatever their dtype, packed sub-byte
@@ -417,6 +442,13 @@ def _sizes(
 ) -> ShardSizes:
     """The tensor bytes writing ``files`` for ``shards`` takes, KDA slices and the rest apart."""
     names = [name for names in files.values() for name in names]
+    companions = [] if kda_only else companion_files(source)
+    companion_bytes = 0
+    for path in companions:
+        try:
+            companion_bytes += path.stat().st_size
+        except OSError:
+            continue  # the copy says why it cannot read it
     kda, other = [], []
     for s in shards:
         sliced = [_nbytes(*checked_info(s, n)) for n in names if s.is_sharded(n)]
@@ -429,6 +461,8 @@ def _sizes(
         kda_bytes=tuple(kda),
         other_bytes=tuple(other),
         kda_only=kda_only,
+        companions=tuple(p.name for p in companions),
+        companion_bytes=companion_bytes,
     )
 
 
@@ -444,20 +478,26 @@ def _shutdown(pool: ThreadPoolExecutor) -> None:
 
 
 def check_shard_input(
-    source: SafetensorsSource, *, allow_resharding: bool = False, skip_unindexed: bool = False
+    source: SafetensorsSource,
+    *,
+    allow_resharding: bool = False,
+    skip_unindexed: bool = False,
+    skip_heavy_files: bool = False,
 ) -> None:
     """Refuse an input :func:`shard_checkpoint` refuses before it looks at the geometry: a rank
     directory kda-tp wrote (``tp_rank``/``tp_size`` in its headers) unless
-    ``allow_resharding``, and ``.safetensors`` files the index does not name
-    (:func:`unindexed_files`) unless ``skip_unindexed``.
+    ``allow_resharding``, ``.safetensors`` files the index does not name
+    (:func:`unindexed_files`) unless ``skip_unindexed``, and heavy files beside the
+    checkpoint (:func:`~kda_tp.shard.rankdir.heavy_files`) unless ``skip_heavy_files``.
 
     Args:
         source: the input checkpoint.
         allow_resharding: accept a rank directory (``--allow-resharding``).
         skip_unindexed: accept files the index does not name (``--skip-unindexed``).
+        skip_heavy_files: accept heavy files, left out of every rank (``--skip-heavy-files``).
 
     Raises:
-        CheckpointError: either, naming the file(s) and the flag that accepts them.
+        CheckpointError: any of them, naming the file(s) and the flag that accepts them.
     """
     for path, meta in [] if allow_resharding else source.files():
         if meta and "tp_rank" in meta and "tp_size" in meta:
@@ -474,6 +514,18 @@ def check_shard_input(
             f"{'is' if one else 'are'} not named by {INDEX_NAME}, so no rank would hold "
             f"{'it' if one else 'them'}; pass --skip-unindexed (skip_unindexed=True) to shard "
             f"without {'it' if one else 'them'}"
+        )
+    heavy = [] if skip_heavy_files else heavy_files(source)
+    if heavy:
+        listed = ", ".join(f"{p.name} ({size / 1e6:.1f} MB: {why})" for p, size, why in heavy[:3])
+        more = f" and {len(heavy) - 3} more" if len(heavy) > 3 else ""
+        raise CheckpointError(
+            f"{source.root}: {listed}{more} would be copied whole into every rank (shard "
+            "copies the files beside a checkpoint, its config and tokenizer, into each rank, "
+            "and slices only safetensors files); a rank directory holds no such file: pass "
+            "--skip-heavy-files (skip_heavy_files=True) to leave "
+            f"{'it' if len(heavy) == 1 else 'them'} out of every rank, or move "
+            f"{'it' if len(heavy) == 1 else 'them'} out of the checkpoint directory"
         )
 
 
