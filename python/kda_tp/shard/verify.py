@@ -18,6 +18,7 @@ import numpy as np
 
 from ..checkpoint.description import describe
 from ..checkpoint.layers import check_layers
+from ..checkpoint.files import missing_path
 from ..checkpoint.reader import INDEX_NAME, SafetensorsSource, Tensor, checked_get, checked_info
 from ..checkpoint.values import bytes_equal
 from ..errors import CheckpointError
@@ -386,10 +387,17 @@ def _companion_problems(source: SafetensorsSource, out: Path, tp_size: int) -> l
 
 
 def _listdir(path: Path) -> list[Path]:
+    """The entries of the shard output ``path`` (or one of its rank directories).
+
+    Raises:
+        CheckpointError: it is missing (:data:`~kda_tp.checkpoint.files.MISSING`), or cannot
+            be listed.
+    """
     try:
         return list(path.iterdir())
     except OSError as e:
-        raise CheckpointError(f"{path}: cannot list the shard directory: {e}") from e
+        raise CheckpointError(missing_path(path, e)
+                              or f"{path}: cannot list the shard directory: {e}") from e
 
 
 def _check_tensor(
