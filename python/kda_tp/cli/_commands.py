@@ -24,6 +24,7 @@ from ..errors import CheckpointError, KdaTpError, PlanError
 from ..model.config import load_config
 from ._format import (
     emit_json,
+    error_line,
     format_bytes,
     format_plan,
     format_sizes,
@@ -318,7 +319,7 @@ def run_verify(args: argparse.Namespace) -> int:
         outcome = job.verify(args.checkpoint, args.out, numeric=args.numeric,
                              seq_len=args.seq_len, seed=args.seed)
         if outcome.error is not None:
-            print(f"kda-tp: error: {type(outcome.error).__name__}: {outcome.error}",
+            print(error_line(f"{type(outcome.error).__name__}: {outcome.error}"),
                   file=sys.stderr)
         elif outcome.report is not None:
             print_verify(outcome.report)
@@ -387,9 +388,14 @@ def cmd_demo(args: argparse.Namespace) -> int:
     g = GEOMETRIES[args.model]
     if args.num_layers is None:
         args.num_layers = 2 if g["style"] == "k3" else 4
-    # Refuse a tp_size the model cannot split before generating anything.
+    # Refuse a tp_size the model cannot split, and a --seq-len whose activations do not fit,
+    # before generating anything.
     KdaTpPlan(0, args.tp_size, g["hidden"], g["head_dim"], g["heads"], g["conv_kernel"],
               g["gate_rank"])
+    if args.numeric:
+        from ..reference.equivalence import check_numeric_memory
+
+        check_numeric_memory(g["hidden"], g["heads"], g["head_dim"], args.seq_len)
     entries = ["checkpoint", f"tp{args.tp_size}"]
     # With --keep: DIR claimed (refused when it holds what kda-tp did not write, changing
     # nothing), the demo built in DIR/.kda-tp-demo-*, then swapped in (replace_demo_dir); a

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "emit_json",
+    "error_line",
     "format_bytes",
     "format_plan",
     "format_sizes",
@@ -82,11 +83,22 @@ def with_hints(args: argparse.Namespace, error: KdaTpError) -> str:
     return message
 
 
+def error_line(message: str) -> str:
+    """The one ``kda-tp: error: MESSAGE`` line every refusal of the command line is printed as
+    (without its newline): what would break the line or the terminal in ``message`` (a path
+    holding a newline, a carriage return or an escape sequence: any character Python does not
+    print as itself) is written as its escape (``\\n``, ``\\x1b``), so the error stays one
+    line."""
+    shown = "".join(c if c.isprintable() else repr(c)[1:-1] for c in message)
+    return f"kda-tp: error: {shown}"
+
+
 def print_refusal(args: argparse.Namespace, error: KdaTpError) -> None:
-    """The one ``kda-tp: error: TYPE: message`` line on stderr (the message in command-line
-    terms: :func:`with_hints`), and with ``--json`` the refusal's JSON document on stdout."""
+    """The one ``kda-tp: error: TYPE: message`` line on stderr (:func:`error_line`; the message
+    in command-line terms: :func:`with_hints`), and with ``--json`` the refusal's JSON document
+    on stdout."""
     message = with_hints(args, error)
-    print(f"kda-tp: error: {type(error).__name__}: {message}", file=sys.stderr)
+    print(error_line(f"{type(error).__name__}: {message}"), file=sys.stderr)
     emit_json(args, {"ok": False, "error": {"type": type(error).__name__, "message": message}})
 
 

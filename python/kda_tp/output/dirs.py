@@ -43,6 +43,7 @@ __all__ = [
     "make_dirs",
     "prepare_out_dir",
     "remove_created",
+    "refuse_other_world_size",
     "remove_dir",
     "replace_files",
     "staged_name",
@@ -377,6 +378,30 @@ def _put_back_asides(out: Path, entries: list[Path], ranks: tuple[int, ...]) -> 
             continue
         moved = True
     return moved
+
+
+def refuse_other_world_size(out: Path, tp_size: int, writer: str) -> None:
+    """Refuse to write ``tp_size`` output of ``writer`` (``"dump"``) into ``out`` when it holds
+    a ``shard`` output of another world size (a ``rank{r}`` directory whose files record
+    another ``tp_size``): one output directory holds one world size, whatever wrote it (the
+    rule the locks keep for writers running at once, :mod:`kda_tp.output.locks`, and
+    :func:`check_out_dir` for ``shard``). A writer that is not ``shard`` never removes a rank
+    directory, so ``--force`` does not lift it.
+
+    Raises:
+        OutputError: naming the rank directory and its world size.
+    """
+    for entry in _listed(out):
+        if not RANK_DIR.match(entry.name) or entry.is_symlink() or not entry.is_dir():
+            continue
+        found = _rank_tp_size(entry)
+        if found is not None and found != tp_size:
+            raise OutputError(
+                f"{entry} holds shard output for tp_size {found}; one output directory holds "
+                f"one world size, so this tp_size {tp_size} {writer} may not write beside it "
+                f"({writer} never removes a rank directory, --force or not): choose another "
+                "--out"
+            )
 
 
 def _holds(directory: Path, path: Path) -> bool:

@@ -206,6 +206,9 @@ def verify_shards(
             tensor names, dtypes, shapes and some data bytes, and it differs).
         PlanError: ``layers`` refused (negative, repeated, out of range or
             1-based).
+        UsageError: with ``numeric``, a ``seq_len`` whose activations do not fit in the memory
+            free here (:func:`~kda_tp.reference.equivalence.check_numeric_memory`), refused
+            before the byte check.
     """
     source = SafetensorsSource(checkpoint)
     out = Path(out_dir)
@@ -271,6 +274,11 @@ def verify_shards(
         layers = check_layers(layers, known, described.layer_count)
     # The plan refuses a tp_size the heads cannot split (so it stays small) before any listing.
     plans = [KdaTpPlan.from_config(source, 0, tp_size, qk_multiple=qk_multiple, layers=kda_layers)]
+    if numeric:
+        # A --seq-len whose activations do not fit is refused now, not after the byte check.
+        from ..reference.equivalence import check_numeric_memory  # noqa: PLC0415 - start-up
+
+        check_numeric_memory(plans[0].hidden, plans[0].full_heads, plans[0].head_dim, seq_len)
     extra = sorted(r for r in present if r >= tp_size)
     if extra:
         report.problems.append(f"{out}: rank directories {extra[:8]} beyond tp_size {tp_size}")
