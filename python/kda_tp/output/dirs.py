@@ -287,6 +287,11 @@ def check_out_dir(
             rank = int(aside.group(1))
             if rank in ranks and os.path.lexists(rank_dir(out, rank)):
                 remove_dir(entry, out)
+            elif rank in ranks:
+                # Not put back: refused when it is not kda-tp's (a link), else left as it is.
+                why = foreign_dir(entry, "rank")
+                if why is not None:
+                    raise refuse(entry, why, "removes")
             continue
         partial, final = PARTIAL_DIR.match(entry.name), RANK_DIR.match(entry.name)
         if (partial or final) and (resolve_out(entry) == input_root or _holds(entry, input_root)):

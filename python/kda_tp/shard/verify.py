@@ -37,6 +37,7 @@ from ..rank.view import KdaShardedSource
 from .rankdir import (
     companion_files,
     finish_command,
+    heavy_files,
     input_fingerprint,
     kda_only_files,
     names_by_file,
@@ -308,6 +309,8 @@ def verify_shards(
     written = {INDEX_NAME, MARK_NAME, *(kda_only_files(files, shards[0]) if kda_only else files)}
     if not kda_only:
         written.update(p.name for p in companion_files(source))
+        # Never copied now, but an older kda-tp did, and a user may copy one in: not wrong.
+        written.update(p.name for p, _, _ in heavy_files(source))
     for r, rank in enumerate(ranks):
         for entry in sorted(_listdir(rank_dir(out, r))):
             if entry.name not in written:
