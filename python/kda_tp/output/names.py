@@ -27,7 +27,8 @@ RANK_DIR = re.compile(r"^rank([0-9]{1,10})$")
 #: A rank directory being written, a replaced one kept aside, or one a killed run left.
 PARTIAL_DIR = re.compile(r"^\.rank([0-9]{1,10})\.partial-")
 #: A finished rank directory moved aside (one rename) while a new one takes its name, or before
-#: it is removed; removed once checked again, never before (``kda_tp.output.moves``).
+#: it is removed; removed once checked again, never before (``kda_tp.output.moves``), and only
+#: beside the rank that replaced it: one left by a killed run without its rank is put back.
 ASIDE_DIR = re.compile(r"^\.rank([0-9]{1,10})\.replaced-")
 #: The lock file of a rank's writers.
 LOCK_FILE = re.compile(r"^\.rank([0-9]{1,10})\.lock$")
