@@ -123,8 +123,9 @@ pub enum Error {
         example: Vec<usize>,
     },
 
-    /// An I/O failure on a checkpoint file.
-    #[error("{}: {source}", path.display())]
+    /// An I/O failure on a checkpoint file. A missing path reads "no such file or directory",
+    /// the one wording kda_tp uses for it everywhere (not the OS's "(os error 2)").
+    #[error("{}: {}", path.display(), io_reason(source))]
     Io {
         path: PathBuf,
         #[source]
@@ -152,3 +153,13 @@ pub fn divisors(n: usize) -> Option<Vec<usize>> {
 
 /// Result alias of the core.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// How an I/O error reads after its path: a missing path as "no such file or directory" (the
+/// wording of every kda_tp refusal of a missing path), any other error as the OS says it.
+fn io_reason(source: &std::io::Error) -> String {
+    if source.kind() == std::io::ErrorKind::NotFound {
+        "no such file or directory".to_owned()
+    } else {
+        source.to_string()
+    }
+}

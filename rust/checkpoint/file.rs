@@ -390,7 +390,8 @@ impl SafetensorsFile {
             source,
         })?;
         let now = Identity::of(&metadata);
-        if !self.opened.differs(&now) {
+        if !self.opened.differs(&now) || (self.opened.only_ctime_moved(&now) && self.replaced(&now))
+        {
             return Ok(());
         }
         Err(Error::Checkpoint {
@@ -403,8 +404,27 @@ impl SafetensorsFile {
         })
     }
 
-    /// A failed positioned read of a file that [`Self::check_unchanged`] found unchanged
-    /// afterwards.
+    /// Whether the open file (`now`, its `fstat`) no longer has the path it was opened by: it
+    /// was unlinked (no link left) or renamed over (the path names another file now). Only
+    /// then is a ctime that moved alone excused: the unlink or the rename over the path moved
+    /// it, and a writer reaches the file by its path. A ctime that moved while the path still
+    /// names the open file (a hard link made, a chmod, a rewrite that put the old mtime back)
+    /// cannot be told from a rewrite, and neither can one of a file that still has a link but
+    /// not this path (moved elsewhere).
+    fn replaced(&self, now: &Identity) -> bool {
+        if now.nlink == 0 {
+            return true;
+        }
+        // Followed, as the open was: a symbolic link into a blob store names its target.
+        match std::fs::metadata(&self.path) {
+            Ok(current) => {
+                use std::os::unix::fs::MetadataExt;
+                (current.dev(), current.ino()) != (now.dev, now.ino)
+            }
+            Err(_) => false,
+        }
+    }
+
     /// A zeroed buffer of `len` bytes to read tensor `name` into, or [`Error::Checkpoint`]
     /// naming the tensor and the size when the allocator cannot give it (`vec![0u8; len]`
     /// would abort the whole process, Python included, for a huge declared tensor).
@@ -452,14 +472,17 @@ fn try_zeroed(len: usize) -> Option<Vec<u8>> {
 /// record is the file's whole identity). A rewrite in place changes the size, or the mtime and
 /// the ctime (to the nanosecond; since Linux 6.13 a change right after an `fstat` always gets a
 /// newer timestamp on ext4, XFS, btrfs and tmpfs); the ctime also catches a rewrite whose
-/// writer then restored the old mtime. The ctime moves too when the file gains or loses a link
-/// (a rename over its path unlinks it): with the link count changed, a ctime alone is not taken
-/// for a change of the bytes, so the usual atomic replacement of a checkpoint stays readable
-/// through views opened before it. Anything else that moves only the ctime (a chmod, a rename
-/// of the file itself, a hard link made and removed again) is refused: the view cannot tell it
-/// from a rewrite. On file systems with
-/// coarse timestamps, a rewrite to the same size within one timestamp tick of the previous
-/// change can go unseen.
+/// writer then restored the old mtime. The ctime moves too when the file loses its path (an
+/// unlink, a rename over it): a ctime that moved alone is excused only then, when the file has
+/// no link left or its path names another file now (`SafetensorsFile::replaced`), so the usual
+/// atomic replacement of a checkpoint stays readable through views opened before it. Anything
+/// else that moves only the ctime while the path still names the open file (a chmod, a hard
+/// link made, or made and removed again, a rename of the file itself) is refused: the view
+/// cannot tell it from a rewrite that put the old mtime back (a link count that changed says
+/// nothing of the bytes). On file systems with coarse timestamps, a rewrite to the same size
+/// within one timestamp tick of the previous change can go unseen; so can a rewrite that put
+/// the old mtime back made just before the file was unlinked or renamed over (that move
+/// sets the ctime again).
 #[derive(Debug, Clone, Copy)]
 struct Identity {
     dev: u64,
@@ -486,8 +509,15 @@ impl Identity {
 
     /// Whether the file `now` may hold other bytes than the file `self` described at open.
     fn differs(&self, now: &Self) -> bool {
-        (self.dev, self.ino, self.size, self.mtime) != (now.dev, now.ino, now.size, now.mtime)
-            || (self.ctime != now.ctime && self.nlink == now.nlink)
+        (self.dev, self.ino, self.size, self.mtime, self.ctime)
+            != (now.dev, now.ino, now.size, now.mtime, now.ctime)
+    }
+
+    /// Whether only the ctime (and perhaps the link count) moved since `self`: what an unlink
+    /// or a rename over the file's path does, and a rewrite that put the old mtime back too.
+    fn only_ctime_moved(&self, now: &Self) -> bool {
+        (self.dev, self.ino, self.size, self.mtime) == (now.dev, now.ino, now.size, now.mtime)
+            && self.ctime != now.ctime
     }
 
     /// What differs between `self` (at open) and `now`, e.g. "size 100 -> 116 bytes, mtime

@@ -11,6 +11,7 @@ the Rust side, ctime and link counts included: ``rust/checkpoint/tests/changed.r
 
 from __future__ import annotations
 
+import os
 import struct
 from pathlib import Path
 
@@ -106,3 +107,64 @@ def test_a_source_refuses_a_file_rewritten_in_place_on_every_read_path(
         assert "cannot be copied" in str(info.value) if what == "file_range" else (
             "cannot be read" in str(info.value))
     source.close()
+
+
+def _later_ctime(path: Path, opened: os.stat_result) -> None:
+    """Wait (for a state, not a time) until a change made now gets a later ctime than
+    ``opened``'s, on file systems whose timestamps are coarse."""
+    probe = path.with_name("probe")
+    while True:
+        probe.write_bytes(b"x")
+        if probe.stat().st_ctime_ns > opened.st_ctime_ns:
+            return
+
+
+@pytest.mark.parametrize("backend", ["mmap", "pread"])
+def test_a_same_size_rewrite_with_the_old_mtime_and_a_new_hard_link_is_refused(
+    checkpoint: Path, backend: str
+) -> None:
+    """Issue 38 F14: a ctime that moved was excused whenever the link count changed, so the
+    same bytes' length rewritten in place, the old mtime put back (``touch -r``) and a hard
+    link made meanwhile read as unchanged. Only an unlink or a rename over the path (the path
+    names another file, or no link is left) excuses a ctime now."""
+    file = checkpoint / "model.safetensors"
+    with kda_tp.open_rank(checkpoint, tp_rank=1, tp_size=2, backend=backend) as view:
+        opened = file.stat()
+        _later_ctime(file, opened)
+        raw = bytearray(file.read_bytes())
+        raw[-4:] = b"\x7f\x7f\x7f\x7f"  # the last tensor's last bytes, the length unchanged
+        with open(file, "r+b") as f:
+            f.write(raw)
+        os.utime(file, ns=(opened.st_atime_ns, opened.st_mtime_ns))
+        os.link(file, checkpoint / "linked.safetensors.bak")
+        now = file.stat()
+        assert (now.st_ino, now.st_size, now.st_mtime_ns) == (
+            opened.st_ino, opened.st_size, opened.st_mtime_ns)
+        assert now.st_nlink == opened.st_nlink + 1
+        with pytest.raises(CheckpointError, match=r"the file changed since it was opened \(ctime "):
+            view[EMBED]
+
+
+@pytest.mark.parametrize("backend", ["mmap", "pread"])
+def test_a_file_unlinked_or_replaced_while_open_still_reads_its_bytes(
+    checkpoint: Path, backend: str
+) -> None:
+    """What a ctime that moved alone is excused for: the path no longer names the open file.
+    The open file moved to another name and a new file written at its path (refused before:
+    the link count had not changed), then that other name removed (no link left)."""
+    file = checkpoint / "model.safetensors"
+    with kda_tp.open_rank(checkpoint, tp_rank=1, tp_size=2, backend=backend) as view:
+        before = bytes(np.asarray(view[Q_PROJ].data))
+        _later_ctime(file, file.stat())
+        os.replace(file, checkpoint / "old.bin")
+        file.write_bytes((checkpoint / "old.bin").read_bytes())
+        assert bytes(np.asarray(view[Q_PROJ].data)) == before
+        (checkpoint / "old.bin").unlink()
+        assert bytes(np.asarray(view[Q_PROJ].data)) == before
+        # Moved away with nothing at its path: it may be written under its new name, refused.
+    with kda_tp.open_rank(checkpoint, tp_rank=1, tp_size=2, backend=backend) as view:
+        _later_ctime(file, file.stat())
+        os.replace(file, checkpoint / "moved.bin")
+        with pytest.raises(CheckpointError, match="changed since it was opened"):
+            view[Q_PROJ]
+        os.replace(checkpoint / "moved.bin", file)

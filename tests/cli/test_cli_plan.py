@@ -92,12 +92,13 @@ def test_following_the_advice_to_add_config_json_works(ckpt, bare, capsys):
 
 
 def test_missing_paths_are_named_for_what_is_missing(tmp_path, capsys):
+    # One wording for a missing path (issue 39 item 7), the missing part named.
     status, _, err = run(capsys, "plan", tmp_path / "nowhere", "--tp-size", 2)
-    assert status == 2 and f"{tmp_path / 'nowhere'}: no such directory" in err
+    assert status == 2 and f"{tmp_path / 'nowhere'}: no such file or directory" in err
     status, _, err = run(capsys, "plan", tmp_path / "nowhere" / "config.json", "--tp-size", 2)
-    assert status == 2 and f"{tmp_path / 'nowhere'}: no such directory" in err
+    assert status == 2 and f"{tmp_path / 'nowhere'}: no such file or directory" in err
     status, _, err = run(capsys, "plan", tmp_path / "config.json", "--tp-size", 2)
-    assert status == 2 and f"{tmp_path / 'config.json'}: no such config file" in err
+    assert status == 2 and f"{tmp_path / 'config.json'}: no such file or directory" in err
     (tmp_path / "empty").mkdir()
     status, _, err = run(capsys, "plan", tmp_path / "empty", "--tp-size", 2)
     assert status == 2 and f"{tmp_path / 'empty'}: no config.json in this directory" in err

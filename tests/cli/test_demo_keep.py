@@ -108,3 +108,61 @@ def test_a_file_beside_the_demo_that_kda_tp_did_not_write_is_still_refused(
     status, _, err = demo(capsys, kept)
     assert status == 2 and f"{kept / 'shards'}: model.safetensors: its header carries no" in err
     assert files_and_modes(kept) == before
+
+
+def test_demo_keep_makes_only_the_last_directory(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 39 item 7: ``demo --keep /nonexistent/dir`` made every missing parent. Now the
+    parent must exist: one refusal naming it, in the one wording of a missing path, and
+    nothing made."""
+    keep = tmp_path / "a" / "b" / "keep"
+    status, out, err = demo(capsys, keep)
+    assert status == 2 and out == "" and err.count("\n") == 1, err
+    assert err.startswith(f"kda-tp: error: OutputError: {keep.parent}: no such file or "
+                          "directory; demo --keep creates only the last directory"), err
+    assert os.listdir(tmp_path) == []
+    (tmp_path / "a" / "b").mkdir(parents=True)
+    status, _, err = demo(capsys, keep)
+    assert status == 0, err
+    assert sorted(os.listdir(keep)) == [MARK_NAME, "checkpoint", "tp2"]
+
+
+@pytest.mark.parametrize("errno_", ["EROFS", "EACCES"])
+def test_demo_keep_on_a_directory_it_cannot_write_is_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+    errno_: str
+) -> None:
+    """Issue 38 F15: ``demo --keep`` on a read-only file system, or a directory this user may
+    not write into, ended in a traceback and exit 1. (The refusal is planted where the OS
+    gives it, the demo's working directory: tests may run as root, whom modes do not stop.)"""
+    import errno
+    import tempfile
+
+    keep = tmp_path / "keep"
+    keep.mkdir()
+    code = getattr(errno, errno_)
+
+    def refused(*args: object, **kwargs: object) -> str:
+        raise OSError(code, os.strerror(code), str(keep / ".kda-tp-demo-x"))
+
+    monkeypatch.setattr(tempfile, "mkdtemp", refused)
+    status, out, err = demo(capsys, keep)
+    assert status == 2 and out == "" and err.count("\n") == 1, err
+    assert err.startswith(f"kda-tp: error: OutputError: {keep}: cannot create the demo's "
+                          f"working directory in it: [Errno {code}] {os.strerror(code)}"), err
+    assert os.listdir(keep) == []
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into a 0555 directory")
+def test_demo_keep_on_an_unwritable_directory_is_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    keep = tmp_path / "keep"
+    keep.mkdir()
+    keep.chmod(0o555)
+    try:
+        status, _, err = demo(capsys, keep)
+    finally:
+        keep.chmod(0o755)
+    assert status == 2 and err.count("\n") == 1 and "Permission denied" in err, err

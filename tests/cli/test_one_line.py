@@ -126,8 +126,8 @@ def test_a_full_disk_leaves_no_directory_the_run_made(
     monkeypatch.setattr(_files, "open", FullDisk(4096), raising=False)
     where = tmp_path / "new" / "deeper"
     args = (["dump", str(KIMI_LINEAR), *ENGINE, "--tp-size", "4", "--out", str(where)]
-            if command == "dump" else
-            ["demo", "--num-layers", "1", "--keep", str(where), "--no-numeric"])
+            if command == "dump" else  # demo --keep makes only its last directory
+            ["demo", "--num-layers", "1", "--keep", str(where.parent), "--no-numeric"])
     assert cli.main(args) == 2
     err = capsys.readouterr().err
     assert err.count("kda-tp: error: OutputError: ") == 1 and "No space left on device" in err
@@ -270,8 +270,8 @@ def test_a_tensor_that_does_not_fit_in_memory_is_one_line(
     err = capsys.readouterr().err
     assert err == ("kda-tp: error: MemoryError: Unable to allocate 1.00 TiB for an array with "
                    "shape (1099511627776,) and data type uint8; kda-tp holds one tensor or engine "
-                   "parameter in memory at a time, and this one does not fit in the memory free "
-                   "here\n")
+                   "parameter in memory at a time (and the numeric check the activations of "
+                   "--seq-len tokens), and this does not fit in the memory free here\n")
     assert os.listdir(tmp_path) == []
 
 

@@ -122,6 +122,10 @@ def _all_events(checkpoint: Path, out: Path) -> list[str]:
         return f.read().splitlines()
 
 
+#: The id a run names its hidden entries by (``kda_tp.output.names.run_id``).
+RUN_ID = re.compile(r"-[0-9]+-[0-9a-f]{16}")
+
+
 def _staggers(events: list[str]) -> dict[str, int]:
     """The 1-based events at which the second writer starts, by the state the first is in."""
     first_rename = next(i for i, e in enumerate(events, 1) if e.startswith("rename .rank0"))
@@ -145,7 +149,8 @@ def test_a_second_writer_is_refused_and_the_first_finishes(
     for state, at in _staggers(events).items():
         out = tmp_path / f"out{at}"
         first = Paused(checkpoint, out, at)
-        assert first.event.rsplit("-", 1)[0] == events[at - 1].rsplit("-", 1)[0]  # but the pid
+        # The same event but for the run's own id (a pid and random digits).
+        assert RUN_ID.sub("", first.event) == RUN_ID.sub("", events[at - 1])
         before = everything(out), tree(out)
         second = subprocess.run(shard_cmd(checkpoint, out), capture_output=True, text=True,
                                 timeout=BOUND)
@@ -401,9 +406,11 @@ def test_sizes_before_writing_are_what_is_written(
     other = 2 * vocab * 64 * 2 + 5 * 64 * 2
     kda = 2 * (SLICED // tp + REPLICATED)
     sizes = shard_sizes(ckpt, tp, qk_multiple=1)
+    config = (ckpt / "config.json").stat().st_size  # the one file copied into every rank
     assert sizes == ShardSizes(input_bytes=2 * (SLICED + REPLICATED) + other,
                                ranks=tuple(range(tp)), kda_bytes=(kda,) * tp,
-                               other_bytes=(other,) * tp)
+                               other_bytes=(other,) * tp, companions=("config.json",),
+                               companion_bytes=config)
     assert sizes.total_bytes == tp * (kda + other)
     assert sizes.suggest_kda_only == (other > kda)
     # The input size is what its files hold; each rank's what the run writes.
@@ -424,7 +431,8 @@ def test_sizes_before_writing_are_what_is_written(
     lines = captured.err.splitlines()
     assert lines[0].startswith(f"shard: writing {_decimal(sizes.total_bytes)} of tensors for "
                                f"{tp} ranks ({_decimal(kda + other)} per rank: ")
-    assert lines[0].endswith(f"from a {_decimal(sizes.input_bytes)} input")
+    assert lines[0].endswith(f"from a {_decimal(sizes.input_bytes)} input, and copying 1 other "
+                             f"file into every rank (config.json: {_decimal(config)} per rank)")
     hint = [line for line in lines if line.startswith("shard: hint: ")]
     assert len(hint) == (1 if other > kda else 0)
     if hint:

@@ -29,7 +29,14 @@ from ..checkpoint.writer import write_safetensors
 from ..engines.layout import EngineLayout
 from ..errors import KdaTpError, OutputError
 from ..model.json_reader import parse_metadata_int
-from ..output.dirs import input_mode, make_dirs, remove_created, replace_files, staged_name
+from ..output.dirs import (
+    input_mode,
+    make_dirs,
+    refuse_other_world_size,
+    remove_created,
+    replace_files,
+    staged_name,
+)
 from ..output.locks import lock_output, output_error
 from ..output.marks import refuse_foreign_files
 from ..output.names import FILE_MARK
@@ -131,8 +138,10 @@ def write_engine_dump(
 
     Raises:
         OutputError: ``out`` is empty, cannot be resolved (a symlink loop) or lies inside the
-            checkpoint; without ``force``, it holds dump files of another world size (a rank
-            ``>= tp_size``, or other ``tp_size`` metadata) or a file of a rank being written;
+            checkpoint; it holds a ``shard`` output of another world size (one world size per
+            output; ``force`` or not); without ``force``, it holds dump files of another world
+            size (a rank ``>= tp_size``, or other ``tp_size`` metadata) or a file of a rank
+            being written;
             a write fails (the message names the file and the OS error); with ``force``, such a
             file kda-tp did not write (an engine's own dump); a file appeared under one of its
             names while it was writing; another run writes one of ``ranks`` or another world
@@ -190,6 +199,7 @@ def _write_files(root: Path, source_root: Path, engine: str, tp_size: int,
         next(root.iterdir(), None)
     except OSError as e:
         raise output_error(root, "list the output directory", e) from e
+    refuse_other_world_size(root, tp_size, "dump")
     # Both of save_sharded_state's name patterns, every part: the audit's reading. A name
     # whose rank cannot be read is refused, never taken for "no dump file there".
     found = sharded_state_files(root, allow_empty=True)

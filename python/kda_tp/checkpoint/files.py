@@ -23,12 +23,22 @@ from typing import Any, BinaryIO
 
 from ..errors import OpenFilesLimitError, OutputError
 
-__all__ = ["TEMP_FILE", "atomic_write", "checked_write", "open_files_error", "resolve_out",
-           "write_json"]
+__all__ = ["MISSING", "TEMP_FILE", "atomic_write", "checked_write", "missing_path",
+           "open_files_error", "resolve_out", "write_json"]
+
+#: The one wording of a missing path in every refusal (the Rust core's too): ``PATH: no such
+#: file or directory``, never the OS's ``[Errno 2] ...`` or ``(os error 2)``.
+MISSING = "no such file or directory"
 
 #: The name of a temporary file the writers write before renaming it into place (a killed
 #: writer leaves it): ``.<name>.<12 hex digits>.partial``.
 TEMP_FILE = re.compile(r"^\..+\.[0-9a-f]{12}\.partial$")
+
+
+def missing_path(path: str | os.PathLike[str], e: OSError) -> str | None:
+    """``PATH: no such file or directory`` (:data:`MISSING`) when ``e`` says a path is
+    missing (``ENOENT``), else None: the caller words the other errors."""
+    return f"{os.fspath(path)}: {MISSING}" if e.errno == errno.ENOENT else None
 
 
 def checked_write(f: BinaryIO, path: Path, data: bytes | memoryview) -> None:

@@ -275,8 +275,9 @@ class SafetensorsSource:
     the file with that record (one ``fstat`` per read) and refuses a file that changed since it
     was opened (truncated, or rewritten in place), on both backends: a ``CheckpointError``
     naming the file and what changed, never bytes read at the old offsets; reopen the source.
-    A file replaced by rename (``os.replace``, safetensors' own writer) keeps reading its old,
-    unchanged bytes. What no check can catch: with ``"mmap"``, an array handed out before the
+    A file replaced by rename (``os.replace``, safetensors' own writer) or unlinked keeps
+    reading its old, unchanged bytes; a ctime that moved while the path still names the open
+    file (a chmod, a hard link) is refused, as a rewrite that put the old mtime back would be. What no check can catch: with ``"mmap"``, an array handed out before the
     file was truncated views the mapping, and touching its lost pages afterwards kills the
     process with SIGBUS; ``"pread"`` copies, so its arrays stay as they were read.
 

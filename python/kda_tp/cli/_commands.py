@@ -24,6 +24,8 @@ from ..errors import CheckpointError, KdaTpError, PlanError
 from ..model.config import load_config
 from ._format import (
     emit_json,
+    error_line,
+    format_bytes,
     format_plan,
     format_sizes,
     plan_json,
@@ -175,14 +177,14 @@ def _shard_layers(description: CheckpointDescription,
 
 def _shard_input(
     args: argparse.Namespace, warn: bool = True
-) -> tuple[list[int] | None, list[Path]]:
+) -> tuple[list[int] | None, list[Path], list[Path]]:
     """``shard``'s checks of its input before anything is written: the ``--layers`` to pass on
-    (see :func:`_shard_layers`) and the files ``--skip-unindexed`` leaves out (a warning each
-    on stderr when ``warn``)."""
+    (see :func:`_shard_layers`), the files ``--skip-unindexed`` leaves out and the heavy files
+    ``--skip-heavy-files`` leaves out (a warning each on stderr when ``warn``)."""
     from ..checkpoint.reader import INDEX_NAME, refuse_index_member
     from ..checkpoint.description import describe
     from ..checkpoint.reader import SafetensorsSource
-    from ..shard.rankdir import unindexed_files
+    from ..shard.rankdir import heavy_files, unindexed_files
 
     refuse_index_member(args.checkpoint)
     source = SafetensorsSource(args.checkpoint, args.backend)
@@ -191,7 +193,11 @@ def _shard_input(
     for path in skipped if warn else ():
         print(f"kda-tp: warning: {path} is not named by {INDEX_NAME}; it is left out of every "
               "rank (--skip-unindexed)", file=sys.stderr)
-    return layers, skipped
+    heavy = heavy_files(source) if args.skip_heavy_files and not args.kda_only else []
+    for path, size, why in heavy if warn else ():
+        print(f"kda-tp: warning: {path} ({format_bytes(size)}: {why}) is left out of every "
+              "rank (--skip-heavy-files)", file=sys.stderr)
+    return layers, skipped, [path for path, _, _ in heavy]
 
 
 def _size_reporter(
@@ -210,11 +216,12 @@ def _size_reporter(
 
 def _write_shards(
     args: argparse.Namespace, shard: Callable[..., ShardResult], warn: bool = True
-) -> tuple[ShardResult, list[Path], list[ShardSizes]]:
+) -> tuple[ShardResult, tuple[list[Path], list[Path]], list[ShardSizes]]:
     """``shard``'s input checked (:func:`_shard_input`), then the ranks written with ``shard``
     (``shard_checkpoint``, or a torchrun job's ``shard``) and ``shard``'s flags: the result,
-    the files ``--skip-unindexed`` left out, and the sizes reported before writing."""
-    layers, skipped = _shard_input(args, warn=warn)
+    the files ``--skip-unindexed`` and ``--skip-heavy-files`` left out, and the sizes reported
+    before writing."""
+    layers, skipped, heavy = _shard_input(args, warn=warn)
     sizes: list[ShardSizes] = []
     result = shard(
         args.checkpoint,
@@ -231,8 +238,9 @@ def _write_shards(
         kda_only=args.kda_only,
         wait=args.wait,
         report_sizes=_size_reporter(args, sizes),
+        skip_heavy_files=args.skip_heavy_files,
     )
-    return result, skipped, sizes
+    return result, (skipped, heavy), sizes
 
 
 def run_shard(args: argparse.Namespace) -> int:
@@ -265,7 +273,7 @@ def finish_command_for(args: argparse.Namespace, ranks: Sequence[int]) -> str:
     command = finish_command(args.checkpoint, args.out, args.tp_size, ranks, args.qk_multiple)
     if args.layers is not None:
         command += f" --layers {','.join(map(str, args.layers))}"
-    for flag in ("allow_resharding", "skip_unindexed"):
+    for flag in ("allow_resharding", "skip_unindexed", "skip_heavy_files"):
         if getattr(args, flag):
             command += " --" + flag.replace("_", "-")
     if args.backend:
@@ -311,7 +319,7 @@ def run_verify(args: argparse.Namespace) -> int:
         outcome = job.verify(args.checkpoint, args.out, numeric=args.numeric,
                              seq_len=args.seq_len, seed=args.seed)
         if outcome.error is not None:
-            print(f"kda-tp: error: {type(outcome.error).__name__}: {outcome.error}",
+            print(error_line(f"{type(outcome.error).__name__}: {outcome.error}"),
                   file=sys.stderr)
         elif outcome.report is not None:
             print_verify(outcome.report)
@@ -380,9 +388,14 @@ def cmd_demo(args: argparse.Namespace) -> int:
     g = GEOMETRIES[args.model]
     if args.num_layers is None:
         args.num_layers = 2 if g["style"] == "k3" else 4
-    # Refuse a tp_size the model cannot split before generating anything.
+    # Refuse a tp_size the model cannot split, and a --seq-len whose activations do not fit,
+    # before generating anything.
     KdaTpPlan(0, args.tp_size, g["hidden"], g["head_dim"], g["heads"], g["conv_kernel"],
               g["gate_rank"])
+    if args.numeric:
+        from ..reference.equivalence import check_numeric_memory
+
+        check_numeric_memory(g["hidden"], g["heads"], g["head_dim"], args.seq_len)
     entries = ["checkpoint", f"tp{args.tp_size}"]
     # With --keep: DIR claimed (refused when it holds what kda-tp did not write, changing
     # nothing), the demo built in DIR/.kda-tp-demo-*, then swapped in (replace_demo_dir); a
@@ -397,18 +410,14 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def _demo(args: argparse.Namespace, entries: list[str], created: list[Path]) -> int:
     """:func:`cmd_demo` once ``--keep DIR`` is claimed (``created``: the directories that made)."""
-    import tempfile
-
-    from ..output.demo import replace_demo_dir
-    from ..output.marks import DEMO_STAGING_PREFIX
+    from ..output.demo import demo_staging, replace_demo_dir
     from ..shard.verify import verify_shards
     from ..shard.writer import shard_checkpoint
     from ..checkpoint.reader import SafetensorsSource
     from ..checkpoint.description import describe
     from ..synth.checkpoints import write_checkpoint
 
-    prefix = DEMO_STAGING_PREFIX if args.keep else "kda-tp-demo-"
-    with tempfile.TemporaryDirectory(prefix=prefix, dir=args.keep) as tmp:
+    with demo_staging(args.keep) as tmp:
         base = Path(tmp)
         checkpoint, out = base / entries[0], base / entries[1]
         t0 = time.perf_counter()

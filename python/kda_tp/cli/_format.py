@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "emit_json",
+    "error_line",
     "format_bytes",
     "format_plan",
     "format_sizes",
@@ -82,11 +83,22 @@ def with_hints(args: argparse.Namespace, error: KdaTpError) -> str:
     return message
 
 
+def error_line(message: str) -> str:
+    """The one ``kda-tp: error: MESSAGE`` line every refusal of the command line is printed as
+    (without its newline): what would break the line or the terminal in ``message`` (a path
+    holding a newline, a carriage return or an escape sequence: any character Python does not
+    print as itself) is written as its escape (``\\n``, ``\\x1b``), so the error stays one
+    line."""
+    shown = "".join(c if c.isprintable() else repr(c)[1:-1] for c in message)
+    return f"kda-tp: error: {shown}"
+
+
 def print_refusal(args: argparse.Namespace, error: KdaTpError) -> None:
-    """The one ``kda-tp: error: TYPE: message`` line on stderr (the message in command-line
-    terms: :func:`with_hints`), and with ``--json`` the refusal's JSON document on stdout."""
+    """The one ``kda-tp: error: TYPE: message`` line on stderr (:func:`error_line`; the message
+    in command-line terms: :func:`with_hints`), and with ``--json`` the refusal's JSON document
+    on stdout."""
     message = with_hints(args, error)
-    print(f"kda-tp: error: {type(error).__name__}: {message}", file=sys.stderr)
+    print(error_line(f"{type(error).__name__}: {message}"), file=sys.stderr)
     emit_json(args, {"ok": False, "error": {"type": type(error).__name__, "message": message}})
 
 
@@ -228,9 +240,10 @@ def _shape(shape: Sequence[int]) -> str:
 
 def format_sizes(sizes: ShardSizes) -> str:
     """What ``shard`` will write, e.g. ``shard: writing 4.60 GB of tensors for 8 ranks (0.58 GB
-    per rank: 0.11 GB of KDA slices, 0.46 GB of other tensors) from a 1.30 GB input``, and a
-    second line suggesting ``--kda-only`` when the other tensors, copied whole into every rank,
-    outweigh the KDA slices."""
+    per rank: 0.11 GB of KDA slices, 0.46 GB of other tensors) from a 1.30 GB input, and
+    copying 3 other files into every rank (config.json, tokenizer.json, tokenizer_config.json:
+    7.43 MB per rank)``, and a second line suggesting ``--kda-only`` when the other tensors,
+    copied whole into every rank, outweigh the KDA slices."""
     per_rank = sorted(set(sizes.rank_bytes))
     each = format_bytes(per_rank[0]) if len(per_rank) == 1 else (
         f"{format_bytes(per_rank[0])} to {format_bytes(per_rank[-1])}")
@@ -241,6 +254,11 @@ def format_sizes(sizes: ShardSizes) -> str:
         f"{format_bytes(sum(sizes.other_bytes) // n)} of other tensors) from a "
         f"{format_bytes(sizes.input_bytes)} input"
     )
+    if sizes.companions:
+        k = len(sizes.companions)
+        names = ", ".join(sizes.companions[:3]) + (f" and {k - 3} more" if k > 3 else "")
+        line += (f", and copying {k} other file{'s' * (k != 1)} into every rank ({names}: "
+                 f"{format_bytes(sizes.companion_bytes)} per rank)")
     if sizes.suggest_kda_only:
         line += (
             f"\nshard: hint: {format_bytes(sum(sizes.other_bytes))} of it is non-KDA tensors copied "
@@ -283,18 +301,22 @@ def written_line(result: ShardResult) -> str:
 def print_shard(
     args: argparse.Namespace,
     result: ShardResult,
-    skipped: Sequence[Path],
+    skipped: tuple[Sequence[Path], Sequence[Path]],
     processes: int = 1,
     sizes: Sequence[ShardSizes] = (),
 ) -> None:
-    """What ``shard`` wrote: the JSON document with ``--json``, else one line; on stderr, a
-    warning for each directory kept because another process put files into a rank directory
-    while it was replaced (:func:`print_kept`)."""
+    """What ``shard`` wrote: the JSON document with ``--json`` (``skipped``: the files
+    ``--skip-unindexed`` and ``--skip-heavy-files`` left out, as ``skipped_unindexed`` and
+    ``skipped_heavy``), else one line; on stderr, a warning for each directory kept because
+    another process put files into a rank directory while it was replaced
+    (:func:`print_kept`)."""
     for kept in result.kept:
         print_kept(kept, "replaced or removed")
     if args.json:
+        unindexed, heavy = skipped
         emit_json(args, {
-            **result.to_dict(), "skipped_unindexed": [str(p) for p in skipped],
+            **result.to_dict(), "skipped_unindexed": [str(p) for p in unindexed],
+            "skipped_heavy": [str(p) for p in heavy],
             "processes": processes, "sizes": sizes[0].to_dict() if sizes else None,
         })
     elif processes > 1:

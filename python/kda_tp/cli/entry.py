@@ -34,7 +34,7 @@ from ._commands import (
     run_shard,
     run_verify,
 )
-from ._format import emit_json, print_refusal, rank_message
+from ._format import emit_json, error_line, print_refusal, rank_message
 
 __all__ = ["main"]
 
@@ -86,8 +86,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         # numpy's "Unable to allocate 1.00 TiB for an array with shape (...)": a tensor or an
         # engine parameter (a declared size, perhaps a hostile one) that cannot be held.
         message = (f"{e or 'out of memory'}; kda-tp holds one tensor or engine parameter in "
-                   "memory at a time, and this one does not fit in the memory free here")
-        print(f"kda-tp: error: MemoryError: {message}", file=sys.stderr)
+                   "memory at a time (and the numeric check the activations of --seq-len "
+                   "tokens), and this does not fit in the memory free here")
+        print(error_line(f"MemoryError: {message}"), file=sys.stderr)
         emit_json(args, {"ok": False, "error": {"type": "MemoryError", "message": message}})
         return 2
 
@@ -109,7 +110,7 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         self.print_usage(sys.stderr)
         command = self.prog.removeprefix("kda-tp").strip()
-        self.exit(2, f"kda-tp: error: {command + ': ' if command else ''}{message}\n")
+        self.exit(2, error_line(f"{command + ': ' if command else ''}{message}") + "\n")
 
     def parse_known_args(  # type: ignore[override]
         self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
@@ -135,8 +136,8 @@ class _Parser(argparse.ArgumentParser):
         if command is None:
             if not any(t in ("-h", "--help", "--version") for t in given):
                 self.print_help(sys.stderr)
-                self.exit(2, f"kda-tp: error: a command is required: {', '.join(commands)} "
-                             "(kda-tp COMMAND --help says more)\n")
+                self.exit(2, error_line(f"a command is required: {', '.join(commands)} "
+                                        "(kda-tp COMMAND --help says more)") + "\n")
             return
         if command not in commands:
             close = difflib.get_close_matches(command, commands, n=1, cutoff=0.6)
@@ -183,7 +184,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("input", type=Path, help="checkpoint directory or config.json")
     p.add_argument("--tp-size", type=_tp_size, required=True, help="tensor-parallel world size")
     p.add_argument("--rank", type=_rank, default=0, help="rank whose offsets to show (default 0)")
-    p.add_argument("--gate-rank", type=int, help="gate bottleneck width (bare config only)")
+    p.add_argument("--gate-rank", type=_gate_rank,
+                   help="gate bottleneck width (bare config only)")
     p.add_argument("--layers", type=_int_list, help="0-based KDA layers to count and take the "
                    "shapes from (default: every KDA layer the config lists)")
     _add_qk_multiple(p)
@@ -204,6 +206,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--skip-unindexed", action="store_true",
                    help="shard although the directory has .safetensors files its index does not "
                    "name (they are left out of every rank)")
+    p.add_argument("--skip-heavy-files", action="store_true",
+                   help="shard although the directory holds heavy files beside its safetensors "
+                   "files (weights or training state in other formats, e.g. optimizer.pt or "
+                   "pytorch_model.bin, or any file of 100 MB or more): they are left out of "
+                   "every rank")
     p.add_argument("--kda-only", action="store_true",
                    help="write only the sliced KDA tensors (an overlay on the input checkpoint)")
     p.add_argument("--wait", action="store_true",
@@ -268,7 +275,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--num-layers", type=_demo_layers,
                    help="decoder layers to generate, 1 to 64 (default 4; kimi-k3: 2, one KDA "
                    "layer of 0.89 GB and one MLA layer)")
-    p.add_argument("--keep", type=Path, help="write DIR/checkpoint and DIR/tp{N} here instead of a temporary directory (a new or empty DIR, or one an earlier demo made: what it wrote there is replaced)")
+    p.add_argument("--keep", type=Path, help="write DIR/checkpoint and DIR/tp{N} here instead "
+                   "of a temporary directory (a new DIR, whose parent exists, an empty one, or "
+                   "one an earlier demo made: what its mark names is replaced)")
     _add_numeric(p, default_on=True)
     p.set_defaults(run=cmd_demo)
     parser.commands = list(sub.choices)
@@ -281,7 +290,7 @@ def _add_engine_output(p: argparse.ArgumentParser) -> None:
     p.add_argument("checkpoint", type=Path)
     p.add_argument("--engine", required=True, help="the engine layout (kda_tp.engines.LAYOUTS, "
                    "e.g. vllm-0.33-kimi-linear; docs/engine-layouts.md)")
-    p.add_argument("--tp-size", type=int, required=True, help="tensor-parallel world size")
+    p.add_argument("--tp-size", type=_tp_size, required=True, help="tensor-parallel world size")
     p.add_argument("--ranks", type=_int_list, help="comma-separated ranks (default: all)")
     _add_model_dtype(p)
 
@@ -310,7 +319,7 @@ def _model_dtype(text: str) -> str:
 def _add_qk_multiple(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--qk-multiple",
-        type=int,
+        type=_qk_multiple,
         default=256,
         help="local q|k width must be a multiple of this (default 256; 1 = off)",
     )
@@ -372,6 +381,15 @@ def _demo_layers(text: str) -> int:
 def _tp_size(text: str) -> int:
     return _bounded_int(text, 1, MAX_TP_SIZE, "a world size divides the KDA head count, which is "
                         "below 2**31")
+
+
+def _qk_multiple(text: str) -> int:
+    return _bounded_int(text, 1, MAX_TP_SIZE, "a local q|k width is below 2**31 elements")
+
+
+def _gate_rank(text: str) -> int:
+    return _bounded_int(text, 1, MAX_TP_SIZE, "a gate rank is below 2**31, as a config's "
+                        "integers are")
 
 
 def _rank(text: str) -> int:

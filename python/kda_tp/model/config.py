@@ -211,15 +211,16 @@ def no_config_message(directory: str | os.PathLike[str]) -> str:
 
 
 def _not_found(given: Path) -> str:
-    """Why ``load_config(given)`` found no file: a directory without a config, a missing
-    directory, or a missing config file."""
+    """Why ``load_config(given)`` found no file: a directory without a config, or a missing
+    path (the missing directory, or the config file), in the one wording kda_tp uses for a
+    missing path: ``PATH: no such file or directory``."""
     if given.is_dir():
         return no_config_message(given)
     if given.suffix != ".json":
-        return f"{given}: no such directory"
+        return f"{given}: no such file or directory"
     if not given.parent.is_dir():
-        return f"{given.parent}: no such directory"
-    return f"{given}: no such config file"
+        return f"{given.parent}: no such file or directory"
+    return f"{given}: no such file or directory"
 
 
 def parse_config(config: Mapping[str, Any], source: str = "<dict>") -> KdaConfig:

@@ -170,15 +170,31 @@ def verify(checkpoint_dir: str | Path, out_dir: str | Path) -> list[str]:
     return problems
 
 
+#: Files beside a checkpoint that shard never copies (docs/sharding.md, "Files beside the
+#: checkpoint"), restated: weights or training state in these formats of 1 MB or more, and any
+#: file of 100 MB or more.
+_WEIGHT_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle", ".h5", ".hdf5",
+                    ".msgpack", ".gguf", ".ggml", ".onnx", ".npy", ".npz", ".tflite", ".ot",
+                    ".distcp")
+
+
+def _heavy(path: Path) -> bool:
+    """Whether ``shard`` leaves the file ``path`` beside a checkpoint out of every rank."""
+    size = path.stat().st_size
+    return size >= 100_000_000 or (path.suffix.lower() in _WEIGHT_SUFFIXES
+                                   and size >= 1_000_000)
+
+
 def _companion_problems(checkpoint: Path, rank: int, rank_dir: Path) -> list[str]:
     """Each of the input's other files (``config.json``, tokenizer files: not ``*.safetensors``,
-    not the index, not hidden; for a single-file input, its ``config.json``) must be in the
-    rank directory, byte for byte."""
+    not the index, not hidden, not heavy; for a single-file input, its ``config.json``) must be
+    in the rank directory, byte for byte."""
     if checkpoint.is_dir():
         files = [
             p for p in sorted(checkpoint.iterdir())
             if p.is_file() and not p.name.startswith(".")
             and not p.name.endswith(".safetensors") and p.name != "model.safetensors.index.json"
+            and not _heavy(p)
         ]
     else:
         files = [p for p in [checkpoint.parent / "config.json"] if p.is_file()]

@@ -43,6 +43,7 @@ __all__ = [
     "make_dirs",
     "prepare_out_dir",
     "remove_created",
+    "refuse_other_world_size",
     "remove_dir",
     "replace_files",
     "staged_name",
@@ -257,8 +258,10 @@ def check_out_dir(
 ) -> list[Path]:
     """:func:`prepare_out_dir`'s check and clean-up of ``out``, with ``ranks`` locked in
     ``locks`` (and any other rank whose directory ``force`` removes added to them, waiting for
-    it with ``wait``). Partial directories of ``ranks`` left by a dead writer are removed, and
-    so are rank directories a killed run moved aside (each judged by its own marks).
+    it with ``wait``). Partial directories of ``ranks`` left by a dead writer are removed. A
+    rank directory a killed run moved aside is put back where its rank is missing (the run was
+    killed before its new rank took the name), and removed only beside the rank that replaced
+    it (judged by its own marks): never an output's only copy of a rank.
 
     Returns:
         The rank directories of another world size that ``force`` replaces (checked to be
@@ -269,10 +272,9 @@ def check_out_dir(
         OutputError: as :func:`prepare_out_dir`.
     """
     input_root = root.resolve()
-    try:
-        entries = sorted(out.iterdir())
-    except OSError as e:
-        raise output_error(out, "list the output directory", e) from e
+    entries = _listed(out)
+    if _put_back_asides(out, entries, ranks):
+        entries = _listed(out)
     existing: list[Path] = []
     stale: list[Path] = []
     for entry in entries:
@@ -280,8 +282,16 @@ def check_out_dir(
             continue  # a writer's lock (ours, or another rank's writer)
         aside = ASIDE_DIR.match(entry.name)
         if aside:
-            if int(aside.group(1)) in ranks:  # left by a killed run, judged as a rank
+            # Left by a killed run beside the rank directory that replaced it (an aside
+            # without its rank was put back above), judged as a rank.
+            rank = int(aside.group(1))
+            if rank in ranks and os.path.lexists(rank_dir(out, rank)):
                 remove_dir(entry, out)
+            elif rank in ranks:
+                # Not put back: refused when it is not kda-tp's (a link), else left as it is.
+                why = foreign_dir(entry, "rank")
+                if why is not None:
+                    raise refuse(entry, why, "removes")
             continue
         partial, final = PARTIAL_DIR.match(entry.name), RANK_DIR.match(entry.name)
         if (partial or final) and (resolve_out(entry) == input_root or _holds(entry, input_root)):
@@ -339,6 +349,64 @@ def check_out_dir(
             f"{existing[0]} already exists; pass --force to overwrite it{others}{finish}"
         )
     return stale
+
+
+def _listed(out: Path) -> list[Path]:
+    """The entries of the output directory ``out``, sorted.
+
+    Raises:
+        OutputError: it cannot be listed.
+    """
+    try:
+        return sorted(out.iterdir())
+    except OSError as e:
+        raise output_error(out, "list the output directory", e) from e
+
+
+def _put_back_asides(out: Path, entries: list[Path], ranks: tuple[int, ...]) -> bool:
+    """Put back under ``rank{r}`` a rank directory a killed ``--force`` run moved aside
+    (``.rank{r}.replaced-*``) before its new rank took the name, for each of ``ranks`` (locked)
+    whose ``rank{r}`` is missing: the output is as it was before that run, and what is judged
+    next is the rank directory itself. One rename that never replaces anything; an aside that
+    cannot be put back is left where it is, never removed. Returns whether one was put back."""
+    moved = False
+    for entry in entries:
+        aside = ASIDE_DIR.match(entry.name)
+        if aside is None or int(aside.group(1)) not in ranks:
+            continue
+        home = rank_dir(out, int(aside.group(1)))
+        if os.path.lexists(home) or entry.is_symlink() or not entry.is_dir():
+            continue
+        try:
+            take_name(entry, home)
+        except OSError:
+            continue
+        moved = True
+    return moved
+
+
+def refuse_other_world_size(out: Path, tp_size: int, writer: str) -> None:
+    """Refuse to write ``tp_size`` output of ``writer`` (``"dump"``) into ``out`` when it holds
+    a ``shard`` output of another world size (a ``rank{r}`` directory whose files record
+    another ``tp_size``): one output directory holds one world size, whatever wrote it (the
+    rule the locks keep for writers running at once, :mod:`kda_tp.output.locks`, and
+    :func:`check_out_dir` for ``shard``). A writer that is not ``shard`` never removes a rank
+    directory, so ``--force`` does not lift it.
+
+    Raises:
+        OutputError: naming the rank directory and its world size.
+    """
+    for entry in _listed(out):
+        if not RANK_DIR.match(entry.name) or entry.is_symlink() or not entry.is_dir():
+            continue
+        found = _rank_tp_size(entry)
+        if found is not None and found != tp_size:
+            raise OutputError(
+                f"{entry} holds shard output for tp_size {found}; one output directory holds "
+                f"one world size, so this tp_size {tp_size} {writer} may not write beside it "
+                f"({writer} never removes a rank directory, --force or not): choose another "
+                "--out"
+            )
 
 
 def _holds(directory: Path, path: Path) -> bool:

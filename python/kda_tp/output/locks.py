@@ -14,9 +14,10 @@ at the directory and until its output is in place:
 A lock file is opened without following a symbolic link (``O_NOFOLLOW``, and ``O_CLOEXEC``),
 refused unless a regular file with one link, and written only when empty or holding a kda-tp
 holder line (``pid N on HOST, started TIME``): a file kda-tp did not write is never written
-to. The kernel releases a dead writer's locks, so a partial directory of a rank whose lock is
-free is stale. A writer removes its lock files when it is done (the world lock only when it is
-the last of its size).
+to, and never removed either (a lock file is unlinked only when it is empty or holds a holder
+line, judged on the open file just before). The kernel releases a dead writer's locks, so a
+partial directory of a rank whose lock is free is stale. A writer removes its lock files when
+it is done (the world lock only when it is the last of its size).
 """
 
 from __future__ import annotations
@@ -94,8 +95,7 @@ class OutputLocks:
         path, and locks the new one."""
         for path, fd in self.held.values():
             try:
-                if _same_file(path, fd):
-                    path.unlink()
+                _unlink_ours(path, fd)
             except OSError:
                 pass  # e.g. the directory became read-only: the lock is released all the same
             os.close(fd)
@@ -142,8 +142,20 @@ def lock_output(out: Path, tp_size: int, ranks: Iterable[int], wait: bool) -> Ou
 def is_lock_file(path: Path) -> bool:
     """Whether ``path`` is a lock file as kda-tp writes them: a regular file (not a link),
     empty or holding a holder line."""
-    held = read_regular(path, _HOLDER_BYTES)
+    held = read_regular(path, _HOLDER_BYTES + 1)
     return held is not None and (not held or bool(_HOLDER_LINE.fullmatch(held)))
+
+
+def _unlink_ours(path: Path, fd: int) -> None:
+    """Remove the lock file ``path``, open as ``fd``, when it is still that file and holds what
+    kda-tp writes there (nothing, or a holder line): a user's file that was refused as a lock
+    stays, whoever opened it."""
+    if not _same_file(path, fd):
+        return
+    size = os.fstat(fd).st_size
+    held = os.pread(fd, _HOLDER_BYTES, 0) if size <= _HOLDER_BYTES else None
+    if held is not None and (not held or _HOLDER_LINE.fullmatch(held)):
+        path.unlink()
 
 
 def _same_file(path: Path, fd: int) -> bool:
@@ -320,8 +332,8 @@ def _other_world(out: Path, tp_size: int) -> tuple[int, Path, int] | None:
             os.close(fd)
             continue
         try:
-            if stat.S_ISREG(os.fstat(fd).st_mode) and _same_file(path, fd) and is_lock_file(path):
-                path.unlink()
+            if stat.S_ISREG(os.fstat(fd).st_mode):
+                _unlink_ours(path, fd)
         except OSError:
             pass
         os.close(fd)
@@ -343,8 +355,7 @@ def _drop_world_file(path: Path, fd: int) -> None:
     it (called under the directory's mutex, so that no writer joins meanwhile)."""
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        if _same_file(path, fd):
-            path.unlink()
+        _unlink_ours(path, fd)
     except OSError:
         pass  # another writer of this size holds it, or the directory became read-only
     finally:

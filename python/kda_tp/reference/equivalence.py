@@ -28,7 +28,8 @@ import numpy as np
 
 from ..checkpoint.description import CheckpointDescription, describe
 from ..checkpoint.reader import SafetensorsSource
-from ..errors import CheckpointError, PlanError
+from ..errors import CheckpointError, PlanError, UsageError
+from ..model.json_reader import ascii_int
 from ..rank.plan import KdaTpPlan
 from ..rank.view import KdaShardedSource
 from .forward import source_layer_forward
@@ -38,9 +39,11 @@ __all__ = [
     "DEFAULT_RTOL",
     "EquivalenceReport",
     "LayerEquivalence",
+    "check_numeric_memory",
     "check_tp_equivalence",
     "compare_outputs",
     "layers_to_check",
+    "numeric_check_bytes",
 ]
 
 #: Absolute part of the pass threshold (output units).
@@ -129,6 +132,97 @@ class EquivalenceReport:
 
 ShardSourceFactory = Callable[[Any, Any, list[int]], Any]
 
+#: float32 values the reference forward holds per token and per channel (``heads * head_dim``)
+#: at its peak (the gated RMSNorm, with q, k, v, the gate and the recurrence's output alive),
+#: and per token and per ``hidden`` element (the input, the output and the ranks' running sum):
+#: an upper bound of what was measured (Kimi-Linear, 4096 channels, hidden 2304: 171 kB per
+#: token of peak RSS, ``/usr/bin/time -v`` at 2048 and 4096 tokens; this bound says 233 kB).
+_PER_CHANNEL, _PER_HIDDEN = 12, 4
+
+
+def numeric_check_bytes(hidden: int, heads: int, head_dim: int, seq_len: int) -> int:
+    """The memory the numeric check's activations take for ``seq_len`` tokens of a model of
+    ``hidden`` elements and ``heads`` heads of ``head_dim``: float32 values, an upper bound of
+    what was measured (on top of one layer's float32 weights). It grows linearly with
+    ``seq_len``: 233 kB per token for Kimi-Linear (32 heads of 128, hidden 2304)."""
+    return 4 * seq_len * (_PER_CHANNEL * heads * head_dim + _PER_HIDDEN * hidden)
+
+
+def check_numeric_memory(hidden: int, heads: int, head_dim: int, seq_len: int,
+                         free: int | None = None) -> None:
+    """Refuse a ``seq_len`` whose activations (:func:`numeric_check_bytes`) do not fit in the
+    memory free here (``free``, default: :func:`free_memory`; nothing is refused where it is
+    not known), before anything is computed.
+
+    Raises:
+        UsageError: naming ``seq_len`` (``--seq-len``), the memory it needs, the memory free
+            and the largest ``seq_len`` that fits.
+    """
+    free = free_memory() if free is None else free
+    needed = numeric_check_bytes(hidden, heads, head_dim, seq_len)
+    if free is None or needed <= free:
+        return
+    per_token = numeric_check_bytes(hidden, heads, head_dim, 1)
+    fits = free // per_token
+    raise UsageError(
+        f"seq_len (--seq-len) {seq_len}: the numeric check would hold about {_size(needed)} of "
+        f"float32 activations ({per_token / 1e3:.0f} kB per token for {heads} heads of "
+        f"{head_dim} and hidden {hidden}), more than the {_size(free)} of memory free here; "
+        + (f"pass a --seq-len of at most {fits}" if fits >= 1 else
+           "free some memory, or check on a machine with more")
+    )
+
+
+def _size(n: int) -> str:
+    """``n`` bytes in GB, or MB below 1 GB, three significant digits."""
+    return f"{n / 1e9:.3g} GB" if n >= 1e9 else f"{n / 1e6:.3g} MB"
+
+
+def free_memory() -> int | None:
+    """The bytes this process may still allocate, as far as Linux says: the least of the
+    memory available (``MemAvailable``), its cgroup's room (``memory.max`` less
+    ``memory.current``) and its address-space limit (``RLIMIT_AS`` less its mapped size);
+    None where none of them is known."""
+    import resource
+
+    found: list[int] = []
+    values = _kib_fields("/proc/meminfo")
+    if "MemAvailable" in values:
+        found.append(values["MemAvailable"])
+    limit, current = (_read_int(f"/sys/fs/cgroup/memory.{n}") for n in ("max", "current"))
+    if limit is not None and current is not None:  # memory.max "max": no limit
+        found.append(max(limit - current, 0))
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    mapped = _kib_fields("/proc/self/status").get("VmSize")
+    if soft != resource.RLIM_INFINITY and mapped is not None:
+        found.append(max(soft - mapped, 0))
+    return min(found) if found else None
+
+
+def _read_int(path: str) -> int | None:
+    """The integer a one-line file holds, or None (unreadable, or not an integer)."""
+    try:
+        with open(path) as f:
+            return ascii_int(f.read(64).strip())
+    except (OSError, OverflowError, UnicodeDecodeError):
+        return None
+
+
+def _kib_fields(path: str) -> dict[str, int]:
+    """The ``Name: N kB`` lines of a /proc file, in bytes ({} when it cannot be read)."""
+    fields = {}
+    try:
+        with open(path) as f:
+            for line in f:
+                name, _, rest = line.partition(":")
+                parts = rest.split()
+                value = ascii_int(parts[0]) if len(parts) == 2 and parts[1] == "kB" else None
+                if value is not None:
+                    fields[name] = value * 1024
+    except (OSError, OverflowError, UnicodeDecodeError):
+        return {}
+    return fields
+
 
 def check_tp_equivalence(
     checkpoint: str | os.PathLike[str] | Any,
@@ -199,6 +293,9 @@ def check_tp_equivalence(
         ShapeMismatchError: a tensor (full or local) whose shape does not fit the others; the
             reference forward names it.
         ValueError: ``seq_len`` is not a positive integer.
+        UsageError: ``seq_len``'s activations (:func:`numeric_check_bytes`) do not fit in the
+            memory free here (:func:`check_numeric_memory`, before anything is computed), or
+            the forward ran out of memory; the message names ``seq_len`` and what it needs.
     """
     if isinstance(seq_len, bool) or not isinstance(seq_len, (int, np.integer)) or seq_len < 1:
         raise ValueError(f"seq_len must be a positive integer, got {seq_len!r}")
@@ -216,7 +313,38 @@ def check_tp_equivalence(
         )
         for rank in range(tp_size)
     ]
+    geometry = (plans[0].hidden, plans[0].full_heads, plans[0].head_dim)
+    check_numeric_memory(*geometry, int(seq_len))
     rank_sources = [factory(source, plan, all_kda) for plan in plans]
+    try:
+        return _compare_layers(source, description, plans, rank_sources, layer_list, seq_len,
+                               seed, atol, rtol, progress)
+    except MemoryError:
+        # What free_memory did not see (another process took it meanwhile, an overcommit
+        # limit): named as the seq_len it is, not as one tensor.
+        per_token = numeric_check_bytes(*geometry, 1)
+        raise UsageError(
+            f"seq_len (--seq-len) {seq_len}: out of memory in the numeric check: its "
+            f"activations take up to {_size(numeric_check_bytes(*geometry, int(seq_len)))} "
+            f"({per_token / 1e3:.0f} kB per token of this model), on top of one KDA layer's "
+            "weights as float32; pass a smaller --seq-len, or free some memory"
+        ) from None
+
+
+def _compare_layers(
+    source: Any,
+    description: CheckpointDescription,
+    plans: list[KdaTpPlan],
+    rank_sources: list[Any],
+    layer_list: list[int],
+    seq_len: int,
+    seed: int,
+    atol: float,
+    rtol: float,
+    progress: Callable[[int], Callable[[int], None]] | None,
+) -> EquivalenceReport:
+    """:func:`check_tp_equivalence`'s forwards and comparisons, layer by layer."""
+    tp_size = plans[0].tp_size
     config = description.kda
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((1, seq_len, plans[0].hidden)).astype(np.float32)

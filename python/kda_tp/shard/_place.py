@@ -87,9 +87,11 @@ def undo(out: Path, placed: list[Placed]) -> None:
             continue
 
 
-def partial_dir(out: Path, rank: int) -> Path:
-    """The partial directory this process writes rank ``rank`` into."""
-    return out / f".rank{rank}.partial-{os.getpid()}"
+def partial_dir(out: Path, rank: int, run: str) -> Path:
+    """The partial directory the run ``run`` (:func:`~kda_tp.output.names.run_id`) writes rank
+    ``rank`` into: named per run, never by process id alone (two containers sharing a volume
+    both run their writer as pid 1)."""
+    return out / f".rank{rank}.partial-{run}"
 
 
 def appeared(final: Path, rank: int) -> OutputError:

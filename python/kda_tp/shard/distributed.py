@@ -172,9 +172,9 @@ def shard_checkpoint_distributed(
         options: the other keyword arguments of ``shard_checkpoint`` (``layers``,
             ``qk_multiple``, ``force``, ``backend``, ``progress``, ``allow_resharding``,
             ``skip_unindexed``, ``kda_only``, ``wait``, ``report_sizes``: called on process
-            0 alone, with the sizes of all ``ranks``); an input refused for want of
-            ``allow_resharding`` or ``skip_unindexed`` is refused on every process before
-            any writes.
+            0 alone, with the sizes of all ``ranks``; ``skip_heavy_files``); an input refused
+            for want of ``allow_resharding``, ``skip_unindexed`` or ``skip_heavy_files`` is
+            refused on every process before any writes.
 
     Returns:
         A :class:`~kda_tp.shard.ShardResult` for all the ranks: ``bytes_written`` summed,
@@ -244,7 +244,9 @@ def _check_before_writing(
     cleaned as ``shard_checkpoint`` does)."""
     source = SafetensorsSource(checkpoint, options.get("backend"))
     check_shard_input(source, allow_resharding=bool(options.get("allow_resharding")),
-                      skip_unindexed=bool(options.get("skip_unindexed")))
+                      skip_unindexed=bool(options.get("skip_unindexed")),
+                      skip_heavy_files=bool(options.get("skip_heavy_files")
+                                            or options.get("kda_only")))
     layers = options.get("layers")
     _view(source, 0, tp_size, layers, options.get("qk_multiple", 256))
     prepare_out_dir(source.root, Path(out_dir), tp_size, tuple(ranks),

@@ -6,8 +6,8 @@ mark names are :mod:`kda_tp.output.names`'s:
 
 * every rank directory holds the input's safetensors file names (:func:`names_by_file`, or
   :func:`kda_only_files` for ``--kda-only``), ``model.safetensors.index.json``, the input's
-  companion files (:func:`companion_files`) and kda-tp's mark
-  (:data:`~kda_tp.output.names.MARK_NAME`);
+  companion files (:func:`companion_files`: config, tokenizer, code; never its heavy files,
+  :func:`heavy_files`) and kda-tp's mark (:data:`~kda_tp.output.names.MARK_NAME`);
 * every safetensors file's ``__metadata__`` carries :data:`~kda_tp.output.names.FILE_MARK` (the
   kda-tp version) and ``kda_tp_input`` (:func:`input_fingerprint`).
 """
@@ -18,6 +18,7 @@ import hashlib
 import json
 import os
 import shlex
+import stat
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -29,8 +30,12 @@ from ..output.names import rank_dir
 from ..rank.view import KdaShardedSource
 
 __all__ = [
+    "HEAVY_FILE_BYTES",
+    "WEIGHT_FILE_BYTES",
+    "WEIGHT_SUFFIXES",
     "companion_files",
     "finish_command",
+    "heavy_files",
     "input_fingerprint",
     "kda_only_files",
     "names_by_file",
@@ -40,6 +45,21 @@ __all__ = [
 
 #: Bytes read from the start and the end of each file's data for :func:`input_fingerprint`.
 _FINGERPRINT_SAMPLE = 4096
+
+#: A file beside the checkpoint this large (100 MB) or larger is heavy (:func:`heavy_files`),
+#: whatever it holds: a rank directory is a checkpoint, and its config, tokenizer and code are
+#: a few MB (the largest tokenizer files of current models are tens of MB).
+HEAVY_FILE_BYTES = 100_000_000
+#: Weights and training state in formats other than safetensors, which ``shard`` cannot slice:
+#: PyTorch's pickles (``pytorch_model.bin``, ``optimizer.pt``, ``*.pth``, ``*.ckpt``), TF and
+#: Flax (``*.h5``, ``*.msgpack``), GGUF, ONNX, numpy, torch.distributed checkpoints.
+WEIGHT_SUFFIXES = frozenset({
+    ".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle", ".h5", ".hdf5", ".msgpack", ".gguf",
+    ".ggml", ".onnx", ".npy", ".npz", ".tflite", ".ot", ".distcp",
+})
+#: A file of a :data:`WEIGHT_SUFFIXES` format this large (1 MB) or larger is heavy; a smaller
+#: one (``training_args.bin``, a few kB) is copied like any other companion file.
+WEIGHT_FILE_BYTES = 1_000_000
 
 
 def names_by_file(source: SafetensorsSource) -> dict[str, list[str]]:
@@ -67,20 +87,54 @@ def kda_only_files(
 
 
 def companion_files(source: SafetensorsSource) -> list[Path]:
-    """The input's small non-weight files (config, tokenizer) that ``shard`` copies into each
-    rank: every regular file of the input directory that is not hidden, not a
-    ``.safetensors`` file and not the index (for a single-file input: its ``config.json``)."""
+    """The input's small non-weight files (config, tokenizer, the model's code) that ``shard``
+    copies into each rank: every regular file of the input directory that is not hidden, not a
+    ``.safetensors`` file, not the index and not heavy (:func:`heavy_files`); for a
+    single-file input, its ``config.json``."""
     if not source.path.is_dir():
         config = source.root / "config.json"
         return [config] if config.is_file() else []
-    return [
-        p
-        for p in sorted(source.root.iterdir())
-        if p.is_file()
-        and not p.name.startswith(".")
-        and not p.name.endswith(".safetensors")
-        and p.name != INDEX_NAME
-    ]
+    return [p for p, size in _beside(source) if _heavy(p, size) is None]
+
+
+def heavy_files(source: SafetensorsSource) -> list[tuple[Path, int, str]]:
+    """The files beside the input's safetensors files that ``shard`` never copies into a rank,
+    each with its size and why: weights or training state in another format than
+    safetensors (:data:`WEIGHT_SUFFIXES`) of :data:`WEIGHT_FILE_BYTES` or more
+    (``pytorch_model.bin``, ``optimizer.pt``), which no loader of a rank should read and which
+    ``shard`` cannot slice, and any file of :data:`HEAVY_FILE_BYTES` or more. Copied whole into
+    every rank they would multiply by the world size; ``shard`` refuses an input holding
+    them unless told to leave them out (``--skip-heavy-files``). Sorted by name; empty for a
+    single-file input."""
+    if not source.path.is_dir():
+        return []
+    return [(p, size, why) for p, size in _beside(source)
+            if (why := _heavy(p, size)) is not None]
+
+
+def _beside(source: SafetensorsSource) -> list[tuple[Path, int]]:
+    """Every regular file of the input directory (a link followed) that is not hidden, not a
+    ``.safetensors`` file and not the index, sorted, with its size."""
+    found = []
+    for p in sorted(source.root.iterdir()):
+        if p.name.startswith(".") or p.name.endswith(".safetensors") or p.name == INDEX_NAME:
+            continue
+        try:
+            info = p.stat()
+        except OSError:
+            continue  # a dangling link: nothing to copy, as before
+        if stat.S_ISREG(info.st_mode):
+            found.append((p, info.st_size))
+    return found
+
+
+def _heavy(path: Path, size: int) -> str | None:
+    """Why the file ``path`` of ``size`` bytes beside a checkpoint is heavy, or None."""
+    if path.suffix.lower() in WEIGHT_SUFFIXES and size >= WEIGHT_FILE_BYTES:
+        return "weights or training state in another format than safetensors"
+    if size >= HEAVY_FILE_BYTES:
+        return f"a file of {HEAVY_FILE_BYTES // 1_000_000} MB or more"
+    return None
 
 
 def unindexed_files(source: SafetensorsSource) -> list[Path]:

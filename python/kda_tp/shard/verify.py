@@ -18,6 +18,7 @@ import numpy as np
 
 from ..checkpoint.description import describe
 from ..checkpoint.layers import check_layers
+from ..checkpoint.files import missing_path
 from ..checkpoint.reader import INDEX_NAME, SafetensorsSource, Tensor, checked_get, checked_info
 from ..checkpoint.values import bytes_equal
 from ..errors import CheckpointError
@@ -36,6 +37,7 @@ from ..rank.view import KdaShardedSource
 from .rankdir import (
     companion_files,
     finish_command,
+    heavy_files,
     input_fingerprint,
     kda_only_files,
     names_by_file,
@@ -205,6 +207,9 @@ def verify_shards(
             tensor names, dtypes, shapes and some data bytes, and it differs).
         PlanError: ``layers`` refused (negative, repeated, out of range or
             1-based).
+        UsageError: with ``numeric``, a ``seq_len`` whose activations do not fit in the memory
+            free here (:func:`~kda_tp.reference.equivalence.check_numeric_memory`), refused
+            before the byte check.
     """
     source = SafetensorsSource(checkpoint)
     out = Path(out_dir)
@@ -270,6 +275,11 @@ def verify_shards(
         layers = check_layers(layers, known, described.layer_count)
     # The plan refuses a tp_size the heads cannot split (so it stays small) before any listing.
     plans = [KdaTpPlan.from_config(source, 0, tp_size, qk_multiple=qk_multiple, layers=kda_layers)]
+    if numeric:
+        # A --seq-len whose activations do not fit is refused now, not after the byte check.
+        from ..reference.equivalence import check_numeric_memory  # noqa: PLC0415 - start-up
+
+        check_numeric_memory(plans[0].hidden, plans[0].full_heads, plans[0].head_dim, seq_len)
     extra = sorted(r for r in present if r >= tp_size)
     if extra:
         report.problems.append(f"{out}: rank directories {extra[:8]} beyond tp_size {tp_size}")
@@ -299,6 +309,8 @@ def verify_shards(
     written = {INDEX_NAME, MARK_NAME, *(kda_only_files(files, shards[0]) if kda_only else files)}
     if not kda_only:
         written.update(p.name for p in companion_files(source))
+        # Never copied now, but an older kda-tp did, and a user may copy one in: not wrong.
+        written.update(p.name for p, _, _ in heavy_files(source))
     for r, rank in enumerate(ranks):
         for entry in sorted(_listdir(rank_dir(out, r))):
             if entry.name not in written:
@@ -386,10 +398,17 @@ def _companion_problems(source: SafetensorsSource, out: Path, tp_size: int) -> l
 
 
 def _listdir(path: Path) -> list[Path]:
+    """The entries of the shard output ``path`` (or one of its rank directories).
+
+    Raises:
+        CheckpointError: it is missing (:data:`~kda_tp.checkpoint.files.MISSING`), or cannot
+            be listed.
+    """
     try:
         return list(path.iterdir())
     except OSError as e:
-        raise CheckpointError(f"{path}: cannot list the shard directory: {e}") from e
+        raise CheckpointError(missing_path(path, e)
+                              or f"{path}: cannot list the shard directory: {e}") from e
 
 
 def _check_tensor(

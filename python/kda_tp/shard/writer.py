@@ -4,7 +4,8 @@ Layout written by ``kda-tp shard CHECKPOINT --tp-size T --out OUT``:
 
 ```text
 OUT/rank0/ ... OUT/rank{T-1}/
-    config.json and the input's other small files, unchanged;
+    config.json and the input's other small files, unchanged (never its heavy files: weights
+    in other formats, training state, files of 100 MB or more; see shard.rankdir.heavy_files);
     the input's safetensors file names, each holding the same tensors as in the input
     (KDA tensors as this rank's slice, with local shapes), __metadata__ carrying
     tp_rank, tp_size, kda_tp_qk_multiple, kda_tp_layers, kda_tp_version and kda_tp_input;
@@ -17,7 +18,8 @@ the input's index, else of its first file); a rank directory keeps the input dir
 owner's read, write and search bits added (a 0600 checkpoint in a 0700 directory gives 0600
 files in 0700 rank directories).
 
-A rank is written into a hidden ``OUT/.rank{r}.partial-<pid>`` directory and renamed to
+A rank is written into a hidden ``OUT/.rank{r}.partial-<run>`` directory (``<run>``: this
+run's own id, :func:`~kda_tp.output.names.run_id`, never the pid alone) and renamed to
 ``OUT/rank{r}`` only when every file in it is complete, so a run killed at any point leaves no
 incomplete ``rank{r}``; a rank directory it replaces (``force``) is removed only once the whole
 run has succeeded, and only when kda-tp wrote it (:mod:`kda_tp.output`). A writer holds an
@@ -58,12 +60,13 @@ from ..output.dirs import check_out_dir, check_out_location, make_dirs, remove_c
 from ..output.locks import lock_output, output_error
 from ..output.marks import foreign_dir, write_mark
 from ..output.moves import put_aside, take_name
-from ..output.names import FILE_MARK, RANK_DIR, rank_dir
+from ..output.names import FILE_MARK, RANK_DIR, rank_dir, run_id
 from ..rank.plan import KdaTpPlan, distinct_ranks
 from ..rank.view import KdaShardedSource
 from ._place import Placed, appeared, commit, drop_replaced, partial_dir, undo
 from .rankdir import (
     companion_files,
+    heavy_files,
     input_fingerprint,
     kda_only_files,
     names_by_file,
@@ -110,7 +113,8 @@ class ShardResult:
 
 @dataclass(frozen=True)
 class ShardSizes:
-    """The tensor bytes (headers excluded) a :func:`shard_checkpoint` run writes, per rank.
+    """The tensor bytes (headers excluded) a :func:`shard_checkpoint` run writes, per rank, and
+    the companion files it copies into every rank.
 
     Attributes:
         input_bytes: tensor bytes of the input checkpoint (every tensor its index names).
@@ -119,6 +123,9 @@ class ShardSizes:
         other_bytes: per rank of ``ranks``, the other tensors, copied whole into every rank
             (0 with ``kda_only``).
         kda_only: whether the run writes only the KDA tensors.
+        companions: the input's companion files copied into every rank (config, tokenizer:
+            :func:`~kda_tp.shard.rankdir.companion_files`), by name; none with ``kda_only``.
+        companion_bytes: their bytes, what each rank gets.
     """
 
     input_bytes: int
@@ -126,6 +133,8 @@ class ShardSizes:
     kda_bytes: tuple[int, ...]
     other_bytes: tuple[int, ...]
     kda_only: bool = False
+    companions: tuple[str, ...] = ()
+    companion_bytes: int = 0
 
     @property
     def rank_bytes(self) -> tuple[int, ...]:
@@ -138,6 +147,12 @@ class ShardSizes:
         return sum(self.rank_bytes)
 
     @property
+    def written_bytes(self) -> int:
+        """Every byte of data written over all of ``ranks``: the tensors and the companion
+        files (headers, indexes and marks excluded)."""
+        return self.total_bytes + self.companion_bytes * len(self.ranks)
+
+    @property
     def suggest_kda_only(self) -> bool:
         """True when the tensors copied whole into every rank outweigh the KDA slices (then
         ``kda_only`` would write far less: an overlay on the input)."""
@@ -145,7 +160,8 @@ class ShardSizes:
 
     def to_dict(self) -> dict[str, object]:
         """The sizes as JSON-ready values (what ``kda-tp shard --json`` prints under
-        ``sizes``): the attributes, ``rank_bytes``, ``total_bytes`` and ``suggest_kda_only``."""
+        ``sizes``): the attributes, ``rank_bytes``, ``total_bytes``, ``written_bytes`` and
+        ``suggest_kda_only``."""
         return {
             "input_bytes": self.input_bytes,
             "ranks": list(self.ranks),
@@ -153,6 +169,9 @@ class ShardSizes:
             "other_bytes": list(self.other_bytes),
             "rank_bytes": list(self.rank_bytes),
             "total_bytes": self.total_bytes,
+            "companions": list(self.companions),
+            "companion_bytes": self.companion_bytes,
+            "written_bytes": self.written_bytes,
             "kda_only": self.kda_only,
             "suggest_kda_only": self.suggest_kda_only,
         }
@@ -174,6 +193,7 @@ def shard_checkpoint(
     kda_only: bool = False,
     wait: bool = False,
     report_sizes: Callable[[ShardSizes], None] | None = None,
+    skip_heavy_files: bool = False,
 ) -> ShardResult:
     """Write one checkpoint directory per rank (layout in the module docstring).
 
@@ -214,10 +234,15 @@ def shard_checkpoint(
             free is stale and removed.
         report_sizes: called once, after every check and before the first byte is written,
             with the :class:`ShardSizes` this run will write.
+        skip_heavy_files: shard a directory holding heavy files beside its safetensors files
+            (weights or training state in other formats, files of 100 MB or more:
+            :func:`~kda_tp.shard.rankdir.heavy_files`), leaving them out of every rank;
+            refused by default. They are never copied into a rank.
 
     Raises:
         CheckpointError, PlanError, DtypeMismatchError, ShapeMismatchError: bad input (also:
-            an input that is already a shard, unindexed files); nothing is written.
+            an input that is already a shard, unindexed files, heavy files); nothing is
+            written.
         OutputError: the output directory is refused (e.g. a ``rank{r}`` there that kda-tp
             did not write, or a lock path that is a symbolic link), another live process is
             writing one
@@ -235,7 +260,8 @@ def shard_checkpoint(
     source = SafetensorsSource(checkpoint, backend)
     out = Path(out_dir)
     tp_size, chosen = _checked_ranks(tp_size, ranks)
-    check_shard_input(source, allow_resharding=allow_resharding, skip_unindexed=skip_unindexed)
+    check_shard_input(source, allow_resharding=allow_resharding, skip_unindexed=skip_unindexed,
+                      skip_heavy_files=skip_heavy_files or kda_only)
     shards = _rank_views(source, tp_size, chosen, qk_multiple, layers)
     ranks = tuple(s.plan.tp_rank for s in shards)
     # Tensors outside the KDA layers are copied through whatever their dtype, packed sub-byte
@@ -261,6 +287,8 @@ def shard_checkpoint(
                 f"{companion}: cannot be read ({e}); shard copies it into every rank"
             ) from e
     check_out_location(source.root, out, ranks)
+    run = run_id()
+    made: list[Path] = []  # the partial directories this run created: the only ones it removes
     created = make_dirs(out)
     try:
         # Held from before OUT is looked at until this run's ranks are in place (or removed).
@@ -270,19 +298,19 @@ def shard_checkpoint(
             if report_sizes:
                 report_sizes(sizes)
             placed = _write_ranks(source, shards, files, out, tp_size, ranks, sizes, kda_only,
-                                  progress, force)
+                                  progress, force, (run, made))
             kept = commit(out, placed, stale)
             return ShardResult(out, tp_size, ranks, sum(p.nbytes for p in placed),
                                time.perf_counter() - start, tuple(kept))
         finally:
             locks.release()
     except BaseException:
-        # A refused or failed run removes its partial directories (again: a writer out of file
-        # descriptors could not list its own, and the locks' are free now) and the directories
-        # it created, where nothing else is left in them (an interrupted run's completed ranks
-        # stay, and so does OUT then).
-        for r in ranks:
-            shutil.rmtree(partial_dir(out, r), ignore_errors=True)
+        # A refused or failed run removes the partial directories it created (again: a writer
+        # out of file descriptors could not remove its own), never another run's, whatever its
+        # pid, and the directories it created, where nothing else is left in them (an
+        # interrupted run's completed ranks stay, and so does OUT then).
+        for partial in made:
+            shutil.rmtree(partial, ignore_errors=True)
         remove_created(created)
         raise
 
@@ -298,9 +326,11 @@ def _write_ranks(
     kda_only: bool,
     progress: ProgressFactory | None,
     force: bool,
+    run: tuple[str, list[Path]],
 ) -> list[Placed]:
     """:func:`shard_checkpoint`'s writing, with ``out`` checked and ``ranks`` locked: every
-    rank in place, or none (a failed run undoes the ranks it placed, :func:`_undo`)."""
+    rank in place, or none (a failed run undoes the ranks it placed, :func:`_undo`). ``run``:
+    this run's id and the list of partial directories it created (:func:`_write_rank`)."""
     report = progress(sizes.total_bytes) if progress else None
     stop = threading.Event()
 
@@ -317,7 +347,7 @@ def _write_ranks(
     try:
         for s in shards:
             futures.append(pool.submit(_write_rank, source, s, files, out, advance, kda_only,
-                                       force))
+                                       force, run))
         wait(futures)
         pool.shutdown()
     except KeyboardInterrupt:
@@ -412,6 +442,13 @@ def _sizes(
 ) -> ShardSizes:
     """The tensor bytes writing ``files`` for ``shards`` takes, KDA slices and the rest apart."""
     names = [name for names in files.values() for name in names]
+    companions = [] if kda_only else companion_files(source)
+    companion_bytes = 0
+    for path in companions:
+        try:
+            companion_bytes += path.stat().st_size
+        except OSError:
+            continue  # the copy says why it cannot read it
     kda, other = [], []
     for s in shards:
         sliced = [_nbytes(*checked_info(s, n)) for n in names if s.is_sharded(n)]
@@ -424,6 +461,8 @@ def _sizes(
         kda_bytes=tuple(kda),
         other_bytes=tuple(other),
         kda_only=kda_only,
+        companions=tuple(p.name for p in companions),
+        companion_bytes=companion_bytes,
     )
 
 
@@ -439,20 +478,26 @@ def _shutdown(pool: ThreadPoolExecutor) -> None:
 
 
 def check_shard_input(
-    source: SafetensorsSource, *, allow_resharding: bool = False, skip_unindexed: bool = False
+    source: SafetensorsSource,
+    *,
+    allow_resharding: bool = False,
+    skip_unindexed: bool = False,
+    skip_heavy_files: bool = False,
 ) -> None:
     """Refuse an input :func:`shard_checkpoint` refuses before it looks at the geometry: a rank
     directory kda-tp wrote (``tp_rank``/``tp_size`` in its headers) unless
-    ``allow_resharding``, and ``.safetensors`` files the index does not name
-    (:func:`unindexed_files`) unless ``skip_unindexed``.
+    ``allow_resharding``, ``.safetensors`` files the index does not name
+    (:func:`unindexed_files`) unless ``skip_unindexed``, and heavy files beside the
+    checkpoint (:func:`~kda_tp.shard.rankdir.heavy_files`) unless ``skip_heavy_files``.
 
     Args:
         source: the input checkpoint.
         allow_resharding: accept a rank directory (``--allow-resharding``).
         skip_unindexed: accept files the index does not name (``--skip-unindexed``).
+        skip_heavy_files: accept heavy files, left out of every rank (``--skip-heavy-files``).
 
     Raises:
-        CheckpointError: either, naming the file(s) and the flag that accepts them.
+        CheckpointError: any of them, naming the file(s) and the flag that accepts them.
     """
     for path, meta in [] if allow_resharding else source.files():
         if meta and "tp_rank" in meta and "tp_size" in meta:
@@ -470,6 +515,18 @@ def check_shard_input(
             f"{'it' if one else 'them'}; pass --skip-unindexed (skip_unindexed=True) to shard "
             f"without {'it' if one else 'them'}"
         )
+    heavy = [] if skip_heavy_files else heavy_files(source)
+    if heavy:
+        listed = ", ".join(f"{p.name} ({size / 1e6:.1f} MB: {why})" for p, size, why in heavy[:3])
+        more = f" and {len(heavy) - 3} more" if len(heavy) > 3 else ""
+        raise CheckpointError(
+            f"{source.root}: {listed}{more} would be copied whole into every rank (shard "
+            "copies the files beside a checkpoint, its config and tokenizer, into each rank, "
+            "and slices only safetensors files); a rank directory holds no such file: pass "
+            "--skip-heavy-files (skip_heavy_files=True) to leave "
+            f"{'it' if len(heavy) == 1 else 'them'} out of every rank, or move "
+            f"{'it' if len(heavy) == 1 else 'them'} out of the checkpoint directory"
+        )
 
 
 def _nbytes(dtype: str, shape: tuple[int, ...]) -> int:
@@ -484,17 +541,22 @@ def _write_rank(
     advance: Callable[[int], None] | None,
     kda_only: bool,
     force: bool,
+    run: tuple[str, list[Path]],
 ) -> Placed:
     """Write ``shard``'s rank into a partial directory, then rename it into place (with
     ``kda_only``, the KDA-only metadata and no companion files): its name is taken only while
     free, or, with ``force``, once the rank directory there, judged again now, is moved aside.
+    ``run``: this run's id, which names the partial directory, and the list it is added to
+    once created (the run removes only those).
 
     Raises:
         OutputError: a write fails; ``rank{r}`` appeared during the run (without ``force``),
             or is not kda-tp's now (with it).
     """
     plan = shard.plan
-    partial = partial_dir(out, plan.tp_rank)
+    run_name, made = run
+    partial = partial_dir(out, plan.tp_rank, run_name)
+    mine = False
 
     previous: list[str] = []
 
@@ -531,6 +593,8 @@ def _write_rank(
         companions = [] if kda_only else companion_files(source)
         entries = [*files, INDEX_NAME, *(p.name for p in companions)]
         partial.mkdir()
+        mine = True
+        made.append(partial)
         os.chmod(partial, dir_mode)
         write_mark(partial, "rank", entries, index_mode)  # a partial directory is kda-tp's too
         input_meta = {path.name: meta or {} for path, meta in source.files()}
@@ -570,14 +634,15 @@ def _write_rank(
             # The old directory, judged again now, is kept aside (one rename) until the whole
             # run has succeeded, so a failed --force rerun can put it back; a run killed before
             # then leaves it for the next run to judge and remove.
-            old = out / f".rank{plan.tp_rank}.replaced-{os.getpid()}"
+            old = out / f".rank{plan.tp_rank}.replaced-{run_name}"
             put_aside(final, old, lambda p: foreign_dir(p, "rank"), "replaces")
         try:
             take_name(partial, final)
         except FileExistsError:
             raise appeared(final, plan.tp_rank) from None
     except BaseException as e:
-        shutil.rmtree(partial, ignore_errors=True)
+        if mine:
+            shutil.rmtree(partial, ignore_errors=True)
         if old is not None and not os.path.lexists(final):
             take_name(old, final)
         cause = e if isinstance(e, OSError) else e.__cause__

@@ -177,25 +177,86 @@ fn a_file_replaced_by_rename_keeps_reading_its_old_bytes() {
     }
 }
 
-/// A ctime that moved with the link count is not taken for a rewrite; one that moved while the
-/// count came back to where it was cannot be told from a rewrite that restored the mtime.
+/// A ctime that moved while the path still names the open file is refused, the link count
+/// changed or not: a hard link made, or made and removed again, cannot be told from a rewrite
+/// that put the old mtime back.
 #[test]
-fn a_new_hard_link_is_not_a_change_but_a_link_made_and_removed_is_refused() {
+fn a_hard_link_made_or_made_and_removed_is_refused() {
     let dir = TempDir::new("linked");
     for backend in BACKENDS {
-        let (path, bytes) = three_tensor_file(&dir, "m.safetensors", 11);
+        let (path, _) = three_tensor_file(&dir, "m.safetensors", 11);
         let f = SafetensorsFile::open(&path, backend).unwrap();
+        let g = SafetensorsFile::open(&path, backend).unwrap();
         wait_for_a_later_ctime(&dir, &std::fs::metadata(&path).unwrap());
         let link = dir.path().join("link.safetensors");
         std::fs::hard_link(&path, &link).unwrap();
-        assert_eq!(
-            f.read("a").unwrap().as_slice(),
-            &bytes[24..32],
-            "{backend:?}"
-        );
+        let reason = changed_reason(f.read("a"), &path, "a", &format!("{backend:?}"));
+        assert_contains(&reason, "ctime ");
         std::fs::remove_file(&link).unwrap();
+        let reason = changed_reason(g.read("m"), &path, "m", &format!("{backend:?}"));
+        assert_contains(&reason, "ctime ");
+    }
+}
+
+/// Issue 38 F14: the same size rewritten in place, the old mtime put back and a hard link made
+/// meanwhile was read as unchanged (a ctime that moved with the link count was excused).
+#[test]
+fn a_same_size_rewrite_with_the_mtime_restored_and_a_link_made_is_refused() {
+    let dir = TempDir::new("rewrite-linked");
+    let t0 = SystemTime::UNIX_EPOCH + Duration::new(1_600_000_000, 7);
+    for backend in BACKENDS {
+        let (path, _) = three_tensor_file(&dir, "m.safetensors", 17);
+        let file = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
+        file.set_modified(t0).unwrap();
+        let f = SafetensorsFile::open(&path, backend).unwrap();
+        let opened = std::fs::metadata(&path).unwrap();
+        wait_for_a_later_ctime(&dir, &opened);
+        let mut contents = std::fs::read(&path).unwrap();
+        let len = contents.len();
+        contents[len - 5..].fill(0x55);
+        rewrite_in_place(&path, &contents);
+        file.set_modified(t0).unwrap();
+        let link = dir.path().join(format!("link-{backend:?}.safetensors"));
+        std::fs::hard_link(&path, &link).unwrap();
+        let now = std::fs::metadata(&path).unwrap();
+        assert_eq!(
+            (now.len(), now.mtime_nsec(), now.ino()),
+            (opened.len(), 7, opened.ino())
+        );
+        assert_eq!(now.nlink(), opened.nlink() + 1);
         let reason = changed_reason(f.read("m"), &path, "m", &format!("{backend:?}"));
         assert_contains(&reason, "ctime ");
+        std::fs::remove_file(&link).unwrap();
+    }
+}
+
+/// The ctime an unlink or a rename over the path moves is excused: the path no longer names
+/// the open file (no link left, or another file there now), also when the file kept another
+/// link.
+#[test]
+fn a_file_unlinked_or_renamed_over_keeps_reading_its_old_bytes() {
+    let dir = TempDir::new("unlinked");
+    for backend in BACKENDS {
+        // Unlinked: no link left.
+        let (path, bytes) = three_tensor_file(&dir, "m.safetensors", 19);
+        let f = SafetensorsFile::open(&path, backend).unwrap();
+        wait_for_a_later_ctime(&dir, &std::fs::metadata(&path).unwrap());
+        std::fs::remove_file(&path).unwrap();
+        assert_eq!(f.read("z").unwrap().as_slice(), &bytes[..24], "{backend:?}");
+        // Renamed over while another link keeps the old file.
+        let (path, bytes) = three_tensor_file(&dir, "m.safetensors", 23);
+        let keep = dir.path().join(format!("keep-{backend:?}.safetensors"));
+        std::fs::hard_link(&path, &keep).unwrap();
+        let f = SafetensorsFile::open(&path, backend).unwrap();
+        wait_for_a_later_ctime(&dir, &std::fs::metadata(&path).unwrap());
+        let other = dir.write("new.safetensors", &padded_three_tensors(&data(37, 99), 16));
+        std::fs::rename(&other, &path).unwrap();
+        assert_eq!(
+            f.read("m").unwrap().as_slice(),
+            &bytes[32..37],
+            "{backend:?}"
+        );
+        std::fs::remove_file(&keep).unwrap();
     }
 }
 
