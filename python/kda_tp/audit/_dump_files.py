@@ -113,7 +113,7 @@ def open_files(files: Sequence[Path]) -> list[SafetensorsSource]:
 
 class RankFiles(Mapping[str, Tensor]):
     """One rank's tensors across its ``save_sharded_state`` files (parts, pipeline stages),
-    opened by :func:`open_files`."""
+    opened by ``open_files``."""
 
     def __init__(self, sources: Sequence[SafetensorsSource]):
         self.sources = list(sources)
@@ -175,7 +175,7 @@ def dump_world_size(files: Mapping[int, Sequence[SafetensorsSource]], *, by_name
     the audit's problem to report). One file without metadata does not tell it.
 
     Args:
-        files: the dump's files by rank, opened (:func:`open_files` of
+        files: the dump's files by rank, opened (``open_files`` of
             :func:`sharded_state_files`'s, or one file's).
         by_names: whether the ranks in ``files`` are every rank the dump has (a directory).
 

@@ -100,7 +100,7 @@ def write_safetensors(
         ``write_index`` expects as ``total_size`` when summed over a checkpoint's files.
 
     Raises:
-        DtypeMismatchError: a dtype string that is not a safetensors dtype (:data:`DTYPE_BITS`).
+        DtypeMismatchError: a dtype string that is not a safetensors dtype (``DTYPE_BITS``).
         ShapeMismatchError: a negative or non-integer dimension, an ``nbytes`` that disagrees
             with ``shape`` x dtype size, or a ``get_bytes`` result whose length is not ``nbytes``
             (the message names the tensor and both byte counts).

@@ -63,7 +63,7 @@ class RankPlan:
                     for p in layout.params_for(plan)})
 
     def param_plan(self, suffix: str, model_dtype: str | None = None) -> EngineParamPlan:
-        """Parameter ``suffix``'s plan: the one built for :attr:`model_dtype`, unless
+        """Parameter ``suffix``'s plan: the one built for ``model_dtype``, unless
         ``model_dtype`` (a parameter held in another dtype) gives it another dtype, then
         computed for that one.
 

@@ -58,7 +58,7 @@ class Derived:
 
 
 #: The derived copies an engine keeps outside ``state_dict()``, by layout name: the copy's
-#: name after ``...self_attn.`` -> :class:`Derived`. A copy is checked against the
+#: name after ``...self_attn.`` -> ``Derived``. A copy is checked against the
 #: derivation of its parameters once those are exact, at the first load, after every update
 #: and in every live audit. Sources: vllm 0.33.0 ``vllm/models/kimi_k3/nvidia/kda.py``
 #: (``KimiK3DeltaAttention``: the buffers exist only with a non-Triton decode backend) and

@@ -20,7 +20,7 @@ Nothing is checked, at no measurable cost, for a model without KDA parameters (n
 ``...self_attn.A_log`` or ``...self_attn.dt_bias`` name nor another name only a KDA layer has:
 any non-KDA model, a draft or MTP model). A checkpoint that is not a local path (a remote
 streamer, ``s3://...``) is one ``RuntimeWarning``: that load path cannot be checked. A check
-that could not run is never silent (:func:`cannot_check`): KDA layer names without ``A_log``
+that could not run is never silent (``cannot_check``): KDA layer names without ``A_log``
 and ``dt_bias``, a checkpoint whose config describes no KDA layer, an explicitly set
 ``KDA_TP_GUARD_CHECKPOINT`` that is not there, a tensor the guard cannot read: each a
 ``GuardError`` in mode ``fail``, a warning in mode ``warn``, never a crash.
@@ -161,7 +161,7 @@ def check(
     Every KDA parameter of every KDA layer of the checkpoint (its config says which layers) is
     compared byte for byte with this rank's slices, fused as the engine's layout says
     (:func:`kda_tp.audit.audit`, reading only this rank's bytes of the checkpoint); each derived
-    copy in ``derived`` (:data:`DERIVED`) with what its parameter makes of it.
+    copy in ``derived`` (``DERIVED``) with what its parameter makes of it.
 
     Args:
         params: the rank's parameters, as ``model.named_parameters()`` gives them (a mapping
@@ -174,7 +174,7 @@ def check(
         engine: a layout name (``kda_tp.engines.LAYOUTS``), or None to recognise it from the
             names.
         derived: the engine's copies of KDA parameters outside ``params``
-            (``...self_attn.decode_conv1d_weight``), by full name; names :data:`DERIVED` does
+            (``...self_attn.decode_conv1d_weight``), by full name; names ``DERIVED`` does
             not know for the layout are ignored.
         where: a label for the messages (``"vllm worker 3"``).
         layers: the 0-based KDA layers this rank holds, under pipeline parallelism (its
@@ -195,7 +195,7 @@ def check(
         parameter name; also, with one ``RuntimeWarning`` saying why, when ``checkpoint`` is
         not a local path; and in mode ``warn`` when the check could not run (KDA layer names
         but no ``A_log`` or ``dt_bias``, a config that describes no KDA layer, a tensor the
-        audit cannot read: a warning, see :func:`cannot_check`); else the
+        audit cannot read: a warning, see ``cannot_check``); else the
         :class:`GuardResult` (in mode ``warn`` also when it failed). The result's
         :meth:`~GuardResult.line` is logged at INFO on a pass, the diagnosis at WARNING on a
         failure in mode ``warn``.
@@ -208,7 +208,7 @@ def check(
             is the audit's diagnosis, ``.report`` the report and ``.result`` the
             :class:`GuardResult` (both None when the audit could not run). A failing verdict
             is first logged at ERROR as one line naming the rank and the wrong parameters
-            (:func:`verdict_line`).
+            (``verdict_line``).
         GuardModeError: ``KDA_TP_GUARD`` (or ``guard_mode``) holds another value than
             ``fail``, ``warn``, ``off``.
         CheckpointError: a KDA model's ``params`` has a key that is not a ``str``.

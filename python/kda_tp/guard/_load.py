@@ -35,7 +35,7 @@ class Engine(Protocol):
 
     Attributes:
         name: the engine's name in the update lines (``"vllm"``, ``"sglang"``).
-        reader: how the engine holds its parameters after loading (:class:`Reader`: the
+        reader: how the engine holds its parameters after loading (``Reader``: the
             layouts' view of a parameter, and its post-load repack read back).
     """
 
@@ -86,7 +86,7 @@ def on_load(engine: Engine, model: Any, *, where: str, kind: str = "first load",
         guard_mode: as for :func:`kda_tp.guard.check` (None: ``KDA_TP_GUARD``'s, read here
             once).
         record: count the verdict in the process's record (not for a live audit).
-        follows: follow the model's later updates (:func:`follow_model`).
+        follows: follow the model's later updates (``follow_model``).
 
     Returns:
         ``(result, follower)``: the check's result (None when nothing was checked: mode

@@ -191,8 +191,8 @@ def load_checkpoint(model_path: str, load_format: str, where: str, *,
     """Which local checkpoint one rank's load is checked against, the same for both engines.
 
     ``given`` (the path a reload from disk read: that path, whatever the variable says), else
-    ``KDA_TP_GUARD_CHECKPOINT`` (:func:`explicit_checkpoint`), else ``model_path`` resolved by
-    :func:`resolve_checkpoint`. A ``sharded_state`` load without the variable has no checkpoint
+    ``KDA_TP_GUARD_CHECKPOINT`` (``explicit_checkpoint``), else ``model_path`` resolved by
+    ``resolve_checkpoint``. A ``sharded_state`` load without the variable has no checkpoint
     (its directory holds the ranks' dumps); a ``dummy`` load is followed but not checked.
 
     Args:

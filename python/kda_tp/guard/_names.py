@@ -34,9 +34,9 @@ def holds_kda(names: Iterable[str]) -> bool:
 
 
 def looks_kda(names: Iterable[Any]) -> bool:
-    """Whether names include a KDA layer's: :func:`holds_kda`'s markers or other names only a
+    """Whether names include a KDA layer's: ``holds_kda``'s markers or other names only a
     KDA layer has (its gate projections, ``o_norm``, its fused projections or convs, under
-    ``.self_attn.``). True with :func:`holds_kda` false is a KDA model whose ``A_log`` and
+    ``.self_attn.``). True with ``holds_kda`` false is a KDA model whose ``A_log`` and
     ``dt_bias`` are missing, which :func:`kda_tp.guard.check` skips with a warning. One pass
     over the names, no I/O."""
     return _any_ending(names, _MARKERS + _KDA_LOOKING)

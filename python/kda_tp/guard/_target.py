@@ -102,7 +102,7 @@ class RankTarget:
         places: ``(layer, part)`` -> the regions that part fills.
         regions: parameter name -> every region of it (its parts, then its padding).
         params: parameter name -> the parameter as the layouts describe it
-            (:meth:`Reader.described`), as the engine held it when the target was built.
+            (``Reader.described``), as the engine held it when the target was built.
     """
 
     def __init__(self, rank_plan: RankPlan, params: Mapping[str, Any], layers: Iterable[int],
@@ -251,7 +251,7 @@ class RankTarget:
         """Parameter ``name`` as its module holds it now (after an update that re-registered
         it, the new object), as the layouts describe it; a weight the engine repacked after
         the update (vLLM's CPU GEMM dispatch) read back through the engine
-        (:meth:`Reader.read_back`); the target's object without a model.
+        (``Reader.read_back``); the target's object without a model.
 
         Returns:
             ``(value, how)``: ``how`` is None (held as it is),

@@ -117,7 +117,7 @@ class UpdateSession:
     Args:
         target: the rank's :class:`~kda_tp.guard.RankTarget` (its parameter objects
             are read before the engine applies each part and after the update).
-        memory: what earlier calls of the refit fed (:data:`Memory`), updated at
+        memory: what earlier calls of the refit fed (``Memory``), updated at
             :meth:`close`; None: a memory of this session only.
         model: the ``torch.nn.Module`` holding the parameters, for a session opened before
             anything is known of the update (one ``load_weights`` call): when the first KDA

@@ -3,7 +3,7 @@
 The rules are chosen by ``model_type`` (top level, else ``text_config.model_type``); each rule
 below names the code it follows.
 
-* **GLM-5.3-Flash** (``glm5_next``, ``glm5_next_text``; :data:`RULES_GLM`): transformers'
+* **GLM-5.3-Flash** (``glm5_next``, ``glm5_next_text``; ``RULES_GLM``): transformers'
   ``configuration_glm5_next.py`` (``Glm5NextTextConfig``), the model's reference implementation.
   The text fields sit under ``text_config`` (wrapper) or at the top level (flat text-only
   config): ``hidden_size``, ``linear_head_dim``, ``linear_num_heads``,
@@ -15,9 +15,9 @@ below names the code it follows.
   ``layer_types`` (``kda_layers`` is ignored); without ``layer_types``, every layer but each
   fourth (``index % 4 == 3`` is full attention) of ``num_hidden_layers``.
 * **Kimi-Linear and Kimi K3** (``kimi_linear``, ``kimi_k3``, ``kimi_k3_text``;
-  :data:`RULES_KIMI`): the keys below, at the top level or under ``text_config``; a forget-gate
+  ``RULES_KIMI``): the keys below, at the top level or under ``text_config``; a forget-gate
   bound must lie in ``-5 <= bound < 0``, the range vLLM and SGLang assert.
-* **Any other** ``model_type`` with KDA keys (:data:`RULES_GENERIC`): the same keys as Kimi,
+* **Any other** ``model_type`` with KDA keys (``RULES_GENERIC``): the same keys as Kimi,
   any bound below 0.
 
 Kimi and generic keys: ``hidden_size`` and ``linear_attn_config`` with ``head_dim``,
@@ -138,8 +138,8 @@ class KdaConfig:
             defaults; with no bound, the key that was looked for, e.g.
             ``"no linear_attn_config.gate_lower_bound"`` or ``"text_config.linear_lower_bound =
             null"``.
-        rules: the rule set that read the config: :data:`RULES_GLM`, :data:`RULES_KIMI` or
-            :data:`RULES_GENERIC` (see the module docstring).
+        rules: the rule set that read the config: ``RULES_GLM``, ``RULES_KIMI`` or
+            ``RULES_GENERIC`` (see the module docstring).
     """
 
     hidden: int
@@ -176,9 +176,9 @@ def load_config(path: str | os.PathLike[str]) -> dict[str, Any]:
     Raises:
         CheckpointError: the file is missing (the message says which: a directory without
             ``config.json``, a missing directory, or a missing ``.json`` file), not a regular
-            file, unreadable, larger than :data:`~kda_tp.model.json_reader.MAX_JSON_BYTES`, nested
-            deeper than :data:`~kda_tp.model.json_reader.MAX_JSON_DEPTH`, holding an integer of
-            more than :data:`~kda_tp.model.json_reader.MAX_INT_DIGITS` digits, or not a JSON
+            file, unreadable, larger than ``MAX_JSON_BYTES``, nested
+            deeper than ``MAX_JSON_DEPTH``, holding an integer of
+            more than ``MAX_INT_DIGITS`` digits, or not a JSON
             object.
     """
     given = Path(path)

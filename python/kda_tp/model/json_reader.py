@@ -85,7 +85,7 @@ _EMPTY_PAIR = re.compile(rb"\[\]|\{\}")
 
 
 def _too_deep(text: str) -> bool:
-    """Whether ``text``'s arrays and objects nest deeper than :data:`MAX_JSON_DEPTH`, or its
+    """Whether ``text``'s arrays and objects nest deeper than ``MAX_JSON_DEPTH``, or its
     brackets cannot match with less (then ``json.loads`` would recurse on them); linear time:
     strings dropped, then each round deletes the innermost (empty) pairs, one level a round."""
     brackets = _JSON_STRING.sub(b"", text.encode("utf-8", "surrogatepass"))
@@ -125,8 +125,8 @@ def parse_json(text: str, source: str) -> Any:
 
     Raises:
         CheckpointError: not JSON (with the decoder's position); arrays and objects nested
-            deeper than :data:`MAX_JSON_DEPTH` ("nested more than MAX_JSON_DEPTH = 64 deep"),
-            or brackets that cannot match without going deeper; an integer of more than :data:`MAX_INT_DIGITS` digits ("an integer of N
+            deeper than ``MAX_JSON_DEPTH`` ("nested more than MAX_JSON_DEPTH = 64 deep"),
+            or brackets that cannot match without going deeper; an integer of more than ``MAX_INT_DIGITS`` digits ("an integer of N
             digits, more than MAX_INT_DIGITS = 32").
     """
     if _too_deep(text):
@@ -157,7 +157,7 @@ def ascii_int(text: object, *, signed: bool = False) -> int | None:
     takes ``"²"``).
 
     Raises:
-        OverflowError: more than :data:`MAX_INT_DIGITS` digits (``int`` would spend time on
+        OverflowError: more than ``MAX_INT_DIGITS`` digits (``int`` would spend time on
             them, and refuses 4300 with a plain ``ValueError``); the caller says where.
     """
     if not isinstance(text, str):
@@ -185,7 +185,7 @@ def parse_metadata_int(value: object, key: str, source: str) -> int:
 
     Raises:
         CheckpointError: not a string of ASCII digits ``0-9``, or longer than
-            :data:`MAX_INT_DIGITS` digits.
+            ``MAX_INT_DIGITS`` digits.
     """
     try:
         found = ascii_int(value)

@@ -24,7 +24,7 @@ compressed-tensors``, weights                                    ceil(in/bi)]``
 What the config declares is checked against every KDA projection of every KDA layer
 (``KdaTpPlan.from_config``): ModelOpt's FP8 is E4M3 by definition (an ``F8_E5M2`` weight is
 refused), and a ModelOpt ``MIXED_PRECISION`` config's per-module ``quant_algo``
-(:class:`ModelOptModules`) must be ``FP8_PB_WO`` for an FP8 projection and absent (or
+(``ModelOptModules``) must be ``FP8_PB_WO`` for an FP8 projection and absent (or
 excluded) for an unquantized one; a KDA module declared ``NVFP4`` (or any other algorithm) is
 refused with a message naming it.
 
@@ -138,7 +138,7 @@ def declared_quantization(
         kda_tp cannot slice KDA weights in (e.g. ``"NVFP4 (compressed-tensors
         nvfp4-pack-quantized)"``), to be used in a refusal if the KDA layers turn out to be
         quantized; or None when the config declares no quantization. And the per-module
-        declarations of a ModelOpt config (:class:`ModelOptModules`), None when the config is
+        declarations of a ModelOpt config (``ModelOptModules``), None when the config is
         not ModelOpt's.
 
     Raises:

@@ -36,7 +36,7 @@ def claim_demo_dir(path: Path, entries: Iterable[str]) -> list[Path]:
     """Check that ``demo --keep`` may write ``entries`` (``checkpoint``, ``tp{N}``) into
     ``path``, and create ``path`` if missing (``path`` alone: its parent must exist). Nothing
     already in ``path`` is changed: the demo builds in a staging directory inside it (named
-    :data:`DEMO_STAGING_PREFIX`...) and :func:`replace_demo_dir` moves the entries into place
+    ``DEMO_STAGING_PREFIX``...) and ``replace_demo_dir`` moves the entries into place
     once built, so a refused or failed demo leaves the earlier one as it was.
 
     ``path`` may be missing, empty, or an earlier demo's (carrying its mark). The demo replaces
@@ -67,7 +67,7 @@ def claim_demo_dir(path: Path, entries: Iterable[str]) -> list[Path]:
 def demo_staging(keep: Path | None) -> tempfile.TemporaryDirectory[str]:
     """The directory the demo builds in, removed with what is in it when the demo is done:
     inside ``keep`` (``--keep DIR``, claimed first: :func:`claim_demo_dir`) as
-    :data:`DEMO_STAGING_PREFIX`..., else a new temporary directory.
+    ``DEMO_STAGING_PREFIX``..., else a new temporary directory.
 
     Raises:
         OutputError: it cannot be created (a read-only file system, a directory this user may

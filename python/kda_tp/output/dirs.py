@@ -169,7 +169,7 @@ def prepare_out_dir(
     Raises:
         OutputError: ``out`` lies inside the input, holds another world size's or unfinished
             output that ``force`` does not allow replacing, holds something in a rank's way
-            that kda-tp did not write (:func:`foreign_dir`), cannot be created or listed, a
+            that kda-tp did not write (``foreign_dir``), cannot be created or listed, a
             lock file is not kda-tp's (a symbolic link, not a regular file), or another live
             process writes one of ``ranks`` or another world size there (without ``wait``).
     """
@@ -265,7 +265,7 @@ def check_out_dir(
 
     Returns:
         The rank directories of another world size that ``force`` replaces (checked to be
-        kda-tp's, their ranks locked): the caller removes them (:func:`remove_dir`) once its
+        kda-tp's, their ranks locked): the caller removes them (``remove_dir``) once its
         own output is complete.
 
     Raises:
@@ -451,7 +451,7 @@ def remove_dir(path: Path, out: Path) -> Path | None:
 
 def discard(path: Path) -> None:
     """Remove a partial directory a dead writer left (judged first by
-    :func:`~kda_tp.output.marks.foreign_dir` with ``complete=False``: hidden, named by its writer,
+    ``foreign_dir`` with ``complete=False``: hidden, named by its writer,
     written by it alone), or, when it is a symbolic link or a plain file, the link or file
     alone: what a link points to is never touched."""
     if path.is_symlink() or not path.is_dir():

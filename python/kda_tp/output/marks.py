@@ -74,7 +74,7 @@ def write_mark(directory: Path, kind: str, entries: Iterable[str], mode: int | N
     object ``{"written_by": "kda-tp", "version", "kind", "entries", "digests"}``, ``entries``
     sorted, ``digests`` the SHA-256 of each entry that is a regular file now and carries no
     mark of its own (:func:`file_marked`): the mark by which ``--force`` later judges that
-    file (:func:`foreign_entry`). Entries not written yet (a partial directory's) get none.
+    file (``foreign_entry``). Entries not written yet (a partial directory's) get none.
 
     Args:
         directory: a directory kda-tp made.
@@ -172,7 +172,7 @@ def foreign_dir(path: Path, kind: str, *, complete: bool = True) -> str | None:
 
     kda-tp's: an empty directory, or one carrying the mark of ``kind`` and, with
     ``complete``, holding only the entries the mark names, each file judged by its own mark
-    (:func:`foreign_entry`: a safetensors file by the kda-tp mark in its header, any other
+    (``foreign_entry``: a safetensors file by the kda-tp mark in its header, any other
     file by the SHA-256 the directory's mark recorded when kda-tp wrote it). A partial
     directory (``complete`` False) is its writer's alone (hidden, named by the writer's pid): it
     holds files still being written, or only kda-tp's temporary files when its writer was

@@ -93,9 +93,9 @@ def put_aside(path: Path, aside: Path, judge: Callable[[Path], str | None], what
     into it between the two looks sends it back to ``path`` and refuses.
 
     Args:
-        judge: :func:`~kda_tp.output.marks.foreign_dir` or :func:`~kda_tp.output.marks.foreign_file`
+        judge: ``foreign_dir`` or ``foreign_file``
             with their arguments bound.
-        what: the refusal's fix (``"replaces"`` or ``"removes"``, :func:`~kda_tp.output.marks.refuse`).
+        what: the refusal's fix (``"replaces"`` or ``"removes"``, ``refuse``).
 
     Raises:
         OutputError: ``path`` is not kda-tp's, before or after the move (then it is back

@@ -150,7 +150,7 @@ def numeric_check_bytes(hidden: int, heads: int, head_dim: int, seq_len: int) ->
 
 def check_numeric_memory(hidden: int, heads: int, head_dim: int, seq_len: int,
                          free: int | None = None) -> None:
-    """Refuse a ``seq_len`` whose activations (:func:`numeric_check_bytes`) do not fit in the
+    """Refuse a ``seq_len`` whose activations (``numeric_check_bytes``) do not fit in the
     memory free here (``free``, default: :func:`free_memory`; nothing is refused where it is
     not known), before anything is computed.
 
@@ -293,8 +293,8 @@ def check_tp_equivalence(
         ShapeMismatchError: a tensor (full or local) whose shape does not fit the others; the
             reference forward names it.
         ValueError: ``seq_len`` is not a positive integer.
-        UsageError: ``seq_len``'s activations (:func:`numeric_check_bytes`) do not fit in the
-            memory free here (:func:`check_numeric_memory`, before anything is computed), or
+        UsageError: ``seq_len``'s activations (``numeric_check_bytes``) do not fit in the
+            memory free here (``check_numeric_memory``, before anything is computed), or
             the forward ran out of memory; the message names ``seq_len`` and what it needs.
     """
     if isinstance(seq_len, bool) or not isinstance(seq_len, (int, np.integer)) or seq_len < 1:

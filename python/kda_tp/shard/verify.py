@@ -208,7 +208,7 @@ def verify_shards(
         PlanError: ``layers`` refused (negative, repeated, out of range or
             1-based).
         UsageError: with ``numeric``, a ``seq_len`` whose activations do not fit in the memory
-            free here (:func:`~kda_tp.reference.equivalence.check_numeric_memory`), refused
+            free here (``check_numeric_memory``), refused
             before the byte check.
     """
     source = SafetensorsSource(checkpoint)

@@ -124,7 +124,7 @@ class ShardSizes:
             (0 with ``kda_only``).
         kda_only: whether the run writes only the KDA tensors.
         companions: the input's companion files copied into every rank (config, tokenizer:
-            :func:`~kda_tp.shard.rankdir.companion_files`), by name; none with ``kda_only``.
+            ``companion_files``), by name; none with ``kda_only``.
         companion_bytes: their bytes, what each rank gets.
     """
 
@@ -221,10 +221,10 @@ def shard_checkpoint(
         allow_resharding: accept an input whose headers carry ``tp_rank``/``tp_size`` (a rank
             directory kda-tp wrote); refused by default.
         skip_unindexed: shard a directory whose ``.safetensors`` files include some its index
-            does not name (see :func:`unindexed_files`), leaving them out of every rank;
+            does not name (see ``unindexed_files``), leaving them out of every rank;
             refused by default.
         kda_only: write only the sliced KDA tensors (an overlay on the input checkpoint, see
-            :func:`kda_only_files`): no other tensor and no companion file; each header's
+            ``kda_only_files``): no other tensor and no companion file; each header's
             ``__metadata__`` adds ``kda_tp_kda_only`` and ``kda_tp_source`` (the input path).
         wait: when another process holds the lock of one of ``ranks`` (it is writing them
             into ``out_dir``), wait until it is done instead of refusing (``--wait``). Each
@@ -236,7 +236,7 @@ def shard_checkpoint(
             with the :class:`ShardSizes` this run will write.
         skip_heavy_files: shard a directory holding heavy files beside its safetensors files
             (weights or training state in other formats, files of 100 MB or more:
-            :func:`~kda_tp.shard.rankdir.heavy_files`), leaving them out of every rank;
+            ``heavy_files``), leaving them out of every rank;
             refused by default. They are never copied into a rank.
 
     Raises:
@@ -487,8 +487,8 @@ def check_shard_input(
     """Refuse an input :func:`shard_checkpoint` refuses before it looks at the geometry: a rank
     directory kda-tp wrote (``tp_rank``/``tp_size`` in its headers) unless
     ``allow_resharding``, ``.safetensors`` files the index does not name
-    (:func:`unindexed_files`) unless ``skip_unindexed``, and heavy files beside the
-    checkpoint (:func:`~kda_tp.shard.rankdir.heavy_files`) unless ``skip_heavy_files``.
+    (``unindexed_files``) unless ``skip_unindexed``, and heavy files beside the
+    checkpoint (``heavy_files``) unless ``skip_heavy_files``.
 
     Args:
         source: the input checkpoint.

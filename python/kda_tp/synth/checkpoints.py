@@ -122,7 +122,10 @@ def write_checkpoint(
     """Write a synthetic checkpoint with the geometry of a real KDA model.
 
     Args:
-        out_dir, seed, max_file_bytes, progress: as for :func:`write_small_checkpoint`.
+        out_dir: directory to write into, as for :func:`write_small_checkpoint`.
+        seed: non-negative int, as for :func:`write_small_checkpoint`.
+        max_file_bytes: byte budget per file, as for :func:`write_small_checkpoint`.
+        progress: optional byte-progress callback, as for :func:`write_small_checkpoint`.
         model: a key of :data:`GEOMETRIES`: ``"kimi-linear"`` (Kimi-Linear-48B-A3B attention:
             every 4th layer MLA, Kimi config), ``"glm-5.3-flash"`` (all layers KDA, listed in
             ``layer_types``; GLM config, ``style="glm"``), ``"kimi-k3"`` (Kimi K3: every 4th
@@ -197,9 +200,13 @@ def write_small_checkpoint(
     Args:
         out_dir: directory to write into (created if missing; files of the same names are
             replaced).
-        hidden, heads, head_dim, conv_kernel, gate_rank: d, H, D, K and R, element counts >= 1.
-            The config has no key for R (Kimi-Linear uses R = D), so a reader of a checkpoint
-            with R != D must take R from ``f_a_proj``'s shape or be told it.
+        hidden: the model width d, elements, >= 1.
+        heads: the KDA head count H, >= 1.
+        head_dim: the head dimension D, elements, >= 1.
+        conv_kernel: the short-conv kernel size K, >= 1.
+        gate_rank: the low-rank gate width R, elements, >= 1. The config has no key for R
+            (Kimi-Linear uses R = D), so a reader of a checkpoint with R != D must take R from
+            ``f_a_proj``'s shape or be told it.
         num_layers: number of decoder layers, >= 1.
         kda_layers: **0-based** indices of the KDA layers (any subset, unique, in range); the
             config stores them the way its dialect does (1-based for ``style="kimi"``).

@@ -1,7 +1,7 @@
 """The guard inside SGLang 0.5.23 (the entry point ``kda_tp.guard.sglang:register`` of the
-group ``sglang.srt.plugins``): SGLang's adapter to the guard's one flow (:mod:`.facts`: its
+group ``sglang.srt.plugins``): SGLang's adapter to the guard's one flow (``facts``: its
 attention tensor-parallel ranks, pipeline stage, the checkpoint) and the hooks SGLang's
-``HookRegistry`` applies (:mod:`.plugin`).
+``HookRegistry`` applies (``plugin``).
 
 Importing it imports no SGLang.
 """

@@ -154,7 +154,7 @@ def hooks() -> dict[str, str]:
 
 def status() -> dict[str, Any]:
     """This process's guard (``kda_tp.guard._record.status`` for SGLang): ``versions``,
-    ``mode``, ``hooks`` (:func:`hooks`), ``checks`` (by kind: ``first load``, ``update``...)
+    ``mode``, ``hooks`` (``hooks``), ``checks`` (by kind: ``first load``, ``update``...)
     and ``last`` (the last verdict line)."""
     hooks()
     return _status("sglang")

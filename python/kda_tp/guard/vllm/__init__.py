@@ -1,7 +1,7 @@
 """The guard inside vLLM 0.33 (the entry point ``kda_tp.guard.vllm:register`` of the group
-``vllm.general_plugins``): vLLM's adapter to the guard's one flow (:mod:`.facts`: ranks,
-config, draft models, the checkpoint; :mod:`.repacked`: what vLLM holds after its post-load
-repack, read back) and the hooks on its loading and weight-update paths (:mod:`.plugin`).
+``vllm.general_plugins``): vLLM's adapter to the guard's one flow (``facts``: ranks,
+config, draft models, the checkpoint; ``repacked``: what vLLM holds after its post-load
+repack, read back) and the hooks on its loading and weight-update paths (``plugin``).
 
 Importing it imports no vLLM.
 """
