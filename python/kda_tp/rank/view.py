@@ -29,18 +29,41 @@ from ..checkpoint.reader import (
     SafetensorsSource,
     Tensor,
     TensorSource,
-    check_out,
+    check_torch_destination,
+    destination,
     missing_tensor,
     readonly_bytes,
     shard_bytes,
-    writable_bytes,
 )
-from ..errors import CheckpointError, DtypeMismatchError, KdaTpError, TensorNotFoundError
-from ..model.dtypes import numpy_dtype
+from ..errors import (
+    CheckpointError,
+    DtypeMismatchError,
+    KdaTpError,
+    TensorNotFoundError,
+    UsageError,
+)
+from ..model.dtypes import import_torch, numpy_dtype
 from ..model.quant import SCALE_SUFFIXES
 from .plan import KdaShard, KdaTensorPlan, KdaTpPlan
 
-__all__ = ["KdaShardedSource", "open_rank"]
+__all__ = ["STAGING_BYTES", "KdaShardedSource", "open_rank"]
+
+#: The host staging buffer's size for ``read_into`` a tensor on another device (bytes).
+STAGING_BYTES = 64 << 20
+
+
+def _checked_name(name: object, call: str) -> str:
+    """``name`` when it is a ``str``.
+
+    Raises:
+        UsageError: another type (``bytes`` included), with the fix.
+    """
+    if isinstance(name, str):
+        return name
+    fix = " (decode it: name.decode())" if isinstance(name, (bytes, bytearray)) else ""
+    raise UsageError(
+        f"{call}: a tensor name is a str, got {type(name).__name__} {name!r}{fix}"
+    )
 
 # The zero-padded A_log tensors whose padding a view has checked, by opened checkpoint.
 _PADDING_CHECKED: weakref.WeakKeyDictionary[SafetensorsSource, set[str]] = (
@@ -237,7 +260,9 @@ class KdaShardedSource:
         read_range = getattr(self.source, "read_range", None)
         if entry.byte_range is not None and read_range is not None:
             # One contiguous range: read only it (its size was checked with the shape).
-            return Tensor(name, entry.dtype, local_shape, read_range(name, *entry.byte_range))
+            writable = getattr(self.source, "writable", None)
+            return Tensor(name, entry.dtype, local_shape, read_range(name, *entry.byte_range),
+                          writable=None if writable is None else writable(name, *entry.byte_range))
         read_columns = getattr(self.source, "read_columns", None)
         if entry.kind == KdaShard.CHANNEL_COLS and read_columns is not None:
             # o_proj: only this rank's column block of each row (pread reads nothing else).
@@ -260,49 +285,98 @@ class KdaShardedSource:
 
         Args:
             name: a checkpoint tensor name (KDA or passed through), as in :meth:`names`.
-            out: a writable, C-contiguous numpy array (any dtype but object, with the item size
-                1 or that of the tensor's dtype, any shape) or any other object exposing a
-                writable C-contiguous buffer (``bytearray``, ``memoryview``, ``mmap``; for a
-                CPU ``torch`` tensor pass ``t.view(-1).view(torch.uint8).numpy()``) of exactly
-                the local tensor's size in bytes (``prod(info(name)[1])`` x the dtype's size).
-                Every byte of it is overwritten, row-major in the local shape. No other thread
-                may read or write it until the call returns (as with ``file.readinto``, the
-                copy runs with the GIL released).
+            out: where the tensor goes, every byte overwritten, row-major in the local shape:
+
+                * a *typed* destination, of exactly the tensor's dtype and this rank's shape
+                  (``info(name)``): a C-contiguous numpy array (BF16 as
+                  ``ml_dtypes.bfloat16``), or a contiguous ``torch.Tensor`` (a parameter
+                  included: ``view.read_into(name, param)``, written under ``detach()``). A CPU
+                  tensor is written in place; a tensor on another device (CUDA) is filled
+                  through a host staging buffer (pinned for CUDA), as ``kda_tp.torch.load_rank``
+                  does, in chunks of at most 64 MiB;
+                * a *byte* destination, checked by byte count alone: a ``uint8``/``int8`` array
+                  or tensor of any shape, ``bytearray``, a byte ``memoryview``, ``mmap``, of
+                  exactly the local tensor's size in bytes (``prod(info(name)[1])`` x the
+                  dtype's size).
+
+                No other thread may read or write it until the call returns (as with
+                ``file.readinto``, the copy runs with the GIL released).
 
         The source's bytes must not be written during the call either: a
         :class:`SafetensorsSource`'s never are (a read-only mapping, or a copy numpy cannot make
         writable); a custom source's arrays are its owner's to keep still.
 
         Raises:
-            ShapeMismatchError: ``out`` is not the local tensor's size in bytes, or its item
-                size is neither 1 nor the tensor dtype's (the message names the tensor and gives
-                both sizes in bytes).
+            TensorNotFoundError: the view has no tensor ``name`` (the ``KeyError`` that
+                ``view[name]`` raises).
+            DtypeMismatchError: a typed destination of another dtype (an ``np.float16`` buffer
+                for a BF16 tensor: same item size, other numbers); the message names the
+                tensor, both dtypes and the fix.
+            ShapeMismatchError: a typed destination of another shape (the transposed
+                ``o_proj``), or a byte destination of another byte count.
             BufferLayoutError: ``out`` is read-only, not C-contiguous, an object array, or not
                 a buffer.
-            CheckpointError: the source has no tensor ``name``, or reading it fails (a file
-                that changed since it was opened included).
+            UsageError: ``name`` is not a ``str``.
+            CheckpointError: reading fails (a file that changed since it was opened included).
         """
         self._check_open()
-        target = writable_bytes(name, out)
+        found = self.info(_checked_name(name, "read_into"))
+        if found is None:
+            raise self._not_found(name)
+        dtype, shape = found
+        device = getattr(out, "device", None)
+        if device is not None and getattr(device, "type", "cpu") != "cpu" and hasattr(
+                out, "is_contiguous"):
+            self._read_into_device(name, dtype, shape, out)
+            return
+        self._read_bytes_into(name, destination(name, dtype, shape, out))
+
+    def _read_bytes_into(self, name: str, target: np.ndarray) -> None:
+        """Write this rank's bytes of ``name`` into ``target``, a checked 1-D ``uint8`` array."""
         planned = self._planned.get(name)
         if planned is None:
             record = self.source.get(name)
             if record is None:
-                raise CheckpointError(f"{location(self.source)}: no tensor named {name!r}")
-            data = readonly_bytes(record.data)
-            check_out(name, record.dtype, out, target, data.nbytes)
-            _native.copy_into(data, target)
+                raise self._not_found(name)
+            _native.copy_into(readonly_bytes(record.data), target)
             return
         entry = planned[0]
-        check_out(name, entry.dtype, out, target, entry.local_bytes)
         read_range = getattr(self.source, "read_range", None)
         if entry.byte_range is not None and read_range is not None:
             _native.copy_into(read_range(name, *entry.byte_range), target)
             return
         record = self.source.get(name)
         if record is None:
-            raise CheckpointError(f"{location(self.source)}: no tensor named {name!r}")
+            raise self._not_found(name)
         _native.shard_into(entry, readonly_bytes(record.data), target)
+
+    def _read_into_device(self, name: str, dtype: str, shape: tuple[int, ...], out: Any) -> None:
+        """``read_into`` a torch tensor off the CPU: the bytes go through a host staging buffer
+        (pinned for CUDA) of at most :data:`STAGING_BYTES`, then ``copy_`` to the device."""
+        torch = import_torch()
+        check_torch_destination(name, dtype, shape, out)
+        flat = out.detach().reshape(-1).view(torch.uint8)
+        nbytes = flat.numel()
+        if not nbytes:
+            return
+        cuda = out.device.type == "cuda"
+        if nbytes <= STAGING_BYTES:
+            host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=cuda)
+            self._read_bytes_into(name, host.numpy())
+            flat.copy_(host)
+            return
+        data = self.get_tensor(name).data
+        host = torch.empty(STAGING_BYTES, dtype=torch.uint8, pin_memory=cuda)
+        for start in range(0, nbytes, STAGING_BYTES):
+            stop = min(start + STAGING_BYTES, nbytes)
+            host.numpy()[: stop - start] = data[start:stop]
+            flat[start:stop].copy_(host[: stop - start])
+
+    def _not_found(self, name: str) -> TensorNotFoundError:
+        return TensorNotFoundError(
+            f"{location(self.source)}: no tensor named {name!r} in this checkpoint (its "
+            "names: keys())"
+        )
 
     def _check_open(self) -> None:
         if self._closed:
@@ -331,12 +405,9 @@ class KdaShardedSource:
                 ``CheckpointError``; the message names the tensor and the checkpoint).
             CheckpointError: the view is closed.
         """
-        found = self._lookup(name)
+        found = self._lookup(_checked_name(name, "view[name]"))
         if found is None:
-            raise TensorNotFoundError(
-                f"{location(self.source)}: no tensor named {name!r} in this checkpoint (its "
-                "names: keys())"
-            )
+            raise self._not_found(name)
         return found
 
     def __getitem__(self, name: str) -> Tensor:
