@@ -11,13 +11,15 @@ from __future__ import annotations
 
 import os
 import weakref
-from collections.abc import Iterable, Iterator
+import operator
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from .. import _native
 from ..checkpoint.description import describe
+from ..checkpoint.memory import MemorySource, is_tensor_mapping
 from ..checkpoint.names import (
     FULL_RANK_GATE,
     LOW_RANK_GATE,
@@ -39,6 +41,7 @@ from ..errors import (
     CheckpointError,
     DtypeMismatchError,
     KdaTpError,
+    PlanError,
     TensorNotFoundError,
     UsageError,
 )
@@ -46,7 +49,7 @@ from ..model.dtypes import import_torch, numpy_dtype
 from ..model.quant import SCALE_SUFFIXES
 from .plan import KdaShard, KdaTensorPlan, KdaTpPlan
 
-__all__ = ["STAGING_BYTES", "KdaShardedSource", "open_rank"]
+__all__ = ["STAGING_BYTES", "KdaShardedSource", "TensorSlice", "open_rank"]
 
 #: The host staging buffer's size for ``read_into`` a tensor on another device (bytes).
 STAGING_BYTES = 64 << 20
@@ -410,6 +413,44 @@ class KdaShardedSource:
             raise self._not_found(name)
         return found
 
+    def get_slice(self, name: str) -> TensorSlice:
+        """This rank's tensor ``name`` for lazy slicing, as ``safe_open``'s ``get_slice``
+        (safetensors' ``PySafeSlice``): ``get_shape()``, ``get_dtype()`` and ``[...]``
+        indexing of the rank's local tensor (KDA tensors sliced by the plan first, every other
+        tensor whole). Nothing is read until it is indexed; then a row-sliced, replicated or
+        passed-through tensor is indexed in place in the file mapping (only the pages the index
+        touches are read), and ``o_proj`` is gathered once.
+
+        Raises:
+            TensorNotFoundError: the view has no tensor ``name`` (as ``view[name]``).
+            UsageError: ``name`` is not a ``str``.
+            CheckpointError: the view is closed.
+        """
+        self._check_open()
+        found = self.info(_checked_name(name, "get_slice"))
+        if found is None:
+            raise self._not_found(name)
+        return TensorSlice(self, name, *found)
+
+    def metadata(self) -> dict[str, str] | None:
+        """The checkpoint's safetensors ``__metadata__``, as ``safe_open``'s ``metadata()``: the
+        string map of its header (of an indexed checkpoint's files together: the first file's
+        value for a key several files give), or None when no file has one (a state dict's
+        view included)."""
+        self._check_open()
+        files = getattr(self.source, "files", None)
+        if files is None:
+            metadata = getattr(self.source, "metadata", None)
+            return None if metadata is None else metadata()
+        merged: dict[str, str] = {}
+        found = False
+        for _, meta in files():
+            if meta is not None:
+                found = True
+                for key, value in meta.items():
+                    merged.setdefault(key, value)
+        return merged if found else None
+
     def __getitem__(self, name: str) -> Tensor:
         return self.get_tensor(name)
 
@@ -473,14 +514,54 @@ class KdaShardedSource:
         )
 
 
+class TensorSlice:
+    """One tensor of a rank's view, sliced lazily: ``view.get_slice(name)``, as safetensors'
+    ``PySafeSlice``.
+
+    ``get_shape()`` is the rank's local shape (a list, as safetensors gives it), ``get_dtype()``
+    the safetensors dtype name (``"BF16"``), and ``s[index]`` any numpy basic index of the local
+    tensor (``s[:, 0:64]``, ``s[3]``, ``s[...]``) as a read-only typed numpy array (BF16 as
+    ``ml_dtypes.bfloat16``; ``torch.from_numpy(s[...].copy())`` for torch).
+    """
+
+    def __init__(self, view: KdaShardedSource, name: str, dtype: str, shape: tuple[int, ...]):
+        self._view = view
+        self.name = name
+        self._dtype = dtype
+        self._shape = shape
+
+    def get_shape(self) -> list[int]:
+        """The rank's local shape."""
+        return list(self._shape)
+
+    def get_dtype(self) -> str:
+        """The safetensors dtype name."""
+        return self._dtype
+
+    def __getitem__(self, index: Any) -> np.ndarray:
+        """``index`` of the local tensor, read now.
+
+        Raises:
+            DtypeMismatchError: a dtype numpy cannot hold (packed 4- and 6-bit floats).
+            IndexError: an index outside the local shape (numpy's).
+        """
+        result: np.ndarray = self._view[self.name].array[index]
+        return result
+
+    def __repr__(self) -> str:
+        return f"TensorSlice({self.name!r}, dtype={self._dtype}, shape={list(self._shape)})"
+
+
 def open_rank(
-    checkpoint: str | os.PathLike[str] | SafetensorsSource,
+    checkpoint: str | os.PathLike[str] | SafetensorsSource | Mapping[str, Any]
+    | Sequence[tuple[str, Any]],
     *,
     tp_rank: int,
     tp_size: int,
     layers: Iterable[int] | None = None,
     qk_multiple: int = 256,
     backend: str | None = None,
+    config: Mapping[str, Any] | str | os.PathLike[str] | None = None,
 ) -> KdaShardedSource:
     """One tensor-parallel rank's view of a checkpoint, with its plan on it (``view.plan``), in
     one call: what a loader opens, as it opens a file with safetensors' ``safe_open``::
@@ -492,15 +573,29 @@ def open_rank(
     The checkpoint is described once per opened source (``kda_tp.describe``), so
     the plan costs no second read of the headers and the view checks each KDA tensor once.
 
+    A trainer's tensors go through the same door (RL weight sync: the state dict, not files)::
+
+        view = kda_tp.open_rank(model.state_dict(), config="Kimi-K3/config.json",
+                                tp_rank=r, tp_size=8)
+
+    gives the same view, plan, refusals and bytes as the checkpoint would: nothing is copied or
+    gathered that the plan does not slice (a CPU tensor's row slice is a view of its memory; a
+    CUDA tensor's slice is cut on the device and only its bytes reach the host).
+
     Args:
-        checkpoint: a checkpoint directory, a ``.safetensors`` file, or an open
-            :class:`SafetensorsSource` (closed with the view).
+        checkpoint: a checkpoint directory, a ``.safetensors`` file, an open
+            :class:`SafetensorsSource` (closed with the view), or in-memory tensors: a mapping
+            (or a list of ``(name, tensor)`` pairs) of checkpoint-format names to numpy arrays
+            or ``torch.Tensor`` on any device (see
+            :class:`~kda_tp.checkpoint.memory.MemorySource`).
         tp_rank: this rank, ``0 <= tp_rank < tp_size``.
         tp_size: the tensor-parallel world size.
         layers: 0-based KDA layer indices (default: the config's), checked as
             ``KdaTpPlan.from_config`` checks them.
         qk_multiple: see :class:`KdaTpPlan`.
         backend: ``"mmap"`` or ``"pread"`` (see :class:`SafetensorsSource`) for a path.
+        config: for in-memory tensors (and only for them), the model's ``config.json``: a dict,
+            or the path of the file or of its directory.
 
     Returns:
         The rank's :class:`KdaShardedSource`, a context manager whose ``close()`` releases the
@@ -511,13 +606,35 @@ def open_rank(
             ``tp_rank`` and ``tp_size``: a rank ``shard`` wrote), or as below.
         CheckpointError, DtypeMismatchError, ShapeMismatchError, PlanError: as
             ``KdaTpPlan.from_config`` and :class:`KdaShardedSource`.
-        UsageError: an unknown ``backend``.
+        UsageError: an unknown ``backend``; ``checkpoint`` of another type (``bytes``
+            included); ``config`` given with a checkpoint (it has its own ``config.json``) or
+            missing for in-memory tensors; a ``tp_rank`` or ``tp_size`` that is no integer.
+        PlanError: ``tp_rank`` outside ``0..tp_size-1`` (the message gives the range and the
+            fix).
     """
-    source = (checkpoint if isinstance(checkpoint, SafetensorsSource)
-              else SafetensorsSource(checkpoint, backend))
+    tp_rank, tp_size = _rank_and_size(tp_rank, tp_size)
+    source: Any
+    if is_tensor_mapping(checkpoint):
+        source = MemorySource(checkpoint, config)  # type: ignore[arg-type]
+    else:
+        if config is not None:
+            raise UsageError(
+                "open_rank(checkpoint, config=...): config= is for in-memory tensors; a "
+                "checkpoint reads its own config.json"
+            )
+        if not isinstance(checkpoint, (str, os.PathLike, SafetensorsSource)):
+            fix = (" (decode it: os.fsdecode(path))"
+                   if isinstance(checkpoint, (bytes, bytearray)) else "")
+            raise UsageError(
+                f"open_rank: checkpoint must be a path (str or os.PathLike), an open "
+                f"SafetensorsSource, or a mapping of tensor names to arrays/tensors; got "
+                f"{type(checkpoint).__name__}{fix}"
+            )
+        source = (checkpoint if isinstance(checkpoint, SafetensorsSource)
+                  else SafetensorsSource(checkpoint, backend))
     selected = None if layers is None else list(layers)
     try:
-        for path, meta in source.files():
+        for path, meta in (source.files() if isinstance(source, SafetensorsSource) else []):
             if meta and "tp_rank" in meta and "tp_size" in meta:
                 raise CheckpointError(
                     f"{path}: already a tensor-parallel shard (rank {meta['tp_rank']} of "
@@ -530,3 +647,30 @@ def open_rank(
         if source is not checkpoint:
             source.close()
         raise
+
+
+def _rank_and_size(tp_rank: Any, tp_size: Any) -> tuple[int, int]:
+    """``(tp_rank, tp_size)`` as ints (any integer type, numpy's included, through
+    ``operator.index``), checked as the command line checks ``--tp-rank``.
+
+    Raises:
+        UsageError: a value that is no integer (a bool, a float, a string).
+        PlanError: ``tp_size < 1`` or ``tp_rank`` outside ``0..tp_size-1``.
+    """
+    values = []
+    for what, value in (("tp_rank", tp_rank), ("tp_size", tp_size)):
+        try:
+            if isinstance(value, bool):
+                raise TypeError
+            values.append(operator.index(value))
+        except TypeError:
+            raise UsageError(f"open_rank: {what} must be an integer, got {value!r}") from None
+    rank, size = values
+    if size < 1:
+        raise PlanError(f"open_rank: tp_size must be at least 1, got {size}")
+    if not 0 <= rank < size:
+        raise PlanError(
+            f"open_rank: tp_rank {rank} is outside 0..{size - 1} for tp_size {size} (ranks "
+            f"count from 0: the last of {size} is {size - 1}); pass tp_rank in 0..{size - 1}"
+        )
+    return rank, size
