@@ -159,10 +159,12 @@ class MemorySource:
             flat = value.detach().contiguous().reshape(-1).view(torch.uint8).reshape(rows, -1)
             lo = tensor_plan.src_col_offset * tensor_plan.elem_bytes
             hi = lo + tensor_plan.local_row_elems * tensor_plan.elem_bytes
-            data = flat[:, lo:hi].contiguous().cpu().numpy().reshape(-1)
+            data: np.ndarray = flat[:, lo:hi].contiguous().cpu().numpy().reshape(-1)
             data.flags.writeable = False
             return data
-        return shard_bytes(tensor_plan, self._tensor(name, 0, None).data)  # type: ignore[union-attr]
+        whole = self._tensor(name, 0, None)
+        assert whole is not None  # the name was found above
+        return shard_bytes(tensor_plan, whole.data)
 
     def _tensor(self, name: str, start: int, stop: int | None) -> Tensor | None:
         value = self._tensors.get(name)
