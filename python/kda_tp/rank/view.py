@@ -587,7 +587,7 @@ def open_rank(
             :class:`SafetensorsSource` (closed with the view), or in-memory tensors: a mapping
             (or a list of ``(name, tensor)`` pairs) of checkpoint-format names to numpy arrays
             or ``torch.Tensor`` on any device (see
-            :class:`~kda_tp.checkpoint.memory.MemorySource`).
+            ``kda_tp.checkpoint.memory.MemorySource``).
         tp_rank: this rank, ``0 <= tp_rank < tp_size``.
         tp_size: the tensor-parallel world size.
         layers: 0-based KDA layer indices (default: the config's), checked as
