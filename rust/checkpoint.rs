@@ -38,7 +38,7 @@ use std::path::Path;
 use crate::error::{Error, Result};
 
 pub use directory::Checkpoint;
-pub use file::{SafetensorsFile, TensorData};
+pub use file::{SafetensorsFile, TensorData, WritableData};
 pub use header::parse_header;
 pub use index::{parse_index, WeightMap, INDEX_NAME, MAX_INDEX_BYTES};
 

@@ -55,6 +55,7 @@ fn native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<tensor::PyTensorPlan>()?;
     m.add_class::<plan::PyPlan>()?;
     m.add_class::<checkpoint::PyTensorBytes>()?;
+    m.add_class::<checkpoint::PyWritableBytes>()?;
     m.add_class::<checkpoint::PyCheckpoint>()?;
     m.add_function(wrap_pyfunction!(slice::shard_bytes, m)?)?;
     m.add_function(wrap_pyfunction!(slice::shard_into, m)?)?;

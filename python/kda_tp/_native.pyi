@@ -24,6 +24,7 @@ __all__ = [
     "KdaTensorPlan",
     "KdaTpPlan",
     "TensorBytes",
+    "WritableBytes",
     "shard_bytes",
     "shard_into",
     "copy_into",
@@ -217,6 +218,15 @@ class TensorBytes:
     def __len__(self) -> int: ...
 
 @final
+class WritableBytes:
+    """One tensor's bytes for a receiver that may write them (a range of the file's
+    copy-on-write mapping, or a copy), viewed by numpy through ``__array_interface__``."""
+
+    @property
+    def __array_interface__(self) -> dict[str, Any]: ...
+    def __len__(self) -> int: ...
+
+@final
 class Checkpoint:
     """A validated safetensors checkpoint (wrapped by ``kda_tp.SafetensorsSource``)."""
 
@@ -226,6 +236,9 @@ class Checkpoint:
     def names(self) -> list[str]: ...
     def info(self, name: str) -> tuple[str, list[int], Path] | None: ...
     def read(self, name: str, start: int = 0, stop: int | None = None) -> TensorBytes: ...
+    def read_writable(
+        self, name: str, start: int = 0, stop: int | None = None
+    ) -> WritableBytes: ...
     def read_spans(
         self, name: str, start: int, span: int, stride: int, count: int
     ) -> TensorBytes: ...

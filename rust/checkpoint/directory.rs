@@ -9,8 +9,8 @@ use std::path::{Path, PathBuf};
 use safetensors::tensor::TensorInfo;
 
 use super::{
-    open_regular_file, parse_index, Backend, SafetensorsFile, TensorData, WeightMap, INDEX_NAME,
-    MAX_INDEX_BYTES,
+    open_regular_file, parse_index, Backend, SafetensorsFile, TensorData, WeightMap, WritableData,
+    INDEX_NAME, MAX_INDEX_BYTES,
 };
 use crate::error::{Error, Result};
 
@@ -218,6 +218,15 @@ impl Checkpoint {
     /// As [`SafetensorsFile::read_range`].
     pub fn read_range(&self, name: &str, part: Range<usize>) -> Result<TensorData> {
         self.file_of(name)?.read_range(name, part)
+    }
+
+    /// Bytes `part` of tensor `name`, writable by the receiver (see
+    /// [`SafetensorsFile::read_writable`]).
+    ///
+    /// # Errors
+    /// As [`SafetensorsFile::read_writable`].
+    pub fn read_writable(&self, name: &str, part: Range<usize>) -> Result<WritableData> {
+        self.file_of(name)?.read_writable(name, part)
     }
 
     /// The file holding tensor `name`, or [`Error::TensorNotFound`] naming the checkpoint.

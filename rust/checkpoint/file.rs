@@ -5,9 +5,9 @@ use std::fs::File;
 use std::ops::Range;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
-use memmap2::{Mmap, MmapOptions, UncheckedAdvice};
+use memmap2::{Mmap, MmapMut, MmapOptions, UncheckedAdvice};
 use rayon::prelude::*;
 use safetensors::tensor::{Metadata, TensorInfo};
 
@@ -18,8 +18,9 @@ use crate::error::{Error, Result};
 const MAX_HEADER_BYTES: u64 = 100_000_000;
 
 enum Storage {
-    /// The mapping, and the file handle (kept to check the file's length before each read).
-    Mapped(Arc<Mmap>, File),
+    /// The read-only mapping, the file handle (kept to check the file before each read), and
+    /// the file's copy-on-write mapping for buffers handed out writable, made on first use.
+    Mapped(Arc<Mmap>, File, OnceLock<Arc<MmapMut>>),
     File(File),
 }
 
@@ -38,6 +39,52 @@ impl TensorData {
             Self::Mapped { map, range } => &map[range.clone()],
             Self::Owned(bytes) => bytes,
         }
+    }
+}
+
+/// The bytes of one tensor for a receiver that may write them ([`SafetensorsFile::read_writable`]):
+/// a range of the file's copy-on-write mapping, or an owned copy. Rust code never reads or
+/// writes them after making the value: it forms no reference to them, only their address.
+pub struct WritableData {
+    /// What keeps the bytes alive.
+    _owner: WritableOwner,
+    address: usize,
+    len: usize,
+}
+
+enum WritableOwner {
+    /// The file's copy-on-write mapping (`MAP_PRIVATE`, `PROT_READ | PROT_WRITE`): a write
+    /// copies the page into this process's memory; the file never changes.
+    Cow { _map: Arc<MmapMut> },
+    /// A copy read from the file.
+    Owned { _bytes: Vec<u8> },
+}
+
+impl WritableData {
+    fn cow(map: Arc<MmapMut>, range: Range<usize>) -> Self {
+        // `as_ptr` borrows the mapping object, not its bytes; `range` lies inside the mapping
+        // (checked by the caller), so the address stays in it.
+        let address = map.as_ptr() as usize + range.start;
+        Self {
+            _owner: WritableOwner::Cow { _map: map },
+            address,
+            len: range.len(),
+        }
+    }
+
+    fn owned(mut bytes: Vec<u8>) -> Self {
+        let (address, len) = (bytes.as_mut_ptr() as usize, bytes.len());
+        Self {
+            _owner: WritableOwner::Owned { _bytes: bytes },
+            address,
+            len,
+        }
+    }
+
+    /// The address of the first byte and the length in bytes: valid, and writable, while the
+    /// value lives.
+    pub fn address(&self) -> (usize, usize) {
+        (self.address, self.len)
     }
 }
 
@@ -111,7 +158,7 @@ impl SafetensorsFile {
                         map.len()
                     )));
                 }
-                Storage::Mapped(Arc::new(map), file)
+                Storage::Mapped(Arc::new(map), file, OnceLock::new())
             }
             Backend::Pread => Storage::File(file),
         };
@@ -155,7 +202,7 @@ impl SafetensorsFile {
     /// The address range of the mapping, when the file is mapped (used to prove zero copy).
     pub fn mapping(&self) -> Option<Range<usize>> {
         match &self.storage {
-            Storage::Mapped(map, _) => {
+            Storage::Mapped(map, _, _) => {
                 Some(map.as_ptr() as usize..map.as_ptr() as usize + map.len())
             }
             Storage::File(_) => None,
@@ -196,7 +243,7 @@ impl SafetensorsFile {
     /// dropped; a no-op for `Pread` and for unknown names.
     pub fn release(&self, name: &str) {
         const BLOCK: usize = 64 << 10;
-        let (Storage::Mapped(map, _), Some(info)) = (&self.storage, self.info(name)) else {
+        let (Storage::Mapped(map, _, _), Some(info)) = (&self.storage, self.info(name)) else {
             return;
         };
         let start = (self.data_start + info.data_offsets.0).next_multiple_of(BLOCK);
@@ -250,7 +297,7 @@ impl SafetensorsFile {
         // In range: the header was checked against the file's length at open.
         let range = self.data_start + begin + part.start..self.data_start + begin + part.end;
         match &self.storage {
-            Storage::Mapped(map, _) => {
+            Storage::Mapped(map, _, _) => {
                 self.check_unchanged(name, "read")?;
                 Ok(TensorData::Mapped {
                     map: Arc::clone(map),
@@ -267,6 +314,54 @@ impl SafetensorsFile {
                 Ok(TensorData::Owned(bytes))
             }
         }
+    }
+
+    /// Bytes `part` of tensor `name` for a receiver that may write them: with `Mmap` a range
+    /// of the file's copy-on-write mapping (`MAP_PRIVATE`, `PROT_READ | PROT_WRITE`, one per
+    /// file, made on the first call: no byte is copied until a page is written, and a written
+    /// page becomes this process's own; the file and the read-only mapping never see the
+    /// write); with `Pread` a fresh copy, as [`Self::read_range`]. Every writable buffer of one
+    /// file shares its copy-on-write mapping: two of the same bytes see each other's writes.
+    ///
+    /// # Errors
+    /// As [`Self::read_range`]; [`Error::Io`] when the mapping cannot be made.
+    pub fn read_writable(&self, name: &str, part: Range<usize>) -> Result<WritableData> {
+        let data = self.read_range(name, part)?;
+        let (Storage::Mapped(_, file, cow), TensorData::Mapped { range, .. }) =
+            (&self.storage, &data)
+        else {
+            let TensorData::Owned(bytes) = data else {
+                return Ok(WritableData::owned(data.as_slice().to_vec()));
+            };
+            return Ok(WritableData::owned(bytes));
+        };
+        let range = range.clone();
+        let map = match cow.get() {
+            Some(map) => Arc::clone(map),
+            None => {
+                // SAFETY: a private (copy-on-write) mapping: writes go to this process's own
+                // pages, never to the file. A truncation by another process makes untouched
+                // pages raise SIGBUS, as for the read-only mapping (see `open`); the file is
+                // checked unchanged below, after the mapping is made.
+                let map =
+                    unsafe { MmapOptions::new().map_copy(file) }.map_err(|source| Error::Io {
+                        path: self.path.clone(),
+                        source,
+                    })?;
+                self.check_unchanged(name, "read")?;
+                if map.len() < range.end {
+                    return Err(Error::Checkpoint {
+                        path: self.path.clone(),
+                        reason: format!(
+                            "tensor {name:?} cannot be read: the file is {} bytes now",
+                            map.len()
+                        ),
+                    });
+                }
+                Arc::clone(cow.get_or_init(|| Arc::new(map)))
+            }
+        };
+        Ok(WritableData::cow(map, range))
     }
 
     /// `count` spans of `span` bytes of tensor `name`, the first at byte `start` of the tensor
@@ -331,7 +426,7 @@ impl SafetensorsFile {
         let base = self.data_start + info.data_offsets.0 + start;
         let mut out = self.zeroed(name, total)?;
         match &self.storage {
-            Storage::Mapped(map, _) => {
+            Storage::Mapped(map, _, _) => {
                 self.check_unchanged(name, "read")?;
                 for (i, dst) in out.chunks_exact_mut(span).enumerate() {
                     let from = base + i * stride;
@@ -376,7 +471,7 @@ impl SafetensorsFile {
     /// The open file handle (both backends keep one).
     fn handle(&self) -> &File {
         match &self.storage {
-            Storage::Mapped(_, file) | Storage::File(file) => file,
+            Storage::Mapped(_, file, _) | Storage::File(file) => file,
         }
     }
 

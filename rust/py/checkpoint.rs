@@ -8,7 +8,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use super::errors::UsageError;
-use crate::checkpoint::{Backend, Checkpoint, TensorData};
+use crate::checkpoint::{Backend, Checkpoint, TensorData, WritableData};
 
 /// The raw bytes of one tensor, exposed to numpy through ``__array_interface__`` without a copy.
 /// The object keeps the file mapping alive for as long as any array views it.
@@ -35,6 +35,31 @@ impl PyTensorBytes {
     }
     fn __len__(&self) -> usize {
         self.0.as_slice().len()
+    }
+}
+
+/// The bytes of one tensor for a receiver that may write them (``Checkpoint.read_writable``),
+/// exposed to numpy as a writable buffer without a copy: a range of the file's copy-on-write
+/// mapping (a write copies the page into this process; the file and every read-only view keep
+/// the file's bytes), or with pread a copy the object owns. The object keeps them alive for as
+/// long as any array views it. Rust code never touches these bytes once handed out.
+#[pyclass(frozen, name = "WritableBytes", module = "kda_tp._native")]
+pub(super) struct PyWritableBytes(WritableData);
+
+#[pymethods]
+impl PyWritableBytes {
+    #[getter]
+    fn __array_interface__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let (address, len) = self.0.address();
+        let dict = PyDict::new(py);
+        dict.set_item("shape", (len,))?;
+        dict.set_item("typestr", "|u1")?;
+        dict.set_item("data", (address, false))?;
+        dict.set_item("version", 3)?;
+        Ok(dict)
+    }
+    fn __len__(&self) -> usize {
+        self.0.address().1
     }
 }
 
@@ -86,6 +111,21 @@ impl PyCheckpoint {
     ) -> PyResult<PyTensorBytes> {
         let part = start..stop.unwrap_or(usize::MAX);
         Ok(PyTensorBytes(py.detach(|| self.0.read_range(name, part))?))
+    }
+    /// Bytes ``[start, stop)`` of a tensor as a writable buffer: a range of the file's
+    /// copy-on-write mapping (mmap; no copy until a page is written) or a fresh copy (pread).
+    #[pyo3(signature = (name, start=0, stop=None))]
+    fn read_writable(
+        &self,
+        py: Python<'_>,
+        name: &str,
+        start: usize,
+        stop: Option<usize>,
+    ) -> PyResult<PyWritableBytes> {
+        let part = start..stop.unwrap_or(usize::MAX);
+        Ok(PyWritableBytes(
+            py.detach(|| self.0.read_writable(name, part))?,
+        ))
     }
     /// ``count`` spans of ``span`` bytes of a tensor, ``stride`` bytes apart from byte
     /// ``start``, concatenated (a column block of a row-major matrix); with pread only those

@@ -248,3 +248,22 @@ def test_expected_digests_refuses_what_is_not_name_tensor_pairs(
                        r"mapping of names to tensors, got an item "):
         kda_tp.audit.expected_digests(tensors, kept / "checkpoint",  # type: ignore[arg-type]
                                       engine="vllm-0.33-kimi-linear", tp_size=2)
+
+
+def test_f18_no_raw_type_errors_and_the_clis_spellings():
+    """F18: None for the tensors or the config is a UsageError naming the fix; numpy integer
+    ranks are ranks; a model dtype in any case, as the command line takes it."""
+    import numpy as np
+
+    from kda_tp.audit import expected_digests
+    from kda_tp.engines.dtype import config_model_dtype
+    from kda_tp.errors import UsageError
+    from kda_tp.audit.expected_params import checked_ranks
+
+    with pytest.raises(UsageError, match="got NoneType; pass the state dict"):
+        expected_digests(None, {}, engine="vllm", tp_size=2)
+    with pytest.raises(UsageError, match="config: expected the model's config.json"):
+        expected_digests({}, None, engine="vllm", tp_size=2)
+    assert checked_ranks([np.int64(1), np.int32(0)], 2) == [0, 1]
+    for spelling in ("bf16", "BF16", "bfloat16", "BFloat16"):
+        assert config_model_dtype(None, "vllm", spelling) == "BF16"

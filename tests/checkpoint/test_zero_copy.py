@@ -12,6 +12,8 @@ import pytest
 import kda_tp
 from kda_tp.synth import write_small_checkpoint
 
+from mappings import in_file_copy_on_write
+
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
@@ -95,14 +97,20 @@ def test_shard_bytes_views_its_input_for_rows():
     assert not np.shares_memory(cols, full)
 
 
-def test_to_torch_shares_memory(checkpoint):
+def test_to_torch_views_the_files_copy_on_write_mapping(checkpoint):
     torch = pytest.importorskip("torch")
     source = kda_tp.SafetensorsSource(checkpoint)
     t = source.get("model.layers.0.self_attn.q_proj.weight")
     tensor = t.to_torch()
     assert tensor.dtype == torch.bfloat16 and tuple(tensor.shape) == t.shape
-    assert tensor.data_ptr() == t.data.__array_interface__["data"][0]
+    # No copy: a private, writable mapping of the checkpoint's file, not the read-only one.
+    assert in_file_copy_on_write(tensor.data_ptr(), checkpoint)
+    assert not any(lo <= tensor.data_ptr() < hi for lo, hi in source.mappings())
     assert np.array_equal(tensor.view(torch.int16).numpy().view(np.uint8).ravel(), t.data)
+    before = t.data.tobytes()
+    tensor.mul_(2)
+    assert t.data.tobytes() == before, "the numpy view keeps the file's bytes"
+    assert source.get(t.name).data.tobytes() == before
 
 
 def test_release_keeps_views_valid(checkpoint):

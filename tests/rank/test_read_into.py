@@ -23,11 +23,14 @@ from kda_tp.checkpoint.reader import readonly_bytes
 from kda_tp import (
     BufferLayoutError,
     CheckpointError,
+    DtypeMismatchError,
     KdaShardedSource,
     KdaTpPlan,
     SafetensorsSource,
     ShapeMismatchError,
     Tensor,
+    TensorNotFoundError,
+    UsageError,
 )
 
 from paths import DATA
@@ -75,10 +78,10 @@ def test_typed_and_shaped_numpy_outputs():
         shard.read_into(name, out)
         assert np.array_equal(out.view(np.uint8).reshape(-1), t.data), name
         assert np.array_equal(out.view(np.uint8), t.array.view(np.uint8)), name
-    # int16 has BF16's item size, so it can hold the raw bits too.
-    out = np.zeros(shard.info(O_PROJ)[1], np.int16)
-    shard.read_into(O_PROJ, out)
-    assert np.array_equal(out.view(np.uint8).reshape(-1), shard[O_PROJ].data)
+    # int16 has BF16's item size but other numbers: refused, as float16 is.
+    for wrong in (np.int16, np.float16):
+        with pytest.raises(DtypeMismatchError, match="BF16"):
+            shard.read_into(O_PROJ, np.zeros(shard.info(O_PROJ)[1], wrong))
 
 
 @pytest.mark.parametrize("make", ["bytearray", "memoryview", "mmap", "2d_memoryview"])
@@ -139,10 +142,11 @@ def test_a_wrong_size_is_a_shape_mismatch_naming_both_sizes():
         assert (out == 7).all(), "nothing is written on refusal"
 
 
-def test_a_wrong_item_size_is_a_shape_mismatch():
+def test_a_wrong_dtype_is_a_dtype_mismatch_naming_both_and_the_fix():
     shard = sharded(2, 0)
     out = np.zeros(shard[O_PROJ].nbytes // 4, np.float32)  # right bytes, BF16 is 2 each
-    with pytest.raises(ShapeMismatchError, match=r"o_proj.*4-byte items.*BF16 has 2-byte"):
+    with pytest.raises(DtypeMismatchError,
+                       match=r"o_proj.*numpy float32.*BF16 \(numpy bfloat16\); pass an array"):
         shard.read_into(O_PROJ, out)
 
 
@@ -317,3 +321,41 @@ def test_an_output_overlapping_the_source_is_refused_not_raced() -> None:
     assert np.array_equal(data, want)
     _native.copy_into(data[:2048], data[2048:])  # disjoint parts of one array: copied
     assert np.array_equal(data[2048:], want[:2048])
+
+
+def test_a_transposed_typed_destination_is_a_shape_mismatch():
+    shard = sharded(2, 0)
+    rows, cols = shard.info(O_PROJ)[1]
+    typed = np.zeros((cols, rows), shard[O_PROJ].array.dtype)  # right dtype and bytes
+    with pytest.raises(ShapeMismatchError,
+                       match=rf"o_proj.*shape \[{cols}, {rows}\].*BF16 \[{rows}, {cols}\]; pass"):
+        shard.read_into(O_PROJ, typed)
+
+
+@pytest.mark.parametrize("backend", ["mmap", "pread"])
+def test_byte_destinations_of_any_shape_are_checked_by_byte_count(backend):
+    shard = sharded(2, 1, backend)
+    for name in (O_PROJ, Q_PROJ, "model.norm.weight"):
+        want = shard[name].data
+        for out in (np.zeros(want.nbytes, np.uint8), np.zeros((2, want.nbytes // 2), np.int8)):
+            shard.read_into(name, out)
+            assert out.tobytes() == want.tobytes(), name
+        with pytest.raises(ShapeMismatchError, match=rf"{want.nbytes} bytes; pass a buffer"):
+            shard.read_into(name, np.zeros(want.nbytes + 2, np.uint8))
+
+
+def test_an_unknown_name_is_the_same_key_error_everywhere():
+    shard = sharded(2, 0)
+    for call in (lambda: shard["nope"], lambda: shard.read_into("nope", bytearray(4)),
+                 lambda: shard.get_slice("nope")):
+        with pytest.raises(TensorNotFoundError, match="no tensor named 'nope'") as raised:
+            call()
+        assert isinstance(raised.value, KeyError)
+
+
+def test_a_bytes_name_is_a_usage_error_with_the_fix():
+    shard = sharded(2, 0)
+    for call in (lambda: shard.read_into(O_PROJ.encode(), bytearray(4)),
+                 lambda: shard[O_PROJ.encode()]):
+        with pytest.raises(UsageError, match=r"a tensor name is a str, got bytes.*name.decode\(\)"):
+            call()

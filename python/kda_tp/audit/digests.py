@@ -227,13 +227,24 @@ def expected_digests(
             layer lacks), unknown or sent twice, a value that is not a
             tensor; ``A_log``/``dt_bias`` of a layer the config does not list as KDA (under the
             KDA layers' prefix: the config of another model).
-        UsageError: ``tensors`` yields something other than ``(name, tensor)`` pairs (a list
-            of names, say).
+        UsageError: ``tensors`` is neither a mapping nor an iterable (None, say), or yields
+            something other than ``(name, tensor)`` pairs (a list of names, say); ``config``
+            is neither a dict nor a path.
         DtypeMismatchError: a KDA tensor of a dtype the plan does not take (block-FP8 tensors
             are not handled here: use ``engine_digests`` on the checkpoint), or a cast to
             ``model_dtype`` that overflows.
         ShapeMismatchError: a KDA tensor whose shape does not hold the plan's.
     """
+    if not isinstance(tensors, Mapping) and not hasattr(tensors, "__iter__"):
+        raise UsageError(
+            f"tensors: expected a mapping of names to tensors or (name, tensor) pairs, got "
+            f"{type(tensors).__name__}; pass the state dict or state_dict.items()"
+        )
+    if not isinstance(config, (Mapping, str, os.PathLike)):
+        raise UsageError(
+            f"config: expected the model's config.json (a dict, or its path), got "
+            f"{type(config).__name__}"
+        )
     layout = vllm_layout(engine)
     if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
         raise PlanError(f"tp_size must be a positive integer, got {tp_size!r}")

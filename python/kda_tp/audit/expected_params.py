@@ -8,6 +8,7 @@ this list.
 from __future__ import annotations
 
 import functools
+import operator
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -114,14 +115,20 @@ def checked_ranks(ranks: Sequence[int] | None, tp_size: int) -> list[int]:
         PlanError: an empty list, a rank that is not an integer in ``0..tp_size-1``, or a rank
             named twice.
     """
-    wanted = list(range(tp_size)) if ranks is None else list(ranks)
-    if not wanted:
+    given = list(range(tp_size)) if ranks is None else list(ranks)
+    if not given:
         raise PlanError("no ranks to write: --ranks is empty (ranks=[]); pass at least one rank, "
                         "or none for all")
-    for r in wanted:
-        if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < tp_size:
+    wanted = []
+    for r in given:
+        try:  # any integer type (numpy's included), never a bool or a float
+            index = None if isinstance(r, bool) else operator.index(r)
+        except TypeError:
+            index = None
+        if index is None or not 0 <= index < tp_size:
             raise PlanError(f"rank {r!r} is out of range for tp_size {tp_size}: valid ranks "
                             f"are 0..{tp_size - 1}; pass ranks of that world size")
+        wanted.append(index)
     distinct_ranks(wanted)
     return sorted(wanted)
 

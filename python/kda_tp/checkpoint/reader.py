@@ -12,6 +12,8 @@ from __future__ import annotations
 import json
 import os
 import warnings
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
@@ -32,7 +34,7 @@ from .names import location
 from .files import open_files_error
 
 __all__ = ["BACKEND_ENV", "BACKENDS", "INDEX_NAME", "InfoSource", "Tensor", "TensorSource",
-           "SafetensorsSource", "check_out", "checked_get", "checked_info", "missing_tensor",
+           "SafetensorsSource", "check_out", "check_torch_destination", "checked_get", "destination", "checked_info", "missing_tensor",
            "numpy_dtype", "readonly_bytes", "refuse_index_member", "shard_bytes", "writable_bytes"]
 
 _T = TypeVar("_T")
@@ -69,15 +71,22 @@ class Tensor:
         shape: shape in elements (a tuple); for a shard, the rank's local shape.
         data: read-only 1-D ``uint8`` numpy array of the raw little-endian bytes, row-major.
             Row-sliced and replicated tensors view the mapped file directly (no copy).
+
+    ``writable`` (optional, keyword): a function of no arguments returning the same bytes as a
+    writable 1-D ``uint8`` array that is the receiver's to write (a
+    :class:`SafetensorsSource` gives a range of its copy-on-write mapping): what
+    :meth:`to_torch` hands torch when ``data`` is read-only memory it does not own.
     """
 
-    __slots__ = ("name", "dtype", "shape", "data")
+    __slots__ = ("name", "dtype", "shape", "data", "_writable")
 
-    def __init__(self, name: str, dtype: str, shape: tuple[int, ...], data: np.ndarray):
+    def __init__(self, name: str, dtype: str, shape: tuple[int, ...], data: np.ndarray, *,
+                 writable: Callable[[], np.ndarray] | None = None):
         self.name = name
         self.dtype = dtype
         self.shape = tuple(shape)
         self.data = data
+        self._writable = writable
 
     @property
     def nbytes(self) -> int:
@@ -101,13 +110,40 @@ class Tensor:
     def __bytes__(self) -> bytes:
         return self.data.tobytes()
 
-    def to_torch(self) -> Any:
-        """This tensor as a CPU ``torch.Tensor`` of its dtype and shape, sharing its memory (no
-        copy): a view of the file mapping for row-sliced and replicated tensors. BF16 and FP8
-        included (see :func:`torch_dtype`).
+    def writable_data(self) -> np.ndarray:
+        """``data``'s bytes as a 1-D ``uint8`` array the caller may write (what
+        :meth:`to_torch` hands torch), without a copy where that is safe:
 
-        The memory is read-only (a mapped file); torch cannot mark a tensor read-only, so do not
-        write to it (a write to a mapping faults): ``.clone()`` gives a writable copy.
+        * ``data`` itself when it is writable, or memory this tensor owns (``o_proj``'s
+          gathered columns, an aligned copy: no one else sees it; ``data`` is marked writable
+          then, as it now is);
+        * for a tensor of a ``"mmap"`` :class:`SafetensorsSource` (and a rank's view of one),
+          the same bytes in the file's copy-on-write mapping (``MAP_PRIVATE``, ``PROT_READ |
+          PROT_WRITE``, as safetensors gives torch): nothing is copied until a page is written;
+          a written page (4 KiB) becomes this process's own memory, the file never changes,
+          and ``data``, ``view[name]`` and every read of the source keep the file's bytes. The
+          writable buffers of one source share its copy-on-write mapping, as safetensors'
+          ``get_tensor`` calls share one storage: two of the same tensor see each other's
+          writes;
+        * else (``"pread"``: data already a private copy; a custom source's read-only array) a
+          copy.
+        """
+        data = self.data
+        if data.flags.owndata and not data.flags.writeable:
+            data.flags.writeable = True  # now torch's to write: numpy says so too
+        if data.flags.writeable:
+            return data
+        if self._writable is not None:
+            return self._writable()
+        return data.copy()
+
+    def to_torch(self) -> Any:
+        """This tensor as a CPU ``torch.Tensor`` of its dtype and shape, writable, sharing
+        memory wherever that is safe (see :meth:`writable_data`): with the ``"mmap"`` backend a
+        view of the file's copy-on-write mapping, so in-place ops (``mul_``, ``add_``, an
+        optimizer step after ``load_state_dict(..., assign=True)``) work, cost a page copy only
+        where they write, and never change the file. BF16 and FP8 included (see
+        :func:`torch_dtype`).
 
         Raises:
             MissingDependencyError: torch is not installed (``pip install 'kda_tp[torch]'``).
@@ -120,10 +156,12 @@ class Tensor:
             raise DtypeMismatchError(f"{self.name}: {e}") from None
         if not self.nbytes:
             return torch.empty(self.shape, dtype=dtype)
+        data = self.writable_data()
         with warnings.catch_warnings():
-            # torch warns that it cannot mark the read-only buffer read-only; documented above.
+            # Memory this tensor owns but numpy marks read-only (a gather): torch warns that it
+            # cannot mark it read-only; it is torch's to write (writable_data).
             warnings.simplefilter("ignore", UserWarning)
-            raw = torch.frombuffer(self.data.data, dtype=torch.uint8)
+            raw = torch.frombuffer(data, dtype=torch.uint8)
         return raw.view(dtype).reshape(self.shape)
 
     def __repr__(self) -> str:
@@ -198,6 +236,137 @@ def check_out(name: str, dtype: str, out: Any, target: np.ndarray, expected: int
         raise ShapeMismatchError(
             f"{name}: the output buffer is {target.nbytes} bytes, this rank's tensor is "
             f"{expected} bytes"
+        )
+
+
+def _is_torch_tensor(out: Any) -> bool:
+    """Whether ``out`` is a ``torch.Tensor`` (without importing torch)."""
+    return any(c.__module__ == "torch" and c.__name__ == "Tensor" for c in type(out).__mro__)
+
+
+def destination(name: str, dtype: str, shape: tuple[int, ...], out: Any) -> np.ndarray:
+    """``out``, a ``read_into`` destination, as a writable 1-D ``uint8`` array sharing its
+    memory, once it is checked to hold tensor ``name`` (safetensors dtype ``dtype``, this rank's
+    local ``shape``) without reinterpreting it:
+
+    * a *typed* destination (a numpy array or CPU ``torch.Tensor`` of any dtype but ``uint8``
+      and ``int8``, or a typed buffer such as ``array.array('f')``) must have exactly the
+      tensor's dtype (BF16 as ``ml_dtypes.bfloat16`` / ``torch.bfloat16``) and shape;
+    * a *byte* destination (``uint8``/``int8`` arrays and tensors, ``bytearray``, a byte
+      ``memoryview``, ``mmap``) is checked by byte count alone: any shape of
+      ``prod(shape) x itemsize(dtype)`` bytes.
+
+    A torch tensor must be on the CPU here (``KdaShardedSource.read_into`` stages other devices
+    through host memory), contiguous, and may require grad (it is written through ``detach()``,
+    as ``load_state_dict`` does under ``torch.no_grad``).
+
+    Raises:
+        DtypeMismatchError: a typed destination of another dtype (the message names the
+            tensor, both dtypes and the fix).
+        ShapeMismatchError: a typed destination of another shape, or a byte destination of
+            another byte count (both named, and the fix).
+        BufferLayoutError: ``out`` is read-only, not C-contiguous, an object array, not a
+            buffer, or a torch tensor off the CPU.
+    """
+    elems = 1
+    for extent in shape:
+        elems *= extent
+    expected_bytes = elems * _itemsize(dtype)
+    if _is_torch_tensor(out):
+        if out.device.type != "cpu":
+            raise BufferLayoutError(
+                f"{name}: the destination is on {out.device}; read_into stages it through host "
+                "memory (KdaShardedSource.read_into), destination() takes CPU tensors only"
+            )
+        check_torch_destination(name, dtype, shape, out)
+        torch = import_torch()
+        tensor = out.detach()
+        if not tensor.numel():
+            return np.empty(0, np.uint8)
+        return tensor.reshape(-1).view(torch.uint8).numpy()
+    target = writable_bytes(name, out)
+    if isinstance(out, np.ndarray):
+        given = out.dtype
+        given_shape = tuple(out.shape)
+    else:
+        view = memoryview(out)
+        given = None if view.format in ("B", "b", "c") else view.format
+        given_shape = tuple(view.shape or ())
+        if given is not None:
+            try:
+                given = np.dtype(view.format)
+            except TypeError:
+                raise DtypeMismatchError(
+                    f"{name}: the destination's buffer format {view.format!r} is no numpy "
+                    f"dtype; pass a numpy array of {dtype} and shape {list(shape)}, or a byte "
+                    f"buffer of {expected_bytes} bytes"
+                ) from None
+    if given is None or given in (np.dtype(np.uint8), np.dtype(np.int8)):
+        _check_bytes(name, dtype, shape, target.nbytes, expected_bytes)
+        return target
+    try:
+        wanted: Any = numpy_dtype(dtype)
+    except DtypeMismatchError:
+        wanted = None
+    if given != wanted:
+        want = "no numpy dtype" if wanted is None else f"numpy {wanted}"
+        raise DtypeMismatchError(
+            f"{name}: the destination is numpy {given}, this rank's tensor is {dtype} ({want}); "
+            f"pass an array of {dtype} and shape {list(shape)} (kda_tp.checkpoint.reader."
+            f"numpy_dtype({dtype!r})), or a uint8 buffer of {expected_bytes} bytes for the raw "
+            "bytes, and cast afterwards"
+        )
+    _check_shape(name, dtype, shape, given_shape)
+    return target
+
+
+def check_torch_destination(name: str, dtype: str, shape: tuple[int, ...], out: Any) -> None:
+    """The checks :func:`destination` makes of a ``torch.Tensor`` ``out`` on any device: the
+    tensor's dtype and shape (typed), or its byte count (``uint8``/``int8``), and contiguity.
+
+    Raises:
+        DtypeMismatchError, ShapeMismatchError, BufferLayoutError: as :func:`destination`.
+    """
+    torch = import_torch()
+    elems = 1
+    for extent in shape:
+        elems *= extent
+    expected_bytes = elems * _itemsize(dtype)
+    if not out.is_contiguous():
+        raise BufferLayoutError(
+            f"{name}: the destination tensor is not contiguous (strides {out.stride()}); "
+            "pass a contiguous tensor, or read into one and copy_() it"
+        )
+    if out.dtype in (torch.uint8, torch.int8):
+        _check_bytes(name, dtype, shape, out.numel(), expected_bytes)
+        return
+    try:
+        typed: Any = torch_dtype(dtype)
+    except DtypeMismatchError:
+        typed = f"no torch dtype for {dtype}"
+    if out.dtype != typed:
+        raise DtypeMismatchError(
+            f"{name}: the destination is {out.dtype}, this rank's tensor is {dtype} ({typed}); "
+            f"pass a {typed} tensor of shape {list(shape)}, or read into one and cast with "
+            f"copy_() (a uint8 tensor of {expected_bytes} bytes takes the raw bytes)"
+        )
+    _check_shape(name, dtype, shape, tuple(out.shape))
+
+
+def _check_shape(name: str, dtype: str, shape: tuple[int, ...], given: tuple[int, ...]) -> None:
+    if tuple(given) != tuple(shape):
+        raise ShapeMismatchError(
+            f"{name}: the destination has shape {list(given)}, this rank's tensor is "
+            f"{dtype} {list(shape)}; pass a destination of shape {list(shape)} (a transposed or "
+            "reshaped buffer of the same size would receive the bytes in the wrong places)"
+        )
+
+
+def _check_bytes(name: str, dtype: str, shape: tuple[int, ...], given: int, expected: int) -> None:
+    if given != expected:
+        raise ShapeMismatchError(
+            f"{name}: the byte destination is {given} bytes, this rank's tensor is {dtype} "
+            f"{list(shape)}, {expected} bytes; pass a buffer of exactly {expected} bytes"
         )
 
 
@@ -376,7 +545,25 @@ class SafetensorsSource:
         if found is None:
             return None
         dtype, shape, _ = found
-        return Tensor(name, dtype, tuple(shape), self._read(name, dtype, 0, None))
+        return Tensor(name, dtype, tuple(shape), self._read(name, dtype, 0, None),
+                      writable=self.writable(name, 0, None))
+
+    def writable(self, name: str, start: int, stop: int | None) -> Callable[[], np.ndarray] | None:
+        """For ``Tensor(..., writable=)``: a function giving bytes ``[start, stop)`` of tensor
+        ``name`` (``stop`` None: its end) as a writable ``uint8`` array, a range of the file's
+        copy-on-write mapping (see :meth:`Tensor.writable_data`); None with ``"pread"``, whose
+        arrays are private copies already. The function raises ``CheckpointError`` when the
+        file changed since the source opened it."""
+        if self.backend == "pread":
+            return None
+        return partial(self._read_writable, name, start, stop)
+
+    def _read_writable(self, name: str, start: int, stop: int | None) -> np.ndarray:
+        data = np.asarray(self._checkpoint.read_writable(name, start, stop))
+        found = self._checkpoint.info(name)
+        if found is not None and data.ctypes.data % max(1, _itemsize(found[0])):
+            data = data.copy()  # misaligned for its dtype in the file: aligned copy
+        return data
 
     def read_range(self, name: str, start: int, stop: int) -> np.ndarray:
         """Bytes ``[start, stop)`` of tensor ``name``'s data, as a read-only ``uint8`` array.

@@ -87,7 +87,10 @@ def config_model_dtype(config: Mapping[str, Any] | None, engine: str,
         DtypeMismatchError: ``model_dtype`` is not a model dtype.
     """
     if model_dtype is not None:
-        name = model_dtype_name(model_dtype) or str(model_dtype)
+        name = model_dtype_name(model_dtype) or (
+            # Any case, as the command line's --dtype: "bf16", "BFloat16", "float32".
+            SPELLINGS.get(model_dtype.lower(), model_dtype.upper())
+            if isinstance(model_dtype, str) else str(model_dtype))
         if name not in MODEL_DTYPES:
             raise DtypeMismatchError(
                 f"model_dtype {model_dtype!r} is not a model dtype an engine runs in; pass one "

@@ -11,13 +11,15 @@ from __future__ import annotations
 
 import os
 import weakref
-from collections.abc import Iterable, Iterator
+import operator
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from .. import _native
 from ..checkpoint.description import describe
+from ..checkpoint.memory import MemorySource, is_tensor_mapping
 from ..checkpoint.names import (
     FULL_RANK_GATE,
     LOW_RANK_GATE,
@@ -29,18 +31,42 @@ from ..checkpoint.reader import (
     SafetensorsSource,
     Tensor,
     TensorSource,
-    check_out,
+    check_torch_destination,
+    destination,
     missing_tensor,
     readonly_bytes,
     shard_bytes,
-    writable_bytes,
 )
-from ..errors import CheckpointError, DtypeMismatchError, KdaTpError, TensorNotFoundError
-from ..model.dtypes import numpy_dtype
+from ..errors import (
+    CheckpointError,
+    DtypeMismatchError,
+    KdaTpError,
+    PlanError,
+    TensorNotFoundError,
+    UsageError,
+)
+from ..model.dtypes import import_torch, numpy_dtype
 from ..model.quant import SCALE_SUFFIXES
 from .plan import KdaShard, KdaTensorPlan, KdaTpPlan
 
-__all__ = ["KdaShardedSource", "open_rank"]
+__all__ = ["STAGING_BYTES", "KdaShardedSource", "TensorSlice", "open_rank"]
+
+#: The host staging buffer's size for ``read_into`` a tensor on another device (bytes).
+STAGING_BYTES = 64 << 20
+
+
+def _checked_name(name: object, call: str) -> str:
+    """``name`` when it is a ``str``.
+
+    Raises:
+        UsageError: another type (``bytes`` included), with the fix.
+    """
+    if isinstance(name, str):
+        return name
+    fix = " (decode it: name.decode())" if isinstance(name, (bytes, bytearray)) else ""
+    raise UsageError(
+        f"{call}: a tensor name is a str, got {type(name).__name__} {name!r}{fix}"
+    )
 
 # The zero-padded A_log tensors whose padding a view has checked, by opened checkpoint.
 _PADDING_CHECKED: weakref.WeakKeyDictionary[SafetensorsSource, set[str]] = (
@@ -237,7 +263,9 @@ class KdaShardedSource:
         read_range = getattr(self.source, "read_range", None)
         if entry.byte_range is not None and read_range is not None:
             # One contiguous range: read only it (its size was checked with the shape).
-            return Tensor(name, entry.dtype, local_shape, read_range(name, *entry.byte_range))
+            writable = getattr(self.source, "writable", None)
+            return Tensor(name, entry.dtype, local_shape, read_range(name, *entry.byte_range),
+                          writable=None if writable is None else writable(name, *entry.byte_range))
         read_columns = getattr(self.source, "read_columns", None)
         if entry.kind == KdaShard.CHANNEL_COLS and read_columns is not None:
             # o_proj: only this rank's column block of each row (pread reads nothing else).
@@ -260,49 +288,98 @@ class KdaShardedSource:
 
         Args:
             name: a checkpoint tensor name (KDA or passed through), as in :meth:`names`.
-            out: a writable, C-contiguous numpy array (any dtype but object, with the item size
-                1 or that of the tensor's dtype, any shape) or any other object exposing a
-                writable C-contiguous buffer (``bytearray``, ``memoryview``, ``mmap``; for a
-                CPU ``torch`` tensor pass ``t.view(-1).view(torch.uint8).numpy()``) of exactly
-                the local tensor's size in bytes (``prod(info(name)[1])`` x the dtype's size).
-                Every byte of it is overwritten, row-major in the local shape. No other thread
-                may read or write it until the call returns (as with ``file.readinto``, the
-                copy runs with the GIL released).
+            out: where the tensor goes, every byte overwritten, row-major in the local shape:
+
+                * a *typed* destination, of exactly the tensor's dtype and this rank's shape
+                  (``info(name)``): a C-contiguous numpy array (BF16 as
+                  ``ml_dtypes.bfloat16``), or a contiguous ``torch.Tensor`` (a parameter
+                  included: ``view.read_into(name, param)``, written under ``detach()``). A CPU
+                  tensor is written in place; a tensor on another device (CUDA) is filled
+                  through a host staging buffer (pinned for CUDA), as ``kda_tp.torch.load_rank``
+                  does, in chunks of at most 64 MiB;
+                * a *byte* destination, checked by byte count alone: a ``uint8``/``int8`` array
+                  or tensor of any shape, ``bytearray``, a byte ``memoryview``, ``mmap``, of
+                  exactly the local tensor's size in bytes (``prod(info(name)[1])`` x the
+                  dtype's size).
+
+                No other thread may read or write it until the call returns (as with
+                ``file.readinto``, the copy runs with the GIL released).
 
         The source's bytes must not be written during the call either: a
         :class:`SafetensorsSource`'s never are (a read-only mapping, or a copy numpy cannot make
         writable); a custom source's arrays are its owner's to keep still.
 
         Raises:
-            ShapeMismatchError: ``out`` is not the local tensor's size in bytes, or its item
-                size is neither 1 nor the tensor dtype's (the message names the tensor and gives
-                both sizes in bytes).
+            TensorNotFoundError: the view has no tensor ``name`` (the ``KeyError`` that
+                ``view[name]`` raises).
+            DtypeMismatchError: a typed destination of another dtype (an ``np.float16`` buffer
+                for a BF16 tensor: same item size, other numbers); the message names the
+                tensor, both dtypes and the fix.
+            ShapeMismatchError: a typed destination of another shape (the transposed
+                ``o_proj``), or a byte destination of another byte count.
             BufferLayoutError: ``out`` is read-only, not C-contiguous, an object array, or not
                 a buffer.
-            CheckpointError: the source has no tensor ``name``, or reading it fails (a file
-                that changed since it was opened included).
+            UsageError: ``name`` is not a ``str``.
+            CheckpointError: reading fails (a file that changed since it was opened included).
         """
         self._check_open()
-        target = writable_bytes(name, out)
+        found = self.info(_checked_name(name, "read_into"))
+        if found is None:
+            raise self._not_found(name)
+        dtype, shape = found
+        device = getattr(out, "device", None)
+        if device is not None and getattr(device, "type", "cpu") != "cpu" and hasattr(
+                out, "is_contiguous"):
+            self._read_into_device(name, dtype, shape, out)
+            return
+        self._read_bytes_into(name, destination(name, dtype, shape, out))
+
+    def _read_bytes_into(self, name: str, target: np.ndarray) -> None:
+        """Write this rank's bytes of ``name`` into ``target``, a checked 1-D ``uint8`` array."""
         planned = self._planned.get(name)
         if planned is None:
             record = self.source.get(name)
             if record is None:
-                raise CheckpointError(f"{location(self.source)}: no tensor named {name!r}")
-            data = readonly_bytes(record.data)
-            check_out(name, record.dtype, out, target, data.nbytes)
-            _native.copy_into(data, target)
+                raise self._not_found(name)
+            _native.copy_into(readonly_bytes(record.data), target)
             return
         entry = planned[0]
-        check_out(name, entry.dtype, out, target, entry.local_bytes)
         read_range = getattr(self.source, "read_range", None)
         if entry.byte_range is not None and read_range is not None:
             _native.copy_into(read_range(name, *entry.byte_range), target)
             return
         record = self.source.get(name)
         if record is None:
-            raise CheckpointError(f"{location(self.source)}: no tensor named {name!r}")
+            raise self._not_found(name)
         _native.shard_into(entry, readonly_bytes(record.data), target)
+
+    def _read_into_device(self, name: str, dtype: str, shape: tuple[int, ...], out: Any) -> None:
+        """``read_into`` a torch tensor off the CPU: the bytes go through a host staging buffer
+        (pinned for CUDA) of at most :data:`STAGING_BYTES`, then ``copy_`` to the device."""
+        torch = import_torch()
+        check_torch_destination(name, dtype, shape, out)
+        flat = out.detach().reshape(-1).view(torch.uint8)
+        nbytes = flat.numel()
+        if not nbytes:
+            return
+        cuda = out.device.type == "cuda"
+        if nbytes <= STAGING_BYTES:
+            host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=cuda)
+            self._read_bytes_into(name, host.numpy())
+            flat.copy_(host)
+            return
+        data = self.get_tensor(name).data
+        host = torch.empty(STAGING_BYTES, dtype=torch.uint8, pin_memory=cuda)
+        for start in range(0, nbytes, STAGING_BYTES):
+            stop = min(start + STAGING_BYTES, nbytes)
+            host.numpy()[: stop - start] = data[start:stop]
+            flat[start:stop].copy_(host[: stop - start])
+
+    def _not_found(self, name: str) -> TensorNotFoundError:
+        return TensorNotFoundError(
+            f"{location(self.source)}: no tensor named {name!r} in this checkpoint (its "
+            "names: keys())"
+        )
 
     def _check_open(self) -> None:
         if self._closed:
@@ -331,13 +408,48 @@ class KdaShardedSource:
                 ``CheckpointError``; the message names the tensor and the checkpoint).
             CheckpointError: the view is closed.
         """
-        found = self._lookup(name)
+        found = self._lookup(_checked_name(name, "view[name]"))
         if found is None:
-            raise TensorNotFoundError(
-                f"{location(self.source)}: no tensor named {name!r} in this checkpoint (its "
-                "names: keys())"
-            )
+            raise self._not_found(name)
         return found
+
+    def get_slice(self, name: str) -> TensorSlice:
+        """This rank's tensor ``name`` for lazy slicing, as ``safe_open``'s ``get_slice``
+        (safetensors' ``PySafeSlice``): ``get_shape()``, ``get_dtype()`` and ``[...]``
+        indexing of the rank's local tensor (KDA tensors sliced by the plan first, every other
+        tensor whole). Nothing is read until it is indexed; then a row-sliced, replicated or
+        passed-through tensor is indexed in place in the file mapping (only the pages the index
+        touches are read), and ``o_proj`` is gathered once.
+
+        Raises:
+            TensorNotFoundError: the view has no tensor ``name`` (as ``view[name]``).
+            UsageError: ``name`` is not a ``str``.
+            CheckpointError: the view is closed.
+        """
+        self._check_open()
+        found = self.info(_checked_name(name, "get_slice"))
+        if found is None:
+            raise self._not_found(name)
+        return TensorSlice(self, name, *found)
+
+    def metadata(self) -> dict[str, str] | None:
+        """The checkpoint's safetensors ``__metadata__``, as ``safe_open``'s ``metadata()``: the
+        string map of its header (of an indexed checkpoint's files together: the first file's
+        value for a key several files give), or None when no file has one (a state dict's
+        view included)."""
+        self._check_open()
+        files = getattr(self.source, "files", None)
+        if files is None:
+            metadata = getattr(self.source, "metadata", None)
+            return None if metadata is None else metadata()
+        merged: dict[str, str] = {}
+        found = False
+        for _, meta in files():
+            if meta is not None:
+                found = True
+                for key, value in meta.items():
+                    merged.setdefault(key, value)
+        return merged if found else None
 
     def __getitem__(self, name: str) -> Tensor:
         return self.get_tensor(name)
@@ -402,14 +514,54 @@ class KdaShardedSource:
         )
 
 
+class TensorSlice:
+    """One tensor of a rank's view, sliced lazily: ``view.get_slice(name)``, as safetensors'
+    ``PySafeSlice``.
+
+    ``get_shape()`` is the rank's local shape (a list, as safetensors gives it), ``get_dtype()``
+    the safetensors dtype name (``"BF16"``), and ``s[index]`` any numpy basic index of the local
+    tensor (``s[:, 0:64]``, ``s[3]``, ``s[...]``) as a read-only typed numpy array (BF16 as
+    ``ml_dtypes.bfloat16``; ``torch.from_numpy(s[...].copy())`` for torch).
+    """
+
+    def __init__(self, view: KdaShardedSource, name: str, dtype: str, shape: tuple[int, ...]):
+        self._view = view
+        self.name = name
+        self._dtype = dtype
+        self._shape = shape
+
+    def get_shape(self) -> list[int]:
+        """The rank's local shape."""
+        return list(self._shape)
+
+    def get_dtype(self) -> str:
+        """The safetensors dtype name."""
+        return self._dtype
+
+    def __getitem__(self, index: Any) -> np.ndarray:
+        """``index`` of the local tensor, read now.
+
+        Raises:
+            DtypeMismatchError: a dtype numpy cannot hold (packed 4- and 6-bit floats).
+            IndexError: an index outside the local shape (numpy's).
+        """
+        result: np.ndarray = self._view[self.name].array[index]
+        return result
+
+    def __repr__(self) -> str:
+        return f"TensorSlice({self.name!r}, dtype={self._dtype}, shape={list(self._shape)})"
+
+
 def open_rank(
-    checkpoint: str | os.PathLike[str] | SafetensorsSource,
+    checkpoint: str | os.PathLike[str] | SafetensorsSource | Mapping[str, Any]
+    | Sequence[tuple[str, Any]],
     *,
     tp_rank: int,
     tp_size: int,
     layers: Iterable[int] | None = None,
     qk_multiple: int = 256,
     backend: str | None = None,
+    config: Mapping[str, Any] | str | os.PathLike[str] | None = None,
 ) -> KdaShardedSource:
     """One tensor-parallel rank's view of a checkpoint, with its plan on it (``view.plan``), in
     one call: what a loader opens, as it opens a file with safetensors' ``safe_open``::
@@ -421,15 +573,29 @@ def open_rank(
     The checkpoint is described once per opened source (``kda_tp.describe``), so
     the plan costs no second read of the headers and the view checks each KDA tensor once.
 
+    A trainer's tensors go through the same door (RL weight sync: the state dict, not files)::
+
+        view = kda_tp.open_rank(model.state_dict(), config="Kimi-K3/config.json",
+                                tp_rank=r, tp_size=8)
+
+    gives the same view, plan, refusals and bytes as the checkpoint would: nothing is copied or
+    gathered that the plan does not slice (a CPU tensor's row slice is a view of its memory; a
+    CUDA tensor's slice is cut on the device and only its bytes reach the host).
+
     Args:
-        checkpoint: a checkpoint directory, a ``.safetensors`` file, or an open
-            :class:`SafetensorsSource` (closed with the view).
+        checkpoint: a checkpoint directory, a ``.safetensors`` file, an open
+            :class:`SafetensorsSource` (closed with the view), or in-memory tensors: a mapping
+            (or a list of ``(name, tensor)`` pairs) of checkpoint-format names to numpy arrays
+            or ``torch.Tensor`` on any device (see
+            ``kda_tp.checkpoint.memory.MemorySource``).
         tp_rank: this rank, ``0 <= tp_rank < tp_size``.
         tp_size: the tensor-parallel world size.
         layers: 0-based KDA layer indices (default: the config's), checked as
             ``KdaTpPlan.from_config`` checks them.
         qk_multiple: see :class:`KdaTpPlan`.
         backend: ``"mmap"`` or ``"pread"`` (see :class:`SafetensorsSource`) for a path.
+        config: for in-memory tensors (and only for them), the model's ``config.json``: a dict,
+            or the path of the file or of its directory.
 
     Returns:
         The rank's :class:`KdaShardedSource`, a context manager whose ``close()`` releases the
@@ -440,13 +606,35 @@ def open_rank(
             ``tp_rank`` and ``tp_size``: a rank ``shard`` wrote), or as below.
         CheckpointError, DtypeMismatchError, ShapeMismatchError, PlanError: as
             ``KdaTpPlan.from_config`` and :class:`KdaShardedSource`.
-        UsageError: an unknown ``backend``.
+        UsageError: an unknown ``backend``; ``checkpoint`` of another type (``bytes``
+            included); ``config`` given with a checkpoint (it has its own ``config.json``) or
+            missing for in-memory tensors; a ``tp_rank`` or ``tp_size`` that is no integer.
+        PlanError: ``tp_rank`` outside ``0..tp_size-1`` (the message gives the range and the
+            fix).
     """
-    source = (checkpoint if isinstance(checkpoint, SafetensorsSource)
-              else SafetensorsSource(checkpoint, backend))
+    tp_rank, tp_size = _rank_and_size(tp_rank, tp_size)
+    source: Any
+    if is_tensor_mapping(checkpoint):
+        source = MemorySource(checkpoint, config)  # type: ignore[arg-type]
+    else:
+        if config is not None:
+            raise UsageError(
+                "open_rank(checkpoint, config=...): config= is for in-memory tensors; a "
+                "checkpoint reads its own config.json"
+            )
+        if not isinstance(checkpoint, (str, os.PathLike, SafetensorsSource)):
+            fix = (" (decode it: os.fsdecode(path))"
+                   if isinstance(checkpoint, (bytes, bytearray)) else "")
+            raise UsageError(
+                f"open_rank: checkpoint must be a path (str or os.PathLike), an open "
+                f"SafetensorsSource, or a mapping of tensor names to arrays/tensors; got "
+                f"{type(checkpoint).__name__}{fix}"
+            )
+        source = (checkpoint if isinstance(checkpoint, SafetensorsSource)
+                  else SafetensorsSource(checkpoint, backend))
     selected = None if layers is None else list(layers)
     try:
-        for path, meta in source.files():
+        for path, meta in (source.files() if isinstance(source, SafetensorsSource) else []):
             if meta and "tp_rank" in meta and "tp_size" in meta:
                 raise CheckpointError(
                     f"{path}: already a tensor-parallel shard (rank {meta['tp_rank']} of "
@@ -459,3 +647,30 @@ def open_rank(
         if source is not checkpoint:
             source.close()
         raise
+
+
+def _rank_and_size(tp_rank: Any, tp_size: Any) -> tuple[int, int]:
+    """``(tp_rank, tp_size)`` as ints (any integer type, numpy's included, through
+    ``operator.index``), checked as the command line checks ``--tp-rank``.
+
+    Raises:
+        UsageError: a value that is no integer (a bool, a float, a string).
+        PlanError: ``tp_size < 1`` or ``tp_rank`` outside ``0..tp_size-1``.
+    """
+    values = []
+    for what, value in (("tp_rank", tp_rank), ("tp_size", tp_size)):
+        try:
+            if isinstance(value, bool):
+                raise TypeError
+            values.append(operator.index(value))
+        except TypeError:
+            raise UsageError(f"open_rank: {what} must be an integer, got {value!r}") from None
+    rank, size = values
+    if size < 1:
+        raise PlanError(f"open_rank: tp_size must be at least 1, got {size}")
+    if not 0 <= rank < size:
+        raise PlanError(
+            f"open_rank: tp_rank {rank} is outside 0..{size - 1} for tp_size {size} (ranks "
+            f"count from 0: the last of {size} is {size - 1}); pass tp_rank in 0..{size - 1}"
+        )
+    return rank, size

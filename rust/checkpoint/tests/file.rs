@@ -229,3 +229,31 @@ fn a_tensor_too_large_to_allocate_is_an_error_not_an_abort() {
         }
     }
 }
+
+#[test]
+fn writable_reads_are_copy_on_write_and_leave_the_file_and_reads_alone() {
+    let dir = TempDir::new("cow");
+    let (path, bytes) = three_tensor_file(&dir, "w.safetensors", 5);
+    for backend in [Backend::Mmap, Backend::Pread] {
+        let file = SafetensorsFile::open(&path, backend).unwrap();
+        let w = file.read_writable("z", 0..usize::MAX).unwrap();
+        let (address, len) = w.address();
+        assert_eq!(len, 24);
+        // SAFETY: `w` owns `len` writable bytes at `address` (a private copy-on-write mapping or
+        // an owned copy) while it lives; nothing else borrows them.
+        let written = unsafe { std::slice::from_raw_parts_mut(address as *mut u8, len) };
+        assert_eq!(&written[..], &bytes[0..24]);
+        written.fill(0xA5);
+        assert_eq!(
+            file.read("z").unwrap().as_slice(),
+            &bytes[0..24],
+            "{backend:?}"
+        );
+        let again = file.read_writable("z", 0..4).unwrap();
+        assert_eq!(again.address().1, 4);
+    }
+    let on_disk = std::fs::read(&path).unwrap();
+    let fresh = SafetensorsFile::open(&path, Backend::Pread).unwrap();
+    assert_eq!(fresh.read("z").unwrap().as_slice(), &bytes[0..24]);
+    assert!(!on_disk.windows(24).any(|w| w.iter().all(|&b| b == 0xA5)));
+}

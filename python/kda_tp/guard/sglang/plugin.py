@@ -1,7 +1,8 @@
 """The guard inside SGLang 0.5.23: every TP rank checks its KDA weights right after they load.
 
-``pip install kda_tp`` registers :func:`register` as the entry point ``kda_tp_guard`` of the
-group ``sglang.srt.plugins``. SGLang's own ``sglang.srt.plugins.load_plugins()`` runs it in every
+Installing kda_tp (``pip install .`` from this checkout, or its wheel: it is not on PyPI)
+registers :func:`register` as the entry point ``kda_tp_guard`` of the group
+``sglang.srt.plugins``. SGLang's own ``sglang.srt.plugins.load_plugins()`` runs it in every
 process it starts (each scheduler, one per TP rank, included) and then applies the hooks it
 registered with ``sglang.srt.plugins.hook_registry.HookRegistry``:
 
