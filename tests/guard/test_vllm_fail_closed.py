@@ -146,3 +146,31 @@ def test_the_repair_switch_ignores_case_and_refuses_an_unknown_value(vc, monkeyp
     monkeypatch.setenv(REPAIR_ENV, "maybe")
     with pytest.raises(GuardModeError, match="KDA_TP_GUARD_REPAIR='maybe' is not a repair"):
         default_load(vc, build(vc, "glm", 2, 1), CKPT["glm"])
+
+
+def test_audit_llm_audits_an_rl_refit_against_the_checkpoint_given(vc, tmp_path):
+    """F16: after an honest refit (values x 2), ``audit_llm(llm)`` audits against the model
+    path (every refitted parameter differs); ``audit_llm(llm, checkpoint=...)`` against the
+    refit's source, as SGLang's ``audit_engine`` does: OK."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from vllm_guard import fed
+    model = loaded(vc, "kimi_linear", 2, 1)
+    with vllm_config_of(vc):
+        model.load_weights(fed("kimi_linear", 2.0))
+    refit = tmp_path / "refit"
+    shutil.copytree(CKPT["kimi_linear"], refit)
+    save_file({n: t.contiguous() for n, t in fed("kimi_linear", 2.0)},
+              str(refit / "model.safetensors"))
+    llm = _llm([(1, worker(model, CKPT["kimi_linear"]))], 2)
+    [stale] = audit_llm(llm)[1:]
+    assert stale["ok"] is False
+    [report] = audit_llm(llm, checkpoint=refit)[1:]
+    assert report["ok"] is True, report["line"]
+
+
+def vllm_config_of(vc):
+    from vllm.config import set_current_vllm_config
+    return set_current_vllm_config(vc)
