@@ -174,3 +174,29 @@ def test_audit_llm_audits_an_rl_refit_against_the_checkpoint_given(vc, tmp_path)
 def vllm_config_of(vc):
     from vllm.config import set_current_vllm_config
     return set_current_vllm_config(vc)
+
+
+@pytest.mark.parametrize("answer,named", [
+    ({"tp_size": 10**7, "tp_rank": 0}, "tp_size 10000000 is not a size"),
+    ({"tp_size": "two", "tp_rank": 0}, "tp_size 'two' is not a size"),
+    ({"tp_size": 2, "tp_rank": 10**400}, "tp_rank <an integer of 1329 bits> is not a rank"),
+    ({"tp_size": True, "tp_rank": 0}, "tp_size True is not a size"),
+])
+def test_audit_llm_refuses_sizes_in_workers_answers_by_name_fast(answer, named):
+    """F17: a worker's ``tp_size`` of 10**7 or ``"two"`` (or a huge rank) is a named,
+    unguarded entry at once: no 10**7-entry list, no raw ValueError."""
+    import time
+    start = time.perf_counter()
+    reports = audit_llm(types.SimpleNamespace(collective_rpc=lambda method: [answer]))
+    assert time.perf_counter() - start < 1.0
+    [refused] = reports
+    assert refused["guarded"] is False and refused["ok"] is None
+    assert named in refused["line"], refused["line"]
+
+
+def test_audit_llm_refuses_an_engine_config_of_too_many_ranks():
+    llm = types.SimpleNamespace(collective_rpc=lambda method: [], llm_engine=types.SimpleNamespace(
+        vllm_config=types.SimpleNamespace(parallel_config=types.SimpleNamespace(
+            tensor_parallel_size=60000, pipeline_parallel_size=60000, data_parallel_rank=0))))
+    [refused] = audit_llm(llm)
+    assert refused["guarded"] is False and "more than 65536: refused" in refused["line"]

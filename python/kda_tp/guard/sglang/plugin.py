@@ -73,7 +73,7 @@ from .._first_load import GuardResult, check
 from .._live import Follower, followed
 from .._load import follow_model, on_load
 from .._modes import MODE_ENV, cannot_check, mode, warn_once
-from .._record import RECORD, account, rank_report
+from .._record import RECORD, account, count, engine_ranks, rank_report, sized
 from .._record import status as _status
 from .facts import SglangEngine, parallel_int, label, parallel, checkpoint_of, rank_and_size
 
@@ -382,19 +382,21 @@ def guard_runner(runner: Any, checkpoint: str | None = None, *,
 # A running engine
 
 
-def _expected_ranks(engine: Any, reports: list[dict[str, Any]]) -> list[tuple[int, int, int]]:
+def _expected_ranks(engine: Any, reports: list[dict[str, Any]]
+                    ) -> tuple[list[tuple[int, int, int]], list[dict[str, Any]]]:
     """Every ``(attention-DP, pipeline, attention-TP)`` rank of the engine: from its
-    ``server_args`` when it has them, else from the ranks' reports (their sizes)."""
+    ``server_args`` when it has them, else from the ranks' reports (their sizes, checked by
+    ``kda_tp.guard._record.sized``); with the unguarded entry of too many ranks."""
     args = getattr(engine, "server_args", None)
     if args is not None:
-        tp, pp = int(getattr(args, "tp_size", 1)), int(getattr(args, "pp_size", 1))
-        dp = int(getattr(args, "dp_size", 1)) if getattr(args, "enable_dp_attention", False) \
-            else 1
-        return [(d, p, t) for d in range(dp) for p in range(pp) for t in range(tp // dp)]
-    tp = max([int(r.get("tp_size") or 0) for r in reports] + [0])
-    pp = max([int(r.get("pp_rank") or 0) + 1 for r in reports] + [1])
-    dps = sorted({int(r.get("dp_rank") or 0) for r in reports}) or [0]
-    return [(d, p, t) for d in dps for p in range(pp) for t in range(tp)]
+        tp, pp = count(getattr(args, "tp_size", 1)) or 1, count(getattr(args, "pp_size", 1)) or 1
+        dp = (count(getattr(args, "dp_size", 1)) or 1) \
+            if getattr(args, "enable_dp_attention", False) else 1
+        return engine_ranks(list(range(dp)), pp, max(tp // dp, 1), "sglang")
+    tp = max([r.get("tp_size") or 0 for r in reports] + [0])
+    pp = max([(r.get("pp_rank") or 0) + 1 for r in reports] + [1])
+    dps = sorted({r.get("dp_rank") or 0 for r in reports}) or [0]
+    return engine_ranks(dps, pp, tp, "sglang")
 
 
 def audit_runner(runner: Any, checkpoint: str | None = None) -> dict[str, Any]:
@@ -498,12 +500,15 @@ def audit_engine(engine: Any, *, checkpoint: str | None = None,
             report = json.loads(path.read_text())
             if isinstance(report, dict) and report.get("audit") == audit:
                 reports.append(report)
-        expected = _expected_ranks(engine, reports)
-        if not expected and not reports:
+        reports, odd = sized(reports, "sglang")
+        expected, too_many = _expected_ranks(engine, reports)
+        if too_many:
+            return too_many + odd
+        if not expected and not reports and not odd:
             return [{"ok": None, "guarded": False, "tp_rank": None, "tp_size": None,
                      "where": "sglang", "report": None, "line": "kda_tp guard: sglang: "
                      "unguarded: no rank wrote a report (no guard loaded, or no answer)"}]
-        return account(reports, expected, "sglang")
+        return account(reports, expected, "sglang") + odd
 
     if report_dir is not None:
         os.makedirs(report_dir, exist_ok=True)

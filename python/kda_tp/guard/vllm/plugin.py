@@ -70,7 +70,7 @@ from .._live import UPDATES_HOOK, Follower, followed, repair
 from .._load import follow_model, on_load
 from .._modes import MODE_ENV, REPAIR_ENV, LoadSource, cannot_check, mode, warn_once
 from .._names import looks_kda
-from .._record import RECORD, account, rank_report
+from .._record import RECORD, account, count, engine_ranks, rank_report, sized
 from .._record import status as _status
 from ._hooks import after_import, subclasses
 from .facts import VllmEngine, attach_vllm_logging, dp_rank, pp_rank_size, tp_rank_size
@@ -589,20 +589,23 @@ def audit_llm(llm: Any, *, checkpoint: str | os.PathLike[str] | None = None
     except Exception as error:  # noqa: BLE001 - a worker without the method: unguarded
         return [_unguarded(f"the workers do not answer {WORKER_METHOD} "
                            f"({type(error).__name__}: {error}){hint}")]
-    reports = [answer for answer in answers if isinstance(answer, dict)]
-    odd = [_unguarded(f"worker {i} answered {answer!r}{hint}")
-           for i, answer in enumerate(answers) if not isinstance(answer, dict)]
+    reports, odd = sized([answer for answer in answers if isinstance(answer, dict)],
+                         "vllm audit")
+    odd += [_unguarded(f"worker {i} answered {answer!r:.80}{hint}")
+            for i, answer in enumerate(answers) if not isinstance(answer, dict)]
     parallel = getattr(getattr(getattr(llm, "llm_engine", None), "vllm_config", None),
                        "parallel_config", None)
-    tp = getattr(parallel, "tensor_parallel_size", None) or \
-        max([int(r.get("tp_size") or 0) for r in reports] + [0])
-    pp = getattr(parallel, "pipeline_parallel_size", None) or \
-        max([int(r.get("pp_rank") or 0) + 1 for r in reports] + [1])
+    tp = count(getattr(parallel, "tensor_parallel_size", None)) or \
+        max([r.get("tp_size") or 0 for r in reports] + [0])
+    pp = count(getattr(parallel, "pipeline_parallel_size", None)) or \
+        max([(r.get("pp_rank") or 0) + 1 for r in reports] + [1])
     dp = {dp_rank(getattr(getattr(llm, "llm_engine", None), "vllm_config", None))} \
-        if parallel is not None else {int(r.get("dp_rank") or 0) for r in reports} or {0}
+        if parallel is not None else {r.get("dp_rank") or 0 for r in reports} or {0}
     if not tp and not odd:
         return [_unguarded(f"no worker answered {WORKER_METHOD}{hint}")]
-    expected = [(d, p, t) for d in sorted(dp) for p in range(pp) for t in range(tp)]
+    expected, too_many = engine_ranks(sorted(dp), pp, tp, "vllm audit")
+    if too_many:
+        return too_many + odd
     return account(reports, expected, "vllm audit") + odd
 
 
