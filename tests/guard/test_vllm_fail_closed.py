@@ -144,8 +144,39 @@ def test_the_repair_switch_ignores_case_and_refuses_an_unknown_value(vc, monkeyp
     monkeypatch.setenv(REPAIR_ENV, value)
     assert repair_on() is on
     monkeypatch.setenv(REPAIR_ENV, "maybe")
+    monkeypatch.setenv(MODE_ENV, "fail")
+    from kda_tp.guard._live import repair
+    model = _holding_a_derived_copy(loaded(vc, "glm", 2, 1))
     with pytest.raises(GuardModeError, match="KDA_TP_GUARD_REPAIR='maybe' is not a repair"):
-        default_load(vc, build(vc, "glm", 2, 1), CKPT["glm"])
+        repair(model)  # where the repair acts, mode fail refuses the unknown value
+
+
+def _holding_a_derived_copy(model):
+    """GLM's model as after ``process_weights_after_loading``: its merged conv copy held (what
+    the repair drops)."""
+    import torch
+    model.model.layers[0].self_attn._merged_conv_weight = torch.zeros(1)
+    return model
+
+
+@pytest.mark.parametrize("guard_mode", ["off", "warn"])
+@pytest.mark.parametrize("kind", ["glm", "kimi_linear"])
+def test_an_invalid_repair_value_stops_no_honest_load_in_modes_off_and_warn(
+        vc, monkeypatch, guard_mode, kind):
+    """F19: ``KDA_TP_GUARD_REPAIR=maybe`` is read only where the repair acts, and in modes
+    off and warn it stops no honest load (GLM's derived copies: one warning, no repair; a
+    model without derived copies never reads it)."""
+    monkeypatch.setenv(MODE_ENV, guard_mode)
+    monkeypatch.setenv(REPAIR_ENV, "maybe")
+    from kda_tp.guard._live import repair
+    model = build(vc, kind, 2, 1)
+    default_load(vc, model, CKPT[kind])  # no derived copy held: the variable is never read
+    if kind != "glm":
+        return
+    _holding_a_derived_copy(model)
+    with pytest.warns(RuntimeWarning, match="'maybe' is not a repair setting.*no repair"):
+        repair(model)  # where it acts: one warning, no repair, no refusal
+    assert model.model.layers[0].self_attn._merged_conv_weight is not None
 
 
 def test_audit_llm_audits_an_rl_refit_against_the_checkpoint_given(vc, tmp_path):
