@@ -231,3 +231,21 @@ def test_audit_llm_refuses_an_engine_config_of_too_many_ranks():
             tensor_parallel_size=60000, pipeline_parallel_size=60000, data_parallel_rank=0))))
     [refused] = audit_llm(llm)
     assert refused["guarded"] is False and "more than 65536: refused" in refused["line"]
+
+
+def test_mode_off_at_first_load_then_fail_checks_the_later_refit_and_off_is_not_guarded(
+        vc, monkeypatch):
+    """F3: the model is followed in every mode, the mode read at each call: off at the first
+    load, fail later => the later wrong refit is refused. F4: in mode off the live audit
+    answers ``guarded: False``."""
+    from vllm_guard import fed, loading_as
+    monkeypatch.setenv(MODE_ENV, "off")
+    model = loaded(vc, "kimi_linear", 2, 1)
+    [off] = audit_llm(_llm([(1, worker(model, CKPT["kimi_linear"]))], 2))[1:]
+    assert off["guarded"] is False and off["mode"] == "off"
+    monkeypatch.setenv(MODE_ENV, "fail")
+    loading_as(model, 2, 0)  # the refit's loader writes rank 0's shards on rank 1
+    with vllm_config_of(vc), pytest.raises(GuardError):
+        model.load_weights(fed("kimi_linear", 2.0))
+    [on] = audit_llm(_llm([(1, worker(model, CKPT["kimi_linear"]))], 2))[1:]
+    assert on["guarded"] is True

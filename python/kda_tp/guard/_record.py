@@ -95,7 +95,8 @@ def status(engine: str) -> dict[str, Any]:
     module name ``"vllm"`` or ``"sglang"``, and kda_tp's), ``mode`` (or ``"invalid: ..."``),
     ``hooks`` (each target: ``"armed"``, ``"replaced by <qualname>"`` when a wrapper kda_tp
     installed is no longer in place, or why it is not), ``checks`` (how many verdicts, by
-    kind) and ``last`` (the last verdict line)."""
+    kind), ``last`` (the last verdict line) and ``guarded``: False in mode ``off`` (or an
+    invalid mode), where no load or update is judged, whatever hooks are armed."""
     module = sys.modules.get(engine)
     RECORD.verify()
     try:
@@ -105,7 +106,7 @@ def status(engine: str) -> dict[str, Any]:
     return {"versions": {engine: str(getattr(module, "__version__", "not imported")),
                          "kda_tp": __version__},
             "mode": chosen, "hooks": dict(RECORD.hooks), "checks": dict(RECORD.checks),
-            "last": RECORD.last}
+            "last": RECORD.last, "guarded": chosen in ("fail", "warn")}
 
 
 def account(reports: list[dict[str, Any]], expected: list[tuple[int, int, int]],
