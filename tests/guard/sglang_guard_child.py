@@ -452,7 +452,8 @@ reports = sglang_plugin.audit_engine(engine, report_dir=os.path.join(WORK, "repo
 out["rpc"] = [{k: r[k] for k in ("tp_rank", "tp_size", "ok", "line", "engine", "summary",
                                  "text", "skipped", "guarded", "hooks", "versions", "checks",
                                  "last")} for r in reports]
-out["rpc_files"] = sorted(os.listdir(os.path.join(WORK, "reports")))
+out["rpc_files"] = sorted(name for audit in os.listdir(os.path.join(WORK, "reports"))
+                          for name in os.listdir(os.path.join(WORK, "reports", audit)))
 # Rank 1 no longer answers; its report of the audit above is still in the directory.
 silent = schedulers.pop()
 again = sglang_plugin.audit_engine(engine, report_dir=os.path.join(WORK, "reports"))

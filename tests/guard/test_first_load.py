@@ -394,6 +394,64 @@ def test_audit_engine_reports_a_rank_that_wrote_no_report_as_unguarded(tmp_path)
     assert nobody["guarded"] is False and "no rank wrote a report" in nobody["line"]
 
 
+def test_audit_engine_reads_report_files_bounded_without_links_or_blocking(tmp_path):
+    """F13: each audit writes into its own directory; a FIFO, a link to /dev/zero, garbage
+    and another audit's file among the reports are unguarded entries naming the file (no
+    hang, no memory eaten, no raw error); an audit run while another writes into the same
+    report_dir spoils neither."""
+    import os
+    import time
+
+    from kda_tp.guard.sglang import audit_engine
+
+    def answer(report_dir, audit, rank):
+        (Path(report_dir) / f"kda_tp-guard-tp{rank}.json").write_text(json.dumps(
+            {"ok": True, "guarded": True, "tp_rank": rank, "tp_size": 2, "where": "sglang",
+             "line": f"kda_tp guard: sglang: tp rank {rank}/2: OK", "audit": audit}))
+
+    def hostile(method, report_dir, checkpoint, audit):
+        answer(report_dir, audit, 0)
+        answer(report_dir, audit, 1)
+        os.mkfifo(Path(report_dir) / "kda_tp-guard-fifo-tp2.json")
+        os.symlink("/dev/zero", Path(report_dir) / "kda_tp-guard-zero-tp3.json")
+        (Path(report_dir) / "kda_tp-guard-junk-tp4.json").write_bytes(b"\xff{not json")
+        (Path(report_dir) / "kda_tp-guard-old-tp5.json").write_text('{"audit": "old"}')
+
+    engine = type("Engine", (), {"collective_rpc": staticmethod(hostile)})()
+    start = time.perf_counter()
+    reports = audit_engine(engine, report_dir=tmp_path)
+    assert time.perf_counter() - start < 5
+    assert [(r["tp_rank"], r["ok"]) for r in reports[:2]] == [(0, True), (1, True)]
+    lines = [r["line"] for r in reports[2:]]
+    assert all(r["guarded"] is False for r in reports[2:]) and len(lines) == 4
+    assert any("'kda_tp-guard-fifo-tp2.json' is not a regular file" in x for x in lines)
+    assert any("'kda_tp-guard-zero-tp3.json' is not a regular file" in x for x in lines)
+    assert any("'kda_tp-guard-junk-tp4.json' is not JSON" in x for x in lines)
+    assert any("'kda_tp-guard-old-tp5.json' is not this audit's report" in x for x in lines)
+
+    # two audits at once into one directory: the inner one runs while the outer one's
+    # ranks are answering; both see their own two ranks OK
+    inner: list = []
+
+    def nested(method, report_dir, checkpoint, audit):
+        answer(report_dir, audit, 0)
+        if not inner:
+            inner.append(None)
+            inner[0] = audit_engine(engine_b, report_dir=tmp_path / "shared")
+        answer(report_dir, audit, 1)
+
+    def plain(method, report_dir, checkpoint, audit):
+        answer(report_dir, audit, 0)
+        answer(report_dir, audit, 1)
+
+    engine_b = type("Engine", (), {"collective_rpc": staticmethod(plain)})()
+    engine_a = type("Engine", (), {"collective_rpc": staticmethod(nested)})()
+    outer = audit_engine(engine_a, report_dir=tmp_path / "shared")
+    for got in (outer, inner[0]):
+        assert [(r["tp_rank"], r["ok"], r["guarded"]) for r in got] == [(0, True, True),
+                                                                          (1, True, True)]
+
+
 def test_rank_report_is_one_shape_for_a_pass_a_failure_and_a_check_not_run():
     from kda_tp.guard import rank_report
 

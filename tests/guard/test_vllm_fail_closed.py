@@ -144,5 +144,108 @@ def test_the_repair_switch_ignores_case_and_refuses_an_unknown_value(vc, monkeyp
     monkeypatch.setenv(REPAIR_ENV, value)
     assert repair_on() is on
     monkeypatch.setenv(REPAIR_ENV, "maybe")
+    monkeypatch.setenv(MODE_ENV, "fail")
+    from kda_tp.guard._live import repair
+    model = _holding_a_derived_copy(loaded(vc, "glm", 2, 1))
     with pytest.raises(GuardModeError, match="KDA_TP_GUARD_REPAIR='maybe' is not a repair"):
-        default_load(vc, build(vc, "glm", 2, 1), CKPT["glm"])
+        repair(model)  # where the repair acts, mode fail refuses the unknown value
+
+
+def _holding_a_derived_copy(model):
+    """GLM's model as after ``process_weights_after_loading``: its merged conv copy held (what
+    the repair drops)."""
+    import torch
+    model.model.layers[0].self_attn._merged_conv_weight = torch.zeros(1)
+    return model
+
+
+@pytest.mark.parametrize("guard_mode", ["off", "warn"])
+@pytest.mark.parametrize("kind", ["glm", "kimi_linear"])
+def test_an_invalid_repair_value_stops_no_honest_load_in_modes_off_and_warn(
+        vc, monkeypatch, guard_mode, kind):
+    """F19: ``KDA_TP_GUARD_REPAIR=maybe`` is read only where the repair acts, and in modes
+    off and warn it stops no honest load (GLM's derived copies: one warning, no repair; a
+    model without derived copies never reads it)."""
+    monkeypatch.setenv(MODE_ENV, guard_mode)
+    monkeypatch.setenv(REPAIR_ENV, "maybe")
+    from kda_tp.guard._live import repair
+    model = build(vc, kind, 2, 1)
+    default_load(vc, model, CKPT[kind])  # no derived copy held: the variable is never read
+    if kind != "glm":
+        return
+    _holding_a_derived_copy(model)
+    with pytest.warns(RuntimeWarning, match="'maybe' is not a repair setting.*no repair"):
+        repair(model)  # where it acts: one warning, no repair, no refusal
+    assert model.model.layers[0].self_attn._merged_conv_weight is not None
+
+
+def test_audit_llm_audits_an_rl_refit_against_the_checkpoint_given(vc, tmp_path):
+    """F16: after an honest refit (values x 2), ``audit_llm(llm)`` audits against the model
+    path (every refitted parameter differs); ``audit_llm(llm, checkpoint=...)`` against the
+    refit's source, as SGLang's ``audit_engine`` does: OK."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from vllm_guard import fed
+    model = loaded(vc, "kimi_linear", 2, 1)
+    with vllm_config_of(vc):
+        model.load_weights(fed("kimi_linear", 2.0))
+    refit = tmp_path / "refit"
+    shutil.copytree(CKPT["kimi_linear"], refit)
+    save_file({n: t.contiguous() for n, t in fed("kimi_linear", 2.0)},
+              str(refit / "model.safetensors"))
+    llm = _llm([(1, worker(model, CKPT["kimi_linear"]))], 2)
+    [stale] = audit_llm(llm)[1:]
+    assert stale["ok"] is False
+    [report] = audit_llm(llm, checkpoint=refit)[1:]
+    assert report["ok"] is True, report["line"]
+
+
+def vllm_config_of(vc):
+    from vllm.config import set_current_vllm_config
+    return set_current_vllm_config(vc)
+
+
+@pytest.mark.parametrize("answer,named", [
+    ({"tp_size": 10**7, "tp_rank": 0}, "tp_size 10000000 is not a size"),
+    ({"tp_size": "two", "tp_rank": 0}, "tp_size 'two' is not a size"),
+    ({"tp_size": 2, "tp_rank": 10**400}, "tp_rank <an integer of 1329 bits> is not a rank"),
+    ({"tp_size": True, "tp_rank": 0}, "tp_size True is not a size"),
+])
+def test_audit_llm_refuses_sizes_in_workers_answers_by_name_fast(answer, named):
+    """F17: a worker's ``tp_size`` of 10**7 or ``"two"`` (or a huge rank) is a named,
+    unguarded entry at once: no 10**7-entry list, no raw ValueError."""
+    import time
+    start = time.perf_counter()
+    reports = audit_llm(types.SimpleNamespace(collective_rpc=lambda method: [answer]))
+    assert time.perf_counter() - start < 1.0
+    [refused] = reports
+    assert refused["guarded"] is False and refused["ok"] is None
+    assert named in refused["line"], refused["line"]
+
+
+def test_audit_llm_refuses_an_engine_config_of_too_many_ranks():
+    llm = types.SimpleNamespace(collective_rpc=lambda method: [], llm_engine=types.SimpleNamespace(
+        vllm_config=types.SimpleNamespace(parallel_config=types.SimpleNamespace(
+            tensor_parallel_size=60000, pipeline_parallel_size=60000, data_parallel_rank=0))))
+    [refused] = audit_llm(llm)
+    assert refused["guarded"] is False and "more than 65536: refused" in refused["line"]
+
+
+def test_mode_off_at_first_load_then_fail_checks_the_later_refit_and_off_is_not_guarded(
+        vc, monkeypatch):
+    """F3: the model is followed in every mode, the mode read at each call: off at the first
+    load, fail later => the later wrong refit is refused. F4: in mode off the live audit
+    answers ``guarded: False``."""
+    from vllm_guard import fed, loading_as
+    monkeypatch.setenv(MODE_ENV, "off")
+    model = loaded(vc, "kimi_linear", 2, 1)
+    [off] = audit_llm(_llm([(1, worker(model, CKPT["kimi_linear"]))], 2))[1:]
+    assert off["guarded"] is False and off["mode"] == "off"
+    monkeypatch.setenv(MODE_ENV, "fail")
+    loading_as(model, 2, 0)  # the refit's loader writes rank 0's shards on rank 1
+    with vllm_config_of(vc), pytest.raises(GuardError):
+        model.load_weights(fed("kimi_linear", 2.0))
+    [on] = audit_llm(_llm([(1, worker(model, CKPT["kimi_linear"]))], 2))[1:]
+    assert on["guarded"] is True

@@ -170,11 +170,11 @@ def fake_llm(workers, tp_size: int = 2) -> types.SimpleNamespace:
     """An ``LLM`` whose ``collective_rpc(method)`` runs ``WorkerBase.method`` on each
     ``(rank, worker)`` of ``workers`` in turn, the tensor-parallel group faked to that rank
     of ``tp_size``: what vLLM's workers answer ``audit_llm``."""
-    def collective_rpc(method):
+    def collective_rpc(method, kwargs=None):
         out = []
         for rank, one in workers:
             set_rank(tp_size, rank)
-            out.append(getattr(WorkerBase, method)(one))
+            out.append(getattr(WorkerBase, method)(one, **(kwargs or {})))
         return out
 
     return types.SimpleNamespace(collective_rpc=collective_rpc)

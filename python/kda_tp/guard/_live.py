@@ -35,9 +35,9 @@ from ..checkpoint.description import describe
 from ..checkpoint.reader import SafetensorsSource
 from ..engines.build import RankPlan
 from ..engines.derived import DERIVED, DERIVED_ATTRIBUTES, derived_copies
-from ..errors import GuardError
+from ..errors import GuardError, GuardModeError
 from ._derived import derived_problem
-from ._modes import MODE_ENV, cannot_check, mode, repair_on
+from ._modes import MODE_ENV, cannot_check, mode, repair_on, warn_once
 from ._record import RECORD
 from ._target import AS_HELD, RankTarget, Reader
 from ._updates import Memory, UpdateReport, UpdateSession
@@ -53,17 +53,28 @@ logger = logging.getLogger("kda_tp.guard")
 def repair(model: Any) -> None:
     """With ``KDA_TP_GUARD_REPAIR=1`` (``kda_tp.guard._modes.repair_on``): drop every
     stale-prone derived copy kda_tp knows (:data:`~kda_tp.engines.derived.DERIVED_ATTRIBUTES`)
-    so that the engine rebuilds it.
+    so that the engine rebuilds it. The variable is read only where it acts: a model holding
+    no such copy never reads it; an invalid value stops nothing in modes ``off`` and ``warn``
+    (one warning, no repair), only in mode ``fail``.
 
     Raises:
-        GuardModeError: ``KDA_TP_GUARD_REPAIR`` holds a value that is neither on nor off.
+        GuardModeError: mode ``fail`` and ``KDA_TP_GUARD_REPAIR`` holds a value that is
+            neither on nor off.
     """
-    if not repair_on():
+    held = [(module, attribute) for module in model.modules() for attribute in DERIVED_ATTRIBUTES
+            if module.__dict__.get(attribute) is not None]
+    if not held:
         return
-    for module in model.modules():
-        for attribute in DERIVED_ATTRIBUTES:
-            if module.__dict__.get(attribute) is not None:
-                setattr(module, attribute, None)
+    try:
+        on = repair_on()
+    except GuardModeError as error:
+        if mode() == "fail":
+            raise
+        warn_once(f"kda_tp guard: {error}; no repair (mode {mode()})")
+        return
+    if on:
+        for module, attribute in held:
+            setattr(module, attribute, None)
 
 
 @dataclass

@@ -99,8 +99,10 @@ def on_load(engine: Engine, model: Any, *, where: str, kind: str = "first load",
             no plan for the model's updates.
     """
     chosen = guard_mode or mode()
-    if chosen == "off":
+    if chosen == "off" and not follows:
         return None, None
+    # mode off: nothing is checked now, but the model is followed all the same (every later
+    # call reads the mode again: off at the first load and fail later checks the later refits)
     params = {n: engine.reader.described(n, p) for n, p in model.named_parameters()}
     if not looks_kda(params) or engine.is_draft():  # check() warns for one without A_log
         return None, None
@@ -109,8 +111,9 @@ def on_load(engine: Engine, model: Any, *, where: str, kind: str = "first load",
     found = engine.load_source(f"{where}: tp rank {rank}/{size}", given)
     result = None
     if found.why:
-        warn_once(found.why)
-    elif found.check_load and found.checkpoint:  # not a dummy load, nor a variable not there
+        if chosen != "off":
+            warn_once(found.why)
+    elif chosen != "off" and found.check_load and found.checkpoint:  # not a dummy load, nor a variable not there
         values, repacked = engine.held(model, params)
         try:
             result = check(values, found.checkpoint, tp_rank=rank, tp_size=size,
@@ -154,8 +157,6 @@ def follow_model(engine: Engine, model: Any, found: LoadSource | None = None,
     how = followed(model)
     if how is not None or not callable(getattr(model, "load_weights", None)):
         return how
-    if not known and mode() == "off":
-        return None
     if not known:
         names = [n for n, _ in model.named_parameters()]
         if not looks_kda(names) or engine.is_draft():

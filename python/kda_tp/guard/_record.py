@@ -95,7 +95,8 @@ def status(engine: str) -> dict[str, Any]:
     module name ``"vllm"`` or ``"sglang"``, and kda_tp's), ``mode`` (or ``"invalid: ..."``),
     ``hooks`` (each target: ``"armed"``, ``"replaced by <qualname>"`` when a wrapper kda_tp
     installed is no longer in place, or why it is not), ``checks`` (how many verdicts, by
-    kind) and ``last`` (the last verdict line)."""
+    kind), ``last`` (the last verdict line) and ``guarded``: False in mode ``off`` (or an
+    invalid mode), where no load or update is judged, whatever hooks are armed."""
     module = sys.modules.get(engine)
     RECORD.verify()
     try:
@@ -105,7 +106,7 @@ def status(engine: str) -> dict[str, Any]:
     return {"versions": {engine: str(getattr(module, "__version__", "not imported")),
                          "kda_tp": __version__},
             "mode": chosen, "hooks": dict(RECORD.hooks), "checks": dict(RECORD.checks),
-            "last": RECORD.last}
+            "last": RECORD.last, "guarded": chosen in ("fail", "warn")}
 
 
 def account(reports: list[dict[str, Any]], expected: list[tuple[int, int, int]],
@@ -136,6 +137,75 @@ def account(reports: list[dict[str, Any]], expected: list[tuple[int, int, int]],
     out += [_silent(rank, tp_size, where, "did not answer (no guard loaded, or no answer)")
             for rank in expected if rank not in by_rank]
     return sorted(out, key=_rank_of)
+
+
+MAX_RANKS = 1 << 16
+"""More ranks than any engine runs: a live audit's answer (or engine config) claiming a size or
+rank beyond it is refused by name, never sized into a list (:func:`sized`)."""
+
+_SIZES = ("tp_size",)
+_RANKS = ("tp_rank", "pp_rank", "dp_rank")
+
+
+def count(value: Any) -> int | None:
+    """``value`` as a rank count: an int (not a bool) in ``1..MAX_RANKS``; None otherwise."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_RANKS:
+        return None
+    return value
+
+
+def sized(reports: list[dict[str, Any]], where: str
+          ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """A live audit's answers split into those whose sizes and ranks can be trusted to size
+    the audit, and an unguarded entry (``guarded`` False, ``ok`` None) for each other one,
+    naming the refused field: a ``tp_size`` that is not an int in ``1..MAX_RANKS``, a
+    ``tp_rank``/``pp_rank``/``dp_rank`` that is not an int in ``0..MAX_RANKS-1`` (absent or
+    None is allowed: read as 0). Cheap whatever the answers claim (F17: ``tp_size`` 10**7
+    or ``"two"``).
+
+    Args:
+        reports: the ranks' answers.
+        where: the label of the entries made here.
+
+    Returns:
+        ``(trusted, refused)``.
+    """
+    trusted: list[dict[str, Any]] = []
+    refused: list[dict[str, Any]] = []
+    for report in reports:
+        bad = [(key, report[key]) for key in _SIZES + _RANKS
+               if report.get(key) is not None and not _valid(key, report[key])]
+        if not bad:
+            trusted.append(report)
+            continue
+        key, value = bad[0]
+        shown = f"<an integer of {value.bit_length()} bits>" if isinstance(value, int) \
+            and value.bit_length() > 64 else repr(value)[:40]
+        what = f"size (an integer 1..{MAX_RANKS})" if key in _SIZES else \
+            f"rank (an integer 0..{MAX_RANKS - 1})"
+        refused.append({"ok": None, "guarded": False, "tp_rank": None, "tp_size": None,
+                        "where": where, "report": None,
+                        "line": f"kda_tp guard: {where}: unguarded: an answer's {key} {shown} "
+                                f"is not a {what}: refused, its answer not trusted"})
+    return trusted, refused
+
+
+def engine_ranks(dps: list[int], pp: int, tp: int, where: str
+                 ) -> tuple[list[tuple[int, int, int]], list[dict[str, Any]]]:
+    """Every ``(dp, pp, tp)`` rank of an engine of these sizes, or none and one unguarded
+    entry naming the sizes when they hold more than ``MAX_RANKS`` ranks (never a huge list)."""
+    if len(dps) * pp * tp > MAX_RANKS:
+        return [], [{"ok": None, "guarded": False, "tp_rank": None, "tp_size": None,
+                     "where": where, "report": None,
+                     "line": f"kda_tp guard: {where}: unguarded: {len(dps)} dp x {pp} pp x "
+                             f"{tp} tp ranks are more than {MAX_RANKS}: refused"}]
+    return [(d, p, t) for d in dps for p in range(pp) for t in range(tp)], []
+
+
+def _valid(key: str, value: Any) -> bool:
+    if key in _SIZES:
+        return count(value) is not None
+    return not isinstance(value, bool) and isinstance(value, int) and 0 <= value < MAX_RANKS
 
 
 def _rank_of(report: dict[str, Any]) -> tuple[int, int, int]:

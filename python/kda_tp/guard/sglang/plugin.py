@@ -70,11 +70,12 @@ from pathlib import Path
 from typing import Any
 
 from ...errors import GuardError
+from ...output.marks import read_regular
 from .._first_load import GuardResult, check
 from .._live import Follower, followed
 from .._load import follow_model, on_load
 from .._modes import MODE_ENV, cannot_check, mode, warn_once
-from .._record import RECORD, account, rank_report
+from .._record import RECORD, account, count, engine_ranks, rank_report, sized
 from .._record import status as _status
 from .facts import SglangEngine, parallel_int, label, parallel, checkpoint_of, rank_and_size
 
@@ -383,19 +384,21 @@ def guard_runner(runner: Any, checkpoint: str | None = None, *,
 # A running engine
 
 
-def _expected_ranks(engine: Any, reports: list[dict[str, Any]]) -> list[tuple[int, int, int]]:
+def _expected_ranks(engine: Any, reports: list[dict[str, Any]]
+                    ) -> tuple[list[tuple[int, int, int]], list[dict[str, Any]]]:
     """Every ``(attention-DP, pipeline, attention-TP)`` rank of the engine: from its
-    ``server_args`` when it has them, else from the ranks' reports (their sizes)."""
+    ``server_args`` when it has them, else from the ranks' reports (their sizes, checked by
+    ``kda_tp.guard._record.sized``); with the unguarded entry of too many ranks."""
     args = getattr(engine, "server_args", None)
     if args is not None:
-        tp, pp = int(getattr(args, "tp_size", 1)), int(getattr(args, "pp_size", 1))
-        dp = int(getattr(args, "dp_size", 1)) if getattr(args, "enable_dp_attention", False) \
-            else 1
-        return [(d, p, t) for d in range(dp) for p in range(pp) for t in range(tp // dp)]
-    tp = max([int(r.get("tp_size") or 0) for r in reports] + [0])
-    pp = max([int(r.get("pp_rank") or 0) + 1 for r in reports] + [1])
-    dps = sorted({int(r.get("dp_rank") or 0) for r in reports}) or [0]
-    return [(d, p, t) for d in dps for p in range(pp) for t in range(tp)]
+        tp, pp = count(getattr(args, "tp_size", 1)) or 1, count(getattr(args, "pp_size", 1)) or 1
+        dp = (count(getattr(args, "dp_size", 1)) or 1) \
+            if getattr(args, "enable_dp_attention", False) else 1
+        return engine_ranks(list(range(dp)), pp, max(tp // dp, 1), "sglang")
+    tp = max([r.get("tp_size") or 0 for r in reports] + [0])
+    pp = max([(r.get("pp_rank") or 0) + 1 for r in reports] + [1])
+    dps = sorted({r.get("dp_rank") or 0 for r in reports}) or [0]
+    return engine_ranks(dps, pp, tp, "sglang")
 
 
 def audit_runner(runner: Any, checkpoint: str | None = None) -> dict[str, Any]:
@@ -459,6 +462,45 @@ def _scheduler_audit(scheduler: Any, report_dir: str = "", checkpoint: str = "",
         os.replace(tmp.name, target)
 
 
+#: The most bytes one rank's report file may hold (a K3 rank's report is well under it).
+REPORT_LIMIT = 64 << 20
+
+
+def _read_reports(directory: Path, audit: str
+                  ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """This audit's rank reports in ``directory``, each read without following a link and
+    without blocking (``kda_tp.output.marks.read_regular``: a FIFO or a link to ``/dev/zero``
+    is never waited on or read), at most :data:`REPORT_LIMIT` bytes; a file that is not a
+    regular file, too large, not JSON, or not this audit's report is an unguarded entry
+    naming it, never a raw error."""
+    reports: list[dict[str, Any]] = []
+    refused: list[dict[str, Any]] = []
+
+    def refuse(name: str, why: str) -> None:
+        refused.append({"ok": None, "guarded": False, "tp_rank": None, "tp_size": None,
+                        "where": "sglang", "report": None,
+                        "line": f"kda_tp guard: sglang: unguarded: report file {name!r} {why}"})
+
+    for path in sorted(directory.glob("kda_tp-guard*-tp*.json")):
+        raw = read_regular(path, REPORT_LIMIT + 1)
+        if raw is None:
+            refuse(path.name, "is not a regular file kda_tp can read (a link, a FIFO, a device)")
+            continue
+        if len(raw) > REPORT_LIMIT:
+            refuse(path.name, f"holds more than {REPORT_LIMIT} bytes: not read")
+            continue
+        try:
+            report = json.loads(raw)
+        except (ValueError, RecursionError) as error:
+            refuse(path.name, f"is not JSON ({type(error).__name__}: {str(error)[:80]})")
+            continue
+        if not isinstance(report, dict) or report.get("audit") != audit:
+            refuse(path.name, "is not this audit's report")
+            continue
+        reports.append(report)
+    return reports, refused
+
+
 def audit_engine(engine: Any, *, checkpoint: str | None = None,
                  report_dir: str | os.PathLike[str] | None = None) -> list[dict[str, Any]]:
     """Audit a running SGLang ``Engine`` on all its TP ranks; each rank's report.
@@ -474,7 +516,11 @@ def audit_engine(engine: Any, *, checkpoint: str | None = None,
         engine: a ``sglang.Engine``.
         checkpoint: the checkpoint to audit against; None: the one each rank loaded
             (:func:`checkpoint_of`).
-        report_dir: where the ranks write ``kda_tp-guard-...-tp{r}.json``; kept when given.
+        report_dir: where the ranks write ``kda_tp-guard-...-tp{r}.json``, in this audit's own
+            subdirectory ``kda_tp-audit-<id>`` (two audits at once never read each other's
+            files); kept when given. Each file is read without following a link or blocking,
+            at most ``REPORT_LIMIT`` bytes; one that is not this audit's readable JSON report
+            is an unguarded entry naming it.
 
     Returns:
         One dict per rank (see :func:`audit_runner`, with ``dp_rank`` and ``pp_rank``), by DP
@@ -492,19 +538,22 @@ def audit_engine(engine: Any, *, checkpoint: str | None = None,
     audit = os.urandom(16).hex()  # this audit's reports only, never an earlier one's
 
     def run(directory: str) -> list[dict[str, Any]]:
-        engine.collective_rpc(RPC_METHOD, report_dir=directory, checkpoint=checkpoint or "",
+        # one directory per audit: two audits at once into one report_dir never read each
+        # other's files (nor remove them)
+        mine = Path(directory) / f"kda_tp-audit-{audit}"
+        os.mkdir(mine)
+        engine.collective_rpc(RPC_METHOD, report_dir=str(mine), checkpoint=checkpoint or "",
                               audit=audit)
-        reports = []
-        for path in sorted(Path(directory).glob("kda_tp-guard*-tp*.json")):
-            report = json.loads(path.read_text())
-            if isinstance(report, dict) and report.get("audit") == audit:
-                reports.append(report)
-        expected = _expected_ranks(engine, reports)
-        if not expected and not reports:
+        reports, bad = _read_reports(mine, audit)
+        reports, odd = sized(reports, "sglang")
+        expected, too_many = _expected_ranks(engine, reports)
+        if too_many:
+            return too_many + odd + bad
+        if not expected and not reports and not odd and not bad:
             return [{"ok": None, "guarded": False, "tp_rank": None, "tp_size": None,
                      "where": "sglang", "report": None, "line": "kda_tp guard: sglang: "
                      "unguarded: no rank wrote a report (no guard loaded, or no answer)"}]
-        return account(reports, expected, "sglang")
+        return account(reports, expected, "sglang") + odd + bad
 
     if report_dir is not None:
         os.makedirs(report_dir, exist_ok=True)

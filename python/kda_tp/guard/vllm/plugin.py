@@ -70,7 +70,7 @@ from .._live import UPDATES_HOOK, Follower, followed, repair
 from .._load import follow_model, on_load
 from .._modes import MODE_ENV, REPAIR_ENV, LoadSource, cannot_check, mode, warn_once
 from .._names import looks_kda
-from .._record import RECORD, account, rank_report
+from .._record import RECORD, account, count, engine_ranks, rank_report, sized
 from .._record import status as _status
 from ._hooks import after_import, subclasses
 from .facts import VllmEngine, attach_vllm_logging, dp_rank, pp_rank_size, tp_rank_size
@@ -528,31 +528,37 @@ def _armed(before: Follower | None, how: Follower | None) -> None:
 # A running engine
 
 
-def _worker_audit(worker: Any) -> dict[str, Any]:
+def _worker_audit(worker: Any, checkpoint: str | None = None) -> dict[str, Any]:
     """The worker method ``kda_tp_audit``: this worker's guard report as a plain dict
-    (collective_rpc results cross processes as msgpack)."""
+    (collective_rpc results cross processes as msgpack), against ``checkpoint`` when given
+    (an RL refit's source), else the model's own."""
     model = worker.model_runner.get_model()
     model_config = worker.vllm_config.model_config
     rank, size = tp_rank_size()
     before = status()  # the record as the loads and updates left it, not this audit
     # "fail" to get the reason; a running engine is never stopped from here
     return {**rank_report(lambda: guard_model(model, model_config, loader="audit",
-                                              vllm_config=worker.vllm_config, guard_mode="fail"),
+                                              vllm_config=worker.vllm_config, guard_mode="fail",
+                                              checkpoint=checkpoint or None),
                           tp_rank=rank, tp_size=size, where="vllm audit"), **before,
             "dp_rank": dp_rank(worker.vllm_config), "pp_rank": pp_rank_size()[0]}
 
 
-def audit_llm(llm: Any) -> list[dict[str, Any]]:
+def audit_llm(llm: Any, *, checkpoint: str | os.PathLike[str] | None = None
+              ) -> list[dict[str, Any]]:
     """Audit the KDA weights a live vLLM ``LLM`` holds, on every worker, now.
 
     Calls the worker method ``kda_tp_audit`` through ``llm.collective_rpc`` (the plugin
     must be installed in the workers: it is, when kda_tp is installed in vLLM's environment
     and ``VLLM_PLUGINS``, if set, names ``kda_tp_guard``). Each worker checks its parameters
-    as they are now (after any update, against the model path vLLM now has) and reports;
-    nothing is raised for a wrong rank.
+    as they are now (after any update, against ``checkpoint`` or else the model path vLLM now
+    has) and reports; nothing is raised for a wrong rank.
 
     Args:
         llm: a ``vllm.LLM``.
+        checkpoint: the checkpoint to audit against (an RL refit's source, as SGLang's
+            ``audit_engine`` takes); None: the one each worker loaded. The workers must see it
+            (one machine or a shared file system).
 
     Returns:
         One dict per worker, in vLLM's worker order, with the keys of
@@ -577,24 +583,29 @@ def audit_llm(llm: Any) -> list[dict[str, Any]]:
         warn_once(f"kda_tp guard: VLLM_PLUGINS={plugins!r} leaves out kda_tp_guard: vLLM does "
                   "not load the guard, no load or update is checked")
     try:
-        answers = list(llm.collective_rpc(WORKER_METHOD))
+        answers = list(llm.collective_rpc(WORKER_METHOD) if checkpoint is None else
+                       llm.collective_rpc(WORKER_METHOD,
+                                          kwargs={"checkpoint": os.fspath(checkpoint)}))
     except Exception as error:  # noqa: BLE001 - a worker without the method: unguarded
         return [_unguarded(f"the workers do not answer {WORKER_METHOD} "
                            f"({type(error).__name__}: {error}){hint}")]
-    reports = [answer for answer in answers if isinstance(answer, dict)]
-    odd = [_unguarded(f"worker {i} answered {answer!r}{hint}")
-           for i, answer in enumerate(answers) if not isinstance(answer, dict)]
+    reports, odd = sized([answer for answer in answers if isinstance(answer, dict)],
+                         "vllm audit")
+    odd += [_unguarded(f"worker {i} answered {answer!r:.80}{hint}")
+            for i, answer in enumerate(answers) if not isinstance(answer, dict)]
     parallel = getattr(getattr(getattr(llm, "llm_engine", None), "vllm_config", None),
                        "parallel_config", None)
-    tp = getattr(parallel, "tensor_parallel_size", None) or \
-        max([int(r.get("tp_size") or 0) for r in reports] + [0])
-    pp = getattr(parallel, "pipeline_parallel_size", None) or \
-        max([int(r.get("pp_rank") or 0) + 1 for r in reports] + [1])
+    tp = count(getattr(parallel, "tensor_parallel_size", None)) or \
+        max([r.get("tp_size") or 0 for r in reports] + [0])
+    pp = count(getattr(parallel, "pipeline_parallel_size", None)) or \
+        max([(r.get("pp_rank") or 0) + 1 for r in reports] + [1])
     dp = {dp_rank(getattr(getattr(llm, "llm_engine", None), "vllm_config", None))} \
-        if parallel is not None else {int(r.get("dp_rank") or 0) for r in reports} or {0}
+        if parallel is not None else {r.get("dp_rank") or 0 for r in reports} or {0}
     if not tp and not odd:
         return [_unguarded(f"no worker answered {WORKER_METHOD}{hint}")]
-    expected = [(d, p, t) for d in sorted(dp) for p in range(pp) for t in range(tp)]
+    expected, too_many = engine_ranks(sorted(dp), pp, tp, "vllm audit")
+    if too_many:
+        return too_many + odd
     return account(reports, expected, "vllm audit") + odd
 
 
