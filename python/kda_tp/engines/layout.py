@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from ..checkpoint.reader import check_out, writable_bytes
+from ..checkpoint.destinations import check_out, writable_bytes
 from ..errors import EngineLayoutError
 from ..model.dtypes import FP8_DTYPES, cast_into, numpy_dtype
 from ..rank.plan import KdaTensorPlan, KdaTpPlan

@@ -27,12 +27,11 @@ from ..checkpoint.names import (
     gate_form_problem,
     location,
 )
+from ..checkpoint.destinations import check_torch_destination, destination
 from ..checkpoint.reader import (
     SafetensorsSource,
     Tensor,
     TensorSource,
-    check_torch_destination,
-    destination,
     missing_tensor,
     readonly_bytes,
     shard_bytes,
