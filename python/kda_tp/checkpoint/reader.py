@@ -322,6 +322,10 @@ class SafetensorsSource:
             self._names = tuple(self._checkpoint.names())
         return list(self._names)
 
+    def keys(self) -> list[str]:
+        """:meth:`names`, under the name safetensors' ``safe_open`` and a rank's view use."""
+        return self.names()
+
     def info(self, name: str) -> tuple[str, tuple[int, ...]] | None:
         """``(dtype, shape)`` of a tensor from the header alone, or None when absent."""
         found = self._checkpoint.info(name)

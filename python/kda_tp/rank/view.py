@@ -26,6 +26,7 @@ from ..checkpoint.names import (
     checkpoint_suffix,
     gate_form_problem,
     location,
+    param_name,
 )
 from ..checkpoint.destinations import check_torch_destination, destination
 from ..checkpoint.reader import (
@@ -139,8 +140,12 @@ class KdaShardedSource:
                     raise missing_tensor(source, name)
                 dtype, shape = header
                 if dtype != entry.dtype:
+                    followed = param_name(described.prefix, self.layers[0], suffix)
                     raise DtypeMismatchError(
-                        f"{location(source, name)}: {name}: dtype {dtype}, expected {entry.dtype}"
+                        f"{location(source, name)}: {name}: dtype {dtype}, expected "
+                        f"{entry.dtype} as {followed} (the first KDA layer, whose dtypes the plan "
+                        "follows); every KDA layer must store a tensor in one dtype: convert "
+                        "the odd layers' tensors, or select layers of one dtype (--layers)"
                     )
                 key = (entry.name, tuple(shape))
                 if key not in local_shapes:  # the same arithmetic for every layer
