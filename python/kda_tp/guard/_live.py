@@ -31,8 +31,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from ..checkpoint.description import describe
 from ..checkpoint.reader import SafetensorsSource
+from ..checkpoint.values import same_tensor_values, same_values
 from ..engines.build import RankPlan
 from ..engines.derived import DERIVED, DERIVED_ATTRIBUTES, derived_copies
 from ..errors import GuardError, GuardModeError
@@ -91,6 +94,9 @@ class Follower:
         session: the open update session, if any; ``owner`` opened it, ``where`` names it.
         spoiled: why the open session is not checked (the engine reported its own failure).
         quiet: > 0 while a loader fills the model (its own full check covers that load).
+        unplaced: for each layer of the rank a name the guard cannot place was fed for in
+            the open session or call (``RankTarget.unplaced``): that name and the layer's
+            parameters as they were before the engine got it, compared when it ends.
     """
 
     engine: str
@@ -104,6 +110,7 @@ class Follower:
     where: str = ""
     spoiled: str = ""
     quiet: int = 0
+    unplaced: dict[int, tuple[str, dict[str, Any]]] = field(default_factory=dict)
 
     @contextlib.contextmanager
     def quietly(self) -> Iterator[None]:
@@ -182,13 +189,13 @@ class Follower:
         session = self.session
         if session is not None:
             try:
-                return original(session.wrap(weights), *args, **kwargs)
+                return original(session.wrap(self._watched(weights)), *args, **kwargs)
             finally:
                 session.end_call()
         model = self.model()
         session = UpdateSession(self.target, self.memory, model)
         try:
-            out = original(session.wrap(weights), *args, **kwargs)
+            out = original(session.wrap(self._watched(weights)), *args, **kwargs)
         finally:
             session.end_call()
         if session.deferred:  # a layerwise reload begun where the guard could not see it
@@ -196,7 +203,52 @@ class Follower:
         elif session.touched:
             self.target = session.target
             self._verdict(session, "load_weights", None)
+        else:
+            unseen = self._changed_unseen()
+            if unseen:
+                self._report(UpdateReport(params=len(unseen), unchecked=unseen),
+                             "load_weights")
         return out
+
+    def _watched(self, weights: Any) -> Iterator[Any]:
+        """``weights`` passed on unchanged; before the engine gets a name the guard cannot
+        place that names a KDA tensor of one of the rank's layers (``RankTarget.unplaced``),
+        that layer's parameters are copied (once per session), to tell after the call whether
+        it changed them unseen (F1: a refit under a spelling the engine accepts and the guard
+        does not know is never silent)."""
+        target = self.target
+        for item in weights:
+            try:
+                name = item[0]
+            except (TypeError, IndexError, KeyError):  # not a pair: the engine's to refuse
+                name = None
+            if isinstance(name, str) and target.place(name) is None:
+                layer = target.unplaced(name)
+                if layer is not None and layer not in self.unplaced:
+                    self.unplaced[layer] = (name, {
+                        param: _copy(target.current(param))
+                        for param in target.layer_params(layer)})
+            yield item
+
+    def _changed_unseen(self) -> list[str]:
+        """One line per parameter that a name the guard could not place changed (compared
+        with its copy from before), emptying the record: each is not checked."""
+        lines = []
+        for layer, (name, before) in sorted(self.unplaced.items()):
+            for param, old in before.items():
+                try:
+                    same = _same(old, self.target.current(param))
+                except Exception as error:  # noqa: BLE001 - a comparison that cannot run
+                    same, why = False, f" ({type(error).__name__}: {error})"
+                else:
+                    why = ""
+                if not same:
+                    lines.append(
+                        f"{param}: changed by an update that fed {name!r}, a name the guard "
+                        f"cannot place (neither the checkpoint's {self.target.prefix!r} nor a "
+                        f"spelling the engine's name mapping gives for it){why}: not checked")
+        self.unplaced.clear()
+        return lines
 
     def end_of_refit(self, where: str) -> UpdateReport | None:
         """A refit made of plain ``load_weights`` calls ended (vLLM's
@@ -225,6 +277,7 @@ class Follower:
     def _verdict(self, session: UpdateSession, where: str,
                  unloaded: frozenset[tuple[int, str]] | None) -> UpdateReport | None:
         report = session.close(unloaded=unloaded or frozenset())
+        report.unchecked += self._changed_unseen()
         if self.unloaded is not None and session.touched:
             self.updated = True
             left = self.unloaded - session.fed_parts
@@ -280,6 +333,24 @@ class Follower:
             raise GuardError(text + f"\n(set {MODE_ENV}=warn to go on anyway)")
         logger.warning("%s", text)
         return report
+
+
+def _copy(value: Any) -> Any:
+    """A copy of a parameter's values now (torch's ``clone``, else numpy's)."""
+    clone = getattr(value, "clone", None)
+    if callable(clone):
+        return value.detach().clone()
+    return np.array(value, copy=True)
+
+
+def _same(old: Any, now: Any) -> bool:
+    """Whether a parameter holds the values of its copy ``old`` (a NaN matches a NaN)."""
+    if getattr(now, "is_meta", False) or tuple(getattr(old, "shape", ())) != \
+            tuple(getattr(now, "shape", ())):
+        return False
+    if callable(getattr(old, "clone", None)):
+        return old.dtype == now.dtype and same_tensor_values(old, now.detach())
+    return same_values(np.asarray(old), np.asarray(now))
 
 
 _followed: weakref.WeakKeyDictionary[Any, Follower] = weakref.WeakKeyDictionary()

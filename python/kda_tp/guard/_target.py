@@ -14,7 +14,7 @@ This module imports no engine and no torch.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -28,11 +28,25 @@ from ..model.dtypes import numpy_dtype
 from ..model.quant import SCALE_SUFFIXES
 from ..rank.plan import KdaTensorPlan, KdaTpPlan
 
-__all__ = ["AS_HELD", "PADDING", "Place", "RankTarget", "Reader"]
+__all__ = ["AS_HELD", "PADDING", "Place", "RankTarget", "Reader", "Spelling", "mapper_spelling"]
 
 #: The part label of a parameter's zero padding rows (the engine's rule: zero after every
 #: load, e.g. vLLM K3's ``in_proj_qkvgfab``).
 PADDING = "padding"
+
+#: An engine's own name mapping: a name as fed -> the name the engine loads it as (None: the
+#: engine drops it), e.g. vLLM's ``WeightsMapper.map_name`` of the served model class.
+Spelling = Callable[[str], "str | None"]
+
+
+def mapper_spelling(model: Any, attribute: str) -> Spelling | None:
+    """The name mapping a model class keeps as ``attribute`` (vLLM's ``hf_to_vllm_mapper``,
+    SGLang's ``hf_to_sglang_mapper``: a ``WeightsMapper`` with ``map_name``, or ``_map_name``
+    in older releases and SGLang), as its model's ``load_weights`` applies it; None when the
+    model has none."""
+    mapper = getattr(model, attribute, None)
+    spell = getattr(mapper, "map_name", None) or getattr(mapper, "_map_name", None)
+    return spell if callable(spell) else None
 
 
 class Reader(Protocol):
@@ -46,6 +60,10 @@ class Reader(Protocol):
         repack: ``(value, how)``, ``how`` None (as it is), ``kda_tp.guard._repacked.GEMM`` (read
         through the engine's GEMM) or why it cannot be read back (not checkable)."""
 
+    def spelling(self, model: Any) -> Spelling | None:
+        """The engine's own name mapping for ``model`` (:data:`Spelling`), which it applies to
+        every name an update feeds (``mapper_spelling``); None: names are loaded as fed."""
+
 
 class _AsHeld:
     """An engine that holds every parameter as loaded (no repack, no other view)."""
@@ -55,6 +73,9 @@ class _AsHeld:
 
     def read_back(self, module: Any, param: Any) -> tuple[Any, str | None]:
         return param, None
+
+    def spelling(self, model: Any) -> Spelling | None:
+        return None
 
 
 #: The :class:`Reader` of an engine that holds its parameters as loaded.
@@ -98,7 +119,9 @@ class RankTarget:
         prefix: the checkpoint's decoder prefix (``"model.layers."``): fed names are
             checkpoint names under it.
         fed: checkpoint name of a KDA tensor an update may feed -> ``(layer, part, its plan
-            entry)``, for the parts this rank holds (scale grids under each spelling).
+            entry)``, for the parts this rank holds (scale grids under each spelling); every
+            other name the engine loads as one of these (its own name mapping,
+            ``Reader.spelling``) is placed too (:meth:`place`).
         places: ``(layer, part)`` -> the regions that part fills.
         regions: parameter name -> every region of it (its parts, then its padding).
         params: parameter name -> the parameter as the layouts describe it
@@ -106,8 +129,9 @@ class RankTarget:
     """
 
     def __init__(self, rank_plan: RankPlan, params: Mapping[str, Any], layers: Iterable[int],
-                 slots: Mapping[str, tuple[Any, str, Any]], reader: Reader):
-        self.rank_plan, self.reader = rank_plan, reader
+                 slots: Mapping[str, tuple[Any, str, Any]], reader: Reader,
+                 spelling: Spelling | None = None):
+        self.rank_plan, self.reader, self.spelling = rank_plan, reader, spelling
         plan, layout, prefix = rank_plan.plan, rank_plan.layout, rank_plan.prefix
         self.plan, self.layout, self.prefix = plan, layout, prefix
         self.tp_rank, self.tp_size = plan.tp_rank, plan.tp_size
@@ -143,12 +167,62 @@ class RankTarget:
         for t in plan.tensors:
             suffixes[checkpoint_suffix(t.name)] = (t.name, t)
             if t.scale is not None:
-                for spelling in SCALE_SUFFIXES:
-                    suffixes[f"{t.name}.{spelling}"] = (f"{t.name}.scale", t.scale)
+                for written in SCALE_SUFFIXES:
+                    suffixes[f"{t.name}.{written}"] = (f"{t.name}.scale", t.scale)
         self.fed: dict[str, tuple[int, str, KdaTensorPlan]] = {
             param_name(prefix, layer, suffix): (layer, part, entry)
             for layer in layers for suffix, (part, entry) in suffixes.items()
             if (layer, part) in self.places}
+        self._suffixes = frozenset(suffixes)
+        # The engine's spelling of every fed name -> its place (two names the engine loads as
+        # one, with different places, place neither: never guessed).
+        self._spelled: dict[str, tuple[int, str, KdaTensorPlan] | None] = {}
+        if spelling is not None:
+            for name, hit in self.fed.items():
+                key = spelling(name)
+                if key is not None:
+                    self._spelled[key] = hit if self._spelled.get(key, hit) == hit else None
+        self._seen: dict[str, tuple[int, str, KdaTensorPlan] | None] = {}
+
+    def place(self, name: str) -> tuple[int, str, KdaTensorPlan] | None:
+        """Where a tensor fed as ``name`` goes: ``(layer, part, its plan entry)`` for a
+        checkpoint name of :attr:`fed`, or for any other name the engine's own name mapping
+        loads as one (K3: ``language_model.layers.`` for ``language_model.model.layers.``;
+        GLM-5.3: ``model.language_model.`` and ``language_model.model.``); None for a name
+        that is no KDA tensor of this rank. A name not in :attr:`fed` costs one call of the
+        engine's mapping the first time it is seen, one dictionary lookup after."""
+        hit = self.fed.get(name)
+        if hit is not None or self.spelling is None:
+            return hit
+        try:
+            return self._seen[name]
+        except KeyError:
+            pass
+        try:
+            key = self.spelling(name)
+        except Exception:  # noqa: BLE001 - the engine's mapping refuses it: the engine's call will
+            key = None
+        hit = self._seen[name] = self._spelled.get(key) if key is not None else None
+        return hit
+
+    def unplaced(self, name: str) -> int | None:
+        """The layer of this target that a name the guard cannot place (:meth:`place` None)
+        names a KDA tensor of, as a checkpoint spells it (``...layers.{i}.self_attn.`` and a
+        KDA tensor's checkpoint suffix), under another prefix than the checkpoint's or the
+        engine's mapping knows; None for any other name. What such a name feeds may change
+        the layer's parameters unseen (the follower compares them before and after the call)."""
+        if self.place(name) is not None:
+            return None
+        location = param_location(name)
+        if location is None or location[1] not in self.layers or \
+                location[2] not in self._suffixes:
+            return None
+        return location[1]
+
+    def layer_params(self, layer: int) -> list[str]:
+        """The names of the parameters that hold layer ``layer``'s KDA tensors."""
+        return sorted({place.name for (at, _), places in self.places.items() if at == layer
+                       for place in places})
 
     @classmethod
     def of(cls, rank_plan: RankPlan, params: Mapping[str, Any], *, model: Any = None,
@@ -166,7 +240,8 @@ class RankTarget:
         """
         described = {n: reader.described(n, p) for n, p in params.items() if isinstance(n, str)}
         slots = _slots(model, described) if model is not None else {}
-        return cls(rank_plan, described, rank_plan.layers, slots, reader)
+        return cls(rank_plan, described, rank_plan.layers, slots, reader,
+                   reader.spelling(model) if model is not None else None)
 
     @classmethod
     def build(cls, description: CheckpointDescription, params: Mapping[str, Any], *,
@@ -213,14 +288,15 @@ class RankTarget:
         slots = _slots(model, described) if model is not None else {}
         # Each parameter planned for the dtype it is held in, as it is asked for.
         rank_plan = RankPlan(plan, layout, None, description.prefix, tuple(sorted(chosen)), {})
-        return cls(rank_plan, described, chosen, slots, reader)
+        return cls(rank_plan, described, chosen, slots, reader,
+                   reader.spelling(model) if model is not None else None)
 
     def rebuilt(self, model: Any) -> RankTarget:
         """The same target for the parameter objects ``model`` holds now (after the engine
         re-registered some): same plan, layout and layers."""
         params = {n: self.reader.described(n, p) for n, p in model.named_parameters()}
         return RankTarget(self.rank_plan, params, self.layers, _slots(model, params),
-                          self.reader)
+                          self.reader, self.spelling)
 
     def holds(self, model: Any) -> bool:
         """Whether ``model`` holds the target's parameter objects, in the same shapes (an

@@ -154,11 +154,11 @@ class UpdateSession:
         KDA tensor of this rank costs one dictionary lookup. A KDA one is noted before the
         engine gets it (the fingerprints of its parameters, the reference) and verified when
         the engine asks for the next pair."""
-        index = self.target.fed
+        place = self.target.place
         for item in weights:
             try:
                 name = item[0]
-                hit = index.get(name) if isinstance(name, str) else None
+                hit = place(name) if isinstance(name, str) else None
             except (TypeError, IndexError, KeyError):  # not a pair: the engine's to refuse
                 hit = None
             if hit is None:
@@ -172,7 +172,7 @@ class UpdateSession:
         """Take note of one tensor the update hands to the model, which the engine applies
         later: this rank's slice kept as a host copy (nothing for a name that is not a KDA
         tensor of this rank). A tensor fed twice counts with its last value."""
-        hit = self.target.fed.get(name)
+        hit = self.target.place(name)
         if hit is not None:
             self._contained(self._note, name, tensor, hit)
             self._pending = None

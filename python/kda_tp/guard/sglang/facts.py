@@ -16,9 +16,25 @@ from ...engines.derived import derived_copies
 from ...engines.dtype import model_dtype_name
 from .._modes import LoadSource, load_checkpoint
 from .._names import stage_layers
-from .._target import AS_HELD, Reader
+from .._target import Reader, Spelling, mapper_spelling
 
 __all__ = ["SglangEngine", "checkpoint_of", "label", "parallel", "parallel_int", "rank_and_size"]
+
+
+class _SglangReader:
+    """How SGLang holds its parameters: as loaded (no post-load repack kda_tp knows of), its
+    names mapped by the model class's ``hf_to_sglang_mapper``."""
+
+    def described(self, name: str, param: Any) -> Any:
+        return param
+
+    def read_back(self, module: Any, param: Any) -> tuple[Any, str | None]:
+        return param, None
+
+    def spelling(self, model: Any) -> Spelling | None:
+        """The model class's ``hf_to_sglang_mapper`` (K3's ``load_weights`` applies it to every
+        fed name: ``language_model.layers.`` for ``language_model.model.layers.``)."""
+        return mapper_spelling(model, "hf_to_sglang_mapper")
 
 
 class SglangEngine:
@@ -30,7 +46,7 @@ class SglangEngine:
     """
 
     name = "sglang"
-    reader: Reader = AS_HELD
+    reader: Reader = _SglangReader()
 
     def __init__(self, runner: Any):
         self.runner = runner

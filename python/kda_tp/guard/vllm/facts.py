@@ -15,7 +15,7 @@ from typing import Any
 from ...engines.derived import derived_copies
 from ...engines.dtype import model_dtype_name
 from .._modes import LoadSource, load_checkpoint
-from .._target import Reader
+from .._target import Reader, Spelling, mapper_spelling
 from .._names import stage_layers
 from . import repacked
 
@@ -32,6 +32,12 @@ class _VllmReader:
 
     def read_back(self, module: Any, param: Any) -> tuple[Any, str | None]:
         return repacked.read_back(module, param)
+
+    def spelling(self, model: Any) -> Spelling | None:
+        """The served model class's ``hf_to_vllm_mapper`` (its ``load_weights`` maps every
+        fed name through it: K3's ``language_model.layers.``, GLM-5.3's
+        ``model.language_model.``)."""
+        return mapper_spelling(model, "hf_to_vllm_mapper")
 
 
 class VllmEngine:
