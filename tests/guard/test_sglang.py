@@ -242,7 +242,8 @@ def test_audit_engine_reports_the_armed_record_of_every_rank(outcome: dict[str, 
 
     for report in outcome["rpc"]:
         assert report["guarded"] is True
-        assert report["hooks"] == {t: "armed" for t in sglang_plugin.TARGETS}
+        assert report["hooks"] == {**{t: "armed" for t in sglang_plugin.TARGETS},
+                                   "model.load_weights (updates)": "armed"}
         assert report["versions"]["sglang"] == "0.5.23" and report["versions"]["kda_tp"]
         assert report["checks"]["first load"] >= 1 and report["checks"]["update"] >= 1
         assert report["last"].startswith("kda_tp guard: sglang")

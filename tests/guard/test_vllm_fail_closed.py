@@ -89,12 +89,70 @@ def test_a_replaced_loader_wrapper_is_reported_replaced_not_armed(vc, monkeypatc
         f"replaced by {__name__}.test_a_replaced_loader_wrapper_is_reported_replaced_not_"
         "armed.<locals>.load_weights")
 
-    @functools.wraps(ours)  # one that wraps kda_tp's wrapper still runs it: armed
+    # Issue 38 F4: functools.wraps' __wrapped__ proves nothing; the wrapper having run does.
+    original = ours.__wrapped__
+
+    @functools.wraps(ours)  # claims to wrap kda_tp's wrapper, calls vLLM's original: unguarded
+    def bypass(self, *args, **kwargs):
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(DefaultModelLoader, "load_weights", bypass)
+    default_load(vc, build(vc, "kimi_linear", 2, 1), CKPT["kimi_linear"])
+    assert status()["hooks"][LOADER].startswith("replaced by ")
+
+    @functools.wraps(ours)  # one that calls kda_tp's wrapper: armed once it ran
     def around(self, *args, **kwargs):
         return ours(self, *args, **kwargs)
 
     monkeypatch.setattr(DefaultModelLoader, "load_weights", around)
+    assert status()["hooks"][LOADER].startswith("replaced by ")  # not seen running yet
+    default_load(vc, build(vc, "kimi_linear", 2, 1), CKPT["kimi_linear"])
     assert status()["hooks"][LOADER] == "armed"
+
+
+def test_a_wraps_replacement_of_model_load_weights_calling_the_original_is_not_armed(vc):
+    model = loaded(vc, "kimi_linear", 2, 1)
+    ours = model.load_weights
+    original = ours.__wrapped__
+
+    @functools.wraps(ours)  # an RL stack's own, after the first load: bypasses the guard
+    def bypass(weights):
+        return original(weights)
+
+    model.load_weights = bypass
+    model.load_weights([])
+    assert status()["hooks"][UPDATES_HOOK].startswith("replaced by ")
+
+    @functools.wraps(ours)
+    def around(weights):
+        return ours(weights)
+
+    model.load_weights = around
+    model.load_weights([])
+    assert status()["hooks"][UPDATES_HOOK] == "armed"
+
+
+def test_a_followed_models_hook_goes_with_it(vc):
+    """Issue 38 F3: the followed model garbage-collected, its hook state goes too: a later
+    model that is not followed does not inherit "armed"."""
+    import gc
+    from kda_tp.guard._record import RECORD
+
+    def followed_models() -> int:
+        status()
+        return len(RECORD.installed.get(UPDATES_HOOK, []))
+
+    gc.collect()
+    others = followed_models()  # models other tests still hold
+    model = loaded(vc, "kimi_linear", 2, 1)
+    assert followed_models() == others + 1 and status()["hooks"][UPDATES_HOOK] == "armed"
+    del model
+    gc.collect()
+    assert followed_models() == others
+    unfollowed = build(vc, "kimi_linear", 2, 1)  # never loaded through a guarded loader
+    assert unfollowed is not None
+    if not others:
+        assert UPDATES_HOOK not in status()["hooks"]
 
 
 def test_a_replaced_model_load_weights_is_reported_by_the_live_audit(vc):

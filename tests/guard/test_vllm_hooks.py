@@ -1,5 +1,5 @@
 """The guard inside vLLM 0.33.0 decides which model and which checkpoint it checks, and a
-guard that cannot arm fails in mode fail: the main model whatever the
+guard that cannot arm never stops the engine, only a KDA load in mode fail: the main model whatever the
 speculative method, the checkpoint variable, a model id resolved in the engine's download
 directory, ``audit_llm``'s report of a worker with and without the guard, every hook armed
 after vLLM's own plugin loading. Built as test_vllm.py's (helpers: vllm_guard.py)."""
@@ -119,19 +119,46 @@ def test_a_worker_without_the_guard_is_reported_unguarded(monkeypatch):
     assert reports[0]["guarded"] is False and "worker 0 answered None" in reports[0]["line"]
 
 
-def test_a_missing_hook_target_fails_in_fail_and_warns_in_warn(monkeypatch):
+@pytest.fixture
+def record_kept(monkeypatch):
+    """The process's hook record as it was, after the test (a stand-in's missing target
+    would make every later KDA load refuse)."""
+    from kda_tp.guard._record import RECORD
+    monkeypatch.setattr(RECORD, "hooks", dict(RECORD.hooks))
+    monkeypatch.setattr(RECORD, "installed", dict(RECORD.installed))
+    return RECORD
+
+
+def test_a_missing_hook_target_never_stops_the_engine_and_refuses_a_kda_load(
+        vc, monkeypatch, caplog, record_kept):
+    """Issue 39 item 5: a vLLM whose reload module lacks ``reload_weights``: one WARNING, no
+    exception (mode fail); a model with no KDA layer loads; a KDA model is refused at its
+    first load naming vLLM's version, the target and KDA_TP_GUARD=warn, and loads with one
+    warning in mode warn."""
+    import logging
+    import torch
     from kda_tp.guard.vllm import status
     from kda_tp.guard.vllm.plugin import _wrap_reload
-    gone = types.SimpleNamespace()  # a vLLM whose reload module lost reload_weights
-    with pytest.raises(GuardError, match="cannot hook .*reload.inplace.reload_weights"):
-        _wrap_reload(gone)
-    monkeypatch.setenv(MODE_ENV, "warn")
-    with pytest.warns(RuntimeWarning, match="cannot hook"):
-        _wrap_reload(gone)
     target = "vllm.model_executor.model_loader.reload.inplace.reload_weights"
-    assert status()["hooks"][target].startswith("missing: ")
-    _wrap_reload(inplace)  # armed again (vLLM's own module: already wrapped)
-    assert status()["hooks"][target] == "armed"
+    record_kept.installed.pop(target)  # this process's vLLM, as if it had none to wrap
+    with caplog.at_level(logging.WARNING, logger="kda_tp.guard"):
+        _wrap_reload(types.SimpleNamespace())  # a vLLM whose reload module lost reload_weights
+    warned = [r.getMessage() for r in caplog.records if r.name == "kda_tp.guard"]
+    assert len(warned) == 1 and f"cannot hook {target} (not in vLLM {vllm.__version__})" \
+        in warned[0], warned
+    assert status()["hooks"][target] == f"missing: not in vLLM {vllm.__version__}"
+    plain = torch.nn.Linear(2, 2)  # a model with no KDA layer: loads
+    plain.load_weights = lambda weights: [None for _ in weights] and {"weight", "bias"}
+    with set_current_vllm_config(vc):
+        DefaultModelLoader(LoadConfig()).load_weights(plain, model_config(CKPT["glm"]))
+    with pytest.raises(GuardError) as refused:
+        default_load(vc, build(vc, "glm", 2, 0), CKPT["glm"])
+    text = str(refused.value)
+    assert f"vllm {vllm.__version__}: this KDA model's weights cannot be checked" in text
+    assert f"could not hook {target}" in text and f"{MODE_ENV}=warn" in text
+    monkeypatch.setenv(MODE_ENV, "warn")
+    with pytest.warns(RuntimeWarning, match="could not hook"):
+        default_load(vc, build(vc, "glm", 2, 0), CKPT["glm"])
 
 
 def test_every_hook_is_armed_after_vllms_own_plugin_loading(vc):

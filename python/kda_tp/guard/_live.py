@@ -411,6 +411,7 @@ def follow(model: Any, engine: str, checkpoint: SafetensorsSource | str | None =
 
     @functools.wraps(original)
     def load_weights(weights: Any, *args: Any, **kwargs: Any) -> Any:
+        RECORD.running(load_weights)
         return how.call(original, weights, args, kwargs)
 
     RECORD.install(UPDATES_HOOK, model, "load_weights", load_weights)

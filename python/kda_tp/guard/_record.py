@@ -27,39 +27,88 @@ __all__ = ["RECORD", "Record", "account", "rank_report", "status"]
 
 
 @dataclass
+class _Installed:
+    """One wrapper put in place for kda_tp: its owner (a class or module kept, an instance
+    only weakly), the attribute, the wrapper as set (kda_tp's ``setattr``'s value, or what an
+    engine's hook registry set), the function of kda_tp's that runs in it (and calls
+    :meth:`Record.running`), how many times it ran and what held the attribute when it last
+    ran (the wrapper itself, or a replacement that called it)."""
+
+    owner: Callable[[], Any]
+    attr: str
+    wrapper: Any
+    function: Any
+    runs: int = 0
+    holder: Any = None
+
+
+@dataclass
 class Record:
     """The hooks installed in this process and those that could not be (target -> ``"armed"``
     or why not), the checks run by kind (``first load``, ``update``, ...), the last verdict
-    line, and every wrapper installed (target -> its owner, attribute and the wrapper), which
-    :meth:`verify` checks is still in place."""
+    line, and every wrapper installed (target -> one entry per owner: a model's own
+    ``load_weights`` is one target for every followed model), which :meth:`verify` checks is
+    still in place, or proven running through what replaced it."""
 
     hooks: dict[str, str] = field(default_factory=dict)
     checks: dict[str, int] = field(default_factory=dict)
     last: str = ""
-    installed: dict[str, tuple[Callable[[], Any], str, Any]] = field(default_factory=dict)
+    installed: dict[str, list[_Installed]] = field(default_factory=dict)
+    _by_function: dict[int, _Installed] = field(default_factory=dict)
 
     def install(self, target: str, owner: Any, attr: str, wrapper: Any) -> None:
         """``owner.attr = wrapper``, remembered under ``target`` (a class or module owner
-        kept, an instance only weakly: the record never keeps a model alive)."""
+        kept, an instance only weakly: the record never keeps a model alive, and a model's
+        entry goes when the model does), and ``target`` armed. The wrapper's function calls
+        :meth:`running` each time it runs."""
         setattr(owner, attr, wrapper)
+        self.adopt(target, owner, attr, getattr(wrapper, "__func__", wrapper))
+
+    def adopt(self, target: str, owner: Any, attr: str, function: Any) -> None:
+        """What holds ``owner.attr`` now is kda_tp's wrapper for ``target`` (an engine's hook
+        registry applied it: SGLang's ``HookRegistry``), in which kda_tp's ``function`` runs
+        (it calls :meth:`running`); ``target`` armed."""
         ref: Callable[[], Any] = ((lambda: owner) if isinstance(owner, (type, ModuleType))
                                   else weakref.ref(owner))
-        self.installed[target] = (ref, attr, wrapper)
+        entry = _Installed(ref, attr, inspect.getattr_static(owner, attr, None), function)
+        entries = [e for e in self.installed.get(target, []) if e.owner() is not None
+                   and e.owner() is not owner]
+        self.installed[target] = entries + [entry]
+        self._by_function = {k: v for k, v in self._by_function.items()
+                             if v.owner() is not None}
+        self._by_function[id(function)] = entry
+        self.hooks[target] = "armed"
+
+    def running(self, function: Any) -> None:
+        """Called by an installed wrapper's ``function`` each time it runs: one more run, and
+        what holds its attribute now (a replacement that called it proves it still runs)."""
+        entry = self._by_function.get(id(function))
+        if entry is None or entry.function is not function:
+            return
+        owner = entry.owner()
+        entry.runs += 1
+        if owner is not None:
+            entry.holder = inspect.getattr_static(owner, entry.attr, None)
 
     def verify(self) -> None:
-        """Every installed wrapper still in place, else its target is ``"replaced by
-        <qualname>"`` in ``hooks`` (not armed). A replacement that wraps kda_tp's wrapper
-        (``__wrapped__``, as ``functools.wraps`` sets it) still runs it: in place."""
-        for target, (ref, attr, wrapper) in list(self.installed.items()):
-            owner = ref()
-            if owner is None:  # the model is gone
+        """Each target armed only while every wrapper of it is proven to run: in place itself,
+        or replaced by something that called it since (the replacement held the attribute
+        when the wrapper last ran: :meth:`running`); else ``"replaced by <qualname>"``. A
+        replacement that only claims to wrap it (``functools.wraps``' ``__wrapped__``) and
+        calls the original directly is not armed. A target whose every owner is gone (a
+        followed model garbage-collected) leaves the record: its state goes with it."""
+        for target, entries in list(self.installed.items()):
+            alive = [(e, owner) for e in entries if (owner := e.owner()) is not None]
+            if not alive:
                 del self.installed[target]
+                self.hooks.pop(target, None)
                 continue
-            now = inspect.getattr_static(owner, attr, None)
-            if not _reaches(now, wrapper):
-                self.hooks[target] = f"replaced by {_qualname(now)}"
-            elif self.hooks.get(target, "").startswith("replaced by "):
-                self.hooks[target] = "armed"  # put back
+            self.installed[target] = [e for e, _ in alive]
+            unproven = [now for entry, owner in alive
+                        if (now := inspect.getattr_static(owner, entry.attr, None))
+                        is not entry.wrapper and (now is None or entry.holder is not now)]
+            self.hooks[target] = (f"replaced by {_qualname(unproven[0])}" if unproven
+                                  else "armed")
 
     def ran(self, kind: str, line: str) -> None:
         """Count one verdict of ``kind`` (a pass, a failure, raised or not) and keep its line."""
@@ -69,17 +118,6 @@ class Record:
 
 #: This process's record.
 RECORD = Record()
-
-
-def _reaches(now: Any, wrapper: Any) -> bool:
-    """Whether ``now`` is ``wrapper`` or wraps it (``__wrapped__`` / ``__func__``, 32 deep)."""
-    for _ in range(32):
-        if now is wrapper:
-            return True
-        now = getattr(now, "__wrapped__", None) or getattr(now, "__func__", None)
-        if now is None:
-            return False
-    return False
 
 
 def _qualname(value: Any) -> str:

@@ -49,8 +49,11 @@ weights) is not checked at load, and its first update must fill every KDA region
 engine's model dtype (``model_config.dtype``) is passed to the check.
 
 Armed, provably: at the first load each rank records which of :data:`TARGETS` SGLang's
-``HookRegistry`` applied (``apply_hooks`` only logs a target it could not resolve); a missing
-one is a ``GuardError`` raised from the load (mode ``fail``) or a warning (``warn``).
+``HookRegistry`` applied (``apply_hooks`` only logs a target it could not resolve) and what
+holds each then; a target is armed while that wrapper still holds it (or what replaced it was
+seen running kda_tp's function). A missing one never stops the engine: one WARNING says what
+is not armed, and a KDA model is refused at its first load in mode ``fail`` (naming SGLang's
+version, what is missing and ``KDA_TP_GUARD=warn``), or warned of in ``warn``.
 :func:`audit_engine` reports it per rank with the engine and kda_tp versions, the checks run
 and the last verdict.
 
@@ -63,6 +66,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import pkgutil
+import sys
 import tempfile
 import warnings
 from collections.abc import Callable
@@ -75,6 +80,7 @@ from .._first_load import GuardResult, check
 from .._live import Follower, followed
 from .._load import follow_model, on_load
 from .._modes import MODE_ENV, cannot_check, mode, warn_once
+from .._names import looks_kda
 from .._record import RECORD, account, count, engine_ranks, rank_report, sized
 from .._record import status as _status
 from .facts import SglangEngine, parallel_int, label, parallel, checkpoint_of, rank_and_size
@@ -121,16 +127,9 @@ def register() -> None:
     """
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    load, finalize, disk, tensor, distributed, ipc, begin, end, rpc = TARGETS
-    HookRegistry.register(load, _after_load_model, HookType.AFTER)
-    HookRegistry.register(finalize, _after_finalize, HookType.AFTER)
-    HookRegistry.register(disk, _around_update_from_disk, HookType.AROUND)
-    HookRegistry.register(tensor, _around_update_from_tensor, HookType.AROUND)
-    HookRegistry.register(distributed, _around_load_from_distributed, HookType.AROUND)
-    HookRegistry.register(ipc, _around_update_from_ipc, HookType.AROUND)
-    HookRegistry.register(begin, _around_begin, HookType.AROUND)
-    HookRegistry.register(end, _around_end, HookType.AROUND)
-    HookRegistry.register(rpc, _around_rpc, HookType.AROUND)
+    for target, function in zip(TARGETS, _functions()):
+        HookRegistry.register(target, function, HookType.AFTER if function in
+                              (_after_load_model, _after_finalize) else HookType.AROUND)
     chosen = mode()  # an invalid mode raises here, the hooks registered (every load refuses)
     what = (f"checks nothing ({MODE_ENV}=off); audit_engine still audits on request"
             if chosen == "off" else
@@ -138,20 +137,45 @@ def register() -> None:
     logger.info("kda_tp guard: registered in SGLang (mode %s): %s", chosen, what)
 
 
+def _functions() -> tuple[Callable[..., Any], ...]:
+    """kda_tp's function for each of :data:`TARGETS`, in order (the first two run after
+    SGLang's, the others around it)."""
+    return (_after_load_model, _after_finalize, _around_update_from_disk,
+            _around_update_from_tensor, _around_load_from_distributed, _around_update_from_ipc,
+            _around_begin, _around_end, _around_rpc)
+
+
 def hooks() -> dict[str, str]:
-    """Each of :data:`TARGETS`: ``"armed"`` when SGLang's ``HookRegistry`` applied it in this
-    process, else why not (also kept in the process's record)."""
+    """Each of :data:`TARGETS`: ``"armed"`` while the wrapper SGLang's ``HookRegistry`` put
+    there holds the target still (or what replaced it was seen running kda_tp's function:
+    ``kda_tp.guard._record.Record.verify``), ``"replaced by <qualname>"`` once something else
+    holds it, else why it is missing (also kept in the process's record). The registry's
+    word that it applied a target is taken once, for what holds the target then; after that
+    only what holds it counts."""
     try:
         from sglang.srt.plugins.hook_registry import HookRegistry
 
         applied = set(getattr(HookRegistry, "_patched", ()))
-        found = {t: "armed" if t in applied else
-                 "missing: not applied by SGLang's HookRegistry (renamed in this SGLang "
-                 "version, or SGLANG_PLUGINS leaves out kda_tp_guard?)" for t in TARGETS}
     except ImportError as error:
-        found = {t: f"missing: {error}" for t in TARGETS}
-    RECORD.hooks.update(found)
-    return found
+        RECORD.hooks.update({t: f"missing: {error}" for t in TARGETS})
+        return {t: RECORD.hooks[t] for t in TARGETS}
+    for target, function in zip(TARGETS, _functions()):
+        if target in RECORD.installed:
+            continue
+        if target not in applied:
+            RECORD.hooks[target] = ("missing: not applied by SGLang's HookRegistry (renamed "
+                                    "in this SGLang version, or SGLANG_PLUGINS leaves out "
+                                    "kda_tp_guard?)")
+            continue
+        path, attr = target.rsplit(".", 1)
+        try:
+            owner = pkgutil.resolve_name(path)
+        except (ImportError, AttributeError, ValueError) as error:
+            RECORD.hooks[target] = f"missing: {type(error).__name__}: {error}"
+            continue
+        RECORD.adopt(target, owner, attr, function)
+    RECORD.verify()
+    return {t: RECORD.hooks[t] for t in TARGETS}
 
 
 def status() -> dict[str, Any]:
@@ -162,13 +186,32 @@ def status() -> dict[str, Any]:
     return _status("sglang")
 
 
-def _check_armed() -> None:
-    """At the first load: every hook target applied, else a ``GuardError`` (mode ``fail``,
-    raised from the load, which SGLang does not swallow) or a warning (``warn``)."""
+def _check_armed(runner: Any) -> None:
+    """At a model runner's first load: every hook target armed, else what is not is said
+    once per process in one WARNING and the engine starts; a KDA model (not a draft) that
+    cannot be checked on every path is a check that cannot run (``cannot_check``: a
+    ``GuardError`` raised from the load in mode ``fail``, naming SGLang's version, what is
+    missing and ``KDA_TP_GUARD=warn``; a warning in ``warn``)."""
     missing = {t: why for t, why in hooks().items() if why != "armed"}
-    if missing:
-        cannot_check("kda_tp guard: sglang: hooks not armed, so these paths are not checked: "
-                     + "; ".join(f"{t}: {why}" for t, why in missing.items()))
+    if not missing:
+        return
+    model = getattr(runner, "model", None)
+    text = (f"kda_tp guard: sglang {_version()}: hooks not armed, so these paths are not "
+            "checked: " + "; ".join(f"{t}: {why}" for t, why in missing.items()))
+    if model is not None and not getattr(runner, "is_draft_worker", False) and \
+            looks_kda(n for n, _ in model.named_parameters()):
+        cannot_check(f"{text}; this KDA model's weights cannot be checked on every path")
+    elif text not in _said:
+        _said.add(text)
+        logger.warning("%s; the engine starts (a model with no KDA layer needs no check)", text)
+
+
+_said: set[str] = set()
+
+
+def _version() -> str:
+    """The running SGLang's version (``"?"`` when it says none)."""
+    return str(getattr(sys.modules.get("sglang"), "__version__", "?"))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -178,13 +221,15 @@ def _check_armed() -> None:
 def _after_load_model(result: Any, runner: Any, *args: Any, **kwargs: Any) -> None:
     """After ``ModelRunner.load_model``: check, unless the overlap mode commits the weights
     later (``runner.startup_weight_load`` set: the finalize hook checks)."""
-    _check_armed()
+    RECORD.running(_after_load_model)
+    _check_armed(runner)
     if getattr(runner, "startup_weight_load", None) is None:
         guard_runner(runner, follows=True)
 
 
 def _after_finalize(result: Any, runner: Any, *args: Any, **kwargs: Any) -> None:
     """After ``ModelRunner.finalize_startup_weight_load`` (overlap mode): check."""
+    RECORD.running(_after_finalize)
     guard_runner(runner, follows=True)
 
 
@@ -244,6 +289,7 @@ def _around_update_from_tensor(original: Callable[..., tuple[bool, str]], update
                                named_tensors: Any, load_format: str | None = None,
                                *args: Any, **kwargs: Any) -> tuple[bool, str]:
     """Around ``WeightUpdater.update_weights_from_tensor``: feeds the session, or one update."""
+    RECORD.running(_around_update_from_tensor)
     if load_format not in (None, "flattened_bucket"):
         warn_once(f"kda_tp guard: sglang: update_weights_from_tensor(load_format={load_format!r})"
                   " writes tensors without the model's load_weights; its KDA weights are not "
@@ -257,6 +303,7 @@ def _around_load_from_distributed(original: Callable[..., tuple[bool, str]], upd
                                   *args: Any, **kwargs: Any) -> tuple[bool, str]:
     """Around ``WeightUpdater.load_weights_from_distributed``: feeds the session, or one
     update."""
+    RECORD.running(_around_load_from_distributed)
     return _updated(updater.get_model_runner(), "update_weights_from_distributed",
                     lambda: original(updater, *args, **kwargs))
 
@@ -264,6 +311,7 @@ def _around_load_from_distributed(original: Callable[..., tuple[bool, str]], upd
 def _around_update_from_ipc(original: Callable[..., tuple[bool, str]], updater: Any,
                             *args: Any, **kwargs: Any) -> tuple[bool, str]:
     """Around ``WeightUpdater.update_weights_from_ipc``: feeds the session, or one update."""
+    RECORD.running(_around_update_from_ipc)
     return _updated(updater.get_model_runner(), "update_weights_from_ipc",
                     lambda: original(updater, *args, **kwargs))
 
@@ -282,6 +330,7 @@ def _around_begin(original: Callable[..., Any], manager: Any, recv_req: Any, *ar
     """Around ``SchedulerWeightUpdaterManager.begin_weight_update``: once SGLang opened its
     session (the runners' packed weights restored), an update session on each target
     runner's model."""
+    RECORD.running(_around_begin)
     out = original(manager, recv_req, *args, **kwargs)
     if getattr(out, "success", False):
         for runner in _target_runners(manager, getattr(recv_req, "selector", "all")):
@@ -296,6 +345,7 @@ def _around_end(original: Callable[..., Any], manager: Any, recv_req: Any, *args
     """Around ``SchedulerWeightUpdaterManager.end_weight_update``: once SGLang ended its
     session (post-processing done, every rank past its barrier), check it; a wrong update
     (mode ``fail``) turns the answer into ``success=False`` with the diagnosis."""
+    RECORD.running(_around_end)
     session = getattr(manager, "_session", None)
     selector = getattr(session, "selector", "all")
     out = original(manager, recv_req, *args, **kwargs)
@@ -320,6 +370,7 @@ def _around_update_from_disk(original: Callable[..., tuple[bool, str]], updater:
     """Around ``WeightUpdater.update_weights_from_disk``: after a successful update, check the
     runner's new weights against ``model_path``; a failure in mode ``fail`` turns the result
     into ``(False, diagnosis)``. A filtered (partial) update is not checked."""
+    RECORD.running(_around_update_from_disk)
     how = followed(getattr(updater.get_model_runner(), "model", None))
     if how is not None:
         with how.quietly():
@@ -344,6 +395,7 @@ def _around_rpc(original: Callable[..., Any], scheduler: Any, recv_req: Any,
                 *args: Any, **kwargs: Any) -> Any:
     """Around ``Scheduler.handle_rpc_request``: make :data:`RPC_METHOD` a method of this
     scheduler, then let SGLang's own handler call it (its logging, error report and barrier)."""
+    RECORD.running(_around_rpc)
     if getattr(recv_req, "method", None) == RPC_METHOD and RPC_METHOD not in vars(scheduler):
         setattr(scheduler, RPC_METHOD, lambda **params: _scheduler_audit(scheduler, **params))
     return original(scheduler, recv_req, *args, **kwargs)

@@ -61,12 +61,13 @@ import logging
 import os
 import sys
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 from ...errors import GuardModeError
 from .._first_load import GuardResult
-from .._live import UPDATES_HOOK, Follower, followed, repair
+from .._live import Follower, followed, repair
 from .._load import follow_model, on_load
 from .._modes import MODE_ENV, REPAIR_ENV, LoadSource, cannot_check, mode, warn_once
 from .._names import looks_kda
@@ -101,12 +102,17 @@ def register() -> None:
     as soon as they are: a process that never loads a model pays nothing), and say so in one
     INFO line. vLLM may call it several times per process; it installs once.
 
+    A hook target this vLLM lacks (a release that keeps its loaders elsewhere) never stops
+    the engine: the guard arms what it can and says in one WARNING per missing target what
+    it could not; a KDA model loaded later is refused in mode ``fail`` at its first load,
+    naming the vLLM version, what is missing and ``KDA_TP_GUARD=warn``;
+    a model with no KDA layer loads as without the guard.
+
     Raises:
         GuardModeError: ``KDA_TP_GUARD`` holds another value than ``fail``, ``warn``, ``off``
             (vLLM lets a plugin's exception stop the start-up); the hooks are installed first,
             so that every load they see raises it too (vLLM marks its plugins loaded before
             it calls them: a retry in the same process is guarded).
-        GuardError: mode ``fail`` and a hook target is missing in an imported vLLM module.
     """
     global _installed
     if _installed:
@@ -125,16 +131,64 @@ def register() -> None:
     after_import(_INSTALLERS)
 
 
+def _version() -> str:
+    """The running vLLM's version (``"?"`` when it says none)."""
+    return str(getattr(sys.modules.get("vllm"), "__version__", "?"))
+
+
 def _hook(target: str, found: Any) -> bool:
-    """Record hook ``target`` as armed (``found`` is not None) or missing (a check that cannot
-    run, raised into vLLM's import of the module in mode ``fail``); whether it is armed."""
+    """Record hook ``target`` as armed (``found`` is not None) or missing; whether it is
+    armed. A missing one is one WARNING, never an exception into vLLM's import: the engine
+    starts, and a KDA model is refused at its first load in mode ``fail`` (``_unhooked``)."""
     if found is not None:
         RECORD.hooks[target] = "armed"
         return True
-    RECORD.hooks[target] = "missing: not in this vLLM version"
-    cannot_check(f"kda_tp guard: cannot hook {target} (not in this vLLM version); the weights "
-                 "it loads are not checked (a vLLM version kda_tp does not know?)")
+    _missing(target, f"not in vLLM {_version()}")
     return False
+
+
+def _missing(target: str, why: str) -> None:
+    """Hook ``target`` could not be armed (``why``): recorded, and said in one WARNING."""
+    RECORD.hooks[target] = f"missing: {why}"
+    logger.warning("kda_tp guard: cannot hook %s (%s); the engine starts, and a model with "
+                   "no KDA layer loads as without the guard; the KDA weights this path loads "
+                   "are not checked: in mode fail a KDA model is refused at its first load "
+                   "(%s=warn serves it unchecked)", target, why, MODE_ENV)
+
+
+_judged: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def _unhooked(model: Any, engine: Callable[[], VllmEngine]) -> None:
+    """A model loaded while some hook target is missing (``_hook``): a KDA model (not a
+    draft: ``engine()``, its adapter, made only then) cannot be checked on every path, which
+    ``cannot_check`` says (a warning once per model in mode ``warn``), naming vLLM's version,
+    each missing target and the setting that proceeds; a model with no KDA layer, or every
+    hook armed: nothing.
+
+    Raises:
+        GuardError: mode ``fail``, a KDA model and a missing hook target.
+    """
+    missing = sorted(t for t, why in RECORD.hooks.items() if why.startswith("missing: "))
+    if not missing or model in _judged:
+        return
+    names = [n for n, _ in model.named_parameters()]
+    if looks_kda(names) and not engine().is_draft():
+        cannot_check(f"kda_tp guard: vllm {_version()}: this KDA model's weights cannot be "
+                     f"checked on every path: the guard could not hook {', '.join(missing)} in "
+                     "this vLLM version")
+    _judged.add(model)
+
+
+def _safely(name: str, install: Callable[[Any], None]) -> Callable[[Any], None]:
+    """``install`` for vLLM module ``name``, whose error never reaches vLLM's import: the
+    module's hooks are then missing (``_missing``), the engine starts."""
+    def run(module: Any) -> None:
+        try:
+            install(module)
+        except Exception as error:  # noqa: BLE001 - a vLLM of another shape: never break it
+            _missing(name, f"{type(error).__name__}: {error}")
+    return run
 
 
 def _unwrapped(owner: Any, attr: str, target: str) -> Any:
@@ -175,6 +229,7 @@ def _install_loaders(model_loader: Any) -> None:
     @_mark
     @functools.wraps(original_register)
     def register_model_loader(load_format: str) -> Callable[[type], type]:
+        RECORD.running(register_model_loader)
         decorate = original_register(load_format)
 
         def wrap(cls: type) -> type:
@@ -205,6 +260,7 @@ def _wrap_loader(cls: type) -> None:
     @_mark
     @functools.wraps(original)
     def load_weights(self: Any, model: Any, model_config: Any, *args: Any, **kwargs: Any) -> Any:
+        RECORD.running(load_weights)
         depth = getattr(_state, "depth", 0)
         _state.depth = depth + 1
         try:
@@ -218,9 +274,8 @@ def _wrap_loader(cls: type) -> None:
             _state.depth = depth
         if depth == 0:
             loader = type(self).__name__
-            before = followed(model)
-            _armed(before, on_load(VllmEngine(model_config, loader=loader), model,
-                                   where=f"vllm {loader}")[1])
+            _unhooked(model, lambda: VllmEngine(model_config, loader=loader))
+            on_load(VllmEngine(model_config, loader=loader), model, where=f"vllm {loader}")
             repair(model)
         return out
 
@@ -241,6 +296,7 @@ def _wrap_reload(inplace: Any) -> None:  # vllm.model_executor.model_loader.relo
     @_mark
     @functools.wraps(original)
     def reload_weights(*args: Any, **kwargs: Any) -> Any:
+        RECORD.running(reload_weights)
         bound = signature.bind_partial(*args, **kwargs).arguments
         model, config = bound["model"], bound["vllm_config"]
         checkpoint_format = bound.get("is_checkpoint_format", True)
@@ -307,6 +363,7 @@ def _wrap_layerwise(layerwise: Any) -> None:  # vllm.model_executor.model_loader
     @_mark
     @functools.wraps(start)
     def initialize_layerwise_reload(model: Any, *args: Any, **kwargs: Any) -> Any:
+        RECORD.running(initialize_layerwise_reload)
         how = followed(model)
         opened = how is not None and how.open("layerwise", "layerwise reload")
         try:
@@ -319,6 +376,7 @@ def _wrap_layerwise(layerwise: Any) -> None:  # vllm.model_executor.model_loader
     @_mark
     @functools.wraps(finish)
     def finalize_layerwise_processing(model: Any, *args: Any, **kwargs: Any) -> Any:
+        RECORD.running(finalize_layerwise_processing)
         how = followed(model)
         try:
             out = finish(model, *args, **kwargs)
@@ -349,7 +407,9 @@ def _wrap_process(utils: Any) -> None:  # vllm.model_executor.model_loader.utils
     @_mark
     @functools.wraps(original)
     def process_weights_after_loading(model: Any, *args: Any, **kwargs: Any) -> Any:
+        RECORD.running(process_weights_after_loading)
         out = original(model, *args, **kwargs)
+        _unhooked(model, lambda: VllmEngine(args[0] if args else kwargs.get("model_config")))
         how = followed(model)
         if how is not None:
             how.end_of_refit("process_weights_after_loading")
@@ -374,6 +434,7 @@ def _wrap_transfer(factory: Any) -> None:  # vllm.distributed.weight_transfer.fa
     @functools.wraps(create)
     def create_engine(klass: Any, config: Any, vllm_config: Any, device: Any, model: Any
                       ) -> Any:
+        RECORD.running(create_engine)
         engine = create(klass, config, vllm_config, device, model)
         follow_transfer(engine, vllm_config)
         return engine
@@ -438,6 +499,7 @@ def _wrap_tensorizer(module: Any) -> None:  # ...model_loader.tensorizer_loader
     @_mark
     @functools.wraps(original)
     def load(self: Any, *args: Any, **kwargs: Any) -> Any:
+        RECORD.running(load)
         model = original(self, *args, **kwargs)
         if looks_kda(n for n, _ in model.named_parameters()):
             warn_once("kda_tp guard: a tensorizer load of a model that is not vLLM-tensorized "
@@ -450,16 +512,18 @@ def _wrap_tensorizer(module: Any) -> None:  # ...model_loader.tensorizer_loader
                    "_load_model_serialized_cpu", cls, "_load_model_serialized_cpu", load)
 
 
-# What register() installs, by the vLLM module it patches.
+# What register() installs, by the vLLM module it patches (an installer's error never
+# reaches vLLM's import: _safely).
 _INSTALLERS: dict[str, Callable[[Any], None]] = {
-    "vllm.model_executor.model_loader.utils": _wrap_process,
-    _LAYERWISE: _wrap_layerwise,
-    "vllm.model_executor.model_loader": _install_loaders,
-    "vllm.model_executor.model_loader.reload.inplace": _wrap_reload,
-    "vllm.model_executor.model_loader.tensorizer_loader": _wrap_tensorizer,
-    "vllm.distributed.weight_transfer.factory": _wrap_transfer,
-    "vllm.v1.worker.worker_base": _add_worker_method,
-}
+    name: _safely(name, install) for name, install in (
+    ("vllm.model_executor.model_loader.utils", _wrap_process),
+    (_LAYERWISE, _wrap_layerwise),
+    ("vllm.model_executor.model_loader", _install_loaders),
+    ("vllm.model_executor.model_loader.reload.inplace", _wrap_reload),
+    ("vllm.model_executor.model_loader.tensorizer_loader", _wrap_tensorizer),
+    ("vllm.distributed.weight_transfer.factory", _wrap_transfer),
+    ("vllm.v1.worker.worker_base", _add_worker_method),
+)}
 
 
 def guard_model(model: Any, model_config: Any, *, loader: str = "",
@@ -513,15 +577,8 @@ def follow_updates(model: Any, model_config: Any, vllm_config: Any = None, *,
         GuardError: mode ``fail`` and the checkpoint's config gives no plan for the model's
             KDA parameters.
     """
-    before = followed(model)
-    if before is None:
-        _armed(before, follow_model(VllmEngine(model_config, vllm_config), model, found))
-
-
-def _armed(before: Follower | None, how: Follower | None) -> None:
-    """A model newly followed: its updates hook is armed in the record."""
-    if before is None and how is not None:
-        RECORD.hooks[UPDATES_HOOK] = "armed"
+    if followed(model) is None:
+        follow_model(VllmEngine(model_config, vllm_config), model, found)
 
 
 # ------------------------------------------------------------------------------------------
