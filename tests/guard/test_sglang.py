@@ -315,6 +315,31 @@ def test_one_tensor_per_call_in_a_session_and_an_update_sglang_refuses(
     assert refused["lines"] == [] and refused["counted"] == 0  # not reported as checked
 
 
+def test_a_session_with_one_call_sglang_refuses_is_judged_whole(outcome: dict[str, Any]
+                                                                 ) -> None:
+    """Issue 38 F5: one call SGLang refuses inside a session ("partially updated"); in mode
+    fail the session's end is a failed update naming every region fed before and after it."""
+    run = outcome["sessions"]["one refused call"]
+    begin, before, refused, after, end = run["answers"]
+    assert begin[0] and before == [True, "Succeeded to update parameter online."]
+    assert refused[0] is False and "partially updated" in refused[1]
+    assert after[0] is True and end[0] is False
+    assert "the session is not whole: update_weights_from_distributed failed in it" in end[1]
+    for part in ("A_log", "dt_bias", "q_proj", "k_proj", "v_proj", "g_proj", "o_proj"):
+        assert f"{P}" in end[1] and f": {part}" in end[1], part
+    assert run["counted"] == 1
+
+
+def test_a_later_bucket_writing_q_into_k_after_a_refused_call_fails_the_session(
+        outcome: dict[str, Any]) -> None:
+    run = outcome["sessions"]["one refused call, then q_in_k"]
+    assert run["answers"][2][0] is False and run["answers"][3][0] is True
+    ok, message = run["answers"][-1]
+    assert ok is False
+    assert "k_proj: holds what was fed as" in message
+    assert "the session is not whole" in message
+
+
 def test_sessions_in_warn_mode_pass_or_log_the_diagnosis(outcome: dict[str, Any]) -> None:
     right = outcome["sessions"]["warn right"]
     assert right["answers"][-1] == [True, "Success"] and right["lines"][-1].endswith(": OK")

@@ -106,8 +106,9 @@ def test_a_replaced_loader_wrapper_is_reported_replaced_not_armed(vc, monkeypatc
 
     monkeypatch.setattr(DefaultModelLoader, "load_weights", around)
     assert status()["hooks"][LOADER].startswith("replaced by ")  # not seen running yet
+    runs = status()["runs"][LOADER]
     default_load(vc, build(vc, "kimi_linear", 2, 1), CKPT["kimi_linear"])
-    assert status()["hooks"][LOADER] == "armed"
+    assert status()["hooks"][LOADER] == "armed" and status()["runs"][LOADER] == runs + 1
 
 
 def test_a_wraps_replacement_of_model_load_weights_calling_the_original_is_not_armed(vc):

@@ -92,7 +92,8 @@ class Follower:
         unloaded: after a dummy load, the parts not loaded since; None when not pending.
         updated: a KDA tensor was fed since the dummy load.
         session: the open update session, if any; ``owner`` opened it, ``where`` names it.
-        spoiled: why the open session is not checked (the engine reported its own failure).
+        spoiled: why the open session is not whole (the engine reported one of its calls
+            failed): its end is a failed update, every region fed in it checked and named.
         quiet: > 0 while a loader fills the model (its own full check covers that load).
         unplaced: for each layer of the rank a name the guard cannot place was fed for in
             the open session or call (``RankTarget.unplaced``): that name and the layer's
@@ -148,7 +149,8 @@ class Follower:
         return True
 
     def spoil(self, why: str) -> None:
-        """The engine reported its own failure in the open session: it is not checked."""
+        """The engine reported one call of the open session failed (SGLang: "partially
+        updated"): the session goes on, and its end is a failed update (issue 38 F5)."""
         if self.session is not None:
             self.spoiled = why
 
@@ -173,12 +175,8 @@ class Follower:
         if session is None or self.owner != owner:
             return None
         self.session = None
-        if self.spoiled:
-            logger.warning("kda_tp guard: %s %s: not checked: %s", self.engine, self.where,
-                           self.spoiled)
-            return None
         unloaded = self.unloaded if self.unloaded is not None and session.touched else None
-        return self._verdict(session, self.where, unloaded)
+        return self._verdict(session, self.where, unloaded, self.spoiled)
 
     def call(self, original: Any, weights: Any, args: tuple[Any, ...],
              kwargs: dict[str, Any]) -> Any:
@@ -275,9 +273,17 @@ class Follower:
         return self._report(report, where)
 
     def _verdict(self, session: UpdateSession, where: str,
-                 unloaded: frozenset[tuple[int, str]] | None) -> UpdateReport | None:
+                 unloaded: frozenset[tuple[int, str]] | None,
+                 spoiled: str = "") -> UpdateReport | None:
         report = session.close(unloaded=unloaded or frozenset())
         report.unchecked += self._changed_unseen()
+        if spoiled:  # judged whole: a failed update, every region fed in it checked and named
+            fed = [f"{place.name}: {part}" for layer, part in sorted(session.fed_parts)
+                   for place in self.target.places.get((layer, part), ())]
+            report.problems.append(
+                f"the session is not whole: {spoiled}; the engine may hold part of that "
+                f"call; the regions fed in the session, before and after it, each checked "
+                f"above: {'; '.join(fed) or 'none'}")
         if self.unloaded is not None and session.touched:
             self.updated = True
             left = self.unloaded - session.fed_parts

@@ -132,8 +132,8 @@ def status(engine: str) -> dict[str, Any]:
     """This process's guard as a plain dict: ``versions`` (the engine's, ``engine`` being its
     module name ``"vllm"`` or ``"sglang"``, and kda_tp's), ``mode`` (or ``"invalid: ..."``),
     ``hooks`` (each target: ``"armed"``, ``"replaced by <qualname>"`` when a wrapper kda_tp
-    installed is no longer in place, or why it is not), ``checks`` (how many verdicts, by
-    kind), ``last`` (the last verdict line) and ``guarded``: False in mode ``off`` (or an
+    installed is no longer in place, or why it is not), ``runs`` (how many times each
+    installed wrapper ran), ``checks`` (how many verdicts, by kind), ``last`` (the last verdict line) and ``guarded``: False in mode ``off`` (or an
     invalid mode), where no load or update is judged, whatever hooks are armed."""
     module = sys.modules.get(engine)
     RECORD.verify()
@@ -144,6 +144,8 @@ def status(engine: str) -> dict[str, Any]:
     return {"versions": {engine: str(getattr(module, "__version__", "not imported")),
                          "kda_tp": __version__},
             "mode": chosen, "hooks": dict(RECORD.hooks), "checks": dict(RECORD.checks),
+            "runs": {target: sum(e.runs for e in entries)
+                     for target, entries in RECORD.installed.items()},
             "last": RECORD.last, "guarded": chosen in ("fail", "warn")}
 
 

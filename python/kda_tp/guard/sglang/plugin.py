@@ -261,7 +261,7 @@ def _verdict(how: Follower, owner: str) -> str | None:
 
 def _updated(runner: Any, where: str, call: Callable[[], tuple[bool, str]]) -> tuple[bool, str]:
     """One update call of ``runner``'s model: inside an open session it feeds it (a failure
-    SGLang reports spoils it: not checked); else it is one update by itself, whose wrong
+    SGLang reports makes the session not whole: its end is a failed update); else it is one update by itself, whose wrong
     result (mode ``fail``) turns a successful update into ``(False, diagnosis)``."""
     how = follow_runner(runner)
     if how is None:
