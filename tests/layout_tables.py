@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from kda_tp.engines import LAYOUTS, EngineParam
+from kda_tp.engines.layout import CONFIG_DTYPE
 
 # Each plan tensor's local shape in symbols, for the documentation tables only.
 SYMBOLS = {
@@ -62,7 +63,8 @@ def layouts_markdown() -> str:
         out.append("| parameter | made of | local shape | dtype |")
         out.append("| --- | --- | --- | --- |")
         for p in layout.params:
-            dtype = p.dtype or ("F32 (scales)" if p.scale_of else "model")
+            dtype = ("config (model when none)" if p.dtype == CONFIG_DTYPE else p.dtype
+                     or ("F32 (scales)" if p.scale_of else "model"))
             out.append(f"| `{p.suffix}` | {made_of(p)} | {symbolic_shape(p)} | {dtype} |")
         out.append("")
     return "\n".join(out)

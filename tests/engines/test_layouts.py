@@ -138,6 +138,7 @@ from hypothesis import strategies as st  # noqa: E402
 from kda_tp import Tensor  # noqa: E402
 from kda_tp import oracle  # noqa: E402
 from kda_tp.engines import EngineParam  # noqa: E402
+from kda_tp.engines.layout import CONFIG_DTYPE  # noqa: E402
 
 PROPERTY = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 NUMPY = {"BF16": ml_dtypes.bfloat16, "F16": np.float16, "F32": np.float32,
@@ -187,7 +188,8 @@ def expected_param(param: EngineParam, layout, op: oracle.OraclePlan, full, mode
     entries = [op.get(p.removesuffix(".scale")) for p in names]
     entries = [e.scale if n.endswith(".scale") else e for e, n in zip(entries, names)]
     fp8 = any(e.dtype == "F8_E4M3" for e in entries)
-    dtype = entries[0].dtype if (fp8 or param.scale_of) else (param.dtype or model_dtype
+    own = None if param.dtype == CONFIG_DTYPE else param.dtype  # no config here: the model's
+    dtype = entries[0].dtype if (fp8 or param.scale_of) else (own or model_dtype
                                                                or entries[0].dtype)
     chunks = []
     for e, n in zip(entries, names):

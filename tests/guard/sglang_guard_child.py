@@ -88,9 +88,12 @@ def rank(T: int, R: int) -> object:
                                    **extra)
 
 
-def build(kind: str) -> torch.nn.Module:
-    """A module holding SGLang's own KDA layer at ``model.layers.0.self_attn`` (unloaded)."""
+def build(kind: str, config_dtype: torch.dtype | None = None) -> torch.nn.Module:
+    """A module holding SGLang's own KDA layer at ``model.layers.0.self_attn`` (unloaded), its
+    HF config's ``dtype`` ``config_dtype`` (a ``config.json``'s ``torch_dtype``) when given."""
     cfg, Layer, Model = kda_classes(kind, heads=H, head_dim=D, kernel=K, hidden=HIDDEN)
+    if config_dtype is not None:
+        cfg.dtype = config_dtype
     layer = Layer(layer_idx=0, hidden_size=HIDDEN, config=cfg, quant_config=None,
                   prefix=PREFIX[:-1])
     top = stand_in(cfg, layer)
@@ -125,7 +128,7 @@ def stand_in_load_model(self: mr.ModelRunner) -> None:
     """What SGLang's ``load_model`` leaves behind: ``self.model`` (and, in overlap mode,
     placeholder values and a pending ``self.startup_weight_load``)."""
     s = self.kda_scenario
-    model = build(s["kind"])
+    model = build(s["kind"], s.get("config_dtype"))
     if s.get("sharded"):
         lc = LoadConfig(load_format="sharded_state")
         cfg = types.SimpleNamespace(model_path=s["sharded"], revision=None, dtype=torch.float32)
@@ -245,6 +248,24 @@ def public(result: dict[str, object]) -> dict[str, object]:
 # 1. Right loads: every family, TP 2 and 4, several ranks.
 out["pass"] = {f"{kind} tp{T} r{R}": public(start(kind, T, R))
                for kind in CKPT for T, R in ((2, 0), (2, 1), (4, 1), (4, 3))}
+
+# Seen beside issue 38's round: a BF16 checkpoint (config torch_dtype bfloat16) served with
+# --dtype float32: SGLang's KimiDeltaAttention builds fused_fg_b_proj in the HF config's dtype
+# (``ColumnParallelBatchedLinear(..., dtype=config.dtype)``), every other parameter in the
+# model dtype.
+bf16 = os.path.join(WORK, "ckpt_kl_bf16")
+os.makedirs(bf16)
+with open(os.path.join(DATA, CKPT["kimi_linear"], "config.json")) as f:
+    config = json.load(f)
+with open(os.path.join(bf16, "config.json"), "w") as f:
+    json.dump({**config, "torch_dtype": "bfloat16"}, f)
+save_file({n: t if n.endswith(("A_log", "dt_bias")) else t.to(torch.bfloat16) for n, t in
+           load_file(os.path.join(DATA, CKPT["kimi_linear"], "model.safetensors")).items()},
+          os.path.join(bf16, "model.safetensors"))
+started = start("kimi_linear", 2, 1, checkpoint=bf16, config_dtype=torch.bfloat16)
+out["bf16 config, float32 engine"] = {
+    **public(started), "dtypes": {n: str(p.dtype).removeprefix("torch.") for n, p in
+                                  started["runner"].model.named_parameters()}}
 
 # 2. Loading bugs, TP 4.
 bugs = {"rank0": dict(load_rank=0), "swap12": dict(load_rank=2), "swap21": dict(load_rank=1),

@@ -80,6 +80,20 @@ BUGS = [
 ]
 
 
+def test_a_bf16_checkpoint_under_dtype_float32_passes_as_sglang_builds_it(
+        outcome: dict[str, Any]) -> None:
+    """Seen beside issue 38's round, confirmed from SGLang 0.5.23's source: KimiDeltaAttention
+    builds ``fused_fg_b_proj`` with ``dtype=config.dtype`` (the HF config's, BF16), whatever
+    ``--dtype``; every other KDA parameter in the model dtype (float32). The guard follows the
+    engine: the honest load passes."""
+    run = outcome["bf16 config, float32 engine"]
+    assert run["dtypes"][P + "fused_fg_b_proj.weight"] == "bfloat16"
+    assert run["dtypes"][P + "fused_qkvbfg_a_proj.weight"] == "float32"
+    assert run["error"] is None
+    (line,) = [x for x in run["lines"] if "tp rank 1/2" in x]
+    assert line.endswith(": OK"), line
+
+
 @pytest.mark.parametrize("kind", FAMILIES)
 @pytest.mark.parametrize("bug,R,param,says", BUGS)
 def test_loading_bugs_stop_the_load_naming_the_parameter(

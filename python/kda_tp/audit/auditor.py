@@ -32,7 +32,7 @@ from ..checkpoint.description import describe
 from ..checkpoint.reader import SafetensorsSource
 from ..checkpoint.values import as_record
 from ..engines.build import RankPlan, build_param, engine_params
-from ..engines.dtype import config_model_dtype, engine_model_dtype
+from ..engines.dtype import config_dtype, config_model_dtype, engine_model_dtype
 from ..engines.layout import EngineLayout, EngineParam
 from ..engines.registry import LAYOUTS, get_layout, recognise
 from ..errors import CheckpointError, EngineLayoutError, PlanError
@@ -133,7 +133,8 @@ class _Auditor:
         if key not in self._plans:
             self._plans[key] = RankPlan.of(self.shard(rank).plan, layout,
                                            self.model_dtype(layout), self.description.prefix,
-                                           self.layers)
+                                           self.layers,
+                                           config_dtype(self.description.config, layout.engine))
         return self._plans[key]
 
     def select(self, names: Sequence[str], where: str) -> _Selected | None:

@@ -19,7 +19,7 @@ from ..checkpoint.description import describe
 from ..checkpoint.names import kda_tensor_name, param_name
 from ..checkpoint.reader import SafetensorsSource
 from ..engines.build import RankPlan, build_param
-from ..engines.dtype import engine_model_dtype
+from ..engines.dtype import config_dtype, engine_model_dtype
 from ..engines.layout import EngineLayout, EngineParamPlan
 from ..engines.registry import get_layout, layouts_for
 from ..errors import DtypeMismatchError, EngineLayoutError, PlanError
@@ -94,7 +94,8 @@ def expected_params(
     for r in checked_ranks(ranks, tp_size):
         shard = KdaShardedSource(source, plan0 if r == 0 else KdaTpPlan.from_description(
             description, r, tp_size, qk_multiple=1))
-        rank_plan = RankPlan.of(shard.plan, layout, model_dtype, shard.prefix, shard.layers)
+        rank_plan = RankPlan.of(shard.plan, layout, model_dtype, shard.prefix, shard.layers,
+                                config_dtype(description.config, layout.engine))
         prefix = layout.state_dict_prefix(shard.prefix)
         params = []
         for layer in shard.layers:

@@ -6,7 +6,7 @@ every table follows are :mod:`kda_tp.engines`' docstring.
 
 from __future__ import annotations
 
-from .layout import EngineLayout, EngineParam
+from .layout import CONFIG_DTYPE, EngineLayout, EngineParam
 
 __all__ = ["TABLES"]
 
@@ -42,13 +42,19 @@ def _single(name: str, scales: str | None = None) -> tuple[EngineParam, ...]:
 
 
 # SGLang 0.5.23 fuses Kimi-Linear's and GLM-5.3-Flash's low-rank-gate KDA layers alike.
-_SGLANG_FUSED_LOW_RANK_GATE = (
-    EngineParam("fused_qkvbfg_a_proj.weight",
-                ("q_proj", "k_proj", "v_proj", "b_proj", "f_a_proj", "g_a_proj")),
-    EngineParam("fused_fg_b_proj.weight", ("f_b_proj", "g_b_proj"), stacked=True),
-    EngineParam("qkv_conv1d.weight", _CONV_QKV, dtype=_F32),
-    *_common((1, 1, -1, 1)),
-)
+def _sglang_fused_low_rank_gate(fg_b_dtype: str | None) -> tuple[EngineParam, ...]:
+    """SGLang's fused low-rank-gate layer; ``fused_fg_b_proj`` built in ``fg_b_dtype``
+    (Kimi-Linear: ``dtype=config.dtype``, sglang/srt/models/kimi_linear.py, whatever --dtype;
+    GLM-5.3: the fused projection's ``params_dtype``, the model dtype: None)."""
+    return (
+        EngineParam("fused_qkvbfg_a_proj.weight",
+                    ("q_proj", "k_proj", "v_proj", "b_proj", "f_a_proj", "g_a_proj")),
+        EngineParam("fused_fg_b_proj.weight", ("f_b_proj", "g_b_proj"), stacked=True,
+                    dtype=fg_b_dtype),
+        EngineParam("qkv_conv1d.weight", _CONV_QKV, dtype=_F32),
+        *_common((1, 1, -1, 1)),
+    )
+
 
 _VLLM = "vllm/models/kimi_k3/nvidia/kda.py"
 
@@ -110,7 +116,7 @@ TABLES: tuple[EngineLayout, ...] = (
     ),
     EngineLayout(
         "sglang-0.5.23-kimi-linear", "sglang", "0.5.23", "kimi-linear",
-        _SGLANG_FUSED_LOW_RANK_GATE,
+        _sglang_fused_low_rank_gate(CONFIG_DTYPE),
         "sglang 0.5.23 python/sglang/srt/models/kimi_linear.py: KimiDeltaAttention, fused path "
         "(no quantization_config)",
     ),
@@ -128,7 +134,7 @@ TABLES: tuple[EngineLayout, ...] = (
     ),
     EngineLayout(
         "sglang-0.5.23-glm-5.3", "sglang", "0.5.23", "glm-5.3",
-        _SGLANG_FUSED_LOW_RANK_GATE,
+        _sglang_fused_low_rank_gate(None),
         "sglang 0.5.23 python/sglang/srt/models/glm5_next.py: Glm5NextLinearAttention, fused "
         "path (KDA projections unquantized, as in GLM-5.3-Flash's FP8 release)",
         wrapped_prefix="model.layers.",  # its mapper: model.language_model. -> model.

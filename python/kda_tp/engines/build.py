@@ -17,11 +17,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..checkpoint.names import kda_tensor_name, param_name
-from ..errors import EngineLayoutError
+from ..errors import CheckpointError, EngineLayoutError
 from ..model.quant import SCALE_SUFFIXES
 from ..rank.plan import KdaTpPlan
 from ..rank.view import KdaShardedSource
-from .layout import EngineLayout, EngineParam, EngineParamPlan
+from .dtype import config_dtype
+from .layout import CONFIG_DTYPE, EngineLayout, EngineParam, EngineParamPlan
 from .registry import get_layout
 
 __all__ = ["RankPlan", "build_param", "engine_params", "param_plan"]
@@ -41,6 +42,8 @@ class RankPlan:
         layers: the KDA layers the rank holds (a pipeline stage's, or every one).
         params: each parameter's plan by its name after ``self_attn.``
             (:meth:`EngineLayout.param_plan <kda_tp.engines.EngineLayout.param_plan>`).
+        config_dtype: the dtype the checkpoint's config names, as the layout's engine reads
+            it (None: none), for the parameters the engine builds in it.
     """
 
     plan: KdaTpPlan
@@ -49,18 +52,21 @@ class RankPlan:
     prefix: str
     layers: tuple[int, ...]
     params: Mapping[str, EngineParamPlan] = field(repr=False)
+    config_dtype: str | None = None
 
     @classmethod
     def of(cls, plan: KdaTpPlan, layout: EngineLayout, model_dtype: str | None, prefix: str,
-           layers: tuple[int, ...]) -> RankPlan:
-        """Every parameter plan of ``layout`` for ``plan``'s rank, each computed once.
+           layers: tuple[int, ...], config_dtype: str | None = None) -> RankPlan:
+        """Every parameter plan of ``layout`` for ``plan``'s rank, each computed once
+        (``config_dtype``: the dtype the checkpoint's config names as the layout's engine reads
+        it, for a parameter the engine builds in it: ``CONFIG_DTYPE``).
 
         Raises:
             EngineLayoutError: the layout does not fit the plan.
         """
         return cls(plan, layout, model_dtype, prefix, tuple(layers),
-                   {p.suffix: layout.param_plan(p.suffix, plan, model_dtype)
-                    for p in layout.params_for(plan)})
+                   {p.suffix: layout.param_plan(p.suffix, plan, model_dtype, config_dtype)
+                    for p in layout.params_for(plan)}, config_dtype)
 
     def param_plan(self, suffix: str, model_dtype: str | None = None) -> EngineParamPlan:
         """Parameter ``suffix``'s plan: the one built for ``model_dtype``, unless
@@ -74,7 +80,7 @@ class RankPlan:
         if found is not None and (model_dtype is None or model_dtype == self.model_dtype
                                   or not self.layout.follows_model(suffix, self.plan)):
             return found
-        return self.layout.param_plan(suffix, self.plan, model_dtype)
+        return self.layout.param_plan(suffix, self.plan, model_dtype, self.config_dtype)
 
 
 def build_param(
@@ -167,7 +173,14 @@ def param_plan(view: KdaShardedSource, layout: str | EngineLayout, suffix: str, 
     Raises:
         EngineLayoutError: as there.
     """
-    return get_layout(layout).param_plan(suffix, view.plan, model_dtype)
+    chosen = get_layout(layout)
+    named = None
+    if chosen.param(suffix).dtype == CONFIG_DTYPE:  # the config read only for such a parameter
+        try:
+            named = config_dtype(view.description.config, chosen.engine)
+        except CheckpointError:  # a trainer's tensors without a config: the model dtype
+            named = None
+    return chosen.param_plan(suffix, view.plan, model_dtype, named)
 
 
 def _part_name(view: KdaShardedSource, layer: int, part: str) -> str:

@@ -22,7 +22,13 @@ from ..errors import EngineLayoutError
 from ..model.dtypes import FP8_DTYPES, cast_into, numpy_dtype
 from ..rank.plan import KdaTensorPlan, KdaTpPlan
 
-__all__ = ["EngineLayout", "EngineParam", "EngineParamPlan", "Region"]
+__all__ = ["CONFIG_DTYPE", "EngineLayout", "EngineParam", "EngineParamPlan", "Region"]
+
+#: ``EngineParam.dtype`` of a parameter an engine builds in the checkpoint config's dtype
+#: whatever its model dtype (SGLang 0.5.23's Kimi-Linear ``fused_fg_b_proj``:
+#: ``ColumnParallelBatchedLinear(..., dtype=config.dtype)``); the model dtype when the config
+#: names none (``torch.empty(dtype=None)``: the default dtype, the model dtype).
+CONFIG_DTYPE = "config"
 
 
 @dataclass(frozen=True)
@@ -39,8 +45,8 @@ class EngineParam:
         pad_to_fp8: the multiple instead when the parts are block-FP8 (None: ``pad_to``).
         view: the on-device shape, with one ``-1`` for the remaining elements, when it is not
             the concatenated parts' shape (None).
-        dtype: the safetensors dtype the engine casts to (``"F32"``), or None for the model
-            dtype.
+        dtype: the safetensors dtype the engine casts to (``"F32"``), :data:`CONFIG_DTYPE`
+            for the checkpoint config's dtype, or None for the model dtype.
         scale_of: for a block-FP8 scale grid, the suffix of the weight it scales.
     """
 
@@ -264,7 +270,8 @@ class EngineLayout:
     def follows_model(self, suffix: str, plan: KdaTpPlan) -> bool:
         """Whether the engine casts parameter ``suffix`` to its model dtype for ``plan``'s
         rank: it has no dtype of its own (``EngineParam.dtype`` is None: not the F32
-        ``A_log``, ``dt_bias`` or convs), is no scale grid, and its parts are not block-FP8.
+        ``A_log``, ``dt_bias`` or convs, nor a :data:`CONFIG_DTYPE` one), is no scale grid,
+        and its parts are not block-FP8.
 
         Raises:
             EngineLayoutError: no such parameter; parts mixing block-FP8 and unquantized.
@@ -273,7 +280,8 @@ class EngineLayout:
         return param.dtype is None and param.scale_of is None and not _quantized(param, plan)
 
     def param_plan(
-        self, suffix: str, plan: KdaTpPlan, model_dtype: str | None = None
+        self, suffix: str, plan: KdaTpPlan, model_dtype: str | None = None,
+        config_dtype: str | None = None
     ) -> EngineParamPlan:
         """Parameter ``suffix`` for ``plan``'s rank: local shape, dtype, part regions, padding.
 
@@ -282,6 +290,9 @@ class EngineLayout:
             plan: one rank's plan (its dtypes are the checkpoint's, as ``from_config`` reads).
             model_dtype: the engine's model dtype (``"BF16"``...) for parameters without a
                 fixed dtype; None keeps the checkpoint's (the parts must then share one dtype).
+            config_dtype: the dtype the checkpoint's config names, as the engine reads it
+                (``kda_tp.engines.dtype.config_dtype``), for a parameter of
+                :data:`CONFIG_DTYPE`; None: the config names none (then ``model_dtype``).
 
         Returns:
             An :class:`EngineParamPlan`; its regions and padding tile ``nbytes`` exactly.
@@ -298,7 +309,9 @@ class EngineLayout:
             return self._scale_plan(param, plan)
         entries = [plan[part] for part in param.parts]
         fp8 = _quantized(param, plan)
-        dtype = _out_dtype(self.name, param, entries, fp8, model_dtype)
+        dtype = _out_dtype(self.name, param, entries, fp8,
+                           config_dtype or model_dtype if param.dtype == CONFIG_DTYPE
+                           else model_dtype)
         itemsize = _itemsize(dtype)
         part_shapes = [_part_shape(t) for t in entries]
         regions = []
@@ -421,7 +434,7 @@ def _out_dtype(
         if len(sources) != 1 or not sources <= set(FP8_DTYPES):
             raise EngineLayoutError(f"{layout}: {param.suffix}: FP8 parts of dtypes {sources}")
         return sources.pop()
-    if param.dtype is not None:
+    if param.dtype is not None and param.dtype != CONFIG_DTYPE:
         return param.dtype
     if model_dtype is not None:
         return model_dtype
