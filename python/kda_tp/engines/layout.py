@@ -45,7 +45,7 @@ class EngineParam:
         pad_to_fp8: the multiple instead when the parts are block-FP8 (None: ``pad_to``).
         view: the on-device shape, with one ``-1`` for the remaining elements, when it is not
             the concatenated parts' shape (None).
-        dtype: the safetensors dtype the engine casts to (``"F32"``), :data:`CONFIG_DTYPE`
+        dtype: the safetensors dtype the engine casts to (``"F32"``), ``CONFIG_DTYPE``
             for the checkpoint config's dtype, or None for the model dtype.
         scale_of: for a block-FP8 scale grid, the suffix of the weight it scales.
     """
@@ -270,7 +270,7 @@ class EngineLayout:
     def follows_model(self, suffix: str, plan: KdaTpPlan) -> bool:
         """Whether the engine casts parameter ``suffix`` to its model dtype for ``plan``'s
         rank: it has no dtype of its own (``EngineParam.dtype`` is None: not the F32
-        ``A_log``, ``dt_bias`` or convs, nor a :data:`CONFIG_DTYPE` one), is no scale grid,
+        ``A_log``, ``dt_bias`` or convs, nor a ``CONFIG_DTYPE`` one), is no scale grid,
         and its parts are not block-FP8.
 
         Raises:
@@ -292,7 +292,7 @@ class EngineLayout:
                 fixed dtype; None keeps the checkpoint's (the parts must then share one dtype).
             config_dtype: the dtype the checkpoint's config names, as the engine reads it
                 (``kda_tp.engines.dtype.config_dtype``), for a parameter of
-                :data:`CONFIG_DTYPE`; None: the config names none (then ``model_dtype``).
+                ``CONFIG_DTYPE``; None: the config names none (then ``model_dtype``).
 
         Returns:
             An :class:`EngineParamPlan`; its regions and padding tile ``nbytes`` exactly.

@@ -186,10 +186,10 @@ class RankTarget:
 
     def place(self, name: str) -> tuple[int, str, KdaTensorPlan] | None:
         """Where a tensor fed as ``name`` goes: ``(layer, part, its plan entry)`` for a
-        checkpoint name of :attr:`fed`, or for any other name the engine's own name mapping
+        checkpoint name of ``fed``, or for any other name the engine's own name mapping
         loads as one (K3: ``language_model.layers.`` for ``language_model.model.layers.``;
         GLM-5.3: ``model.language_model.`` and ``language_model.model.``); None for a name
-        that is no KDA tensor of this rank. A name not in :attr:`fed` costs one call of the
+        that is no KDA tensor of this rank. A name not in ``fed`` costs one call of the
         engine's mapping the first time it is seen, one dictionary lookup after."""
         hit = self.fed.get(name)
         if hit is not None or self.spelling is None:
