@@ -68,12 +68,17 @@ class Refit:
     (a ``GuardError`` of the guard included), so every rank answers."""
 
     def kda_refit(self, path: str, only: list[str] | None = None,
-                  rank_0_bug: bool = False) -> dict[str, Any]:
+                  rank_0_bug: bool = False, spelling: list[str] | None = None
+                  ) -> dict[str, Any]:
         """The checkpoint's tensors (``only``: those whose name holds one of these) into the
-        model's own ``load_weights``, in one call."""
+        model's own ``load_weights``, in one call; ``spelling``: ``[prefix, other]``, each
+        name's ``prefix`` fed as ``other`` (another spelling the engine accepts)."""
+        old, new = spelling or ("", "")
         try:
             with _loaders_told_rank_0(rank_0_bug):
-                self.model_runner.model.load_weights(iter(_tensors(path, only).items()))
+                self.model_runner.model.load_weights(
+                    (new + n.removeprefix(old) if old and n.startswith(old) else n, t)
+                    for n, t in _tensors(path, only).items())
         except Exception as error:  # noqa: BLE001 - reported to the test
             return {"ok": False, "error": _error(error)}
         return {"ok": True}

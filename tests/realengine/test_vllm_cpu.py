@@ -116,6 +116,26 @@ def other_family(request: pytest.FixtureRequest,
                                      actions=[{"do": "audit"}])
 
 
+#: Kimi K3's checkpoint prefix and the other spelling vLLM's ``KimiK3ForConditionalGeneration``
+#: accepts (its ``hf_to_vllm_mapper``).
+K3_PREFIX, K3_OTHER = "language_model.model.layers.", "language_model.layers."
+
+
+@pytest.fixture(scope="module")
+def k3_tp2(tmp_path_factory: pytest.TempPathFactory) -> Engine:
+    """Issue 38 F1: Kimi K3 at TP=2, mode fail: a refit of ``dt_bias`` under the other spelling
+    the engine accepts, honest, then with rank 0's ``dt_bias`` loaded on rank 1; audit."""
+    root = tmp_path_factory.mktemp("k3_tp2")
+    model = kimi_k3(root / "model")
+    spelling = [K3_PREFIX, K3_OTHER]
+    return run_engine(root / "engine", model, tp=2, llm={**REFIT, **TEXT_ONLY},
+                      actions=[{"do": "rpc", "method": "kda_refit",
+                                "args": [str(model), ["dt_bias"], False, spelling]},
+                               {"do": "rpc", "method": "kda_refit",
+                                "args": [str(model), ["dt_bias"], True, spelling]},
+                               {"do": "audit"}])
+
+
 def _ok_line(engine: Engine, where: str, rank: int, tp: int) -> str:
     lines = engine.lines(f"kda_tp guard: vllm {where}: tp rank {rank}/{tp}: ")
     assert len(lines) == 1 and lines[0].endswith(" s: OK"), (lines, engine.log[-4000:])
@@ -325,3 +345,25 @@ def test_mode_off_registers_saying_it_checks_nothing(tmp_path: Path) -> None:
     [line] = [x for x in (run.stdout + run.stderr).splitlines()
               if "kda_tp guard: registered in vLLM (mode off)" in x]
     assert "checks the KDA weights" not in line and "nothing" in line
+
+
+# ------------------------------------------------------------------------------------------
+# Issue 38 F1: a refit under the other spelling the engine accepts
+
+
+def test_a_k3_refit_under_the_other_spelling_is_checked_and_a_rank_bug_stopped(
+        k3_tp2: Engine) -> None:
+    _started(k3_tp2)
+    assert _value(k3_tp2, 0) == [{"ok": True}, {"ok": True}]
+    for rank in (0, 1):  # the honest refit, placed and checked on each rank
+        line = k3_tp2.lines(f"kda_tp guard: vllm load_weights: tp rank {rank}/2: ")[0]
+        assert " 0 KDA parameters updated" not in line and line.endswith(" s: OK"), line
+    rank_0, rank_1 = _value(k3_tp2, 1)
+    assert rank_0 == {"ok": True}
+    assert rank_1["error"]["type"] == "kda_tp.errors.GuardError", rank_1
+    message = rank_1["error"]["message"]
+    assert "FAIL" in message.splitlines()[0]
+    assert f"rank 1 {K3_PREFIX}0.self_attn.dt_bias: dt_bias: " in message
+    assert f"{K3_OTHER}0.self_attn.dt_bias" in message  # the name it was fed under
+    audited = _value(k3_tp2, 2)
+    assert [r["ok"] for r in audited] == [True, False]
