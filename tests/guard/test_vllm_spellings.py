@@ -147,4 +147,3 @@ def test_a_kda_change_under_a_name_the_guard_cannot_place_is_not_checked(
         model.load_weights(refit("k3", "lm.layers.", 3.0))
     warned = [r for r in vllm_log.records if r.levelname == "WARNING"]
     assert len(warned) == 1 and "NOT CHECKED" in warned[0].getMessage()
-
