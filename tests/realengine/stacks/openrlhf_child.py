@@ -11,8 +11,9 @@ refits: honest, then with :func:`stack_workers.loader_bug` on the last rank. Ope
 refit at its first failing tensor (``ray.get`` raises), and so does this.
 
 Before each refit the line :data:`MARK` is printed (the workers' log lines after it are that
-refit's). ``OUT`` receives ``started``, ``bug_ranks`` (``loader_bug``'s answers), and per refit ``sent`` (tensors whose call returned) and
-``error`` (what the failing call raised: ``type``, ``message``), rewritten as it goes.
+refit's). ``OUT`` receives ``started``, ``bug_ranks`` (``loader_bug``'s answers), and per
+refit ``sent`` (tensors whose call returned) and ``error`` (what the failing call raised:
+``type``, ``message``, the tensor's ``name``), rewritten as it goes.
 """
 
 from __future__ import annotations
@@ -37,7 +38,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _refit(llm: Any, pool: ThreadPoolExecutor, group: Any, tensors: dict[str, Any]) -> dict[str, Any]:
+def _refit(llm: Any, pool: ThreadPoolExecutor, group: Any,
+           tensors: dict[str, Any]) -> dict[str, Any]:
+    """One refit as OpenRLHF's ``broadcast_to_vllm`` makes it; stops at the first failing
+    tensor."""
     import torch
 
     sent = 0

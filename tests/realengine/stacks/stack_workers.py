@@ -25,10 +25,10 @@ def loader_bug(worker: Any) -> int:
     """On the last tensor-parallel rank, wrap the ``weight_loader`` of layer 0's
     ``in_proj_qkvgfab`` so that after loading q (shard 0) it adds 1.0 to this rank's q row 0,
     column 5: an engine-side loader bug. Returns the rank it was put on, or -1."""
-    from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+    from vllm.distributed import parallel_state
 
-    rank = get_tensor_model_parallel_rank()
-    if rank != get_tensor_model_parallel_world_size() - 1:
+    rank = parallel_state.get_tensor_model_parallel_rank()
+    if rank != parallel_state.get_tensor_model_parallel_world_size() - 1:
         return -1
     module = worker.model_runner.model.get_submodule(BUG_MODULE)
     param = module.weight
