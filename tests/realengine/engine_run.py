@@ -56,23 +56,26 @@ class Engine:
 
 
 def run_engine(workdir: Path, model: Path, *, tp: int = 1, env: dict[str, str] | None = None,
-               actions: list[dict[str, Any]] | None = None, **spec: Any) -> Engine:
+               actions: list[dict[str, Any]] | None = None, script: Path | None = None,
+               **spec: Any) -> Engine:
     """Start ``vllm.LLM(model, tensor_parallel_size=tp, ...)`` in a child process group with
     ``env`` added to :data:`ENGINE_ENV`, run ``actions`` (engine_child.py), and wait for the
     child to end (at most :data:`ENGINE_TIMEOUT_S`); the whole group (engine core, workers) is
     killed afterwards, ended or not. ``spec``: more of engine_child.py's SPEC keys
-    (``dtype``, ``llm``)."""
+    (``dtype``, ``llm``). ``script``: another child, run as ``python SCRIPT SPEC OUT`` with its
+    directory on ``PYTHONPATH`` too (stacks/: an RL stack's own sync code)."""
     workdir.mkdir(parents=True, exist_ok=True)
     out, log_path = workdir / "result.json", workdir / "engine.log"
+    script = script or HERE / "engine_child.py"
     child_env = {**os.environ, **ENGINE_ENV, **(env or {}),
-                 "PYTHONPATH": os.pathsep.join(filter(None, [str(HERE),
-                                                             os.environ.get("PYTHONPATH")]))}
+                 "PYTHONPATH": os.pathsep.join(filter(None, [
+                     str(script.parent), str(HERE), os.environ.get("PYTHONPATH")]))}
     if tp > 1:
         child_env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(r) for r in range(tp))
     payload = json.dumps({"model": str(model), "tp": tp, "actions": actions or [], **spec})
     start = time.perf_counter()
     with open(log_path, "wb") as log:
-        child = subprocess.Popen([sys.executable, str(HERE / "engine_child.py"), payload,
+        child = subprocess.Popen([sys.executable, str(script), payload,
                                   str(out)], stdout=log, stderr=subprocess.STDOUT,
                                  stdin=subprocess.DEVNULL, env=child_env,
                                  start_new_session=True)
