@@ -26,8 +26,10 @@ from ._format import (
     emit_json,
     error_line,
     format_bytes,
+    format_mla_plan,
     format_plan,
     format_sizes,
+    mla_plan_json,
     plan_json,
     print_kept,
     print_refusal,
@@ -67,6 +69,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     )
     from ..checkpoint.layers import check_layers, config_layer_count
     from ..checkpoint.names import kda_tensor_name, scale_tensor_name
+    from ..model.mla import parse_mla_config
+    from ..rank.mla import MlaTpPlan
     from ..rank.plan import KdaTpPlan
 
     # `demo` calls this with a namespace that has no --layers or --json.
@@ -89,6 +93,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
         qk_multiple=args.qk_multiple, layers=layers if source is not None else None,
     )
     kda = description.kda
+    # The hybrid's MLA layers, from the config only (None: every layer KDA, or not listed).
+    mla_config = parse_mla_config(description.config, kda)
+    mla = (MlaTpPlan.from_description(description, args.rank, args.tp_size, mla_config)
+           if mla_config is not None else None)
     shapes, n_layers = {}, None
     if source is not None and layers:
         n_layers = len(layers)
@@ -108,10 +116,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if source is None:
         _, shapes, family = assumed_layout(kda)
     if as_json:
-        print(json.dumps({"ok": True, **plan_json(plan, shapes, layers, kda)}, indent=2))
+        document = {"ok": True, **plan_json(plan, shapes, layers, kda)}
+        if mla is not None and mla_config is not None:
+            document["mla"] = mla_plan_json(mla, mla_config.layers)
+        print(json.dumps(document, indent=2))
     else:
         print(format_plan(plan, shapes, n_layers))
         print(kda.describe_gate())
+        if mla is not None and mla_config is not None:
+            print(format_mla_plan(mla, mla_config.layers))
         if source is None:
             print(f"(from the config alone: on-disk shapes and dtypes are assumed, {family} "
                   "defaults; pass the checkpoint directory to read its own, e.g. Kimi K3's "

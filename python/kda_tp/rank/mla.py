@@ -98,18 +98,21 @@ class MlaTpPlan(_native.MlaTpPlan):
 
     @classmethod
     def from_description(
-        cls, description: CheckpointDescription, tp_rank: int, tp_size: int
+        cls, description: CheckpointDescription, tp_rank: int, tp_size: int,
+        mla: MlaConfig | None = None,
     ) -> MlaTpPlan | None:
         """The plan of the MLA layers of a described checkpoint or config, or None when the
         config has no MLA layer (:func:`~kda_tp.model.mla.parse_mla_config`: every layer KDA,
         or the KDA layers not listed). With a checkpoint, each tensor's dtype is read from the
-        first MLA layer's header (a tensor it lacks keeps the default).
+        first MLA layer's header (a tensor it lacks keeps the default). ``mla``: the config's
+        MLA reading when the caller has it (else it is read here).
 
         Raises:
             CheckpointError: as ``parse_mla_config``.
             PlanError: as the class.
         """
-        mla = parse_mla_config(description.config, description.kda)
+        if mla is None:
+            mla = parse_mla_config(description.config, description.kda)
         if mla is None:
             return None
         return cls.from_mla_config(mla, tp_rank, tp_size, _dtypes(description, mla))
