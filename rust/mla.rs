@@ -2,7 +2,7 @@
 //! data, no I/O, in the KDA plan's vocabulary ([`KdaTensorPlan`], [`KdaShard`]).
 //!
 //! Kimi-Linear, Kimi K3 and GLM-5.3-Flash put an MLA layer beside their KDA layers (the spec:
-//! `docs/mla.md`, from vLLM 0.33.0's and SGLang 0.5.23's loaders). With `H` heads
+//! `tests/data/spec/mla.md`, from vLLM 0.33.0's and SGLang 0.5.23's loaders). With `H` heads
 //! (`num_attention_heads`, not the KDA head count), `T` ranks, `Hl = H/T`, `L` = `kv_lora_rank`,
 //! `Q` = `q_lora_rank`, `P` = `qk_nope_head_dim`, `Pr` = `qk_rope_head_dim`, `V` = `v_head_dim`,
 //! `d` = `hidden_size`, rank `r` keeps:
@@ -215,7 +215,14 @@ impl MlaTpPlan {
             ]);
         }
         let names: Vec<&str> = layout.iter().map(|row| row.0).collect();
-        for (name, dtype) in dtypes {
+        // In plan order (unknown names last, by name), whatever order the caller's map has:
+        // the first refused tensor is the same every time.
+        let mut overrides: Vec<&(String, Dtype)> = dtypes.iter().collect();
+        overrides.sort_by_key(|(name, _)| {
+            let at = names.iter().position(|n| n == name);
+            (at.unwrap_or(usize::MAX), name.clone())
+        });
+        for (name, dtype) in overrides {
             if !names.contains(&name.as_str()) {
                 return Err(Error::MlaUnknownTensor {
                     name: name.clone(),

@@ -357,3 +357,22 @@ fn dtype_overrides_set_the_element_size() {
     );
     assert_eq!(p.get("kv_b_proj").unwrap().dtype, Dtype::BF16);
 }
+
+#[test]
+fn the_first_refused_override_is_in_plan_order() {
+    let overrides = [
+        ("o_proj".to_string(), Dtype::F8_E4M3),
+        ("nope".to_string(), Dtype::BF16),
+        ("q_proj".to_string(), Dtype::F8_E4M3),
+    ];
+    let (tensor, _) = error_fields!(
+        MlaTpPlan::new(0, 1, kimi_linear(), &overrides),
+        MlaUnsupportedDtype { tensor, dtype }
+    );
+    assert_eq!(tensor, "q_proj");
+    let name = error_fields!(
+        MlaTpPlan::new(0, 1, kimi_linear(), &overrides[1..2]),
+        MlaUnknownTensor { name }
+    );
+    assert_eq!(name, "nope");
+}

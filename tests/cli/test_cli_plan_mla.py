@@ -109,12 +109,36 @@ def test_mla_heads_the_world_size_does_not_divide_are_refused_with_the_sizes(tmp
     assert "tp_size may be one of 1, 2, 3, 6" in doc["error"]["message"]
 
 
-def test_a_hybrid_config_without_an_mla_size_is_refused_naming_the_key(tmp_path, capsys):
+def test_a_hybrid_config_without_an_mla_size_keeps_its_kda_plan_and_says_why(tmp_path, capsys):
+    """The KDA table stands as before (exit 0); the MLA layers are said not to be planned,
+    naming the missing key and the fix (the K3 FP8 fixture's config has no MLA keys)."""
     ckpt = checkpoint(tmp_path, "kimi")
     config = json.loads((ckpt / "config.json").read_text())
     del config["kv_lora_rank"]
     (ckpt / "config.json").write_text(json.dumps(config))
-    status, _, err = run(capsys, "plan", ckpt / "config.json", "--tp-size", 2)
-    assert status == 2
-    assert "config has no 'kv_lora_rank', which the MLA layers 1, 3 need" in err
-    assert "add the model's kv_lora_rank to its config.json" in err
+    status, text, _ = run(capsys, "plan", ckpt / "config.json", "--tp-size", 2)
+    assert status == 0 and "per KDA layer:" in text
+    assert text.splitlines()[-2] == (
+        f"MLA layers: not planned: CheckpointError: {ckpt / 'config.json'}: config has no "
+        "'kv_lora_rank', which the MLA layers 1, 3 need: add the model's kv_lora_rank to its "
+        "config.json")
+    status, out, _ = run(capsys, "plan", ckpt / "config.json", "--tp-size", 2, "--json")
+    doc = json.loads(out)
+    assert status == 0 and doc["ok"] is True and doc["kda_layers"] == [0, 2]
+    assert doc["mla"]["mla_layers"] is None
+    assert doc["mla"]["error"]["type"] == "CheckpointError"
+    assert "no 'kv_lora_rank'" in doc["mla"]["error"]["message"]
+
+
+def test_fp8_mla_weights_are_said_not_to_be_planned(tmp_path, capsys):
+    ckpt = write_small_checkpoint(tmp_path / "fp8", hidden=128, heads=4, head_dim=64,
+                                  conv_kernel=4, gate_rank=64, num_layers=2, kda_layers=[0],
+                                  style="k3", fp8=True)
+    status, out, _ = run(capsys, "plan", ckpt, "--tp-size", 2, "--json")
+    doc = json.loads(out)
+    assert status == 0 and doc["ok"] is True
+    assert doc["mla"]["mla_layers"] == [1]
+    assert doc["mla"]["error"] == {
+        "type": "PlanError",
+        "message": "q_a_proj: dtype F8_E4M3 is not allowed for an MLA tensor: BF16, F16, F32 or "
+                   "F64 (block-quantized FP8 MLA weights are not planned)"}

@@ -94,9 +94,20 @@ def cmd_plan(args: argparse.Namespace) -> int:
     )
     kda = description.kda
     # The hybrid's MLA layers, from the config only (None: every layer KDA, or not listed).
-    mla_config = parse_mla_config(description.config, kda)
-    mla = (MlaTpPlan.from_description(description, args.rank, args.tp_size, mla_config)
-           if mla_config is not None else None)
+    # What keeps them from being planned is said after the KDA table, which stands as before;
+    # only an MLA head count this --tp-size cannot split refuses the command.
+    mla_config, mla = None, None
+    mla_problem: KdaTpError | None = None
+    try:
+        mla_config = parse_mla_config(description.config, kda)
+        if mla_config is not None:
+            mla = MlaTpPlan.from_description(description, args.rank, args.tp_size, mla_config)
+    except PlanError as e:
+        if e.allowed_tp_sizes is not None:
+            raise
+        mla_problem = e
+    except CheckpointError as e:
+        mla_problem = e
     shapes, n_layers = {}, None
     if source is not None and layers:
         n_layers = len(layers)
@@ -119,12 +130,19 @@ def cmd_plan(args: argparse.Namespace) -> int:
         document = {"ok": True, **plan_json(plan, shapes, layers, kda)}
         if mla is not None and mla_config is not None:
             document["mla"] = mla_plan_json(mla, mla_config.layers)
+        elif mla_problem is not None:
+            document["mla"] = {"mla_layers": None if mla_config is None
+                               else list(mla_config.layers),
+                               "error": {"type": type(mla_problem).__name__,
+                                         "message": str(mla_problem)}}
         print(json.dumps(document, indent=2))
     else:
         print(format_plan(plan, shapes, n_layers))
         print(kda.describe_gate())
         if mla is not None and mla_config is not None:
             print(format_mla_plan(mla, mla_config.layers))
+        elif mla_problem is not None:
+            print(f"\nMLA layers: not planned: {type(mla_problem).__name__}: {mla_problem}")
         if source is None:
             print(f"(from the config alone: on-disk shapes and dtypes are assumed, {family} "
                   "defaults; pass the checkpoint directory to read its own, e.g. Kimi K3's "
