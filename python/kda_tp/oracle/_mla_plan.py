@@ -197,7 +197,9 @@ def mla_plan(
     for name, kind, full_rows, row_elems, shape, per_head in rows:
         elem_bytes = ELEM_BYTES[chosen[name]]
         if full_rows * row_elems * elem_bytes > MAX_BYTES:
-            raise PlanError(f"MLA geometry too large: {name} {list(shape)} exceeds {MAX_BYTES} bytes")
+            raise PlanError(
+                f"MLA geometry too large: {name} {list(shape)} exceeds {MAX_BYTES} bytes"
+            )
         local = local_heads * per_head
         if kind == CHANNEL_ROWS:
             placement = (local, row_elems, tp_rank * local, 0)

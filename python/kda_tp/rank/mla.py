@@ -13,10 +13,12 @@ from typing import Any
 
 from .. import _native
 from ..checkpoint.description import CheckpointDescription
-from ..checkpoint.names import param_name
+from ..checkpoint.names import location, param_name
+from ..checkpoint.reader import missing_tensor
+from ..errors import CheckpointError, DtypeMismatchError, KdaTpError
 from ..model.mla import MlaConfig, parse_mla_config
 
-__all__ = ["MlaTpPlan", "mla_tensor_name"]
+__all__ = ["MlaTpPlan", "mla_tensor_name", "planned_mla_tensors"]
 
 # Indexer parameters stored without a ".weight" suffix (vLLM keeps the checkpoint names).
 _BARE = ("indexer.index_kpool_compress_ape", "indexer.index_kpool_compress_gate")
@@ -147,8 +149,13 @@ def mla_tensor_name(prefix: str, layer: int, plan_name: str) -> str:
     """The checkpoint name of an MLA plan tensor: ``model.layers.3.self_attn.kv_b_proj.weight``;
     ``indexer.k_norm.bias`` and the indexer's ``index_kpool_compress_*`` parameters without
     ``.weight``."""
+    return param_name(prefix, layer, _suffix(plan_name))
+
+
+def _suffix(plan_name: str) -> str:
+    """The name after ``self_attn.`` of an MLA plan tensor."""
     bare = plan_name in _BARE or plan_name.endswith(".bias")
-    return param_name(prefix, layer, plan_name if bare else f"{plan_name}.weight")
+    return plan_name if bare else f"{plan_name}.weight"
 
 
 def _dtypes(description: CheckpointDescription, mla: MlaConfig) -> dict[str, str] | None:
@@ -169,3 +176,67 @@ def _dtypes(description: CheckpointDescription, mla: MlaConfig) -> dict[str, str
 def _plan_names(mla: MlaConfig) -> list[str]:
     """The plan names of ``mla``'s layers, in plan order (a rank-0, TP 1 plan's)."""
     return MlaTpPlan.from_mla_config(mla, 0, 1).names()
+
+
+def planned_mla_tensors(
+    description: CheckpointDescription, plan: MlaTpPlan
+) -> tuple[tuple[int, ...], dict[str, tuple[Any, tuple[int, ...]]]]:
+    """The MLA layers of a described checkpoint (from its config) and, for each tensor they
+    hold, ``checkpoint name -> (plan entry, local shape)``: what a rank's view slices
+    (``KdaShardedSource(..., mla=plan)``). Each tensor is checked once, from the headers.
+    The DSA indexer's tensors (replicated) may be absent; every other tensor of the plan must
+    be there.
+
+    Raises:
+        CheckpointError: the config names no MLA layer; an MLA layer lacks a tensor of the
+            plan, or holds a ``self_attn`` tensor the plan does not know (an FP8 scale, a
+            tensor of another layout: it could not be sliced safely).
+        DtypeMismatchError: a tensor's dtype differs from the plan's (the first MLA layer's).
+        ShapeMismatchError: a tensor's on-disk shape does not hold the plan's tensor (the
+            message names the tensor, both shapes and the config keys to check).
+    """
+    mla = parse_mla_config(description.config, description.kda)
+    if mla is None:
+        raise CheckpointError(
+            f"{description.where}: the config names no MLA layer (every layer is KDA, or the "
+            "KDA layers are not listed); open the view without mla"
+        )
+    source, prefix = description.source, description.prefix
+    by_suffix = {_suffix(t.name): t for t in plan.tensors}
+    planned: dict[str, tuple[Any, tuple[int, ...]]] = {}
+    for layer in mla.layers:
+        held = dict(description.attention(layer))
+        for suffix, name in held.items():
+            entry = by_suffix.get(suffix)
+            if entry is None:
+                raise CheckpointError(
+                    f"{location(source, name)}: {name}: MLA layer {layer} holds a self_attn "
+                    f"tensor the MLA plan does not know; it cannot be sliced safely (known: "
+                    f"{', '.join(sorted(by_suffix))})"
+                )
+            header = description.header(name)
+            if header is None:
+                raise missing_tensor(source, name)
+            dtype, shape = header
+            if dtype != entry.dtype:
+                raise DtypeMismatchError(
+                    f"{location(source, name)}: {name}: dtype {dtype}, expected {entry.dtype} "
+                    f"as in the first MLA layer ({mla.layers[0]}); every MLA layer must store "
+                    "a tensor in one dtype: convert the odd layers' tensors"
+                )
+            try:
+                planned[name] = (entry, tuple(entry.local_shape(list(shape))))
+            except KdaTpError as e:
+                raise type(e)(
+                    f"{location(source, name)}: {name}: {e}; the MLA plan follows the config's "
+                    "num_attention_heads, q_lora_rank, kv_lora_rank, qk_nope_head_dim, "
+                    "qk_rope_head_dim and v_head_dim: fix the config or the tensor"
+                ) from None
+        for suffix, entry in by_suffix.items():
+            if suffix not in held and not entry.name.startswith("indexer."):
+                raise CheckpointError(
+                    f"{location(source)}: MLA layer {layer} lacks "
+                    f"{param_name(prefix, layer, suffix)}, which the config's MLA geometry "
+                    "has: the checkpoint and its config.json disagree"
+                )
+    return mla.layers, planned
