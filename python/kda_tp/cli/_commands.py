@@ -211,15 +211,24 @@ def _shard_input(
 ) -> tuple[list[int] | None, list[Path], list[Path]]:
     """``shard``'s checks of its input before anything is written: the ``--layers`` to pass on
     (see :func:`_shard_layers`), the files ``--skip-unindexed`` leaves out and the heavy files
-    ``--skip-heavy-files`` leaves out (a warning each on stderr when ``warn``)."""
+    ``--skip-heavy-files`` leaves out (a warning each on stderr when ``warn``, and one when a
+    hybrid's MLA layers cannot be planned and pass through whole)."""
     from ..checkpoint.reader import INDEX_NAME, refuse_index_member
     from ..checkpoint.description import describe
     from ..checkpoint.reader import SafetensorsSource
+    from ..rank.mla import rank_mla_plan
     from ..shard.rankdir import heavy_files, unindexed_files
 
     refuse_index_member(args.checkpoint)
     source = SafetensorsSource(args.checkpoint, args.backend)
-    layers = _shard_layers(describe(source), args.layers)
+    description = describe(source)
+    layers = _shard_layers(description, args.layers)
+    try:
+        mla_note = rank_mla_plan(description, 0, args.tp_size)[1] if args.tp_size > 0 else None
+    except PlanError:
+        mla_note = None  # the writer refuses this split, after the KDA plan's own checks
+    if mla_note and warn:
+        print(f"kda-tp: warning: {mla_note}", file=sys.stderr)
     skipped = unindexed_files(source) if args.skip_unindexed else []
     for path in skipped if warn else ():
         print(f"kda-tp: warning: {path} is not named by {INDEX_NAME}; it is left out of every "
@@ -331,6 +340,8 @@ def _cmd_verify(args: argparse.Namespace) -> int:
                            progress=make_progress(args.quiet, "verify", "tensors"),
                            numeric_progress=make_progress(args.quiet, "verify --numeric",
                                                       "KDA layers", every=0.0))
+    if report.mla_note:
+        print(f"kda-tp: warning: {report.mla_note}", file=sys.stderr)
     if args.json:
         emit_json(args, verify_json(report, unindexed))
     else:
@@ -447,6 +458,7 @@ def _demo(args: argparse.Namespace, entries: list[str], created: list[Path]) -> 
     from ..checkpoint.reader import SafetensorsSource
     from ..checkpoint.description import describe
     from ..synth.checkpoints import write_checkpoint
+    from ..rank.mla import rank_mla_plan
 
     with demo_staging(args.keep) as tmp:
         base = Path(tmp)
@@ -459,10 +471,13 @@ def _demo(args: argparse.Namespace, entries: list[str], created: list[Path]) -> 
               f"{(args.keep or base) / checkpoint.name}"
               + ("" if args.keep else " (deleted on exit; --keep DIR keeps it)"))
         generated = SafetensorsSource(checkpoint)  # kept open while described
-        kda = set(describe(generated).kda_layers())
+        description = describe(generated)
+        kda = set(description.kda_layers())
         mla = [i for i in range(args.num_layers) if i not in kda]
         if mla:
-            print(f"layers {mla} (0-based) are full attention (MLA): passed through unsliced")
+            note = rank_mla_plan(description, 0, args.tp_size)[1]
+            print(f"layers {mla} (0-based) are full attention (MLA): "
+                  + (note or "sliced per rank by their own plan (MlaTpPlan)"))
         print()
         status = cmd_plan(argparse.Namespace(input=checkpoint, rank=0, tp_size=args.tp_size,
                                               gate_rank=None, qk_multiple=256))

@@ -316,8 +316,8 @@ def format_mla_plan(plan: MlaTpPlan, layers: Sequence[int]) -> str:
         f"{n_layers} MLA layer{'s' if n_layers != 1 else ''}: "
         f"{format_bytes(n_layers * plan.local_bytes)} per rank of "
         f"{format_bytes(n_layers * plan.full_bytes)}",
-        "(MLA layers and shapes from the config; open_rank(..., mla=True) slices them, shard "
-        "and verify still copy MLA tensors whole)",
+        "(MLA layers and shapes from the config; shard, verify, load_rank and "
+        "open_rank(..., mla=True) slice them so)",
     ]
     return "\n".join(lines)
 

@@ -56,7 +56,7 @@ from __future__ import annotations
 from ._bind import local_shape, plan_name, shard_bytes
 from ._cli import main
 from ._config import KdaConfig, read_kda_config
-from ._mla_plan import INDEXER_TENSOR_NAMES, OracleMlaPlan, mla_plan
+from ._mla_plan import INDEXER_TENSOR_NAMES, OracleMlaPlan, mla_plan, read_mla_geometry
 from ._shard_plan import (
     ELEM_BYTES,
     FP8_ELEM_BYTES,
@@ -82,6 +82,7 @@ __all__ = [
     "INDEXER_TENSOR_NAMES",
     "OracleMlaPlan",
     "mla_plan",
+    "read_mla_geometry",
     "shard_bytes",
     "local_shape",
     "plan_name",

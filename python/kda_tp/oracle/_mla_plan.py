@@ -13,8 +13,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
-from kda_tp.errors import PlanError
+from kda_tp.errors import CheckpointError, PlanError
 
 from ._shard_plan import (
     CHANNEL_COLS,
@@ -216,3 +217,56 @@ def mla_plan(
     if result.full_bytes > MAX_BYTES:
         raise PlanError(f"MLA geometry too large: the layer is {result.full_bytes} bytes")
     return result
+
+
+#: transformers' ``Glm5NextTextConfig`` defaults (spec ``mla.md`` section 1, Geometry).
+_GLM_DEFAULTS: dict[str, Any] = {
+    "hidden_size": 4096, "num_attention_heads": 64, "q_lora_rank": 1536, "kv_lora_rank": 512,
+    "qk_nope_head_dim": 256, "qk_rope_head_dim": 0, "v_head_dim": 256, "index_topk": 2048,
+    "index_n_heads": 32, "index_head_dim": 128, "index_kpool": 16,
+}
+
+
+def read_mla_geometry(config: Mapping[str, Any]) -> dict[str, Any]:
+    """The MLA geometry of a parsed ``config.json`` as :func:`mla_plan`'s arguments after
+    ``tp_rank, tp_size`` (``hidden``, ``heads``, ``kv_lora_rank``, ``qk_nope_head_dim``,
+    ``qk_rope_head_dim``, ``v_head_dim``, ``q_lora_rank``, ``output_gate``, ``indexer``).
+
+    Spec ``mla.md`` sections 0 and 1: the language model's keys (``text_config`` of a wrapper
+    whose top level has no ``hidden_size``; GLM-5.3-Flash's ``text_config``);
+    ``num_attention_heads`` (default 32 for Kimi), ``q_lora_rank`` (null: Kimi-Linear's
+    ``q_proj``), ``mla_use_output_gate`` (K3's ``g_proj``); GLM-5.3-Flash (``model_type``
+    ``glm5_next``/``glm5_next_text``) defaults to transformers' ``Glm5NextTextConfig`` and has
+    the DSA indexer ``(index_n_heads, index_head_dim, index_kpool)`` unless ``index_topk`` is
+    null.
+
+    Raises:
+        CheckpointError: an MLA size is missing or not a non-negative integer.
+    """
+    text = config.get("text_config")
+    types = {config.get("model_type")}
+    if isinstance(text, Mapping):
+        types.add(text.get("model_type"))
+        if "hidden_size" not in config or types & {"glm5_next", "glm5_next_text"}:
+            config = text
+    glm = bool(types & {"glm5_next", "glm5_next_text"})
+    defaults = _GLM_DEFAULTS if glm else {"num_attention_heads": 32, "q_lora_rank": None}
+
+    def size(key: str, optional: bool = False) -> Any:
+        found = config.get(key, defaults.get(key))
+        if found is None and optional:
+            return None
+        if isinstance(found, bool) or not isinstance(found, int) or found < 0:
+            raise CheckpointError(f"config.json: MLA key {key} is {found!r}, not a size")
+        return found
+
+    indexer = None
+    if glm and config.get("index_topk", 2048) is not None:
+        indexer = (size("index_n_heads"), size("index_head_dim"), size("index_kpool"))
+    return {
+        "hidden": size("hidden_size"), "heads": size("num_attention_heads"),
+        "kv_lora_rank": size("kv_lora_rank"), "qk_nope_head_dim": size("qk_nope_head_dim"),
+        "qk_rope_head_dim": size("qk_rope_head_dim"), "v_head_dim": size("v_head_dim"),
+        "q_lora_rank": size("q_lora_rank", optional=True),
+        "output_gate": config.get("mla_use_output_gate") is True, "indexer": indexer,
+    }

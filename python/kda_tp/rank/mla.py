@@ -15,10 +15,10 @@ from .. import _native
 from ..checkpoint.description import CheckpointDescription
 from ..checkpoint.names import location, param_name
 from ..checkpoint.reader import missing_tensor
-from ..errors import CheckpointError, DtypeMismatchError, KdaTpError
-from ..model.mla import MlaConfig, parse_mla_config
+from ..errors import CheckpointError, DtypeMismatchError, KdaTpError, PlanError
+from ..model.mla import MlaConfig, mla_layers, parse_mla_config
 
-__all__ = ["MlaTpPlan", "mla_tensor_name", "planned_mla_tensors"]
+__all__ = ["MlaTpPlan", "mla_tensor_name", "planned_mla_tensors", "rank_mla_plan"]
 
 # Indexer parameters stored without a ".weight" suffix (vLLM keeps the checkpoint names).
 _BARE = ("indexer.index_kpool_compress_ape", "indexer.index_kpool_compress_gate")
@@ -240,3 +240,53 @@ def planned_mla_tensors(
                     "has: the checkpoint and its config.json disagree"
                 )
     return mla.layers, planned
+
+
+def rank_mla_plan(
+    description: CheckpointDescription, tp_rank: int, tp_size: int
+) -> tuple[MlaTpPlan | None, str | None]:
+    """What ``kda-tp shard``, ``verify`` and the torch loader slice a hybrid's MLA layers by:
+    ``(plan, None)`` when the config's MLA layers can be planned and every tensor they hold
+    fits the plan (:func:`planned_mla_tensors`); ``(None, None)`` for a model without MLA
+    layers; ``(None, line)`` when they cannot be planned (the config lacks an MLA size, as the
+    K3 FP8 fixture's; block-FP8 MLA weights; a tensor that disagrees with the config's
+    geometry): they then pass through whole, and ``line`` says so and why, for the caller to
+    print (never silently).
+
+    Raises:
+        CheckpointError: the config cannot be read, or describes no KDA model (as
+            ``description.kda``).
+        PlanError: the MLA head count ``num_attention_heads`` is not divisible by ``tp_size``
+            (an engine refuses that split too; ``allowed_tp_sizes`` lists the divisors).
+    """
+    kda = description.kda  # a config that cannot be read is refused, not a note
+    try:
+        mla = parse_mla_config(description.config, kda)
+    except CheckpointError as e:
+        return None, passed_through_line(mla_layers(description.config, kda), e)
+    if mla is None:
+        return None, None
+    try:
+        plan = MlaTpPlan.from_mla_config(mla, tp_rank, tp_size, _dtypes(description, mla))
+        if description.source is not None:
+            planned_mla_tensors(description, plan)
+    except PlanError as e:
+        if e.allowed_tp_sizes is not None:
+            raise
+        return None, passed_through_line(mla.layers, e)
+    except KdaTpError as e:
+        return None, passed_through_line(mla.layers, e)
+    return plan, None
+
+
+def passed_through_line(layers: tuple[int, ...], problem: KdaTpError) -> str:
+    """The one line saying a hybrid's MLA ``layers`` are passed through whole (unsliced), and
+    why: ``problem``, what kept them from being planned."""
+    return (f"MLA layers {_few(layers)} passed through whole (not sliced per rank): "
+            f"{type(problem).__name__}: {problem}")
+
+
+def _few(layers: tuple[int, ...]) -> str:
+    """``[3, 7, ...]``: the first 8 layers and how many more."""
+    more = f", ... {len(layers) - 8} more" if len(layers) > 8 else ""
+    return "[" + ", ".join(map(str, layers[:8])) + more + "]"

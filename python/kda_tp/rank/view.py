@@ -94,8 +94,9 @@ class KdaShardedSource:
             ``linear_attn_config.kda_layers`` is 1-based and converted).
         mla: this rank's :class:`~kda_tp.rank.MlaTpPlan`: the MLA layers the config names
             (``mla_layers``) are sliced by it too (``kda_tp.rank.mla.planned_mla_tensors``,
-            which says what it refuses), instead of passing through; None (the default) for
-            the KDA-only view that ``shard``, ``verify``, the audit and the guard use.
+            which says what it refuses), instead of passing through (``shard``, ``verify``
+            and ``load_rank`` give the plan ``kda_tp.rank.mla.rank_mla_plan`` makes); None
+            (the default) for the KDA-only view the audit and the guard use.
 
     Every KDA tensor is checked when the adapter is built, so bad input fails before any
     data is read or written; for a zero-padded ``A_log`` that includes reading its padding.
