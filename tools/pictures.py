@@ -5,8 +5,8 @@ Usage: python3 tools/pictures.py [OUT_DIR]   (default: docs/img of this checkout
 
 Every number in the pictures comes from the installed package: ``kda_tp.KdaTpPlan`` for one
 rank after another (which rows or columns each rank keeps), ``kda_tp.rank.MlaTpPlan`` for an
-MLA layer (its geometry from the family's synthetic config), ``kda_tp.synth.GEOMETRIES`` for the
-models' real geometries and ``kda_tp.engines`` for an engine's fused parameter; the picture of the
+MLA layer (its geometry from the family's synthetic config, ``kda_tp.synth.model_config``),
+``kda_tp.synth.GEOMETRIES`` for the models' real geometries and ``kda_tp.engines`` for an engine's fused parameter; the picture of the
 package's rooms from its files and tools/layers.py's order of them (``LAYERS``). The SVG is
 written as plain text (no drawing library, no timestamps, integers and one-decimal floats), so
 the same package draws the same bytes; tests/integration/test_pictures.py redraws them and compares.
@@ -25,10 +25,9 @@ from kda_tp import KdaShard, KdaTensorPlan, KdaTpPlan
 from kda_tp.engines import get_layout
 from kda_tp.model import parse_config, parse_mla_config
 from kda_tp.rank import MlaTpPlan
-from kda_tp.synth import GEOMETRIES
 # The synthetic config of a family's real geometry (its MLA keys included): the dialect synth
 # writes, so the MLA picture's numbers come from the package as the KDA pictures' do.
-from kda_tp.synth._tensors import Geometry, config_json
+from kda_tp.synth import GEOMETRIES, model_config
 from layers import LAYERS  # tools/layers.py, beside this file
 
 DEFAULT_OUT = Path(__file__).resolve().parents[1] / "docs" / "img"
@@ -327,12 +326,9 @@ def picture_plan(family: str = "kimi-linear", tp_size: int = 4) -> str:
 def mla_plans(family: str, tp_size: int) -> list[MlaTpPlan]:
     """Every rank's plan of one MLA layer of ``family``'s real geometry: its synthetic
     config's MLA keys (``kda_tp.synth``), read as kda-tp reads a config."""
-    g = GEOMETRIES[family]
-    geometry = Geometry(hidden=g["hidden"], heads=g["heads"], head_dim=g["head_dim"],
-                        conv_kernel=g["conv_kernel"], gate_rank=g["gate_rank"], style=g["style"])
-    config = config_json(geometry, 4, {0, 1, 2}, 64, "bfloat16")
+    config = model_config(family, 4, 64)
     mla = parse_mla_config(config, parse_config(config))
-    assert mla is not None  # layer 3 is MLA
+    assert mla is not None and 3 in mla.layers  # layer 3 is MLA
     return [MlaTpPlan.from_mla_config(mla, rank, tp_size) for rank in range(tp_size)]
 
 
