@@ -67,6 +67,36 @@ pub enum Error {
     )]
     UnsupportedDtype { tensor: String, dtype: String },
 
+    /// A size of an MLA layer that must be positive is zero (`field` is the config key).
+    #[error(
+        "degenerate MLA geometry: {field} is 0; every MLA size but qk_rope_head_dim must be at \
+         least 1 (fix the config's {field})"
+    )]
+    MlaZeroSize { field: &'static str },
+
+    /// The MLA head count (`num_attention_heads`) does not split evenly over the ranks.
+    #[error(
+        "MLA TP requires num_attention_heads ({heads}) divisible by tp_size ({tp_size}): \
+         q_proj/q_b_proj, kv_b_proj, g_proj and o_proj are split by head; tp_size may be one \
+         of {}",
+        divisors(*heads).map_or_else(
+            || "a divisor of the head count".to_string(),
+            |all| all.iter().map(usize::to_string).collect::<Vec<_>>().join(", ")
+        )
+    )]
+    MlaHeadsNotDivisible { heads: usize, tp_size: usize },
+
+    /// A name that is not one of the MLA layer's tensors.
+    #[error("unknown MLA tensor {name:?}; this MLA layer has {known}")]
+    MlaUnknownTensor { name: String, known: String },
+
+    /// A dtype the MLA plan does not support.
+    #[error(
+        "{tensor}: dtype {dtype} is not allowed for an MLA tensor: BF16, F16, F32 or F64 \
+         (block-quantized FP8 MLA weights are not planned)"
+    )]
+    MlaUnsupportedDtype { tensor: String, dtype: String },
+
     /// A block edge over the supported maximum.
     #[error("block size {block} is larger than {max}")]
     BlockSize { block: usize, max: usize },

@@ -3,6 +3,8 @@
 //! * [`plan`]: which part of each KDA tensor a rank keeps (pure arithmetic).
 //! * [`tensor`]: one tensor's placement on one rank ([`KdaTensorPlan`], [`KdaShard`]), shared
 //!   by the plan and the block-scale grids.
+//! * [`mla`]: which part of each tensor of an MLA layer (the hybrids' other attention) a
+//!   rank keeps.
 //! * [`quant`]: which part of a block-quantized (FP8) weight's scale grid a rank keeps.
 //! * [`slice`](mod@slice): applying a plan entry to a tensor's bytes (contiguous row ranges, strided
 //!   column gather).
@@ -19,6 +21,7 @@ mod test_util;
 
 pub mod checkpoint;
 pub mod error;
+pub mod mla;
 pub mod pages;
 pub mod plan;
 pub mod quant;
@@ -29,4 +32,5 @@ pub mod tensor;
 mod py;
 
 pub use error::{Error, Result};
+pub use mla::{IndexerGeometry, MlaGeometry, MlaTpPlan};
 pub use plan::{KdaShard, KdaTensorPlan, KdaTpPlan, PlanOptions};

@@ -2,7 +2,7 @@
 //! the core modules. The Python package re-exports these names and documents them.
 //!
 //! One module per concern: [`errors`] (the core's errors as `kda_tp.errors` exceptions),
-//! [`tensor`] (`KdaShard`, `KdaTensorPlan`), [`plan`] (`KdaTpPlan` and its argument checks),
+//! [`tensor`] (`KdaShard`, `KdaTensorPlan`), [`plan`] (`KdaTpPlan` and its argument checks), [`mla`] (`MlaTpPlan`),
 //! [`slice`](mod@slice) (the byte slicers on numpy buffers), [`checkpoint`] (`Checkpoint`,
 //! `TensorBytes`).
 
@@ -42,6 +42,7 @@ macro_rules! pymethods_with_getters {
 
 mod checkpoint;
 mod errors;
+mod mla;
 mod plan;
 mod slice;
 mod tensor;
@@ -54,6 +55,7 @@ fn native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<tensor::PyKdaShard>()?;
     m.add_class::<tensor::PyTensorPlan>()?;
     m.add_class::<plan::PyPlan>()?;
+    m.add_class::<mla::PyMlaPlan>()?;
     m.add_class::<checkpoint::PyTensorBytes>()?;
     m.add_class::<checkpoint::PyWritableBytes>()?;
     m.add_class::<checkpoint::PyCheckpoint>()?;

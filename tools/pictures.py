@@ -4,8 +4,9 @@
 Usage: python3 tools/pictures.py [OUT_DIR]   (default: docs/img of this checkout)
 
 Every number in the pictures comes from the installed package: ``kda_tp.KdaTpPlan`` for one
-rank after another (which rows or columns each rank keeps), ``kda_tp.synth.GEOMETRIES`` for the
-models' real geometries and ``kda_tp.engines`` for an engine's fused parameter; the picture of the
+rank after another (which rows or columns each rank keeps), ``kda_tp.rank.MlaTpPlan`` for an
+MLA layer (its geometry from the family's synthetic config, ``kda_tp.synth.model_config``),
+``kda_tp.synth.GEOMETRIES`` for the models' real geometries and ``kda_tp.engines`` for an engine's fused parameter; the picture of the
 package's rooms from its files and tools/layers.py's order of them (``LAYERS``). The SVG is
 written as plain text (no drawing library, no timestamps, integers and one-decimal floats), so
 the same package draws the same bytes; tests/integration/test_pictures.py redraws them and compares.
@@ -22,7 +23,11 @@ from xml.sax.saxutils import escape
 import kda_tp
 from kda_tp import KdaShard, KdaTensorPlan, KdaTpPlan
 from kda_tp.engines import get_layout
-from kda_tp.synth import GEOMETRIES
+from kda_tp.model import parse_config, parse_mla_config
+from kda_tp.rank import MlaTpPlan
+# The synthetic config of a family's real geometry (its MLA keys included): the dialect synth
+# writes, so the MLA picture's numbers come from the package as the KDA pictures' do.
+from kda_tp.synth import GEOMETRIES, model_config
 from layers import LAYERS  # tools/layers.py, beside this file
 
 DEFAULT_OUT = Path(__file__).resolve().parents[1] / "docs" / "img"
@@ -315,6 +320,69 @@ def picture_plan(family: str = "kimi-linear", tp_size: int = 4) -> str:
 
 
 # ------------------------------------------------------------------------------------------------
+# (a') one MLA layer of a hybrid at TP 4, beside the KDA layer
+
+
+def mla_plans(family: str, tp_size: int) -> list[MlaTpPlan]:
+    """Every rank's plan of one MLA layer of ``family``'s real geometry: its synthetic
+    config's MLA keys (``kda_tp.synth``), read as kda-tp reads a config."""
+    config = model_config(family, 4, 64)
+    mla = parse_mla_config(config, parse_config(config))
+    assert mla is not None and 3 in mla.layers  # layer 3 is MLA
+    return [MlaTpPlan.from_mla_config(mla, rank, tp_size) for rank in range(tp_size)]
+
+
+def picture_mla(family: str = "kimi-k3", tp_size: int = 4) -> str:
+    """(a') Every tensor of one MLA layer, each rank's rows or columns in its colour: the
+    heads' blocks of the up-projections and o_proj, the latents and norms on every rank."""
+    ranks = mla_plans(family, tp_size)
+    p0 = ranks[0]
+    display = {"kimi-k3": "Kimi K3"}.get(family, family)
+    svg = Svg(820, f"What each rank keeps of one {display} MLA layer at TP {tp_size}", tp_size)
+    svg.text(20, 30, f"One {display} MLA layer at TP {tp_size}: what each rank keeps", 18,
+             bold=True)
+    q = "no q-LoRA" if p0.q_lora_rank is None else f"Q {p0.q_lora_rank}"
+    svg.text(20, 52, f"hidden {p0.hidden}, {p0.heads} heads (num_attention_heads), {q}, "
+             f"L {p0.kv_lora_rank}, P {p0.qk_nope_head_dim}, Pr {p0.qk_rope_head_dim}, "
+             f"V {p0.v_head_dim}" + (", output gate" if p0.output_gate else ""), 13, fill=MUTED)
+    svg.text(20, 70, "Each box is a tensor's on-disk [rows, columns] matrix, its sides on a log "
+             "scale; the ranks' parts are to scale.", 13, fill=MUTED)
+    svg.legend(20, 84, [(RANKS[r], f"rank {r}") for r in range(tp_size)]
+               + [(EVERY_RANK, "every rank (replicated)")])
+    hl = p0.local_heads
+    per_head = {t.name: (t.local_rows if t.kind == KdaShard.CHANNEL_ROWS
+                         else t.local_row_elems) // hl
+                for t in p0.tensors if t.kind != KdaShard.REPLICATED}
+    groups = [
+        (KdaShard.CHANNEL_ROWS, "CHANNEL_ROWS: rows are heads' blocks",
+         "rank r keeps its " + str(hl) + " heads' rows: "
+         + ", ".join(f"{n} {per_head[n]} a head" for n in per_head if n != "o_proj")),
+        (KdaShard.REPLICATED, "REPLICATED: the latents and their norms", "every rank keeps all"),
+        (KdaShard.CHANNEL_COLS, "CHANNEL_COLS: columns are heads' values",
+         f"rank r keeps columns [{hl * per_head['o_proj']}r, {hl * per_head['o_proj']}(r+1))"),
+    ]
+    y = 150.0
+    for kind, title, rule in groups:
+        idx = [i for i, t in enumerate(p0.tensors) if t.kind == kind]
+        tallest = max(box_size(p0.tensors[i])[1] for i in idx)
+        svg.text(LEFT - 40, y, title, 13, bold=True)
+        svg.text(LEFT - 40, y + 17, rule, 12, fill=MUTED)
+        top, x = y + 58, float(LEFT)
+        for j, i in enumerate(idx):
+            t = p0.tensors[i]
+            draw_tensor(svg, x, top + tallest - box_size(t)[1], [p.tensors[i] for p in ranks],
+                        ticks=j == 0)
+            x += slot_width(t) + GAP
+        y = top + tallest + 33 + 36
+    local, full = p0.local_bytes, p0.full_bytes
+    svg.text(20, y - 4, f"Each rank keeps {hl} of {p0.heads} MLA heads: {count(local)} of "
+             f"{count(full)} bytes of the layer ({100 * local / full:.1f}%).", 13)
+    svg.text(20, y + 14, "g_proj and o_proj have the KDA layer's names and shapes: the layer "
+             "type comes from the config.", 13)
+    return svg.render()
+
+
+# ------------------------------------------------------------------------------------------------
 # (b) o_proj: a strided column gather, against a row slice
 
 
@@ -600,6 +668,7 @@ def picture_house() -> str:
 
 PICTURES: dict[str, Callable[[], str]] = {
     "plan-kimi-linear-tp4.svg": picture_plan,
+    "plan-mla-kimi-k3-tp4.svg": picture_mla,
     "o-proj-gather.svg": picture_o_proj,
     "k3-a-log.svg": picture_k3_a_log,
     "vllm-k3-in-proj.svg": picture_fused,

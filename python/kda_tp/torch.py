@@ -25,6 +25,7 @@ from .checkpoint.description import describe
 from .checkpoint.reader import SafetensorsSource, Tensor, checked_info
 from .errors import MissingDependencyError, PlanError
 from .model.dtypes import TORCH_MISSING, torch_dtype
+from .rank.mla import rank_mla_plan
 from .rank.plan import KdaShard, KdaTpPlan
 from .rank.view import KdaShardedSource
 
@@ -86,16 +87,20 @@ def _open(
     qk_multiple: int,
     backend: str | None,
 ) -> KdaShardedSource:
-    """The rank's adapter over ``checkpoint`` (opened with ``backend`` unless already open)."""
+    """The rank's adapter over ``checkpoint`` (opened with ``backend`` unless already open),
+    a hybrid's MLA layers sliced where planned, as ``kda-tp shard`` slices them
+    (``kda_tp.rank.mla.rank_mla_plan``; else whole)."""
     source = (
         checkpoint
         if isinstance(checkpoint, SafetensorsSource)
         else SafetensorsSource(checkpoint, backend)
     )
     layers = None if layers is None else list(layers)
-    plan = KdaTpPlan.from_description(describe(source), tp_rank, tp_size,
+    description = describe(source)
+    plan = KdaTpPlan.from_description(description, tp_rank, tp_size,
                                       qk_multiple=qk_multiple, layers=layers)
-    return KdaShardedSource(source, plan, layers)
+    mla = rank_mla_plan(description, tp_rank, tp_size)[0]
+    return KdaShardedSource(source, plan, layers, mla=mla)
 
 
 def load_rank(
@@ -112,7 +117,8 @@ def load_rank(
 ) -> dict[str, torch.Tensor]:
     """One tensor-parallel rank's tensors, by checkpoint name, as ``torch.Tensor``.
 
-    KDA tensors are this rank's slices in their local shapes (see
+    KDA tensors, and a hybrid's MLA tensors where their plan can be made (as ``kda-tp shard``
+    slices them), are this rank's slices in their local shapes (see
     :class:`~kda_tp.KdaShardedSource`); every other tensor is whole.
 
     Args:
@@ -131,8 +137,8 @@ def load_rank(
             other's asynchronous transfer; larger tensors go in chunks) and from there to the
             device.
         layers: 0-based KDA layer indices (default: the config's).
-        include_non_kda: also return the tensors outside the KDA layers (embeddings, MLA and
-            MoE weights, norms); False returns the sliced KDA tensors alone.
+        include_non_kda: also return the tensors that are not sliced (embeddings, MoE
+            weights, norms); False returns the sliced KDA (and MLA) tensors alone.
         qk_multiple: the plan's local q|k width rule (see :class:`~kda_tp.KdaTpPlan`).
         backend: ``"mmap"`` or ``"pread"`` (see :class:`~kda_tp.SafetensorsSource`); ignored
             for an open source.
@@ -260,7 +266,8 @@ def load_dtensors(
     qk_multiple: int = 256,
     backend: str | None = None,
 ) -> dict[str, Any]:
-    """This process's KDA tensors as DTensors on a 1-D tensor-parallel ``device_mesh``.
+    """This process's KDA tensors (and a hybrid's MLA tensors, where :func:`load_rank` slices
+    them) as DTensors on a 1-D tensor-parallel ``device_mesh``.
 
     The mesh position is the TP rank and the mesh size the TP world size. Each DTensor is built
     with ``DTensor.from_local`` from :func:`load_rank`'s local tensor, with its placement

@@ -96,6 +96,22 @@ impl From<Error> for PyErr {
             Error::ALogLength { heads, .. } => {
                 py_err!(PlanError, message, field = "a_log_len", heads = heads)
             }
+            Error::MlaZeroSize { field } => plan_error(field, message),
+            Error::MlaHeadsNotDivisible { heads, tp_size } => {
+                error_with::<PlanError>(message, |f| {
+                    f.set_item("tp_size", tp_size)?;
+                    f.set_item("heads", heads)?;
+                    let sizes = divisors(heads)
+                        .map(|s| PyTuple::new(f.py(), s))
+                        .transpose()?;
+                    f.set_item("allowed_tp_sizes", sizes.clone())?;
+                    f.set_item("head_divisors", sizes)
+                })
+            }
+            Error::MlaUnknownTensor { name, .. } => py_err!(PlanError, message, tensor = name),
+            Error::MlaUnsupportedDtype { tensor, dtype } => {
+                py_err!(PlanError, message, tensor = tensor, dtype = dtype)
+            }
             Error::BlockSize { .. } => plan_error("block", message),
             Error::NotQuantizable { tensor }
             | Error::Overflow { tensor }

@@ -14,7 +14,7 @@ use crate::quant::{self, BlockQuant, ScaleLayout};
 
 /// A non-negative integer argument; anything else (a bool included: Python's `True` is an
 /// int, and `tp_rank=True` is a bug, not rank 1) is a `PlanError` naming the field.
-fn size_arg(value: &Bound<'_, PyAny>, field: &str) -> PyResult<usize> {
+pub(super) fn size_arg(value: &Bound<'_, PyAny>, field: &str) -> PyResult<usize> {
     let refused = || {
         plan_error(
             field,
@@ -30,7 +30,7 @@ fn size_arg(value: &Bound<'_, PyAny>, field: &str) -> PyResult<usize> {
     value.extract::<usize>().map_err(|_| refused())
 }
 
-fn parse_dtype(tensor: &str, dtype: &str) -> PyResult<Dtype> {
+pub(super) fn parse_dtype(tensor: &str, dtype: &str) -> PyResult<Dtype> {
     serde_json::from_value(serde_json::Value::String(dtype.to_string())).map_err(|_| {
         py_err!(
             PlanError,

@@ -1,4 +1,5 @@
-"""``kda-tp shard --kda-only``: per rank only the sliced KDA tensors, an overlay on the input."""
+"""``kda-tp shard --kda-only``: per rank only the sliced tensors (KDA, and a hybrid's MLA
+where planned), an overlay on the input."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import numpy as np
 import pytest
 import tp_fixtures
 
-from kda_tp import KdaShardedSource, KdaTpPlan, SafetensorsSource, cli
+from kda_tp import KdaShardedSource, KdaTpPlan, SafetensorsSource, cli, describe
+from kda_tp.rank.mla import rank_mla_plan
 from kda_tp.shard import rank_dir, verify_shards
 
 from paths import ROOT
@@ -29,12 +31,18 @@ def kda_only_output(request, tmp_path, tmp_path_factory):
     return path, out, tp_size, fixture
 
 
+def _view(source, rank, tp_size, fixture):
+    """Rank ``rank``'s view as shard slices it: the KDA tensors and the hybrid's MLA ones."""
+    plan = KdaTpPlan.from_config(source, rank, tp_size, qk_multiple=fixture.qk_multiple)
+    mla = rank_mla_plan(describe(source), rank, tp_size)[0]
+    return KdaShardedSource(source, plan, mla=mla)
+
+
 def test_each_rank_holds_exactly_its_kda_tensors_with_metadata(kda_only_output):
     path, out, tp_size, fixture = kda_only_output
     source = SafetensorsSource(path)
     for rank in range(tp_size):
-        plan = KdaTpPlan.from_config(source, rank, tp_size, qk_multiple=fixture.qk_multiple)
-        shard = KdaShardedSource(source, plan)
+        shard = _view(source, rank, tp_size, fixture)
         kda = [n for n in source.names() if shard.is_sharded(n)]
         written = SafetensorsSource(rank_dir(out, rank))
         assert sorted(written.names()) == sorted(kda)
@@ -64,8 +72,7 @@ def test_verify_accepts_kda_only_output_and_catches_tampering(kda_only_output):
     assert report.ok, report.problems
     assert report.numeric is not None and report.numeric.passed
     source = SafetensorsSource(path)
-    shard = KdaShardedSource(source, KdaTpPlan.from_config(source, 0, tp_size,
-                                                           qk_multiple=fixture.qk_multiple))
+    shard = _view(source, 0, tp_size, fixture)
     assert report.tensors == len([n for n in source.names() if shard.is_sharded(n)])
     target = next(rank_dir(out, 1).glob("*.safetensors"))
     data = bytearray(target.read_bytes())
@@ -90,9 +97,7 @@ def test_the_readme_overlay_example_rebuilds_a_rank(kda_only_output):
     namespace: dict = {}
     exec(compile(code, "docs overlay example", "exec"), namespace)
     source = SafetensorsSource(path)
-    shard = KdaShardedSource(
-        source, KdaTpPlan.from_config(source, rank, tp_size, qk_multiple=fixture.qk_multiple)
-    )
+    shard = _view(source, rank, tp_size, fixture)
     state = namespace["state"]
     assert list(state) == source.names()
     for name, tensor in state.items():

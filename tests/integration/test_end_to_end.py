@@ -60,12 +60,21 @@ def test_shard_then_verify_small(small_checkpoint, tmp_path, tp_size):
         assert (rank_dir(out, r) / "config.json").read_bytes() == (
             small_checkpoint / "config.json"
         ).read_bytes()
-        # Layer 1 is full attention: passed through untouched on every rank.
+        # Layer 1 is full attention (MLA): each rank holds the oracle's MLA slice, and says so.
+        assert json.loads(rank.files()[0][1]["kda_tp_mla_layers"]) == [1]
         names = [n for n in rank.names() if ".layers.1.self_attn." in n]
         assert names
         full = kda_tp.SafetensorsSource(small_checkpoint)
+        config = json.loads((small_checkpoint / "config.json").read_text())
+        mla = oracle.mla_plan(r, tp_size, **oracle.read_mla_geometry(config))
+        sliced = 0
         for n in names:
-            assert bytes(rank.get(n)) == bytes(full.get(n)) and rank.get(n).shape == full.get(n).shape
+            entry = mla.get(oracle.plan_name(n.split(".self_attn.")[1]))
+            assert entry is not None, n
+            assert bytes(rank.get(n)) == oracle.shard_bytes(entry, bytes(full.get(n)))
+            assert rank.get(n).shape == oracle.local_shape(entry, full.get(n).shape)
+            sliced += entry.local_bytes < entry.full_bytes
+        assert sliced == (3 if tp_size == 2 else 0)  # q_proj or q_b_proj, kv_b_proj, o_proj
 
 
 def test_tp4_needs_the_rule_relaxed(small_checkpoint, tmp_path):

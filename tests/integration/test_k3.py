@@ -310,7 +310,8 @@ def test_a_small_synthetic_k3_checkpoint_round_trips(tmp_path):
     assert not full.get(LAYERS + "0.self_attn.A_log").array[4:].any()
     assert full.get(LAYERS + "1.self_attn.g_proj.weight").shape == (256, 64)  # MLA, KDA's shape
     rank1 = kda_tp.SafetensorsSource(rank_dir(out, 1))
-    assert rank1.get(LAYERS + "1.self_attn.g_proj.weight").shape == (256, 64)
+    # Both are sliced, each by its own layer's plan (MLA: 4 heads of v_head_dim 64 over 2).
+    assert rank1.get(LAYERS + "1.self_attn.g_proj.weight").shape == (128, 64)
     assert rank1.get(LAYERS + "2.self_attn.g_proj.weight").shape == (128, 64)
     assert rank1.get("vision_tower.encoder.blocks.0.self_attn.q_proj.weight").shape == (256, 256)
 

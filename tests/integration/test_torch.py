@@ -12,7 +12,9 @@ import pytest
 import tp_fixtures
 
 import kda_tp
-from kda_tp import KdaShard, KdaShardedSource, KdaTpPlan, SafetensorsSource
+from kda_tp import KdaShard, KdaShardedSource, KdaTpPlan, SafetensorsSource, oracle
+from kda_tp.rank import MlaTpPlan
+from kda_tp.rank.mla import rank_mla_plan
 
 from mappings import in_file_copy_on_write
 
@@ -115,7 +117,9 @@ def test_load_rank_on_cpu_equals_the_adapter_and_views_the_mapping(fixture, tmp_
     for rank in (0, tp_size - 1):
         loaded = kt.load_rank(source, rank, tp_size, qk_multiple=fixture.qk_multiple)
         plan = KdaTpPlan.from_config(source, rank, tp_size, qk_multiple=fixture.qk_multiple)
-        shard = KdaShardedSource(source, plan)
+        # A hybrid's MLA layers are sliced too where they can be planned, as shard slices them.
+        mla = rank_mla_plan(kda_tp.describe(source), rank, tp_size)[0]
+        shard = KdaShardedSource(source, plan, mla=mla)
         assert list(loaded) == source.names()
         for name, tensor in loaded.items():
             want = shard[name]
@@ -129,6 +133,42 @@ def test_load_rank_on_cpu_equals_the_adapter_and_views_the_mapping(fixture, tmp_
         kda = kt.load_rank(source, rank, tp_size, include_non_kda=False,
                            qk_multiple=fixture.qk_multiple)
         assert list(kda) == [n for n in source.names() if shard.is_sharded(n)]
+
+
+@pytest.mark.parametrize("style", ["kimi", "k3", "glm"])
+def test_load_rank_slices_the_mla_layers_as_the_oracle(style, tmp_path):
+    import json
+
+    from kda_tp.synth import write_small_checkpoint
+
+    ckpt = write_small_checkpoint(tmp_path / "ckpt", hidden=64, heads=4, head_dim=64,
+                                  conv_kernel=4, gate_rank=16, num_layers=3, kda_layers=[0, 2],
+                                  style=style, seed=5)
+    full = SafetensorsSource(ckpt)
+    geometry = oracle.read_mla_geometry(json.loads((ckpt / "config.json").read_text()))
+    mla_names = [n for n in full.names() if ".layers.1.self_attn." in n]
+    for rank in range(2):
+        loaded = kt.load_rank(ckpt, rank, 2)
+        plan = oracle.mla_plan(rank, 2, **geometry)
+        for name in mla_names:
+            entry = plan.get(oracle.plan_name(name.split(".self_attn.", 1)[1]))
+            want = oracle.shard_bytes(entry, bytes(full.get(name)))
+            got = loaded[name].contiguous().view(torch.uint8).reshape(-1).numpy().tobytes()
+            assert got == want, name
+            assert tuple(loaded[name].shape) == oracle.local_shape(entry, full.get(name).shape)
+        sliced = kt.load_rank(ckpt, rank, 2, include_non_kda=False)
+        assert set(mla_names) <= set(sliced)
+
+
+def test_placement_of_the_mla_tensors():
+    from torch.distributed.tensor import Replicate, Shard
+
+    # K3's MLA layer: q-LoRA, the output gate.
+    plan = MlaTpPlan(1, 2, 64, 4, 32, 16, 8, 64, q_lora_rank=48, output_gate=True)
+    want = {"q_a_proj": Replicate(), "q_a_layernorm": Replicate(), "q_b_proj": Shard(0),
+            "kv_a_proj_with_mqa": Replicate(), "kv_a_layernorm": Replicate(),
+            "kv_b_proj": Shard(0), "g_proj": Shard(0), "o_proj": Shard(1)}
+    assert {t.name: kt.placement(t) for t in plan.tensors} == want
 
 
 def test_load_rank_needs_a_rank_or_a_process_group():

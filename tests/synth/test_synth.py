@@ -459,3 +459,19 @@ def test_glm_geometry_one_layer(tmp_path):
     for suffix, shape in expected_kda_shapes(4096, 64, 128, 4, 128, flat_a_log=True).items():
         assert tensors[layer + suffix][2] == shape
     assert tensors[layer + "o_proj.weight"][2] == (4096, 8192)
+
+
+def test_model_config_is_the_config_write_checkpoint_writes_and_carries_the_mla_keys(tmp_path):
+    from kda_tp.model import parse_config, parse_mla_config
+    from kda_tp.synth import model_config, write_checkpoint
+
+    # The smallest real geometry written: one Kimi-Linear KDA layer (and its config).
+    written = write_checkpoint(tmp_path / "kimi", "kimi-linear", 1, vocab_size=8)
+    assert model_config("kimi-linear", 1, 8) == json.loads((written / "config.json").read_text())
+    config = model_config("kimi-k3")
+    mla = parse_mla_config(config, parse_config(config))
+    assert mla is not None and mla.layers == (3,)
+    assert (mla.hidden, mla.heads, mla.q_lora_rank, mla.v_head_dim, mla.output_gate) == (
+        7168, 96, 1536, 128, True)
+    with pytest.raises(PlanError, match="unknown model .nope."):
+        model_config("nope")

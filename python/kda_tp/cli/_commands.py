@@ -26,8 +26,10 @@ from ._format import (
     emit_json,
     error_line,
     format_bytes,
+    format_mla_plan,
     format_plan,
     format_sizes,
+    mla_plan_json,
     plan_json,
     print_kept,
     print_refusal,
@@ -67,6 +69,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     )
     from ..checkpoint.layers import check_layers, config_layer_count
     from ..checkpoint.names import kda_tensor_name, scale_tensor_name
+    from ..model.mla import parse_mla_config
+    from ..rank.mla import MlaTpPlan
     from ..rank.plan import KdaTpPlan
 
     # `demo` calls this with a namespace that has no --layers or --json.
@@ -89,6 +93,21 @@ def cmd_plan(args: argparse.Namespace) -> int:
         qk_multiple=args.qk_multiple, layers=layers if source is not None else None,
     )
     kda = description.kda
+    # The hybrid's MLA layers, from the config only (None: every layer KDA, or not listed).
+    # What keeps them from being planned is said after the KDA table, which stands as before;
+    # only an MLA head count this --tp-size cannot split refuses the command.
+    mla_config, mla = None, None
+    mla_problem: KdaTpError | None = None
+    try:
+        mla_config = parse_mla_config(description.config, kda)
+        if mla_config is not None:
+            mla = MlaTpPlan.from_description(description, args.rank, args.tp_size, mla_config)
+    except PlanError as e:
+        if e.allowed_tp_sizes is not None:
+            raise
+        mla_problem = e
+    except CheckpointError as e:
+        mla_problem = e
     shapes, n_layers = {}, None
     if source is not None and layers:
         n_layers = len(layers)
@@ -108,10 +127,22 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if source is None:
         _, shapes, family = assumed_layout(kda)
     if as_json:
-        print(json.dumps({"ok": True, **plan_json(plan, shapes, layers, kda)}, indent=2))
+        document = {"ok": True, **plan_json(plan, shapes, layers, kda)}
+        if mla is not None and mla_config is not None:
+            document["mla"] = mla_plan_json(mla, mla_config.layers)
+        elif mla_problem is not None:
+            document["mla"] = {"mla_layers": None if mla_config is None
+                               else list(mla_config.layers),
+                               "error": {"type": type(mla_problem).__name__,
+                                         "message": str(mla_problem)}}
+        print(json.dumps(document, indent=2))
     else:
         print(format_plan(plan, shapes, n_layers))
         print(kda.describe_gate())
+        if mla is not None and mla_config is not None:
+            print(format_mla_plan(mla, mla_config.layers))
+        elif mla_problem is not None:
+            print(f"\nMLA layers: not planned: {type(mla_problem).__name__}: {mla_problem}")
         if source is None:
             print(f"(from the config alone: on-disk shapes and dtypes are assumed, {family} "
                   "defaults; pass the checkpoint directory to read its own, e.g. Kimi K3's "
@@ -180,15 +211,24 @@ def _shard_input(
 ) -> tuple[list[int] | None, list[Path], list[Path]]:
     """``shard``'s checks of its input before anything is written: the ``--layers`` to pass on
     (see :func:`_shard_layers`), the files ``--skip-unindexed`` leaves out and the heavy files
-    ``--skip-heavy-files`` leaves out (a warning each on stderr when ``warn``)."""
+    ``--skip-heavy-files`` leaves out (a warning each on stderr when ``warn``, and one when a
+    hybrid's MLA layers cannot be planned and pass through whole)."""
     from ..checkpoint.reader import INDEX_NAME, refuse_index_member
     from ..checkpoint.description import describe
     from ..checkpoint.reader import SafetensorsSource
+    from ..rank.mla import rank_mla_plan
     from ..shard.rankdir import heavy_files, unindexed_files
 
     refuse_index_member(args.checkpoint)
     source = SafetensorsSource(args.checkpoint, args.backend)
-    layers = _shard_layers(describe(source), args.layers)
+    description = describe(source)
+    layers = _shard_layers(description, args.layers)
+    try:
+        mla_note = rank_mla_plan(description, 0, args.tp_size)[1] if args.tp_size > 0 else None
+    except PlanError:
+        mla_note = None  # the writer refuses this split, after the KDA plan's own checks
+    if mla_note and warn:
+        print(f"kda-tp: warning: {mla_note}", file=sys.stderr)
     skipped = unindexed_files(source) if args.skip_unindexed else []
     for path in skipped if warn else ():
         print(f"kda-tp: warning: {path} is not named by {INDEX_NAME}; it is left out of every "
@@ -300,6 +340,8 @@ def _cmd_verify(args: argparse.Namespace) -> int:
                            progress=make_progress(args.quiet, "verify", "tensors"),
                            numeric_progress=make_progress(args.quiet, "verify --numeric",
                                                       "KDA layers", every=0.0))
+    if report.mla_note:
+        print(f"kda-tp: warning: {report.mla_note}", file=sys.stderr)
     if args.json:
         emit_json(args, verify_json(report, unindexed))
     else:
@@ -416,6 +458,7 @@ def _demo(args: argparse.Namespace, entries: list[str], created: list[Path]) -> 
     from ..checkpoint.reader import SafetensorsSource
     from ..checkpoint.description import describe
     from ..synth.checkpoints import write_checkpoint
+    from ..rank.mla import rank_mla_plan
 
     with demo_staging(args.keep) as tmp:
         base = Path(tmp)
@@ -428,10 +471,13 @@ def _demo(args: argparse.Namespace, entries: list[str], created: list[Path]) -> 
               f"{(args.keep or base) / checkpoint.name}"
               + ("" if args.keep else " (deleted on exit; --keep DIR keeps it)"))
         generated = SafetensorsSource(checkpoint)  # kept open while described
-        kda = set(describe(generated).kda_layers())
+        description = describe(generated)
+        kda = set(description.kda_layers())
         mla = [i for i in range(args.num_layers) if i not in kda]
         if mla:
-            print(f"layers {mla} (0-based) are full attention (MLA): passed through unsliced")
+            note = rank_mla_plan(description, 0, args.tp_size)[1]
+            print(f"layers {mla} (0-based) are full attention (MLA): "
+                  + (note or "sliced per rank by their own plan (MlaTpPlan)"))
         print()
         status = cmd_plan(argparse.Namespace(input=checkpoint, rank=0, tp_size=args.tp_size,
                                               gate_rank=None, qk_multiple=256))

@@ -19,6 +19,7 @@ from ..errors import KdaTpError, PlanError
 
 if TYPE_CHECKING:
     from ..model.config import KdaConfig
+    from ..rank.mla import MlaTpPlan
     from ..rank.plan import KdaTpPlan
     from ..shard.writer import ShardResult, ShardSizes
     from ..shard.verify import VerifyReport
@@ -27,7 +28,9 @@ __all__ = [
     "emit_json",
     "error_line",
     "format_bytes",
+    "format_mla_plan",
     "format_plan",
+    "mla_plan_json",
     "format_sizes",
     "plan_json",
     "print_kept",
@@ -124,7 +127,8 @@ def plan_json(
     (None for softplus), ``gate_bound_key`` (the config key it came from, e.g.
     ``"text_config.linear_lower_bound"``) and ``config_rules`` (``"glm5_next"``, ``"kimi"`` or
     ``"generic"``: ``kda_tp.model.config``). ``shapes`` as for :func:`format_plan`. ``kda-tp plan
-    --json`` adds ``"ok": true`` (``false`` with ``error`` on a refusal).
+    --json`` adds ``"ok": true`` (``false`` with ``error`` on a refusal), and ``"mla"``
+    (:func:`mla_plan_json`) for a hybrid.
     """
     shapes = shapes or {}
 
@@ -231,6 +235,90 @@ def format_plan(
         )
     else:
         lines.append("all-reduce: none (tp_size 1)")
+    return "\n".join(lines)
+
+
+def mla_plan_json(plan: MlaTpPlan, layers: Sequence[int]) -> dict[str, Any]:
+    """The shard table of a hybrid's MLA layers as a JSON-ready dict (``kda-tp plan --json``'s
+    ``"mla"``, present only when the config has MLA layers).
+
+    Keys: ``mla_layers`` (0-based, from the config); the geometry (``heads``, the MLA head
+    count ``num_attention_heads``, ``local_heads``, ``hidden``, ``q_lora_rank`` (None:
+    a full-rank ``q_proj``), ``kv_lora_rank``, ``qk_nope_head_dim``, ``qk_rope_head_dim``,
+    ``v_head_dim``, ``output_gate``, ``indexer`` as ``[index_n_heads, index_head_dim,
+    index_kpool]`` or None); ``tensors`` with the fields of :func:`plan_json`'s (shapes from
+    the config); ``layer_local_bytes``/``layer_full_bytes`` per MLA layer and
+    ``total_local_bytes``/``total_full_bytes`` over them.
+    """
+    def entry(t: Any) -> dict[str, Any]:
+        disk = list(t.disk_shape)
+        axis = t.sharded_axis(disk)
+        return {
+            "name": t.name, "kind": t.kind.name, "dtype": t.dtype, "full_shape": disk,
+            "local_shape": list(t.local_shape(disk)), "sharded_axis": axis,
+            "offset": None if axis is None else t.src_row_offset or t.src_col_offset,
+            "local_bytes": t.local_bytes, "full_bytes": t.full_bytes,
+        }
+
+    return {
+        "mla_layers": list(layers), "heads": plan.heads, "local_heads": plan.local_heads,
+        "hidden": plan.hidden, "q_lora_rank": plan.q_lora_rank,
+        "kv_lora_rank": plan.kv_lora_rank, "qk_nope_head_dim": plan.qk_nope_head_dim,
+        "qk_rope_head_dim": plan.qk_rope_head_dim, "v_head_dim": plan.v_head_dim,
+        "output_gate": plan.output_gate,
+        "indexer": None if plan.indexer is None else list(plan.indexer),
+        "tensors": [entry(t) for t in plan.tensors],
+        "layer_local_bytes": plan.local_bytes, "layer_full_bytes": plan.full_bytes,
+        "total_local_bytes": len(layers) * plan.local_bytes,
+        "total_full_bytes": len(layers) * plan.full_bytes,
+    }
+
+
+def format_mla_plan(plan: MlaTpPlan, layers: Sequence[int]) -> str:
+    """The shard table of a hybrid's MLA layers ``layers`` (0-based): a heading with the MLA
+    geometry, one line per tensor (shapes from the config), then the totals."""
+    rows = [("tensor", "kind", "dtype", "full shape", f"rank {plan.tp_rank} shape", "offset",
+             "bytes/rank")]
+    for t in plan.tensors:
+        disk = list(t.disk_shape)
+        axis = t.sharded_axis(disk)
+        offset = "-" if axis is None else f"dim {axis} @ {t.src_row_offset or t.src_col_offset}"
+        rows.append((t.name, t.kind.name, t.dtype, _shape(disk), _shape(t.local_shape(disk)),
+                     offset, f"{t.local_bytes:,}"))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    shown = ", ".join(map(str, layers[:8])) + (f", ... ({len(layers) - 8} more)"
+                                               if len(layers) > 8 else "")
+    q = "no q-LoRA" if plan.q_lora_rank is None else f"q_lora_rank {plan.q_lora_rank}"
+    extras = [" output gate"] if plan.output_gate else []
+    if plan.indexer is not None:
+        n, h, kpool = plan.indexer
+        extras.append(f" DSA indexer {n} heads of {h}, kpool {kpool} (replicated)")
+    lines = [
+        "",
+        f"MLA tensor-parallel plan (layers {shown}): tp_size={plan.tp_size}, "
+        f"num_attention_heads {plan.heads} -> {plan.local_heads} per rank, {q}, kv_lora_rank "
+        f"{plan.kv_lora_rank}, qk_nope {plan.qk_nope_head_dim}, qk_rope "
+        f"{plan.qk_rope_head_dim}, v {plan.v_head_dim}, hidden {plan.hidden}"
+        + ("," if extras else "") + ",".join(extras),
+        "",
+    ]
+    for i, row in enumerate(rows):
+        lines.append("  ".join(c.rjust(w) if j == 6 else c.ljust(w)
+                               for j, (c, w) in enumerate(zip(row, widths))).rstrip())
+        if i == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    n_layers = len(layers)
+    share = plan.local_bytes / plan.full_bytes
+    lines += [
+        "",
+        f"per MLA layer: {format_bytes(plan.local_bytes)} per rank of "
+        f"{format_bytes(plan.full_bytes)} ({share:.1%})",
+        f"{n_layers} MLA layer{'s' if n_layers != 1 else ''}: "
+        f"{format_bytes(n_layers * plan.local_bytes)} per rank of "
+        f"{format_bytes(n_layers * plan.full_bytes)}",
+        "(MLA layers and shapes from the config; shard, verify, load_rank and "
+        "open_rank(..., mla=True) slice them so)",
+    ]
     return "\n".join(lines)
 
 

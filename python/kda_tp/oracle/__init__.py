@@ -34,10 +34,18 @@ on the sharded axis is ``[a, e)`` keeps grid rows (columns for ``o_proj``) ``[a 
 and a replicated weight keeps the whole grid. That only dequantizes if every rank's range starts
 on a block boundary or stays inside one block; otherwise the plan is refused.
 
+The MLA layers beside the KDA layers of the hybrids (spec ``tests/data/spec/mla.md``) have
+their own plan, :func:`mla_plan`, in the same vocabulary: rank ``r`` keeps its heads' rows of
+``q_proj``/``q_b_proj``, ``kv_b_proj`` and K3's output gate ``g_proj`` (CHANNEL_ROWS, one head
+being ``P+Pr``, ``P+V`` or ``V`` rows), its heads' columns of ``o_proj`` (CHANNEL_COLS), and the
+whole of the latent projections ``q_a_proj``/``kv_a_proj_with_mqa``, their norms and GLM-5.3's
+DSA ``indexer.*`` (REPLICATED). The head count is ``num_attention_heads``.
+
 Sizes are in elements unless a name says bytes.
 
 Its private modules, each importing only the ones before it (and ``kda_tp.errors``):
-``_shard_plan`` (the plan, spec ``tp.rs.txt``), ``_bind`` (a rank's bytes, shapes and plan
+``_shard_plan`` (the plan, spec ``tp.rs.txt``), ``_mla_plan`` (an MLA layer's plan, spec
+``mla.md``), ``_bind`` (a rank's bytes, shapes and plan
 names, spec ``tp_bind.rs.txt``), ``_config`` (its own reading of ``config.json``),
 ``_checkpoint`` (safetensors headers and raw bytes), ``_verifier`` (a sharded directory against
 its source) and ``_cli``. The names below are its API, importable from ``kda_tp.oracle``.
@@ -48,6 +56,7 @@ from __future__ import annotations
 from ._bind import local_shape, plan_name, shard_bytes
 from ._cli import main
 from ._config import KdaConfig, read_kda_config
+from ._mla_plan import INDEXER_TENSOR_NAMES, OracleMlaPlan, mla_plan, read_mla_geometry
 from ._shard_plan import (
     ELEM_BYTES,
     FP8_ELEM_BYTES,
@@ -70,6 +79,10 @@ __all__ = [
     "OraclePlan",
     "KdaConfig",
     "plan",
+    "INDEXER_TENSOR_NAMES",
+    "OracleMlaPlan",
+    "mla_plan",
+    "read_mla_geometry",
     "shard_bytes",
     "local_shape",
     "plan_name",

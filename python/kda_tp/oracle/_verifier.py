@@ -16,11 +16,13 @@ from kda_tp.errors import CheckpointError, PlanError, ShapeMismatchError
 from ._bind import local_shape, plan_name, shard_bytes
 from ._checkpoint import Checkpoint, read_safetensors_header
 from ._config import KdaConfig, config_block, read_kda_config
+from ._mla_plan import OracleMlaPlan, mla_plan, read_mla_geometry
 from ._shard_plan import (
     FP8_ELEM_BYTES,
     FULL_RANK_GATE_TENSOR_NAMES,
     TENSOR_NAMES,
     OraclePlan,
+    OracleTensor,
     plan,
 )
 
@@ -79,6 +81,11 @@ def verify(checkpoint_dir: str | Path, out_dir: str | Path) -> list[str]:
     tensors, and needs no ``config.json``. When the source config lists no KDA layers, the
     ``kda_tp_layers`` the rank headers record are used.
 
+    A hybrid's MLA layers that rank 0's headers record sliced (``kda_tp_mla_layers``) are
+    checked as the KDA layers are, by :func:`mla_plan` with the config's MLA geometry
+    (:func:`read_mla_geometry`) and the first such layer's dtypes; MLA layers not recorded
+    must be whole.
+
     Returns:
         One line per problem found, each naming the rank and the file or tensor; empty when the
         output is a correct sharding of the source.
@@ -119,6 +126,12 @@ def verify(checkpoint_dir: str | Path, out_dir: str | Path) -> list[str]:
     if fp8 and block is None:
         return [f"input: {prefix}{fp8[0]}.weight is FP8 but the config declares no block size"]
     problems = _padding_problems(source, geometry, decoder)
+    try:
+        mla_layers = frozenset(json.loads(meta.get("kda_tp_mla_layers", "[]")))
+        mla_geometry = read_mla_geometry(source.config) if mla_layers else {}
+    except (ValueError, TypeError, CheckpointError) as exc:
+        return [f"rank0: the MLA layers it records sliced cannot be planned: {exc}"]
+    mla_first = f"{decoder}{min(mla_layers)}.self_attn." if mla_layers else ""
 
     if not out_dir.is_dir():
         return [f"output: {out_dir} is not a directory"]
@@ -157,13 +170,24 @@ def verify(checkpoint_dir: str | Path, out_dir: str | Path) -> list[str]:
         except PlanError as exc:
             problems.append(f"rank{rank}: no shard plan for this geometry: {exc}")
             continue
+        mla = None
+        if mla_layers:
+            names_tp1 = [t.name for t in mla_plan(0, 1, **mla_geometry).tensors]
+            mla_dtypes = {n: source.tensors[full].dtype for n in names_tp1
+                          for full in (mla_first + n, mla_first + n + ".weight")
+                          if full in source.tensors}
+            try:
+                mla = (mla_layers, mla_plan(rank, tp_size, **mla_geometry, dtypes=mla_dtypes))
+            except PlanError as exc:
+                problems.append(f"rank{rank}: no MLA shard plan for this geometry: {exc}")
+                continue
         try:
             sharded = Checkpoint(rank_dir, require_index=True, require_config=not kda_only)
         except CheckpointError as exc:
             problems.append(f"rank{rank}: {exc}")
             continue
         problems += _check_rank(
-            source, sharded, rank_plan, geometry.kda_layers, decoder, kda_only
+            source, sharded, rank_plan, geometry.kda_layers, decoder, kda_only, mla
         )
         if not kda_only:
             problems += _companion_problems(checkpoint_dir, rank, rank_dir)
@@ -255,12 +279,23 @@ def _check_rank(
     kda_layers: frozenset[int],
     decoder: str,
     kda_only: bool = False,
+    mla: tuple[frozenset[int], OracleMlaPlan] | None = None,
 ) -> list[str]:
     """The problems of one rank's directory; see :func:`verify`. A ``--kda-only`` rank
-    (``kda_tp_kda_only`` in its headers) holds the KDA tensors and nothing else."""
+    (``kda_tp_kda_only`` in its headers) holds the sliced tensors and nothing else. ``mla``:
+    the MLA layers sliced and this rank's MLA plan (None: MLA tensors are whole)."""
     tag = f"rank{rank_plan.tp_rank}"
     entries = {t.name: t for t in rank_plan.tensors}
     entries.update({t.scale.name: t.scale for t in rank_plan.tensors if t.scale})
+
+    def planned(name: str) -> OracleTensor | None:
+        kda_name = _kda_plan_name(name, kda_layers, decoder, entries)
+        if kda_name is not None:
+            return entries[kda_name]
+        match = _LAYER_ATTN.fullmatch(name[len(decoder):]) if name.startswith(decoder) else None
+        if mla is None or match is None or int(match[1]) not in mla[0]:
+            return None
+        return mla[1].get(plan_name(match[2]))
     problems = []
     for path, metadata in sharded.metadata.items():
         for key, want in (("tp_rank", rank_plan.tp_rank), ("tp_size", rank_plan.tp_size)):
@@ -271,7 +306,7 @@ def _check_rank(
                 )
     expected = {
         n for n in source.tensors
-        if not kda_only or _kda_plan_name(n, kda_layers, decoder, entries) is not None
+        if not kda_only or planned(n) is not None
     }
     problems += [f"{tag}: {n}: missing" for n in sorted(expected - sharded.tensors.keys())]
     problems += [
@@ -283,15 +318,14 @@ def _check_rank(
         if out.dtype != src.dtype:
             problems.append(f"{tag}: {name}: dtype {out.dtype}, input has {src.dtype}")
             continue
-        kda_name = _kda_plan_name(name, kda_layers, decoder, entries)
-        if kda_name is None:
+        entry = planned(name)
+        if entry is None:
             want_shape = src.shape
         else:
-            entry = entries[kda_name]
             if src.dtype != entry.dtype:
                 problems.append(
                     f"{tag}: {name}: input dtype {src.dtype} differs from the first KDA "
-                    f"layer's {entry.dtype}"
+                    f"(or MLA) layer's {entry.dtype}"
                 )
                 continue
             try:
@@ -303,7 +337,7 @@ def _check_rank(
             problems.append(f"{tag}: {name}: shape {list(out.shape)}, expected {list(want_shape)}")
             continue
         try:
-            if kda_name is None:
+            if entry is None:
                 same = out.end - out.start == src.end - src.start and all(
                     a == b for a, b in zip(source.chunks(name), sharded.chunks(name), strict=True)
                 )
@@ -313,6 +347,6 @@ def _check_rank(
             problems.append(f"{tag}: {name}: {exc}")
             continue
         if not same:
-            what = "this rank's slice of the input" if kda_name else "the input"
+            what = "this rank's slice of the input" if entry else "the input"
             problems.append(f"{tag}: {name}: bytes differ from {what}")
     return problems

@@ -47,6 +47,7 @@ from ..errors import (
 )
 from ..model.dtypes import import_torch, numpy_dtype
 from ..model.quant import SCALE_SUFFIXES
+from .mla import MlaTpPlan, planned_mla_tensors
 from .plan import KdaShard, KdaTensorPlan, KdaTpPlan
 
 __all__ = ["STAGING_BYTES", "KdaShardedSource", "TensorSlice", "open_rank"]
@@ -82,8 +83,8 @@ class KdaShardedSource:
     ``[1, 1, H/T, 1]``, K3's zero-padded ``A_log`` ``[P]`` -> ``[H/T]``, ``o_proj``
     ``[hidden, C]`` -> ``[hidden, C/T]``). Every other name, including full-attention (MLA)
     layers' ``self_attn.q_proj``/``g_proj``/``o_proj`` (K3's MLA ``g_proj``/``o_proj`` have the
-    KDA names and shapes: layer type comes from the config alone) and vision-tower tensors,
-    passes through untouched. At ``tp_size == 1`` it is the identity, except that a padded
+    KDA names and shapes: layer type comes from the config alone; sliced only with ``mla``) and
+    vision-tower tensors, passes through untouched. At ``tp_size == 1`` it is the identity, except that a padded
     ``A_log`` loses its padding.
 
     Args:
@@ -91,6 +92,11 @@ class KdaShardedSource:
         plan: this rank's :class:`KdaTpPlan`.
         layers: 0-based KDA layer indices; default: from ``source.config`` (Kimi-Linear's
             ``linear_attn_config.kda_layers`` is 1-based and converted).
+        mla: this rank's :class:`~kda_tp.rank.MlaTpPlan`: the MLA layers the config names
+            (``mla_layers``) are sliced by it too (``kda_tp.rank.mla.planned_mla_tensors``,
+            which says what it refuses), instead of passing through (``shard``, ``verify``
+            and ``load_rank`` give the plan ``kda_tp.rank.mla.rank_mla_plan`` makes); None
+            (the default) for the KDA-only view the audit and the guard use.
 
     Every KDA tensor is checked when the adapter is built, so bad input fails before any
     data is read or written; for a zero-padded ``A_log`` that includes reading its padding.
@@ -106,7 +112,8 @@ class KdaShardedSource:
         TypeError: ``plan`` is not a :class:`KdaTpPlan`.
     """
 
-    def __init__(self, source: TensorSource, plan: KdaTpPlan, layers: Iterable[int] | None = None):
+    def __init__(self, source: TensorSource, plan: KdaTpPlan, layers: Iterable[int] | None = None,
+                 *, mla: MlaTpPlan | None = None):
         if not isinstance(plan, _native.KdaTpPlan):
             raise TypeError(
                 f"KdaShardedSource(source, plan): plan must be a KdaTpPlan (from "
@@ -188,6 +195,11 @@ class KdaShardedSource:
                     and name not in checked):
                 self._check_padding(name, entry, plan.full_heads)
                 checked.add(name)
+        self.mla = mla
+        self.mla_layers: tuple[int, ...] = ()
+        if mla is not None:
+            self.mla_layers, mla_planned = planned_mla_tensors(described, mla)
+            self._planned.update(mla_planned)
         self._closed = False
         self._names: frozenset[str] | None = None
 
@@ -566,6 +578,7 @@ def open_rank(
     qk_multiple: int = 256,
     backend: str | None = None,
     config: Mapping[str, Any] | str | os.PathLike[str] | None = None,
+    mla: bool = False,
 ) -> KdaShardedSource:
     """One tensor-parallel rank's view of a checkpoint, with its plan on it (``view.plan``), in
     one call: what a loader opens, as it opens a file with safetensors' ``safe_open``::
@@ -600,6 +613,9 @@ def open_rank(
         backend: ``"mmap"`` or ``"pread"`` (see :class:`SafetensorsSource`) for a path.
         config: for in-memory tensors (and only for them), the model's ``config.json``: a dict,
             or the path of the file or of its directory.
+        mla: slice the hybrid's MLA layers too (``view.mla``, ``view.mla_layers``; see
+            :class:`KdaShardedSource`; a KDA-only model has none); False passes them through
+            whole.
 
     Returns:
         The rank's :class:`KdaShardedSource`, a context manager whose ``close()`` releases the
@@ -644,9 +660,11 @@ def open_rank(
                     f"{path}: already a tensor-parallel shard (rank {meta['tp_rank']} of "
                     f"{meta['tp_size']}, its header says); open the original checkpoint"
                 )
-        plan = KdaTpPlan.from_description(describe(source), tp_rank, tp_size,
+        description = describe(source)
+        plan = KdaTpPlan.from_description(description, tp_rank, tp_size,
                                           qk_multiple=qk_multiple, layers=selected)
-        return KdaShardedSource(source, plan, selected)
+        mla_plan = MlaTpPlan.from_description(description, tp_rank, tp_size) if mla else None
+        return KdaShardedSource(source, plan, selected, mla=mla_plan)
     except BaseException:
         if source is not checkpoint:
             source.close()

@@ -25,10 +25,12 @@ import numpy as np
 # kda_tp.torch refuses a missing or too old torch (MissingDependencyError) when imported: first.
 from .. import torch as _checked_torch  # noqa: F401
 from .. import errors
+from ..checkpoint.description import describe
 from ..checkpoint.reader import SafetensorsSource
 from ..errors import KdaTpError, PlanError
 from ..output.dirs import prepare_out_dir
 from ..output.names import rank_dir
+from ..rank.mla import rank_mla_plan
 from ..rank.plan import KdaTpPlan, distinct_ranks
 from ..rank.view import KdaShardedSource
 from ..reference.equivalence import (
@@ -287,7 +289,9 @@ def _agree(
 
 def _view(source: SafetensorsSource, tp_rank: int, tp_size: int, layers: Iterable[int] | None,
           qk_multiple: int) -> KdaShardedSource:
-    """Rank ``tp_rank``'s view of an open ``source`` (its KDA tensors checked)."""
+    """Rank ``tp_rank``'s view of an open ``source`` (its KDA tensors checked; a hybrid's MLA
+    layers sliced where planned, as the writer slices them: ``rank_mla_plan``)."""
     layers = None if layers is None else list(layers)
     plan = KdaTpPlan.from_config(source, tp_rank, tp_size, qk_multiple=qk_multiple, layers=layers)
-    return KdaShardedSource(source, plan, layers)
+    mla = rank_mla_plan(describe(source), tp_rank, tp_size)[0]
+    return KdaShardedSource(source, plan, layers, mla=mla)

@@ -32,6 +32,7 @@ from ..output.names import (
     WORLD_LOCK,
     rank_dir,
 )
+from ..rank.mla import rank_mla_plan
 from ..rank.plan import KdaShard, KdaTpPlan
 from ..rank.view import KdaShardedSource
 from .rankdir import (
@@ -67,6 +68,9 @@ class VerifyReport:
         numeric: the numerical equivalence report, when requested.
         byte_seconds: wall time of the byte check (seconds).
         numeric_seconds: wall time of the numerical check (seconds; 0 when not run).
+        mla_note: the one line saying a hybrid's MLA layers are passed through whole and
+            why (``kda_tp.rank.mla.rank_mla_plan``); None when they are sliced, or there are
+            none.
     """
 
     tp_size: int = 0
@@ -76,6 +80,7 @@ class VerifyReport:
     numeric: EquivalenceReport | None = None
     byte_seconds: float = 0.0
     numeric_seconds: float = 0.0
+    mla_note: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -98,7 +103,7 @@ class VerifyReport:
             weights' reference output holds NaN or inf, ``"ranks"`` when only the ranks'
             summed output does, else None), ``unindexed`` (``unindexed`` as strings),
             ``byte_seconds`` and ``numeric_seconds`` (each phase's wall time, in seconds; 0
-            when not run).
+            when not run), ``mla_note`` (see the attribute).
         """
         numeric = None
         if self.numeric is not None:
@@ -119,6 +124,7 @@ class VerifyReport:
             "bytes_checked": self.bytes_checked, "problems": list(self.problems),
             "numeric": numeric, "unindexed": [str(p) for p in unindexed],
             "byte_seconds": self.byte_seconds, "numeric_seconds": self.numeric_seconds,
+            "mla_note": self.mla_note,
         }
 
     def summary(self) -> str:
@@ -164,7 +170,10 @@ def verify_shards(
     plan gives; KDA tensors rejoin to the input (row slices concatenated in rank order,
     ``o_proj`` column slices side by side, replicated tensors equal on every rank; a zero-padded
     ``A_log`` rejoins to its heads, its padding checked to be zero); every other
-    tensor is identical on every rank. Every rank ``0..tp_size-1`` must be present and complete,
+    tensor is identical on every rank. A hybrid's MLA layers are checked by the same rules with
+    this rank's ``MlaTpPlan`` where it can be made (``kda_tp.rank.mla.rank_mla_plan``; the ranks'
+    ``kda_tp_mla_layers`` metadata must name the layers sliced), else whole (``mla_note`` says
+    why). Every rank ``0..tp_size-1`` must be present and complete,
     with matching ``tp_rank``/``tp_size`` metadata, and no rank may hold extra tensors, nor
     any file ``shard`` does not write (an extra ``.safetensors`` no index names, a stray file:
     a problem naming the file). A problem names the tensor and the rank(s) whose bytes differ.
@@ -299,7 +308,24 @@ def verify_shards(
         KdaTpPlan.from_config(source, r, tp_size, qk_multiple=qk_multiple, layers=kda_layers)
         for r in range(1, tp_size)
     ]
-    shards = [KdaShardedSource(source, plan, kda_layers) for plan in plans]
+    # A hybrid's MLA layers are sliced where their plan can be made (as shard slices them).
+    mla_plans = [rank_mla_plan(describe(source), r, tp_size) for r in range(tp_size)]
+    report.mla_note = mla_plans[0][1]
+    shards = [KdaShardedSource(source, plan, kda_layers, mla=mla[0])
+              for plan, mla in zip(plans, mla_plans)]
+    sliced = list(shards[0].mla_layers)
+    try:
+        recorded_mla = parse_json(meta.get("kda_tp_mla_layers", "[]"),
+                                  f"{first}: metadata kda_tp_mla_layers")
+    except CheckpointError:
+        recorded_mla = None
+    if recorded_mla != sliced:
+        report.problems.append(
+            f"{first}: metadata kda_tp_mla_layers {meta.get('kda_tp_mla_layers')!r}: the ranks "
+            f"were written with MLA layers {recorded_mla} sliced, this kda-tp slices {sliced}; "
+            "shard again with this kda-tp"
+        )
+        return report
     # A --kda-only output holds the KDA tensors and nothing else.
     kda_only = meta.get("kda_tp_kda_only") == "1"
     names = [n for n in source.names() if not kda_only or shards[0].is_sharded(n)]

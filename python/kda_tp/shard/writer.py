@@ -7,8 +7,9 @@ OUT/rank0/ ... OUT/rank{T-1}/
     config.json and the input's other small files, unchanged (never its heavy files: weights
     in other formats, training state, files of 100 MB or more; see shard.rankdir.heavy_files);
     the input's safetensors file names, each holding the same tensors as in the input
-    (KDA tensors as this rank's slice, with local shapes), __metadata__ carrying
-    tp_rank, tp_size, kda_tp_qk_multiple, kda_tp_layers, kda_tp_version and kda_tp_input;
+    (KDA tensors, and a hybrid's MLA tensors where their plan can be made, as this rank's
+    slice, with local shapes), __metadata__ carrying tp_rank, tp_size, kda_tp_qk_multiple,
+    kda_tp_layers, kda_tp_mla_layers (the MLA layers sliced), kda_tp_version, kda_tp_input;
     model.safetensors.index.json;
     .kda-tp.json, kda-tp's mark: the entries it wrote (see kda_tp.output.marks).
 ```
@@ -30,9 +31,8 @@ partial directory of a rank whose lock is free is stale. Several processes may w
 ranks into one ``OUT`` at once.
 
 The verifier (:func:`~kda_tp.shard.verify.verify_shards`), the output-directory check
-(:func:`~kda_tp.output.dirs.prepare_out_dir`), the names of a rank directory
-(:func:`~kda_tp.output.names.rank_dir`) and what it holds (:mod:`kda_tp.shard.rankdir`) live in
-their own modules; the face :mod:`kda_tp.shard` gives all of them.
+(:func:`~kda_tp.output.dirs.prepare_out_dir`), a rank directory's names
+(:func:`~kda_tp.output.names.rank_dir`) and contents (:mod:`kda_tp.shard.rankdir`): elsewhere.
 """
 
 from __future__ import annotations
@@ -52,6 +52,7 @@ from pathlib import Path
 import numpy as np
 
 from .._native import __version__
+from ..checkpoint.description import describe
 from ..checkpoint.reader import INDEX_NAME, SafetensorsSource, checked_info
 from ..checkpoint.writer import FileRange, write_index, write_safetensors
 from ..errors import CheckpointError, DtypeMismatchError, OutputError, PlanError, ShardInterrupted
@@ -61,6 +62,7 @@ from ..output.locks import lock_output, output_error
 from ..output.marks import foreign_dir, write_mark
 from ..output.moves import put_aside, take_name
 from ..output.names import FILE_MARK, RANK_DIR, rank_dir, run_id
+from ..rank.mla import rank_mla_plan
 from ..rank.plan import KdaTpPlan, distinct_ranks
 from ..rank.view import KdaShardedSource
 from ._place import Placed, appeared, commit, drop_replaced, partial_dir, undo
@@ -119,7 +121,7 @@ class ShardSizes:
     Attributes:
         input_bytes: tensor bytes of the input checkpoint (every tensor its index names).
         ranks: the ranks written, sorted.
-        kda_bytes: per rank of ``ranks``, its slices of the KDA tensors.
+        kda_bytes: per rank of ``ranks``, its slices of the KDA (and planned MLA) tensors.
         other_bytes: per rank of ``ranks``, the other tensors, copied whole into every rank
             (0 with ``kda_only``).
         kda_only: whether the run writes only the KDA tensors.
@@ -422,13 +424,15 @@ def _rank_views(
     qk_multiple: int,
     layers: Iterable[int] | None,
 ) -> list[KdaShardedSource]:
-    """One view per rank of ``ranks`` (None: all). Rank 0's plan and view come first: the plan
+    """One view per rank of ``ranks`` (None: all), a hybrid's MLA layers sliced too where they
+    can be planned (``rank_mla_plan``). Rank 0's plan and view come first: the plan
     refuses a tp_size the heads cannot split and the view checks the heads against the tensors
     on disk, so tp_size is bounded by the checkpoint before anything is made per rank."""
 
     def view(r: int) -> KdaShardedSource:
         plan = KdaTpPlan.from_config(source, r, tp_size, qk_multiple=qk_multiple, layers=layers)
-        return KdaShardedSource(source, plan, layers)
+        mla = rank_mla_plan(describe(source), r, tp_size)[0]
+        return KdaShardedSource(source, plan, layers, mla=mla)
 
     first = view(0)
     return [first if r == 0 else view(r) for r in (range(tp_size) if ranks is None else ranks)]
@@ -451,12 +455,12 @@ def _sizes(
             continue  # the copy says why it cannot read it
     kda, other = [], []
     for s in shards:
-        sliced = [_nbytes(*checked_info(s, n)) for n in names if s.is_sharded(n)]
-        whole = [_nbytes(*checked_info(s, n)) for n in names if not s.is_sharded(n)]
+        sliced = [tensor_nbytes(*checked_info(s, n)) for n in names if s.is_sharded(n)]
+        whole = [tensor_nbytes(*checked_info(s, n)) for n in names if not s.is_sharded(n)]
         kda.append(sum(sliced))
         other.append(sum(whole))
     return ShardSizes(
-        input_bytes=sum(_nbytes(*checked_info(source, n)) for n in source.names()),
+        input_bytes=sum(tensor_nbytes(*checked_info(source, n)) for n in source.names()),
         ranks=tuple(s.plan.tp_rank for s in shards),
         kda_bytes=tuple(kda),
         other_bytes=tuple(other),
@@ -527,10 +531,6 @@ def check_shard_input(
             f"{'it' if len(heavy) == 1 else 'them'} out of every rank, or move "
             f"{'it' if len(heavy) == 1 else 'them'} out of the checkpoint directory"
         )
-
-
-def _nbytes(dtype: str, shape: tuple[int, ...]) -> int:
-    return tensor_nbytes(dtype, shape)
 
 
 def _write_rank(
@@ -608,6 +608,7 @@ def _write_rank(
                 "tp_size": str(plan.tp_size),
                 "kda_tp_qk_multiple": str(plan.qk_multiple),
                 "kda_tp_layers": json.dumps(list(shard.layers)),
+                "kda_tp_mla_layers": json.dumps(list(shard.mla_layers)),  # sliced MLA layers
                 FILE_MARK: __version__,
                 "kda_tp_input": fingerprint,
             }
@@ -617,7 +618,7 @@ def _write_rank(
             for name in names:
                 dtype, shape = checked_info(shard, name)
                 specs.append(
-                    (name, dtype, shape, _nbytes(dtype, shape), lambda n=name: get_bytes(n))
+                    (name, dtype, shape, tensor_nbytes(dtype, shape), lambda n=name: get_bytes(n))
                 )
             total += write_safetensors(partial / file_name, specs, metadata, sync=False,
                                        mode=file_modes.get(file_name, index_mode))

@@ -87,7 +87,7 @@ from ._tensors import (
 
 # The tensors and config.json per dialect.
 
-__all__ = ["GEOMETRIES", "write_checkpoint", "write_small_checkpoint"]
+__all__ = ["GEOMETRIES", "model_config", "write_checkpoint", "write_small_checkpoint"]
 
 #: Real KDA geometries, one per model family (``kda_tp.model.FAMILIES``: each family's
 #: ``demo`` name and ``geometry``, then its variants such as ``"kimi-k3-fp8"``). ``hidden`` (d),
@@ -147,15 +147,7 @@ def write_checkpoint(
         PlanError: unknown ``model`` or a non-positive size.
         OutputError: the directory or a file cannot be written.
     """
-    try:
-        geometry = GEOMETRIES[model]
-    except KeyError:
-        raise PlanError(f"unknown model {model!r}; expected one of {sorted(GEOMETRIES)}") from None
-    _check_positive(num_layers=num_layers)
-    every = geometry["full_attn_every"]
-    kda_layers = [i for i in range(num_layers) if every is None or (i + 1) % every != 0]
-    if STYLES[geometry["style"]].last_layer_full_attention and num_layers > 1:
-        kda_layers = [i for i in kda_layers if i != num_layers - 1]
+    geometry, kda_layers = _model_layers(model, num_layers)
     return write_small_checkpoint(
         out_dir,
         hidden=geometry["hidden"],
@@ -172,6 +164,40 @@ def write_checkpoint(
         max_file_bytes=max_file_bytes,
         progress=progress,
     )
+
+
+def model_config(model: str, num_layers: int = 4, vocab_size: int = 1024) -> dict[str, Any]:
+    """The ``config.json`` (a dict) that :func:`write_checkpoint` writes for ``model`` (a
+    :data:`GEOMETRIES` name) with ``num_layers`` decoder layers, in its family's dialect, the
+    hybrid's MLA keys included: a real geometry's config without writing a byte of tensors
+    (``tools/pictures.py`` plans its MLA layer from it).
+
+    Raises:
+        PlanError: unknown ``model`` or a non-positive size.
+    """
+    g, kda_layers = _model_layers(model, num_layers)
+    _check_positive(vocab_size=vocab_size)
+    geometry = Geometry(hidden=g["hidden"], heads=g["heads"], head_dim=g["head_dim"],
+                        conv_kernel=g["conv_kernel"], gate_rank=g["gate_rank"], style=g["style"])
+    return config_json(geometry, num_layers, set(kda_layers), vocab_size, "bfloat16")
+
+
+def _model_layers(model: str, num_layers: int) -> tuple[dict[str, Any], list[int]]:
+    """``model``'s :data:`GEOMETRIES` entry and its 0-based KDA layers of ``num_layers``.
+
+    Raises:
+        PlanError: unknown ``model`` or a non-positive ``num_layers``.
+    """
+    try:
+        geometry = GEOMETRIES[model]
+    except KeyError:
+        raise PlanError(f"unknown model {model!r}; expected one of {sorted(GEOMETRIES)}") from None
+    _check_positive(num_layers=num_layers)
+    every = geometry["full_attn_every"]
+    kda_layers = [i for i in range(num_layers) if every is None or (i + 1) % every != 0]
+    if STYLES[geometry["style"]].last_layer_full_attention and num_layers > 1:
+        kda_layers = [i for i in kda_layers if i != num_layers - 1]
+    return geometry, kda_layers
 
 
 def write_small_checkpoint(

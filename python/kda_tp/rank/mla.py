@@ -1,0 +1,292 @@
+"""The shard plan of an MLA layer: which part of each tensor of a hybrid's MLA (multi-head
+latent attention) layers a tensor-parallel rank keeps.
+
+The arithmetic is in the Rust core (``kda_tp._native.MlaTpPlan``); this module adds the plan of
+a described checkpoint or config (the MLA layers and geometry read by
+``kda_tp.model.mla.parse_mla_config``, from the config only) and the checkpoint names of the
+plan's tensors.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .. import _native
+from ..checkpoint.description import CheckpointDescription
+from ..checkpoint.names import location, param_name
+from ..checkpoint.reader import missing_tensor
+from ..errors import CheckpointError, DtypeMismatchError, KdaTpError, PlanError
+from ..model.mla import MlaConfig, mla_layers, parse_mla_config
+
+__all__ = ["MlaTpPlan", "mla_tensor_name", "planned_mla_tensors", "rank_mla_plan"]
+
+# Indexer parameters stored without a ".weight" suffix (vLLM keeps the checkpoint names).
+_BARE = ("indexer.index_kpool_compress_ape", "indexer.index_kpool_compress_gate")
+
+
+class MlaTpPlan(_native.MlaTpPlan):
+    """The per-rank shard plan for one MLA layer of a KDA hybrid (the spec:
+    ``tests/data/spec/mla.md``, from vLLM 0.33.0's and SGLang 0.5.23's loaders).
+
+    ``MlaTpPlan(tp_rank, tp_size, hidden, heads, kv_lora_rank, qk_nope_head_dim,
+    qk_rope_head_dim, v_head_dim, *, q_lora_rank=None, output_gate=False, indexer=None,
+    dtypes=None)``
+
+    Rank ``r`` of ``T`` owns MLA heads ``[r*H/T, (r+1)*H/T)`` of ``H = num_attention_heads``
+    (not the KDA head count). In the KDA plan's vocabulary (``KdaShard``, ``KdaTensorPlan``),
+    with ``Hl = H/T``, ``L`` = kv_lora_rank, ``Q`` = q_lora_rank, ``P`` = qk_nope_head_dim,
+    ``Pr`` = qk_rope_head_dim, ``V`` = v_head_dim, ``d`` = hidden:
+
+    | tensor                          | on-disk shape    | kind         | local shape         |
+    | ------------------------------- | ---------------- | ------------ | ------------------- |
+    | q_proj (no q-LoRA: Kimi-Linear) | [H*(P+Pr), d]    | CHANNEL_ROWS | [Hl*(P+Pr), d]      |
+    | q_a_proj                        | [Q, d]           | REPLICATED   | unchanged           |
+    | q_a_layernorm                   | [Q]              | REPLICATED   | unchanged           |
+    | q_b_proj                        | [H*(P+Pr), Q]    | CHANNEL_ROWS | [Hl*(P+Pr), Q]      |
+    | kv_a_proj_with_mqa              | [L+Pr, d]        | REPLICATED   | unchanged           |
+    | kv_a_layernorm                  | [L]              | REPLICATED   | unchanged           |
+    | kv_b_proj                       | [H*(P+V), L]     | CHANNEL_ROWS | [Hl*(P+V), L]       |
+    | g_proj (K3's output gate)       | [H*V, d]         | CHANNEL_ROWS | [Hl*V, d]           |
+    | o_proj                          | [d, H*V]         | CHANNEL_COLS | [d, Hl*V]           |
+    | indexer.* (GLM-5.3's DSA)       | see below        | REPLICATED   | unchanged           |
+
+    Row blocks are head-major (each head's ``P`` nope then ``Pr`` rope rows of ``q_b_proj``,
+    ``P`` k-nope then ``V`` value rows of ``kv_b_proj``), so a rank's rows are one contiguous
+    range at ``src_row_offset = r*Hl*(rows per head)``; ``o_proj`` is row-parallel (columns
+    ``[r*Hl*V, (r+1)*Hl*V)``, all-reduced after). The indexer (``indexer=(n, h, kpool)``):
+    ``indexer.wq_b`` ``[n*h, Q]``, ``indexer.wk`` ``[h, d]``, ``indexer.weights_proj``
+    ``[n, d]``, ``indexer.k_norm`` and ``indexer.k_norm.bias`` ``[h]``,
+    ``indexer.index_kpool_compress_ape`` ``[kpool, h]`` (F32), ``indexer.index_kpool_compress_gate``
+    ``[h, d]``. K3's MLA ``g_proj``/``o_proj`` have exactly the KDA layer's names and shapes:
+    the layer type comes from the config (:meth:`from_description`), never from them.
+
+    Args:
+        tp_rank: this rank, ``0 <= tp_rank < tp_size``.
+        tp_size: the (attention-)TP world size.
+        hidden: ``hidden_size`` (elements).
+        heads: ``num_attention_heads``; must be divisible by ``tp_size``.
+        kv_lora_rank: ``kv_lora_rank``.
+        qk_nope_head_dim: ``qk_nope_head_dim``.
+        qk_rope_head_dim: ``qk_rope_head_dim`` (0: NoPE, GLM-5.3-Flash).
+        v_head_dim: ``v_head_dim``.
+        q_lora_rank: ``q_lora_rank`` (K3, GLM-5.3-Flash); None for Kimi-Linear's ``q_proj``.
+        output_gate: K3's MLA output gate ``g_proj`` (``mla_use_output_gate``).
+        indexer: ``(index_n_heads, index_head_dim, index_kpool)`` of GLM-5.3-Flash's DSA
+            indexer; None for none.
+        dtypes: safetensors dtype per plan name (``"BF16"``, ``"F16"``, ``"F32"``, ``"F64"``)
+            over the defaults (BF16; F32 for ``indexer.index_kpool_compress_ape``).
+
+    Attributes:
+        tp_rank: this rank.
+        tp_size: the world size.
+        local_heads: MLA heads this rank keeps, ``heads // tp_size``.
+        hidden: ``hidden_size``, as given; likewise ``heads``, ``q_lora_rank``,
+            ``kv_lora_rank``, ``qk_nope_head_dim``, ``qk_rope_head_dim``, ``v_head_dim``,
+            ``output_gate`` and ``indexer``.
+        tensors: list of ``KdaTensorPlan``, one per tensor, in the table's order.
+        local_bytes: bytes of one MLA layer on this rank.
+        full_bytes: bytes of one MLA layer on disk.
+
+    ``plan.names()`` lists the plan names, ``plan.get(name)`` returns an entry or None,
+    ``plan[name]`` raises KeyError.
+
+    Raises:
+        PlanError: ``tp_rank >= tp_size``; a zero ``tp_size`` or size (``field`` names the
+            config key; ``qk_rope_head_dim`` may be 0); ``heads`` not divisible by
+            ``tp_size`` (``heads``, ``tp_size`` and ``allowed_tp_sizes``, the divisors, as
+            attributes; the message lists them); an unknown plan name or a non-float dtype in
+            ``dtypes`` (FP8 MLA weights are not planned); a byte size that overflows.
+    """
+
+    @classmethod
+    def from_description(
+        cls, description: CheckpointDescription, tp_rank: int, tp_size: int,
+        mla: MlaConfig | None = None,
+    ) -> MlaTpPlan | None:
+        """The plan of the MLA layers of a described checkpoint or config, or None when the
+        config has no MLA layer (:func:`~kda_tp.model.mla.parse_mla_config`: every layer KDA,
+        or the KDA layers not listed). With a checkpoint, each tensor's dtype is read from the
+        first MLA layer's header (a tensor it lacks keeps the default). ``mla``: the config's
+        MLA reading when the caller has it (else it is read here).
+
+        Raises:
+            CheckpointError: as ``parse_mla_config``.
+            PlanError: as the class.
+        """
+        if mla is None:
+            mla = parse_mla_config(description.config, description.kda)
+        if mla is None:
+            return None
+        return cls.from_mla_config(mla, tp_rank, tp_size, _dtypes(description, mla))
+
+    @classmethod
+    def from_mla_config(
+        cls, mla: MlaConfig, tp_rank: int, tp_size: int, dtypes: dict[str, str] | None = None
+    ) -> MlaTpPlan:
+        """The plan of one MLA layer of ``mla`` (``kda_tp.model.mla.MlaConfig``) for rank
+        ``tp_rank`` of ``tp_size``, with ``dtypes`` as the class takes them.
+
+        Raises:
+            PlanError: as the class.
+        """
+        args, options = mla.plan_args()
+        return cls(tp_rank, tp_size, *args, dtypes=dtypes, **options)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickle (and copy) by the constructor's arguments."""
+        args = (self.tp_rank, self.tp_size, self.hidden, self.heads, self.kv_lora_rank,
+                self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim)
+        options = {"q_lora_rank": self.q_lora_rank, "output_gate": self.output_gate,
+                   "indexer": self.indexer, "dtypes": {t.name: t.dtype for t in self.tensors}}
+        return (_rebuild, (type(self), args, options))
+
+
+def _rebuild(cls: type[MlaTpPlan], args: tuple[int, ...], options: dict[str, Any]) -> MlaTpPlan:
+    return cls(*args, **options)
+
+
+def mla_tensor_name(prefix: str, layer: int, plan_name: str) -> str:
+    """The checkpoint name of an MLA plan tensor: ``model.layers.3.self_attn.kv_b_proj.weight``;
+    ``indexer.k_norm.bias`` and the indexer's ``index_kpool_compress_*`` parameters without
+    ``.weight``."""
+    return param_name(prefix, layer, _suffix(plan_name))
+
+
+def _suffix(plan_name: str) -> str:
+    """The name after ``self_attn.`` of an MLA plan tensor."""
+    bare = plan_name in _BARE or plan_name.endswith(".bias")
+    return plan_name if bare else f"{plan_name}.weight"
+
+
+def _dtypes(description: CheckpointDescription, mla: MlaConfig) -> dict[str, str] | None:
+    """The stored dtype of each tensor of the first MLA layer, from the headers; None for a
+    bare config (the plan's defaults)."""
+    if description.source is None:
+        return None
+    prefix, layer = description.prefix, mla.layers[0]
+    names = _plan_names(mla)
+    found = {}
+    for name in names:
+        header = description.header(mla_tensor_name(prefix, layer, name))
+        if header is not None:
+            found[name] = header[0]
+    return found
+
+
+def _plan_names(mla: MlaConfig) -> list[str]:
+    """The plan names of ``mla``'s layers, in plan order (a rank-0, TP 1 plan's)."""
+    return MlaTpPlan.from_mla_config(mla, 0, 1).names()
+
+
+def planned_mla_tensors(
+    description: CheckpointDescription, plan: MlaTpPlan
+) -> tuple[tuple[int, ...], dict[str, tuple[Any, tuple[int, ...]]]]:
+    """The MLA layers of a described checkpoint (from its config) and, for each tensor they
+    hold, ``checkpoint name -> (plan entry, local shape)``: what a rank's view slices
+    (``KdaShardedSource(..., mla=plan)``). Each tensor is checked once, from the headers.
+    The DSA indexer's tensors (replicated) may be absent; every other tensor of the plan must
+    be there.
+
+    Raises:
+        CheckpointError: the config names no MLA layer; an MLA layer lacks a tensor of the
+            plan, or holds a ``self_attn`` tensor the plan does not know (an FP8 scale, a
+            tensor of another layout: it could not be sliced safely).
+        DtypeMismatchError: a tensor's dtype differs from the plan's (the first MLA layer's).
+        ShapeMismatchError: a tensor's on-disk shape does not hold the plan's tensor (the
+            message names the tensor, both shapes and the config keys to check).
+    """
+    mla = parse_mla_config(description.config, description.kda)
+    if mla is None:
+        raise CheckpointError(
+            f"{description.where}: the config names no MLA layer (every layer is KDA, or the "
+            "KDA layers are not listed); open the view without mla"
+        )
+    source, prefix = description.source, description.prefix
+    by_suffix = {_suffix(t.name): t for t in plan.tensors}
+    planned: dict[str, tuple[Any, tuple[int, ...]]] = {}
+    for layer in mla.layers:
+        held = dict(description.attention(layer))
+        for suffix, name in held.items():
+            entry = by_suffix.get(suffix)
+            if entry is None:
+                raise CheckpointError(
+                    f"{location(source, name)}: {name}: MLA layer {layer} holds a self_attn "
+                    f"tensor the MLA plan does not know; it cannot be sliced safely (known: "
+                    f"{', '.join(sorted(by_suffix))})"
+                )
+            header = description.header(name)
+            if header is None:
+                raise missing_tensor(source, name)
+            dtype, shape = header
+            if dtype != entry.dtype:
+                raise DtypeMismatchError(
+                    f"{location(source, name)}: {name}: dtype {dtype}, expected {entry.dtype} "
+                    f"as in the first MLA layer ({mla.layers[0]}); every MLA layer must store "
+                    "a tensor in one dtype: convert the odd layers' tensors"
+                )
+            try:
+                planned[name] = (entry, tuple(entry.local_shape(list(shape))))
+            except KdaTpError as e:
+                raise type(e)(
+                    f"{location(source, name)}: {name}: {e}; the MLA plan follows the config's "
+                    "num_attention_heads, q_lora_rank, kv_lora_rank, qk_nope_head_dim, "
+                    "qk_rope_head_dim and v_head_dim: fix the config or the tensor"
+                ) from None
+        for suffix, entry in by_suffix.items():
+            if suffix not in held and not entry.name.startswith("indexer."):
+                raise CheckpointError(
+                    f"{location(source)}: MLA layer {layer} lacks "
+                    f"{param_name(prefix, layer, suffix)}, which the config's MLA geometry "
+                    "has: the checkpoint and its config.json disagree"
+                )
+    return mla.layers, planned
+
+
+def rank_mla_plan(
+    description: CheckpointDescription, tp_rank: int, tp_size: int
+) -> tuple[MlaTpPlan | None, str | None]:
+    """What ``kda-tp shard``, ``verify`` and the torch loader slice a hybrid's MLA layers by:
+    ``(plan, None)`` when the config's MLA layers can be planned and every tensor they hold
+    fits the plan (:func:`planned_mla_tensors`); ``(None, None)`` for a model without MLA
+    layers; ``(None, line)`` when they cannot be planned (the config lacks an MLA size, as the
+    K3 FP8 fixture's; block-FP8 MLA weights; a tensor that disagrees with the config's
+    geometry): they then pass through whole, and ``line`` says so and why, for the caller to
+    print (never silently).
+
+    Raises:
+        CheckpointError: the config cannot be read, or describes no KDA model (as
+            ``description.kda``).
+        PlanError: the MLA head count ``num_attention_heads`` is not divisible by ``tp_size``
+            (an engine refuses that split too; ``allowed_tp_sizes`` lists the divisors).
+    """
+    kda = description.kda  # a config that cannot be read is refused, not a note
+    try:
+        mla = parse_mla_config(description.config, kda)
+    except CheckpointError as e:
+        return None, passed_through_line(mla_layers(description.config, kda), e)
+    if mla is None:
+        return None, None
+    try:
+        plan = MlaTpPlan.from_mla_config(mla, tp_rank, tp_size, _dtypes(description, mla))
+        if description.source is not None:
+            planned_mla_tensors(description, plan)
+    except PlanError as e:
+        if e.allowed_tp_sizes is not None:
+            raise
+        return None, passed_through_line(mla.layers, e)
+    except KdaTpError as e:
+        return None, passed_through_line(mla.layers, e)
+    return plan, None
+
+
+def passed_through_line(layers: tuple[int, ...], problem: KdaTpError) -> str:
+    """The one line saying a hybrid's MLA ``layers`` are passed through whole (unsliced), and
+    why: ``problem``, what kept them from being planned."""
+    return (f"MLA layers {_few(layers)} passed through whole (not sliced per rank): "
+            f"{type(problem).__name__}: {problem}")
+
+
+def _few(layers: tuple[int, ...]) -> str:
+    """``[3, 7, ...]``: the first 8 layers and how many more."""
+    more = f", ... {len(layers) - 8} more" if len(layers) > 8 else ""
+    return "[" + ", ".join(map(str, layers[:8])) + more + "]"
