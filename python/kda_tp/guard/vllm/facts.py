@@ -33,6 +33,9 @@ class _VllmReader:
     def read_back(self, module: Any, param: Any) -> tuple[Any, str | None]:
         return repacked.read_back(module, param)
 
+    def masked_copy(self, copy: Any) -> bool:
+        return repacked.masked_copy(copy)
+
 
 class VllmEngine:
     """vLLM's facts about one model on this worker (:class:`kda_tp.guard.Engine`).
