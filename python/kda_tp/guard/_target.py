@@ -264,8 +264,8 @@ class RankTarget:
         Returns:
             ``(value, how)``: ``how`` is None (held as it is),
             ``kda_tp.guard._repacked.GEMM`` (read back through the engine's GEMM: some
-            values it cannot carry, :func:`~kda_tp.guard.not_carried`) or why the
-            repacked weight cannot be read back (not checkable).
+            values it cannot carry, :func:`~kda_tp.guard.read_back_difference`) or why the
+            repacked weight cannot be read back (not checked).
         """
         slot = self._slots.get(name)
         if slot is None:

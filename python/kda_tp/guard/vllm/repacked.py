@@ -15,10 +15,11 @@ vLLM holds (:func:`held`):
   identity, ``cpu_linear(eye(K), weight, None).T`` (``K`` = the module's
   ``input_size_per_partition``, a ``ReplicatedLinear``'s ``input_size``, in blocks of
   :data:`EYE_ROWS` rows), which is ``W`` ``[N, K]`` bit for bit for every value a GEMM carries
-  (what it cannot carry: :func:`kda_tp.guard.not_carried`);
+  (judged on what it carries: :func:`kda_tp.guard.read_back_difference`);
 * a repacked conv: ``_cpu_unpacked_conv_weight`` viewed ``[dim, 1, width]``;
-* an emptied weight kda_tp cannot read back (no ``cpu_linear``, or it failed): not checkable
-  (repacked), never wrong.
+* an emptied weight kda_tp cannot read back (no ``cpu_linear``, or it failed): never wrong,
+  never OK: listed in the live audit's ``unchecked``, "not checked" in an update (which mode
+  ``fail`` refuses).
 
 And how vLLM writes a sparse patch: its ``load_checkpoint_weight_patches`` replaces
 ``torch.Tensor.copy_`` while it loads with ``copy_non_nan_`` (a NaN fed keeps the old value),
