@@ -618,7 +618,8 @@ def _sha1(data: np.ndarray) -> bytes:
 @functools.cache
 def _hashers() -> ThreadPoolExecutor:
     """The threads that hash a large region's chunks, one per core this process may run on."""
-    return ThreadPoolExecutor(max_workers=max(1, len(os.sched_getaffinity(0))),
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return ThreadPoolExecutor(max_workers=max(1, cores or 1),
                               thread_name_prefix="kda_tp-guard-digest")
 
 
