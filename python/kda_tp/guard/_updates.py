@@ -21,7 +21,7 @@ element of it, nothing sampled:
   .masked_copy``), the reference is that copy applied to the region's values before the
   update, on this rank; any other replacement of ``torch.Tensor.copy_`` is not trusted;
 * a fed region seen applied is verified then, in full, and its digest kept (:func:`_digest`: a
-  SHA-1 of the region's bytes, one read, no copy); at the end it must still have that digest
+  XXH3-128 of the region's bytes by the Rust core, one read on every core, no copy); at the end it must still have that digest
   (a later loader that overwrote it is named);
 * each region that was not fed still holds what it held before the update: its digest is
   taken when the parameter is first touched, before the engine applies anything, and compared
@@ -48,19 +48,18 @@ torch; torch tensors come from the engine, so torch is imported already.
 
 from __future__ import annotations
 
-import functools
-import hashlib
-import os
 import time
 from collections.abc import Iterable, Iterator, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from .._native import digest as native_digest
+from .._native import digest_if_equal
 from ..checkpoint.reader import shard_bytes
 from ..checkpoint.values import as_record, first_difference, same_tensor_values, same_values
+from ..errors import KdaTpError
 from ..model.dtypes import cast_to, numpy_dtype, torch_dtype
 from ..rank.plan import KdaTensorPlan
 from ._repacked import GEMM, read_back_difference, set_aside_line
@@ -71,9 +70,6 @@ __all__ = ["Memory", "UpdateReport", "UpdateSession"]
 #: What was last fed for each part, across the calls of a refit: ``(layer, part)`` -> ``(fed
 #: name, {dtype: digest of what was fed, cast})``, kept by the plugin per model.
 Memory = dict[tuple[int, str], tuple[str, dict[str, bytes]]]
-
-#: Bytes of a region hashed by one thread (a larger region: its chunks on every core).
-_DIGEST_CHUNK = 8 << 20
 
 #: Elements of a region compared first when asking whether the engine applied a part yet (an
 #: early "not yet"; a "yes" is always the whole region compared).
@@ -301,12 +297,16 @@ class UpdateSession:
     def _verify(self, fed: _Fed) -> None:
         """If every region of ``fed`` holds its reference now, in full, keep only digests."""
         held = fed.refs or fed.copies
-        if not held or not all(_holds(self.target.params[p.name], p, r) for p, r in held.items()):
+        if not held:
             return
-        digests = {p: _digest(self.target.params[p.name], p) for p in held}
-        if all(v is not None for v in digests.values()):
-            fed.verified = {p: v for p, v in digests.items() if v is not None}
-            fed.refs, fed.copies = {}, {}
+        digests = {}
+        for place, ref in held.items():
+            found = _verified_digest(self.target.params[place.name], place, ref)
+            if found is None:
+                return
+            digests[place] = found
+        fed.verified = digests
+        fed.refs, fed.copies = {}, {}
 
     @staticmethod
     def _copy(fed: _Fed) -> None:
@@ -590,6 +590,46 @@ def _holds(value: Any, place: Place, ref: Any) -> bool:
         return False
 
 
+def _verified_digest(value: Any, place: Place, ref: Any) -> bytes | None:
+    """``place``'s digest when its region of a parameter holds ``ref``, every element (see
+    :func:`_holds`); None when it does not, or cannot be read. A host region holding exactly
+    the bytes of its reference (cast) is compared and hashed in one pass over both
+    (``kda_tp._native.digest_if_equal``); any other (a device tensor, a NaN of another bit
+    pattern, not applied yet) is compared by :func:`_holds`, then hashed."""
+    pair = _host_bytes(value, place, ref)
+    if pair is not None:
+        found = digest_if_equal(*pair)
+        if found is not None:
+            return found
+    if not _holds(value, place, ref):
+        return None
+    return _digest(value, place)
+
+
+def _host_bytes(value: Any, place: Place, ref: Any) -> tuple[np.ndarray, np.ndarray] | None:
+    """``place``'s region of a parameter and its reference (cast to the region's dtype) as
+    flat uint8 views, when both lie in host memory as torch tensors or numpy arrays and the
+    region's first :data:`_EARLY` elements hold the reference's bytes (an early "not applied
+    yet"); None otherwise."""
+    try:
+        region = _region(value, place)
+        if hasattr(region, "detach"):
+            if region.device.type != "cpu" or not hasattr(ref, "detach"):
+                return None
+            ref = ref.detach().to(device=region.device, dtype=region.dtype)
+        elif not isinstance(ref, np.ndarray) or ref.dtype != region.dtype:
+            return None
+        got = as_record(place.name, region).data
+        want = as_record(place.name, ref.reshape(-1)).data
+    except (RuntimeError, ValueError, TypeError, KeyError, IndexError, NotImplementedError,
+            KdaTpError):
+        return None
+    early = _EARLY * numpy_dtype(place.dtype).itemsize
+    if got.size != want.size or not np.array_equal(got[:early], want[:early]):
+        return None
+    return got, want
+
+
 def _host(place: Place, ref: Any) -> np.ndarray:
     """A reference as a host copy in the region's dtype: torch values cast by torch (the
     engine's cast), numpy by ``cast_to``."""
@@ -600,27 +640,11 @@ def _host(place: Place, ref: Any) -> np.ndarray:
 
 
 def _host_digest(flat: np.ndarray) -> bytes:
-    """The digest of a flat host array's bytes: SHA-1 (exact for telling regions apart), of
-    the bytes themselves up to :data:`_DIGEST_CHUNK`, else of the SHA-1s of its chunks, hashed
-    on this process's cores (hashlib releases the GIL)."""
-    data = np.ascontiguousarray(flat).reshape(-1).view(np.uint8)
-    if data.nbytes <= _DIGEST_CHUNK:
-        return _sha1(data)
-    chunks = [data[i:i + _DIGEST_CHUNK] for i in range(0, data.nbytes, _DIGEST_CHUNK)]
-    return hashlib.sha1(b"".join(_hashers().map(_sha1, chunks)),
-                        usedforsecurity=False).digest()
-
-
-def _sha1(data: np.ndarray) -> bytes:
-    return hashlib.sha1(data.data, usedforsecurity=False).digest()
-
-
-@functools.cache
-def _hashers() -> ThreadPoolExecutor:
-    """The threads that hash a large region's chunks, one per core this process may run on."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return ThreadPoolExecutor(max_workers=max(1, cores or 1),
-                              thread_name_prefix="kda_tp-guard-digest")
+    """The digest of a flat host array's bytes, every byte read: the core's exact XXH3-128
+    over 1 MiB chunks hashed on every core, the GIL released (``kda_tp._native.digest``). A
+    contiguous array is hashed where it lies; a non-contiguous one (an engine holds its
+    parameters contiguous) is first copied into a contiguous array, its elements in order."""
+    return native_digest(np.ascontiguousarray(flat).reshape(-1).view(np.uint8))
 
 
 def _digest(value: Any, place: Place) -> bytes | None:
