@@ -20,9 +20,10 @@ element of it, nothing sampled:
   the engine adapter recognises: vLLM's ``load_checkpoint_weight_patches``; ``Reader
   .masked_copy``), the reference is that copy applied to the region's values before the
   update, on this rank; any other replacement of ``torch.Tensor.copy_`` is not trusted;
-* a fed region seen applied is verified then, in full, and its digest kept (:func:`_digest`: a
-  XXH3-128 of the region's bytes by the Rust core, one read on every core, no copy); at the end it must still have that digest
-  (a later loader that overwrote it is named);
+* a fed region seen applied is verified then, in full, and its digest kept (:func:`_digest`:
+  the Rust core's exact XXH3-128 of the region's bytes, read on every core, no copy; a host
+  region is compared and hashed in one pass, :func:`_verified_digest`); at the end it must
+  still have that digest (a later loader that overwrote it is named);
 * each region that was not fed still holds what it held before the update: its digest is
   taken when the parameter is first touched, before the engine applies anything, and compared
   at the end; padding rows are zero;
