@@ -98,7 +98,10 @@ baseline measured alongside it; the last columns give the target and PASS/MISS.
    model whose ``load_weights`` does per call what vLLM's model class does
    (``dict(named_parameters())``, then each tensor's loader), through the guard's own hook
    (``kda_tp.guard.follow``, mode ``fail``) against without it, as a ratio (target: within
-   1.2x; skipped without torch; no vLLM needed).
+   1.2x; skipped without torch; no vLLM needed); and the K3 layer's refit alone into the same
+   stand-in, in one ``load_weights`` call and one tensor per call, guarded against no plugin
+   in the same run (goal: within 1.2x; every element of every touched parameter judged, by
+   digests before and after).
    ``--only guard`` runs this section alone.
 8. A Kimi-K3-wide header: 60 layers of which 45 KDA (K3's wrapper config and names, full-rank
    ``g_proj``, padded ``A_log``; tiny geometry, 8 heads of 16), 384 experts x 3 projections per

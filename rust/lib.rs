@@ -9,6 +9,7 @@
 //! * [`slice`](mod@slice): applying a plan entry to a tensor's bytes (contiguous row ranges, strided
 //!   column gather).
 //! * [`pages`]: prefaulting and huge-page hints for the memory a large copy writes.
+//! * [`digest`]: the exact region digests the guard compares (XXH3-128, chunks in parallel).
 //! * [`checkpoint`]: validated safetensors files and sharded checkpoint directories.
 //! * [`error`]: the one error type.
 //!
@@ -20,6 +21,7 @@
 mod test_util;
 
 pub mod checkpoint;
+pub mod digest;
 pub mod error;
 pub mod mla;
 pub mod pages;

@@ -2,8 +2,9 @@
 //! the core modules. The Python package re-exports these names and documents them.
 //!
 //! One module per concern: [`errors`] (the core's errors as `kda_tp.errors` exceptions),
-//! [`tensor`] (`KdaShard`, `KdaTensorPlan`), [`plan`] (`KdaTpPlan` and its argument checks), [`mla`] (`MlaTpPlan`),
-//! [`slice`](mod@slice) (the byte slicers on numpy buffers), [`checkpoint`] (`Checkpoint`,
+//! [`tensor`] (`KdaShard`, `KdaTensorPlan`), [`plan`] (`KdaTpPlan` and its argument checks),
+//! [`mla`] (`MlaTpPlan`), [`slice`](mod@slice) (the byte slicers on numpy buffers),
+//! [`digest`](mod@digest) (the guard's region digests), [`checkpoint`] (`Checkpoint`,
 //! `TensorBytes`).
 
 use pyo3::prelude::*;
@@ -41,6 +42,7 @@ macro_rules! pymethods_with_getters {
 }
 
 mod checkpoint;
+mod digest;
 mod errors;
 mod mla;
 mod plan;
@@ -62,5 +64,7 @@ fn native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(slice::shard_bytes, m)?)?;
     m.add_function(wrap_pyfunction!(slice::shard_into, m)?)?;
     m.add_function(wrap_pyfunction!(slice::copy_into, m)?)?;
+    m.add_function(wrap_pyfunction!(digest::digest, m)?)?;
+    m.add_function(wrap_pyfunction!(digest::digest_if_equal, m)?)?;
     Ok(())
 }

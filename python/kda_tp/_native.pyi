@@ -29,6 +29,8 @@ __all__ = [
     "shard_bytes",
     "shard_into",
     "copy_into",
+    "digest",
+    "digest_if_equal",
 ]
 
 __version__: str
@@ -266,6 +268,14 @@ def shard_into(
 
 def copy_into(src: npt.NDArray[np.uint8], out: npt.NDArray[np.uint8]) -> None:
     """``src`` copied into ``out`` (same length in bytes), the GIL released."""
+
+def digest(data: npt.NDArray[np.uint8]) -> bytes:
+    """The 16-byte exact digest of a C-contiguous 1-D uint8 array's bytes (XXH3-128 over 1 MiB
+    chunks hashed in parallel, combined in order), the GIL released."""
+
+def digest_if_equal(data: npt.NDArray[np.uint8], expected: npt.NDArray[np.uint8]) -> bytes | None:
+    """``data``'s digest when ``data`` and ``expected`` hold the same bytes (one pass over
+    both); None when they differ anywhere."""
 
 @final
 class TensorBytes:

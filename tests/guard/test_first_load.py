@@ -506,19 +506,28 @@ def test_guard_result_to_dict_is_the_checked_ranks_report():
     assert report == {**result.to_dict(), "guarded": True, "skipped": None}
 
 
-def test_what_a_gemm_read_back_cannot_carry_is_named():
+def test_a_gemm_read_back_is_judged_element_by_element():
+    """The read-back rules, stated once (``read_back_difference``): -0.0 and +0.0 alike, a
+    subnormal as zero, only the rows holding a NaN or an infinity set aside (issue 38, F2)."""
     import ml_dtypes
 
-    from kda_tp.guard import not_carried
+    from kda_tp.guard import read_back_difference
 
     bf16 = np.dtype(ml_dtypes.bfloat16)
-    assert not_carried(np.array([1.0, 0.0, -2.5], dtype=bf16), "BF16") is None
-    assert not_carried(np.array([1.0, -0.0], dtype=bf16), "BF16") == "-0.0 (reads +0.0)"
-    assert not_carried(np.array([1.0, 2.0 ** -130], dtype=bf16), "BF16") == \
-        "a subnormal (reads 0)"
-    assert not_carried(np.array([2.0 ** -20], dtype=np.float16), "F16") == \
-        "a subnormal (reads 0)"
-    assert not_carried(np.array([2.0 ** -20], dtype=np.float32), "F32") is None
-    for bad in (np.nan, np.inf, -np.inf):
-        assert not_carried(np.array([1.0, bad], dtype=np.float32), "F32") == \
-            "a NaN or an infinity (its row reads NaN)"
+    want = np.array([1.0, -0.0, 2.0 ** -130, -2.5], dtype=bf16)
+    got = np.array([1.0, 0.0, 0.0, -2.5], dtype=bf16)
+    assert read_back_difference(got, want, "BF16", 2) == (None, 0)
+    assert read_back_difference(want, got, "BF16", 2) == (None, 0)  # both sides alike
+    assert read_back_difference(np.array([2.0 ** -20], np.float16),
+                                np.array([0.0], np.float16), "F16", 1) == (None, 0)
+    assert read_back_difference(np.array([2.0 ** -20], np.float32),
+                                np.array([0.0], np.float32), "F32", 1) == (0, 0)  # a normal
+    wrong = np.array([1.0, 0.0, 0.0, 2.5], dtype=bf16)
+    assert read_back_difference(wrong, want, "BF16", 2) == (3, 0)
+    for bad in (np.nan, np.inf, -np.inf):  # rows of 2: the row of the bad value set aside
+        want = np.array([1.0, bad, 3.0, 4.0], dtype=np.float32)
+        got = np.array([np.nan, np.nan, 3.0, 4.0], dtype=np.float32)
+        assert read_back_difference(got, want, "F32", 2) == (None, 2)
+        assert read_back_difference(got + np.float32([0, 0, 0, 1]), want, "F32", 2) == (3, 2)
+        # a region starting mid-row: its first element is in the row of the bad value
+        assert read_back_difference(got[1:], want[1:], "F32", 2, start=1) == (None, 1)

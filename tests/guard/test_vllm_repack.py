@@ -22,6 +22,7 @@ with warnings.catch_warnings():
     import torch
     from safetensors.torch import load_file, save_file
     from vllm.model_executor.layers import utils as layer_utils
+    from vllm.config import set_current_vllm_config
     from vllm.model_executor.layers.linear import LinearBase
 
 from kda_tp.guard.vllm import audit_llm
@@ -93,25 +94,72 @@ def test_a_wrong_repacked_weight_is_named(vc, zentorch, monkeypatch):
     assert "values differ in o_proj" in wrong["problem"]
 
 
-def test_a_value_the_gemm_cannot_carry_is_not_checkable_never_wrong(vc, zentorch, monkeypatch,
-                                                                     tmp_path):
+def _odd_values(tmp_path, *, nan: bool = False):
+    """The Kimi-Linear fixture with values a GEMM read-back does not carry in rank 1's columns
+    of o_proj (row-parallel: its second half): a -0.0, a subnormal, and with ``nan`` a NaN
+    in row 5."""
     tensors = load_file(str(CKPT["kimi_linear"] / "model.safetensors"))
     name = "model.layers.0.self_attn.o_proj.weight"
-    # -0.0 in rank 1's columns of o_proj (row-parallel: its second half)
-    tensors[name][2, tensors[name].shape[1] - 1] = -0.0
+    last = tensors[name].shape[1] - 1
+    tensors[name][2, last] = -0.0
+    tensors[name][3, last - 1] = 1e-40  # an F32 subnormal
+    if nan:
+        tensors[name][5, last - 2] = float("nan")
     shutil.copy(CKPT["kimi_linear"] / "config.json", tmp_path)
     save_file(tensors, str(tmp_path / "model.safetensors"))
-    model = rank_1_loaded(vc, tmp_path)
-    assert rank_1_audit(model, tmp_path)["ok"] is True  # before the repack: -0.0 held
+    return tmp_path
+
+
+def test_values_the_gemm_reads_alike_are_judged_alike(vc, zentorch, monkeypatch, tmp_path):
+    """-0.0 reads +0.0 and a subnormal reads 0 through the GEMM: judged alike, OK, nothing set
+    aside (issue 38, F2)."""
+    odd = _odd_values(tmp_path)
+    model = rank_1_loaded(vc, odd)
+    assert rank_1_audit(model, odd)["ok"] is True  # before the repack: held as loaded
     repack(model, monkeypatch)
-    report = rank_1_audit(model, tmp_path)
+    report = rank_1_audit(model, odd)
+    assert report["ok"] is True, report["text"]
+    assert report["unchecked"] == [] and report["line"].endswith(" s: OK")
+    assert report["params"] == 9
+
+
+def test_a_wrong_load_is_wrong_whatever_its_expected_values_hold(vc, zentorch, monkeypatch,
+                                                                 tmp_path):
+    """o_proj loaded from rank 0's columns where rank 1's expected hold a -0.0 and a
+    subnormal: FAIL, never "not checkable" (issue 38, F2)."""
+    odd = _odd_values(tmp_path)
+    model = rank_1_loaded(vc, odd)
+    full = load_file(str(odd / "model.safetensors"))[f"{ATTN}o_proj.weight"]
+    with torch.no_grad():  # rank 0's columns
+        model.model.layers[0].self_attn.o_proj.weight.copy_(full[:, :full.shape[1] // 2])
+    repack(model, monkeypatch)
+    report = rank_1_audit(model, odd)
+    assert report["ok"] is False, report["text"]
+    wrong = {p["name"]: p for p in report["report"]["params"] if p["status"] != "exact"}
+    assert f"{ATTN}o_proj.weight" in wrong, report["text"]
+    assert "read back through the engine's GEMM" in wrong[f"{ATTN}o_proj.weight"]["problem"]
+    assert report["unchecked"] == []
+
+
+def test_only_the_rows_a_nan_spoils_are_set_aside_and_counted(vc, zentorch, monkeypatch,
+                                                              tmp_path):
+    """A NaN in row 5 of o_proj: the GEMM reads that row NaN; its 768 elements are set
+    aside, counted and named, every other element judged (issue 38, F2)."""
+    odd = _odd_values(tmp_path, nan=True)
+    model = rank_1_loaded(vc, odd)
+    repack(model, monkeypatch)
+    report = rank_1_audit(model, odd)
     assert report["ok"] is True, report["text"]
     (line,) = report["unchecked"]
-    assert line == (f"{ATTN}o_proj.weight: repacked by the engine; not checkable: its expected "
-                    "values hold -0.0 (reads +0.0), which the engine's GEMM read-back cannot "
-                    "carry")
-    assert report["line"].endswith(", 1 not checkable (repacked): OK")
-    assert report["params"] == 9
+    assert line == (f"{ATTN}o_proj.weight: repacked by the engine; 768 of 49152 elements not "
+                    "checkable: their rows hold a NaN or an infinity, which the engine's GEMM "
+                    "reads back as a row of NaN (every other element checked)")
+    model = rank_1_loaded(vc, odd)
+    with torch.no_grad():  # one more wrong element, outside the NaN row: FAIL
+        model.model.layers[0].self_attn.o_proj.weight[0, 0] += 1.0
+    repack(model, monkeypatch)
+    report = rank_1_audit(model, odd)
+    assert report["ok"] is False and report["line"].endswith("FAIL (1 wrong)"), report["text"]
 
 
 def test_a_weight_kda_tp_cannot_read_back_is_not_checkable(vc, zentorch, monkeypatch):
@@ -173,28 +221,49 @@ def _reload_after_repack(vc, monkeypatch, vllm_log, weights, unpack=None) -> lis
     return vllm_log.lines
 
 
-def test_an_honest_reload_feeding_a_value_the_gemm_cannot_carry_is_never_stopped(
-        vc, zentorch, monkeypatch, vllm_log):
-    """A refit whose o_proj holds -0.0 in this rank's columns: the weight read back after
-    vLLM repacks it again holds +0.0 there. Not checkable, never wrong: the update goes on
-    in mode fail, the line says so."""
+def test_a_reload_is_judged_as_the_gemm_reads_it_back(vc, zentorch, monkeypatch, vllm_log):
+    """A refit whose o_proj holds -0.0 and a subnormal in this rank's columns: read back after
+    vLLM repacks it again as +0.0 and 0, judged alike, OK in mode fail; the same refit loaded
+    by a loader that takes rank 0's columns is stopped (issue 38, F2)."""
+    from kda_tp import GuardError
     from vllm_guard import fed
 
     weights = fed("kimi_linear", 3.0)
     name = "model.layers.0.self_attn.o_proj.weight"
     (o_proj,) = [t for n, t in weights if n == name]
-    o_proj[2, o_proj.shape[1] - 1] = -0.0  # rank 1's half of the row-parallel columns
-    (line, detail) = _reload_after_repack(vc, monkeypatch, vllm_log, weights)[0].split("\n")
+    last = o_proj.shape[1] - 1  # rank 1's half of the row-parallel columns
+    o_proj[2, last], o_proj[3, last - 1] = -0.0, 1e-40
+    (line,) = _reload_after_repack(vc, monkeypatch, vllm_log, weights)
     assert line.startswith("kda_tp guard: vllm reload_weights: tp rank 1/2: ")
-    assert line.endswith(", 1 not checkable (repacked): OK"), line
-    assert detail == (f"  rank 1 not checkable: {ATTN}o_proj.weight: repacked by the engine; "
-                      "not checkable: its values hold -0.0 (reads +0.0)")
+    assert line.endswith(" s: OK"), line
+
+    def rank_0_columns(model) -> None:  # the row-parallel loader told rank 0
+        from vllm.model_executor.parameter import RowvLLMParameter
+
+        real = RowvLLMParameter.load_row_parallel_weight
+
+        def load(param, loaded_weight):
+            rank, param.tp_rank = param.tp_rank, 0
+            try:
+                return real(param, loaded_weight)
+            finally:
+                param.tp_rank = rank
+        monkeypatch.setattr(RowvLLMParameter, "load_row_parallel_weight", load)
+
+    with pytest.raises(GuardError) as caught:
+        _reload_after_repack(vc, monkeypatch, vllm_log, weights, rank_0_columns)
+    text = str(caught.value)
+    assert f"rank 1 {ATTN}o_proj.weight: o_proj: differs from what was fed as {name} at " \
+        "element " in text
+    assert "not checkable" not in text
 
 
-def test_a_reload_into_a_weight_kda_tp_cannot_read_back_is_not_checkable_never_wrong(
+def test_a_reload_into_a_weight_kda_tp_cannot_read_back_is_not_checked(
         vc, zentorch, monkeypatch, vllm_log):
     """The repack replaced o_proj with an empty tensor and kda_tp finds no ``cpu_linear`` to
-    read it through: never "holds 0", never a stopped update."""
+    read it through: never "holds 0", never OK: not checked, which mode fail refuses (issue
+    40, item 1)."""
+    from kda_tp import GuardError
     from vllm_guard import fed
 
     def unknown_repack(model) -> None:
@@ -209,10 +278,53 @@ def test_a_reload_into_a_weight_kda_tp_cannot_read_back_is_not_checkable_never_w
         monkeypatch.setattr(layer.quant_method, "process_weights_after_loading", process)
         del layer.cpu_linear
 
-    (text,) = _reload_after_repack(vc, monkeypatch, vllm_log, fed("kimi_linear", 3.0),
-                                   unknown_repack)
-    line, detail = text.split("\n")
-    assert line.endswith(", 1 not checkable (repacked): OK"), text
-    assert detail.startswith(f"  rank 1 not checkable: {ATTN}o_proj.weight: not checkable "
-                             "(repacked): the engine replaced it with an empty tensor")
+    with pytest.raises(GuardError) as caught:
+        _reload_after_repack(vc, monkeypatch, vllm_log, fed("kimi_linear", 3.0), unknown_repack)
+    text = str(caught.value)
+    assert text.split("\n")[0].endswith(": NOT CHECKED (1 checks could not run)"), text
+    assert f"rank 1 not checked: {ATTN}o_proj.weight: not checkable (repacked): the engine " \
+        "replaced it with an empty tensor" in text
     assert "holds 0" not in text
+
+
+@pytest.mark.parametrize("repacked", [True, False], ids=["repacked", "kept"])
+def test_a_layerwise_refit_leaving_out_b_proj_is_stopped_on_either_host(
+        vc, zentorch, monkeypatch, repacked):
+    """prime-rl's refit through vLLM's own layerwise reload (``initialize_layerwise_reload``,
+    the model's ``load_weights``, ``finalize_layerwise_reload``) that leaves out K3's
+    ``b_proj``: vLLM rebuilds ``in_proj_qkvgfab`` from fresh memory (here filled with 7.0 to
+    make it visible) and repacks it; b_proj's rows are judged where vLLM reads them, before
+    and after, through its GEMM on a repacking host: stopped, never a silent byte count
+    (issue 40, item 1)."""
+    from vllm.model_executor.model_loader.reload import (
+        finalize_layerwise_reload, initialize_layerwise_reload, meta,
+        record_metadata_for_reloading)
+
+    from kda_tp import GuardError
+    from vllm_guard import fed
+
+    model = build(vc, "k3", 2, 1)
+    record_metadata_for_reloading(model)
+    default_load(vc, model, CKPT["k3"])
+    if repacked:
+        repack(model, monkeypatch)
+        assert model.model.layers[0].self_attn.in_proj_qkvgfab.weight.numel() == 0
+    real = meta.materialize_meta_tensor
+
+    def uninitialised(tensor):
+        made = real(tensor)
+        with torch.no_grad():
+            made.fill_(7)
+        return made
+
+    monkeypatch.setattr(meta, "materialize_meta_tensor", uninitialised)
+    weights = [(n, t) for n, t in fed("k3", 3.0) if not n.endswith(".b_proj.weight")]
+    monkeypatch.setenv("KDA_TP_GUARD", "fail")
+    with pytest.raises(GuardError) as caught, set_current_vllm_config(vc):
+        initialize_layerwise_reload(model)
+        model.load_weights(iter(weights))
+        finalize_layerwise_reload(model, vc.model_config)
+    text = str(caught.value)
+    assert f"rank 1 {ATTN}in_proj_qkvgfab.weight: b_proj: not fed by this update and no " \
+        "longer holds its values from before it (rebuilt uninitialised?)" in text, text
+    assert "not checked" not in text

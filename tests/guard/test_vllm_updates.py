@@ -237,3 +237,47 @@ def test_k3s_decode_copies_are_checked_after_every_update(vc, vllm_log):
         model.load_weights(iter(dt_bias))  # the next update, of dt_bias alone
     assert (f"rank 1 {ATTN}decode_conv1d_weight: differs from what conv1d.weight makes of it "
             "at [0, 0, 0]") in str(caught.value)
+
+
+def test_vllms_own_sparse_nan_patch_is_judged_on_the_values_before_it(vc, vllm_log):
+    """vLLM's ``load_checkpoint_weight_patches`` loads a sparse patch with ``torch.Tensor
+    .copy_`` replaced by its own ``copy_non_nan_`` (a NaN keeps the old value): the guard knows
+    that function of vLLM's and judges the patch on the values before it (issue 38, F6)."""
+    from vllm.model_executor.model_loader.checkpoint_weight_patch import (
+        CheckpointWeightPatch, load_checkpoint_weight_patches)
+
+    model = loaded(vc, "kimi_linear", 2, 1)
+    param = model.model.layers[0].self_attn.dt_bias
+    before = param.detach().clone()
+    indices = torch.arange(0, 1536, 7)
+    patch = CheckpointWeightPatch(f"{ATTN}dt_bias", (1536,), torch.float32,
+                                  torch.full((indices.numel(),), 5.0), indices)
+    vllm_log.clear()
+    with vllm_log:
+        load_checkpoint_weight_patches(model, [patch], validate_unique_indices=False)
+    (line,) = vllm_log.lines
+    assert line.startswith("kda_tp guard: vllm load_weights: tp rank 1/2: ")
+    assert line.endswith(": OK"), line
+    new = (torch.arange(768, 1536) % 7) == 0  # rank 1's half: new where the patch has values
+    assert torch.equal(param.detach()[new], torch.full((int(new.sum()),), 5.0))
+    assert torch.equal(param.detach()[~new], before[~new])
+
+
+def test_another_process_wide_copy_replacement_is_not_the_reference(vc, monkeypatch):
+    """A ``torch.Tensor.copy_`` replaced by anything but vLLM's own NaN-sentinel copy (here a
+    library's that halves what it writes) does not become the reference: the values the
+    update fed are, and the halved write is stopped (issue 38, F6)."""
+    model = loaded(vc, "kimi_linear", 2, 1)
+    real = torch.Tensor.copy_
+
+    def halving(dst, src, non_blocking=False):
+        return real(dst, src * 0.5, non_blocking)
+
+    name = f"{ATTN}dt_bias"
+    (tensor,) = [t for n, t in fed("kimi_linear", 3.0) if n == name]
+    monkeypatch.setattr(torch.Tensor, "copy_", halving)
+    with pytest.raises(GuardError) as caught, set_current_vllm_config(vc):
+        model.load_weights([(name, tensor)])
+    monkeypatch.undo()
+    assert f"rank 1 {name}: dt_bias: differs from what was fed as {name} at element 0" in \
+        str(caught.value)

@@ -22,11 +22,11 @@ from ._modes import (CHECKPOINT_ENV, MODE_ENV, MODES, REPAIR_ENV, LoadSource, lo
                      mode)
 from ._names import looks_kda
 from ._record import rank_report
-from ._repacked import not_carried
+from ._repacked import read_back_difference
 from ._target import RankTarget
 from ._updates import UpdateReport, UpdateSession
 
 __all__ = ["CHECKPOINT_ENV", "MODES", "MODE_ENV", "REPAIR_ENV", "Engine", "Follower",
            "GuardResult", "LoadSource", "RankTarget", "UpdateReport", "UpdateSession", "check",
-           "follow", "followed", "load_checkpoint", "looks_kda", "mode", "not_carried",
-           "on_load", "rank_report"]
+           "follow", "followed", "load_checkpoint", "looks_kda", "mode", "on_load",
+           "rank_report", "read_back_difference"]

@@ -187,8 +187,10 @@ def check(
             checkpoint's config (``kda_tp.engines.engine_model_dtype``).
         repacked: the parameters the engine repacked after loading, as
             ``kda_tp.guard.vllm.repacked.held`` found them (``params`` holding their
-            read-back): a failing one it could not read, or whose expected values its GEMM
-            cannot carry, is not checkable (``GuardResult.unchecked``), never wrong.
+            read-back): a failing one read back through the engine's GEMM is judged element
+            by element on what the read-back carries (``read_back_difference``: the elements
+            it cannot carry set aside and counted in ``GuardResult.unchecked``); one it could
+            not read is taken out, not checked (``GuardResult.unchecked``).
 
     Returns:
         None without checking anything when the mode is ``off`` or ``params`` has no KDA
@@ -268,7 +270,8 @@ def check(
         audited = audit_rank(named, source or checkpoint, tp_rank=tp_rank, tp_size=tp_size,
                              engine=engine, layers=layers, model_dtype=model_dtype)
         count = len(audited.report.params)
-        report, unchecked = judge(audited, repacked) if repacked else (audited.report, [])
+        report, unchecked = (judge(audited, repacked, named) if repacked
+                              else (audited.report, []))
         checked = [p for p in report.params if p.status != "missing"]
         nbytes = sum(_nbytes(named[p.name]) for p in checked)
         problems = []

@@ -58,7 +58,12 @@ class Reader(Protocol):
     def read_back(self, module: Any, param: Any) -> tuple[Any, str | None]:
         """What ``module`` holds as its ``weight`` (``param``) after the engine's post-load
         repack: ``(value, how)``, ``how`` None (as it is), ``kda_tp.guard._repacked.GEMM`` (read
-        through the engine's GEMM) or why it cannot be read back (not checkable)."""
+        through the engine's GEMM) or why it cannot be read back (not checked)."""
+
+    def masked_copy(self, copy: Any) -> bool:
+        """Whether ``copy`` (what ``torch.Tensor.copy_`` is now) is the engine's own
+        NaN-sentinel copy (a NaN fed keeps the old value), which an update's reference then
+        follows; any other replacement is not trusted."""
 
     def spelling(self, model: Any) -> Spelling | None:
         """The engine's own name mapping for ``model`` (:data:`Spelling`), which it applies to
@@ -73,6 +78,9 @@ class _AsHeld:
 
     def read_back(self, module: Any, param: Any) -> tuple[Any, str | None]:
         return param, None
+
+    def masked_copy(self, copy: Any) -> bool:
+        return False
 
     def spelling(self, model: Any) -> Spelling | None:
         return None
@@ -332,8 +340,8 @@ class RankTarget:
         Returns:
             ``(value, how)``: ``how`` is None (held as it is),
             ``kda_tp.guard._repacked.GEMM`` (read back through the engine's GEMM: some
-            values it cannot carry, :func:`~kda_tp.guard.not_carried`) or why the
-            repacked weight cannot be read back (not checkable).
+            values it cannot carry, :func:`~kda_tp.guard.read_back_difference`) or why the
+            repacked weight cannot be read back (not checked).
         """
         slot = self._slots.get(name)
         if slot is None:
@@ -344,6 +352,18 @@ class RankTarget:
             return self.params[name], None
         return (self.reader.read_back(module, now) if attr == "weight"
                 else (self.reader.described(name, now), None))
+
+    def held(self, name: str) -> tuple[Any, str | None]:
+        """The target's own object of parameter ``name`` read where the engine reads it: as
+        it is, or, emptied by the engine's repack, through its module's read-back (vLLM's
+        GEMM, whose kernel keeps the values while a layerwise reload holds the module's
+        parameters on the meta device). ``(value, how)`` as :meth:`read` returns it."""
+        slot = self._slots.get(name)
+        if slot is None:
+            return self.params[name], None
+        module, attr, obj = slot
+        return (self.reader.read_back(module, obj) if attr == "weight"
+                else (self.params[name], None))
 
     @property
     def nbytes(self) -> int:

@@ -10,24 +10,36 @@ one ``load_weights`` call, or every call between the two ends of an engine's ses
 layerwise reload, a weight-transfer session, SGLang's ``begin_weight_update`` /
 ``end_weight_update``).
 
-What is checked, for every parameter the update touched (some part of it was fed):
+What is checked, for every parameter the update touched (some part of it was fed), every
+element of it, nothing sampled:
 
 * each region that was fed holds what was fed, cast to the parameter's dtype by the engine's
   own cast (torch's ``Tensor.to`` for torch tensors; ``kda_tp.model.dtypes.cast_to``
   otherwise) and compared as the audit compares (``same_values``: a NaN matches any NaN);
-  where the engine applies a NaN as "keep the old value" (``torch.Tensor.copy_`` replaced by
-  the loader, as vLLM's ``load_checkpoint_weight_patches`` and verl's delta loaders do), the
-  reference is that copy applied to the region's values before the update, on this rank;
-* each region that was not fed still holds what it held before the update: its fingerprint
-  (:data:`FINGERPRINT_ELEMENTS` elements, evenly spaced) is taken when the parameter is first
-  touched, before the engine applies anything; padding rows are zero.
+  where the engine applies a NaN as "keep the old value" (its own NaN-sentinel copy, which
+  the engine adapter recognises: vLLM's ``load_checkpoint_weight_patches``; ``Reader
+  .masked_copy``), the reference is that copy applied to the region's values before the
+  update, on this rank; any other replacement of ``torch.Tensor.copy_`` is not trusted;
+* a fed region seen applied is verified then, in full, and its digest kept (:func:`_digest`:
+  the Rust core's exact XXH3-128 of the region's bytes, read on every core, no copy; a host
+  region is compared and hashed in one pass, :func:`_verified_digest`); at the end it must
+  still have that digest (a later loader that overwrote it is named);
+* each region that was not fed still holds what it held before the update: its digest is
+  taken when the parameter is first touched, before the engine applies anything, and compared
+  at the end; padding rows are zero;
+* a parameter the engine repacked after the update (vLLM's CPU GEMM dispatch) is read where
+  the engine reads it, through its GEMM (before the update too: a repacked or meta parameter
+  is read back through the target, :meth:`RankTarget.held`), and a fed region judged element
+  by element as the read-back carries values (``kda_tp.guard._repacked.read_back_difference``:
+  the elements it cannot carry counted, "not checkable"); a region that cannot be read at all,
+  before or after, is "not checked", which fails the update in mode ``fail``.
 
 A wrong region is named with what it holds instead, when kda_tp can tell without any other
 rank's data: what was fed for another part of the layer, in this session or in an earlier
-call (an ``UpdateSession``'s ``memory``, kept by the plugin across calls); the values from before
-the update; else the first differing element. Memory stays about one layer's parts of this
-rank: a part is verified on the tensors' own device right after the engine consumes it (only
-a fingerprint kept), and a host copy of this rank's slice is kept only while the engine has
+call (an ``UpdateSession``'s ``memory``, kept by the plugin across calls: digests); the values
+from before the update; else the first differing element. Memory stays about one layer's parts
+of this rank: a part is verified on the tensors' own device right after the engine consumes it
+(only its digest kept), and a host copy of this rank's slice is kept only while the engine has
 not applied it (vLLM's layerwise reload applies a layer when all of it is in).
 
 Nothing but report lines leaves a session: an error of the check itself is an ``unchecked``
@@ -37,7 +49,6 @@ torch; torch tensors come from the engine, so torch is imported already.
 
 from __future__ import annotations
 
-import sys
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -45,21 +56,25 @@ from typing import Any
 
 import numpy as np
 
+from .._native import digest as native_digest
+from .._native import digest_if_equal
 from ..checkpoint.reader import shard_bytes
 from ..checkpoint.values import as_record, first_difference, same_tensor_values, same_values
+from ..errors import KdaTpError
 from ..model.dtypes import cast_to, numpy_dtype, torch_dtype
 from ..rank.plan import KdaTensorPlan
-from ._repacked import GEMM, not_carried
+from ._repacked import GEMM, read_back_difference, set_aside_line
 from ._target import PADDING, Place, RankTarget
 
-__all__ = ["FINGERPRINT_ELEMENTS", "Memory", "UpdateReport", "UpdateSession"]
-
-#: Elements sampled (evenly spaced) per region for its fingerprint.
-FINGERPRINT_ELEMENTS = 64
+__all__ = ["Memory", "UpdateReport", "UpdateSession"]
 
 #: What was last fed for each part, across the calls of a refit: ``(layer, part)`` -> ``(fed
-#: name, {dtype: fingerprint of what was fed, cast})``, kept by the plugin per model.
-Memory = dict[tuple[int, str], tuple[str, dict[str, np.ndarray]]]
+#: name, {dtype: digest of what was fed, cast})``, kept by the plugin per model.
+Memory = dict[tuple[int, str], tuple[str, dict[str, bytes]]]
+
+#: Elements of a region compared first when asking whether the engine applied a part yet (an
+#: early "not yet"; a "yes" is always the whole region compared).
+_EARLY = 256
 
 
 @dataclass
@@ -68,18 +83,18 @@ class UpdateReport:
 
     Attributes:
         params: KDA parameters the update touched (some part of them was fed).
-        regions: regions of them checked (fed parts, the others' fingerprints, padding).
+        regions: regions of them checked (fed parts, the others, padding), every element.
         bytes: bytes of those regions, in the parameters' dtypes.
         seconds: wall time of the final check, in seconds (feeding not included).
         fed: KDA tensors of this rank's layers fed.
         problems: one line per wrong region (``"<param name>: <part>: ..."``) or fed tensor
             that could not be placed; empty when every region holds what it must.
-        unchecked: one line per check that could not run (a parameter the engine left
-            unreadable, an error of the guard's own).
+        unchecked: one line per check that could not run (a region the engine left
+            unreadable, before or after the update; an error of the guard's own): the update
+            is not checked (mode ``fail`` refuses it).
         repacked: one line per parameter the engine repacked after the update (vLLM's CPU
-            GEMM dispatch) that kda_tp cannot judge: not readable back, or its values hold one
-            a GEMM read-back cannot carry (:func:`kda_tp.guard.not_carried`). Not checkable, never
-            wrong: they do not fail the update (issue 34, item 2).
+            GEMM dispatch) with elements its GEMM read-back cannot carry (a row holding a NaN
+            or an infinity), counted: "not checkable", every other element of it judged.
     """
 
     params: int = 0
@@ -103,12 +118,12 @@ class _Fed:
     in one of three states: ``refs`` (this rank's slice of the fed tensor, or the engine's
     copy of it: views valid while the engine's call runs), ``copies`` (host copies in the
     regions' dtypes, once the call ended before the engine applied the part), or ``verified``
-    (the part was seen applied: only each region's fingerprint is kept)."""
+    (the part was seen applied, in full: only each region's digest is kept)."""
 
     name: str
     refs: dict[Place, Any] = field(default_factory=dict)
     copies: dict[Place, np.ndarray] = field(default_factory=dict)
-    verified: dict[Place, np.ndarray] = field(default_factory=dict)
+    verified: dict[Place, bytes] = field(default_factory=dict)
 
 
 class UpdateSession:
@@ -130,13 +145,16 @@ class UpdateSession:
         self.target = target
         self._model = model
         self.memory: Memory = {} if memory is None else memory
-        self._before: dict[str, dict[Place, np.ndarray | None]] = {}
+        # Each touched parameter's regions' digests before the update (None: unreadable), and
+        # how the parameter was read then (None as held, GEMM through the engine's GEMM).
+        self._before: dict[str, dict[Place, bytes | None]] = {}
+        self._before_how: dict[str, str | None] = {}
         self._fed: dict[tuple[int, str], _Fed] = {}
         self._pending: tuple[int, str] | None = None
         self._problems: list[str] = []
         self._unchecked: list[str] = []
-        # Parameters read back through the engine's GEMM at the close (repacked).
-        self._gemm: set[str] = set()
+        # How each parameter was read at the close (None as held, GEMM through the GEMM).
+        self._how: dict[str, str | None] = {}
         self._now: Mapping[str, Any] | None = None
         #: The parameters :meth:`close` read, by name (None: the engine no longer holds it, or
         #: it cannot be read back), for the caller's checks after it (the derived copies).
@@ -152,7 +170,7 @@ class UpdateSession:
         """``weights`` (pairs, or triples with the loader's keyword arguments), each passed
         on unchanged, what the engine's ``load_weights`` consumes. A pair whose name is not a
         KDA tensor of this rank costs one dictionary lookup. A KDA one is noted before the
-        engine gets it (the fingerprints of its parameters, the reference) and verified when
+        engine gets it (the digests of its parameters, the reference) and verified when
         the engine asks for the next pair."""
         place = self.target.place
         for item in weights:
@@ -224,10 +242,8 @@ class UpdateSession:
         self.count += 1
         places = self.target.places[(layer, part)]
         for place in places:
-            if place.name not in self._before:  # first touch: every region's fingerprint
-                value = self.target.params[place.name]
-                self._before[place.name] = {p: _fingerprint(value, p)
-                                            for p in self.target.regions[place.name]}
+            if place.name not in self._before:  # first touch: every region's digest
+                self._first_touch(place.name)
         local = _local(entry, tensor)
         if local is None:
             shape = list(getattr(tensor, "shape", ()))
@@ -240,16 +256,30 @@ class UpdateSession:
         self._fed[(layer, part)] = _Fed(name, {p: self._reference(p, local) for p in places})
         self._pending = (layer, part)
 
+    def _first_touch(self, name: str) -> None:
+        """The digest of every region of parameter ``name`` before the engine applies
+        anything: as the target holds it, or, emptied by a repack or on the meta device,
+        read back where the engine reads it (:meth:`RankTarget.held`)."""
+        value, how = self.target.params[name], None
+        regions = self.target.regions[name]
+        digests = {p: _digest(value, p) for p in regions}
+        if any(d is None for d in digests.values()):
+            value, how = self.target.held(name)
+            digests = {p: _digest(value, p) for p in regions} if how in (None, GEMM) else \
+                dict.fromkeys(regions)
+        self._before[name], self._before_how[name] = digests, how
+
     def _reference(self, place: Place, local: Any) -> Any:
         """What ``place`` must hold once the engine applied ``local``: ``local`` itself (cast
-        when compared), or, while the loader's ``Tensor.copy_`` is replaced (a NaN-sentinel
-        patch), that copy applied to a clone of the region's values now."""
-        torch = sys.modules.get("torch")
-        if torch is None or not isinstance(local, torch.Tensor) or \
-                torch.Tensor.copy_ is _native_copy(torch):
+        when compared), or, while ``torch.Tensor.copy_`` is the engine's own NaN-sentinel copy
+        (``Reader.masked_copy``: vLLM's ``load_checkpoint_weight_patches``), that copy
+        applied to a clone of the region's values now. Any other replacement of ``copy_`` is
+        not trusted: the fed values stay the reference."""
+        copy = getattr(type(local), "copy_", None)
+        if not hasattr(local, "detach") or not self.target.reader.masked_copy(copy):
             return local
         region = _region(self.target.params[place.name], place)
-        if not isinstance(region, torch.Tensor):
+        if not hasattr(region, "detach"):
             return local
         region = region.clone()
         region.copy_(local.reshape(-1).to(region.device))  # the engine's copy, its own rule
@@ -266,14 +296,18 @@ class UpdateSession:
             self._verify(self._fed[other])
 
     def _verify(self, fed: _Fed) -> None:
-        """If every region of ``fed`` holds its reference now, keep only fingerprints."""
+        """If every region of ``fed`` holds its reference now, in full, keep only digests."""
         held = fed.refs or fed.copies
-        if not held or not all(_holds(self.target.params[p.name], p, r) for p, r in held.items()):
+        if not held:
             return
-        prints = {p: _fingerprint(self.target.params[p.name], p) for p in held}
-        if all(v is not None for v in prints.values()):
-            fed.verified = {p: v for p, v in prints.items() if v is not None}
-            fed.refs, fed.copies = {}, {}
+        digests = {}
+        for place, ref in held.items():
+            found = _verified_digest(self.target.params[place.name], place, ref)
+            if found is None:
+                return
+            digests[place] = found
+        fed.verified = digests
+        fed.refs, fed.copies = {}, {}
 
     @staticmethod
     def _copy(fed: _Fed) -> None:
@@ -287,7 +321,7 @@ class UpdateSession:
     def close(self, params: Mapping[str, Any] | None = None,
               unloaded: frozenset[tuple[int, str]] = frozenset()) -> UpdateReport:
         """Check every region of every parameter the update touched, as the parameters are
-        now.
+        now, every element.
 
         Args:
             params: the rank's parameters now, by full name; None: as the target reads them
@@ -317,34 +351,21 @@ class UpdateSession:
         return report
 
     def _value(self, values: dict[str, Any], name: str, report: UpdateReport) -> Any:
-        """Parameter ``name`` now (looked up once per close); None, with a problem line, when
-        the engine no longer holds it."""
+        """Parameter ``name`` now (looked up once per close); None, with a line, when the
+        engine no longer holds it (a problem) or it cannot be read back (not checked)."""
         if name not in values:
             how = None
             if self._now is None:
                 values[name], how = self.target.read(name)
             else:
                 values[name] = self._now.get(name)
-            if how == GEMM:
-                self._gemm.add(name)
-            elif how is not None:
-                # Repacked by the engine where kda_tp cannot read it: not checkable, not wrong.
-                report.repacked.append(f"{name}: {how}")
+            self._how[name] = how
+            if how is not None and how != GEMM:
+                report.unchecked.append(f"{name}: {how}")
                 values[name] = None
             elif values[name] is None:
                 report.problems.append(f"{name}: missing after the update")
         return values[name]
-
-    def _wrong(self, report: UpdateReport, place: Place, want: np.ndarray, line: str) -> None:
-        """Report ``line`` as a problem of ``place``, unless the parameter was read back through
-        the engine's GEMM and ``want`` holds a value a GEMM cannot carry: then not checkable."""
-        why = not_carried(want, place.dtype) if place.name in self._gemm else None
-        if why is None:
-            report.problems.append(line)
-            return
-        line = f"{place.name}: repacked by the engine; not checkable: its values hold {why}"
-        if line not in report.repacked:
-            report.repacked.append(line)
 
     @staticmethod
     def _read(place: Place, value: Any, report: UpdateReport) -> np.ndarray | None:
@@ -359,27 +380,29 @@ class UpdateSession:
             report.unchecked.append(f"{place.name}: cannot be read after the update: {error}")
             return None
 
-    def _print(self, place: Place, value: Any, report: UpdateReport) -> np.ndarray | None:
-        """``place``'s fingerprint now; None, with an ``unchecked`` line, when unreadable."""
-        found = _fingerprint(value, place)
+    @staticmethod
+    def _digest_now(place: Place, value: Any, report: UpdateReport) -> bytes | None:
+        """``place``'s digest now; None, with an ``unchecked`` line, when unreadable."""
+        found = _digest(value, place)
         if found is None:
-            report.unchecked.append(f"{place.name}: cannot be read after the update")
+            report.unchecked.append(f"{place.name}: {place.part}: cannot be read after the "
+                                    "update: not checked")
         return found
 
     def _close(self, report: UpdateReport, values: dict[str, Any]) -> None:
         fed_places = {p for f in self._fed.values() for p in (*f.copies, *f.verified)}
         for (_, part), fed in self._fed.items():
-            for place, print_ in fed.verified.items():
+            for place, digest in fed.verified.items():
                 value = self._value(values, place.name, report)
-                now = None if value is None else self._print(place, value, report)
+                now = None if value is None else self._digest_now(place, value, report)
                 if now is None:
                     continue
                 report.regions += 1
                 report.bytes += place.nbytes
-                if not same_values(now, print_):
-                    self._wrong(report, place, print_,
+                if now != digest:
+                    report.problems.append(
                         f"{place.name}: {part}: {fed.name} was applied, then changed before "
-                        "the update ended (its sampled elements differ from what was fed)")
+                        "the update ended (a later write over the verified region)")
             for place, want in fed.copies.items():
                 value = self._value(values, place.name, report)
                 region = None if value is None else self._read(place, value, report)
@@ -387,42 +410,79 @@ class UpdateSession:
                     continue
                 report.regions += 1
                 report.bytes += place.nbytes
-                if want.size != region.size:
-                    report.problems.append(
-                        f"{place.name}: {part}: {fed.name} was fed with {want.size} elements "
-                        f"for this rank, the engine's region holds {region.size}")
-                elif not same_values(region, want):
-                    self._wrong(report, place, want, f"{place.name}: {part}: " + self._diagnose(
-                        place, region, want, fed.name, values, report))
+                self._fed_region(report, place, part, fed.name, value, region, want, values)
         for name, before in self._before.items():
             value = self._value(values, name, report)
             if value is None:
                 continue
             for place, earlier in before.items():
-                if place in fed_places:
-                    continue
-                if place.part == PADDING:
-                    rows = self._read(place, value, report)
-                    if rows is None:
-                        continue
-                    report.regions += 1
-                    report.bytes += place.nbytes
-                    if rows.view(np.uint8).any():
-                        report.problems.append(
-                            f"{name}: padding: not zero after the update (the engine zeroes "
-                            "its padding rows at every load)")
-                    continue
-                now = self._print(place, value, report)
-                if now is None or earlier is None:
-                    continue
-                report.regions += 1
-                report.bytes += place.nbytes
-                if not same_values(now, earlier):
-                    what = self._earlier(place, now)
-                    self._wrong(report, place, earlier,
-                        f"{name}: {place.part}: not fed by this update and no longer holds its "
-                        "values from before it (rebuilt uninitialised?)"
-                        + (f"; it holds what was fed as {what}" if what else ""))
+                if place not in fed_places:
+                    self._unfed_region(report, place, value, earlier)
+
+    def _fed_region(self, report: UpdateReport, place: Place, part: str, fed_name: str,
+                    value: Any, region: np.ndarray, want: np.ndarray,
+                    values: dict[str, Any]) -> None:
+        """Judge one fed region not seen applied while fed, in full: as held, or as the
+        engine's GEMM reads it back (elements it cannot carry counted, not checkable)."""
+        if want.size != region.size:
+            report.problems.append(
+                f"{place.name}: {part}: {fed_name} was fed with {want.size} elements for this "
+                f"rank, the engine's region holds {region.size}")
+            return
+        if self._how.get(place.name) == GEMM:
+            row = int(value.shape[-1]) if getattr(value, "ndim", 0) else 1
+            first, aside = read_back_difference(region, want, place.dtype, row, place.start)
+            if aside:
+                report.repacked.append(set_aside_line(f"{place.name}: {part}", aside,
+                                                      region.size))
+            if first is not None:
+                report.problems.append(
+                    f"{place.name}: {part}: differs from what was fed as {fed_name} at element "
+                    f"{first} as the engine's GEMM reads it back (-0.0 as +0.0, subnormals as "
+                    f"0; expected {float(want[first])!r}, got {float(region[first])!r})")
+            return
+        if not same_values(region, want):
+            report.problems.append(f"{place.name}: {part}: " + self._diagnose(
+                place, region, want, fed_name, values, report))
+
+    def _unfed_region(self, report: UpdateReport, place: Place, value: Any,
+                      earlier: bytes | None) -> None:
+        """Judge one region the update did not feed, in full: padding zero, anything else
+        its digest from before the update."""
+        name = place.name
+        if place.part == PADDING:
+            rows = self._read(place, value, report)
+            if rows is None:
+                return
+            report.regions += 1
+            report.bytes += place.nbytes
+            if rows.view(np.uint8).any():
+                report.problems.append(
+                    f"{name}: padding: not zero after the update (the engine zeroes its "
+                    "padding rows at every load)")
+            return
+        if earlier is None:
+            report.unchecked.append(
+                f"{name}: {place.part}: not fed by this update, and the engine held it where "
+                "kda_tp could not read it before the update: not checked")
+            return
+        now = self._digest_now(place, value, report)
+        if now is None:
+            return
+        report.regions += 1
+        report.bytes += place.nbytes
+        if now == earlier:
+            return
+        if self._before_how.get(name) != self._how.get(name):
+            report.unchecked.append(
+                f"{name}: {place.part}: not fed by this update, read before it as held and "
+                "after it through the engine's GEMM (which reads -0.0 as +0.0): not checked")
+            return
+        what = self._earlier(place, now)
+        report.problems.append(
+            f"{name}: {place.part}: not fed by this update and no longer holds its values from "
+            "before it (rebuilt uninitialised?)"
+            + (f"; it holds what was fed as {what}" if what else ""))
 
     def _diagnose(self, place: Place, got: np.ndarray, want: np.ndarray, fed_name: str,
                   values: dict[str, Any], report: UpdateReport) -> str:
@@ -442,36 +502,34 @@ class UpdateSession:
                 now = None if value is None else self._read(spot, value, report)
                 if now is not None and same_values(got, now):
                     return f"holds what was fed as {other.name} {swapped}"
-        sample = _sample_of(got, place)
-        what = self._earlier(place, sample)
+        digest = _host_digest(got)
+        what = self._earlier(place, digest)
         if what:
             return f"holds what was fed as {what} in an earlier call of this refit {swapped}"
         before = self._before.get(place.name, {}).get(place)
-        if before is not None and same_values(sample, before) and \
-                not same_values(_sample_of(want, place), before):
+        if before is not None and digest == before and _host_digest(want) != before:
             return (f"holds the values from before the update: {fed_name} was fed but the "
                     "engine never applied it")
         first = first_difference(got, want)
         return (f"differs from what was fed as {fed_name} at element {first} (expected "
                 f"{float(want[first])!r}, got {float(got[first])!r})")
 
-    def _earlier(self, place: Place, sample: np.ndarray) -> str | None:
-        """The name another part of ``place``'s layer was last fed under, when ``sample`` (a
-        region's fingerprint now) is the fingerprint of what was fed for it."""
-        for (layer, part), (name, prints) in self.memory.items():
-            print_ = prints.get(place.dtype)
-            if layer == place.layer and part != place.part and print_ is not None \
-                    and print_.size == sample.size and same_values(print_, sample):
+    def _earlier(self, place: Place, digest: bytes) -> str | None:
+        """The name another part of ``place``'s layer was last fed under, when ``digest`` (a
+        region's digest now) is the digest of what was fed for it."""
+        for (layer, part), (name, digests) in self.memory.items():
+            if layer == place.layer and part != place.part and \
+                    digests.get(place.dtype) == digest:
                 return name
         return None
 
     def _remember(self) -> None:
-        """Keep the fingerprint of what each fed part was fed, for the refit's later calls."""
+        """Keep the digest of what each fed part was fed, for the refit's later calls."""
         for key, fed in self._fed.items():
-            prints = {p.dtype: v for p, v in fed.verified.items()}
+            digests = {p.dtype: v for p, v in fed.verified.items()}
             for place, held in fed.copies.items():
-                prints.setdefault(place.dtype, _sample_of(held, place))
-            self.memory[key] = (fed.name, prints)
+                digests.setdefault(place.dtype, _host_digest(held))
+            self.memory[key] = (fed.name, digests)
 
 
 # -- values ------------------------------------------------------------------------------------
@@ -494,12 +552,6 @@ def _local(t: KdaTensorPlan, tensor: Any) -> Any:
                 t.src_col_offset:t.src_col_offset + t.local_row_elems].reshape(-1)
 
 
-def _native_copy(torch: Any) -> Any:
-    """torch's own ``Tensor.copy_`` (the C method ``torch.Tensor`` inherits), whatever a loader
-    set ``torch.Tensor.copy_`` to (vLLM puts the method it found back as an attribute)."""
-    return next(vars(c)["copy_"] for c in torch.Tensor.__mro__[1:] if "copy_" in vars(c))
-
-
 def _region(value: Any, place: Place) -> Any:
     """``place``'s elements of a parameter, flat (a view: numpy, or torch on its device)."""
     if hasattr(value, "detach"):
@@ -509,10 +561,12 @@ def _region(value: Any, place: Place) -> Any:
 
 def _holds(value: Any, place: Place, ref: Any) -> bool:
     """Whether ``place``'s region of a parameter holds ``ref`` (the fed slice or the engine's
-    copy of it, cast to the parameter's dtype; or a host copy in that dtype), compared as the
-    audit compares: a torch reference on the parameter's device (nothing copied to the host);
-    a host copy against the region's fingerprint first, then in full; numpy as numpy. False
-    when it cannot tell (meta, another kind of array)."""
+    copy of it, cast to the parameter's dtype; or a host copy in that dtype), every element,
+    compared as the audit compares: a torch reference on the parameter's device (nothing
+    copied to the host; host memory compared by numpy, as fast as a memcpy); a host copy
+    against the region read to the host; numpy as numpy. The first :data:`_EARLY` elements
+    first (an early "not applied yet"). False when it cannot tell (meta, another kind of
+    array)."""
     try:
         region = _region(value, place)
         if hasattr(region, "detach"):
@@ -520,15 +574,61 @@ def _holds(value: Any, place: Place, ref: Any) -> bool:
                 return False
             if hasattr(ref, "detach"):
                 want = ref.to(device=region.device, dtype=region.dtype)
-                return bool(region.numel() == want.numel() and same_tensor_values(region, want))
-            quick = _fingerprint(value, place)
-            if quick is None or not same_values(quick, _sample_of(ref, place)):
+                if region.numel() != want.numel() or not same_tensor_values(
+                        region[:_EARLY], want[:_EARLY]):
+                    return False
+                if region.device.type == "cpu":  # host memory: numpy's compare, no copy
+                    return bool(same_values(as_record(place.name, region).array,
+                                            as_record(place.name, want).array))
+                return bool(same_tensor_values(region, want))
+            if not same_values(as_record(place.name, region[:_EARLY]).array.reshape(-1),
+                               ref[:_EARLY]):
                 return False
             return bool(same_values(as_record(place.name, region).array.reshape(-1), ref))
         want = cast_to(np.asarray(ref).reshape(-1), place.dtype)
         return bool(region.size == want.size and same_values(region, want))
     except (RuntimeError, ValueError, TypeError, KeyError, IndexError, NotImplementedError):
         return False
+
+
+def _verified_digest(value: Any, place: Place, ref: Any) -> bytes | None:
+    """``place``'s digest when its region of a parameter holds ``ref``, every element (see
+    :func:`_holds`); None when it does not, or cannot be read. A host region holding exactly
+    the bytes of its reference (cast) is compared and hashed in one pass over both
+    (``kda_tp._native.digest_if_equal``); any other (a device tensor, a NaN of another bit
+    pattern, not applied yet) is compared by :func:`_holds`, then hashed."""
+    pair = _host_bytes(value, place, ref)
+    if pair is not None:
+        found = digest_if_equal(*pair)
+        if found is not None:
+            return found
+    if not _holds(value, place, ref):
+        return None
+    return _digest(value, place)
+
+
+def _host_bytes(value: Any, place: Place, ref: Any) -> tuple[np.ndarray, np.ndarray] | None:
+    """``place``'s region of a parameter and its reference (cast to the region's dtype) as
+    flat uint8 views, when both lie in host memory as torch tensors or numpy arrays and the
+    region's first :data:`_EARLY` elements hold the reference's bytes (an early "not applied
+    yet"); None otherwise."""
+    try:
+        region = _region(value, place)
+        if hasattr(region, "detach"):
+            if region.device.type != "cpu" or not hasattr(ref, "detach"):
+                return None
+            ref = ref.detach().to(device=region.device, dtype=region.dtype)
+        elif not isinstance(ref, np.ndarray) or ref.dtype != region.dtype:
+            return None
+        got = as_record(place.name, region).data
+        want = as_record(place.name, ref.reshape(-1)).data
+    except (RuntimeError, ValueError, TypeError, KeyError, IndexError, NotImplementedError,
+            KdaTpError):
+        return None
+    early = _EARLY * numpy_dtype(place.dtype).itemsize
+    if got.size != want.size or not np.array_equal(got[:early], want[:early]):
+        return None
+    return got, want
 
 
 def _host(place: Place, ref: Any) -> np.ndarray:
@@ -540,32 +640,29 @@ def _host(place: Place, ref: Any) -> np.ndarray:
     return np.array(cast_to(np.asarray(ref).reshape(-1), place.dtype), copy=True)
 
 
-def _indices(count: int) -> np.ndarray:
-    """The evenly spaced element indices a fingerprint samples from ``count`` elements."""
-    return np.unique(np.linspace(0, max(count - 1, 0), min(count, FINGERPRINT_ELEMENTS),
-                                 dtype=np.int64))
+def _host_digest(flat: np.ndarray) -> bytes:
+    """The digest of a flat host array's bytes, every byte read: the core's exact XXH3-128
+    over 1 MiB chunks hashed on every core, the GIL released (``kda_tp._native.digest``). A
+    contiguous array is hashed where it lies; a non-contiguous one (an engine holds its
+    parameters contiguous) is first copied into a contiguous array, its elements in order."""
+    return native_digest(np.ascontiguousarray(flat).reshape(-1).view(np.uint8))
 
 
-def _sample(flat: np.ndarray, place: Place) -> np.ndarray:
-    """The fingerprint of ``place``'s region of a flat host array of its parameter."""
-    return np.ascontiguousarray(flat[_indices(place.stop - place.start) + place.start])
-
-
-def _sample_of(region: np.ndarray, place: Place) -> np.ndarray:
-    """The fingerprint of a region's values (a flat host array of the region alone)."""
-    return np.ascontiguousarray(region[_indices(place.stop - place.start)])
-
-
-def _fingerprint(value: Any, place: Place) -> np.ndarray | None:
-    """The sampled elements of one region of a parameter (torch: gathered on its device, only
-    the samples copied to the host); None when the parameter cannot be read (meta, lazy)."""
-    index = _indices(place.stop - place.start) + place.start
+def _digest(value: Any, place: Place) -> bytes | None:
+    """The digest of one region of a parameter, every byte of it (a torch tensor on the host
+    hashed where it lies, no copy; on a device, its region brought to the host); None when
+    the parameter cannot be read there (meta, lazy, emptied by a repack)."""
     try:
+        if place.stop > _numel(value):
+            return None
         if hasattr(value, "detach"):
-            torch = sys.modules["torch"]
-            flat = value.detach().reshape(-1)
-            picked = flat[torch.as_tensor(index, device=flat.device)]
-            return np.array(as_record(place.name, picked.contiguous()).array, copy=True)
-        return np.ascontiguousarray(np.asarray(value).reshape(-1)[index])
+            region = value.detach().reshape(-1)[place.start:place.stop]
+            return _host_digest(as_record(place.name, region).data)
+        return _host_digest(np.asarray(value).reshape(-1)[place.start:place.stop])
     except Exception:  # noqa: BLE001 - meta, lazy, not an array: unreadable
         return None
+
+
+def _numel(value: Any) -> int:
+    """Elements of a torch tensor or a numpy array."""
+    return int(value.numel()) if hasattr(value, "numel") else int(np.asarray(value).size)

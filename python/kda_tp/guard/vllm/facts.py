@@ -33,6 +33,9 @@ class _VllmReader:
     def read_back(self, module: Any, param: Any) -> tuple[Any, str | None]:
         return repacked.read_back(module, param)
 
+    def masked_copy(self, copy: Any) -> bool:
+        return repacked.masked_copy(copy)
+
     def spelling(self, model: Any) -> Spelling | None:
         """The served model class's ``hf_to_vllm_mapper`` (its ``load_weights`` maps every
         fed name through it: K3's ``language_model.layers.``, GLM-5.3's

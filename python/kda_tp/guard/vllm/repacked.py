@@ -15,10 +15,15 @@ vLLM holds (:func:`held`):
   identity, ``cpu_linear(eye(K), weight, None).T`` (``K`` = the module's
   ``input_size_per_partition``, a ``ReplicatedLinear``'s ``input_size``, in blocks of
   :data:`EYE_ROWS` rows), which is ``W`` ``[N, K]`` bit for bit for every value a GEMM carries
-  (what it cannot carry: :func:`kda_tp.guard.not_carried`);
+  (judged on what it carries: :func:`kda_tp.guard.read_back_difference`);
 * a repacked conv: ``_cpu_unpacked_conv_weight`` viewed ``[dim, 1, width]``;
-* an emptied weight kda_tp cannot read back (no ``cpu_linear``, or it failed): not checkable
-  (repacked), never wrong.
+* an emptied weight kda_tp cannot read back (no ``cpu_linear``, or it failed): never wrong,
+  never OK: listed in the live audit's ``unchecked``, "not checked" in an update (which mode
+  ``fail`` refuses).
+
+And how vLLM writes a sparse patch: its ``load_checkpoint_weight_patches`` replaces
+``torch.Tensor.copy_`` while it loads with ``copy_non_nan_`` (a NaN fed keeps the old value),
+recognised as that function of vLLM's own (:func:`masked_copy`), by its code object.
 
 This module imports no vLLM; torch is used only when vLLM imported it (its tensors).
 """
@@ -32,7 +37,10 @@ from typing import Any
 from ...checkpoint.names import param_location
 from .._repacked import GEMM
 
-__all__ = ["EYE_ROWS", "as_described", "held", "read_back"]
+__all__ = ["EYE_ROWS", "as_described", "held", "masked_copy", "read_back"]
+
+#: The module of vLLM's sparse patches (``_load_nan_masked_weights``, its ``copy_non_nan_``).
+_PATCHES = "vllm.model_executor.model_loader.checkpoint_weight_patch"
 
 #: Rows of the identity fed to vLLM's GEMM at a time (bounds the read-back's memory).
 EYE_ROWS = 4096
@@ -108,3 +116,16 @@ def _through_gemm(linear: Any, param: Any, width: int) -> Any:
             eye[:, start:start + rows] = torch.eye(rows, dtype=param.dtype, device=param.device)
             blocks.append(linear(eye, param, None).to(param.dtype))
     return torch.cat(blocks).t().contiguous()
+
+
+def masked_copy(copy: Any) -> bool:
+    """Whether ``copy`` (what ``torch.Tensor.copy_`` is now) is vLLM's own NaN-sentinel copy:
+    the ``copy_non_nan_`` that ``_load_nan_masked_weights``
+    (``vllm/model_executor/model_loader/checkpoint_weight_patch.py``, run by
+    ``load_checkpoint_weight_patches``) defines and installs while a sparse patch loads,
+    known by its code object. Any other function, one that merely wraps it included, is not."""
+    patches = sys.modules.get(_PATCHES)
+    loader = getattr(patches, "_load_nan_masked_weights", None)
+    code = getattr(copy, "__code__", None)
+    consts = getattr(getattr(loader, "__code__", None), "co_consts", ())
+    return code is not None and any(code is c for c in consts)
