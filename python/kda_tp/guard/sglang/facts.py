@@ -31,6 +31,11 @@ class _SglangReader:
     def read_back(self, module: Any, param: Any) -> tuple[Any, str | None]:
         return param, None
 
+    def masked_copy(self, copy: Any) -> bool:
+        """Never: SGLang 0.5.23 has no NaN-sentinel copy of its own kda_tp follows (verl's
+        SGLang delta loader's ``_masked_copy`` is not trusted: run that sync in mode warn)."""
+        return False
+
     def spelling(self, model: Any) -> Spelling | None:
         """The model class's ``hf_to_sglang_mapper`` (K3's ``load_weights`` applies it to every
         fed name: ``language_model.layers.`` for ``language_model.model.layers.``)."""
