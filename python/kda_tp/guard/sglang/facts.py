@@ -8,6 +8,7 @@ This module imports SGLang only inside its functions (they run in an SGLang proc
 
 from __future__ import annotations
 
+import sys
 import warnings
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -21,6 +22,11 @@ from .._target import Reader, Spelling, mapper_spelling
 __all__ = ["SglangEngine", "checkpoint_of", "label", "parallel", "parallel_int", "rank_and_size"]
 
 
+#: The module of verl's SGLang delta loader, whose ``_masked_copy()`` NaN-sentinel copy an
+#: update's reference follows (``_SglangReader.masked_copy``).
+VERL_DELTA_LOADER = "verl.workers.rollout.sglang_rollout.delta_loader"
+
+
 class _SglangReader:
     """How SGLang holds its parameters: as loaded (no post-load repack kda_tp knows of), its
     names mapped by the model class's ``hf_to_sglang_mapper``."""
@@ -32,9 +38,19 @@ class _SglangReader:
         return param, None
 
     def masked_copy(self, copy: Any) -> bool:
-        """Never: SGLang 0.5.23 has no NaN-sentinel copy of its own kda_tp follows (verl's
-        SGLang delta loader's ``_masked_copy`` is not trusted: run that sync in mode warn)."""
-        return False
+        """Whether ``copy`` (what ``torch.Tensor.copy_`` is now) is the NaN-sentinel copy a
+        sparse patch into SGLang is loaded with: SGLang 0.5.23 has none of its own, and verl's
+        SGLang delta loader (``apply_delta`` in ``verl/workers/rollout/sglang_rollout/
+        delta_loader.py``, verl 0.9.1) loads its NaN-marked patches under its ``_masked_copy()``
+        context, whose ``masked_copy_`` is known by its code object (``VERL_DELTA_LOADER``
+        must be imported, as it is in the process that applies the patch). Any other function,
+        one that merely wraps it included, is not."""
+        loader = sys.modules.get(VERL_DELTA_LOADER)
+        context = getattr(loader, "_masked_copy", None)
+        context = getattr(context, "__wrapped__", context)  # under contextlib.contextmanager
+        code = getattr(copy, "__code__", None)
+        consts = getattr(getattr(context, "__code__", None), "co_consts", ())
+        return code is not None and any(code is c for c in consts)
 
     def spelling(self, model: Any) -> Spelling | None:
         """The model class's ``hf_to_sglang_mapper`` (K3's ``load_weights`` applies it to every
