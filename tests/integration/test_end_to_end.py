@@ -231,8 +231,16 @@ def test_kimi_linear_tp8_acceptance(tmp_path, capsys):
     assert rank3.get("model.layers.0.self_attn.A_log").shape == (1, 1, 4, 1)
     assert rank3.get("model.layers.0.self_attn.o_proj.weight").shape == (2304, 512)
     full = kda_tp.SafetensorsSource(ckpt)
+    # Layer 3 is full attention (MLA): rank 3 holds the oracle's MLA slice of each tensor.
+    mla = oracle.mla_plan(3, 8, **oracle.read_mla_geometry(
+        json.loads((ckpt / "config.json").read_text())))
     for name in full.names():
-        if ".layers.3." in name or ".self_attn." not in name:  # MLA layer and non-attention
+        if ".layers.3.self_attn." in name:
+            entry = mla.get(oracle.plan_name(name.split(".self_attn.")[1]))
+            assert entry is not None, name
+            assert rank3.get(name).shape == oracle.local_shape(entry, full.get(name).shape)
+            assert bytes(rank3.get(name)) == oracle.shard_bytes(entry, bytes(full.get(name)))
+        elif ".self_attn." not in name:  # non-attention: whole
             assert rank3.get(name).shape == full.get(name).shape
             assert np.array_equal(rank3.get(name).data, full.get(name).data), name
 

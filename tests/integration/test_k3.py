@@ -333,8 +333,17 @@ def test_k3_real_geometry_tp2_and_tp8(tmp_path, capsys):
             assert rank.get(KDA + "o_proj.weight").shape == (7168, 1536)
             assert np.array_equal(rank.get(KDA + "A_log").array,
                                   full.get(KDA + "A_log").array[36:48])
+        r = 3 if tp_size == 8 else 1
+        mla = oracle.mla_plan(r, tp_size, **oracle.read_mla_geometry(
+            json.loads((ckpt / "config.json").read_text())))
         for name in full.names():
-            if not name.startswith(KDA):
+            if name.startswith(KDA):
+                continue
+            if name.startswith(LAYERS + "1.self_attn."):  # MLA: the oracle's slice of each
+                entry = mla.get(oracle.plan_name(name.split(".self_attn.")[1]))
+                assert entry is not None, name
+                assert bytes(rank.get(name)) == oracle.shard_bytes(entry, bytes(full.get(name)))
+            else:
                 assert np.array_equal(rank.get(name).data, full.get(name).data), name
         shutil.rmtree(out)
 

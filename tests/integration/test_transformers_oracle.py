@@ -79,7 +79,7 @@ class Family:
 def _kimi_linear_config() -> Any:
     return transformers.KimiLinearConfig(
         vocab_size=64, hidden_size=HIDDEN, intermediate_size=64, moe_intermediate_size=32,
-        num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=16,
+        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16,
         q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
         num_local_experts=4, num_experts_per_tok=2,
         linear_head_dim=HEAD_DIM, linear_num_heads=HEADS, linear_conv_kernel_dim=CONV,
@@ -92,7 +92,7 @@ def _glm_text_config() -> dict[str, Any]:
     # index_topk must be a multiple of index_kpool (16); hc_mult sets the residual streams.
     return dict(
         vocab_size=64, hidden_size=HIDDEN, intermediate_size=64, moe_intermediate_size=32,
-        num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=16,
+        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16,
         q_lora_rank=16, qk_rope_head_dim=0, qk_nope_head_dim=16, v_head_dim=16,
         n_routed_experts=4, num_experts_per_tok=2, index_topk=16, index_head_dim=16,
         index_n_heads=2, hc_mult=2,
@@ -163,9 +163,14 @@ def to_stored_dtypes(model: Any, f32: tuple[str, ...]) -> None:
 
 
 def local_config(config: Any, tp_size: int) -> Any:
-    """The config a rank's model is built with: ``linear_num_heads / tp_size`` KDA heads."""
+    """The config a rank's model is built with: ``linear_num_heads / tp_size`` KDA heads and
+    ``num_attention_heads / tp_size`` MLA heads (and as many key/value heads: shard slices the MLA
+    layers too)."""
     local = copy.deepcopy(config)
-    local.get_text_config().linear_num_heads //= tp_size
+    text = local.get_text_config()
+    text.linear_num_heads //= tp_size
+    text.num_attention_heads //= tp_size
+    text.num_key_value_heads //= tp_size
     return local
 
 
