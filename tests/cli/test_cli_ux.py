@@ -540,10 +540,12 @@ def test_a_closed_pipe_ends_the_cli_without_a_traceback(tmp_path):
             " '--tp-size', '2', '--json'], stdout=subprocess.PIPE, stderr=subprocess.PIPE)\n"
             "p.stdout.close()\n"
             "err = p.stderr.read().decode()\n"
-            "p.wait()\n"
-            "print(err)\n")
+            "print(err)\n"
+            "print('status', p.wait())\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert "Traceback" not in done.stdout and "BrokenPipeError" not in done.stdout, done.stdout
+    # 128 + SIGPIPE, as a shell reports `yes | head`; not 1 ("verification failed").
+    assert done.stdout.rstrip().endswith("status 141"), done.stdout
 
 
 def test_layers_argument_when_the_config_does_not_list_them(three_layer_ckpt, tmp_path):

@@ -4,7 +4,8 @@ Subcommands: ``plan`` (the shard table), ``shard`` (write one checkpoint per ran
 (rejoin the ranks and compare with the input), ``demo`` (all three on a generated checkpoint of
 a real model's geometry), ``audit`` (check the KDA weights a serving engine loaded), ``dump``
 and ``digests`` (what an engine's ranks must hold, as files or as vLLM's checksums). Exit status:
-0 success, 1 verification or audit failed, 2 refused input, 130 interrupted (Ctrl-C).
+0 success, 1 verification or audit failed, 2 refused input, 130 interrupted (Ctrl-C), 141 the
+reader of stdout went away (``kda-tp demo | head -1``).
 ``--json`` (plan, shard, verify, audit, dump, digests) prints one JSON document on stdout
 instead of the text; progress and errors go to stderr.
 """
@@ -40,11 +41,13 @@ __all__ = ["main"]
 
 #: Exit status after Ctrl-C (128 + SIGINT), as shells report it.
 EXIT_INTERRUPTED = 130
+#: Exit status when stdout's reader went away (128 + SIGPIPE), as shells report ``yes | head``.
+EXIT_PIPE_CLOSED = 141
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status (0 OK, 1 verification failed, 2 refused
-    input or not enough memory for a tensor, 130 interrupted)."""
+    input or not enough memory for a tensor, 130 interrupted, 141 stdout's reader went away)."""
     args = _parser().parse_args(argv)
     try:
         tp_size, rank = getattr(args, "tp_size", None), getattr(args, "rank", None)
@@ -54,10 +57,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         run: Callable[[argparse.Namespace], int] = args.run
         return run(args)
     except BrokenPipeError:
-        # The reader went away (`kda-tp plan ... | head`): stop quietly, as other CLIs do.
+        # The reader went away (`kda-tp plan ... | head`): stop quietly with the status a
+        # process killed by SIGPIPE has, as other CLIs do; not 1, which says "verification
+        # failed". stdout goes to /dev/null so that the interpreter's flush at exit is quiet.
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
-        return 1
+        return EXIT_PIPE_CLOSED
     except ShardInterrupted as e:
         done = ", ".join(map(str, e.completed)) or "none"
         lines = [f"kda-tp: interrupted; removed this run's partial rank directories; "
