@@ -186,6 +186,7 @@ def test_an_honest_sharded_rdt_sync_is_checked_by_digests_or_by_invariants(vc, c
     trainer = _Trainer()
     with vllm_log:
         engine = sharded_rdt(model, "kimi_linear", fed("kimi_linear"), trainer)
+        assert kda_tp.guard.followed(model).session is None  # the bake is no update
         tensors = fed("kimi_linear", 3.0)
         answers = expect_digests(worker_llm(model), digests("kimi_linear", tensors, 2))
         assert answers == [{"tp_rank": 1, "tp_size": 2, "digests": 9}]
