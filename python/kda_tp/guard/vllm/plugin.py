@@ -26,9 +26,10 @@ included, before the model loads (``vllm/v1/worker/worker_base.py``); it logs on
   checkpoint; one with a ``weights_iterator`` is one update session; a kernel-format one
   (``is_checkpoint_format=False``) cannot be checked, which one warning says;
 * ``WeightTransferEngineFactory.create_engine``: every weight-transfer engine (nccl, ipc,
-  sparse_nccl, nccl_m2n, sharded_rdt, or a user's) is followed: ``start_weight_update`` opens
-  an update session, ``finish_weight_update`` checks it and raises the diagnosis in mode
-  ``fail``;
+  sparse_nccl, nccl_m2n, sharded_rdt, or a user's) is followed (``transfer``):
+  ``start_weight_update`` opens an update session, ``finish_weight_update`` checks it (one
+  that bypassed ``load_weights``: padding rows, derived copies, the trainer's digests handed
+  over by ``expect_digests``) and raises the diagnosis in mode ``fail``;
 * ``process_weights_after_loading`` (``model_loader/utils.py``), which ends a refit made of
   plain ``load_weights`` calls (verl, NeMo-RL): after a dummy load, a KDA part the refit never
   loaded is named there;
@@ -75,6 +76,7 @@ from .._record import RECORD, account, count, engine_ranks, rank_report, sized
 from .._record import status as _status
 from ._hooks import after_import, subclasses
 from .facts import VllmEngine, attach_vllm_logging, dp_rank, pp_rank_size, tp_rank_size
+from .transfer import add_digests_method, follow_transfer
 
 __all__ = ["REPAIR_ENV", "WORKER_METHOD", "audit_llm", "follow_updates", "guard_model",
            "register", "status"]
@@ -248,6 +250,7 @@ def _add_worker_method(worker_base: Any) -> None:
     if _hook("vllm.v1.worker.worker_base.WorkerBase", target):
         RECORD.install("vllm.v1.worker.worker_base.WorkerBase", target, WORKER_METHOD,
                        _worker_audit)
+        add_digests_method(target)
 
 
 def _wrap_loader(cls: type) -> None:
@@ -441,49 +444,6 @@ def _wrap_transfer(factory: Any) -> None:  # vllm.distributed.weight_transfer.fa
 
     RECORD.install("vllm.distributed.weight_transfer.factory.WeightTransferEngineFactory."
                    "create_engine", cls, "create_engine", classmethod(create_engine))
-
-
-def follow_transfer(engine: Any, vllm_config: Any) -> None:
-    """Follow one weight-transfer engine (``WeightTransferEngine``): its
-    ``start_weight_update`` opens an update session on the main model (a session aimed at a
-    draft model is not checked), its ``finish_weight_update`` checks it.
-
-    Raises:
-        GuardError: from ``finish_weight_update``, in mode ``fail``, when a KDA parameter the
-            session touched is wrong.
-    """
-    start, finish = engine.start_weight_update, engine.finish_weight_update
-    if getattr(start, _WRAPPED, False):
-        return
-    follow_updates(engine.model, getattr(engine, "model_config", None), vllm_config)
-    owner = "weight transfer"
-    opened: list[Follower] = []
-
-    @_mark
-    def start_weight_update() -> None:
-        model = engine.model
-        how = followed(model) if model is getattr(engine, "_default_model", model) else None
-        if how is not None and how.open(owner, owner):
-            opened.append(how)
-        try:
-            start()
-        except BaseException:
-            while opened:
-                opened.pop().abandon(owner)
-            raise
-
-    def finish_weight_update() -> None:
-        try:
-            finish()
-        except BaseException:
-            while opened:
-                opened.pop().abandon(owner)
-            raise
-        while opened:
-            opened.pop().close(owner)
-
-    engine.start_weight_update = start_weight_update
-    engine.finish_weight_update = finish_weight_update
 
 
 def _wrap_tensorizer(module: Any) -> None:  # ...model_loader.tensorizer_loader
