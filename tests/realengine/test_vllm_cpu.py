@@ -230,8 +230,11 @@ def test_mode_warn_starts_and_logs_the_failing_rank(warn_tp2: Engine) -> None:
     _started(warn_tp2)
     assert len(warn_tp2.lines("kda_tp guard: registered in vLLM (mode warn)")) == 3
     _ok_line(warn_tp2, "DefaultModelLoader", 0, 2)
-    [warning] = warn_tp2.lines("kda_tp guard: vllm DefaultModelLoader: tp rank 1/2:")
-    assert " WARNING " in warning and warning.endswith("FAIL (1 wrong)")
+    # one ERROR line on kda_tp.guard's own handler, and the same verdict as a GuardWarning
+    lines = warn_tp2.lines("kda_tp guard: vllm DefaultModelLoader: tp rank 1/2:")
+    [error] = [line for line in lines if "ERROR " in line]
+    [warning] = [line for line in lines if "GuardWarning: " in line]
+    assert error.endswith("FAIL (1 wrong)") and warning.endswith("FAIL (1 wrong)")
 
 
 def test_audit_llm_names_the_failing_rank_in_mode_warn(warn_tp2: Engine) -> None:

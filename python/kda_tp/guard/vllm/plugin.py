@@ -74,7 +74,7 @@ from .._names import looks_kda
 from .._record import RECORD, account, count, engine_ranks, rank_report, sized
 from .._record import status as _status
 from ._hooks import after_import, subclasses
-from .facts import VllmEngine, attach_vllm_logging, dp_rank, pp_rank_size, tp_rank_size
+from .facts import VllmEngine, dp_rank, pp_rank_size, tp_rank_size
 
 __all__ = ["REPAIR_ENV", "WORKER_METHOD", "audit_llm", "follow_updates", "guard_model",
            "register", "status"]
@@ -118,7 +118,6 @@ def register() -> None:
     if _installed:
         return
     _installed = True
-    attach_vllm_logging()
     try:
         chosen = mode()
     except GuardModeError:
