@@ -98,6 +98,7 @@ class Follower:
             parameters as they were before the engine got it, compared when it ends.
         updates: the updates judged so far (each verdict, passed or not): a live audit
             against the start-up checkpoint says how many updates came since.
+        last: the last update's verdict line; ``last_failed``: whether it failed.
     """
 
     engine: str
@@ -113,6 +114,8 @@ class Follower:
     quiet: int = 0
     unplaced: dict[int, tuple[str, dict[str, Any]]] = field(default_factory=dict)
     updates: int = 0
+    last: str = ""
+    last_failed: bool = False
 
     @contextlib.contextmanager
     def quietly(self) -> Iterator[None]:
@@ -328,7 +331,7 @@ class Follower:
                 f"KDA parameters updated ({self.target.layout.name}), {report.bytes} bytes, "
                 f"{report.seconds:.3f} s{repacked}: {verdict}")
         RECORD.ran("update", line)
-        self.updates += 1
+        self.updates, self.last, self.last_failed = self.updates + 1, line, not report.passed
         if report.passed:
             passed(line + "".join(f"\n  rank {rank} not checkable: {u}"
                                   for u in report.repacked))

@@ -58,8 +58,8 @@ def worker_audit(worker: Any, checkpoint: str | None = None, audit: str = ""
         updates left it, ``dp_rank``, ``pp_rank``, ``audit``, ``reference`` (what the
         parameters were compared with) and ``updates`` (the updates the guard judged on this
         model since its load). Audited against the start-up checkpoint after such updates, a
-        difference is expected: ``ok`` None (not judged), the line saying so and giving the
-        last update's own verdict (``last``).
+        difference is expected: the line says so and gives the last update's own verdict, and
+        ``ok`` is False when that verdict failed, else None (not judged).
     """
     model = worker.model_runner.get_model()
     vllm_config = worker.vllm_config
@@ -67,7 +67,8 @@ def worker_audit(worker: Any, checkpoint: str | None = None, audit: str = ""
     rank, size = tp_rank_size()
     before = status("vllm")  # the record as the loads and updates left it, not this audit
     how = followed(model)
-    updates = how.updates if how is not None else 0
+    updates, last, last_failed = (how.updates, how.last, how.last_failed) if how is not None \
+        else (0, "", False)
     given = os.fspath(checkpoint) if checkpoint else None
     start_up = checkpoint_env() or getattr(model_config, "model", None)
     reference = f"checkpoint {given} (given)" if given else f"start-up checkpoint {start_up}"
@@ -84,9 +85,9 @@ def worker_audit(worker: Any, checkpoint: str | None = None, audit: str = ""
     if given is None and updates and out["ok"] is not None:
         said = "the same values" if out["ok"] else "differences after a refit are expected"
         out["line"] += (f" (reference: {reference}; {updates} update(s) since: {said}; "
-                        f"the last update's own verdict: {before['last'] or 'none'})")
-        if not out["ok"]:
-            out["ok"] = None  # not judged: no reference for the weights now
+                        f"the last update's own verdict: {last})")
+        if not out["ok"]:  # no reference for the weights now: the last update's verdict
+            out["ok"] = False if last_failed else None
     audited(out["line"], out["ok"])
     return out
 
@@ -104,9 +105,10 @@ def audit_llm(llm: Any, *, checkpoint: str | os.PathLike[str] | None = None
 
     After weight updates (an RL refit) the start-up checkpoint is no reference for the
     weights now: a rank the guard saw updated, audited without ``checkpoint``, that differs
-    from it is not judged (``ok`` None), its line saying ``reference: start-up checkpoint
-    <path>; N update(s) since: differences after a refit are expected`` and the last
-    update's own verdict (each update was judged against what it fed when it ran). Pass the
+    from it has its line say ``reference: start-up checkpoint <path>; N update(s) since:
+    differences after a refit are expected`` and the last update's own verdict (each update
+    was judged against what it fed when it ran); its ``ok`` is that verdict's when it failed
+    (False: the engine holds what the update did not feed), else None (not judged). Pass the
     refit's source as ``checkpoint`` to judge the weights now.
 
     Under ``distributed_executor_backend="external_launcher"`` (TRL's colocated engines,
