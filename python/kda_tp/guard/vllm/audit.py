@@ -58,7 +58,8 @@ def worker_audit(worker: Any, checkpoint: str | None = None, audit: str = ""
         updates left it, ``dp_rank``, ``pp_rank``, ``audit``, ``reference`` (what the
         parameters were compared with) and ``updates`` (the updates the guard judged on this
         model since its load). Audited against the start-up checkpoint after such updates, a
-        difference is expected: the line says so and gives the last update's own verdict, and
+        difference is expected: the line says so and gives the last update's own verdict (``OK``,
+        ``FAIL (N wrong)``: its line is the process's ``last``), and
         ``ok`` is False when that verdict failed, else None (not judged).
     """
     model = worker.model_runner.get_model()
@@ -85,7 +86,7 @@ def worker_audit(worker: Any, checkpoint: str | None = None, audit: str = ""
     if given is None and updates and out["ok"] is not None:
         said = "the same values" if out["ok"] else "differences after a refit are expected"
         out["line"] += (f" (reference: {reference}; {updates} update(s) since: {said}; "
-                        f"the last update's own verdict: {last})")
+                        f"the last update's own verdict: {last.rsplit(': ', 1)[-1]})")
         if not out["ok"]:  # no reference for the weights now: the last update's verdict
             out["ok"] = False if last_failed else None
     audited(out["line"], out["ok"])
