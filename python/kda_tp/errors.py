@@ -35,6 +35,7 @@ __all__ = [
     "EngineLayoutError",
     "GuardError",
     "GuardModeError",
+    "GuardWarning",
     "UsageError",
     "ShardInterrupted",
 ]
@@ -272,6 +273,19 @@ class GuardModeError(GuardError, ValueError):
 
     Example message: ``KDA_TP_GUARD='strict' is not a guard mode; use fail (the default), warn
     or off``.
+    """
+
+
+class GuardWarning(KdaTpError, UserWarning):
+    """A failing verdict of the guard in mode ``warn`` (``KDA_TP_GUARD=warn``): the engine goes
+    on, and the verdict is issued through Python's ``warnings`` as well as logged at ERROR on
+    the logger ``kda_tp.guard`` (a stack that hides the engine's log lines still shows it).
+
+    Raised, not only shown, where warnings are errors (``-W error``, pytest's
+    ``filterwarnings = error``): a ``KdaTpError`` then, caught with the family.
+
+    Example message: ``kda_tp guard: vllm load_weights: tp rank 1/2: 9 KDA parameters updated
+    (vllm-0.33-kimi-linear), 1179648 bytes, 0.004 s: FAIL (1 wrong) ...``.
     """
 
 

@@ -35,9 +35,19 @@ def guard_env_unset(monkeypatch):
     monkeypatch.delenv(CHECKPOINT_ENV, raising=False)
 
 
+class _Collect(logging.Handler):
+    def __init__(self, into: list[logging.LogRecord]):
+        super().__init__(logging.NOTSET)
+        self.into = into
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.into.append(record)
+
+
 class GuardLog:
     """What the guard logs (the ``kda_tp.guard`` logger), captured at INFO inside
-    ``with log:`` (and inside vLLM's config ``vc`` when given, as the engine's calls run).
+    ``with log:`` only (and inside vLLM's config ``vc`` when given, as the engine's calls
+    run): the guard's logger is at INFO everywhere, so what it logs outside is not taken.
 
     Attributes:
         lines: the messages captured so far; ``records``: their log records.
@@ -46,10 +56,14 @@ class GuardLog:
     def __init__(self, caplog: pytest.LogCaptureFixture, vc=None):
         self._caplog, self._vc = caplog, vc
         self._open: list[contextlib.ExitStack] = []
+        self._records: list[logging.LogRecord] = []
 
     def __enter__(self) -> GuardLog:
         stack = contextlib.ExitStack()
         stack.enter_context(self._caplog.at_level(logging.INFO, logger="kda_tp.guard"))
+        guard, handler = logging.getLogger("kda_tp.guard"), _Collect(self._records)
+        guard.addHandler(handler)
+        stack.callback(guard.removeHandler, handler)
         if self._vc is not None:
             from vllm.config import set_current_vllm_config
 
@@ -62,14 +76,15 @@ class GuardLog:
 
     @property
     def records(self) -> list[logging.LogRecord]:
-        return [r for r in self._caplog.records if r.name == "kda_tp.guard"]
+        return list(self._records)
 
     @property
     def lines(self) -> list[str]:
         return [r.getMessage() for r in self.records]
 
     def clear(self) -> None:
-        """Forget what was captured (``caplog.clear()``)."""
+        """Forget what was captured (and ``caplog.clear()``)."""
+        self._records.clear()
         self._caplog.clear()
 
 

@@ -6,6 +6,7 @@ checked."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 from pathlib import Path
@@ -16,7 +17,7 @@ from safetensors import safe_open
 
 from kda_tp import GuardError, KdaShardedSource, KdaTpError, KdaTpPlan, SafetensorsSource
 from kda_tp.engines import build_param, get_layout
-from kda_tp.errors import GuardModeError
+from kda_tp.errors import GuardModeError, GuardWarning
 from kda_tp.guard import MODE_ENV, GuardResult, check, mode
 
 from tp_fixtures import CKPT, DUMPS, PRE, load  # the engine_ranks fixtures
@@ -81,15 +82,19 @@ def test_rank_0s_slices_on_rank_2_stop_with_the_parameter_and_the_slice_named():
     assert f"{PRE}o_proj.weight" in {p.name for p in error.report.failures}
 
 
-def test_warn_logs_the_diagnosis_and_returns_the_result(monkeypatch, caplog, guard_log):
+def test_warn_logs_the_diagnosis_at_error_warns_and_returns_the_result(monkeypatch, caplog,
+                                                                      guard_log):
     monkeypatch.setenv(MODE_ENV, "warn")
     params = built(CKPT["glm"], "vllm-0.33-glm-5.3", 1, 2)
-    with guard_log:
+    with guard_log, pytest.warns(GuardWarning) as warned:
         result = check(params, CKPT["glm"], tp_rank=0, tp_size=2, model_dtype="F32")
     assert result is not None and not result.passed
     (record,) = caplog.records
-    assert record.levelno == logging.WARNING
+    assert record.levelno == logging.ERROR
     assert "FAIL" in record.getMessage() and "equals rank 1's slice of o_proj" in record.getMessage()
+    (warning,) = warned
+    assert str(warning.message) == record.getMessage()
+    assert isinstance(warning.message, KdaTpError)
 
 
 def test_off_checks_nothing(monkeypatch):
@@ -338,11 +343,13 @@ def test_unreadable_tensors_are_a_guard_error_or_a_warning_never_a_crash(case, m
               model_dtype="F32")
     monkeypatch.setenv(MODE_ENV, "warn")
     guard_log.clear()
-    with guard_log:
+    failing = case == "meta"  # a derived copy that cannot be read: a failing verdict
+    with guard_log, pytest.warns(GuardWarning, match=why) if failing else \
+            contextlib.nullcontext():
         out = check(params | change, CKPT["k3"], tp_rank=0, tp_size=4, derived=derived,
                     model_dtype="F32")
     assert out is None or not out.passed
-    assert [r.levelno for r in caplog.records] == [logging.WARNING]
+    assert [r.levelno for r in caplog.records] == [logging.ERROR if failing else logging.WARNING]
     assert why in caplog.records[0].getMessage()
 
 

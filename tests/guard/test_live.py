@@ -14,6 +14,7 @@ from kda_tp import GuardError, KdaShardedSource, KdaTpPlan, SafetensorsSource  #
 from kda_tp.engines import build_param, get_layout  # noqa: E402
 from kda_tp.guard import MODE_ENV, follow, followed  # noqa: E402
 from kda_tp.guard._record import RECORD  # noqa: E402
+from kda_tp.errors import GuardWarning  # noqa: E402
 
 from tp_fixtures import CKPT, PRE  # noqa: E402
 
@@ -112,7 +113,7 @@ def test_one_call_is_one_update_right_or_stopped_or_logged(monkeypatch, guard_lo
     assert RECORD.last.endswith(": FAIL (1 wrong)")
     monkeypatch.setenv(MODE_ENV, "warn")
     guard_log.clear()
-    with guard_log:
+    with guard_log, pytest.warns(GuardWarning, match="FAIL"):
         model.load_weights(tensors(4.0))
     (line,) = guard_log.lines
     assert "FAIL (1 wrong)" in line and "dt_bias: holds the values from before" in line

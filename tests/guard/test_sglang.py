@@ -129,7 +129,7 @@ def test_warn_logs_the_diagnosis_and_goes_on(outcome: dict[str, Any]) -> None:
     run = outcome["warn"]
     assert run["error"] is None
     (line,) = run["lines"]
-    assert line.startswith("WARNING kda_tp.guard: kda_tp guard: sglang: tp rank 1/4: ")
+    assert line.startswith("ERROR kda_tp.guard: kda_tp guard: sglang: tp rank 1/4: ")
     assert "FAIL (6 wrong)" in line and "equals rank 0's slice of q_proj" in line
 
 
@@ -240,7 +240,7 @@ def test_a_wrong_update_in_warn_mode_is_logged_and_succeeds(outcome: dict[str, A
     run = outcome["updates"]["warn"]
     assert run["results"] == [[True, "Success"]]
     (line,) = run["lines"]
-    assert line.startswith("WARNING kda_tp.guard: kda_tp guard: sglang update_weights_from_tensor")
+    assert line.startswith("ERROR kda_tp.guard: kda_tp guard: sglang update_weights_from_tensor")
     assert "FAIL (1 wrong)" in line and "k_proj: holds what was fed as" in line
 
 
@@ -360,5 +360,5 @@ def test_sessions_in_warn_mode_pass_or_log_the_diagnosis(outcome: dict[str, Any]
     wrong = outcome["sessions"]["warn q_in_k"]
     assert wrong["answers"][-1] == [True, "Success"]
     (line,) = wrong["lines"]
-    assert line.startswith(f"WARNING kda_tp.guard: {SESSION}tp rank 2/4: ")
+    assert line.startswith(f"ERROR kda_tp.guard: {SESSION}tp rank 2/4: ")
     assert "FAIL (1 wrong)" in line and "k_proj: holds what was fed as" in line

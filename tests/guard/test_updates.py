@@ -234,7 +234,26 @@ def test_other_values_and_a_wrongly_shaped_tensor_are_named():
                            "elements of A_log the plan places; the update cannot be right")
     (norm,) = [p for p in problems[1:] if "o_norm" in p]
     assert norm.startswith(f"{PRE}o_norm.weight: o_norm: differs from what was fed as "
-                           f"{PRE}o_norm.weight at element 3 (expected ")
+                           f"{PRE}o_norm.weight at [3] (its [3]; expected ")
+
+
+def test_a_wrong_element_is_named_by_its_index_in_the_parameter_and_the_part(tmp_path):
+    """As the first load names it (``at [768, 0] (its [0, 0]; ...``), never a flat index:
+    k_proj's rows start at row 768 of in_proj_qkvgfab (q's 768 rows above), k_conv1d's at row
+    768 of the 3-D conv1d."""
+    before = held(CKPT["kimi_linear"], LAYOUTS["kimi_linear"], 1, 2)
+    after = held(scaled("kimi_linear", tmp_path, 2.0), LAYOUTS["kimi_linear"], 1, 2)
+    session = session_for("kimi_linear", before, 1, 2)
+    list(session.wrap(tensors("kimi_linear", 2.0).items()))
+    after[PRE + "in_proj_qkvgfab.weight"][770, 7] += 1
+    after[PRE + "conv1d.weight"][770, 0, 3] += 1
+    problems = session.close(after).problems
+    assert len(problems) == 2
+    conv, fused = sorted(problems)
+    assert fused.startswith(f"{PRE}in_proj_qkvgfab.weight: k_proj: differs from what was fed "
+                            f"as {PRE}k_proj.weight at [770, 7] (its [2, 7]; expected ")
+    assert conv.startswith(f"{PRE}conv1d.weight: k_conv1d: differs from what was fed as "
+                           f"{PRE}k_conv1d.weight at [770, 0, 3] (its [2, 0, 3]; expected ")
 
 
 def test_names_of_other_stacks_and_non_kda_tensors_touch_nothing():

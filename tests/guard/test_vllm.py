@@ -37,6 +37,7 @@ with warnings.catch_warnings():
     from vllm.v1.worker.worker_base import WorkerBase
 
 from kda_tp import GuardError
+from kda_tp.errors import GuardWarning
 from kda_tp.guard import CHECKPOINT_ENV, MODE_ENV
 from kda_tp.guard.vllm import WORKER_METHOD, audit_llm
 
@@ -156,10 +157,10 @@ def test_warn_logs_and_loads_off_checks_nothing(vc, monkeypatch, guard_log):
     model = build(vc, "k3", 2, 0)
     set_rank(2, 1)
     loading_as(model, 2, 0)
-    with guard_log:
+    with guard_log, pytest.warns(GuardWarning, match="FAIL"):
         default_load(vc, model, CKPT["k3"])
     (record,) = guard_log.records
-    assert record.levelno == logging.WARNING and "equals rank 0's slice" in record.getMessage()
+    assert record.levelno == logging.ERROR and "equals rank 0's slice" in record.getMessage()
     monkeypatch.setenv(MODE_ENV, "off")
     guard_log.clear()
     model = build(vc, "k3", 2, 0)

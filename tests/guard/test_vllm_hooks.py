@@ -108,14 +108,14 @@ def test_audit_llm_carries_the_real_reason_and_the_armed_record(vc, tmp_path, mo
 def test_a_worker_without_the_guard_is_reported_unguarded(monkeypatch):
     monkeypatch.setenv("VLLM_PLUGINS", "some_other_plugin")
 
-    def collective_rpc(method):
+    def collective_rpc(method, kwargs=None):
         raise AttributeError(f"'Worker' object has no attribute '{method}'")
 
     with pytest.warns(RuntimeWarning, match="VLLM_PLUGINS='some_other_plugin' leaves out"):
         (report,) = audit_llm(types.SimpleNamespace(collective_rpc=collective_rpc))
     assert report["guarded"] is False and report["ok"] is None
     assert report["line"].startswith("unguarded: the workers do not answer kda_tp_audit")
-    reports = audit_llm(types.SimpleNamespace(collective_rpc=lambda m: [None]))
+    reports = audit_llm(types.SimpleNamespace(collective_rpc=lambda m, kwargs=None: [None]))
     assert reports[0]["guarded"] is False and "worker 0 answered None" in reports[0]["line"]
 
 

@@ -32,6 +32,7 @@ with warnings.catch_warnings():
                                                          record_metadata_for_reloading)
 
 from kda_tp import GuardError
+from kda_tp.errors import GuardWarning
 from kda_tp.guard import MODE_ENV, followed
 
 pytestmark = [pytest.mark.engines, pytest.mark.usefixtures("guard_env_unset")]
@@ -108,7 +109,7 @@ def test_a_fused_part_the_layerwise_reload_never_applies_is_named(vc, kind, monk
     assert re.search(rf"rank 2 {ATTN}{FUSED[kind]}\.weight: v_proj: {DROPPED}", text), text
     monkeypatch.setenv(MODE_ENV, "warn")
     guard_log.clear()
-    with guard_log:
+    with guard_log, pytest.warns(GuardWarning, match="FAIL"):
         layerwise(vc, model, kind, [tensors[:2], tensors[2:]])
     (line,) = guard_log.lines
     assert "FAIL (1 wrong)" in line and re.search(f"v_proj: {DROPPED}", line), line

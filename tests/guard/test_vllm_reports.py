@@ -26,7 +26,7 @@ with warnings.catch_warnings():
     from vllm.model_executor.model_loader.reload import inplace, record_metadata_for_reloading
 
 from kda_tp import GuardError
-from kda_tp.guard._first_load import verdict_line
+from kda_tp.guard._modes import verdict_line
 from kda_tp.guard._record import RECORD
 from kda_tp.guard.vllm import audit_llm
 

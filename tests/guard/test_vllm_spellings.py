@@ -31,6 +31,7 @@ with warnings.catch_warnings():
     from vllm.models.kimi_k3.nvidia.model import KimiK3ForConditionalGeneration
 
 from kda_tp import GuardError
+from kda_tp.errors import GuardWarning
 from kda_tp.guard import MODE_ENV
 from vllm_layers import fake_group
 
@@ -140,10 +141,10 @@ def test_a_kda_change_under_a_name_the_guard_cannot_place_is_not_checked(
     assert "NOT CHECKED" in text.splitlines()[0]
     assert "language_model.model.layers.0.self_attn.dt_bias: changed by an update that fed " \
         "'lm.layers.0.self_attn" in text
-    # mode warn: the same call goes on, one WARNING says what was not checked
+    # mode warn: the same call goes on, one ERROR line and a warning say what was not checked
     monkeypatch.setenv(MODE_ENV, "warn")
-    with vllm_log:
+    with vllm_log, pytest.warns(GuardWarning, match="NOT CHECKED"):
         vllm_log.clear()
         model.load_weights(refit("k3", "lm.layers.", 3.0))
-    warned = [r for r in vllm_log.records if r.levelname == "WARNING"]
+    warned = [r for r in vllm_log.records if r.levelname == "ERROR"]
     assert len(warned) == 1 and "NOT CHECKED" in warned[0].getMessage()

@@ -33,6 +33,7 @@ with warnings.catch_warnings():
 
 import kda_tp
 from kda_tp import GuardError
+from kda_tp.errors import GuardWarning
 from kda_tp.guard.vllm import DIGESTS_METHOD, expect_digests
 
 pytestmark = [pytest.mark.engines, pytest.mark.usefixtures("guard_env_unset")]
@@ -247,8 +248,8 @@ def test_padding_rows_left_as_allocated_are_stopped(vc, cpu_rdt, monkeypatch, vl
            "allocated them" in text
     monkeypatch.setenv("KDA_TP_GUARD", "warn")
     vllm_log.clear()
-    with vllm_log:
-        sync(engine, trainer, tensors)  # mode warn: logged, the sync goes on
+    with vllm_log, pytest.warns(GuardWarning, match="padding: 640 of 640 elements are not zero"):
+        sync(engine, trainer, tensors)  # mode warn: logged at ERROR and warned, the sync goes on
     assert "padding: 640 of 640 elements are not zero" in vllm_log.lines[-1]
 
 

@@ -279,5 +279,5 @@ def test_another_process_wide_copy_replacement_is_not_the_reference(vc, monkeypa
     with pytest.raises(GuardError) as caught, set_current_vllm_config(vc):
         model.load_weights([(name, tensor)])
     monkeypatch.undo()
-    assert f"rank 1 {name}: dt_bias: differs from what was fed as {name} at element 0" in \
+    assert f"rank 1 {name}: dt_bias: differs from what was fed as {name} at [0] (its [0]; " in \
         str(caught.value)

@@ -163,8 +163,9 @@ def _wrong_params(rank_report: dict[str, Any]) -> list[str]:
 def test_an_honest_start_logs_every_ranks_ok_line(bf16_tp2: Engine, f32_tp1: Engine) -> None:
     for engine, tp in ((bf16_tp2, 2), (f32_tp1, 1)):
         _started(engine)
-        # the engine core and each worker load the plugin (vLLM's load_general_plugins)
-        assert len(engine.lines("kda_tp guard: registered in vLLM (mode fail)")) == 1 + tp
+        # the caller of LLM() (EngineArgs), the engine core and each worker load the plugin
+        # (vLLM's load_general_plugins), each line shown by the guard's own handler
+        assert len(engine.lines("kda_tp guard: registered in vLLM (mode fail)")) == 2 + tp
         for rank in range(tp):
             line = _ok_line(engine, "DefaultModelLoader", rank, tp)
             assert "18 KDA parameters (vllm-" in line and "-kimi-linear)" in line
@@ -228,10 +229,13 @@ def test_one_stderr_line_names_the_rank_and_the_tensor(fail_tp2: Engine) -> None
 
 def test_mode_warn_starts_and_logs_the_failing_rank(warn_tp2: Engine) -> None:
     _started(warn_tp2)
-    assert len(warn_tp2.lines("kda_tp guard: registered in vLLM (mode warn)")) == 3
+    assert len(warn_tp2.lines("kda_tp guard: registered in vLLM (mode warn)")) == 4
     _ok_line(warn_tp2, "DefaultModelLoader", 0, 2)
-    [warning] = warn_tp2.lines("kda_tp guard: vllm DefaultModelLoader: tp rank 1/2:")
-    assert " WARNING " in warning and warning.endswith("FAIL (1 wrong)")
+    # one ERROR line on kda_tp.guard's own handler, and the same verdict as a GuardWarning
+    lines = warn_tp2.lines("kda_tp guard: vllm DefaultModelLoader: tp rank 1/2:")
+    [error] = [line for line in lines if "ERROR " in line]
+    [warning] = [line for line in lines if "GuardWarning: " in line]
+    assert error.endswith("FAIL (1 wrong)") and warning.endswith("FAIL (1 wrong)")
 
 
 def test_audit_llm_names_the_failing_rank_in_mode_warn(warn_tp2: Engine) -> None:

@@ -9,8 +9,8 @@ mode switch, the environment variable ``KDA_TP_GUARD`` (:data:`MODE_ENV`):
 * ``fail`` (the default): a wrong KDA parameter raises :class:`~kda_tp.errors.GuardError` carrying the
   audit's diagnosis (layer, parameter, part, what it holds instead), which stops the engine's
   start-up;
-* ``warn``: the diagnosis is logged at WARNING on the logger ``kda_tp.guard`` and the engine
-  goes on;
+* ``warn``: the diagnosis is logged at ERROR on the logger ``kda_tp.guard`` and issued as a
+  :class:`~kda_tp.errors.GuardWarning`, and the engine goes on;
 * ``off``: nothing is checked.
 
 On a pass, one INFO line per rank goes to the logger ``kda_tp.guard``:
@@ -55,11 +55,11 @@ from ..engines.build import RankPlan
 from ..errors import CheckpointError, GuardError, GuardModeError, KdaTpError
 from ..model.config import describes_kda
 from ._derived import first_load_problem
-from ._modes import CHECKPOINT_ENV, MODE_ENV, MODES, cannot_check, mode
+from ._modes import CHECKPOINT_ENV, MODE_ENV, MODES, cannot_check, failed, mode, passed
 from ._names import holds_kda, looks_kda
 from ._repacked import judge
 
-__all__ = ["GuardResult", "check", "verdict_line"]
+__all__ = ["GuardResult", "check"]
 
 logger = logging.getLogger("kda_tp.guard")
 
@@ -199,8 +199,9 @@ def check(
         but no ``A_log`` or ``dt_bias``, a config that describes no KDA layer, a tensor the
         audit cannot read: a warning, see ``cannot_check``); else the
         :class:`GuardResult` (in mode ``warn`` also when it failed). The result's
-        :meth:`~GuardResult.line` is logged at INFO on a pass, the diagnosis at WARNING on a
-        failure in mode ``warn``.
+        :meth:`~GuardResult.line` is logged at INFO on a pass, the diagnosis at ERROR on a
+        failure in mode ``warn``, also issued as a :class:`~kda_tp.errors.GuardWarning`
+        (``kda_tp.guard._modes.failed``).
 
     Raises:
         GuardError: mode ``fail``, and some KDA parameter (or derived copy) is wrong or missing,
@@ -210,7 +211,7 @@ def check(
             is the audit's diagnosis, ``.report`` the report and ``.result`` the
             :class:`GuardResult` (both None when the audit could not run). A failing verdict
             is first logged at ERROR as one line naming the rank and the wrong parameters
-            (``verdict_line``).
+            (``kda_tp.guard._modes.verdict_line``).
         GuardModeError: ``KDA_TP_GUARD`` (or ``guard_mode``) holds another value than
             ``fail``, ``warn``, ``off``.
         CheckpointError: a KDA model's ``params`` has a key that is not a ``str``.
@@ -297,27 +298,14 @@ def check(
     result = GuardResult(report, tp_rank, tp_size, report.engine, count, nbytes,
                          time.perf_counter() - start, where, audited.plan, tuple(unchecked))
     if result.passed:
-        logger.info("%s", result.line())
+        passed(result.line())
         return result
-    text = (f"{result.line()}\nthe KDA weights this rank loaded differ from "
-            f"{os.fspath(checkpoint)}:\n{result.text()}")
-    if chosen == "fail":
-        wrong = [p.name for p in report.params if not p.passed]
-        wrong += [p.split(": ", 1)[0].removeprefix(f"rank {tp_rank} ") for p in report.problems]
-        logger.error("%s", verdict_line(result.line(), wrong))
-        raise GuardError(text + f"\n(set {MODE_ENV}=warn to start anyway)", report, result)
-    logger.warning("%s", text)
+    wrong = [p.name for p in report.params if not p.passed]
+    wrong += [p.split(": ", 1)[0].removeprefix(f"rank {tp_rank} ") for p in report.problems]
+    failed(f"{result.line()}\nthe KDA weights this rank loaded differ from "
+           f"{os.fspath(checkpoint)}:\n{result.text()}", wrong, chosen, go_on="start anyway",
+           report=report, result=result)
     return result
-
-
-def verdict_line(line: str, wrong: Iterable[str]) -> str:
-    """A failing verdict ``line`` with the wrong parameters' names (the first 3, then ``+N
-    more``): the one line an engine's log carries where the engine cannot carry the
-    diagnosis to its caller (vLLM's ``LLM()`` raises only "Engine core initialization
-    failed" and logs the ``GuardError``'s lines one by one)."""
-    names = list(dict.fromkeys(wrong))
-    more = f" +{len(names) - 3} more" if len(names) > 3 else ""
-    return f"{line}: {', '.join(names[:3])}{more}" if names else line
 
 
 def _pairs(params: Iterable[Any]) -> dict[str, Any]:

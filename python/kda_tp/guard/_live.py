@@ -8,8 +8,9 @@ open on the model, or is one update by itself. The plugin opens and closes the s
 engine defines (:meth:`Follower.open`, :meth:`Follower.close`: vLLM's layerwise reload and
 weight-transfer sessions, SGLang's ``begin_weight_update`` / ``end_weight_update``) and the
 follower turns each session's :class:`~kda_tp.guard.UpdateReport` into the verdict:
-an INFO line, a WARNING with the diagnosis (mode ``warn``), or a
-:class:`~kda_tp.errors.GuardError` (mode ``fail``), counted in the process's record.
+an INFO line, or a failing one as ``kda_tp.guard._modes.failed`` shows it in every mode (an
+ERROR line, then a :class:`~kda_tp.errors.GuardError` in mode ``fail``, the diagnosis and a
+:class:`~kda_tp.errors.GuardWarning` in mode ``warn``), counted in the process's record.
 
 A call that feeds no KDA tensor of the rank costs a dictionary lookup per tensor; the rank's
 :class:`~kda_tp.guard.RankTarget` is built once and rebuilt only when the engine holds
@@ -25,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import logging
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -38,9 +38,9 @@ from ..checkpoint.reader import SafetensorsSource
 from ..checkpoint.values import same_tensor_values, same_values
 from ..engines.build import RankPlan
 from ..engines.derived import DERIVED, DERIVED_ATTRIBUTES, derived_copies
-from ..errors import GuardError, GuardModeError
+from ..errors import GuardModeError
 from ._derived import derived_problem
-from ._modes import MODE_ENV, cannot_check, mode, repair_on, warn_once
+from ._modes import cannot_check, failed, mode, passed, repair_on, warn_once
 from ._record import RECORD
 from ._target import AS_HELD, RankTarget, Reader
 from ._updates import Memory, UpdateReport, UpdateSession
@@ -49,8 +49,6 @@ __all__ = ["UPDATES_HOOK", "Follower", "follow", "followed"]
 
 #: The record's name of the wrapper :func:`follow` puts on a model's ``load_weights``.
 UPDATES_HOOK = "model.load_weights (updates)"
-
-logger = logging.getLogger("kda_tp.guard")
 
 
 def repair(model: Any) -> None:
@@ -98,6 +96,9 @@ class Follower:
         unplaced: for each layer of the rank a name the guard cannot place was fed for in
             the open session or call (``RankTarget.unplaced``): that name and the layer's
             parameters as they were before the engine got it, compared when it ends.
+        updates: the updates judged so far (each verdict, passed or not): a live audit
+            against the start-up checkpoint says how many updates came since.
+        last: the last update's verdict line; ``last_failed``: whether it failed.
     """
 
     engine: str
@@ -112,6 +113,9 @@ class Follower:
     spoiled: str = ""
     quiet: int = 0
     unplaced: dict[int, tuple[str, dict[str, Any]]] = field(default_factory=dict)
+    updates: int = 0
+    last: str = ""
+    last_failed: bool = False
 
     @contextlib.contextmanager
     def quietly(self) -> Iterator[None]:
@@ -327,17 +331,17 @@ class Follower:
                 f"KDA parameters updated ({self.target.layout.name}), {report.bytes} bytes, "
                 f"{report.seconds:.3f} s{repacked}: {verdict}")
         RECORD.ran("update", line)
+        self.updates, self.last, self.last_failed = self.updates + 1, line, not report.passed
         if report.passed:
-            logger.info("%s", line + "".join(f"\n  rank {rank} not checkable: {u}"
-                                             for u in report.repacked))
+            passed(line + "".join(f"\n  rank {rank} not checkable: {u}"
+                                  for u in report.repacked))
             return report
         text = (f"{line}\nthe KDA weights this rank holds after the update are not what the "
                 "update fed:\n" + "\n".join(f"  rank {rank} {p}" for p in report.problems)
                 + "".join(f"\n  rank {rank} not checked: {u}" for u in report.unchecked)
                 + "".join(f"\n  rank {rank} not checkable: {u}" for u in report.repacked))
-        if mode() == "fail":
-            raise GuardError(text + f"\n(set {MODE_ENV}=warn to go on anyway)")
-        logger.warning("%s", text)
+        wrong = [p.split(": ", 1)[0] for p in report.problems + report.unchecked]
+        failed(text, wrong, mode())
         return report
 
 

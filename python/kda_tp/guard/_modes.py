@@ -1,5 +1,15 @@
-"""What every part of the guard shares: its mode (``KDA_TP_GUARD``), a check that cannot run,
-one warning per process, and which local checkpoint a load is checked against.
+"""What every part of the guard shares: its mode (``KDA_TP_GUARD``), where its verdicts go, a
+check that cannot run, one warning per process, and which local checkpoint a load is checked
+against.
+
+Where verdicts go is written here once (:func:`passed`, :func:`failed`): the logger
+``kda_tp.guard`` (:data:`LOGGER`), at INFO for an OK line and ERROR for a failing verdict in
+every mode; in mode ``warn`` a failing verdict is also a :class:`~kda_tp.errors.GuardWarning`
+through Python's ``warnings``. The logger is the guard's own, never an engine's: its level is
+INFO unless someone set another, and its own handler (:class:`StderrFallback`) writes to
+stderr every record that no handler above it shows, so an engine's logging level
+(``VLLM_LOGGING_LEVEL=ERROR``, as TRL sets it) never hides a verdict, and a record an
+application's own handlers show is not written twice.
 
 The mode (:func:`mode`) is read from the environment at every decision, so that a process can
 change it between loads. A check that could not run is never silent (:func:`cannot_check`): a
@@ -17,17 +27,22 @@ This module imports no engine and no torch.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import logging
 import os
+import sys
 import warnings
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import GuardError, GuardModeError
+from ..errors import GuardError, GuardModeError, GuardWarning
 
-__all__ = ["CHECKPOINT_ENV", "MODES", "MODE_ENV", "REPAIR_ENV", "LoadSource", "cannot_check",
-           "checkpoint_env", "explicit_checkpoint", "load_checkpoint", "mode", "repair_on",
-           "resolve_checkpoint", "warn_once"]
+__all__ = ["CHECKPOINT_ENV", "LOGGER", "MODES", "MODE_ENV", "REPAIR_ENV", "LoadSource",
+           "StderrFallback", "audited", "cannot_check", "checkpoint_env", "explicit_checkpoint",
+           "failed", "held_verdicts", "load_checkpoint", "mode", "passed", "repair_on",
+           "resolve_checkpoint", "verdict_line", "warn_once"]
 
 #: The environment variable that sets the guard's mode.
 MODE_ENV = "KDA_TP_GUARD"
@@ -44,8 +59,118 @@ MODES = ("fail", "warn", "off")
 REPAIR_ENV = "KDA_TP_GUARD_REPAIR"
 _ON, _OFF = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
 
-logger = logging.getLogger("kda_tp.guard")
+#: The guard's logger: every line of the guard, in every process, goes to it.
+LOGGER = "kda_tp.guard"
 _warned: set[str] = set()
+
+
+class StderrFallback(logging.StreamHandler):  # type: ignore[type-arg]
+    """The guard logger's own handler: a record goes to stderr (the stream ``sys.stderr`` is
+    when the record comes: a worker's redirected stderr too) unless a handler it reaches
+    anyway shows it: another handler of the record's logger, or, while it propagates, one of
+    an ancestor's (the root's ``logging.basicConfig``, SGLang's, pytest's capture) whose level
+    lets it through. Never an engine's handler: vLLM keeps its own on the logger ``vllm``, at
+    ``VLLM_LOGGING_LEVEL``, which the guard's lines never pass through."""
+
+    def __init__(self) -> None:
+        super().__init__(sys.stderr)
+        self.setFormatter(logging.Formatter("%(levelname)s %(asctime)s %(message)s",
+                                            "%m-%d %H:%M:%S"))
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if _shown_elsewhere(self, record):
+            return
+        self.stream = sys.stderr
+        super().emit(record)
+
+
+def _shown_elsewhere(own: logging.Handler, record: logging.LogRecord) -> bool:
+    """Whether a handler other than ``own`` that ``record`` reaches lets its level through."""
+    node: logging.Logger | None = logging.getLogger(record.name)
+    while node is not None:
+        if any(h is not own and record.levelno >= h.level for h in node.handlers):
+            return True
+        node = node.parent if node.propagate else None
+    return False
+
+
+def _guard_logger() -> logging.Logger:
+    """The logger ``kda_tp.guard`` with its :class:`StderrFallback` (once per process), at
+    INFO unless a level was set on it."""
+    guard = logging.getLogger(LOGGER)
+    if not any(isinstance(h, StderrFallback) for h in guard.handlers):
+        guard.addHandler(StderrFallback())
+    if guard.level == logging.NOTSET:
+        guard.setLevel(logging.INFO)
+    return guard
+
+
+logger = _guard_logger()
+_held: contextvars.ContextVar[bool] = contextvars.ContextVar("kda_tp_guard_held", default=False)
+
+
+@contextlib.contextmanager
+def held_verdicts() -> Iterator[None]:
+    """Inside it :func:`passed` and :func:`failed` log nothing and warn nothing (``failed``
+    still raises in mode ``fail``): a live audit's checks, whose one line, with its reference,
+    the audit logs itself (:func:`audited`)."""
+    token = _held.set(True)
+    try:
+        yield
+    finally:
+        _held.reset(token)
+
+
+def passed(line: str) -> None:
+    """A passing verdict (``... : OK``): one INFO line on :data:`LOGGER`."""
+    if not _held.get():
+        logger.info("%s", line)
+
+
+def audited(line: str, ok: bool | None) -> None:
+    """A live audit's line for one rank: ERROR when it failed (``ok`` False), else INFO
+    (passed, not checked, or not judged)."""
+    logger.log(logging.ERROR if ok is False else logging.INFO, "%s", line)
+
+
+def failed(text: str, wrong: Iterable[str], guard_mode: str, *, go_on: str = "go on anyway",
+           report: Any = None, result: Any = None) -> None:
+    """A failing verdict (``text``: its line, then the diagnosis), shown as every mode shows
+    it: logged at ERROR on :data:`LOGGER` before anything is raised (a stack that masks the
+    exception, or waits forever for its answer, still has it in the worker's log), in mode
+    ``fail`` as one line, the verdict and the ``wrong`` parameters' names
+    (:func:`verdict_line`; the exception carries the diagnosis), in mode ``warn`` as the whole
+    diagnosis, also issued as a :class:`~kda_tp.errors.GuardWarning`; nothing in ``off``.
+
+    Args:
+        text: the verdict line, then the diagnosis.
+        wrong: the wrong parameters' names.
+        guard_mode: the mode that judges it.
+        go_on: what ``KDA_TP_GUARD=warn`` lets the engine do, for the error's message.
+        report, result: the ``GuardError``'s ``report`` and ``result``.
+
+    Raises:
+        GuardError: mode ``fail``: ``text`` and how to go on anyway.
+    """
+    if guard_mode == "off":
+        return
+    if guard_mode == "fail":
+        if not _held.get():
+            logger.error("%s", verdict_line(text.splitlines()[0], wrong))
+        raise GuardError(f"{text}\n(set {MODE_ENV}=warn to {go_on})", report, result)
+    if not _held.get():
+        logger.error("%s", text)
+        warnings.warn(text, GuardWarning, stacklevel=3)
+
+
+def verdict_line(line: str, wrong: Iterable[str]) -> str:
+    """A failing verdict ``line`` with the wrong parameters' names (the first 3, then ``+N
+    more``): the one line an engine's log carries where the engine cannot carry the
+    diagnosis to its caller (vLLM's ``LLM()`` raises only "Engine core initialization
+    failed" and logs the ``GuardError``'s lines one by one)."""
+    names = list(dict.fromkeys(wrong))
+    more = f" +{len(names) - 3} more" if len(names) > 3 else ""
+    return f"{line}: {', '.join(names[:3])}{more}" if names else line
 
 
 def mode() -> str:

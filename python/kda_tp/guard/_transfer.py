@@ -31,7 +31,6 @@ This module imports no engine; torch tensors come from the engine.
 
 from __future__ import annotations
 
-import logging
 import re
 import time
 import weakref
@@ -44,17 +43,16 @@ import numpy as np
 from ..audit.digests import DIGEST_KEY, param_digest
 from ..checkpoint.values import as_record
 from ..engines.derived import DERIVED, derived_copies
-from ..errors import GuardError, KdaTpError, UsageError
+from ..errors import KdaTpError, UsageError
 from ._derived import derived_problem
 from ._live import Follower, repair
-from ._modes import MODE_ENV, mode
+from ._modes import failed, mode, passed
 from ._record import RECORD
 from ._repacked import GEMM
 from ._target import PADDING, RankTarget
 
 __all__ = ["TransferReport", "check_transfer", "checked_digests", "end_session", "expect"]
 
-logger = logging.getLogger("kda_tp.guard")
 
 #: What a digest must be: vLLM's ``compute_weight_checksums`` value, a SHA-256 in hex.
 _HEX = re.compile(r"[0-9a-f]{64}")
@@ -265,11 +263,10 @@ def _verdict(how: Follower, report: TransferReport, where: str) -> None:
             f"{report.bytes} bytes, {report.seconds:.3f} s, {report.how}: {verdict}")
     RECORD.ran("update", line)
     if report.passed:
-        logger.info("%s", line)
+        passed(line)
         return
     text = (f"{line}\nthe KDA weights this rank holds after the transfer are wrong:\n"
             + "\n".join(f"  rank {rank} {p}" for p in report.problems)
             + "".join(f"\n  rank {rank} not checked: {u}" for u in report.unchecked))
-    if mode() == "fail":
-        raise GuardError(text + f"\n(set {MODE_ENV}=warn to go on anyway)")
-    logger.warning("%s", text)
+    wrong = [p.split(": ", 1)[0] for p in report.problems + report.unchecked]
+    failed(text, wrong, mode())

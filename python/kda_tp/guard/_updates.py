@@ -37,7 +37,8 @@ element of it, nothing sampled:
 A wrong region is named with what it holds instead, when kda_tp can tell without any other
 rank's data: what was fed for another part of the layer, in this session or in an earlier
 call (an ``UpdateSession``'s ``memory``, kept by the plugin across calls: digests); the values
-from before the update; else the first differing element. Memory stays about one layer's parts
+from before the update; else the first differing element, named as the first load names it: its
+index in the parameter and in the part (``at [0, 5] (its [0, 5]; expected ...``). Memory stays about one layer's parts
 of this rank: a part is verified on the tensors' own device right after the engine consumes it
 (only its digest kept), and a host copy of this rank's slice is kept only while the engine has
 not applied it (vLLM's layerwise reload applies a layer when all of it is in).
@@ -49,6 +50,7 @@ torch; torch tensors come from the engine, so torch is imported already.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -436,14 +438,15 @@ class UpdateSession:
                 report.repacked.append(set_aside_line(f"{place.name}: {part}", aside,
                                                       region.size))
             if first is not None:
+                index, its = _index(place, value, first)
                 report.problems.append(
-                    f"{place.name}: {part}: differs from what was fed as {fed_name} at element "
-                    f"{first} as the engine's GEMM reads it back (-0.0 as +0.0, subnormals as "
-                    f"0; expected {float(want[first])!r}, got {float(region[first])!r})")
+                    f"{place.name}: {part}: differs from what was fed as {fed_name} at {index} "
+                    f"(its {its}) as the engine's GEMM reads it back (-0.0 as +0.0, subnormals "
+                    f"as 0; expected {float(want[first])!r}, got {float(region[first])!r})")
             return
         if not same_values(region, want):
             report.problems.append(f"{place.name}: {part}: " + self._diagnose(
-                place, region, want, fed_name, values, report))
+                place, value, region, want, fed_name, values, report))
 
     def _unfed_region(self, report: UpdateReport, place: Place, value: Any,
                       earlier: bytes | None) -> None:
@@ -484,9 +487,9 @@ class UpdateSession:
             "before it (rebuilt uninitialised?)"
             + (f"; it holds what was fed as {what}" if what else ""))
 
-    def _diagnose(self, place: Place, got: np.ndarray, want: np.ndarray, fed_name: str,
-                  values: dict[str, Any], report: UpdateReport) -> str:
-        """What a wrong fed region holds instead."""
+    def _diagnose(self, place: Place, value: Any, got: np.ndarray, want: np.ndarray,
+                  fed_name: str, values: dict[str, Any], report: UpdateReport) -> str:
+        """What a wrong fed region of parameter ``value`` holds instead."""
         swapped = (f"(this rank's slice), not {fed_name}: parts swapped by the update's "
                    "loader")
         for (layer, part), other in self._fed.items():
@@ -511,7 +514,8 @@ class UpdateSession:
             return (f"holds the values from before the update: {fed_name} was fed but the "
                     "engine never applied it")
         first = first_difference(got, want)
-        return (f"differs from what was fed as {fed_name} at element {first} (expected "
+        index, its = _index(place, value, first)
+        return (f"differs from what was fed as {fed_name} at {index} (its {its}; expected "
                 f"{float(want[first])!r}, got {float(got[first])!r})")
 
     def _earlier(self, place: Place, digest: bytes) -> str | None:
@@ -550,6 +554,23 @@ def _local(t: KdaTensorPlan, tensor: Any) -> Any:
         return None
     return view[t.src_row_offset:t.src_row_offset + t.local_rows,
                 t.src_col_offset:t.src_col_offset + t.local_row_elems].reshape(-1)
+
+
+def _index(place: Place, value: Any, first: int) -> tuple[list[int], list[int]]:
+    """Where element ``first`` of ``place``'s region lies, as the first load's diagnosis names
+    it (``kda_tp.audit.report.PartDifference``): its index in the parameter ``value`` (by the
+    parameter's shape) and in the part (the region's rows, each a row of the parameter); a
+    parameter whose shape does not hold the region, or a region that does not start on a row,
+    is indexed flat."""
+    shape = tuple(int(n) for n in getattr(value, "shape", ()))
+    size, at = place.stop - place.start, place.start + first
+    if not shape or math.prod(shape) < place.stop:
+        return [at], [first]
+    row = math.prod(shape[1:])
+    part = (size // row, *shape[1:]) if row and size % row == 0 and place.start % row == 0 \
+        else (size,)
+    return ([int(i) for i in np.unravel_index(at, shape)],
+            [int(i) for i in np.unravel_index(first, part)])
 
 
 def _region(value: Any, place: Place) -> Any:

@@ -102,7 +102,7 @@ def test_a_loader_bug_on_the_last_rank_is_stopped_in_mode_fail(openrlhf_fail: En
     assert f"kda_tp guard: vllm load_weights: tp rank 1/{TP}: " in message
     assert "FAIL (1 wrong)" in message
     assert (f"rank 1 {BUG_PARAM}: q_proj: differs from what was fed as {BUG_FED} "
-            "at element 5 (expected ") in message
+            "at [0, 5] (its [0, 5]; expected ") in message
     assert all(line.endswith(" s: OK") for line in _refit_lines(engine, 1, 0))
 
 

@@ -1,14 +1,14 @@
 """What the vLLM plugin (:mod:`kda_tp.guard.vllm`) reads from vLLM 0.33: the worker's ranks
 (tensor-parallel, pipeline, data-parallel), its current config, whether a model is a
-speculative draft, the checkpoint a load is checked against, and where the guard's log lines
-go; gathered for the guard's one flow as vLLM's adapter (:class:`VllmEngine`).
+speculative draft and the checkpoint a load is checked against; gathered for the guard's one
+flow as vLLM's adapter (:class:`VllmEngine`). The guard's lines never go through vLLM's
+logging (``kda_tp.guard._modes``: its own logger and handler).
 
 This module imports vLLM only inside its functions (they run in a vLLM process).
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -19,8 +19,8 @@ from .._target import Reader, Spelling, mapper_spelling
 from .._names import stage_layers
 from . import repacked
 
-__all__ = ["VllmEngine", "attach_vllm_logging", "current_config", "dp_rank", "is_draft",
-           "load_source", "pp_rank_size", "stage_layers_of", "tp_rank_size"]
+__all__ = ["VllmEngine", "current_config", "dp_rank", "is_draft", "load_source", "pp_rank_size",
+           "stage_layers_of", "tp_rank_size"]
 
 
 class _VllmReader:
@@ -60,7 +60,6 @@ class VllmEngine:
         self.vllm_config = current_config(vllm_config)
         self.model_config = model_config or getattr(self.vllm_config, "model_config", None)
         self.loader = loader
-        attach_vllm_logging()
 
     def label(self) -> str:
         return "vllm"
@@ -87,19 +86,6 @@ class VllmEngine:
 
     def model_dtype(self) -> str | None:
         return model_dtype_name(getattr(self.model_config, "dtype", None))
-
-
-def attach_vllm_logging() -> None:
-    """Show the guard's lines where vLLM's own go, unless logging was set up elsewhere."""
-    guard = logging.getLogger("kda_tp.guard")
-    if guard.handlers or logging.getLogger().handlers:
-        return
-    vllm_logger = logging.getLogger("vllm")
-    for handler in vllm_logger.handlers:
-        guard.addHandler(handler)
-    if vllm_logger.handlers:
-        guard.setLevel(min(vllm_logger.getEffectiveLevel(), logging.INFO))
-        guard.propagate = False
 
 
 def current_config(vllm_config: Any) -> Any:

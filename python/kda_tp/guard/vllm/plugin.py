@@ -42,9 +42,10 @@ decode buffers, GLM-5.3's ``_merged_conv_weight``) are checked against their par
 ``_merged_conv_weight`` is dropped after every load and update instead, so that vLLM rebuilds
 it on the next forward (vLLM #55087).
 
-It also gives vLLM's workers a method ``kda_tp_audit`` that :func:`audit_llm` calls on every
-worker of a live ``LLM`` through ``collective_rpc``: each rank's verdict, the engine and kda_tp
-versions, the hooks armed and missing, the checks run and the last verdict.
+It also gives vLLM's workers the method ``kda_tp_audit`` (``kda_tp.guard.vllm.audit``) that
+``audit_llm`` calls on every worker of a live ``LLM`` through ``collective_rpc``: each rank's
+verdict and its reference, the engine and kda_tp versions, the hooks armed and missing, the
+checks run and the last verdict.
 
 On each rank the first-load guard is :func:`kda_tp.guard.check` with the rank and world size of
 vLLM's own tensor-parallel group, the model's ``named_parameters()`` and derived copies, the
@@ -59,7 +60,6 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
-import os
 import sys
 import threading
 import weakref
@@ -72,17 +72,14 @@ from .._live import Follower, followed, repair
 from .._load import follow_model, on_load
 from .._modes import MODE_ENV, REPAIR_ENV, LoadSource, cannot_check, mode, warn_once
 from .._names import looks_kda
-from .._record import RECORD, account, count, engine_ranks, rank_report, sized
+from .._record import RECORD
 from .._record import status as _status
 from ._hooks import after_import, subclasses
-from .facts import VllmEngine, attach_vllm_logging, dp_rank, pp_rank_size, tp_rank_size
+from .audit import WORKER_METHOD, worker_audit
+from .facts import VllmEngine
 from .transfer import add_digests_method, follow_transfer
 
-__all__ = ["REPAIR_ENV", "WORKER_METHOD", "audit_llm", "follow_updates", "guard_model",
-           "register", "status"]
-
-#: The worker method :func:`register` adds, which :func:`audit_llm` calls.
-WORKER_METHOD = "kda_tp_audit"
+__all__ = ["REPAIR_ENV", "follow_updates", "guard_model", "register", "status"]
 
 logger = logging.getLogger("kda_tp.guard")
 
@@ -120,7 +117,6 @@ def register() -> None:
     if _installed:
         return
     _installed = True
-    attach_vllm_logging()
     try:
         chosen = mode()
     except GuardModeError:
@@ -249,7 +245,7 @@ def _add_worker_method(worker_base: Any) -> None:
     target = getattr(worker_base, "WorkerBase", None)
     if _hook("vllm.v1.worker.worker_base.WorkerBase", target):
         RECORD.install("vllm.v1.worker.worker_base.WorkerBase", target, WORKER_METHOD,
-                       _worker_audit)
+                       worker_audit)
         add_digests_method(target)
 
 
@@ -539,95 +535,3 @@ def follow_updates(model: Any, model_config: Any, vllm_config: Any = None, *,
     """
     if followed(model) is None:
         follow_model(VllmEngine(model_config, vllm_config), model, found)
-
-
-# ------------------------------------------------------------------------------------------
-# A running engine
-
-
-def _worker_audit(worker: Any, checkpoint: str | None = None) -> dict[str, Any]:
-    """The worker method ``kda_tp_audit``: this worker's guard report as a plain dict
-    (collective_rpc results cross processes as msgpack), against ``checkpoint`` when given
-    (an RL refit's source), else the model's own."""
-    model = worker.model_runner.get_model()
-    model_config = worker.vllm_config.model_config
-    rank, size = tp_rank_size()
-    before = status()  # the record as the loads and updates left it, not this audit
-    # "fail" to get the reason; a running engine is never stopped from here
-    return {**rank_report(lambda: guard_model(model, model_config, loader="audit",
-                                              vllm_config=worker.vllm_config, guard_mode="fail",
-                                              checkpoint=checkpoint or None),
-                          tp_rank=rank, tp_size=size, where="vllm audit"), **before,
-            "dp_rank": dp_rank(worker.vllm_config), "pp_rank": pp_rank_size()[0]}
-
-
-def audit_llm(llm: Any, *, checkpoint: str | os.PathLike[str] | None = None
-              ) -> list[dict[str, Any]]:
-    """Audit the KDA weights a live vLLM ``LLM`` holds, on every worker, now.
-
-    Calls the worker method ``kda_tp_audit`` through ``llm.collective_rpc`` (the plugin
-    must be installed in the workers: it is, when kda_tp is installed in vLLM's environment
-    and ``VLLM_PLUGINS``, if set, names ``kda_tp_guard``). Each worker checks its parameters
-    as they are now (after any update, against ``checkpoint`` or else the model path vLLM now
-    has) and reports; nothing is raised for a wrong rank.
-
-    Args:
-        llm: a ``vllm.LLM``.
-        checkpoint: the checkpoint to audit against (an RL refit's source, as SGLang's
-            ``audit_engine`` takes); None: the one each worker loaded. The workers must see it
-            (one machine or a shared file system).
-
-    Returns:
-        One dict per worker, in vLLM's worker order, with the keys of
-        ``kda_tp.guard.rank_report`` (the SGLang plugin's audit returns the same): ``ok``
-        (True, False, or None when nothing was checked), ``guarded`` (False for a worker
-        without the guard, or one that did not answer), ``tp_rank``, ``tp_size``, ``where``
-        (``"vllm audit"``), ``line`` (the guard's one-line verdict, or ``not checked:
-        <why>``), ``skipped``, ``engine``, ``params``, ``bytes``, ``seconds``, ``summary``,
-        ``text``, ``report`` (``AuditReport.to_dict()``: every parameter's verdict and
-        diagnosis), and the worker's ``versions``, ``mode``, ``hooks`` (armed or missing),
-        ``checks`` (run, by kind) and ``last`` (the last verdict before this audit), with
-        ``dp_rank`` and ``pp_rank``. Every rank the engine has (its data-parallel rank,
-        pipeline x tensor-parallel sizes: the LLM's parallel config, else the answers') is
-        reported once: one that did not answer, or answered twice, is an entry with
-        ``guarded`` False (``kda_tp.guard._record.account``); nobody answering is never
-        ``[]``.
-    """
-    plugins = os.environ.get("VLLM_PLUGINS")
-    hint = ""
-    if plugins is not None and "kda_tp_guard" not in [p.strip() for p in plugins.split(",")]:
-        hint = f" (VLLM_PLUGINS={plugins!r} leaves out kda_tp_guard: the workers are unguarded)"
-        warn_once(f"kda_tp guard: VLLM_PLUGINS={plugins!r} leaves out kda_tp_guard: vLLM does "
-                  "not load the guard, no load or update is checked")
-    try:
-        answers = list(llm.collective_rpc(WORKER_METHOD) if checkpoint is None else
-                       llm.collective_rpc(WORKER_METHOD,
-                                          kwargs={"checkpoint": os.fspath(checkpoint)}))
-    except Exception as error:  # noqa: BLE001 - a worker without the method: unguarded
-        return [_unguarded(f"the workers do not answer {WORKER_METHOD} "
-                           f"({type(error).__name__}: {error}){hint}")]
-    reports, odd = sized([answer for answer in answers if isinstance(answer, dict)],
-                         "vllm audit")
-    odd += [_unguarded(f"worker {i} answered {answer!r:.80}{hint}")
-            for i, answer in enumerate(answers) if not isinstance(answer, dict)]
-    parallel = getattr(getattr(getattr(llm, "llm_engine", None), "vllm_config", None),
-                       "parallel_config", None)
-    tp = count(getattr(parallel, "tensor_parallel_size", None)) or \
-        max([r.get("tp_size") or 0 for r in reports] + [0])
-    pp = count(getattr(parallel, "pipeline_parallel_size", None)) or \
-        max([(r.get("pp_rank") or 0) + 1 for r in reports] + [1])
-    dp = {dp_rank(getattr(getattr(llm, "llm_engine", None), "vllm_config", None))} \
-        if parallel is not None else {r.get("dp_rank") or 0 for r in reports} or {0}
-    if not tp and not odd:
-        return [_unguarded(f"no worker answered {WORKER_METHOD}{hint}")]
-    expected, too_many = engine_ranks(sorted(dp), pp, tp, "vllm audit")
-    if too_many:
-        return too_many + odd
-    return account(reports, expected, "vllm audit") + odd
-
-
-def _unguarded(why: str) -> dict[str, Any]:
-    """A worker's report when it has no guard to answer (:func:`audit_llm`)."""
-    return {"ok": None, "guarded": False, "tp_rank": None, "tp_size": None,
-            "line": f"unguarded: {why}", "report": None}
-
