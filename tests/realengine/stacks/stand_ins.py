@@ -130,20 +130,15 @@ def verl_cpu_platform() -> None:
 
     @PlatformRegistry.register(platform="cpu")
     class PlatformCPU(PlatformCUDA):
+        """What verl's sync path asks of its device: its name, its module's ``synchronize``
+        and ``empty_cache``, whether it has CUDA IPC."""
+
         device_name = "cpu"  # type: ignore[assignment]
-        device_module = SimpleNamespace(synchronize=nothing, empty_cache=nothing)  # type: ignore[assignment]
+        device_module = SimpleNamespace(  # type: ignore[assignment]
+            synchronize=nothing, empty_cache=nothing)
 
         def is_available(self) -> bool:
             return True
-
-        def current_device(self) -> int:
-            return 0
-
-        def synchronize(self, device_index: Any = None) -> None:
-            return None
-
-        def empty_cache(self) -> None:
-            return None
 
         def is_ipc_supported(self) -> bool:
             return False

@@ -5,11 +5,12 @@ everything, with the guard in modes fail and warn (issue 40, item 5). verl_child
 engine per mode; stand_ins.py says what stands in for what a CPU lacks (CUDA IPC -> verl's own
 shared-memory transport on a ``cpu`` platform of its registry, the distribution name ``vllm``).
 
-Host kind: the dropped part is caught on the **non-repacking** host (stand_ins.
-``keep_linear_weights``); on a **repacking** host (AVX-512-BF16/AMX, vLLM's own dispatch left
-alone) vLLM itself fails verl's first ``load_weights`` of a Linear after start-up (its weight an
-empty Parameter without ``weight_loader``), guard or no guard, and the refit never reaches a
-verdict: :func:`test_on_a_repacking_host_vllm_itself_refuses_the_refit` asserts that.
+Host kind: the dropped part is caught on the **non-repacking** host
+(``stand_ins.keep_linear_weights``); on a **repacking** host (AVX-512-BF16/AMX, vLLM's own
+dispatch left alone) vLLM itself fails verl's first ``load_weights`` of a Linear after start-up
+(the repack left an empty weight, and vLLM's default loader asserts the shapes), guard or no
+guard, and the refit never reaches a verdict:
+:func:`test_on_a_repacking_host_vllm_itself_refuses_the_refit` asserts that.
 
 The verdicts reach the test as they reach verl's trainer: in mode fail the ``collective_rpc``
 error (what its ``await future`` raises) and the senders' outcome, in mode warn the workers'
@@ -93,7 +94,7 @@ def test_an_honest_refit_passes_on_every_rank(mode: str, index: int,
         assert not _refit_lines(engine, index, "FAIL")
 
 
-def test_a_loader_bug_is_stopped_in_mode_fail_behind_verls_bufferError(
+def test_a_loader_bug_is_stopped_in_mode_fail_behind_verls_buffer_error(
         verl_fail: Engine) -> None:
     engine = verl_fail
     assert engine.result["bug_ranks"] == [-1, 1]

@@ -17,7 +17,8 @@ renames and fuses parameters when it loads (``conv1d``, ``A_log``, the experts),
 vLLM 0.32's Kimi-Linear ``load_weights`` does not take, guard or no guard.
 
 Before each refit each rank prints the line :data:`MARK` (its lines after it are that
-refit's). ``OUT`` receives ``ranks``: per rank its own ``started``, ``bug_rank`` and per
+refit's). The launch is ended after :data:`LAUNCH_TIMEOUT_S`. ``OUT`` receives ``started``,
+the launch's ``returncode`` and ``ranks``: per rank its own ``started``, ``bug_rank`` and per
 refit ``error`` (what ``sync_weights`` raised: ``type``, ``message``; None when it returned),
 each rank's object rewritten as it goes (``OUT.rank<N>``) and gathered by the launcher.
 """
@@ -33,6 +34,9 @@ from typing import Any
 
 #: The line each rank prints before refit N: its lines after it are that refit's.
 MARK = "=== kda_tp test: refit {} ==="
+#: A launch that has not ended by then is a hang (less than engine_run.ENGINE_TIMEOUT_S, after
+#: which the test kills this process's group).
+LAUNCH_TIMEOUT_S = 360
 
 
 def _policy(model: Path) -> Any:
@@ -96,10 +100,21 @@ def main() -> None:
         rank_main(spec, out.with_name(f"{out.name}.rank{os.environ['RANK']}"))
         return
     tp = spec["tp"]
-    launched = subprocess.run(
+    # torch.distributed.run starts each rank in a session of its own, out of reach of the
+    # test's kill of this process group: the launcher is ended here, by the signal it
+    # forwards to its ranks, then killed
+    launched = subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(tp),
-         "--standalone", __file__, *sys.argv[1:]],
-        stdin=subprocess.DEVNULL, check=False)
+         "--standalone", __file__, *sys.argv[1:]], stdin=subprocess.DEVNULL)
+    try:
+        launched.wait(timeout=LAUNCH_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        launched.terminate()
+        try:
+            launched.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            launched.kill()
+            launched.wait()
     ranks = []
     for rank in range(tp):
         path = out.with_name(f"{out.name}.rank{rank}")
