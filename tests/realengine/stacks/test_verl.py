@@ -111,7 +111,7 @@ def test_a_loader_bug_is_stopped_in_mode_fail_behind_verls_buffer_error(
     failing = _refit_lines(engine, 1, UPDATE.format(1))
     assert failing and "FAIL (1 wrong)" in failing[0], failing
     assert _refit_lines(engine, 1, f"rank 1 {FUSED}: q_proj: differs from what was fed as "
-                                   "model.layers.0.self_attn.q_proj.weight at element ")
+                                   "model.layers.0.self_attn.q_proj.weight at [")
     assert all(line.endswith(" s: OK") for line in _refit_lines(engine, 1, UPDATE.format(0)))
 
 
@@ -123,7 +123,7 @@ def test_a_loader_bug_is_reported_in_mode_warn(verl_warn: Engine) -> None:
     failing = _refit_lines(engine, 2, UPDATE.format(1))
     assert len(failing) == 1 and failing[0].endswith("FAIL (1 wrong)"), failing
     assert _refit_lines(engine, 2, f"rank 1 {FUSED}: q_proj: differs from what was fed as "
-                                   "model.layers.0.self_attn.q_proj.weight at element ")
+                                   "model.layers.0.self_attn.q_proj.weight at [")
     assert all(line.endswith(" s: OK") for line in _refit_lines(engine, 2, UPDATE.format(0)))
 
 
