@@ -10,6 +10,8 @@ model dtype BF16), and the copies the engine derives from ``kv_b_proj`` as ``der
 vLLM's ``W_UK_T`` / ``W_UV`` after the layer's ``process_weights_after_loading`` (on
 ``mla_attn.mla_attn`` for GLM-5.3; the ``CPU_MLA`` backend, as ``AMX_MLA`` empties
 ``kv_b_proj``), SGLang's ``w_kc`` / ``w_vc`` after the model's own ``post_load_weights``.
+For vLLM, ``OUT_DIR/tp{T}_r{R}.json`` holds vLLM's own ``compute_tensor_digests`` of the layer
+after post-processing (its weight checksums, names relative to ``self_attn``).
 The model classes' ``load_weights`` run on a stand-in holding only ``layers.{LAYER}.self_attn``
 (the engines' full model constructors need CUDA); GLM-5.3 is built without its DSA indexer
 (``index_topk`` None), which the tables do not describe.
@@ -90,6 +92,9 @@ def _vllm(kind: str, text: dict[str, Any], mla: dict[str, Any], layer: int, t: i
         absorbing.process_weights_after_loading(torch.bfloat16)
         derived = {n: p.data for n, p in attn.named_parameters()
                    if n.rpartition(".")[2] in ("W_UK_T", "W_UV")}
+        from vllm.model_executor.model_loader.weight_checksum import compute_tensor_digests
+
+        held["checksums"] = compute_tensor_digests(attn)
     return held, derived
 
 
@@ -173,6 +178,9 @@ def main(argv: list[str]) -> None:
     for t in sizes:
         for r in range(t):
             held, derived = load(kind, text, mla, int(layer), t, r)
+            checksums = held.pop("checksums", None)
+            if checksums is not None:  # vLLM's own weight checksums, after post-processing
+                (Path(out) / f"tp{t}_r{r}.json").write_text(json.dumps(checksums))
             tensors = {**held, **{f"derived.{n}": d.contiguous() for n, d in derived.items()}}
             save_file(tensors, str(Path(out) / f"tp{t}_r{r}.safetensors"),
                       metadata={"tp_size": str(t), "tp_rank": str(r)})

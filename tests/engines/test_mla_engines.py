@@ -9,11 +9,13 @@ MLA layer holds is in the table with its name, shape and dtype, and its bytes ar
 ``build_mla_param`` places from the rank's view (each part in its region: a part loaded into
 another's rows, or another rank's slice, would differ); the derived copies (vLLM's
 ``W_UK_T``/``W_UV`` after ``process_weights_after_loading``, SGLang's ``w_kc``/``w_vc`` after
-``post_load_weights``) equal the table's derivation of the local ``kv_b_proj``.
+``post_load_weights``) equal the table's derivation of the local ``kv_b_proj``; vLLM's own
+weight checksums of the layer after post-processing are what ``kda-tp digests`` says.
 """
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -22,6 +24,7 @@ import numpy as np
 import pytest
 
 import kda_tp
+from kda_tp.audit import engine_digests
 from kda_tp.engines import LAYOUTS
 from kda_tp.engines.build import build_mla_param
 from kda_tp.engines.derived import MLA_DERIVED
@@ -85,3 +88,9 @@ def test_the_mla_table_is_what_the_engine_loads(engine, kind, tmp_path):
                 want = engine_held[f"derived.{name}"].float().numpy()
                 got = copy.derive(kv_b, view.mla)
                 assert got.shape == want.shape and np.array_equal(got, want), (t, r, name)
+            if engine == "vllm":  # kda-tp digests = vLLM's own checksums, W_UK_T/W_UV included
+                checksums = json.loads((out / f"tp{t}_r{r}.json").read_text())
+                base = f"{layout.state_dict_prefix(view.prefix)}{MLA_LAYER}.self_attn."
+                digests = engine_digests(ckpt, engine=layout.name, tp_size=t, ranks=[r])
+                assert {k.split(base, 1)[1]: v for k, v in digests.items() if base in k} == (
+                    checksums), (t, r)
