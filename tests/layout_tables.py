@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from kda_tp.engines import LAYOUTS, EngineParam
+from kda_tp.engines.derived import MLA_DERIVED
 from kda_tp.engines.layout import CONFIG_DTYPE
 
 # Each plan tensor's local shape in symbols, for the documentation tables only.
@@ -17,13 +18,21 @@ SYMBOLS = {
     "o_norm": ("D",), "o_proj": ("d", "Cl"),
 }
 
+# An MLA layer's plan tensors (kda_tp.rank.MlaTpPlan), in the spec's symbols.
+MLA_SYMBOLS = {
+    "q_proj": ("Hl·(P+Pr)", "d"), "q_a_proj": ("Q", "d"), "q_a_layernorm": ("Q",),
+    "q_b_proj": ("Hl·(P+Pr)", "Q"), "kv_a_proj_with_mqa": ("L+Pr", "d"),
+    "kv_a_layernorm": ("L",), "kv_b_proj": ("Hl·(P+V)", "L"), "g_proj": ("Hl·V", "d"),
+    "o_proj": ("d", "Hl·V"),
+}
 
-def symbolic_shape(param: EngineParam) -> str:
+
+def symbolic_shape(param: EngineParam, symbols: dict[str, tuple[str, ...]] = SYMBOLS) -> str:
     if param.scale_of is not None:
         return "[Σ parts' block rows, column blocks]"
     if param.view is not None:
         return "[" + ", ".join("Hl" if d == -1 else str(d) for d in param.view) + "]"
-    shapes = [SYMBOLS[p] for p in param.parts]
+    shapes = [symbols[p] for p in param.parts]
     if param.stacked:
         return f"[{len(shapes)}, {', '.join(shapes[0])}]"
     terms: list[list[Any]] = []
@@ -54,7 +63,9 @@ def layouts_markdown() -> str:
 
     Shapes use ``Cl`` (this rank's channels, ``Hl * D``), ``Hl`` (its heads), ``D`` (head_dim),
     ``d`` (hidden), ``r`` (gate rank, ``f_a_proj`` rows), ``K`` (conv kernel); ``padN(x)`` is
-    ``x`` rounded up to a multiple of ``N`` with zero rows.
+    ``x`` rounded up to a multiple of ``N`` with zero rows. MLA tables: ``Hl`` this rank's MLA
+    heads, ``Q`` q_lora_rank, ``L`` kv_lora_rank, ``P``/``Pr`` the nope/rope head dims, ``V``
+    v_head_dim.
     """
     out = []
     for layout in LAYOUTS.values():
@@ -67,4 +78,23 @@ def layouts_markdown() -> str:
                      or ("F32 (scales)" if p.scale_of else "model"))
             out.append(f"| `{p.suffix}` | {made_of(p)} | {symbolic_shape(p)} | {dtype} |")
         out.append("")
+        if layout.mla:
+            out.extend(_mla_table(layout))
     return "\n".join(out)
+
+
+def _mla_table(layout: Any) -> list[str]:
+    """A layout's MLA table: its parameters and the copies derived from ``kv_b_proj``."""
+    out = [f"MLA layers: {layout.mla_source}.\n", "| MLA parameter | made of | local shape | dtype |",
+           "| --- | --- | --- | --- |"]
+    for p in layout.mla:
+        name = f"`{p.suffix}`" + (f" (dump: `{p.dump_suffix}`)" if p.dump_suffix else "")
+        out.append(f"| {name} | {made_of(p)} | {symbolic_shape(p, MLA_SYMBOLS)} | model |")
+    copies = MLA_DERIVED.get(layout.name, {})
+    if copies:
+        first = next(iter(copies.values()))
+        kind = "plain attributes" if first.attribute else "parameters"
+        listed = ", ".join(f"`{n}` {d.shape}" for n, d in copies.items())
+        out.append(f"\nDerived from the local `kv_b_proj`: {listed} ({kind}, built {first.built}).")
+    out.append("")
+    return out

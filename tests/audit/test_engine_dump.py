@@ -145,8 +145,12 @@ def test_a_wrapped_checkpoint_is_named_as_the_engine_names_it(tmp_path):
     with safe_open(result.files[0], "np") as f:
         names = sorted(f.keys())
     assert "language_model.model.layers.0.self_attn.in_proj_qkvgfab.weight" in names
-    assert all(n.startswith("language_model.model.layers.0.self_attn.") for n in names)
-    assert audit_path(ckpt, tmp_path / "dump", tp_size=2, model_dtype="F32").passed
+    # layer 1 is K3's MLA layer: its parameters are dumped too, under the same prefix
+    assert "language_model.model.layers.1.self_attn.fused_qkv_a_g_proj.weight" in names
+    assert all(n.startswith(("language_model.model.layers.0.self_attn.",
+                             "language_model.model.layers.1.self_attn.")) for n in names)
+    report = audit_path(ckpt, tmp_path / "dump", tp_size=2, model_dtype="F32")
+    assert report.passed and sum(p.mla for p in report.params) == 12, report.format()
 
 
 def test_state_dict_prefixes_follow_the_engines_mappers():

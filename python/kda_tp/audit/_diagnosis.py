@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -19,6 +20,7 @@ from ..checkpoint.reader import SafetensorsSource, Tensor, checked_get
 from ..checkpoint.values import bytes_equal, first_difference, same_values
 from ..engines.layout import EngineParamPlan
 from ..model.dtypes import FLOAT_DTYPES, cast_to, numpy_dtype
+from ..rank.mla import mla_tensor_name
 from ..rank.plan import KdaShard, KdaTensorPlan
 from ..rank.view import KdaShardedSource
 from .report import ParamAudit, PartDifference
@@ -40,21 +42,28 @@ class Candidates:
     instead: every rank's slice of every plan tensor (and block-scale grid), and the full
     tensors, read from the checkpoint when first asked for and kept for the layer's other
     parameters. The diagnosis spends at most :data:`DIAGNOSIS_BUDGET` times the rank's bytes
-    of the layer (:meth:`afford`)."""
+    of the layer (:meth:`afford`). ``mla``: the layer is one of the hybrid's MLA layers, whose
+    plan tensors are the rank views' ``mla`` plan's."""
 
     def __init__(self, source: SafetensorsSource, shards: Callable[[int], KdaShardedSource],
-                 rank: int, layer: int):
+                 rank: int, layer: int, *, mla: bool = False):
         self.source, self.shards, self.rank, self.layer = source, shards, rank, layer
+        self.mla = mla
         shard = shards(rank)
-        self.plan, self.prefix = shard.plan, shard.prefix
+        self.plan, self.prefix = self._plan_of(shard), shard.prefix
         self.parts = [t.name for t in self.plan.tensors]
         self.parts += [f"{t.name}.scale" for t in self.plan.tensors if t.scale is not None]
         self._slices: dict[tuple[int, str], np.ndarray] = {}
         self.budget = DIAGNOSIS_BUDGET * sum(self._nbytes(part) for part in self.parts)
         self.spent = 0
 
+    def _plan_of(self, shard: KdaShardedSource) -> Any:
+        """The plan of the layer's tensors on ``shard``'s rank (its MLA plan for an MLA
+        layer)."""
+        return shard.mla if self.mla else shard.plan
+
     def _entry(self, part: str) -> KdaTensorPlan:
-        entry = self.plan[part.removesuffix(".scale")]
+        entry: KdaTensorPlan = self.plan[part.removesuffix(".scale")]
         if part.endswith(".scale"):
             assert entry.scale is not None  # listed in `parts` only when it has one
             entry = entry.scale
@@ -76,6 +85,8 @@ class Candidates:
                                       part.removesuffix(".scale"))
             assert found is not None  # the adapter checked every quantized weight's scale
             return found
+        if self.mla:
+            return mla_tensor_name(self.prefix, self.layer, part)
         return kda_tensor_name(self.prefix, self.layer, part)
 
     def slice(self, rank: int, part: str) -> np.ndarray:
@@ -99,7 +110,7 @@ class Candidates:
         in the mapped tensor."""
         if self._entry(part).kind != KdaShard.CHANNEL_COLS or (rank, part) in self._slices:
             return self.slice(rank, part)[:count]
-        entry = self.shards(rank).plan[part.removesuffix(".scale")]
+        entry = self._plan_of(self.shards(rank))[part.removesuffix(".scale")]
         if part.endswith(".scale"):
             assert entry.scale is not None  # listed in `parts` only when it has one
             entry = entry.scale
@@ -136,13 +147,15 @@ class Candidates:
                 f"{plan.full_heads}",
                 _Range(self.full(part)[start : start + size]),
             )
-        start, channels = self.rank * plan.local_heads, self.rank * plan.local_heads * plan.head_dim
-        if part == "dt_bias" and start != channels and size == self.size(part):
-            yield (
-                f"dt_bias[{start}:{start + size}]: sliced at the head offset rank x H/T = {start} "
-                f"instead of the channel offset rank x C/T = {channels}",
-                _Range(self.full(part)[start : start + size]),
-            )
+        if part == "dt_bias":  # a KDA plan's
+            start = self.rank * plan.local_heads
+            channels = start * plan.head_dim
+            if start != channels and size == self.size(part):
+                yield (
+                    f"dt_bias[{start}:{start + size}]: sliced at the head offset rank x H/T = "
+                    f"{start} instead of the channel offset rank x C/T = {channels}",
+                    _Range(self.full(part)[start : start + size]),
+                )
         for other in self.parts:
             if other == part or self.size(other) != size:
                 continue

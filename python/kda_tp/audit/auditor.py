@@ -17,6 +17,7 @@ or one rank's safetensors file. ``kda-tp audit`` is its command line.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import re
@@ -31,13 +32,14 @@ from ..checkpoint.names import param_location, param_name
 from ..checkpoint.description import describe
 from ..checkpoint.reader import SafetensorsSource
 from ..checkpoint.values import as_record
-from ..engines.build import RankPlan, build_param, engine_params
+from ..engines.build import RankPlan, build_mla_param, build_param, engine_params
 from ..engines.dtype import config_dtype, config_model_dtype, engine_model_dtype
-from ..engines.layout import EngineLayout, EngineParam
+from ..engines.layout import EngineLayout, EngineParam, EngineParamPlan
 from ..engines.registry import LAYOUTS, get_layout, recognise
 from ..errors import CheckpointError, EngineLayoutError, PlanError
 from ..model.dtypes import FLOAT_DTYPES
 from ..model.families import FAMILIES
+from ..rank.mla import rank_mla_plan
 from ..rank.plan import KdaTpPlan
 from ..rank.view import KdaShardedSource
 from ._diagnosis import Candidates, audit_overflow, compare, exact_in_place
@@ -85,11 +87,13 @@ class _Auditor:
     view and :class:`RankPlan`, and the engine's model dtype, are built once and kept here.
 
     ``first``: the rank whose view is built now (the plan refuses a world size the heads cannot
-    split, or a rank out of range, before anything else is read)."""
+    split, or a rank out of range, before anything else is read). ``mla``: judge the hybrid's
+    MLA layers too, where their plan can be made (``kda_tp.rank.mla.rank_mla_plan``: not for
+    a pipeline stage's ``layers``, nor where the MLA layers pass through whole)."""
 
     def __init__(self, checkpoint: str | os.PathLike[str] | SafetensorsSource, tp_size: int,
                  engine: str | None, layers: Iterable[int] | None = None,
-                 model_dtype: str | None = None, *, first: int = 0):
+                 model_dtype: str | None = None, *, first: int = 0, mla: bool = False):
         self.source = (checkpoint if isinstance(checkpoint, SafetensorsSource)
                        else SafetensorsSource(checkpoint))
         # The checkpoint's description (read once, shared with every rank's plan and view).
@@ -109,7 +113,9 @@ class _Auditor:
                     f"{self.source.path} (its KDA layers: {list(self.layers)})"
                 )
             self.layers = tuple(sorted(wanted))
+        self.mla = mla and layers is None
         self._shards: dict[int, KdaShardedSource] = {}
+        self._mla_plans: dict[tuple[int, str], dict[str, EngineParamPlan]] = {}
         self._plans: dict[tuple[int, str], RankPlan] = {}
         self._dtypes: dict[str, str] = {}
         # The names any layout knows, and those only a KDA layer has.
@@ -123,8 +129,21 @@ class _Auditor:
         if rank not in self._shards:
             plan = KdaTpPlan.from_description(self.description, rank, self.tp_size,
                                               qk_multiple=1)
-            self._shards[rank] = KdaShardedSource(self.source, plan)
+            mla = rank_mla_plan(self.description, rank, self.tp_size)[0] if self.mla else None
+            self._shards[rank] = KdaShardedSource(self.source, plan, mla=mla)
         return self._shards[rank]
+
+    def mla_plans(self, rank: int, layout: EngineLayout) -> dict[str, EngineParamPlan]:
+        """Rank ``rank``'s MLA parameter plans in ``layout`` (by name after ``self_attn.``),
+        for the engine's model dtype: built once per rank and layout; empty where the MLA
+        layers are not judged (no MLA plan, or a layout without an MLA table)."""
+        key = (rank, layout.name)
+        if key not in self._mla_plans:
+            mla = self.shard(rank).mla
+            self._mla_plans[key] = {} if mla is None or not layout.mla else {
+                p.suffix: layout.mla_param_plan(p.suffix, mla, self.model_dtype(layout))
+                for p in layout.mla_params_for(mla)}
+        return self._mla_plans[key]
 
     def rank_plan(self, rank: int, layout: EngineLayout) -> RankPlan:
         """Rank ``rank``'s plan and engine parameter plans in ``layout``, for the engine's model
@@ -254,7 +273,9 @@ class _Auditor:
             layout: EngineLayout, report: AuditReport, params: list[tuple[int, EngineParam]],
             advance: Callable[[int], None] | None) -> None:
         """Audit every KDA parameter of one rank (``params``: :meth:`engine_params`) into
-        ``report``."""
+        ``report``, then, where the MLA layers are judged (:meth:`mla_plans`) and the records
+        hold any MLA parameter of the layout, every MLA parameter of every MLA layer (one
+        missing is ``"missing"``)."""
         report.ignored += selected.ignored
         report.problems += selected.problems
         candidates: Candidates | None = None
@@ -273,6 +294,23 @@ class _Auditor:
         # Names of another quantization form (scale grids of unquantized weights).
         report.ignored += sum(len(set(selected.layers.get(layer, {})) - suffixes)
                               for layer, suffixes in expected.items())
+        plans = self.mla_plans(rank, layout)
+        # Each MLA parameter's names: a dump may name it as vLLM's filter keeps it (GLM-5.3:
+        # mla_attn.<name>). A state dict holding none of them is audited for KDA only.
+        named = {(layer, param): [param_name(selected.prefix, layer, s)
+                                  for s in (param.suffix, param.dump_suffix) if s]
+                 for layer in (self.shard(rank).mla_layers if plans else ())
+                 for param in layout.mla}
+        if not any(n in records for names in named.values() for n in names):
+            return
+        candidates = None
+        for (layer, param), names in named.items():
+            if candidates is None or candidates.layer != layer:
+                candidates = Candidates(self.source, self.shard, rank, layer, mla=True)
+            name = next((n for n in names if n in records), names[0])
+            report.ignored -= name in records  # counted with the other names by select
+            report.params.append(self.param(rank, layer, name, records.get(name), rank_plan,
+                                            param.suffix, candidates, mla=plans[param.suffix]))
 
     def model_dtype(self, layout: EngineLayout) -> str:
         """The engine's model dtype (``kda_tp.engines.engine_model_dtype``): the one
@@ -283,20 +321,29 @@ class _Auditor:
         return self._dtypes[layout.engine]
 
     def param(self, rank: int, layer: int, name: str, value: Any, rank_plan: RankPlan,
-              suffix: str, candidates: Candidates) -> ParamAudit:
+              suffix: str, candidates: Candidates,
+              mla: EngineParamPlan | None = None) -> ParamAudit:
         """One parameter's verdict, the engine running in ``rank_plan``'s model dtype
         (:meth:`model_dtype`): a parameter that follows the model dtype held in another float
-        dtype is a mismatch naming both (e.g. F16 in a BF16 engine: a lossy cast)."""
+        dtype is a mismatch naming both (e.g. F16 in a BF16 engine: a lossy cast). ``mla``:
+        the plan of an MLA parameter (``suffix`` one of ``layout.mla``; every one follows the
+        model dtype), None for a KDA one."""
+        verdict = self._param(rank, layer, name, value, rank_plan, suffix, candidates, mla)
+        return verdict if mla is None else dataclasses.replace(verdict, mla=True)
+
+    def _param(self, rank: int, layer: int, name: str, value: Any, rank_plan: RankPlan,
+               suffix: str, candidates: Candidates, mla: EngineParamPlan | None) -> ParamAudit:
         shard = self.shard(rank)
         layout, model_dtype = rank_plan.layout, rank_plan.model_dtype
         assert model_dtype is not None  # the auditor decides it
         record = None if value is None else as_record(name, value)
-        plan = rank_plan.param_plan(suffix)
+        plan = rank_plan.param_plan(suffix) if mla is None else mla
+        what = suffix if mla is None else f"MLA {suffix}"
         if record is None:
             return ParamAudit(rank, layer, name, "missing",
-                              f"missing: {layout.name} holds {suffix} {list(plan.shape)} here")
-        if (record.dtype in FLOAT_DTYPES and record.dtype != model_dtype
-                and layout.follows_model(suffix, shard.plan)):
+                              f"missing: {layout.name} holds {what} {list(plan.shape)} here")
+        follows = mla is not None or layout.follows_model(suffix, shard.plan)
+        if record.dtype in FLOAT_DTYPES and record.dtype != model_dtype and follows:
             how = ("the engine's model dtype, as passed" if self.requested_dtype is not None
                    else f"{layout.name}'s default model dtype for this checkpoint's config")
             return ParamAudit(rank, layer, name, "mismatch",
@@ -306,11 +353,13 @@ class _Auditor:
                               held_dtype=record.dtype if self.requested_dtype is None else None)
         if exact_in_place(record, plan, candidates):
             return ParamAudit(rank, layer, name, "exact")
+        builder = build_param if mla is None else build_mla_param
+
         @functools.cache
         def build() -> np.ndarray:
             with np.errstate(over="ignore", invalid="ignore"):  # an overflow is reported below
-                built: np.ndarray = build_param(shard, layout, suffix, layer,
-                                                model_dtype=model_dtype, plan=plan)
+                built: np.ndarray = builder(shard, layout, suffix, layer,
+                                            model_dtype=model_dtype, plan=plan)
             return built.reshape(-1)
 
         result = compare(rank, layer, name, record, plan, build, candidates)
@@ -393,7 +442,7 @@ def audit(
             does not divide the heads, or ``tp_rank`` is out of range.
     """
     return audit_rank(state_dict, checkpoint, tp_rank=tp_rank, tp_size=tp_size, engine=engine,
-                      layers=layers, model_dtype=model_dtype).report
+                      layers=layers, model_dtype=model_dtype, mla=True).report
 
 
 def audit_rank(
@@ -405,9 +454,11 @@ def audit_rank(
     engine: str | None = None,
     layers: Iterable[int] | None = None,
     model_dtype: str | None = None,
+    mla: bool = False,
 ) -> RankAudit:
     """:func:`audit`, with the rank's :class:`~kda_tp.engines.RankPlan` and view it built
-    (what the guard hands on to the rank's update target, instead of building them again).
+    (what the guard hands on to the rank's update target, instead of building them again);
+    the hybrid's MLA layers judged too only with ``mla`` (:func:`audit` judges them).
 
     Raises:
         As :func:`audit`.
@@ -418,7 +469,7 @@ def audit_rank(
         if not isinstance(name, str):
             raise CheckpointError(f"state_dict: the key {name!r} ({type(name).__name__}) is not a "
                                   "parameter name (a str)")
-    auditor = _Auditor(checkpoint, tp_size, engine, layers, model_dtype, first=tp_rank)
+    auditor = _Auditor(checkpoint, tp_size, engine, layers, model_dtype, first=tp_rank, mla=mla)
     selected = auditor.select(names, "state_dict")
     if selected is None:
         raise auditor.no_kda("state_dict")
@@ -561,7 +612,7 @@ def audit_path(
     # tp_size <= heads) before anything is listed; else the dump tells it, below.
     early = None if given is None else _Auditor(
         checkpoint, given, engine, model_dtype=model_dtype,
-        first=rank if rank is not None and rank < given else 0)
+        first=rank if rank is not None and rank < given else 0, mla=True)
     if root.is_dir():
         files = {r: open_files(paths) for r, paths in sharded_state_files(root).items()}
         how = "its name"
@@ -581,7 +632,7 @@ def audit_path(
         if not 0 <= r < tp_size:
             raise PlanError(f"rank {r} is not a rank of tp_size {tp_size} (0..{tp_size - 1})")
     auditor = early or _Auditor(checkpoint, tp_size, engine, model_dtype=model_dtype,
-                                first=wanted[0])
+                                first=wanted[0], mla=True)
     report = AuditReport("", tp_size)
     noted = False  # the dump's model metadata named another family (said once, first)
     dumps: list[tuple[int, RankFiles, _Selected | None]] = []

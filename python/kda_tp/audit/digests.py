@@ -28,20 +28,25 @@ from typing import Any
 
 import numpy as np
 
+from .. import _native
 from ..checkpoint.description import CheckpointDescription
 from ..checkpoint.names import checkpoint_suffix, kda_tensor_name, param_location, param_name
-from ..checkpoint.reader import SafetensorsSource, Tensor
+from ..checkpoint.reader import SafetensorsSource, Tensor, readonly_bytes
 from ..checkpoint.values import as_record
 from ..engines.build import engine_params, param_plan
+from ..engines.derived import MLA_DERIVED
 from ..engines.dtype import config_model_dtype
 from ..engines.layout import EngineLayout, EngineParamPlan
 from ..engines.registry import LAYOUTS, get_layout
-from ..errors import CheckpointError, DtypeMismatchError, EngineLayoutError, PlanError, UsageError
+from ..errors import (CheckpointError, DtypeMismatchError, EngineLayoutError, PlanError,
+                      ShapeMismatchError, UsageError)
 from ..model.config import KdaConfig, load_config
 from ..model.dtypes import FP8_DTYPES
+from ..model.mla import MlaConfig, parse_mla_config
+from ..rank.mla import MlaTpPlan, mla_tensor_name
 from ..rank.plan import KdaTpPlan
 from ..rank.view import KdaShardedSource
-from ._diagnosis import cast_nan
+from ._diagnosis import cast_nan, cast_overflow
 from .expected_params import build_checked, checked_ranks, expected_params
 
 __all__ = ["DIGEST_KEY", "engine_digests", "expected_digests", "param_digest", "vllm_layout"]
@@ -100,7 +105,10 @@ def engine_digests(
     weight_checksum.py``: ``compute_tensor_digests``), keyed ``dp{dp}:pp{pp}:pcp{pcp}:tp{tp}:``
     + the name. This computes the same for the parameters of :func:`write_engine_dump`: the
     hash of the row-major raw bytes, in the parameter's dtype, of what the engine's loader
-    leaves in each KDA parameter, keyed with :data:`DIGEST_KEY`. A digest can only match
+    leaves in each KDA parameter, keyed with :data:`DIGEST_KEY`; for a hybrid whose MLA layers
+    can be planned, every MLA parameter too, under its ``named_parameters()`` name, and the
+    ``W_UK_T`` / ``W_UV`` parameters vLLM derives from each ``kv_b_proj`` after loading (the
+    copy's row-major bytes, as ``.contiguous()`` gives them). A digest can only match
     where the engine keeps the parameter as loaded: see ``docs/audit.md`` for the parameters
     vLLM rewrites after loading.
 
@@ -121,7 +129,8 @@ def engine_digests(
         PlanError, CheckpointError, DtypeMismatchError: as :func:`write_engine_dump`.
     """
     _, by_rank = expected_params(checkpoint, vllm_layout(engine), tp_size, ranks, model_dtype)
-    return {DIGEST_KEY.format(rank=r, name=p.name): _promised_digest(r, p.name, p.plan, p.build())
+    return {DIGEST_KEY.format(rank=r, name=p.name):
+            param_digest(p.build()) if p.derived else _promised_digest(r, p.name, p.plan, p.build())
             for r, params in by_rank for p in params}
 
 
@@ -192,6 +201,13 @@ def expected_digests(
     g, f and b) and a layer's parameters share one plan, so the tensors an update leaves
     unchanged must be fed too (the trainer's full state dict holds them). Inside the engine,
     the guard checks a partial update from what it sends (``docs/guard.md``).
+
+    The hybrids' MLA layers (from the config, where it gives their geometry) are hashed too,
+    each as soon as the tensors the layout's MLA parameters are made of have all arrived: their
+    parameters under their ``named_parameters()`` names and the ``W_UK_T`` / ``W_UV`` vLLM
+    derives from ``kv_b_proj``, as :func:`~kda_tp.audit.engine_digests` keys them. An update
+    that sends no tensor of the MLA layers gets the KDA digests alone; one that sends some of
+    an MLA layer's is refused as an incomplete KDA layer is.
 
     How it reads ``tensors``: once, in order, in this call. A generator (or any iterator) is
     consumed: pass a fresh one to each call, or a mapping or list to read the same tensors
@@ -267,7 +283,11 @@ def expected_digests(
     required = {checkpoint_suffix(t.name) for t in
                 KdaTpPlan.from_description(description, 0, tp_size, qk_multiple=1).tensors}
     model_dtype = config_model_dtype(config_dict, layout.engine, model_dtype)
-    digests = _Digests(kda, required, layout, tp_size, wanted, model_dtype)
+    try:
+        mla = parse_mla_config(config_dict, kda)
+    except CheckpointError:  # the config lacks an MLA size: its MLA layers are not planned
+        mla = None
+    digests = _Digests(kda, required, layout, tp_size, wanted, model_dtype, mla)
     for item in tensors.items() if isinstance(tensors, Mapping) else tensors:
         if not isinstance(item, tuple | list) or len(item) != 2 or not isinstance(item[0], str):
             raise UsageError(
@@ -284,10 +304,15 @@ class _Digests:
     complete, then hashed for every wanted rank and dropped."""
 
     def __init__(self, kda: KdaConfig, required: set[str], layout: EngineLayout, tp_size: int,
-                 wanted: list[int], model_dtype: str | None) -> None:
+                 wanted: list[int], model_dtype: str | None, mla: MlaConfig | None) -> None:
         self.kda, self.required, self.layout = kda, required, layout
         self.tp_size, self.wanted, self.model_dtype = tp_size, wanted, model_dtype
         self.layers = set(kda.kda_layers or ())
+        # The MLA layers hashed, and the plan tensors their parameters are made of.
+        self.mla = mla if mla is not None and layout.mla else None
+        self.mla_layers = set(self.mla.layers) if self.mla else set()
+        self.mla_parts = {part for p in layout.mla for part in p.parts}
+        self.mla_pending: dict[tuple[str, int], dict[str, Tensor]] = {}
         self.pending: dict[tuple[str, int], _LayerTensors] = {}
         self.done: dict[tuple[str, int], list[list[tuple[str, str]]]] = {}
         self.plans: list[KdaTpPlan] = []
@@ -305,6 +330,8 @@ class _Digests:
         if location is not None and location[1] not in self.layers:
             if location[2].rsplit(".", 1)[-1] in _MARKERS:
                 self.strays.setdefault(location[:2], []).append(name)
+            elif location[1] in self.mla_layers:
+                self.feed_mla(name, location[:2], value)
             return
         if location is None:
             return
@@ -325,6 +352,31 @@ class _Digests:
                           for r in self.wanted]
         del self.pending[key]
 
+    def feed_mla(self, name: str, key: tuple[str, int], value: Any) -> None:
+        """Take one tensor of an MLA layer: kept if the layout's MLA parameters are made of it,
+        its layer hashed once complete.
+
+        Raises:
+            CheckpointError: a tensor sent twice, or after its layer was hashed.
+        """
+        parts = {mla_tensor_name(key[0], key[1], part): part for part in self.mla_parts}
+        part = parts.get(name)
+        if part is None:
+            return  # not a table's part (GLM-5.3's DSA indexer)
+        if key in self.done:
+            raise CheckpointError(f"{name}: MLA layer {key[1]} was complete and hashed when "
+                                  "this tensor arrived; send each MLA tensor once")
+        group = self.mla_pending.setdefault(key, {})
+        if part in group:
+            raise CheckpointError(f"{name}: sent twice; send each MLA tensor once")
+        group[part] = as_record(name, value)
+        if len(group) < len(self.mla_parts):
+            return
+        assert self.mla is not None  # mla_layers is empty otherwise
+        self.done[key] = [_hash_mla_layer(key, group, self.mla, self.layout, r, self.tp_size,
+                                          self.model_dtype) for r in self.wanted]
+        del self.mla_pending[key]
+
     def result(self, where: str) -> dict[str, str]:
         """Every digest, ranks in order, then layers, then parameters.
 
@@ -343,6 +395,14 @@ class _Digests:
                     f"{where} lists no KDA layer {layer} (its KDA layers: {sorted(self.layers)});"
                     " is this the config of the model being updated?"
                 )
+        for (prefix, layer), group in sorted(self.mla_pending.items()):
+            absent = sorted(mla_tensor_name(prefix, layer, p) for p in self.mla_parts - set(group))
+            raise CheckpointError(
+                f"the tensors fed do not complete MLA layer {layer}: it lacks "
+                f"{', '.join(absent)}; expected_digests hashes whole MLA layers (an engine "
+                "parameter may join several of their tensors, W_UK_T/W_UV come from the whole "
+                "kv_b_proj): feed every MLA tensor of the layer, the unchanged ones too, or none"
+            )
         missing = sorted(self.layers - {layer for _, layer in self.done})
         if missing:
             lacking = "; ".join(
@@ -411,4 +471,54 @@ def _hash_layer(group: _LayerTensors, plan: KdaTpPlan, layout: EngineLayout,
                               "pass another model_dtype, or none for the tensors' own")
         out.append((DIGEST_KEY.format(rank=plan.tp_rank, name=name),
                     _promised_digest(plan.tp_rank, name, planned, built)))
+    return out
+
+
+def _hash_mla_layer(key: tuple[str, int], group: dict[str, Tensor], mla: MlaConfig,
+                    layout: EngineLayout, rank: int, tp_size: int,
+                    model_dtype: str | None) -> list[tuple[str, str]]:
+    """``(key, digest)`` of every MLA parameter of one MLA layer on rank ``rank`` (the
+    layout's MLA table, each part this rank's slice of the fed tensor, cast to
+    ``model_dtype``), and of the copies the engine derives from ``kv_b_proj`` as parameters.
+
+    Raises:
+        PlanError: a dtype the MLA plan does not take (block-FP8), heads ``tp_size`` does not
+            split.
+        ShapeMismatchError: a tensor whose shape is not the config's MLA geometry's.
+        DtypeMismatchError: a cast to ``model_dtype`` that overflows.
+    """
+    prefix, layer = key
+    plan = MlaTpPlan.from_mla_config(mla, rank, tp_size,
+                                     {part: t.dtype for part, t in group.items()})
+    for part, tensor in group.items():
+        if tuple(tensor.shape) != tuple(plan[part].disk_shape):
+            name = mla_tensor_name(prefix, layer, part)
+            raise ShapeMismatchError(
+                f"{name}: shape {list(tensor.shape)}, expected {list(plan[part].disk_shape)} "
+                "from the config's MLA geometry (num_attention_heads, q_lora_rank, "
+                "kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim); fix the config "
+                "or the tensor"
+            )
+    engine_prefix = layout.state_dict_prefix(prefix)
+    derived = {n: d for n, d in MLA_DERIVED.get(layout.name, {}).items() if not d.attribute}
+
+    def read(part: str, dst: np.ndarray) -> None:
+        _native.shard_into(plan[part], readonly_bytes(group[part].data), dst)
+
+    out = []
+    for param in layout.mla_params_for(plan):
+        planned = layout.mla_param_plan(param.suffix, plan, model_dtype)
+        name = param_name(engine_prefix, layer, param.suffix)
+        with np.errstate(over="ignore"):  # an overflow is refused below
+            built = planned.fill(None, read, lambda part: plan[part].local_bytes)
+        overflow = cast_overflow(planned, built.reshape(-1),
+                                 lambda part: group[part].array.reshape(-1))
+        if overflow is not None:
+            raise DtypeMismatchError(f"rank {rank} {name}: {overflow}; pass another "
+                                     "model_dtype, or none for the tensors' own")
+        out.append((DIGEST_KEY.format(rank=rank, name=name),
+                    _promised_digest(rank, name, planned, built)))
+        if param.suffix == "kv_b_proj.weight":
+            out += [(DIGEST_KEY.format(rank=rank, name=param_name(engine_prefix, layer, n)),
+                     param_digest(d.derive(built, plan))) for n, d in derived.items()]
     return out

@@ -8,8 +8,12 @@ and writes them as an engine's ``save_sharded_state`` would (``model-rank-{r}-pa
 compare with a real one. The same list hashed as vLLM's weight checksums is
 :func:`kda_tp.audit.engine_digests`.
 
-Only the KDA parameters are produced: the engine's other parameters (embeddings, MLP,
-full-attention layers, norms outside ``self_attn``) are not.
+Only the KDA parameters, and the hybrid's MLA parameters where their plan can be made, are
+produced: the engine's other parameters (embeddings, MLP, norms outside ``self_attn``) are not.
+MLA parameters are named as vLLM's own ``save_sharded_state`` would name them (GLM-5.3's
+``q_a_layernorm``, ``q_b_proj``, ``o_proj`` under ``self_attn.mla_attn.``), without the
+``W_UK_T`` / ``W_UV`` aliases of ``kv_b_proj`` vLLM keeps after loading (on which its own
+``save_sharded_state`` raises; ``docs/audit.md``).
 """
 
 from __future__ import annotations
@@ -55,7 +59,7 @@ class DumpResult:
         tp_size: the tensor-parallel world size.
         ranks: the ranks written, sorted.
         files: one file per rank, in ``ranks`` order.
-        params: KDA parameters written, over all ranks.
+        params: KDA and MLA parameters written, over all ranks.
         bytes_written: their data in bytes (headers not counted).
         seconds: wall time.
     """
@@ -99,7 +103,10 @@ def write_engine_dump(
     names it (``model.layers.{i}.self_attn.in_proj_qkvgfab.weight``; a wrapped checkpoint's
     under ``language_model.model.layers.``), with the bytes the engine's loader leaves in it
     (``kda_tp.engines.build_param``: the rank's slices in the layout's order, zero padding
-    rows, the engine's casts). Nothing else is written: no embeddings, MLP or full-attention
+    rows, the engine's casts), then, where the hybrid's MLA layers can be planned, every MLA
+    parameter of the layout's MLA table under the name vLLM's ``save_sharded_state`` gives it
+    (``EngineParam.dump_suffix``), without vLLM's ``W_UK_T`` / ``W_UV`` aliases of
+    ``kv_b_proj``. Nothing else is written: no embeddings, MLP or full-attention
     parameters. The header metadata carries ``tp_size``, ``tp_rank`` and ``engine``, which
     ``kda-tp audit`` checks. ``kda-tp audit checkpoint out --tp-size T`` passes on it; a
     dump whose bytes are then changed fails there, naming the parameter.
@@ -231,7 +238,8 @@ def _write_files(root: Path, source_root: Path, engine: str, tp_size: int,
             path = root / DUMP_FILE.format(rank=r)
             meta = {"tp_size": str(tp_size), "tp_rank": str(r), "engine": engine,
                     FILE_MARK: __version__}
-            specs = [(p.name, p.plan.dtype, p.plan.shape, p.plan.nbytes, p.build) for p in params]
+            specs = [(p.dump_name or p.name, p.plan.dtype, p.plan.shape, p.plan.nbytes, p.build)
+                     for p in params if not p.derived]
             staged[path] = staged_name(path)
             total += write_safetensors(staged[path], specs, meta, sync=False, mode=mode)
             count += len(params)

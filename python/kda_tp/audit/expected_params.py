@@ -1,8 +1,11 @@
 """What each rank of a serving engine must hold for a checkpoint's KDA layers: every KDA
 parameter of an engine layout, in order, built one at a time as the engine's own loader leaves it
-(:func:`kda_tp.engines.build_param`), a cast to the model dtype that overflows refused. The dump
-(:mod:`kda_tp.audit.dump`: files) and the digests (:mod:`kda_tp.audit.digests`: hashes) walk
-this list.
+(:func:`kda_tp.engines.build_param`), a cast to the model dtype that overflows refused; then,
+where the hybrid's MLA layers can be planned (``kda_tp.rank.mla.rank_mla_plan``) and the layout
+has an MLA table, every MLA parameter (``kda_tp.engines.build.build_mla_param``) and the copies
+vLLM derives from ``kv_b_proj`` as parameters (``W_UK_T``, ``W_UV``: in its checksums, never in
+a dump). The dump (:mod:`kda_tp.audit.dump`: files) and the digests
+(:mod:`kda_tp.audit.digests`: hashes) walk this list.
 """
 
 from __future__ import annotations
@@ -12,17 +15,20 @@ import operator
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from ..checkpoint.description import describe
 from ..checkpoint.names import kda_tensor_name, param_name
 from ..checkpoint.reader import SafetensorsSource
-from ..engines.build import RankPlan, build_param
+from ..engines.build import RankPlan, build_mla_param, build_param
+from ..engines.derived import MLA_DERIVED
 from ..engines.dtype import config_dtype, engine_model_dtype
 from ..engines.layout import EngineLayout, EngineParamPlan
 from ..engines.registry import get_layout, layouts_for
 from ..errors import DtypeMismatchError, EngineLayoutError, PlanError
+from ..rank.mla import mla_tensor_name, rank_mla_plan
 from ..rank.plan import KdaTpPlan, distinct_ranks
 from ..rank.view import KdaShardedSource
 from ._diagnosis import cast_overflow
@@ -38,12 +44,23 @@ class ExpectedParam:
         name: the parameter's name in the engine's ``state_dict()``.
         plan: its plan (shape, dtype, part regions; :func:`kda_tp.engines.param_plan`).
         build: builds it (:func:`build_checked`): a numpy array of ``plan.shape`` and
-            ``plan.dtype``.
+            ``plan.dtype`` (a derived copy: of its own shape, in ``plan.dtype``).
+        dump_name: the name a ``save_sharded_state`` dump gives it when not ``name``
+            (``EngineParam.dump_suffix``: vLLM GLM-5.3's ``mla_attn.o_proj.weight``); None:
+            ``name``.
+        mla: a parameter of one of the hybrid's MLA layers.
+        derived: a copy the engine derives from the MLA layer's ``kv_b_proj`` after loading
+            and keeps as a parameter (vLLM's ``W_UK_T`` / ``W_UV``): in ``named_parameters()``
+            and vLLM's checksums, not in a dump (vLLM's ``save_sharded_state`` raises on them);
+            ``plan`` is then ``kv_b_proj``'s.
     """
 
     name: str
     plan: EngineParamPlan
     build: Callable[[], np.ndarray]
+    dump_name: str | None = None
+    mla: bool = False
+    derived: bool = False
 
 
 def expected_params(
@@ -105,8 +122,58 @@ def expected_params(
                     build_checked, shard, layout, layer, plan, name, model_dtype,
                     "pass another --dtype (model_dtype=), the one the engine runs in")
                 params.append(ExpectedParam(name, plan, build))
+        mla = rank_mla_plan(description, r, tp_size)[0] if layout.mla else None
+        if mla is not None:
+            params += _mla_params(KdaShardedSource(source, shard.plan, mla=mla), layout, prefix,
+                                  model_dtype)
         out.append((r, params))
     return layout, out
+
+
+def _mla_params(shard: KdaShardedSource, layout: EngineLayout, prefix: str,
+                model_dtype: str) -> list[ExpectedParam]:
+    """The MLA parameters of ``shard``'s rank (a view slicing its MLA layers), and the copies
+    the engine derives from ``kv_b_proj`` as parameters, in layer order."""
+    mla = shard.mla
+    assert mla is not None  # the caller opened the view with the MLA plan
+    derived = {n: d for n, d in MLA_DERIVED.get(layout.name, {}).items() if not d.attribute}
+    params = []
+    for layer in shard.mla_layers:
+        for p in layout.mla_params_for(mla):
+            plan = layout.mla_param_plan(p.suffix, mla, model_dtype)
+            name = param_name(prefix, layer, p.suffix)
+            build = functools.partial(_build_mla_checked, shard, layout, layer, plan, name,
+                                      model_dtype)
+            params.append(ExpectedParam(
+                name, plan, build, p.dump_suffix and param_name(prefix, layer, p.dump_suffix),
+                mla=True))
+            if p.suffix == "kv_b_proj.weight":
+                params += [ExpectedParam(param_name(prefix, layer, n), plan,
+                                         functools.partial(_derive, build, d.derive, mla),
+                                         mla=True, derived=True)
+                           for n, d in derived.items()]
+    return params
+
+
+def _build_mla_checked(shard: KdaShardedSource, layout: EngineLayout, layer: int,
+                       plan: EngineParamPlan, name: str, model_dtype: str) -> np.ndarray:
+    """:func:`build_checked` for an MLA parameter (``build_mla_param``)."""
+    with np.errstate(over="ignore"):  # an overflow is refused below
+        built: np.ndarray = build_mla_param(shard, layout, plan.suffix, layer,
+                                            model_dtype=model_dtype, plan=plan)
+    overflow = cast_overflow(plan, built.reshape(-1), lambda part: shard[
+        mla_tensor_name(shard.prefix, layer, part)].array.reshape(-1))
+    if overflow is not None:
+        raise DtypeMismatchError(
+            f"rank {shard.plan.tp_rank} {name}: {overflow}; pass another --dtype "
+            "(model_dtype=), the one the engine runs in")
+    return built
+
+
+def _derive(build: Callable[[], np.ndarray], derive: Callable[..., np.ndarray],
+            mla: Any) -> np.ndarray:
+    """A copy derived from ``kv_b_proj`` (``build``), in its dtype."""
+    return derive(build(), mla)
 
 
 def checked_ranks(ranks: Sequence[int] | None, tp_size: int) -> list[int]:

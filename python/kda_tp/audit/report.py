@@ -81,6 +81,7 @@ class ParamAudit:
         held_dtype: the dtype the parameter is held in when that is not the engine's default
             model dtype the audit assumed, none being passed (``"F32"`` where ``"BF16"`` was
             expected): the engine likely ran in another ``--dtype``; None otherwise.
+        mla: True for a parameter of one of the hybrid's MLA layers (``EngineLayout.mla``).
     """
 
     rank: int
@@ -91,6 +92,7 @@ class ParamAudit:
     differences: tuple[PartDifference, ...] = ()
     equals: str | None = None
     held_dtype: str | None = None
+    mla: bool = False
 
     @property
     def passed(self) -> bool:
@@ -114,7 +116,7 @@ class ParamAudit:
         return {
             "rank": self.rank, "layer": self.layer, "name": self.name, "status": self.status,
             "problem": self.problem, "equals": self.equals,
-            "differences": [d.to_dict() for d in self.differences],
+            "differences": [d.to_dict() for d in self.differences], "mla": self.mla,
         }
 
 
@@ -127,8 +129,9 @@ class AuditReport:
         engine: the engine layout audited against (a :data:`kda_tp.engines.LAYOUTS` key).
         tp_size: the tensor-parallel world size.
         ranks: the ranks audited, sorted.
-        params: one entry per KDA parameter of every KDA layer of every audited rank.
-        ignored: parameters of the dump that are not KDA parameters (counted, not checked).
+        params: one entry per KDA parameter of every KDA layer of every audited rank, then (where
+            the hybrid's MLA layers are judged) per MLA parameter of every MLA layer.
+        ignored: parameters of the dump that are neither (counted, not checked).
         problems: what is wrong outside any one parameter (e.g. a rank missing from a
             ``sharded_state`` directory).
     """
@@ -152,10 +155,15 @@ class AuditReport:
         return [p for p in self.params if not p.passed]
 
     def summary(self) -> str:
-        """One line: the verdict and the counts."""
+        """One line: the verdict and the counts (``14 of 14 KDA and 12 of 12 MLA parameters
+        exact ...`` where MLA parameters were judged)."""
         exact = sum(p.passed for p in self.params)
+        mla = [p for p in self.params if p.mla]
+        judged = (f"{exact - sum(p.passed for p in mla)} of {len(self.params) - len(mla)} KDA "
+                  f"and {sum(p.passed for p in mla)} of {len(mla)} MLA" if mla
+                  else f"{exact} of {len(self.params)} KDA")
         counts = (
-            f"{exact} of {len(self.params)} KDA parameters exact on rank"
+            f"{judged} parameters exact on rank"
             f"{'s' if len(self.ranks) != 1 else ''} {', '.join(map(str, self.ranks)) or '-'} "
             f"of {self.tp_size} ({self.engine}); {self.ignored} other parameters ignored"
         )
@@ -170,7 +178,9 @@ class AuditReport:
             extra = (f", each held in {dtype}, not the model dtype the audit expected: the "
                      f"engine likely ran with --dtype {dtype}; audit again with --dtype "
                      f"{dtype} (model_dtype=)")
-        return f"FAIL: {wrong} KDA parameter(s) wrong{extra}; {counts}"
+        what = (f"{sum(not p.passed and not p.mla for p in self.params)} KDA and "
+                f"{sum(not p.passed for p in mla)} MLA" if mla else f"{wrong} KDA")
+        return f"FAIL: {what} parameter(s) wrong{extra}; {counts}"
 
     def format(self) -> str:
         """One line per problem and per parameter that is not exact, then the summary."""

@@ -393,7 +393,7 @@ def cmd_dump(args: argparse.Namespace) -> int:
     if args.json:
         emit_json(args, result.to_dict())
     else:
-        print(f"wrote {result.params} KDA parameters of ranks {list(result.ranks)} of "
+        print(f"wrote {result.params} KDA and MLA parameters of ranks {list(result.ranks)} of "
               f"{result.tp_size} ({result.engine}, {result.bytes_written / 1e9:.3f} GB) to "
               f"{result.out_dir} in {result.seconds:.2f} s; check it with: kda-tp audit "
               f"{args.checkpoint} {result.out_dir} --tp-size {result.tp_size}"

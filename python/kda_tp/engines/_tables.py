@@ -58,6 +58,22 @@ def _sglang_fused_low_rank_gate(fg_b_dtype: str | None) -> tuple[EngineParam, ..
 
 _VLLM = "vllm/models/kimi_k3/nvidia/kda.py"
 
+# The MLA layers' parameters (the plan tensors of kda_tp.rank.MlaTpPlan; the spec with the
+# engines' file:line sources: tests/data/spec/mla.md). Replicated latents (q_a_proj,
+# kv_a_proj_with_mqa) and norms are whole on every rank, q_proj/q_b_proj/kv_b_proj/g_proj this
+# rank's head rows, o_proj its head columns, every one in the model dtype.
+_MLA_TAIL = (*_single("kv_a_layernorm"), *_single("kv_b_proj"))
+_MLA_KIMI_LINEAR = (*_single("q_proj"), *_single("kv_a_proj_with_mqa"), *_MLA_TAIL,
+                    *_single("o_proj"))
+_MLA_Q_LORA = (*_single("q_a_layernorm"), *_single("q_b_proj"))
+_SGLANG_A_PROJ = EngineParam("fused_qkv_a_proj_with_mqa.weight",
+                             ("q_a_proj", "kv_a_proj_with_mqa"))
+_SGLANG_KIMI_LINEAR_MLA = ("sglang 0.5.23 python/sglang/srt/models/kimi_linear.py: KimiMLAAttention "
+                           "(DeepseekV2AttentionMLA without q-LoRA: q_proj column-parallel, "
+                           "kv_a_proj_with_mqa replicated)")
+_VLLM_MLA = "vllm 0.33.0 vllm/models/kimi_k3/nvidia/mla.py: MultiHeadLatentAttention"
+_SGLANG_MLA = "sglang 0.5.23 python/sglang/srt/models/deepseek_v2.py: DeepseekV2AttentionMLA"
+
 #: Every engine layout, in the order of ``docs/engine-layouts.md``.
 TABLES: tuple[EngineLayout, ...] = (
     EngineLayout(
@@ -74,6 +90,13 @@ TABLES: tuple[EngineLayout, ...] = (
         f"vllm 0.33.0 {_VLLM}: KimiK3DeltaAttention (in_proj_qkvgfab: f_a forced to tp_rank 0, "
         "zero rows to a multiple of 16, of 128 under ModelOpt FP8_PB_WO; ModelOpt scales "
         "[ob,1,ib,1] squeezed to [ob,ib] after loading, b_proj's single scale row on every rank)",
+        mla=(
+            EngineParam("fused_qkv_a_g_proj.weight",
+                        ("q_a_proj", "kv_a_proj_with_mqa", "g_proj")),
+            *_MLA_Q_LORA, *_MLA_TAIL, *_single("o_proj"),
+        ),
+        mla_source=f"{_VLLM_MLA} (fused_qkv_a_g_proj: KimiK3MergedQKVGateLinear, q_a and kv_a "
+        "replicated, then this rank's g_proj rows; vllm/model_executor/layers/linear.py)",
     ),
     EngineLayout(
         "vllm-0.33-kimi-linear", "vllm", "0.33", "kimi-linear",
@@ -86,6 +109,9 @@ TABLES: tuple[EngineLayout, ...] = (
         ),
         "vllm 0.33.0 vllm/model_executor/layers/mamba/gdn/kimi_gdn_linear_attn.py: "
         "KimiGatedDeltaNetAttention (low-rank gate: no padding)",
+        mla=_MLA_KIMI_LINEAR,
+        mla_source=f"{_VLLM_MLA} (no q-LoRA: q_proj column-parallel, kv_a_proj_with_mqa "
+        "a ReplicatedLinear)",
     ),
     EngineLayout(
         "vllm-0.33-glm-5.3", "vllm", "0.33", "glm-5.3",
@@ -98,6 +124,17 @@ TABLES: tuple[EngineLayout, ...] = (
         ),
         "vllm 0.33.0 vllm/models/glm5next/common/kda.py: Glm5NextLinearAttention "
         "(f_a and g_a replicated shards 4 and 5; separate F32 convs)",
+        mla=(
+            EngineParam("fused_qkv_a_proj.weight", ("q_a_proj", "kv_a_proj_with_mqa")),
+            EngineParam("q_a_layernorm.weight", ("q_a_layernorm",),
+                        dump_suffix="mla_attn.q_a_layernorm.weight"),
+            EngineParam("q_b_proj.weight", ("q_b_proj",), dump_suffix="mla_attn.q_b_proj.weight"),
+            *_MLA_TAIL,
+            EngineParam("o_proj.weight", ("o_proj",), dump_suffix="mla_attn.o_proj.weight"),
+        ),
+        mla_source="vllm 0.33.0 vllm/models/glm5next/common/attention.py: Glm5NextMLAAttention "
+        "(fused_qkv_a_proj: DeepSeekV2FusedQkvAProjLinear, replicated; the DSA indexer not "
+        "tabled; a dump names q_a_layernorm, q_b_proj and o_proj under mla_attn.)",
     ),
     EngineLayout(
         "sglang-0.5.23-k3", "sglang", "0.5.23", "kimi-k3",
@@ -113,12 +150,16 @@ TABLES: tuple[EngineLayout, ...] = (
         "sglang 0.5.23 python/sglang/srt/models/kimi_k3.py: KimiK3DeltaAttention (full-rank "
         "gate: only [q,k,v,g] fused; ModelOpt weight_scale loaded [:,0,:,0] into "
         "weight_scale_inv; b_proj's scale grid copied whole to every rank)",
+        mla=(_SGLANG_A_PROJ, *_MLA_Q_LORA, *_MLA_TAIL, *_single("g_proj"), *_single("o_proj")),
+        mla_source=f"{_SGLANG_MLA} as python/sglang/srt/models/kimi_k3.py's KimiK3MLAAttention "
+        "(fused_qkv_a_proj_with_mqa replicated; the gate g_proj its own column-parallel linear)",
     ),
     EngineLayout(
         "sglang-0.5.23-kimi-linear", "sglang", "0.5.23", "kimi-linear",
         _sglang_fused_low_rank_gate(CONFIG_DTYPE),
         "sglang 0.5.23 python/sglang/srt/models/kimi_linear.py: KimiDeltaAttention, fused path "
         "(no quantization_config)",
+        mla=_MLA_KIMI_LINEAR, mla_source=_SGLANG_KIMI_LINEAR_MLA,
     ),
     EngineLayout(
         "sglang-0.5.23-kimi-linear-unfused", "sglang", "0.5.23", "kimi-linear",
@@ -131,6 +172,7 @@ TABLES: tuple[EngineLayout, ...] = (
         ),
         "sglang 0.5.23 python/sglang/srt/models/kimi_linear.py: KimiDeltaAttention, unfused path "
         "(taken whenever the config has a quantization_config)",
+        mla=_MLA_KIMI_LINEAR, mla_source=_SGLANG_KIMI_LINEAR_MLA,
     ),
     EngineLayout(
         "sglang-0.5.23-glm-5.3", "sglang", "0.5.23", "glm-5.3",
@@ -138,6 +180,9 @@ TABLES: tuple[EngineLayout, ...] = (
         "sglang 0.5.23 python/sglang/srt/models/glm5_next.py: Glm5NextLinearAttention, fused "
         "path (KDA projections unquantized, as in GLM-5.3-Flash's FP8 release)",
         wrapped_prefix="model.layers.",  # its mapper: model.language_model. -> model.
+        mla=(_SGLANG_A_PROJ, *_MLA_Q_LORA, *_MLA_TAIL, *_single("o_proj")),
+        mla_source=f"{_SGLANG_MLA} (fused_qkv_a_proj_with_mqa replicated; the DSA indexer not "
+        "tabled)",
     ),
     EngineLayout(
         "transformers-5-kimi-linear", "transformers", "5", "kimi-linear",

@@ -19,13 +19,14 @@ from typing import Any
 from ..checkpoint.names import kda_tensor_name, param_name
 from ..errors import CheckpointError, EngineLayoutError
 from ..model.quant import SCALE_SUFFIXES
+from ..rank.mla import mla_tensor_name
 from ..rank.plan import KdaTpPlan
 from ..rank.view import KdaShardedSource
 from .dtype import config_dtype
 from .layout import CONFIG_DTYPE, EngineLayout, EngineParam, EngineParamPlan
 from .registry import get_layout
 
-__all__ = ["RankPlan", "build_param", "engine_params", "param_plan"]
+__all__ = ["RankPlan", "build_mla_param", "build_param", "engine_params", "param_plan"]
 
 
 @dataclass(frozen=True)
@@ -142,6 +143,64 @@ def build_param(
 
     return plan.fill(out, lambda part, dst: view.read_into(_part_name(view, layer, part), dst),
                      part_nbytes)
+
+
+def build_mla_param(
+    view: KdaShardedSource,
+    layout: str | EngineLayout,
+    suffix: str,
+    layer: int,
+    out: Any = None,
+    *,
+    model_dtype: str | None = None,
+    plan: EngineParamPlan | None = None,
+) -> Any:
+    """Fill one engine parameter of MLA layer ``layer`` for the view's rank, as
+    :func:`build_param` fills a KDA one: each part (this rank's slice of an MLA plan tensor,
+    ``view.mla``) copied into its region (``EngineLayout.mla``: vLLM's fused
+    ``fused_qkv_a_g_proj`` = ``q_a_proj`` ‖ ``kv_a_proj_with_mqa`` whole ‖ this rank's
+    ``g_proj`` rows, SGLang's ``fused_qkv_a_proj_with_mqa``, ...), cast to ``model_dtype``
+    (None: the checkpoint's).
+
+    Args:
+        view: the rank's view with its MLA layers sliced (``kda_tp.open_rank(..., mla=True)``).
+        layout: an :class:`~kda_tp.engines.EngineLayout` or its name.
+        suffix: the MLA parameter's name after ``self_attn.``.
+        layer: a 0-based MLA layer (one of ``view.mla_layers``).
+        out: as :func:`build_param`'s.
+        model_dtype: the engine's model dtype (None: the checkpoint's).
+        plan: the parameter's plan when the caller holds it (for ``model_dtype``).
+
+    Returns:
+        ``out``, or the new array.
+
+    Raises:
+        EngineLayoutError: unknown layout or MLA parameter, a view without MLA slicing, a
+            layout whose MLA table does not fit the plan, or ``layer`` is not an MLA layer.
+        ShapeMismatchError, BufferLayoutError: ``out`` as :func:`build_param`'s.
+    """
+    if view.mla is None:
+        raise EngineLayoutError(
+            f"{suffix}: the view does not slice MLA layers; open it with "
+            "kda_tp.open_rank(..., mla=True)"
+        )
+    if plan is None:
+        plan = get_layout(layout).mla_param_plan(suffix, view.mla, model_dtype)
+    if layer not in view.mla_layers:
+        raise EngineLayoutError(
+            f"{plan.layout}: {suffix}: layer {layer} is not an MLA layer of this checkpoint "
+            f"(MLA layers: {list(view.mla_layers)})"
+        )
+
+    def name(part: str) -> str:
+        return mla_tensor_name(view.prefix, layer, part)
+
+    def part_nbytes(part: str) -> int:
+        entry = view.plan_entry(name(part))
+        assert entry is not None  # the view plans every tensor of an MLA layer
+        return entry.local_bytes
+
+    return plan.fill(out, lambda part, dst: view.read_into(name(part), dst), part_nbytes)
 
 
 def engine_params(view: KdaShardedSource,

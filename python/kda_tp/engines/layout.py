@@ -48,6 +48,10 @@ class EngineParam:
         dtype: the safetensors dtype the engine casts to (``"F32"``), ``CONFIG_DTYPE``
             for the checkpoint config's dtype, or None for the model dtype.
         scale_of: for a block-FP8 scale grid, the suffix of the weight it scales.
+        dump_suffix: the name a ``save_sharded_state`` dump gives it when that differs from
+            ``suffix`` (vLLM 0.33's GLM-5.3 MLA ``q_a_layernorm``, ``q_b_proj``, ``o_proj``:
+            ``mla_attn.<name>``, the wrapper's path to the same module, which vLLM's filter
+            keeps as the smaller key); None: ``suffix``.
     """
 
     suffix: str
@@ -58,6 +62,7 @@ class EngineParam:
     view: tuple[int, ...] | None = None
     dtype: str | None = None
     scale_of: str | None = None
+    dump_suffix: str | None = None
 
 
 @dataclass(frozen=True)
@@ -167,6 +172,10 @@ class EngineLayout:
         wrapped_prefix: the engine's name prefix of the decoder layers (up to the layer index)
             for a checkpoint that nests them in a multimodal wrapper (``language_model``); a
             flat checkpoint's are ``model.layers.`` everywhere (see :meth:`state_dict_prefix`).
+        mla: the parameters of one of the hybrid's MLA layers as the engine holds them (names
+            after ``...layers.{i}.self_attn.`` too), their parts the plan tensors of a
+            :class:`~kda_tp.rank.MlaTpPlan`; empty where the layout says nothing of MLA.
+        mla_source: where the MLA table comes from (engine file and class).
     """
 
     name: str
@@ -177,6 +186,8 @@ class EngineLayout:
     source: str
     tensor_parallel: bool = True
     wrapped_prefix: str = "language_model.model.layers."
+    mla: tuple[EngineParam, ...] = ()
+    mla_source: str = ""
 
     def state_dict_prefix(self, checkpoint_prefix: str) -> str:
         """The prefix (up to the layer index) of this engine's names for the KDA layers of a
@@ -307,6 +318,61 @@ class EngineLayout:
         self.check_plan(plan)
         if param.scale_of is not None:
             return self._scale_plan(param, plan)
+        return self._plan_of(param, plan, model_dtype, config_dtype)
+
+    def mla_param(self, suffix: str) -> EngineParam:
+        """The MLA parameter named ``suffix`` (after ``self_attn.``; a dump's name, as
+        ``EngineParam.dump_suffix``, finds it too).
+
+        Raises:
+            EngineLayoutError: the layout has no such MLA parameter (the message lists them).
+        """
+        for p in self.mla:
+            if suffix in (p.suffix, p.dump_suffix):
+                return p
+        raise EngineLayoutError(
+            f"{self.name}: no MLA parameter {suffix!r}; its MLA parameters: "
+            f"{sorted(p.suffix for p in self.mla) or 'none (the layout has no MLA table)'}"
+        )
+
+    def mla_params_for(self, plan: Any) -> tuple[EngineParam, ...]:
+        """The parameters one MLA layer has for ``plan`` (a :class:`~kda_tp.rank.MlaTpPlan`):
+        the table's rows, each made of tensors of the plan.
+
+        Raises:
+            EngineLayoutError: the layout has no MLA table, or a row is made of a tensor the
+                plan lacks (another family's MLA: K3's gate, Kimi-Linear's ``q_proj``).
+        """
+        if not self.mla:
+            raise EngineLayoutError(f"{self.name}: the layout has no MLA table")
+        for p in self.mla:
+            missing = [part for part in p.parts if plan.get(part) is None]
+            if missing:
+                raise EngineLayoutError(
+                    f"{self.name}: MLA {p.suffix} is made of {', '.join(missing)}, which the "
+                    f"MLA plan does not have (plan tensors: {', '.join(plan.names())}; this "
+                    f"layout is for {self.family})"
+                )
+        return self.mla
+
+    def mla_param_plan(self, suffix: str, plan: Any,
+                       model_dtype: str | None = None) -> EngineParamPlan:
+        """MLA parameter ``suffix`` for ``plan``'s rank (a :class:`~kda_tp.rank.MlaTpPlan`):
+        local shape, dtype (``model_dtype``, the engine's; None: the parts' own), part
+        regions, as :meth:`param_plan` for a KDA parameter.
+
+        Raises:
+            EngineLayoutError: no such MLA parameter, a row the plan cannot make
+                (:meth:`mla_params_for`), parts whose trailing shapes or dtypes differ.
+        """
+        param = self.mla_param(suffix)
+        self.mla_params_for(plan)
+        return self._plan_of(param, plan, model_dtype, None)
+
+    def _plan_of(self, param: EngineParam, plan: Any, model_dtype: str | None,
+                 config_dtype: str | None) -> EngineParamPlan:
+        """A parameter's plan (not a scale grid) over ``plan``'s entries (a KDA or MLA plan)."""
+        suffix = param.suffix
         entries = [plan[part] for part in param.parts]
         fp8 = _quantized(param, plan)
         dtype = _out_dtype(self.name, param, entries, fp8,
