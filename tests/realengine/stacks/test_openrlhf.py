@@ -64,7 +64,8 @@ def _refit_lines(engine: Engine, index: int, rank: int) -> list[str]:
     log = engine.log.split(f"=== kda_tp test: refit {index} ===")[1]
     log = log.split(f"=== kda_tp test: refit {index + 1} ===")[0]
     return [line for line in log.splitlines()
-            if f"kda_tp guard: vllm load_weights: tp rank {rank}/{TP}: " in line]
+            if f"kda_tp guard: vllm load_weights: tp rank {rank}/{TP}: " in line
+            and "GuardWarning" not in line]  # mode warn's FAIL is also a printed warning
 
 
 def _kda_tensors(model: Path) -> list[str]:
@@ -112,6 +113,10 @@ def test_a_loader_bug_on_the_last_rank_is_reported_in_mode_warn(openrlhf_warn: E
     assert engine.result["refits"][1] == {"sent": 71, "error": None}
     failing = [line for line in _refit_lines(engine, 1, 1) if "FAIL" in line]
     assert len(failing) == 1 and failing[0].endswith("FAIL (1 wrong)"), failing
+    assert "ERROR" in failing[0], failing  # at ERROR, whatever vLLM's own level
+    warned = [line for line in engine.log.splitlines() if "GuardWarning" in line
+              and f"kda_tp guard: vllm load_weights: tp rank 1/{TP}: " in line]
+    assert len(warned) == 1 and warned[0].endswith("FAIL (1 wrong)"), warned
     assert [line for line in engine.log.splitlines()
             if f"rank 1 {BUG_PARAM}: q_proj: differs from what was fed as {BUG_FED}" in line]
     assert all(line.endswith(" s: OK") for line in _refit_lines(engine, 1, 0))

@@ -69,11 +69,14 @@ def verl_warn(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Engine:
                  ["drop", "honest", "bug"])
 
 
-def _refit_lines(engine: Engine, index: int, text: str) -> list[str]:
-    """The log lines of refit ``index`` (after its mark) holding ``text``."""
+def _refit_lines(engine: Engine, index: int, text: str, *, warned: bool = False) -> list[str]:
+    """The guard's log lines of refit ``index`` (after its mark) holding ``text``; with
+    ``warned``, the lines Python's ``warnings`` printed for a ``GuardWarning`` (mode warn
+    shows a FAIL both ways) instead."""
     log = engine.log.split(f"=== kda_tp test: refit {index} ===")[1]
     log = log.split(f"=== kda_tp test: refit {index + 1} ===")[0]
-    return [line for line in log.splitlines() if text in line]
+    return [line for line in log.splitlines()
+            if text in line and ("GuardWarning" in line) == warned]
 
 
 def test_the_stack_is_verl_0_9_1() -> None:
@@ -122,6 +125,9 @@ def test_a_loader_bug_is_reported_in_mode_warn(verl_warn: Engine) -> None:
                                           "senders": ["sent", "sent"]}
     failing = _refit_lines(engine, 2, UPDATE.format(1))
     assert len(failing) == 1 and failing[0].endswith("FAIL (1 wrong)"), failing
+    assert "ERROR" in failing[0], failing  # at ERROR, whatever vLLM's own level
+    warned = _refit_lines(engine, 2, UPDATE.format(1), warned=True)
+    assert len(warned) == 1 and warned[0].endswith("FAIL (1 wrong)"), warned
     assert _refit_lines(engine, 2, f"rank 1 {FUSED}: q_proj: differs from what was fed as "
                                    "model.layers.0.self_attn.q_proj.weight at [")
     assert all(line.endswith(" s: OK") for line in _refit_lines(engine, 2, UPDATE.format(0)))
@@ -137,6 +143,7 @@ def test_a_dropped_part_after_the_dummy_boot_is_named_on_every_rank(verl_warn: E
         # ... and verl's one process_weights_after_loading names the part never fed
         end = _refit_lines(engine, 0, END.format(rank))
         assert len(end) == 1 and end[0].endswith("FAIL (1 wrong)"), end
+        assert len(_refit_lines(engine, 0, END.format(rank), warned=True)) == 1
         assert _refit_lines(engine, 0, f"rank {rank} {FUSED}: b_proj: never loaded since the "
                                        "dummy load (random values): the refit did not feed it")
 
