@@ -24,6 +24,7 @@ import pytest
 
 import kda_tp
 from kda_tp.engines import LAYOUTS, build_param
+from kda_tp.engines.derived import MLA_DERIVED
 from kda_tp.errors import GuardError, GuardWarning
 from kda_tp.guard import MODE_ENV, check
 from kda_tp.synth import write_small_checkpoint
@@ -66,6 +67,14 @@ def loads(tmp_path_factory):
 def rank_params(loads, engine: str, kind: str, rank: int) -> tuple[Path, dict, str]:
     """The checkpoint, rank ``rank``'s parameters (its KDA layer built, its MLA layer as the
     engine loaded it) and the prefix of the MLA layer's names."""
+    ckpt, params, mla, _ = rank_held(loads, engine, kind, rank)
+    return ckpt, params, mla
+
+
+def rank_held(loads, engine: str, kind: str, rank: int) -> tuple[Path, dict, str, dict]:
+    """:func:`rank_params` and the copies the engine derived from the MLA layer's
+    ``kv_b_proj`` (vLLM's ``W_UK_T``/``W_UV`` after ``process_weights_after_loading``,
+    SGLang's ``w_kc``/``w_vc`` after ``load_weights``), by full name."""
     from safetensors.torch import load_file
 
     ckpt, out = loads(engine, kind)
@@ -78,7 +87,9 @@ def rank_params(loads, engine: str, kind: str, rank: int) -> tuple[Path, dict, s
     mla = f"{base}{MLA_LAYER}.self_attn."
     held = load_file(str(out / f"tp{TP}_r{rank}.safetensors"))
     params.update({mla + n: t for n, t in held.items() if not n.startswith("derived.")})
-    return ckpt, params, mla
+    derived = {mla + n.removeprefix("derived."): t for n, t in held.items()
+               if n.startswith("derived.")}
+    return ckpt, params, mla, derived
 
 
 @pytest.fixture(autouse=True)
@@ -91,17 +102,20 @@ def test_an_honest_load_passes_with_the_mla_parameters_counted(engine, kind, loa
                                                                guard_log):
     layout = LAYOUTS[LAYOUT[engine, kind]]
     for rank in range(TP):
-        ckpt, params, mla = rank_params(loads, engine, kind, rank)
+        ckpt, params, mla, derived = rank_held(loads, engine, kind, rank)
         view = kda_tp.open_rank(ckpt, tp_rank=rank, tp_size=TP, qk_multiple=1, mla=True)
         kda, mlas = len(layout.params_for(view.plan)), len(layout.mla_params_for(view.mla))
         assert sum(n.startswith(mla) for n in params) == mlas
+        assert {n.removeprefix(mla) for n in derived} == set(MLA_DERIVED[layout.name])
         caplog.clear()
         with guard_log:
-            result = check(params, ckpt, tp_rank=rank, tp_size=TP, where="test worker")
+            result = check(params, ckpt, tp_rank=rank, tp_size=TP, where="test worker",
+                           derived=derived)
         assert result is not None and result.passed, result.text()
-        assert (result.params, result.mla, result.mla_unchecked) == (kda + mlas, mlas, "")
         assert sum(p.mla for p in result.report.params) == mlas
-        assert result.bytes == sum(t.nbytes for t in params.values())
+        mlas += len(derived)  # the derived copies, judged as MLA parameters
+        assert (result.params, result.mla, result.mla_unchecked) == (kda + mlas, mlas, "")
+        assert result.bytes == sum(t.nbytes for t in [*params.values(), *derived.values()])
         assert re.fullmatch(
             rf"kda_tp guard: test worker: tp rank {rank}/{TP}: {kda} KDA and {mlas} MLA "
             rf"parameters \({layout.name}\), {result.bytes} bytes, [0-9.]+ s: OK",
@@ -203,3 +217,31 @@ def test_mla_layers_the_plan_refuses_are_reported_not_refused(tmp_path, caplog, 
     assert f": 7 KDA parameters ({layout.name})" in line
     assert line.endswith(f", MLA not checked: {result.mla_unchecked}: OK")
     assert [r.getMessage() for r in caplog.records] == [line]
+
+
+@pytest.mark.parametrize(("engine", "copy"), [("vllm", "W_UK_T"), ("vllm", "W_UV"),
+                                              ("sglang", "w_kc"), ("sglang", "w_vc")])
+def test_a_derived_copy_of_another_ranks_kv_b_proj_is_named_as_itself(engine, copy, loads):
+    _, _, _, rank0 = rank_held(loads, engine, "k3", 0)
+    ckpt, params, mla, derived = rank_held(loads, engine, "k3", 1)
+    derived[mla + copy] = rank0[mla + copy]  # built from rank 0's kv_b_proj rows
+    with pytest.raises(GuardError) as caught:
+        check(params, ckpt, tp_rank=1, tp_size=TP, derived=derived)
+    text = str(caught.value)
+    assert f"rank 1 {mla}{copy}: differs from what kv_b_proj.weight makes of it at " in text
+    assert caught.value.report.failures == []  # every parameter exact: only the copy is wrong
+    assert caught.value.result.mla == (6 if engine == "vllm" else 7) + 2
+
+
+def test_the_adapters_find_the_mla_copies_once_built():
+    import torch
+
+    from kda_tp.guard._derived import mla_copies
+
+    model = torch.nn.Module()
+    model.attn = torch.nn.Module()
+    model.attn.w_kc = None  # SGLang's, before post_load_weights builds it
+    assert mla_copies(model) == {}
+    model.attn.w_kc = torch.ones(2, 3, 4)
+    model.attn.register_parameter("W_UK_T", torch.nn.Parameter(torch.ones(2, 3, 4)))
+    assert sorted(mla_copies(model)) == ["attn.W_UK_T", "attn.w_kc"]

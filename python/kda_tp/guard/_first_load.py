@@ -60,8 +60,8 @@ from ..checkpoint.reader import SafetensorsSource
 from ..engines.build import RankPlan
 from ..errors import CheckpointError, GuardError, GuardModeError, KdaTpError
 from ..model.config import describes_kda
-from ..rank.mla import rank_mla_plan
-from ._derived import first_load_problem
+from ..rank.mla import MlaTpPlan, rank_mla_plan
+from ._derived import first_load_problem, mla_first_load_problem
 from ._modes import CHECKPOINT_ENV, MODE_ENV, MODES, cannot_check, failed, mode, passed
 from ._names import holds_kda, looks_kda
 from ._repacked import judge
@@ -192,8 +192,10 @@ def check(
         engine: a layout name (``kda_tp.engines.LAYOUTS``), or None to recognise it from the
             names.
         derived: the engine's copies of KDA parameters outside ``params``
-            (``...self_attn.decode_conv1d_weight``), by full name; names ``DERIVED`` does
-            not know for the layout are ignored.
+            (``...self_attn.decode_conv1d_weight``), by full name, and of the MLA layers'
+            ``kv_b_proj`` once the engine built them (``MLA_DERIVED``: ``W_UK_T``, ``w_kc``,
+            ..., judged where the MLA parameters are); names neither table knows for the
+            layout are ignored.
         where: a label for the messages (``"vllm worker 3"``).
         layers: the 0-based KDA layers this rank holds, under pipeline parallelism (its
             stage's); None: every KDA layer of the checkpoint.
@@ -286,12 +288,13 @@ def check(
                          f"not checked (is it the checkpoint the engine loaded? set "
                          f"{CHECKPOINT_ENV} to it)", chosen)
             return None
-        judged, why = _mla(description, tp_rank, tp_size, layers)
+        mla_plan, why = _mla(description, tp_rank, tp_size, layers)
         audited = audit_rank(named, source or checkpoint, tp_rank=tp_rank, tp_size=tp_size,
-                             engine=engine, layers=layers, model_dtype=model_dtype, mla=judged)
+                             engine=engine, layers=layers, model_dtype=model_dtype,
+                             mla=mla_plan is not None)
         count = len(audited.report.params)
         mla_count = sum(p.mla for p in audited.report.params)
-        if judged and not mla_count:
+        if mla_plan is not None and not mla_count:
             why = "the parameters hold none of the MLA layers' names"
         report, unchecked = (judge(audited, repacked, named) if repacked
                               else (audited.report, []))
@@ -300,6 +303,9 @@ def check(
         problems = []
         for name, value in (derived or {}).items():
             problem = first_load_problem(name, value, named, report)
+            if problem is False and mla_count:
+                problem = mla_first_load_problem(name, value, named, report, mla_plan)
+                mla_count += problem is not False
             if problem is not False:
                 count += 1
                 nbytes += _nbytes(value)
@@ -333,19 +339,18 @@ def check(
 
 
 def _mla(description: CheckpointDescription, tp_rank: int, tp_size: int,
-         layers: Iterable[int] | None) -> tuple[bool, str]:
-    """Whether the rank's MLA layers are judged (their plan made:
-    ``kda_tp.rank.mla.rank_mla_plan``), and else why not (``""`` for a model without MLA
-    layers, which has nothing to say)."""
+         layers: Iterable[int] | None) -> tuple[MlaTpPlan | None, str]:
+    """The rank's MLA plan when its MLA layers are judged (``kda_tp.rank.mla.rank_mla_plan``),
+    else None and why not (``""`` for a model without MLA layers, which has nothing to say)."""
     try:
         plan, line = rank_mla_plan(description, tp_rank, tp_size)
     except KdaTpError as error:  # a head split the plan refuses: reported, not a refusal
-        return False, str(error)
+        return None, str(error)
     if plan is None:
-        return False, (line or "").replace(" passed through whole (not sliced per rank)", "")
+        return None, (line or "").replace(" passed through whole (not sliced per rank)", "")
     if layers is not None:
-        return False, "a pipeline stage's MLA layers are not checked yet"
-    return True, ""
+        return None, "a pipeline stage's MLA layers are not checked yet"
+    return plan, ""
 
 
 def _pairs(params: Iterable[Any]) -> dict[str, Any]:
