@@ -175,3 +175,22 @@ def test_a_parameter_the_engine_re_registers_is_read_anew():
     attn.A_log = torch.nn.Parameter(attn.A_log.detach().clone(), requires_grad=False)
     model.load_weights(tensors(2.0))  # right: checked on the object the engine holds now
     assert how.target.params[f"{PRE}A_log"] is attn.A_log
+
+
+def test_an_update_feeding_mla_parameters_says_they_are_not_checked_once(guard_log):
+    from kda_tp.guard._names import names_mla
+
+    model = engine()
+    mla = [("model.layers.1.self_attn.kv_b_proj.weight", torch.ones(8, 4)),
+           ("model.layers.1.self_attn.kv_a_layernorm.weight", torch.ones(4))]
+    assert all(names_mla(n) for n, _ in mla)
+    assert not any(names_mla(n) for n, _ in tensors(1.0))  # no KDA name (o_proj, q_proj...)
+    with guard_log:
+        model.load_weights(tensors(2.0) + mla)
+        model.load_weights(tensors(3.0))
+    first, second = guard_log.lines
+    assert first.startswith(f"kda_tp guard: test load_weights: tp rank 1/2: 9 KDA parameters "
+                            f"updated ({LAYOUT}), ")
+    assert first.endswith(", MLA parameters not checked on updates: OK")
+    assert first.count("MLA") == 1
+    assert "MLA" not in second and second.endswith(" s: OK")

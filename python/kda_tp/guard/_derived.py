@@ -15,10 +15,54 @@ import numpy as np
 from ..audit.report import AuditReport
 from ..checkpoint.values import as_record, first_difference, same_values
 from ..checkpoint.names import param_location, param_name
-from ..engines.derived import DERIVED, Derived
+from ..engines.derived import DERIVED, MLA_DERIVED, Derived
 from ..errors import KdaTpError
 
-__all__ = ["derived_problem", "first_load_problem"]
+__all__ = ["derived_problem", "first_load_problem", "mla_copies", "mla_first_load_problem"]
+
+#: The names of the MLA layers' derived copies (vLLM's ``W_UK_T`` / ``W_UV`` parameters, built
+#: by ``process_weights_after_loading``; SGLang's ``w_kc`` / ``w_vc`` attributes, built at the
+#: end of ``load_weights``), the last part of their names.
+_MLA_COPIES = frozenset(n.rpartition(".")[2] for copies in MLA_DERIVED.values() for n in copies)
+
+
+def mla_copies(model: Any) -> dict[str, Any]:
+    """The MLA layers' derived copies a ``torch.nn.Module`` holds now, by full name: its
+    parameters of those names and the plain attributes once built (not None); none before
+    the engine builds them."""
+    found = {n: p for n, p in model.named_parameters()
+             if n.rpartition(".")[2] in _MLA_COPIES}
+    for name, module in model.named_modules():
+        for attribute in _MLA_COPIES:
+            value = module.__dict__.get(attribute)  # a plain attribute (not a parameter)
+            if value is not None:
+                found[f"{name}.{attribute}" if name else attribute] = value
+    return found
+
+
+def mla_first_load_problem(name: str, value: Any, params: Mapping[str, Any],
+                           report: AuditReport, plan: Any) -> str | None | bool:
+    """The verdict on one MLA derived copy (:data:`~kda_tp.engines.derived.MLA_DERIVED`, named
+    as itself: ``W_UK_T``, ``w_kc``, ...) against what the rank's local ``kv_b_proj`` (judged
+    by the audit, ``report``) derives: None (exact), a problem, or False when ``report``'s
+    layout keeps no such copy. Checked only when that ``kv_b_proj`` is exact (else its
+    failure says it all); one the audit did not check is the problem.
+
+    Args:
+        plan: the rank's ``kda_tp.rank.MlaTpPlan`` (the local heads the copy is cut into).
+    """
+    location = param_location(name)
+    copy = MLA_DERIVED.get(report.engine, {}).get(location[2]) if location else None
+    if location is None or copy is None:
+        return False
+    origin = param_name(location[0], location[1], copy.source)
+    verdicts = {p.name: p for p in report.params}
+    if origin not in verdicts:
+        return f"its parameter {origin} was not checked"
+    if not verdicts[origin].passed:
+        return None
+    derived = Derived((copy.source,), lambda kv_b: copy.derive(kv_b, plan), issue=copy.issue)
+    return _problem(name, value, params, derived, [origin])
 
 
 def _origins(name: str, layout: str) -> tuple[Derived, list[str]] | None:

@@ -16,6 +16,12 @@ mode switch, the environment variable ``KDA_TP_GUARD`` (:data:`MODE_ENV`):
 On a pass, one INFO line per rank goes to the logger ``kda_tp.guard``:
 ``kda_tp guard: <where>: tp rank 1/4: 9 KDA parameters, 1179648 bytes, 0.004 s: OK``.
 
+A hybrid's MLA layers are judged too where their plan can be made
+(``kda_tp.rank.mla.rank_mla_plan``), every MLA parameter of the rank as the audit judges it
+(``audit_rank(..., mla=True)``): the line then counts both (``7 KDA and 6 MLA parameters``) and a
+wrong MLA parameter fails as a KDA one does. MLA layers the plan refuses (or a pipeline stage's)
+are not checked, and the line says so (``, MLA not checked: <why>``) without failing.
+
 Nothing is checked, at no measurable cost, for a model without KDA parameters (no
 ``...self_attn.A_log`` or ``...self_attn.dt_bias`` name nor another name only a KDA layer has:
 any non-KDA model, a draft or MTP model). A checkpoint that is not a local path (a remote
@@ -49,12 +55,13 @@ import numpy as np
 
 from ..audit.auditor import audit_rank
 from ..audit.report import AuditReport
-from ..checkpoint.description import describe
+from ..checkpoint.description import CheckpointDescription, describe
 from ..checkpoint.reader import SafetensorsSource
 from ..engines.build import RankPlan
 from ..errors import CheckpointError, GuardError, GuardModeError, KdaTpError
 from ..model.config import describes_kda
-from ._derived import first_load_problem
+from ..rank.mla import MlaTpPlan, rank_mla_plan
+from ._derived import first_load_problem, mla_first_load_problem
 from ._modes import CHECKPOINT_ENV, MODE_ENV, MODES, cannot_check, failed, mode, passed
 from ._names import holds_kda, looks_kda
 from ._repacked import judge
@@ -81,6 +88,9 @@ class GuardResult:
             (:class:`~kda_tp.engines.RankPlan`): what the rank's update target is built from.
         unchecked: one line per parameter the engine repacked after loading that cannot be
             checked (``<name>: ... not checkable ...``), out of ``report``'s verdicts.
+        mla: MLA parameters (of the hybrid's MLA layers) checked, out of ``params``.
+        mla_unchecked: why the rank's MLA layers were not checked (their plan refused: see
+            ``kda_tp.rank.mla.rank_mla_plan``), or ``""``.
     """
 
     report: AuditReport
@@ -93,6 +103,8 @@ class GuardResult:
     where: str = ""
     plan: RankPlan | None = field(default=None, repr=False, compare=False)
     unchecked: tuple[str, ...] = ()
+    mla: int = 0
+    mla_unchecked: str = ""
 
     @property
     def passed(self) -> bool:
@@ -123,7 +135,10 @@ class GuardResult:
         where = f"{self.where}: " if self.where else ""
         verdict = "OK" if self.passed else f"FAIL ({len(self.report.failures)} wrong)"
         held = f", {len(self.unchecked)} not checkable (repacked)" if self.unchecked else ""
-        return (f"kda_tp guard: {where}tp rank {self.tp_rank}/{self.tp_size}: {self.params} KDA "
+        held += f", MLA not checked: {self.mla_unchecked}" if self.mla_unchecked else ""
+        counted = (f"{self.params - self.mla} KDA and {self.mla} MLA" if self.mla
+                   else f"{self.params} KDA")
+        return (f"kda_tp guard: {where}tp rank {self.tp_rank}/{self.tp_size}: {counted} "
                 f"parameters ({self.engine}), {self.bytes} bytes, {self.seconds:.3f} s{held}: "
                 f"{verdict}")
 
@@ -156,12 +171,15 @@ def check(
     model_dtype: str | None = None,
     repacked: Mapping[str, str] | None = None,
 ) -> GuardResult | None:
-    """Check one rank's loaded KDA parameters against the checkpoint, as the mode says.
+    """Check one rank's loaded KDA (and MLA) parameters against the checkpoint, as the mode
+    says.
 
     Every KDA parameter of every KDA layer of the checkpoint (its config says which layers) is
     compared byte for byte with this rank's slices, fused as the engine's layout says
     (:func:`kda_tp.audit.audit`, reading only this rank's bytes of the checkpoint); each derived
-    copy in ``derived`` (``DERIVED``) with what its parameter makes of it.
+    copy in ``derived`` (``DERIVED``) with what its parameter makes of it. A hybrid's MLA
+    parameters too, where its MLA layers can be planned (``GuardResult.mla`` counts them; else
+    ``GuardResult.mla_unchecked`` says why not, which fails nothing).
 
     Args:
         params: the rank's parameters, as ``model.named_parameters()`` gives them (a mapping
@@ -174,8 +192,10 @@ def check(
         engine: a layout name (``kda_tp.engines.LAYOUTS``), or None to recognise it from the
             names.
         derived: the engine's copies of KDA parameters outside ``params``
-            (``...self_attn.decode_conv1d_weight``), by full name; names ``DERIVED`` does
-            not know for the layout are ignored.
+            (``...self_attn.decode_conv1d_weight``), by full name, and of the MLA layers'
+            ``kv_b_proj`` once the engine built them (``MLA_DERIVED``: ``W_UK_T``, ``w_kc``,
+            ..., judged where the MLA parameters are); names neither table knows for the
+            layout are ignored.
         where: a label for the messages (``"vllm worker 3"``).
         layers: the 0-based KDA layers this rank holds, under pipeline parallelism (its
             stage's); None: every KDA layer of the checkpoint.
@@ -268,9 +288,14 @@ def check(
                          f"not checked (is it the checkpoint the engine loaded? set "
                          f"{CHECKPOINT_ENV} to it)", chosen)
             return None
+        mla_plan, why = _mla(description, tp_rank, tp_size, layers)
         audited = audit_rank(named, source or checkpoint, tp_rank=tp_rank, tp_size=tp_size,
-                             engine=engine, layers=layers, model_dtype=model_dtype)
+                             engine=engine, layers=layers, model_dtype=model_dtype,
+                             mla=mla_plan is not None)
         count = len(audited.report.params)
+        mla_count = sum(p.mla for p in audited.report.params)
+        if mla_plan is not None and not mla_count:
+            why = "the parameters hold none of the MLA layers' names"
         report, unchecked = (judge(audited, repacked, named) if repacked
                               else (audited.report, []))
         checked = [p for p in report.params if p.status != "missing"]
@@ -278,6 +303,9 @@ def check(
         problems = []
         for name, value in (derived or {}).items():
             problem = first_load_problem(name, value, named, report)
+            if problem is False and mla_count:
+                problem = mla_first_load_problem(name, value, named, report, mla_plan)
+                mla_count += problem is not False
             if problem is not False:
                 count += 1
                 nbytes += _nbytes(value)
@@ -296,16 +324,33 @@ def check(
         logger.warning("%s", text)
         return None
     result = GuardResult(report, tp_rank, tp_size, report.engine, count, nbytes,
-                         time.perf_counter() - start, where, audited.plan, tuple(unchecked))
+                         time.perf_counter() - start, where, audited.plan, tuple(unchecked),
+                         mla_count, why)
     if result.passed:
         passed(result.line())
         return result
     wrong = [p.name for p in report.params if not p.passed]
     wrong += [p.split(": ", 1)[0].removeprefix(f"rank {tp_rank} ") for p in report.problems]
-    failed(f"{result.line()}\nthe KDA weights this rank loaded differ from "
+    failed(f"{result.line()}\nthe {'KDA and MLA' if mla_count else 'KDA'} weights this rank "
+           f"loaded differ from "
            f"{os.fspath(checkpoint)}:\n{result.text()}", wrong, chosen, go_on="start anyway",
            report=report, result=result)
     return result
+
+
+def _mla(description: CheckpointDescription, tp_rank: int, tp_size: int,
+         layers: Iterable[int] | None) -> tuple[MlaTpPlan | None, str]:
+    """The rank's MLA plan when its MLA layers are judged (``kda_tp.rank.mla.rank_mla_plan``),
+    else None and why not (``""`` for a model without MLA layers, which has nothing to say)."""
+    try:
+        plan, line = rank_mla_plan(description, tp_rank, tp_size)
+    except KdaTpError as error:  # a head split the plan refuses: reported, not a refusal
+        return None, str(error)
+    if plan is None:
+        return None, (line or "").replace(" passed through whole (not sliced per rank)", "")
+    if layers is not None:
+        return None, "a pipeline stage's MLA layers are not checked yet"
+    return plan, ""
 
 
 def _pairs(params: Iterable[Any]) -> dict[str, Any]:

@@ -41,6 +41,7 @@ from ..engines.derived import DERIVED, DERIVED_ATTRIBUTES, derived_copies
 from ..errors import GuardModeError
 from ._derived import derived_problem
 from ._modes import cannot_check, failed, mode, passed, repair_on, warn_once
+from ._names import names_mla
 from ._record import RECORD
 from ._target import AS_HELD, RankTarget, Reader
 from ._updates import Memory, UpdateReport, UpdateSession
@@ -99,6 +100,9 @@ class Follower:
         updates: the updates judged so far (each verdict, passed or not): a live audit
             against the start-up checkpoint says how many updates came since.
         last: the last update's verdict line; ``last_failed``: whether it failed.
+        mla_fed: a name of a hybrid's MLA layer (``kda_tp.guard._names.names_mla``) was fed
+            since the last verdict: that verdict says MLA parameters are not checked on
+            updates (only the first load checks them).
     """
 
     engine: str
@@ -116,6 +120,7 @@ class Follower:
     updates: int = 0
     last: str = ""
     last_failed: bool = False
+    mla_fed: bool = False
 
     @contextlib.contextmanager
     def quietly(self) -> Iterator[None]:
@@ -149,7 +154,7 @@ class Follower:
                          f"{type(error).__name__}: {error}")
             return False
         self.session = UpdateSession(self.target, self.memory)
-        self.owner, self.where, self.spoiled = owner, where, ""
+        self.owner, self.where, self.spoiled, self.mla_fed = owner, where, "", False
         return True
 
     def spoil(self, why: str) -> None:
@@ -196,6 +201,7 @@ class Follower:
                 session.end_call()
         model = self.model()
         session = UpdateSession(self.target, self.memory, model)
+        self.mla_fed = False
         try:
             out = original(session.wrap(self._watched(weights)), *args, **kwargs)
         finally:
@@ -225,6 +231,7 @@ class Follower:
             except (TypeError, IndexError, KeyError):  # not a pair: the engine's to refuse
                 name = None
             if isinstance(name, str) and target.place(name) is None:
+                self.mla_fed = self.mla_fed or names_mla(name)
                 layer = target.unplaced(name)
                 if layer is not None and layer not in self.unplaced:
                     self.unplaced[layer] = (name, {
@@ -327,6 +334,8 @@ class Follower:
         else:
             verdict = "OK"
         repacked = f", {len(report.repacked)} not checkable (repacked)" if report.repacked else ""
+        repacked += ", MLA parameters not checked on updates" if self.mla_fed else ""
+        self.mla_fed = False
         line = (f"kda_tp guard: {self.engine} {where}: tp rank {rank}/{size}: {report.params} "
                 f"KDA parameters updated ({self.target.layout.name}), {report.bytes} bytes, "
                 f"{report.seconds:.3f} s{repacked}: {verdict}")

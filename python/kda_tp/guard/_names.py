@@ -13,7 +13,7 @@ from ..checkpoint.names import param_location
 from ..engines.derived import DERIVED
 from ..engines.registry import kda_only_suffixes
 
-__all__ = ["holds_kda", "looks_kda", "stage_layers"]
+__all__ = ["holds_kda", "looks_kda", "names_mla", "stage_layers"]
 
 # Parameter names only a KDA layer has (every engine layout holds A_log and dt_bias; other
 # linear-attention layers such as Qwen3-Next's hold theirs under `linear_attn.`).
@@ -23,6 +23,18 @@ _MARKERS = (".A_log", ".dt_bias")
 # some under `.self_attn.` without the markers is a KDA model whose markers are missing.
 _KDA_LOOKING = tuple(f".{end}" for end in sorted(kda_only_suffixes()) if f".{end}" not in _MARKERS
                      ) + tuple(f".{copy}" for copies in DERIVED.values() for copy in copies)
+
+# Checkpoint modules only a hybrid's MLA layer has (``kda_tp.rank.mla.MlaTpPlan``'s tensors
+# but q_proj, g_proj and o_proj, which a KDA layer has too).
+_MLA_ONLY = frozenset({"q_a_proj", "q_a_layernorm", "q_b_proj", "kv_a_proj_with_mqa",
+                       "kv_a_layernorm", "kv_b_proj", "indexer"})
+
+
+def names_mla(name: str) -> bool:
+    """Whether a parameter name is of a hybrid's MLA layer (``...self_attn.kv_b_proj.weight``
+    and the other modules only an MLA layer has, any prefix)."""
+    location = param_location(name)
+    return location is not None and location[2].split(".", 1)[0] in _MLA_ONLY
 
 
 def holds_kda(names: Iterable[str]) -> bool:

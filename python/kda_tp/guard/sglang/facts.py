@@ -15,6 +15,7 @@ from typing import Any
 
 from ...engines.derived import derived_copies
 from ...engines.dtype import model_dtype_name
+from .._derived import mla_copies
 from .._modes import LoadSource, load_checkpoint
 from .._names import stage_layers
 from .._target import Reader, Spelling, mapper_spelling
@@ -95,7 +96,7 @@ class SglangEngine:
         return dict(params), {}
 
     def derived(self, model: Any) -> dict[str, Any]:
-        return derived_copies(model)
+        return {**derived_copies(model), **mla_copies(model)}
 
     def model_dtype(self) -> str | None:
         return model_dtype_name(getattr(getattr(self.runner, "model_config", None), "dtype",

@@ -14,6 +14,7 @@ from typing import Any
 
 from ...engines.derived import derived_copies
 from ...engines.dtype import model_dtype_name
+from .._derived import mla_copies
 from .._modes import LoadSource, load_checkpoint
 from .._target import Reader, Spelling, mapper_spelling
 from .._names import stage_layers
@@ -82,7 +83,7 @@ class VllmEngine:
         return repacked.held(model, params)
 
     def derived(self, model: Any) -> dict[str, Any]:
-        return derived_copies(model)
+        return {**derived_copies(model), **mla_copies(model)}
 
     def model_dtype(self) -> str | None:
         return model_dtype_name(getattr(self.model_config, "dtype", None))
