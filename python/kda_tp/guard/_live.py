@@ -40,7 +40,8 @@ from ..engines.build import RankPlan
 from ..engines.derived import DERIVED, DERIVED_ATTRIBUTES, derived_copies
 from ..errors import GuardModeError
 from ._derived import derived_problem
-from ._modes import cannot_check, failed, mode, passed, repair_on, warn_once
+from ._modes import (cannot_check, failed, mode, passed, repair_on, verdict_word,
+                     warn_once)
 from ._names import names_mla
 from ._record import RECORD
 from ._target import AS_HELD, RankTarget, Reader
@@ -327,12 +328,7 @@ class Follower:
     def _report(self, report: UpdateReport, where: str) -> UpdateReport:
         """Log, raise or record one verdict."""
         rank, size = self.target.tp_rank, self.target.tp_size
-        if report.problems:
-            verdict = f"FAIL ({len(report.problems)} wrong)"
-        elif report.unchecked:
-            verdict = f"NOT CHECKED ({len(report.unchecked)} checks could not run)"
-        else:
-            verdict = "OK"
+        verdict = verdict_word(len(report.problems), len(report.unchecked))
         repacked = f", {len(report.repacked)} not checkable (repacked)" if report.repacked else ""
         repacked += ", MLA parameters not checked on updates" if self.mla_fed else ""
         self.mla_fed = False

@@ -163,6 +163,16 @@ def failed(text: str, wrong: Iterable[str], guard_mode: str, *, go_on: str = "go
         warnings.warn(text, GuardWarning, stacklevel=3)
 
 
+def verdict_word(problems: int, unchecked: int) -> str:
+    """An update's verdict word: ``FAIL (N wrong)`` when ``problems`` (a count) is not 0, else
+    ``NOT CHECKED (N checks could not run)`` when ``unchecked`` is not 0, else ``OK``."""
+    if problems:
+        return f"FAIL ({problems} wrong)"
+    if unchecked:
+        return f"NOT CHECKED ({unchecked} checks could not run)"
+    return "OK"
+
+
 def verdict_line(line: str, wrong: Iterable[str]) -> str:
     """A failing verdict ``line`` with the wrong parameters' names (the first 3, then ``+N
     more``): the one line an engine's log carries where the engine cannot carry the

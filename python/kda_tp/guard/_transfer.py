@@ -46,7 +46,7 @@ from ..engines.derived import DERIVED, derived_copies
 from ..errors import KdaTpError, UsageError
 from ._derived import derived_problem
 from ._live import Follower, repair
-from ._modes import failed, mode, passed
+from ._modes import failed, mode, passed, verdict_word
 from ._record import RECORD
 from ._repacked import GEMM
 from ._target import PADDING, RankTarget
@@ -252,12 +252,7 @@ def _verdict(how: Follower, report: TransferReport, where: str) -> None:
     """Log, raise or record one transfer verdict."""
     target = how.target
     rank, size = target.tp_rank, target.tp_size
-    if report.problems:
-        verdict = f"FAIL ({len(report.problems)} wrong)"
-    elif report.unchecked:
-        verdict = f"NOT CHECKED ({len(report.unchecked)} checks could not run)"
-    else:
-        verdict = "OK"
+    verdict = verdict_word(len(report.problems), len(report.unchecked))
     line = (f"kda_tp guard: {how.engine} {where} (not through load_weights): tp rank "
             f"{rank}/{size}: {report.params} KDA parameters ({target.layout.name}), "
             f"{report.bytes} bytes, {report.seconds:.3f} s, {report.how}: {verdict}")
