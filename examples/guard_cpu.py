@@ -17,8 +17,8 @@ What it does, with vLLM's own classes throughout:
    (a wrong TP rank inside the loaders), so rank 1 holds rank 0's slices of the parameters
    whose loaders ask the group. The guard stops the load with a ``GuardError`` that names each
    wrong parameter and what it holds instead.
-5. The same load with ``KDA_TP_GUARD=warn``: the diagnosis is logged as a WARNING, the load
-   goes on.
+5. The same load with ``KDA_TP_GUARD=warn``: the diagnosis is logged at ERROR and issued as a
+   ``GuardWarning``, the load goes on.
 
 vLLM's full model constructors and its distributed start-up need a GPU; as kda_tp's engine
 tests do, the tensor-parallel group is faked (vLLM's ``parallel_state._TP`` holds the world size
