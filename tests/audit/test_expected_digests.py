@@ -18,6 +18,8 @@ from kda_tp import SafetensorsSource
 from kda_tp.cli import main
 from kda_tp.engines import LAYOUTS, get_layout
 from kda_tp.errors import CheckpointError, EngineLayoutError, PlanError, UsageError
+from kda_tp.checkpoint import describe
+from kda_tp.rank.mla import rank_mla_plan
 from kda_tp.synth import write_small_checkpoint
 
 from paths import ENGINE_RANKS as DATA
@@ -113,8 +115,16 @@ def test_torch_bf16_tensors_give_the_same_digests(engine, tmp_path, capsys):
     assert any(t.dtype == torch.bfloat16 for t in tensors.values())
     got = kda_tp.audit.expected_digests(tensors, ckpt, engine=engine, tp_size=2)
     assert list(got.items()) == list(cli_digests(capsys, ckpt, engine, 2).items())
-    assert len(got) == 2 * 2 * len(get_layout(engine).params_for(
-        kda_tp.KdaTpPlan.from_config(source, 0, 2, qk_multiple=1)))
+    # Layers 0 and 2 are KDA, layer 1 MLA: per rank, each KDA layer's parameters, then the MLA
+    # layer's and the W_UK_T / W_UV vLLM derives from its kv_b_proj, in layer order.
+    layout = get_layout(engine)
+    mla_plan = rank_mla_plan(describe(source), 0, 2)[0]
+    assert mla_plan is not None
+    mla = len(layout.mla_params_for(mla_plan)) + 2
+    kda = len(layout.params_for(kda_tp.KdaTpPlan.from_config(source, 0, 2, qk_multiple=1)))
+    assert len(got) == 2 * (2 * kda + mla)
+    layers = [int(key.split(".layers.")[1].split(".")[0]) for key in got]
+    assert layers == 2 * ([0] * kda + [1] * mla + [2] * kda)
     got = kda_tp.audit.expected_digests(tensors.items(), ckpt, engine=engine, tp_size=2,
                                         model_dtype="F32")
     assert got == cli_digests(capsys, ckpt, engine, 2, "--dtype", "F32")

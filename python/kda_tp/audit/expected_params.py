@@ -114,26 +114,29 @@ def expected_params(
         rank_plan = RankPlan.of(shard.plan, layout, model_dtype, shard.prefix, shard.layers,
                                 config_dtype(description.config, layout.engine))
         prefix = layout.state_dict_prefix(shard.prefix)
-        params = []
+        params = []  # (layer, parameter)
         for layer in shard.layers:
             for suffix, plan in rank_plan.params.items():
                 name = param_name(prefix, layer, suffix)
                 build = functools.partial(
                     build_checked, shard, layout, layer, plan, name, model_dtype,
                     "pass another --dtype (model_dtype=), the one the engine runs in")
-                params.append(ExpectedParam(name, plan, build))
+                params.append((layer, ExpectedParam(name, plan, build)))
         mla = rank_mla_plan(description, r, tp_size)[0] if layout.mla else None
         if mla is not None:
             params += _mla_params(KdaShardedSource(source, shard.plan, mla=mla), layout, prefix,
                                   model_dtype)
-        out.append((r, params))
+        # In layer order, as the engine's named_parameters() lists them (a stable sort keeps
+        # each layer's parameters in the layout's order).
+        out.append((r, [p for _, p in sorted(params, key=lambda lp: lp[0])]))
     return layout, out
 
 
 def _mla_params(shard: KdaShardedSource, layout: EngineLayout, prefix: str,
-                model_dtype: str) -> list[ExpectedParam]:
+                model_dtype: str) -> list[tuple[int, ExpectedParam]]:
     """The MLA parameters of ``shard``'s rank (a view slicing its MLA layers), and the copies
-    the engine derives from ``kv_b_proj`` as parameters, in layer order."""
+    the engine derives from ``kv_b_proj`` as parameters, in layer order, each with its
+    layer."""
     mla = shard.mla
     assert mla is not None  # the caller opened the view with the MLA plan
     derived = {n: d for n, d in MLA_DERIVED.get(layout.name, {}).items() if not d.attribute}
@@ -144,13 +147,13 @@ def _mla_params(shard: KdaShardedSource, layout: EngineLayout, prefix: str,
             name = param_name(prefix, layer, p.suffix)
             build = functools.partial(_build_mla_checked, shard, layout, layer, plan, name,
                                       model_dtype)
-            params.append(ExpectedParam(
+            params.append((layer, ExpectedParam(
                 name, plan, build, p.dump_suffix and param_name(prefix, layer, p.dump_suffix),
-                mla=True))
+                mla=True)))
             if p.suffix == "kv_b_proj.weight":
-                params += [ExpectedParam(param_name(prefix, layer, n), plan,
-                                         functools.partial(_derive, build, d.derive, mla),
-                                         mla=True, derived=True)
+                params += [(layer, ExpectedParam(param_name(prefix, layer, n), plan,
+                                                 functools.partial(_derive, build, d.derive, mla),
+                                                 mla=True, derived=True))
                            for n, d in derived.items()]
     return params
 
