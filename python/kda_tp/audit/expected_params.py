@@ -145,8 +145,9 @@ def _mla_params(shard: KdaShardedSource, layout: EngineLayout, prefix: str,
         for p in layout.mla_params_for(mla):
             plan = layout.mla_param_plan(p.suffix, mla, model_dtype)
             name = param_name(prefix, layer, p.suffix)
-            build = functools.partial(_build_mla_checked, shard, layout, layer, plan, name,
-                                      model_dtype)
+            build = functools.partial(
+                build_checked, shard, layout, layer, plan, name, model_dtype,
+                "pass another --dtype (model_dtype=), the one the engine runs in", mla=True)
             params.append((layer, ExpectedParam(
                 name, plan, build, p.dump_suffix and param_name(prefix, layer, p.dump_suffix),
                 mla=True)))
@@ -156,21 +157,6 @@ def _mla_params(shard: KdaShardedSource, layout: EngineLayout, prefix: str,
                                                  mla=True, derived=True))
                            for n, d in derived.items()]
     return params
-
-
-def _build_mla_checked(shard: KdaShardedSource, layout: EngineLayout, layer: int,
-                       plan: EngineParamPlan, name: str, model_dtype: str) -> np.ndarray:
-    """:func:`build_checked` for an MLA parameter (``build_mla_param``)."""
-    with np.errstate(over="ignore"):  # an overflow is refused below
-        built: np.ndarray = build_mla_param(shard, layout, plan.suffix, layer,
-                                            model_dtype=model_dtype, plan=plan)
-    overflow = cast_overflow(plan, built.reshape(-1), lambda part: shard[
-        mla_tensor_name(shard.prefix, layer, part)].array.reshape(-1))
-    if overflow is not None:
-        raise DtypeMismatchError(
-            f"rank {shard.plan.tp_rank} {name}: {overflow}; pass another --dtype "
-            "(model_dtype=), the one the engine runs in")
-    return built
 
 
 def _derive(build: Callable[[], np.ndarray], derive: Callable[..., np.ndarray],
@@ -206,10 +192,11 @@ def checked_ranks(ranks: Sequence[int] | None, tp_size: int) -> list[int]:
 
 def build_checked(shard: KdaShardedSource, layout: EngineLayout, layer: int,
                   plan: EngineParamPlan, name: str, model_dtype: str | None,
-                  fix: str) -> np.ndarray:
+                  fix: str, *, mla: bool = False) -> np.ndarray:
     """Engine parameter ``plan.suffix`` of KDA layer ``layer`` on ``shard``'s rank, as the
-    engine's loader leaves it (``kda_tp.engines.build_param``), refused when a cast to the
-    model dtype overflows.
+    engine's loader leaves it (``kda_tp.engines.build_param``; with ``mla``, of MLA layer
+    ``layer``: ``build_mla_param``, ``shard`` opened with the MLA plan), refused when a cast to
+    the model dtype overflows.
 
     Args:
         plan: the parameter's plan (``kda_tp.engines.param_plan``, for ``model_dtype``).
@@ -220,11 +207,13 @@ def build_checked(shard: KdaShardedSource, layout: EngineLayout, layer: int,
         DtypeMismatchError: a finite value becomes inf in the cast
             (``kda_tp.audit._diagnosis.cast_overflow``): the rank, the parameter and the value.
     """
+    build, tensor_name = (build_mla_param, mla_tensor_name) if mla else (build_param,
+                                                                        kda_tensor_name)
     with np.errstate(over="ignore"):  # an overflow is refused below
-        built: np.ndarray = build_param(shard, layout, plan.suffix, layer,
-                                        model_dtype=model_dtype, plan=plan)
+        built: np.ndarray = build(shard, layout, plan.suffix, layer, model_dtype=model_dtype,
+                                  plan=plan)
     overflow = cast_overflow(plan, built.reshape(-1), lambda part: shard[
-        kda_tensor_name(shard.prefix, layer, part)].array.reshape(-1))
+        tensor_name(shard.prefix, layer, part)].array.reshape(-1))
     if overflow is not None:
         raise DtypeMismatchError(f"rank {shard.plan.tp_rank} {name}: {overflow}; {fix}")
     return built
