@@ -43,8 +43,12 @@ def _checkpoint(ckpt: Path, layer: int) -> tuple[dict[str, Any], dict[str, Any]]
     return text, mla
 
 
-def _vllm(kind: str, text: dict[str, Any], mla: dict[str, Any], layer: int, t: int,
-          r: int) -> tuple[Any, dict[str, Any]]:
+def vllm_layer(kind: str, text: dict[str, Any], mla: dict[str, Any], layer: int, t: int,
+               r: int) -> tuple[Any, Any, Any, Any]:
+    """The MLA layer built by vLLM's own class for rank ``r`` of ``t`` (the faked group set)
+    and loaded by its model class's ``load_weights`` on a stand-in: ``(vllm_config, stand-in,
+    layer, the MLAAttention that absorbs kv_b_proj)``; the stand-in's ``load_weights`` is the
+    model class's."""
     import torch
     import vllm.distributed.parallel_state as ps
     from vllm.config import VllmConfig, set_current_vllm_config
@@ -87,7 +91,18 @@ def _vllm(kind: str, text: dict[str, Any], mla: dict[str, Any], layer: int, t: i
         stack.is_fused_shared_expert_enabled = False
         stack.layers = torch.nn.ModuleList([torch.nn.Module() for _ in range(layer + 1)])
         stack.layers[layer].self_attn = attn
-        Model.load_weights(stack, iter(mla.items()))
+        stack.load_weights = types.MethodType(Model.load_weights, stack)
+        stack.load_weights(iter(mla.items()))
+    return vc, stack, attn, absorbing
+
+
+def _vllm(kind: str, text: dict[str, Any], mla: dict[str, Any], layer: int, t: int,
+          r: int) -> tuple[Any, dict[str, Any]]:
+    import torch
+    from vllm.config import set_current_vllm_config
+
+    vc, _, attn, absorbing = vllm_layer(kind, text, mla, layer, t, r)
+    with set_current_vllm_config(vc):
         held = {n: p.data.clone() for n, p in attn.named_parameters()}
         absorbing.process_weights_after_loading(torch.bfloat16)
         derived = {n: p.data for n, p in attn.named_parameters()

@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
+import time
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -37,10 +39,10 @@ from ..checkpoint.description import describe
 from ..checkpoint.reader import SafetensorsSource
 from ..checkpoint.values import same_tensor_values, same_values
 from ..engines.build import RankPlan
-from ..engines.derived import DERIVED, DERIVED_ATTRIBUTES, derived_copies
+from ..engines.derived import DERIVED, DERIVED_ATTRIBUTES, MLA_DERIVED, derived_copies
 from ..errors import GuardModeError
-from ._derived import derived_problem
-from ._modes import (cannot_check, failed, mode, passed, repair_on, verdict_word,
+from ._derived import derived_problem, judge_mla_copies, mla_copies
+from ._modes import (LOGGER, cannot_check, failed, mode, passed, repair_on, verdict_word,
                      warn_once)
 from ._names import names_mla
 from ._record import RECORD
@@ -104,6 +106,9 @@ class Follower:
         mla_fed: a name of a hybrid's MLA layer (``kda_tp.guard._names.names_mla``) was fed
             since the last verdict: that verdict says MLA parameters are not checked on
             updates (only the first load checks them).
+        mla_plan: the rank's MLA plan (``kda_tp.rank.MlaTpPlan``) the first load's check
+            judged the MLA layers with, or None: the MLA layers' derived copies are judged
+            with it once the engine built them (:meth:`derived_built`).
     """
 
     engine: str
@@ -122,6 +127,7 @@ class Follower:
     last: str = ""
     last_failed: bool = False
     mla_fed: bool = False
+    mla_plan: Any = None
 
     @contextlib.contextmanager
     def quietly(self) -> Iterator[None]:
@@ -284,6 +290,53 @@ class Follower:
         self.unloaded = None
         return self._report(report, where)
 
+    def derived_built(self, where: str) -> None:
+        """The engine built its MLA layers' derived copies (vLLM: ``process_weights_after_loading``
+        returned, at the first load and after every refit): each copy
+        (``kda_tp.engines.derived.MLA_DERIVED``) against what the local ``kv_b_proj``
+        derives now (``kda_tp.guard._derived.judge_mla_copies``), named as itself when wrong.
+        One line, ``kda_tp guard: <engine> <where>: tp rank r/T: N MLA derived copies
+        (<layout>), B bytes, S s: OK``; a copy that cannot be judged (its ``kv_b_proj``
+        released by the backend: ``AMX_MLA``) makes it ``NOT CHECKED`` at WARNING, never
+        ``OK``, and stops nothing. Nothing for a model without MLA layers, in mode ``off``,
+        while a loader fills the model or a session is open (judged when it ends).
+
+        Raises:
+            GuardError: mode ``fail`` and a copy differs from its ``kv_b_proj``.
+        """
+        layout = self.target.layout.name
+        model = self.model()
+        if model is None or layout not in MLA_DERIVED or self.session is not None \
+                or self.quiet or mode() == "off":
+            return
+        start = time.perf_counter()
+        try:
+            verdict = judge_mla_copies(dict(model.named_parameters()), mla_copies(model),
+                                       layout, self.mla_plan)
+        except Exception as error:  # noqa: BLE001 - never an exception into the engine
+            cannot_check(f"kda_tp guard: {self.engine} {where}: tp rank {self.target.tp_rank}/"
+                         f"{self.target.tp_size}: cannot check the MLA derived copies: "
+                         f"{type(error).__name__}: {error}")
+            return
+        if not verdict.checked and not verdict.unchecked:
+            return
+        word = verdict_word(len(verdict.problems), len(verdict.unchecked))
+        rank = self.target.tp_rank
+        line = (f"kda_tp guard: {self.engine} {where}: tp rank {rank}/{self.target.tp_size}: "
+                f"{len(verdict.checked)} MLA derived copies ({layout}), {verdict.bytes} bytes, "
+                f"{time.perf_counter() - start:.3f} s: {word}")
+        RECORD.ran("derived copies", line)
+        notes = "".join(f"\n  rank {rank} not checked: {u}" for u in verdict.unchecked)
+        if verdict.problems:
+            failed(f"{line}\nthe MLA layers' derived copies differ from what the local "
+                   "kv_b_proj makes of them:\n" + "\n".join(f"  rank {rank} {p}"
+                                                            for p in verdict.problems) + notes,
+                   [p.split(": ", 1)[0] for p in verdict.problems], mode())
+        elif verdict.unchecked:
+            logging.getLogger(LOGGER).warning("%s", line + notes)
+        else:
+            passed(line)
+
     def _verdict(self, session: UpdateSession, where: str,
                  unloaded: frozenset[tuple[int, str]] | None,
                  spoiled: str = "") -> UpdateReport | None:
@@ -382,7 +435,7 @@ def followed(model: Any) -> Follower | None:
 def follow(model: Any, engine: str, checkpoint: SafetensorsSource | str | None = None, *,
            tp_rank: int, tp_size: int, layout: str | None = None, layers: Any = None,
            dummy: bool = False, plan: RankPlan | None = None,
-           reader: Reader = AS_HELD) -> Follower:
+           reader: Reader = AS_HELD, mla_plan: Any = None) -> Follower:
     """Check every later update of ``model``: its ``load_weights`` is wrapped (an instance
     attribute) so that each call feeds the open session, or is one update by itself.
     Idempotent (the first follower stays).
@@ -401,6 +454,8 @@ def follow(model: Any, engine: str, checkpoint: SafetensorsSource | str | None =
         plan: the rank's plan the first load's check built (``GuardResult.plan``): the
             target is built from it (its layout and layers), nothing read or planned again.
         reader: how the engine holds its parameters (the engine adapter's).
+        mla_plan: the rank's MLA plan the first load's check judged the MLA layers with
+            (``GuardResult.mla_plan``), for their derived copies (:meth:`Follower.derived_built`).
 
     Raises:
         KdaTpError: the checkpoint's config gives no plan for these parameters (no KDA layer,
@@ -418,7 +473,7 @@ def follow(model: Any, engine: str, checkpoint: SafetensorsSource | str | None =
         target = RankTarget.build(describe(checkpoint), params, tp_rank=tp_rank,
                                   tp_size=tp_size, engine=layout, layers=layers, model=model,
                                   reader=reader)
-    how = Follower(engine, target, weakref.ref(model))
+    how = Follower(engine, target, weakref.ref(model), mla_plan=mla_plan)
     if dummy:
         how.unloaded = frozenset(target.places)
     _followed[model] = how
