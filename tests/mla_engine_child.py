@@ -3,8 +3,9 @@
 
 Run in its own interpreter (the faked tensor-parallel group is global):
 ``python mla_engine_child.py ENGINE KIND CKPT LAYER OUT_DIR TP_SIZES`` with ENGINE ``vllm`` or
-``sglang``, KIND ``k3``, ``kimi_linear`` or ``glm``, LAYER the checkpoint's 0-based MLA layer,
-TP_SIZES comma-separated (``1,2,4``). For each rank it writes ``OUT_DIR/tp{T}_r{R}.safetensors``:
+``sglang`` (or ``sglang-refits``: ``_sglang_refits``, TP_SIZES unused), KIND ``k3``,
+``kimi_linear`` or ``glm``, LAYER the checkpoint's 0-based MLA layer, TP_SIZES comma-separated
+(``1,2,4``). For each rank it writes ``OUT_DIR/tp{T}_r{R}.safetensors``:
 the layer's ``named_parameters()`` after ``load_weights`` (names after ``self_attn.``, in the
 model dtype BF16), and the copies the engine derives from ``kv_b_proj`` as ``derived.<name>``:
 vLLM's ``W_UK_T`` / ``W_UV`` after the layer's ``process_weights_after_loading`` (on
@@ -114,7 +115,7 @@ def _vllm(kind: str, text: dict[str, Any], mla: dict[str, Any], layer: int, t: i
 
 
 def _sglang(kind: str, text: dict[str, Any], mla: dict[str, Any], layer: int, t: int,
-            r: int) -> tuple[Any, dict[str, Any]]:
+            r: int, then: Any = None) -> tuple[Any, dict[str, Any]]:
     import torch
     from sglang.srt.layers.utils import PPMissingLayer
     from sglang.srt.runtime_context import get_parallel
@@ -167,11 +168,68 @@ def _sglang(kind: str, text: dict[str, Any], mla: dict[str, Any], layer: int, t:
         top.fuse_qkv_a_proj = cfg.q_lora_rank is not None  # GLM-5.3's model sets it so
         top.encoder_only = False
         top.post_load_weights = types.MethodType(Model.post_load_weights, top)
-        Model.load_weights(top, iter(("model." + n, w) for n, w in mla.items()))
+        top.load_weights = types.MethodType(Model.load_weights, top)
+        top.load_weights(iter(("model." + n, w) for n, w in mla.items()))
         held = {n: p.data.clone() for n, p in attn.named_parameters()}
         derived = {n: getattr(attn, n) for n in ("w_kc", "w_vc")
                    if getattr(attn, n, None) is not None}
+        if then is not None:
+            then(top)
     return held, derived
+
+
+def _sglang_refits(kind: str, ckpt: Path, text: dict[str, Any], mla: dict[str, Any],
+                   layer: int, out: Path) -> None:
+    """SGLang's ``w_kc`` / ``w_vc`` judged after the ``load_weights`` that rebuilt them, on
+    rank 1 of 2: the first load checked (its KDA layer built by the layout) and followed,
+    then a ``kv_b_proj`` refit through the model's ``load_weights``, then one whose
+    ``post_load_weights`` is not forwarded (SGLang #26744). Writes ``OUT_DIR/refits.json``:
+    ``{"honest": [the guard's lines], "stale": the GuardError's message}``."""
+    import logging
+
+    import kda_tp
+    from kda_tp.engines import LAYOUTS, build_param
+    from kda_tp.errors import GuardError
+    from kda_tp.guard import check, follow
+    from kda_tp.guard._derived import mla_copies
+
+    lines: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(record.getMessage())
+
+    logging.getLogger("kda_tp.guard").addHandler(Keep())
+    layout = LAYOUTS[{"k3": "sglang-0.5.23-k3", "glm": "sglang-0.5.23-glm-5.3"}[kind]]
+    kv_b = f"layers.{layer}.self_attn.kv_b_proj.weight"
+    found: dict[str, Any] = {}
+
+    def refits(top: Any) -> None:
+        view = kda_tp.open_rank(ckpt, tp_rank=1, tp_size=2, qk_multiple=1, mla=True)
+        base = layout.state_dict_prefix(view.prefix)
+        params = {f"{base}0.self_attn.{p.suffix}": build_param(view, layout, p.suffix, 0,
+                                                               model_dtype="BF16")
+                  for p in layout.params_for(view.plan)}
+        named = {base + n.removeprefix("model.layers."): p  # the checkpoint's prefix
+                 for n, p in [*top.named_parameters(), *mla_copies(top).items()]}
+        params.update({n: p for n, p in named.items() if n.endswith(".weight")})
+        result = check(params, ckpt, tp_rank=1, tp_size=2, engine=layout.name,
+                       derived={n: p for n, p in named.items() if n not in params})
+        assert result is not None and result.passed and result.mla_plan is not None, \
+            result and result.text()
+        follow(top, "sglang", plan=result.plan, tp_rank=1, tp_size=2,
+               mla_plan=result.mla_plan)
+        lines.clear()
+        top.load_weights(iter([("model." + kv_b, mla[kv_b] * 2)]))
+        found["honest"] = list(lines)
+        top.post_load_weights = lambda *args, **kwargs: None  # a hook not forwarded
+        try:
+            top.load_weights(iter([("model." + kv_b, mla[kv_b] * 3)]))
+        except GuardError as error:
+            found["stale"] = str(error)
+
+    _sglang(kind, text, mla, layer, 2, 1, then=refits)
+    (out / "refits.json").write_text(json.dumps(found))
 
 
 def main(argv: list[str]) -> None:
@@ -184,11 +242,14 @@ def main(argv: list[str]) -> None:
     sizes = [int(t) for t in argv[5].split(",")]
     text, mla = _checkpoint(Path(ckpt), int(layer))
     torch.set_default_dtype(torch.bfloat16)  # the engines build a model in its model dtype
-    if engine == "sglang":
+    if engine.startswith("sglang"):
         from sglang.srt.runtime_context import _CONTEXT
         from sglang.srt.server_args import ServerArgs
 
         _CONTEXT.set_server_args(ServerArgs(model_path=ckpt, device="cpu"))
+    if engine == "sglang-refits":
+        _sglang_refits(kind, Path(ckpt), text, mla, int(layer), Path(out))
+        return
     load = _vllm if engine == "vllm" else _sglang
     for t in sizes:
         for r in range(t):

@@ -192,7 +192,10 @@ class Follower:
             return None
         self.session = None
         unloaded = self.unloaded if self.unloaded is not None and session.touched else None
-        return self._verdict(session, self.where, unloaded, self.spoiled)
+        report = self._verdict(session, self.where, unloaded, self.spoiled)
+        if self._load_builds_copies():
+            self.derived_built(self.where)
+        return report
 
     def call(self, original: Any, weights: Any, args: tuple[Any, ...],
              kwargs: dict[str, Any]) -> Any:
@@ -223,7 +226,17 @@ class Follower:
             if unseen:
                 self._report(UpdateReport(params=len(unseen), unchecked=unseen),
                              "load_weights")
+        if not session.deferred and self._load_builds_copies():
+            self.derived_built("load_weights")
         return out
+
+    def _load_builds_copies(self) -> bool:
+        """Whether the engine rebuilds its MLA derived copies at the end of every
+        ``load_weights`` (SGLang's ``w_kc`` / ``w_vc``, plain attributes built by
+        ``post_load_weights``): then they are judged after every update
+        (:meth:`derived_built`); vLLM's are judged at ``process_weights_after_loading``."""
+        return any(copy.attribute
+                   for copy in MLA_DERIVED.get(self.target.layout.name, {}).values())
 
     def _watched(self, weights: Any) -> Iterator[Any]:
         """``weights`` passed on unchanged; before the engine gets a name the guard cannot
@@ -295,8 +308,9 @@ class Follower:
         returned, at the first load and after every refit): each copy
         (``kda_tp.engines.derived.MLA_DERIVED``) against what the local ``kv_b_proj``
         derives now (``kda_tp.guard._derived.judge_mla_copies``), named as itself when wrong.
-        One line, ``kda_tp guard: <engine> <where>: tp rank r/T: N MLA derived copies
-        (<layout>), B bytes, S s: OK``; a copy that cannot be judged (its ``kv_b_proj``
+        SGLang's (rebuilt at the end of every ``load_weights``) after every update that
+        called it, one call or a session. One line, ``kda_tp guard: <engine> <where>: tp rank
+        r/T: N MLA derived copies (<layout>), B bytes, S s: OK``; a copy that cannot be judged (its ``kv_b_proj``
         released by the backend: ``AMX_MLA``) makes it ``NOT CHECKED`` at WARNING, never
         ``OK``, and stops nothing. Nothing for a model without MLA layers, in mode ``off``,
         while a loader fills the model or a session is open (judged when it ends).
