@@ -178,6 +178,24 @@ def _sglang(kind: str, text: dict[str, Any], mla: dict[str, Any], layer: int, t:
     return held, derived
 
 
+class _FromLayers:
+    """The engine as it holds its parameters (as loaded), whose name mapping gives the
+    stand-in a checkpoint name as ``model.layers.``, as the served class's mapper does."""
+
+    def described(self, name: str, param: Any) -> Any:
+        return param
+
+    def read_back(self, module: Any, param: Any) -> tuple[Any, str | None]:
+        return param, None
+
+    def masked_copy(self, copy: Any) -> bool:
+        return False
+
+    def spelling(self, model: Any) -> Any:
+        return lambda name: ("model.layers." + name.split("layers.", 1)[1]
+                             if "layers." in name else name)
+
+
 def _sglang_refits(kind: str, ckpt: Path, text: dict[str, Any], mla: dict[str, Any],
                    layer: int, out: Path) -> None:
     """SGLang's ``w_kc`` / ``w_vc`` judged after the ``load_weights`` that rebuilt them, on
@@ -218,10 +236,14 @@ def _sglang_refits(kind: str, ckpt: Path, text: dict[str, Any], mla: dict[str, A
         assert result is not None and result.passed and result.mla_plan is not None, \
             result and result.text()
         follow(top, "sglang", plan=result.plan, tp_rank=1, tp_size=2,
-               mla_plan=result.mla_plan)
+               mla_plan=result.mla_plan, reader=_FromLayers())
         lines.clear()
         top.load_weights(iter([("model." + kv_b, mla[kv_b] * 2)]))
         found["honest"] = list(lines)
+        lines.clear()
+        for name, tensor in mla.items():  # one tensor per call (OpenRLHF, TRL colocate)
+            top.load_weights(iter([("model." + name, tensor * 2)]))
+        found["per_tensor"] = list(lines)
         top.post_load_weights = lambda *args, **kwargs: None  # a hook not forwarded
         try:
             top.load_weights(iter([("model." + kv_b, mla[kv_b] * 3)]))

@@ -10,7 +10,10 @@ its MLA plan, and vLLM's own ``process_weights_after_loading`` (the guard's hook
 and judges the copies (vLLM's layerwise reload too, which post-processes each layer). An
 honest load and refit pass with the copies counted; a copy left
 stale by a refit of ``kv_b_proj`` (a post-load hook not forwarded) is stopped and named; a
-``kv_b_proj`` the backend emptied (``AMX_MLA``) is reported not checked, never OK.
+``kv_b_proj`` the backend emptied (``AMX_MLA``) is reported not checked, never OK. An update
+that feeds the MLA layer's tensors through the model's ``load_weights`` (buckets, the whole
+layer, a layerwise reload) is judged for them as for the KDA ones, counted as MLA; a loader
+that narrows rank 1's ``kv_b_proj`` at rank 0 is stopped, named.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import kda_tp
 from kda_tp.engines import LAYOUTS, build_param
 from kda_tp.errors import GuardError
 from kda_tp.guard import MODE_ENV, follow
+from kda_tp.guard._target import AS_HELD
 from kda_tp.synth import write_small_checkpoint
 
 pytestmark = pytest.mark.engines
@@ -85,8 +89,30 @@ def loaded(kind: str, ckpt):
     params.update({f"{base}{MLA_LAYER}.self_attn.{n}": p for n, p in attn.named_parameters()})
     result = kda_tp.guard.check(params, ckpt, tp_rank=RANK, tp_size=TP, engine=layout.name)
     assert result is not None and result.passed and result.mla_plan is not None
-    follow(stack, "vllm", plan=result.plan, tp_rank=RANK, tp_size=TP, mla_plan=result.mla_plan)
+    follow(stack, "vllm", plan=result.plan, tp_rank=RANK, tp_size=TP, mla_plan=result.mla_plan,
+           reader=FROM_LAYERS)
     return vc, stack, absorbing, mla
+
+
+class _FromLayers:
+    """The engine as it holds its parameters (as loaded), whose name mapping gives the
+    stand-in (the model class's inner model) a checkpoint name from ``layers.`` on, as the
+    served class's mapper strips the checkpoint's prefix before the inner model loads it."""
+
+    def described(self, name, param):
+        return AS_HELD.described(name, param)
+
+    def read_back(self, module, param):
+        return AS_HELD.read_back(module, param)
+
+    def masked_copy(self, copy):
+        return AS_HELD.masked_copy(copy)
+
+    def spelling(self, model):
+        return lambda name: "layers." + name.split("layers.", 1)[1] if "layers." in name else name
+
+
+FROM_LAYERS = _FromLayers()
 
 
 def post_process(vc, stack) -> None:
@@ -175,7 +201,51 @@ def test_the_copies_are_judged_after_a_layerwise_reload(kind, ckpts, caplog, gua
         stack.load_weights(iter(refit))
         finalize_layerwise_reload(stack, vc.model_config)
     nbytes = absorbing.W_UK_T.nbytes + absorbing.W_UV.nbytes
-    lines = [r.getMessage() for r in caplog.records if "MLA derived copies" in r.getMessage()]
-    assert len(lines) == 1 and re.fullmatch(
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2 and re.fullmatch(
+        update_line(kind, MLA_PARAMS[kind], "OK").replace("load_weights", "layerwise reload"),
+        lines[0]), lines  # the MLA parameters fed, judged when the reload finalizes
+    assert re.fullmatch(
         line(kind, nbytes, "OK").replace("process_weights_after_loading", "layerwise reload"),
-        lines[0]), lines
+        lines[1]), lines
+
+
+MLA_PARAMS = {"k3": 6, "glm": 6}  # the layer's MLA parameters in the layout (vLLM 0.33)
+
+
+def update_line(kind: str, params: int, verdict: str) -> str:
+    return (rf"kda_tp guard: vllm load_weights: tp rank {RANK}/{TP}: 0 KDA and {params} MLA "
+            rf"parameters updated \({LAYOUT[kind]}\), [1-9][0-9]* bytes, [0-9.]+ s: {verdict}")
+
+
+@pytest.mark.parametrize("kind", sorted(LAYOUT))
+def test_an_honest_mla_refit_passes_with_the_mla_parameters_counted(kind, ckpts, caplog,
+                                                                    guard_log):
+    vc, stack, _, mla = loaded(kind, ckpts[kind])
+    post_process(vc, stack)
+    refit = [(n, w * 2) for n, w in mla.items()]
+    caplog.clear()
+    with guard_log, set_current_vllm_config(vc):
+        stack.load_weights(iter(refit[:3]))  # buckets: each call one update
+        stack.load_weights(iter(refit[3:]))
+        stack.load_weights(iter(refit))  # the whole layer in one call
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 3 and all(line.endswith(": OK") for line in lines), lines
+    assert re.fullmatch(update_line(kind, MLA_PARAMS[kind], "OK"), lines[2]), lines[2]
+    assert not any("MLA parameters not checked" in line for line in lines)
+
+
+@pytest.mark.parametrize("kind", sorted(LAYOUT))
+def test_a_loader_bug_on_rank_1s_kv_b_proj_in_a_refit_is_stopped_named(kind, ckpts,
+                                                                        monkeypatch):
+    vc, stack, absorbing, mla = loaded(kind, ckpts[kind])
+    post_process(vc, stack)
+    # its loader told rank 0 (the module's and its parameter's rank, whichever loads it)
+    monkeypatch.setattr(absorbing.kv_b_proj, "tp_rank", 0)
+    monkeypatch.setattr(absorbing.kv_b_proj.weight, "tp_rank", 0, raising=False)
+    name = f"layers.{MLA_LAYER}.self_attn.kv_b_proj.weight"
+    with pytest.raises(GuardError) as caught, set_current_vllm_config(vc):
+        stack.load_weights(iter([(name, mla[name] * 2)]))
+    text = str(caught.value)
+    assert re.fullmatch(update_line(kind, 1, r"FAIL \(1 wrong\)"), text.splitlines()[0])
+    assert f"  rank {RANK} layers.{MLA_LAYER}.self_attn.kv_b_proj.weight: kv_b_proj: " in text

@@ -103,9 +103,11 @@ class Follower:
         updates: the updates judged so far (each verdict, passed or not): a live audit
             against the start-up checkpoint says how many updates came since.
         last: the last update's verdict line; ``last_failed``: whether it failed.
-        mla_fed: a name of a hybrid's MLA layer (``kda_tp.guard._names.names_mla``) was fed
-            since the last verdict: that verdict says MLA parameters are not checked on
-            updates (only the first load checks them).
+        mla_fed: a name of a hybrid's MLA layer (``kda_tp.guard._names.names_mla``) that the
+            target cannot place was fed since the last verdict (no MLA plan: a dummy load;
+            a tensor the MLA table does not describe): that verdict says MLA parameters are
+            not checked on updates. The MLA parameters the target holds (``mla_plan``) are
+            judged as the KDA ones.
         mla_plan: the rank's MLA plan (``kda_tp.rank.MlaTpPlan``) the first load's check
             judged the MLA layers with, or None: the MLA layers' derived copies are judged
             with it once the engine built them (:meth:`derived_built`).
@@ -399,8 +401,10 @@ class Follower:
         repacked = f", {len(report.repacked)} not checkable (repacked)" if report.repacked else ""
         repacked += ", MLA parameters not checked on updates" if self.mla_fed else ""
         self.mla_fed = False
-        line = (f"kda_tp guard: {self.engine} {where}: tp rank {rank}/{size}: {report.params} "
-                f"KDA parameters updated ({self.target.layout.name}), {report.bytes} bytes, "
+        counted = (f"{report.params - report.mla} KDA and {report.mla} MLA" if report.mla
+                   else f"{report.params} KDA")
+        line = (f"kda_tp guard: {self.engine} {where}: tp rank {rank}/{size}: {counted} "
+                f"parameters updated ({self.target.layout.name}), {report.bytes} bytes, "
                 f"{report.seconds:.3f} s{repacked}: {verdict}")
         RECORD.ran("update", line)
         self.updates, self.last, self.last_failed = self.updates + 1, line, not report.passed
@@ -480,7 +484,7 @@ def follow(model: Any, engine: str, checkpoint: SafetensorsSource | str | None =
         return found
     params = dict(model.named_parameters())
     if plan is not None:
-        target = RankTarget.of(plan, params, model=model, reader=reader)
+        target = RankTarget.of(plan, params, model=model, reader=reader, mla=mla_plan)
     elif checkpoint is None:
         raise TypeError("follow: neither a checkpoint nor a plan to check the updates against")
     else:
