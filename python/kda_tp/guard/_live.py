@@ -306,16 +306,18 @@ class Follower:
         return self._report(report, where)
 
     def derived_built(self, where: str) -> None:
-        """The engine built its MLA layers' derived copies (vLLM: ``process_weights_after_loading``
-        returned, at the first load and after every refit): each copy
+        """The engine built its MLA layers' derived copies (vLLM:
+        ``process_weights_after_loading`` returned, at the first load and after every
+        refit): each copy
         (``kda_tp.engines.derived.MLA_DERIVED``) against what the local ``kv_b_proj``
         derives now (``kda_tp.guard._derived.judge_mla_copies``), named as itself when wrong.
         SGLang's (rebuilt at the end of every ``load_weights``) after every update that
         called it, one call or a session. One line, ``kda_tp guard: <engine> <where>: tp rank
-        r/T: N MLA derived copies (<layout>), B bytes, S s: OK``; a copy that cannot be judged (its ``kv_b_proj``
-        released by the backend: ``AMX_MLA``) makes it ``NOT CHECKED`` at WARNING, never
-        ``OK``, and stops nothing. Nothing for a model without MLA layers, in mode ``off``,
-        while a loader fills the model or a session is open (judged when it ends).
+        r/T: N MLA derived copies (<layout>), B bytes, S s: OK``; a copy that cannot be
+        judged (its ``kv_b_proj`` released by the backend: ``AMX_MLA``) makes it ``NOT
+        CHECKED`` at WARNING, never ``OK``, and stops nothing. Nothing for a model without
+        MLA layers, in mode ``off``, while a loader fills the model or a session is open
+        (judged when it ends).
 
         Raises:
             GuardError: mode ``fail`` and a copy differs from its ``kv_b_proj``.
