@@ -3,8 +3,9 @@
 
 Run in its own interpreter (the faked tensor-parallel group is global):
 ``python mla_engine_child.py ENGINE KIND CKPT LAYER OUT_DIR TP_SIZES`` with ENGINE ``vllm`` or
-``sglang``, KIND ``k3``, ``kimi_linear`` or ``glm``, LAYER the checkpoint's 0-based MLA layer,
-TP_SIZES comma-separated (``1,2,4``). For each rank it writes ``OUT_DIR/tp{T}_r{R}.safetensors``:
+``sglang`` (or ``sglang-refits``: ``_sglang_refits``, TP_SIZES unused), KIND ``k3``,
+``kimi_linear`` or ``glm``, LAYER the checkpoint's 0-based MLA layer, TP_SIZES comma-separated
+(``1,2,4``). For each rank it writes ``OUT_DIR/tp{T}_r{R}.safetensors``:
 the layer's ``named_parameters()`` after ``load_weights`` (names after ``self_attn.``, in the
 model dtype BF16), and the copies the engine derives from ``kv_b_proj`` as ``derived.<name>``:
 vLLM's ``W_UK_T`` / ``W_UV`` after the layer's ``process_weights_after_loading`` (on
@@ -43,8 +44,12 @@ def _checkpoint(ckpt: Path, layer: int) -> tuple[dict[str, Any], dict[str, Any]]
     return text, mla
 
 
-def _vllm(kind: str, text: dict[str, Any], mla: dict[str, Any], layer: int, t: int,
-          r: int) -> tuple[Any, dict[str, Any]]:
+def vllm_layer(kind: str, text: dict[str, Any], mla: dict[str, Any], layer: int, t: int,
+               r: int) -> tuple[Any, Any, Any, Any]:
+    """The MLA layer built by vLLM's own class for rank ``r`` of ``t`` (the faked group set)
+    and loaded by its model class's ``load_weights`` on a stand-in: ``(vllm_config, stand-in,
+    layer, the MLAAttention that absorbs kv_b_proj)``; the stand-in's ``load_weights`` is the
+    model class's."""
     import torch
     import vllm.distributed.parallel_state as ps
     from vllm.config import VllmConfig, set_current_vllm_config
@@ -87,7 +92,18 @@ def _vllm(kind: str, text: dict[str, Any], mla: dict[str, Any], layer: int, t: i
         stack.is_fused_shared_expert_enabled = False
         stack.layers = torch.nn.ModuleList([torch.nn.Module() for _ in range(layer + 1)])
         stack.layers[layer].self_attn = attn
-        Model.load_weights(stack, iter(mla.items()))
+        stack.load_weights = types.MethodType(Model.load_weights, stack)
+        stack.load_weights(iter(mla.items()))
+    return vc, stack, attn, absorbing
+
+
+def _vllm(kind: str, text: dict[str, Any], mla: dict[str, Any], layer: int, t: int,
+          r: int) -> tuple[Any, dict[str, Any]]:
+    import torch
+    from vllm.config import set_current_vllm_config
+
+    vc, _, attn, absorbing = vllm_layer(kind, text, mla, layer, t, r)
+    with set_current_vllm_config(vc):
         held = {n: p.data.clone() for n, p in attn.named_parameters()}
         absorbing.process_weights_after_loading(torch.bfloat16)
         derived = {n: p.data for n, p in attn.named_parameters()
@@ -99,7 +115,7 @@ def _vllm(kind: str, text: dict[str, Any], mla: dict[str, Any], layer: int, t: i
 
 
 def _sglang(kind: str, text: dict[str, Any], mla: dict[str, Any], layer: int, t: int,
-            r: int) -> tuple[Any, dict[str, Any]]:
+            r: int, then: Any = None) -> tuple[Any, dict[str, Any]]:
     import torch
     from sglang.srt.layers.utils import PPMissingLayer
     from sglang.srt.runtime_context import get_parallel
@@ -152,11 +168,90 @@ def _sglang(kind: str, text: dict[str, Any], mla: dict[str, Any], layer: int, t:
         top.fuse_qkv_a_proj = cfg.q_lora_rank is not None  # GLM-5.3's model sets it so
         top.encoder_only = False
         top.post_load_weights = types.MethodType(Model.post_load_weights, top)
-        Model.load_weights(top, iter(("model." + n, w) for n, w in mla.items()))
+        top.load_weights = types.MethodType(Model.load_weights, top)
+        top.load_weights(iter(("model." + n, w) for n, w in mla.items()))
         held = {n: p.data.clone() for n, p in attn.named_parameters()}
         derived = {n: getattr(attn, n) for n in ("w_kc", "w_vc")
                    if getattr(attn, n, None) is not None}
+        if then is not None:
+            then(top)
     return held, derived
+
+
+class _FromLayers:
+    """The engine as it holds its parameters (as loaded), whose name mapping gives the
+    stand-in a checkpoint name as ``model.layers.``, as the served class's mapper does."""
+
+    def described(self, name: str, param: Any) -> Any:
+        return param
+
+    def read_back(self, module: Any, param: Any) -> tuple[Any, str | None]:
+        return param, None
+
+    def masked_copy(self, copy: Any) -> bool:
+        return False
+
+    def spelling(self, model: Any) -> Any:
+        return lambda name: ("model.layers." + name.split("layers.", 1)[1]
+                             if "layers." in name else name)
+
+
+def _sglang_refits(kind: str, ckpt: Path, text: dict[str, Any], mla: dict[str, Any],
+                   layer: int, out: Path) -> None:
+    """SGLang's ``w_kc`` / ``w_vc`` judged after the ``load_weights`` that rebuilt them, on
+    rank 1 of 2: the first load checked (its KDA layer built by the layout) and followed,
+    then a ``kv_b_proj`` refit through the model's ``load_weights``, then one whose
+    ``post_load_weights`` is not forwarded (SGLang #26744). Writes ``OUT_DIR/refits.json``:
+    ``{"honest": [the guard's lines], "stale": the GuardError's message}``."""
+    import logging
+
+    import kda_tp
+    from kda_tp.engines import LAYOUTS, build_param
+    from kda_tp.errors import GuardError
+    from kda_tp.guard import check, follow
+    from kda_tp.guard._derived import mla_copies
+
+    lines: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(record.getMessage())
+
+    logging.getLogger("kda_tp.guard").addHandler(Keep())
+    layout = LAYOUTS[{"k3": "sglang-0.5.23-k3", "glm": "sglang-0.5.23-glm-5.3"}[kind]]
+    kv_b = f"layers.{layer}.self_attn.kv_b_proj.weight"
+    found: dict[str, Any] = {}
+
+    def refits(top: Any) -> None:
+        view = kda_tp.open_rank(ckpt, tp_rank=1, tp_size=2, qk_multiple=1, mla=True)
+        base = layout.state_dict_prefix(view.prefix)
+        params = {f"{base}0.self_attn.{p.suffix}": build_param(view, layout, p.suffix, 0,
+                                                               model_dtype="BF16")
+                  for p in layout.params_for(view.plan)}
+        named = {base + n.removeprefix("model.layers."): p  # the checkpoint's prefix
+                 for n, p in [*top.named_parameters(), *mla_copies(top).items()]}
+        params.update({n: p for n, p in named.items() if n.endswith(".weight")})
+        result = check(params, ckpt, tp_rank=1, tp_size=2, engine=layout.name,
+                       derived={n: p for n, p in named.items() if n not in params})
+        assert result is not None and result.passed and result.mla_plan is not None, \
+            result and result.text()
+        follow(top, "sglang", plan=result.plan, tp_rank=1, tp_size=2,
+               mla_plan=result.mla_plan, reader=_FromLayers())
+        lines.clear()
+        top.load_weights(iter([("model." + kv_b, mla[kv_b] * 2)]))
+        found["honest"] = list(lines)
+        lines.clear()
+        for name, tensor in mla.items():  # one tensor per call (OpenRLHF, TRL colocate)
+            top.load_weights(iter([("model." + name, tensor * 2)]))
+        found["per_tensor"] = list(lines)
+        top.post_load_weights = lambda *args, **kwargs: None  # a hook not forwarded
+        try:
+            top.load_weights(iter([("model." + kv_b, mla[kv_b] * 3)]))
+        except GuardError as error:
+            found["stale"] = str(error)
+
+    _sglang(kind, text, mla, layer, 2, 1, then=refits)
+    (out / "refits.json").write_text(json.dumps(found))
 
 
 def main(argv: list[str]) -> None:
@@ -169,11 +264,14 @@ def main(argv: list[str]) -> None:
     sizes = [int(t) for t in argv[5].split(",")]
     text, mla = _checkpoint(Path(ckpt), int(layer))
     torch.set_default_dtype(torch.bfloat16)  # the engines build a model in its model dtype
-    if engine == "sglang":
+    if engine.startswith("sglang"):
         from sglang.srt.runtime_context import _CONTEXT
         from sglang.srt.server_args import ServerArgs
 
         _CONTEXT.set_server_args(ServerArgs(model_path=ckpt, device="cpu"))
+    if engine == "sglang-refits":
+        _sglang_refits(kind, Path(ckpt), text, mla, int(layer), Path(out))
+        return
     load = _vllm if engine == "vllm" else _sglang
     for t in sizes:
         for r in range(t):

@@ -8,6 +8,7 @@ This module imports no engine.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -18,7 +19,8 @@ from ..checkpoint.names import param_location, param_name
 from ..engines.derived import DERIVED, MLA_DERIVED, Derived
 from ..errors import KdaTpError
 
-__all__ = ["derived_problem", "first_load_problem", "mla_copies", "mla_first_load_problem"]
+__all__ = ["MlaCopiesVerdict", "derived_problem", "first_load_problem", "judge_mla_copies",
+           "mla_copies", "mla_first_load_problem"]
 
 #: The names of the MLA layers' derived copies (vLLM's ``W_UK_T`` / ``W_UV`` parameters, built
 #: by ``process_weights_after_loading``; SGLang's ``w_kc`` / ``w_vc`` attributes, built at the
@@ -63,6 +65,77 @@ def mla_first_load_problem(name: str, value: Any, params: Mapping[str, Any],
         return None
     derived = Derived((copy.source,), lambda kv_b: copy.derive(kv_b, plan), issue=copy.issue)
     return _problem(name, value, params, derived, [origin])
+
+
+@dataclass
+class MlaCopiesVerdict:
+    """What :func:`judge_mla_copies` found on one rank.
+
+    Attributes:
+        checked: the copies compared (names), each against its local ``kv_b_proj``.
+        bytes: their size, in bytes.
+        problems: ``"<copy's name>: <what is wrong>"`` per wrong copy.
+        unchecked: ``"<copy's name>: <why not checked>"`` per copy the layout keeps that the
+            engine did not build: refused in mode ``fail``, as every check that cannot run.
+        repacked: ``"<copy's name>: <why not checkable>"`` per copy whose ``kv_b_proj`` the
+            attention backend released once it packed its own copies (vLLM's ``AMX_MLA``):
+            not checkable, said, stops nothing (the rule of the KDA parameters an engine
+            repacks after loading).
+    """
+
+    checked: list[str] = field(default_factory=list)
+    bytes: int = 0
+    problems: list[str] = field(default_factory=list)
+    unchecked: list[str] = field(default_factory=list)
+    repacked: list[str] = field(default_factory=list)
+
+
+def judge_mla_copies(params: Mapping[str, Any], copies: Mapping[str, Any], layout: str,
+                     plan: Any) -> MlaCopiesVerdict:
+    """Every MLA layer's derived copies (:data:`~kda_tp.engines.derived.MLA_DERIVED` of
+    ``layout``) against what the rank's local ``kv_b_proj`` derives now, once the engine built
+    them (vLLM: after ``process_weights_after_loading``, at the first load and after every
+    refit). A copy is judged only where its ``kv_b_proj`` is readable: one whose
+    ``kv_b_proj.weight`` the backend emptied (vLLM's ``AMX_MLA`` packs its own copies and
+    releases it) is in ``repacked``, one the engine never built in ``unchecked``; never passed
+    as judged. Without the rank's MLA plan (``plan`` None: the first load said why it did not
+    judge the MLA layers) nothing is judged.
+
+    Args:
+        params: the rank's parameters now, by full name (``kv_b_proj.weight`` among them).
+        copies: the copies the model holds, by full name (:func:`mla_copies`).
+        layout: the engine layout's name.
+        plan: the rank's ``kda_tp.rank.MlaTpPlan`` (its local heads), or None when unknown.
+    """
+    verdict = MlaCopiesVerdict()
+    table = MLA_DERIVED.get(layout, {}) if plan is not None else {}
+    layers: dict[tuple[str, int], str] = {}
+    for name in params:
+        location = param_location(name)
+        if location is not None and location[2].endswith("kv_b_proj.weight"):
+            layers.setdefault(location[:2], name)
+    for (prefix, layer), origin in sorted(layers.items()):
+        kv_b = params[origin]
+        for suffix, copy in table.items():
+            name = param_name(prefix, layer, suffix)
+            value = copies.get(name)
+            if 0 in tuple(getattr(kv_b, "shape", ())) or getattr(kv_b, "is_meta", False):
+                verdict.repacked.append(
+                    f"{name}: {origin} is empty after post-processing (the attention backend "
+                    "released it once it packed its own copies: vLLM's AMX_MLA)")
+                continue
+            if value is None:
+                verdict.unchecked.append(f"{name}: the engine built no such copy of {origin}")
+                continue
+            derived = Derived((copy.source,), lambda kv, c=copy: c.derive(kv, plan),
+                              issue=copy.issue)
+            problem = _problem(name, value, {origin: kv_b}, derived, [origin])
+            verdict.checked.append(name)
+            verdict.bytes += int(getattr(value, "nbytes", 0) or 0)
+            if isinstance(problem, str):
+                verdict.problems.append(f"{name}: {problem}")
+    return verdict
+
 
 
 def _origins(name: str, layout: str) -> tuple[Derived, list[str]] | None:

@@ -91,6 +91,9 @@ class GuardResult:
         mla: MLA parameters (of the hybrid's MLA layers) checked, out of ``params``.
         mla_unchecked: why the rank's MLA layers were not checked (their plan refused: see
             ``kda_tp.rank.mla.rank_mla_plan``), or ``""``.
+        mla_plan: the rank's MLA plan (``kda_tp.rank.MlaTpPlan``) where its MLA layers were
+            checked, else None: what the derived copies the engine builds after loading are
+            judged with (``kda_tp.guard._derived.judge_mla_copies``).
     """
 
     report: AuditReport
@@ -105,6 +108,7 @@ class GuardResult:
     unchecked: tuple[str, ...] = ()
     mla: int = 0
     mla_unchecked: str = ""
+    mla_plan: MlaTpPlan | None = field(default=None, repr=False, compare=False)
 
     @property
     def passed(self) -> bool:
@@ -325,7 +329,7 @@ def check(
         return None
     result = GuardResult(report, tp_rank, tp_size, report.engine, count, nbytes,
                          time.perf_counter() - start, where, audited.plan, tuple(unchecked),
-                         mla_count, why)
+                         mla_count, why, mla_plan if mla_count else None)
     if result.passed:
         passed(result.line())
         return result

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import time
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -37,9 +38,9 @@ from ..checkpoint.description import describe
 from ..checkpoint.reader import SafetensorsSource
 from ..checkpoint.values import same_tensor_values, same_values
 from ..engines.build import RankPlan
-from ..engines.derived import DERIVED, DERIVED_ATTRIBUTES, derived_copies
+from ..engines.derived import DERIVED, DERIVED_ATTRIBUTES, MLA_DERIVED, derived_copies
 from ..errors import GuardModeError
-from ._derived import derived_problem
+from ._derived import derived_problem, judge_mla_copies, mla_copies
 from ._modes import (cannot_check, failed, mode, passed, repair_on, verdict_word,
                      warn_once)
 from ._names import names_mla
@@ -101,9 +102,14 @@ class Follower:
         updates: the updates judged so far (each verdict, passed or not): a live audit
             against the start-up checkpoint says how many updates came since.
         last: the last update's verdict line; ``last_failed``: whether it failed.
-        mla_fed: a name of a hybrid's MLA layer (``kda_tp.guard._names.names_mla``) was fed
-            since the last verdict: that verdict says MLA parameters are not checked on
-            updates (only the first load checks them).
+        mla_fed: a name of a hybrid's MLA layer (``kda_tp.guard._names.names_mla``) that the
+            target cannot place was fed since the last verdict (no MLA plan: a dummy load;
+            a tensor the MLA table does not describe): that verdict says MLA parameters are
+            not checked on updates. The MLA parameters the target holds (``mla_plan``) are
+            judged as the KDA ones.
+        mla_plan: the rank's MLA plan (``kda_tp.rank.MlaTpPlan``) the first load's check
+            judged the MLA layers with, or None: the MLA layers' derived copies are judged
+            with it once the engine built them (:meth:`derived_built`).
     """
 
     engine: str
@@ -122,6 +128,7 @@ class Follower:
     last: str = ""
     last_failed: bool = False
     mla_fed: bool = False
+    mla_plan: Any = None
 
     @contextlib.contextmanager
     def quietly(self) -> Iterator[None]:
@@ -186,7 +193,10 @@ class Follower:
             return None
         self.session = None
         unloaded = self.unloaded if self.unloaded is not None and session.touched else None
-        return self._verdict(session, self.where, unloaded, self.spoiled)
+        report = self._verdict(session, self.where, unloaded, self.spoiled)
+        if self._load_builds_copies():
+            self.derived_built(self.where)
+        return report
 
     def call(self, original: Any, weights: Any, args: tuple[Any, ...],
              kwargs: dict[str, Any]) -> Any:
@@ -217,7 +227,17 @@ class Follower:
             if unseen:
                 self._report(UpdateReport(params=len(unseen), unchecked=unseen),
                              "load_weights")
+        if not session.deferred and self._load_builds_copies():
+            self.derived_built("load_weights")
         return out
+
+    def _load_builds_copies(self) -> bool:
+        """Whether the engine rebuilds its MLA derived copies at the end of every
+        ``load_weights`` (SGLang's ``w_kc`` / ``w_vc``, plain attributes built by
+        ``post_load_weights``): then they are judged after every update
+        (:meth:`derived_built`); vLLM's are judged at ``process_weights_after_loading``."""
+        return any(copy.attribute
+                   for copy in MLA_DERIVED.get(self.target.layout.name, {}).values())
 
     def _watched(self, weights: Any) -> Iterator[Any]:
         """``weights`` passed on unchanged; before the engine gets a name the guard cannot
@@ -284,6 +304,59 @@ class Follower:
         self.unloaded = None
         return self._report(report, where)
 
+    def derived_built(self, where: str) -> None:
+        """The engine built its MLA layers' derived copies (vLLM:
+        ``process_weights_after_loading`` returned, at the first load and after every
+        refit): each copy
+        (``kda_tp.engines.derived.MLA_DERIVED``) against what the local ``kv_b_proj``
+        derives now (``kda_tp.guard._derived.judge_mla_copies``), named as itself when wrong.
+        SGLang's (rebuilt at the end of every ``load_weights``) after every update that
+        called it, one call or a session. One line, ``kda_tp guard: <engine> <where>: tp rank
+        r/T: N MLA derived copies (<layout>), B bytes, S s: OK``; a copy that cannot be
+        judged because the backend released its ``kv_b_proj`` (``AMX_MLA``) is counted ``not
+        checkable (repacked)`` and stops nothing, as a KDA parameter an engine repacked; a
+        copy the layout keeps that the engine did not build is ``NOT CHECKED``, refused in
+        mode ``fail``. Nothing for a model without
+        MLA layers, in mode ``off``, while a loader fills the model or a session is open
+        (judged when it ends).
+
+        Raises:
+            GuardError: mode ``fail`` and a copy differs from its ``kv_b_proj`` or was not built.
+        """
+        layout = self.target.layout.name
+        model = self.model()
+        if model is None or layout not in MLA_DERIVED or self.session is not None \
+                or self.quiet or mode() == "off":
+            return
+        start = time.perf_counter()
+        try:
+            verdict = judge_mla_copies(dict(model.named_parameters()), mla_copies(model),
+                                       layout, self.mla_plan)
+        except Exception as error:  # noqa: BLE001 - never an exception into the engine
+            cannot_check(f"kda_tp guard: {self.engine} {where}: tp rank {self.target.tp_rank}/"
+                         f"{self.target.tp_size}: cannot check the MLA derived copies: "
+                         f"{type(error).__name__}: {error}")
+            return
+        if not (verdict.checked or verdict.unchecked or verdict.repacked):
+            return
+        word = verdict_word(len(verdict.problems), len(verdict.unchecked))
+        rank = self.target.tp_rank
+        repacked = (f", {len(verdict.repacked)} not checkable (repacked)" if verdict.repacked
+                    else "")
+        line = (f"kda_tp guard: {self.engine} {where}: tp rank {rank}/{self.target.tp_size}: "
+                f"{len(verdict.checked)} MLA derived copies ({layout}), {verdict.bytes} bytes, "
+                f"{time.perf_counter() - start:.3f} s{repacked}: {word}")
+        RECORD.ran("derived copies", line)
+        notes = ("".join(f"\n  rank {rank} not checked: {u}" for u in verdict.unchecked)
+                 + "".join(f"\n  rank {rank} not checkable: {u}" for u in verdict.repacked))
+        if verdict.problems or verdict.unchecked:
+            failed(f"{line}\nthe MLA layers' derived copies are not what the local kv_b_proj "
+                   "makes of them:\n" + "\n".join(f"  rank {rank} {p}"
+                                                   for p in verdict.problems) + notes,
+                   [p.split(": ", 1)[0] for p in verdict.problems + verdict.unchecked], mode())
+        else:
+            passed(line + notes)
+
     def _verdict(self, session: UpdateSession, where: str,
                  unloaded: frozenset[tuple[int, str]] | None,
                  spoiled: str = "") -> UpdateReport | None:
@@ -332,8 +405,10 @@ class Follower:
         repacked = f", {len(report.repacked)} not checkable (repacked)" if report.repacked else ""
         repacked += ", MLA parameters not checked on updates" if self.mla_fed else ""
         self.mla_fed = False
-        line = (f"kda_tp guard: {self.engine} {where}: tp rank {rank}/{size}: {report.params} "
-                f"KDA parameters updated ({self.target.layout.name}), {report.bytes} bytes, "
+        counted = (f"{report.params - report.mla} KDA and {report.mla} MLA" if report.mla
+                   else f"{report.params} KDA")
+        line = (f"kda_tp guard: {self.engine} {where}: tp rank {rank}/{size}: {counted} "
+                f"parameters updated ({self.target.layout.name}), {report.bytes} bytes, "
                 f"{report.seconds:.3f} s{repacked}: {verdict}")
         RECORD.ran("update", line)
         self.updates, self.last, self.last_failed = self.updates + 1, line, not report.passed
@@ -382,7 +457,7 @@ def followed(model: Any) -> Follower | None:
 def follow(model: Any, engine: str, checkpoint: SafetensorsSource | str | None = None, *,
            tp_rank: int, tp_size: int, layout: str | None = None, layers: Any = None,
            dummy: bool = False, plan: RankPlan | None = None,
-           reader: Reader = AS_HELD) -> Follower:
+           reader: Reader = AS_HELD, mla_plan: Any = None) -> Follower:
     """Check every later update of ``model``: its ``load_weights`` is wrapped (an instance
     attribute) so that each call feeds the open session, or is one update by itself.
     Idempotent (the first follower stays).
@@ -401,6 +476,8 @@ def follow(model: Any, engine: str, checkpoint: SafetensorsSource | str | None =
         plan: the rank's plan the first load's check built (``GuardResult.plan``): the
             target is built from it (its layout and layers), nothing read or planned again.
         reader: how the engine holds its parameters (the engine adapter's).
+        mla_plan: the rank's MLA plan the first load's check judged the MLA layers with
+            (``GuardResult.mla_plan``), for their derived copies (:meth:`Follower.derived_built`).
 
     Raises:
         KdaTpError: the checkpoint's config gives no plan for these parameters (no KDA layer,
@@ -411,14 +488,14 @@ def follow(model: Any, engine: str, checkpoint: SafetensorsSource | str | None =
         return found
     params = dict(model.named_parameters())
     if plan is not None:
-        target = RankTarget.of(plan, params, model=model, reader=reader)
+        target = RankTarget.of(plan, params, model=model, reader=reader, mla=mla_plan)
     elif checkpoint is None:
         raise TypeError("follow: neither a checkpoint nor a plan to check the updates against")
     else:
         target = RankTarget.build(describe(checkpoint), params, tp_rank=tp_rank,
                                   tp_size=tp_size, engine=layout, layers=layers, model=model,
                                   reader=reader)
-    how = Follower(engine, target, weakref.ref(model))
+    how = Follower(engine, target, weakref.ref(model), mla_plan=mla_plan)
     if dummy:
         how.unloaded = frozenset(target.places)
     _followed[model] = how

@@ -173,7 +173,8 @@ def follow_model(engine: Engine, model: Any, found: LoadSource | None = None,
     try:
         return follow(model, engine.name, None if plan is not None else checkpoint,
                       tp_rank=rank, tp_size=size, layers=layers, dummy=found.dummy, plan=plan,
-                      reader=engine.reader)
+                      reader=engine.reader,
+                      mla_plan=result.mla_plan if result is not None else None)
     except KdaTpError as error:
         cannot_check(f"kda_tp guard: {where}: the updates of this model cannot be checked "
                      f"against {found.checkpoint}: {error}")

@@ -134,12 +134,15 @@ class RankTarget:
         regions: parameter name -> every region of it (its parts, then its padding).
         params: parameter name -> the parameter as the layouts describe it
             (``Reader.described``), as the engine held it when the target was built.
+        mla: the rank's MLA plan (``kda_tp.rank.MlaTpPlan``) or None; ``mla_params``: the
+            names of the MLA parameters among ``params`` (their parts in ``places`` and
+            ``fed`` too).
     """
 
     def __init__(self, rank_plan: RankPlan, params: Mapping[str, Any], layers: Iterable[int],
                  slots: Mapping[str, tuple[Any, str, Any]], reader: Reader,
-                 spelling: Spelling | None = None):
-        self.rank_plan, self.reader, self.spelling = rank_plan, reader, spelling
+                 spelling: Spelling | None = None, mla: Any = None):
+        self.rank_plan, self.reader, self.spelling, self.mla = rank_plan, reader, spelling, mla
         plan, layout, prefix = rank_plan.plan, rank_plan.layout, rank_plan.prefix
         self.plan, self.layout, self.prefix = plan, layout, prefix
         self.tp_rank, self.tp_size = plan.tp_rank, plan.tp_size
@@ -151,8 +154,6 @@ class RankTarget:
                     location[2] in layout.suffixes:
                 found[(location[1], location[2])] = name
         self.params = {name: params[name] for name in found.values()}
-        self._slots = {name: slots[name] for name in self.params if name in slots}
-        self._shapes = {name: tuple(getattr(v, "shape", ())) for name, v in self.params.items()}
         self.places: dict[tuple[int, str], list[Place]] = {}
         self.regions: dict[str, list[Place]] = {}
         for param in layout.params_for(plan):
@@ -182,6 +183,11 @@ class RankTarget:
             for layer in layers for suffix, (part, entry) in suffixes.items()
             if (layer, part) in self.places}
         self._suffixes = frozenset(suffixes)
+        self.mla_params: frozenset[str] = frozenset()
+        if mla is not None and layout.mla:
+            self.fed.update(self._mla_places(params, mla))
+        self._slots = {name: slots[name] for name in self.params if name in slots}
+        self._shapes = {name: tuple(getattr(v, "shape", ())) for name, v in self.params.items()}
         # The engine's spelling of every fed name -> its place (two names the engine loads as
         # one, with different places, place neither: never guessed).
         self._spelled: dict[str, tuple[int, str, KdaTensorPlan] | None] = {}
@@ -191,6 +197,38 @@ class RankTarget:
                 if key is not None:
                     self._spelled[key] = hit if self._spelled.get(key, hit) == hit else None
         self._seen: dict[str, tuple[int, str, KdaTensorPlan] | None] = {}
+
+    def _mla_places(self, params: Mapping[str, Any], mla: Any
+                    ) -> dict[str, tuple[int, str, KdaTensorPlan]]:
+        """Add the regions of the hybrid's MLA parameters this rank holds (the layout's MLA
+        table, ``EngineLayout.mla_param_plan`` for ``mla``, a ``kda_tp.rank.MlaTpPlan``: a
+        layer that is not a KDA one of the target holding the table's names) to
+        :attr:`places` and :attr:`regions`, and return the checkpoint names an update feeds
+        for their parts (each MLA plan tensor of each such layer)."""
+        layout, table = self.layout, {p.suffix for p in self.layout.mla_params_for(mla)}
+        held: dict[tuple[int, str], str] = {}
+        for name in params:
+            location = param_location(name)
+            if location is not None and location[1] not in self.layers and \
+                    location[2] in table:
+                held[(location[1], location[2])] = name
+        for (layer, suffix), name in sorted(held.items()):
+            self.params[name] = params[name]
+            dtype = model_dtype_name(getattr(params[name], "dtype", None))
+            pplan = layout.mla_param_plan(suffix, mla, dtype)
+            size = numpy_dtype(pplan.dtype).itemsize
+            spans = [(r.part, r.byte_range) for r in pplan.regions]
+            if pplan.padding is not None:
+                spans.append((PADDING, pplan.padding))
+            for part, (start, stop) in spans:
+                place = Place(name, layer, part, pplan.dtype, start // size, stop // size)
+                self.regions.setdefault(name, []).append(place)
+                if part != PADDING:
+                    self.places.setdefault((layer, part), []).append(place)
+        self.mla_params = frozenset(held.values())
+        return {param_name(self.prefix, layer, checkpoint_suffix(t.name)): (layer, t.name, t)
+                for layer in sorted({layer for layer, _ in held}) for t in mla.tensors
+                if (layer, t.name) in self.places}
 
     def place(self, name: str) -> tuple[int, str, KdaTensorPlan] | None:
         """Where a tensor fed as ``name`` goes: ``(layer, part, its plan entry)`` for a
@@ -234,7 +272,7 @@ class RankTarget:
 
     @classmethod
     def of(cls, rank_plan: RankPlan, params: Mapping[str, Any], *, model: Any = None,
-           reader: Reader = AS_HELD) -> RankTarget:
+           reader: Reader = AS_HELD, mla: Any = None) -> RankTarget:
         """The target of one rank from the plan the first load's check built for it (its
         layout and layers, nothing planned again).
 
@@ -245,11 +283,15 @@ class RankTarget:
             model: the ``torch.nn.Module`` holding ``params``: :meth:`holds` then tells
                 whether the engine still holds the same objects.
             reader: how the engine holds them (its adapter's).
+            mla: the rank's MLA plan (``kda_tp.rank.MlaTpPlan``, the first load's check
+                judged the MLA layers with it): the MLA parameters are kept too, and what an
+                update feeds for them placed and judged as for the KDA ones; None: only the
+                KDA ones.
         """
         described = {n: reader.described(n, p) for n, p in params.items() if isinstance(n, str)}
         slots = _slots(model, described) if model is not None else {}
         return cls(rank_plan, described, rank_plan.layers, slots, reader,
-                   reader.spelling(model) if model is not None else None)
+                   reader.spelling(model) if model is not None else None, mla)
 
     @classmethod
     def build(cls, description: CheckpointDescription, params: Mapping[str, Any], *,
@@ -304,7 +346,7 @@ class RankTarget:
         re-registered some): same plan, layout and layers."""
         params = {n: self.reader.described(n, p) for n, p in model.named_parameters()}
         return RankTarget(self.rank_plan, params, self.layers, _slots(model, params),
-                          self.reader, self.spelling)
+                          self.reader, self.spelling, self.mla)
 
     def holds(self, model: Any) -> bool:
         """Whether ``model`` holds the target's parameter objects, in the same shapes (an

@@ -97,6 +97,7 @@ class UpdateReport:
         repacked: one line per parameter the engine repacked after the update (vLLM's CPU
             GEMM dispatch) with elements its GEMM read-back cannot carry (a row holding a NaN
             or an infinity), counted: "not checkable", every other element of it judged.
+        mla: MLA parameters (of a hybrid's MLA layers) among ``params``.
     """
 
     params: int = 0
@@ -107,6 +108,7 @@ class UpdateReport:
     problems: list[str] = field(default_factory=list)
     unchecked: list[str] = field(default_factory=list)
     repacked: list[str] = field(default_factory=list)
+    mla: int = 0
 
     @property
     def passed(self) -> bool:
@@ -348,6 +350,7 @@ class UpdateSession:
         except Exception as error:  # noqa: BLE001 - never an exception into the engine
             report.unchecked.append(f"the check failed: {type(error).__name__}: {error}")
         report.params = len(self._before)
+        report.mla = len(self.target.mla_params.intersection(self._before))
         report.seconds = time.perf_counter() - start
         self._remember()
         return report

@@ -32,7 +32,9 @@ included, before the model loads (``vllm/v1/worker/worker_base.py``); it logs on
   over by ``expect_digests``) and raises the diagnosis in mode ``fail``;
 * ``process_weights_after_loading`` (``model_loader/utils.py``), which ends a refit made of
   plain ``load_weights`` calls (verl, NeMo-RL): after a dummy load, a KDA part the refit never
-  loaded is named there;
+  loaded is named there; the MLA layers' ``W_UK_T`` / ``W_UV``, which it builds (at the first
+  load after the first-load check, and at every refit's end), are judged against what the
+  local ``kv_b_proj`` derives (``Follower.derived_built``);
 * the tensorizer loader's path for a model that is not vLLM-tensorized (no checkpoint
   directory): one warning that its load is not checked.
 
@@ -385,6 +387,7 @@ def _wrap_layerwise(layerwise: Any) -> None:  # vllm.model_executor.model_loader
             raise
         if how is not None:
             how.close("layerwise")
+            how.derived_built("layerwise reload")  # it ran each layer's post-processing
         return out
 
     RECORD.install(f"{_LAYERWISE}.initialize_layerwise_reload", layerwise,
@@ -412,6 +415,7 @@ def _wrap_process(utils: Any) -> None:  # vllm.model_executor.model_loader.utils
         how = followed(model)
         if how is not None:
             how.end_of_refit("process_weights_after_loading")
+            how.derived_built("process_weights_after_loading")
         return out
 
     RECORD.install("vllm.model_executor.model_loader.utils.process_weights_after_loading",
