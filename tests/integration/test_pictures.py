@@ -48,7 +48,8 @@ def test_every_picture_is_shown_in_the_docs():
 def test_the_pictures_carry_the_plans_numbers(drawn):
     """Spot checks against the spec's arithmetic, not the drawing code: Kimi-Linear at TP 4
     keeps 1024 channels (8 heads) a rank, K3's A_log 12 of 96 heads a rank at TP 8, vLLM's K3
-    in_proj_qkvgfab 4*3072 + 128 + 24 = 12440 rows padded to 12448."""
+    in_proj_qkvgfab 4*3072 + 128 + 24 = 12440 rows padded to 12448, K3's MLA layer 24 heads a
+    rank at TP 4."""
     plan = (drawn / "plan-kimi-linear-tp4.svg").read_text()
     assert "rank r keeps rows [1024r, 1024(r+1)), its 8 heads' channels" in plan
     assert "rank r keeps rows [8r, 8(r+1))" in plan
@@ -67,3 +68,12 @@ def test_the_pictures_carry_the_plans_numbers(drawn):
     assert "(12440 -&gt; 12448 rows)" in fused and "b_proj[24:48]" in fused
     gather = (drawn / "o-proj-gather.svg").read_text()
     assert "2,304 spans of 2,048 bytes, one every 8,192" in gather
+    # K3's MLA layer at TP 4: 24 of 96 heads a rank; P + Pr = 192, P + V = 256 and V = 128 rows
+    # a head; o_proj's 3072 = 24 * 128 columns; BF16 bytes a rank: 2 * (S / 4 + R) of 2 * (S + R),
+    # S = 18432 * 1536 + 24576 * 512 + 2 * 12288 * 7168 (q_b, kv_b, g, o: sliced),
+    # R = 1536 * 7168 + 1536 + 576 * 7168 + 512 (q_a, its norm, kv_a, its norm: replicated).
+    mla = (drawn / "plan-mla-kimi-k3-tp4.svg").read_text()
+    assert ("rank r keeps its 24 heads' rows: q_b_proj 192 a head, kv_b_proj 256 a head, "
+            "g_proj 128 a head") in mla
+    assert "rank r keeps columns [3072r, 3072(r+1))" in mla
+    assert "138,809,344 of 464,392,192 bytes of the layer (29.9%)" in mla
