@@ -181,3 +181,31 @@ def test_fp8_mla_weights_under_a_config_without_a_block_format_pass_through_with
     assert line.startswith("MLA layers [1] passed through whole (not sliced per rank): "
                            "CheckpointError: ")
     assert "an FP8 MLA weight, but the config declares no quantization_config" in line
+
+
+def test_a_modelopt_declaration_an_mla_projection_contradicts_is_refused(tmp_path):
+    """As for the KDA projections (docs/quantized.md): an MLA module the config declares NVFP4,
+    or excludes while its weight is FP8, is named; shard's plan then passes the MLA layer
+    through whole, saying why."""
+    from kda_tp.rank.mla import rank_mla_plan
+
+    ckpt = write_small_checkpoint(tmp_path / "ckpt", **GEOMETRY, fp8=True)
+    config = json.loads((ckpt / "config.json").read_text())
+    layers = config["quantization_config"]["quantized_layers"]
+    module = next(m for m in layers if m.endswith("layers.1.self_attn.kv_b_proj"))
+    layers[module] = {"quant_algo": "NVFP4"}
+    (ckpt / "config.json").write_text(json.dumps(config))
+    (ckpt / "hf_quant_config.json").unlink()
+    message = (rf"{module}\.weight: the config's quantized_layers declares {module} as ModelOpt "
+               r"NVFP4 \(on disk: F8_E4M3\)")
+    with pytest.raises(CheckpointError, match=message):
+        kda_tp.open_rank(ckpt, tp_rank=0, tp_size=2, mla=True)
+    source = kda_tp.SafetensorsSource(ckpt)
+    plan, line = rank_mla_plan(kda_tp.describe(source), 0, 2)
+    assert plan is None and line is not None and "as ModelOpt NVFP4" in line
+    del layers[module]
+    config["quantization_config"]["exclude_modules"].append("*layers.1.self_attn.kv_b_proj")
+    (ckpt / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="stored as F8_E4M3, but the config says otherwise: "
+                                              "its exclude_modules pattern"):
+        kda_tp.open_rank(ckpt, tp_rank=0, tp_size=2, mla=True)

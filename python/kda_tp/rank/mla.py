@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from .. import _native
-from ..checkpoint.description import CheckpointDescription
+from ..checkpoint.description import CheckpointDescription, check_declared
 from ..checkpoint.names import location, param_name
 from ..checkpoint.reader import missing_tensor
 from ..errors import CheckpointError, DtypeMismatchError, KdaTpError, PlanError
@@ -218,14 +218,28 @@ def _quant(
     when the first MLA layer stores FP8 projections, in the config's block format; None when
     it stores none (or for a bare config).
 
+    Every MLA layer's projections are checked against what the config declares, as the KDA
+    layers' are (``kda_tp.checkpoint.description.check_declared``).
+
     Raises:
         CheckpointError: an FP8 MLA weight, but the config declares no block-FP8 format (the
-            format comes from the config, never from shapes).
+            format comes from the config, never from shapes); a projection that contradicts a
+            ModelOpt config's per-module declaration (``NVFP4``, FP8 but excluded or not
+            listed, declared ``FP8_PB_WO`` but not FP8).
+        DtypeMismatchError: an FP8 dtype the format does not use (``F8_E5M2`` under ModelOpt).
     """
+    fmt, modules = description.quantization
+    if description.source is not None and (isinstance(fmt, BlockFormat) or modules is not None):
+        projections = [name for name in _plan_names(mla) if _is_projection(name)]
+        for layer in mla.layers:
+            for name in projections:
+                full = mla_tensor_name(description.prefix, layer, name)
+                header = description.header(full)
+                if header is not None:
+                    check_declared(description.source, full, header[0], fmt, modules)
     quantized = [name for name, dtype in (dtypes or {}).items() if dtype in FP8_DTYPES]
     if not quantized:
         return None
-    fmt = description.quantization[0]
     if not isinstance(fmt, BlockFormat):
         name = mla_tensor_name(description.prefix, mla.layers[0], quantized[0])
         declared = fmt or "no quantization_config"
@@ -235,6 +249,12 @@ def _quant(
             "DeepSeek-style fp8 with weight_block_size, compressed-tensors FP8 block"
         )
     return {"quant_block": fmt.block, "quantized": quantized, "scale_layout": fmt.scale_layout}
+
+
+def _is_projection(plan_name: str) -> bool:
+    """Whether an MLA plan tensor is a projection a checkpoint may block-quantize (not a norm,
+    not the DSA indexer's)."""
+    return plan_name.endswith(("_proj", "_proj_with_mqa")) and not plan_name.startswith("indexer.")
 
 
 def _plan_names(mla: MlaConfig) -> list[str]:
