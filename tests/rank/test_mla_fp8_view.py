@@ -15,6 +15,7 @@ import pytest
 
 import kda_tp
 from kda_tp import oracle
+from kda_tp.cli import main
 from kda_tp.errors import CheckpointError, PlanError
 from kda_tp.model import dequantize
 from kda_tp.synth import write_small_checkpoint
@@ -123,9 +124,10 @@ def test_each_rank_s_grid_dequantizes_its_own_rows_and_columns(fp8_hybrid, tp_si
                 assert np.array_equal(local, want), (p, rank)
 
 
-def test_a_split_that_cuts_a_block_is_refused_naming_tensor_range_and_fix(fp8_hybrid):
-    """TP 8: one head a rank, q_b_proj's 192 rows are 1.5 blocks; vLLM refuses the split too.
-    Without mla the KDA view stands (the MLA layer passes through whole)."""
+def test_a_split_that_cuts_a_block_is_refused_naming_tensor_range_and_fix(fp8_hybrid, capsys):
+    """TP 8: one head a rank, q_b_proj's 192 rows are 1.5 blocks; vLLM refuses the split too
+    (``kda-tp plan`` says the sizes that pass). Without mla the KDA view stands (the MLA layer
+    passes through whole)."""
     with pytest.raises(PlanError, match=r"q_b_proj: rank 3's rows 576\.\.768 do not start and "
                                         r"end on block boundaries \(blocks of 128 rows; 192 "
                                         r"rows per rank at tp_size 8\).*tp_size may be one of "
@@ -135,6 +137,8 @@ def test_a_split_that_cuts_a_block_is_refused_naming_tensor_range_and_fix(fp8_hy
     assert isinstance(refused.value, kda_tp.KdaTpError)
     with pytest.raises(PlanError):
         oracle_plan(fp8_hybrid, 3, 8)
+    assert main(["plan", str(fp8_hybrid), "--tp-size", "8"]) == 2
+    assert capsys.readouterr().err.endswith("tp_size may be one of 1, 2, 4\n")
     with kda_tp.open_rank(fp8_hybrid, tp_rank=3, tp_size=8) as view:
         assert view.mla is None and not view.is_sharded(
             next(n for n in view.names() if n.endswith(MLA + "q_b_proj.weight")))
