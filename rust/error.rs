@@ -92,10 +92,40 @@ pub enum Error {
 
     /// A dtype the MLA plan does not support.
     #[error(
-        "{tensor}: dtype {dtype} is not allowed for an MLA tensor: BF16, F16, F32 or F64 \
-         (block-quantized FP8 MLA weights are not planned)"
+        "{tensor}: dtype {dtype} is not allowed for an MLA tensor: BF16, F16, F32 or F64, and \
+         F8_E4M3 or F8_E5M2 only for a block-quantized projection (with its scale)"
     )]
     MlaUnsupportedDtype { tensor: String, dtype: String },
+
+    /// An MLA tensor that checkpoints never block-quantize (its norms, GLM-5.3's DSA indexer).
+    #[error(
+        "{tensor} is never block-quantized (the MLA norms and the DSA indexer stay \
+         floating-point); a checkpoint that quantizes it is not supported"
+    )]
+    MlaNotQuantizable { tensor: String },
+
+    /// A rank's range of a block-quantized MLA weight that does not start and end on a block
+    /// boundary: vLLM 0.33 refuses the split (`validate_fp8_block_shape`: every rank's share
+    /// of a column-parallel output, or of a row-parallel input, a multiple of the block edge).
+    #[error(
+        "{tensor}: rank {rank}'s {axis} {start}..{end} do not start and end on block \
+         boundaries (blocks of {block} {axis}; {local} {axis} per rank at tp_size {tp_size}), so \
+         its block scales \
+         cannot be sliced to match (vLLM's block-FP8 loader refuses this split too: each \
+         rank's share must be a multiple of the block); tp_size may be one of {}",
+        allowed.iter().map(usize::to_string).collect::<Vec<_>>().join(", ")
+    )]
+    MlaBlockSplit {
+        tensor: String,
+        axis: &'static str,
+        rank: usize,
+        start: usize,
+        end: usize,
+        local: usize,
+        block: usize,
+        tp_size: usize,
+        allowed: Vec<usize>,
+    },
 
     /// A block edge over the supported maximum.
     #[error("block size {block} is larger than {max}")]

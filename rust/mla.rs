@@ -15,11 +15,38 @@
 //! * `o_proj` `[d, H·V]`: row-parallel, columns `[r·Hl·V, …)` ([`KdaShard::ChannelCols`]).
 //! * `q_a_proj` `[Q, d]`, `q_a_layernorm` `[Q]`, `kv_a_proj_with_mqa` `[L+Pr, d]`,
 //!   `kv_a_layernorm` `[L]` and GLM-5.3's DSA `indexer.*`: replicated.
+//!
+//! Block-quantized (FP8) projections ([`QUANTIZABLE`], e.g. NVIDIA's ModelOpt release of K3)
+//! carry a scale grid `[⌈rows/b0⌉, ⌈cols/b1⌉]` ([`crate::quant`]): a replicated weight keeps the
+//! whole grid (a trailing partial block included), a row slice the grid rows of its blocks, a
+//! column slice (`o_proj`) the grid columns. Unlike the KDA rule, which also lets a range lie
+//! inside one block, an MLA split follows vLLM 0.33's block-FP8 loader
+//! (`validate_fp8_block_shape`): at `tp_size > 1` each rank's share of a sliced weight must be
+//! a whole number of blocks, so every range starts and ends on a block boundary and no sliced
+//! weight has a partial block; any other split is refused ([`Error::MlaBlockSplit`]).
 
 use safetensors::Dtype;
 
-use crate::error::{Error, Result};
+use crate::error::{divisors, Error, Result};
+use crate::quant::{self, BlockQuant};
 use crate::tensor::{KdaShard, KdaTensorPlan};
+
+/// The MLA projections a checkpoint may block-quantize (NVIDIA's ModelOpt `FP8_PB_WO` release
+/// of K3 quantizes `q_a`, `q_b`, `kv_a`, `kv_b`, `g` and `o`); the norms and the DSA indexer
+/// never are.
+pub const QUANTIZABLE: [&str; 7] = [
+    "q_proj",
+    "q_a_proj",
+    "q_b_proj",
+    "kv_a_proj_with_mqa",
+    "kv_b_proj",
+    "g_proj",
+    "o_proj",
+];
+
+/// One tensor of a layer's layout: name, kind, rows, row_elems, on-disk shape, elements per
+/// head on the sharded axis.
+type Row = (&'static str, KdaShard, usize, usize, Vec<usize>, usize);
 
 /// The DSA indexer of a GLM-5.3-Flash MLA layer (every tensor replicated: vLLM 0.33
 /// `glm5next/common/attention.py`, "no tensor parallel, just replicated").
@@ -89,6 +116,26 @@ impl MlaTpPlan {
         geometry: MlaGeometry,
         dtypes: &[(String, Dtype)],
     ) -> Result<Self> {
+        Self::with_quant(tp_rank, tp_size, geometry, dtypes, None)
+    }
+
+    /// The plan as [`Self::new`], with `quant`'s projections block-quantized: their dtype
+    /// defaults to `F8_E4M3` (`F8_E5M2` allowed), each gets its block edge and the plan of its
+    /// F32 scale grid ([`KdaTensorPlan::scale`], [`crate::quant::grid_plan`]).
+    ///
+    /// # Errors
+    /// As [`Self::new`]; [`Error::ZeroSize`] / [`Error::BlockSize`] for a bad block edge;
+    /// [`Error::MlaUnknownTensor`] for a quantized name not in this layer;
+    /// [`Error::MlaNotQuantizable`] for a norm or an indexer tensor; [`Error::MlaBlockSplit`]
+    /// when `tp_size > 1` and a quantized sliced weight's share per rank is not a whole number
+    /// of blocks (the message lists the world sizes that are).
+    pub fn with_quant(
+        tp_rank: usize,
+        tp_size: usize,
+        geometry: MlaGeometry,
+        dtypes: &[(String, Dtype)],
+        quant: Option<&BlockQuant>,
+    ) -> Result<Self> {
         if tp_size == 0 {
             return Err(Error::ZeroSize { field: "tp_size" });
         }
@@ -135,8 +182,6 @@ impl MlaTpPlan {
         let kv_a_rows = add(g.kv_lora_rank, g.qk_rope_head_dim, "kv_a_proj_with_mqa")?;
 
         use KdaShard::{ChannelCols, ChannelRows, Replicated};
-        // name, kind, rows, row_elems, on-disk shape, elements per head on the sharded axis.
-        type Row = (&'static str, KdaShard, usize, usize, Vec<usize>, usize);
         let (d, l) = (g.hidden, g.kv_lora_rank);
         let q_rows = mul(g.heads, qk_head, "q_b_proj")?;
         let mut layout: Vec<Row> = match g.q_lora_rank {
@@ -215,6 +260,30 @@ impl MlaTpPlan {
             ]);
         }
         let names: Vec<&str> = layout.iter().map(|row| row.0).collect();
+        let quantized: Vec<&str> = match quant {
+            None => Vec::new(),
+            Some(q) => {
+                quant::check_block(q.block)?;
+                for name in &q.tensors {
+                    if !names.contains(&name.as_str()) {
+                        return Err(Error::MlaUnknownTensor {
+                            name: name.clone(),
+                            known: names.join(", "),
+                        });
+                    }
+                    if !QUANTIZABLE.contains(&name.as_str()) {
+                        return Err(Error::MlaNotQuantizable {
+                            tensor: name.clone(),
+                        });
+                    }
+                }
+                names
+                    .iter()
+                    .copied()
+                    .filter(|n| q.tensors.iter().any(|t| t == n))
+                    .collect()
+            }
+        };
         // In plan order (unknown names last, by name), whatever order the caller's map has:
         // the first refused tensor is the same every time.
         let mut overrides: Vec<&(String, Dtype)> = dtypes.iter().collect();
@@ -229,7 +298,9 @@ impl MlaTpPlan {
                     known: names.join(", "),
                 });
             }
-            if !matches!(dtype, Dtype::BF16 | Dtype::F16 | Dtype::F32 | Dtype::F64) {
+            let fp8 = matches!(dtype, Dtype::F8_E4M3 | Dtype::F8_E5M2);
+            let float = matches!(dtype, Dtype::BF16 | Dtype::F16 | Dtype::F32 | Dtype::F64);
+            if !(float || fp8 && quantized.contains(&name.as_str())) {
                 return Err(Error::MlaUnsupportedDtype {
                     tensor: name.clone(),
                     dtype: dtype.to_string(),
@@ -239,6 +310,8 @@ impl MlaTpPlan {
         let dtype_of = |name: &str| {
             let default = if name == "indexer.index_kpool_compress_ape" {
                 Dtype::F32
+            } else if quantized.contains(&name) {
+                Dtype::F8_E4M3
             } else {
                 Dtype::BF16
             };
@@ -249,6 +322,9 @@ impl MlaTpPlan {
                 .map_or(default, |(_, d)| *d)
         };
 
+        if let Some(q) = quant {
+            check_block_split(&layout, &quantized, q.block, g.heads, tp_rank, tp_size)?;
+        }
         let mut tensors = Vec::with_capacity(layout.len());
         let mut layer_bytes: usize = 0;
         for (name, kind, full_rows, full_row_elems, disk_shape, per_head) in layout {
@@ -270,7 +346,7 @@ impl MlaTpPlan {
                 ChannelCols => (full_rows, local, 0, tp_rank * local),
                 _ => (full_rows, full_row_elems, 0, 0),
             };
-            tensors.push(KdaTensorPlan {
+            let mut entry = KdaTensorPlan {
                 name,
                 kind,
                 dtype,
@@ -284,7 +360,12 @@ impl MlaTpPlan {
                 disk_shape,
                 block: None,
                 scale: None,
-            });
+            };
+            if let Some(q) = quant.filter(|_| quantized.contains(&name)) {
+                entry.scale = Some(Box::new(quant::grid_plan(&entry, q)));
+                entry.block = Some(q.block);
+            }
+            tensors.push(entry);
         }
         Ok(Self {
             tp_rank,
@@ -314,6 +395,62 @@ impl MlaTpPlan {
     pub fn full_bytes(&self) -> usize {
         self.tensors.iter().map(KdaTensorPlan::full_bytes).sum()
     }
+}
+
+/// Refuses a split in which a quantized sliced weight's share per rank is not a whole number of
+/// blocks on its sharded axis (vLLM 0.33 `validate_fp8_block_shape`: a column-parallel output
+/// partition a multiple of `block_n`, a row-parallel input partition a multiple of `block_k`;
+/// nothing is checked at `tp_size == 1`, where a rank holds the whole weight and its trailing
+/// partial block).
+fn check_block_split(
+    layout: &[Row],
+    quantized: &[&str],
+    block: [usize; 2],
+    heads: usize,
+    tp_rank: usize,
+    tp_size: usize,
+) -> Result<()> {
+    // (name, axis, block edge, elements per head) of each quantized sliced weight.
+    let sliced: Vec<(&'static str, &'static str, usize, usize)> = layout
+        .iter()
+        .filter(|row| quantized.contains(&row.0))
+        .filter_map(|row| match row.1 {
+            KdaShard::ChannelRows | KdaShard::HeadRows => Some((row.0, "rows", block[0], row.5)),
+            KdaShard::ChannelCols => Some((row.0, "columns", block[1], row.5)),
+            KdaShard::Replicated => None,
+        })
+        .collect();
+    let fits = |size: usize| {
+        size == 1
+            || sliced
+                .iter()
+                .all(|&(_, _, edge, per_head)| (heads / size * per_head) % edge == 0)
+    };
+    let local_heads = heads / tp_size;
+    let first_bad = sliced
+        .iter()
+        .find(|&&(_, _, edge, per_head)| tp_size > 1 && (local_heads * per_head) % edge != 0);
+    let Some(&(name, axis, edge, per_head)) = first_bad else {
+        return Ok(());
+    };
+    // Every divisor when the head count is too large to list them (`divisors`): 1 always fits.
+    let allowed = divisors(heads)
+        .unwrap_or_else(|| vec![1])
+        .into_iter()
+        .filter(|&size| fits(size))
+        .collect();
+    let local = local_heads * per_head;
+    Err(Error::MlaBlockSplit {
+        tensor: name.to_string(),
+        axis,
+        rank: tp_rank,
+        start: tp_rank * local,
+        end: (tp_rank + 1) * local,
+        local,
+        block: edge,
+        tp_size,
+        allowed,
+    })
 }
 
 #[cfg(test)]

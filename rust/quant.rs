@@ -75,6 +75,11 @@ fn scale_name(weight: &str) -> Option<&'static str> {
         "g_proj" => "g_proj.scale",
         "b_proj" => "b_proj.scale",
         "o_proj" => "o_proj.scale",
+        // An MLA layer's (crate::mla): `q_proj`, `g_proj` and `o_proj` are above.
+        "q_a_proj" => "q_a_proj.scale",
+        "q_b_proj" => "q_b_proj.scale",
+        "kv_a_proj_with_mqa" => "kv_a_proj_with_mqa.scale",
+        "kv_b_proj" => "kv_b_proj.scale",
         _ => return None,
     })
 }
@@ -86,17 +91,7 @@ fn scale_name(weight: &str) -> Option<&'static str> {
 /// [`Error::UnknownTensor`] for a name not in `names`; [`Error::NotQuantizable`] for a conv
 /// weight, `A_log`, `dt_bias` or `o_norm`.
 pub fn check(quant: &BlockQuant, names: &[&str]) -> Result<()> {
-    for edge in quant.block {
-        if edge == 0 {
-            return Err(Error::ZeroSize { field: "block" });
-        }
-        if edge > MAX_BLOCK {
-            return Err(Error::BlockSize {
-                block: edge,
-                max: MAX_BLOCK,
-            });
-        }
-    }
+    check_block(quant.block)?;
     for name in &quant.tensors {
         if !names.contains(&name.as_str()) {
             return Err(Error::UnknownTensor {
@@ -107,6 +102,25 @@ pub fn check(quant: &BlockQuant, names: &[&str]) -> Result<()> {
         if !QUANTIZABLE.contains(&name.as_str()) {
             return Err(Error::NotQuantizable {
                 tensor: name.clone(),
+            });
+        }
+    }
+    Ok(())
+}
+
+/// Checks a block edge pair.
+///
+/// # Errors
+/// [`Error::ZeroSize`] / [`Error::BlockSize`] for an edge of 0 or over [`MAX_BLOCK`].
+pub fn check_block(block: [usize; 2]) -> Result<()> {
+    for edge in block {
+        if edge == 0 {
+            return Err(Error::ZeroSize { field: "block" });
+        }
+        if edge > MAX_BLOCK {
+            return Err(Error::BlockSize {
+                block: edge,
+                max: MAX_BLOCK,
             });
         }
     }
@@ -128,17 +142,31 @@ pub fn scale_plan(
     tp_size: usize,
 ) -> Result<KdaTensorPlan> {
     let [b0, b1] = quant.block;
+    match weight.kind {
+        KdaShard::Replicated => {}
+        KdaShard::HeadRows | KdaShard::ChannelRows => {
+            check_split(weight, "rows", weight.local_rows, b0, tp_size)?;
+        }
+        KdaShard::ChannelCols => {
+            check_split(weight, "columns", weight.local_row_elems, b1, tp_size)?;
+        }
+    }
+    Ok(grid_plan(weight, quant))
+}
+
+/// The plan of `weight`'s scale grid, the split already checked: the blocks covering this
+/// rank's range on the sharded axis (the whole grid when replicated), dtype F32.
+pub fn grid_plan(weight: &KdaTensorPlan, quant: &BlockQuant) -> KdaTensorPlan {
+    let [b0, b1] = quant.block;
     let grid_rows = weight.full_rows.div_ceil(b0);
     let grid_cols = weight.full_row_elems.div_ceil(b1);
     let (mut local_rows, mut local_cols, mut row_off, mut col_off) = (grid_rows, grid_cols, 0, 0);
     match weight.kind {
         KdaShard::Replicated => {}
         KdaShard::HeadRows | KdaShard::ChannelRows => {
-            check_split(weight, "rows", weight.local_rows, b0, tp_size)?;
             (row_off, local_rows) = covering(weight.src_row_offset, weight.local_rows, b0);
         }
         KdaShard::ChannelCols => {
-            check_split(weight, "columns", weight.local_row_elems, b1, tp_size)?;
             (col_off, local_cols) = covering(weight.src_col_offset, weight.local_row_elems, b1);
         }
     }
@@ -146,7 +174,7 @@ pub fn scale_plan(
         ScaleLayout::ModelOpt => vec![grid_rows, 1, grid_cols, 1],
         ScaleLayout::Grid => vec![grid_rows, grid_cols],
     };
-    Ok(KdaTensorPlan {
+    KdaTensorPlan {
         name: scale_name(weight.name).unwrap_or("scale"),
         kind: weight.kind,
         dtype: Dtype::F32,
@@ -160,7 +188,7 @@ pub fn scale_plan(
         disk_shape,
         block: None,
         scale: None,
-    })
+    }
 }
 
 /// `(first block, block count)` of the blocks covering elements `[start, start + len)`.

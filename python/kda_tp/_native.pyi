@@ -220,6 +220,9 @@ class MlaTpPlan:
         output_gate: bool = False,
         indexer: tuple[int, int, int] | None = None,
         dtypes: dict[str, str] | None = None,
+        quant_block: tuple[int, int] | None = None,
+        quantized: Sequence[str] | None = None,
+        scale_layout: str = "grid",
     ) -> Self: ...
     @property
     def tp_rank(self) -> int: ...

@@ -376,3 +376,105 @@ fn the_first_refused_override_is_in_plan_order() {
     );
     assert_eq!(name, "nope");
 }
+
+fn modelopt(tensors: &[&str]) -> BlockQuant {
+    BlockQuant {
+        block: [128, 128],
+        tensors: tensors.iter().map(|n| (*n).to_string()).collect(),
+        layout: crate::quant::ScaleLayout::ModelOpt,
+    }
+}
+
+#[test]
+fn k3_fp8_rank_3_of_8_keeps_its_blocks_of_every_scale_grid() {
+    let quant = modelopt(&[
+        "q_a_proj",
+        "q_b_proj",
+        "kv_a_proj_with_mqa",
+        "kv_b_proj",
+        "g_proj",
+        "o_proj",
+    ]);
+    let p = MlaTpPlan::with_quant(3, 8, k3(), &[], Some(&quant)).unwrap();
+    let grid = |name: &str| {
+        let t = p.get(name).unwrap();
+        assert_eq!(
+            (t.dtype, t.block),
+            (Dtype::F8_E4M3, Some([128, 128])),
+            "{name}"
+        );
+        let s = t.scale.as_deref().unwrap();
+        (
+            s.local_shape(&s.disk_shape).unwrap(),
+            s.src_row_offset,
+            s.src_col_offset,
+        )
+    };
+    assert_eq!(grid("q_a_proj"), (vec![12, 1, 56, 1], 0, 0));
+    assert_eq!(grid("q_b_proj"), (vec![18, 1, 12, 1], 54, 0));
+    // 576 rows, replicated: the whole grid, its partial last block row included.
+    assert_eq!(grid("kv_a_proj_with_mqa"), (vec![5, 1, 56, 1], 0, 0));
+    assert_eq!(grid("kv_b_proj"), (vec![24, 1, 4, 1], 72, 0));
+    assert_eq!(grid("g_proj"), (vec![12, 1, 56, 1], 36, 0));
+    assert_eq!(grid("o_proj"), (vec![56, 1, 12, 1], 0, 36));
+    assert!(p.get("q_a_layernorm").unwrap().scale.is_none());
+}
+
+#[test]
+fn an_fp8_split_that_is_not_whole_blocks_is_refused_with_the_sizes_that_are() {
+    let quant = modelopt(&["q_b_proj", "o_proj"]);
+    let err = MlaTpPlan::with_quant(1, 32, k3(), &[], Some(&quant)).unwrap_err();
+    match err {
+        Error::MlaBlockSplit {
+            ref tensor,
+            axis,
+            rank,
+            start,
+            end,
+            local,
+            block,
+            tp_size,
+            ref allowed,
+        } => {
+            assert_eq!(
+                (
+                    tensor.as_str(),
+                    axis,
+                    rank,
+                    start,
+                    end,
+                    local,
+                    block,
+                    tp_size
+                ),
+                ("q_b_proj", "rows", 1, 576, 1152, 576, 128, 32)
+            );
+            assert_eq!(allowed, &vec![1, 2, 3, 4, 6, 8, 12, 16, 24, 48]);
+        }
+        other => panic!("unexpected {other:?}"),
+    }
+    // Whole blocks at TP 48 (2 heads: 384 q_b_proj rows, 256 o_proj columns); any split of
+    // replicated FP8 weights; TP 1 holds everything whole.
+    assert!(MlaTpPlan::with_quant(0, 48, k3(), &[], Some(&quant)).is_ok());
+    let replicated = modelopt(&["q_a_proj", "kv_a_proj_with_mqa"]);
+    assert!(MlaTpPlan::with_quant(5, 96, k3(), &[], Some(&replicated)).is_ok());
+    let one_head = MlaGeometry { heads: 1, ..k3() };
+    assert!(MlaTpPlan::with_quant(0, 1, one_head, &[], Some(&quant)).is_ok());
+}
+
+#[test]
+fn fp8_norms_and_unknown_names_are_refused() {
+    assert!(matches!(
+        MlaTpPlan::with_quant(0, 1, k3(), &[], Some(&modelopt(&["q_a_layernorm"]))),
+        Err(Error::MlaNotQuantizable { .. })
+    ));
+    assert!(matches!(
+        MlaTpPlan::with_quant(0, 1, k3(), &[], Some(&modelopt(&["q_proj"]))),
+        Err(Error::MlaUnknownTensor { .. })
+    ));
+    let fp8_unquantized = [("g_proj".to_string(), Dtype::F8_E4M3)];
+    assert!(matches!(
+        MlaTpPlan::with_quant(0, 1, k3(), &fp8_unquantized, Some(&modelopt(&["o_proj"]))),
+        Err(Error::MlaUnsupportedDtype { .. })
+    ));
+}

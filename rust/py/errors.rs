@@ -112,6 +112,19 @@ impl From<Error> for PyErr {
             Error::MlaUnsupportedDtype { tensor, dtype } => {
                 py_err!(PlanError, message, tensor = tensor, dtype = dtype)
             }
+            Error::MlaNotQuantizable { tensor } => py_err!(PlanError, message, tensor = tensor),
+            // The rank, its offsets and the block edge are in the message (a `tp_rank` field
+            // would say the rank is out of range).
+            Error::MlaBlockSplit {
+                tensor,
+                tp_size,
+                allowed,
+                ..
+            } => error_with::<PlanError>(message, |f| {
+                f.set_item("tensor", tensor)?;
+                f.set_item("tp_size", tp_size)?;
+                f.set_item("allowed_tp_sizes", PyTuple::new(f.py(), allowed)?)
+            }),
             Error::BlockSize { .. } => plan_error("block", message),
             Error::NotQuantizable { tensor }
             | Error::Overflow { tensor }

@@ -7,9 +7,10 @@ use pyo3::exceptions::PyKeyError;
 use pyo3::prelude::*;
 
 use super::errors::plan_error;
-use super::plan::{parse_dtype, size_arg};
+use super::plan::{block_arg, layout_arg, parse_dtype, size_arg};
 use super::tensor::PyTensorPlan;
-use crate::mla::{IndexerGeometry, MlaGeometry, MlaTpPlan};
+use crate::mla::{self, IndexerGeometry, MlaGeometry, MlaTpPlan};
+use crate::quant::BlockQuant;
 
 /// The per-rank shard plan for one MLA layer (see the Rust `MlaTpPlan`).
 #[pyclass(frozen, subclass, name = "MlaTpPlan", module = "kda_tp")]
@@ -27,7 +28,7 @@ pymethods_with_getters! {
             full_bytes: usize,
         }
         #[new]
-        #[pyo3(signature = (tp_rank, tp_size, hidden, heads, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim, *, q_lora_rank=None, output_gate=false, indexer=None, dtypes=None))]
+        #[pyo3(signature = (tp_rank, tp_size, hidden, heads, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim, *, q_lora_rank=None, output_gate=false, indexer=None, dtypes=None, quant_block=None, quantized=None, scale_layout="grid"))]
         #[allow(clippy::too_many_arguments)]
         fn new(
             tp_rank: &Bound<'_, PyAny>,
@@ -42,7 +43,18 @@ pymethods_with_getters! {
             output_gate: bool,
             indexer: Option<&Bound<'_, PyAny>>,
             dtypes: Option<HashMap<String, String>>,
+            quant_block: Option<&Bound<'_, PyAny>>,
+            quantized: Option<Vec<String>>,
+            scale_layout: &str,
         ) -> PyResult<Self> {
+            let quant_block = quant_block.map(block_arg).transpose()?;
+            let layout = layout_arg(scale_layout)?;
+            if quant_block.is_none() && quantized.is_some() {
+                return Err(plan_error(
+                    "quantized",
+                    "quantized= needs quant_block=(rows, cols), the block size".into(),
+                ));
+            }
             let indexer = match indexer {
                 Some(given) => {
                     let (heads, head_dim, kpool): (Bound<'_, PyAny>, Bound<'_, PyAny>, Bound<'_, PyAny>) =
@@ -80,11 +92,30 @@ pymethods_with_getters! {
                 let parsed = parse_dtype(&tensor, &dtype)?;
                 overrides.push((tensor, parsed));
             }
-            Ok(Self(MlaTpPlan::new(
-                size_arg(tp_rank, "tp_rank")?,
-                size_arg(tp_size, "tp_size")?,
+            let (tp_rank, tp_size) = (size_arg(tp_rank, "tp_rank")?, size_arg(tp_size, "tp_size")?);
+            let quant = match quant_block {
+                Some((rows, cols)) => Some(BlockQuant {
+                    block: [rows, cols],
+                    // Default: every projection this layer has.
+                    tensors: match quantized {
+                        Some(names) => names,
+                        None => MlaTpPlan::new(0, 1, geometry, &[])?
+                            .names()
+                            .into_iter()
+                            .filter(|n| mla::QUANTIZABLE.contains(n))
+                            .map(str::to_string)
+                            .collect(),
+                    },
+                    layout,
+                }),
+                None => None,
+            };
+            Ok(Self(MlaTpPlan::with_quant(
+                tp_rank,
+                tp_size,
                 geometry,
                 &overrides,
+                quant.as_ref(),
             )?))
         }
         #[getter]

@@ -91,25 +91,7 @@ pymethods_with_getters! {
             quantized: Option<Vec<String>>,
             scale_layout: &str,
         ) -> PyResult<Self> {
-            let quant_block = match quant_block {
-                Some(block) => {
-                    let (rows, cols): (Bound<'_, PyAny>, Bound<'_, PyAny>) =
-                        block.extract().map_err(|_| {
-                            plan_error(
-                                "quant_block",
-                                format!(
-                                    "quant_block must be a (rows, cols) pair of block sizes, got {}",
-                                    block.repr().map_or_else(|_| "?".into(), |r| r.to_string())
-                                ),
-                            )
-                        })?;
-                    Some((
-                        size_arg(&rows, "quant_block rows")?,
-                        size_arg(&cols, "quant_block cols")?,
-                    ))
-                }
-                None => None,
-            };
+            let quant_block = quant_block.map(block_arg).transpose()?;
             let mut options = PlanOptions {
                 full_rank_gate,
                 ..PlanOptions::default()
@@ -117,16 +99,7 @@ pymethods_with_getters! {
             if let Some(len) = a_log_len {
                 options.a_log_len = Some(size_arg(len, "a_log_len")?);
             }
-            let layout = match scale_layout {
-                "grid" => ScaleLayout::Grid,
-                "modelopt" => ScaleLayout::ModelOpt,
-                other => {
-                    return Err(plan_error(
-                        "scale_layout",
-                        format!("scale_layout must be \"grid\" or \"modelopt\", got {other:?}"),
-                    ))
-                }
-            };
+            let layout = layout_arg(scale_layout)?;
             options.block_quant = match (quant_block, quantized) {
                 (Some((rows, cols)), names) => Some(BlockQuant {
                     block: [rows, cols],
@@ -199,5 +172,34 @@ pymethods_with_getters! {
                 p.a_log_len
             )
         }
+    }
+}
+
+/// A `quant_block` argument: a `(rows, cols)` pair of block edges.
+pub(super) fn block_arg(block: &Bound<'_, PyAny>) -> PyResult<(usize, usize)> {
+    let (rows, cols): (Bound<'_, PyAny>, Bound<'_, PyAny>) = block.extract().map_err(|_| {
+        plan_error(
+            "quant_block",
+            format!(
+                "quant_block must be a (rows, cols) pair of block sizes, got {}",
+                block.repr().map_or_else(|_| "?".into(), |r| r.to_string())
+            ),
+        )
+    })?;
+    Ok((
+        size_arg(&rows, "quant_block rows")?,
+        size_arg(&cols, "quant_block cols")?,
+    ))
+}
+
+/// A `scale_layout` argument: `"grid"` or `"modelopt"`.
+pub(super) fn layout_arg(scale_layout: &str) -> PyResult<ScaleLayout> {
+    match scale_layout {
+        "grid" => Ok(ScaleLayout::Grid),
+        "modelopt" => Ok(ScaleLayout::ModelOpt),
+        other => Err(plan_error(
+            "scale_layout",
+            format!("scale_layout must be \"grid\" or \"modelopt\", got {other:?}"),
+        )),
     }
 }

@@ -130,15 +130,12 @@ def test_a_hybrid_config_without_an_mla_size_keeps_its_kda_plan_and_says_why(tmp
     assert "no 'kv_lora_rank'" in doc["mla"]["error"]["message"]
 
 
-def test_fp8_mla_weights_are_said_not_to_be_planned(tmp_path, capsys):
+def test_fp8_mla_weights_split_inside_a_block_are_refused(tmp_path, capsys):
     ckpt = write_small_checkpoint(tmp_path / "fp8", hidden=128, heads=4, head_dim=64,
                                   conv_kernel=4, gate_rank=64, num_layers=2, kda_layers=[0],
                                   style="k3", fp8=True)
     status, out, _ = run(capsys, "plan", ckpt, "--tp-size", 2, "--json")
     doc = json.loads(out)
-    assert status == 0 and doc["ok"] is True
-    assert doc["mla"]["mla_layers"] == [1]
-    assert doc["mla"]["error"] == {
-        "type": "PlanError",
-        "message": "q_a_proj: dtype F8_E4M3 is not allowed for an MLA tensor: BF16, F16, F32 or "
-                   "F64 (block-quantized FP8 MLA weights are not planned)"}
+    assert status == 2 and doc["ok"] is False and doc["error"]["type"] == "PlanError"
+    assert ("q_b_proj: rank 0's rows 0..192 do not start and end on block boundaries"
+            in doc["error"]["message"])

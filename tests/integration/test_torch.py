@@ -160,6 +160,42 @@ def test_load_rank_slices_the_mla_layers_as_the_oracle(style, tmp_path):
         assert set(mla_names) <= set(sliced)
 
 
+def test_load_rank_slices_block_fp8_mla_weights_with_their_scale_grids(tmp_path):
+    """K3-style FP8 MLA (ModelOpt FP8_PB_WO): each rank's weights and scale grids are the
+    oracle's slices (spec ``mla.md`` section 5), FP8 as torch's float8_e4m3fn, and each
+    grid's DTensor placement is its weight's (on the grid's own axis)."""
+    import json
+
+    from torch.distributed.tensor import Replicate, Shard
+
+    from kda_tp.synth import write_small_checkpoint
+
+    ckpt = write_small_checkpoint(tmp_path / "ckpt", hidden=256, heads=8, head_dim=128,
+                                  conv_kernel=4, gate_rank=128, num_layers=2, kda_layers=[0],
+                                  style="k3", fp8=True, seed=5)
+    full = SafetensorsSource(ckpt)
+    geometry = oracle.read_mla_geometry(json.loads((ckpt / "config.json").read_text()))
+    mla_names = [n for n in full.names() if ".layers.1.self_attn." in n]
+    for rank in range(2):
+        loaded = kt.load_rank(ckpt, rank, 2, include_non_kda=False)
+        plan = oracle.mla_plan(rank, 2, **geometry, quant_block=(128, 128))
+        for name in mla_names:
+            suffix = name.split(".self_attn.", 1)[1].replace(".weight_scale", ".scale")
+            entry = plan.get(oracle.plan_name(suffix))
+            want = oracle.shard_bytes(entry, bytes(full.get(name)))
+            got = loaded[name].contiguous().view(torch.uint8).reshape(-1).numpy().tobytes()
+            assert got == want, name
+            assert tuple(loaded[name].shape) == oracle.local_shape(entry, full.get(name).shape)
+            if name.endswith("_proj.weight") or name.endswith("_mqa.weight"):
+                assert loaded[name].dtype == torch.float8_e4m3fn, name
+    mla = rank_mla_plan(kda_tp.describe(full), 1, 2)[0]
+    assert mla is not None
+    placed = {t.scale.name: kt.placement(t.scale) for t in mla.tensors if t.scale is not None}
+    assert placed == {"q_a_proj.scale": Replicate(), "q_b_proj.scale": Shard(0),
+                      "kv_a_proj_with_mqa.scale": Replicate(), "kv_b_proj.scale": Shard(0),
+                      "g_proj.scale": Shard(0), "o_proj.scale": Shard(2)}
+
+
 def test_placement_of_the_mla_tensors():
     from torch.distributed.tensor import Replicate, Shard
 

@@ -299,7 +299,9 @@ def test_dequantize_both_grid_layouts():
 
 @pytest.mark.slow
 def test_k3_real_geometry_fp8_tp2_and_tp8(tmp_path, capsys):
-    """Issue acceptance: K3's real KDA shapes in ModelOpt FP8 (one KDA, one MLA layer)."""
+    """Issue acceptance: K3's real KDA shapes in ModelOpt FP8 (one KDA, one MLA layer); the
+    MLA layer's FP8 weights and scale grids sliced too (12 heads a rank at TP 8: whole
+    128-blocks), as the rank's view slices them."""
     ckpt = write_checkpoint(tmp_path / "k3fp8", "kimi-k3-fp8", 2)
     full = kda_tp.SafetensorsSource(ckpt)
     for tp_size in (2, 8):
@@ -317,9 +319,15 @@ def test_k3_real_geometry_fp8_tp2_and_tp8(tmp_path, capsys):
             assert rank.get(KDA + "o_proj.weight_scale").shape == (56, 1, 12, 1)
             assert np.array_equal(rank.get(KDA + "o_proj.weight_scale").array,
                                   full.get(KDA + "o_proj.weight_scale").array[:, :, 36:48])
-        for name in full.names():
-            if not name.startswith(KDA):
-                assert np.array_equal(rank.get(name).data, full.get(name).data), name
+            q_b = LAYERS + "1.self_attn.q_b_proj.weight_scale"
+            assert np.array_equal(rank.get(q_b).array, full.get(q_b).array[54:72])
+        with kda_tp.open_rank(ckpt, tp_rank=3 if tp_size == 8 else 1, tp_size=tp_size,
+                              mla=True) as view:
+            for name in full.names():
+                if name.startswith(LAYERS + "1.self_attn."):
+                    assert bytes(rank.get(name).data) == bytes(view[name].data), name
+                elif not name.startswith(KDA):
+                    assert np.array_equal(rank.get(name).data, full.get(name).data), name
         capsys.readouterr()
 
 

@@ -44,7 +44,8 @@ from .names import (
 )
 from .reader import SafetensorsSource, refuse_index_member
 
-__all__ = ["CheckpointDescription", "LayerFacts", "assumed_layout", "describe", "open_checkpoint"]
+__all__ = ["CheckpointDescription", "LayerFacts", "assumed_layout", "check_declared", "describe",
+           "open_checkpoint"]
 
 _LAYER = re.compile(rf"^({LAYER_NUMBER})\.")
 # "Read the config from the source" (a bare config may be any object: parse_config refuses it).
@@ -417,7 +418,7 @@ class CheckpointDescription:
                 full_name = kda_tensor_name(prefix, index, name)
                 info = self.header(full_name)
                 if info is not None:
-                    _check_declared(source, full_name, info[0], fmt, modules)
+                    check_declared(source, full_name, info[0], fmt, modules)
         headers = {}
         for name in _tensor_names(kda.full_rank_gate):
             full_name = kda_tensor_name(prefix, layer, name)
@@ -570,17 +571,24 @@ def _check_quantizable(
         )
 
 
-def _check_declared(
+def check_declared(
     source: Any,
     full_name: str,
     dtype: str,
     fmt: BlockFormat | str | None,
     declared: ModelOptModules | None,
 ) -> None:
-    """Refuse a KDA projection whose dtype contradicts the config: an FP8 dtype the format
-    does not use (``F8_E5M2`` under ModelOpt), or, under ModelOpt, a ``quant_algo`` kda_tp
-    cannot slice (e.g. ``NVFP4``), an ``FP8_PB_WO`` module that is not FP8, or an FP8 module
-    that ``quantized_layers`` does not list or ``exclude_modules`` excludes."""
+    """Refuse a KDA (or MLA) projection ``full_name`` stored as ``dtype`` whose dtype
+    contradicts the config: an FP8 dtype the format ``fmt`` does not use (``F8_E5M2`` under
+    ModelOpt), or, under ModelOpt (``declared``), a ``quant_algo`` kda_tp cannot slice (e.g.
+    ``NVFP4``), an ``FP8_PB_WO`` module that is not FP8, or an FP8 module that
+    ``quantized_layers`` does not list or ``exclude_modules`` excludes.
+
+    Raises:
+        DtypeMismatchError: an FP8 dtype the format does not use.
+        CheckpointError: a module declaration the weight contradicts (the message names the
+            module, the declaration and the dtype on disk).
+    """
     fp8 = dtype in FP8_DTYPES
     if fp8 and isinstance(fmt, BlockFormat) and dtype not in fmt.weight_dtypes:
         raise DtypeMismatchError(
@@ -596,7 +604,7 @@ def _check_declared(
     if algo is not None and algo != "FP8_PB_WO":
         raise CheckpointError(
             f"{where}: the config's quantized_layers declares {module} as ModelOpt {algo} "
-            f"(on disk: {dtype}); kda_tp slices BF16/F16/F32 KDA weights and ModelOpt "
+            f"(on disk: {dtype}); kda_tp slices BF16/F16/F32 attention weights and ModelOpt "
             f"FP8_PB_WO (128x128 block FP8) projections, not {algo} ones"
         )
     if algo == "FP8_PB_WO" and not fp8:

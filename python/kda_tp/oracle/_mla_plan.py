@@ -6,11 +6,14 @@ Restated from the spec with nothing but the standard library, in the KDA plan's 
 ``q_proj``/``q_b_proj`` (``u = P + Pr``), ``kv_b_proj`` (``u = P + V``) and K3's ``g_proj``
 (``u = V``), columns ``[r * Hl * V, (r + 1) * Hl * V)`` of ``o_proj``, and the whole of
 ``q_a_proj``, ``q_a_layernorm``, ``kv_a_proj_with_mqa``, ``kv_a_layernorm`` and GLM-5.3's
-DSA ``indexer.*``.
+DSA ``indexer.*``. Block-FP8 projections (spec section 5) carry their scale grid's entry: the
+whole grid when replicated, the grid rows (columns for ``o_proj``) of the rank's blocks when
+sliced, a share per rank that is not a whole number of blocks refused at ``tp_size > 1``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +24,7 @@ from ._shard_plan import (
     CHANNEL_COLS,
     CHANNEL_ROWS,
     ELEM_BYTES,
+    FP8_ELEM_BYTES,
     MAX_BYTES,
     REPLICATED,
     OracleTensor,
@@ -72,8 +76,10 @@ class OracleMlaPlan:
         return sum(t.full_bytes for t in self.tensors)
 
     def get(self, name: str) -> OracleTensor | None:
-        """The entry for plan name ``name`` (e.g. ``"kv_b_proj"``), or ``None``."""
-        return next((t for t in self.tensors if t.name == name), None)
+        """The entry for plan name ``name`` (e.g. ``"kv_b_proj"``, or ``"kv_b_proj.scale"``
+        for a block-FP8 weight's scale grid), or ``None``."""
+        entries = [*self.tensors, *(t.scale for t in self.tensors if t.scale is not None)]
+        return next((t for t in entries if t.name == name), None)
 
 
 def mla_plan(
@@ -90,6 +96,9 @@ def mla_plan(
     output_gate: bool = False,
     indexer: tuple[int, int, int] | None = None,
     dtypes: Mapping[str, str] | None = None,
+    quant_block: tuple[int, int] | None = None,
+    quantized: tuple[str, ...] | list[str] | None = None,
+    scale_layout: str = "grid",
 ) -> OracleMlaPlan:
     """The shard plan of one MLA layer for rank ``tp_rank`` of ``tp_size`` (spec ``mla.md``).
 
@@ -105,8 +114,15 @@ def mla_plan(
         q_lora_rank: ``Q``; None for Kimi-Linear's full-rank ``q_proj``.
         output_gate: K3's ``g_proj`` ``[H * V, d]``.
         indexer: ``(index_n_heads, index_head_dim, index_kpool)`` of GLM-5.3's DSA indexer.
-        dtypes: plan name -> ``"BF16"``, ``"F16"``, ``"F32"`` or ``"F64"`` over the defaults
-            (BF16; F32 for ``indexer.index_kpool_compress_ape``).
+        dtypes: plan name -> ``"BF16"``, ``"F16"``, ``"F32"`` or ``"F64"`` (``"F8_E4M3"`` /
+            ``"F8_E5M2"`` for a quantized projection) over the defaults (BF16; F32 for
+            ``indexer.index_kpool_compress_ape``; F8_E4M3 for a quantized projection).
+        quant_block: ``(b0, b1)`` block edge of the block-FP8 projections (spec section 5).
+        quantized: their plan names (default with ``quant_block``: every projection of the
+            layer); each gets ``block`` and a ``scale`` entry (F32, counts and offsets in
+            blocks).
+        scale_layout: ``"grid"`` (``[ob, ib]``) or ``"modelopt"`` (``[ob, 1, ib, 1]``), the
+            scale's canonical ``disk_shape``.
 
     Returns:
         An :class:`OracleMlaPlan`. Per tensor (full ``[rows, row_elems]``):
@@ -129,8 +145,11 @@ def mla_plan(
     Raises:
         PlanError: ``tp_size`` zero or ``tp_rank`` not in ``[0, tp_size)``; a size below 1
             (``qk_rope_head_dim`` below 0); ``heads`` not divisible by ``tp_size``; a dtype
-            override naming a tensor this layer lacks or a dtype outside the four; a tensor or
-            the layer over :data:`~kda_tp.oracle.MAX_BYTES` bytes.
+            override naming a tensor this layer lacks or a dtype outside the four (FP8 for a
+            quantized projection); a quantized name that is no projection of this layer; at
+            ``tp_size > 1``, a quantized sliced weight whose share per rank is not a whole
+            number of blocks; a tensor or the layer over :data:`~kda_tp.oracle.MAX_BYTES`
+            bytes.
     """
     if tp_size <= 0 or not 0 <= tp_rank < tp_size:
         raise PlanError(f"tp_rank {tp_rank} is not in [0, tp_size {tp_size})")
@@ -185,18 +204,33 @@ def mla_plan(
             rows.append((name, REPLICATED, shape[0], shape[1] if len(shape) == 2 else 1,
                          shape, 0))
 
+    projections = [r[0] for r in rows if r[0].endswith("_proj") or r[0] == "kv_a_proj_with_mqa"]
+    if quant_block is None:
+        if quantized:
+            raise PlanError("quantized needs quant_block, the block size")
+        quantized = ()
+    else:
+        if not all(1 <= b <= 1 << 16 for b in quant_block):
+            raise PlanError(f"block size {quant_block} must be in [1, 65536]")
+        quantized = tuple(projections if quantized is None else quantized)
+        for name in quantized:
+            if name not in projections:
+                raise PlanError(f"{name} is not a projection of this MLA layer "
+                                f"({', '.join(projections)}): it is never block-quantized")
     chosen = {
-        r[0]: "F32" if r[0] == "indexer.index_kpool_compress_ape" else "BF16" for r in rows
+        r[0]: "F32" if r[0] == "indexer.index_kpool_compress_ape"
+        else "F8_E4M3" if r[0] in quantized else "BF16" for r in rows
     }
     for name, dtype in (dtypes or {}).items():
         if name not in chosen:
             raise PlanError(f"unknown MLA tensor {name!r}; this layer has {', '.join(chosen)}")
-        if dtype not in ELEM_BYTES:
-            raise PlanError(f"{name}: dtype {dtype!r} is not one of {', '.join(ELEM_BYTES)}")
+        allowed = {**ELEM_BYTES, **(FP8_ELEM_BYTES if name in quantized else {})}
+        if dtype not in allowed:
+            raise PlanError(f"{name}: dtype {dtype!r} is not one of {', '.join(allowed)}")
         chosen[name] = dtype
     tensors = []
     for name, kind, full_rows, row_elems, shape, per_head in rows:
-        elem_bytes = ELEM_BYTES[chosen[name]]
+        elem_bytes = {**ELEM_BYTES, **FP8_ELEM_BYTES}[chosen[name]]
         if full_rows * row_elems * elem_bytes > MAX_BYTES:
             raise PlanError(
                 f"MLA geometry too large: {name} {list(shape)} exceeds {MAX_BYTES} bytes"
@@ -208,8 +242,12 @@ def mla_plan(
             placement = (full_rows, local, 0, tp_rank * local)
         else:
             placement = (full_rows, row_elems, 0, 0)
-        tensors.append(OracleTensor(name, kind, chosen[name], elem_bytes, full_rows, row_elems,
-                                    *placement, shape))
+        entry = OracleTensor(name, kind, chosen[name], elem_bytes, full_rows, row_elems,
+                             *placement, shape)
+        if name in quantized:
+            assert quant_block is not None  # quantized is empty without it
+            entry = _with_whole_block_scale(entry, quant_block, scale_layout, tp_size)
+        tensors.append(entry)
     result = OracleMlaPlan(
         tp_rank, tp_size, hidden, heads, local_heads, q_lora_rank, kv_lora_rank,
         qk_nope_head_dim, qk_rope_head_dim, v_head_dim, output_gate, indexer, tensors,
@@ -217,6 +255,38 @@ def mla_plan(
     if result.full_bytes > MAX_BYTES:
         raise PlanError(f"MLA geometry too large: the layer is {result.full_bytes} bytes")
     return result
+
+
+def _with_whole_block_scale(
+    weight: OracleTensor, block: tuple[int, int], layout: str, tp_size: int
+) -> OracleTensor:
+    """``weight`` with its scale grid's entry (spec section 5): the whole grid when replicated
+    (or at ``tp_size == 1``), else the grid rows (columns for ``o_proj``) of this rank's blocks,
+    refusing a share per rank that is not a whole number of blocks (vLLM's
+    ``validate_fp8_block_shape``)."""
+    b0, b1 = block
+    grid_rows, grid_cols = -(-weight.full_rows // b0), -(-weight.full_row_elems // b1)
+    rows, cols, row_off, col_off = grid_rows, grid_cols, 0, 0
+    if weight.kind == CHANNEL_COLS:
+        share, start, edge, axis = weight.local_row_elems, weight.src_col_offset, b1, "columns"
+    elif weight.kind == CHANNEL_ROWS:
+        share, start, edge, axis = weight.local_rows, weight.src_row_offset, b0, "rows"
+    else:
+        share = 0
+    if share and tp_size > 1:
+        if share % edge:
+            raise PlanError(
+                f"{weight.name}: rank's {axis} {start}..{start + share} do not start and end "
+                f"on {edge}-{axis} block boundaries at tp_size {tp_size}"
+            )
+        if weight.kind == CHANNEL_COLS:
+            cols, col_off = share // edge, start // edge
+        else:
+            rows, row_off = share // edge, start // edge
+    shape = (grid_rows, 1, grid_cols, 1) if layout == "modelopt" else (grid_rows, grid_cols)
+    scale = OracleTensor(f"{weight.name}.scale", weight.kind, "F32", 4, grid_rows, grid_cols,
+                         rows, cols, row_off, col_off, shape)
+    return dataclasses.replace(weight, block=block, scale=scale)
 
 
 #: transformers' ``Glm5NextTextConfig`` defaults (spec ``mla.md`` section 1, Geometry).

@@ -50,11 +50,17 @@ def _kda_plan_name(
     match = _LAYER_ATTN.fullmatch(name[len(prefix) :]) if name.startswith(prefix) else None
     if match is None or int(match[1]) not in kda_layers:
         return None
-    candidate = plan_name(match[2])
-    for suffix in (".weight_scale", ".weight_scale_inv"):
-        if candidate.endswith(suffix):
-            candidate = candidate.removesuffix(suffix) + ".scale"
+    candidate = _scale_as_plan_name(plan_name(match[2]))
     return candidate if candidate in names else None
+
+
+def _scale_as_plan_name(name: str) -> str:
+    """A block scale ``<p>.weight_scale`` / ``<p>.weight_scale_inv`` as its plan name
+    ``<p>.scale``; any other name unchanged."""
+    for suffix in (".weight_scale", ".weight_scale_inv"):
+        if name.endswith(suffix):
+            return name.removesuffix(suffix) + ".scale"
+    return name
 
 
 def verify(checkpoint_dir: str | Path, out_dir: str | Path) -> list[str]:
@@ -176,8 +182,12 @@ def verify(checkpoint_dir: str | Path, out_dir: str | Path) -> list[str]:
             mla_dtypes = {n: source.tensors[full].dtype for n in names_tp1
                           for full in (mla_first + n, mla_first + n + ".weight")
                           if full in source.tensors}
+            mla_fp8 = [n for n, d in mla_dtypes.items() if d in FP8_ELEM_BYTES]
+            mla_block = config_block(source.config, checkpoint_dir) if mla_fp8 else None
             try:
-                mla = (mla_layers, mla_plan(rank, tp_size, **mla_geometry, dtypes=mla_dtypes))
+                mla = (mla_layers, mla_plan(rank, tp_size, **mla_geometry, dtypes=mla_dtypes,
+                                            quant_block=mla_block,
+                                            quantized=mla_fp8 if mla_block else None))
             except PlanError as exc:
                 problems.append(f"rank{rank}: no MLA shard plan for this geometry: {exc}")
                 continue
@@ -295,7 +305,7 @@ def _check_rank(
         match = _LAYER_ATTN.fullmatch(name[len(decoder):]) if name.startswith(decoder) else None
         if mla is None or match is None or int(match[1]) not in mla[0]:
             return None
-        return mla[1].get(plan_name(match[2]))
+        return mla[1].get(_scale_as_plan_name(plan_name(match[2])))
     problems = []
     for path, metadata in sharded.metadata.items():
         for key, want in (("tp_rank", rank_plan.tp_rank), ("tp_size", rank_plan.tp_size)):

@@ -12,11 +12,13 @@ from __future__ import annotations
 from typing import Any
 
 from .. import _native
-from ..checkpoint.description import CheckpointDescription
+from ..checkpoint.description import CheckpointDescription, check_declared
 from ..checkpoint.names import location, param_name
 from ..checkpoint.reader import missing_tensor
 from ..errors import CheckpointError, DtypeMismatchError, KdaTpError, PlanError
+from ..model.dtypes import FP8_DTYPES
 from ..model.mla import MlaConfig, mla_layers, parse_mla_config
+from ..model.quant import SCALE_SUFFIXES, BlockFormat
 
 __all__ = ["MlaTpPlan", "mla_tensor_name", "planned_mla_tensors", "rank_mla_plan"]
 
@@ -30,7 +32,7 @@ class MlaTpPlan(_native.MlaTpPlan):
 
     ``MlaTpPlan(tp_rank, tp_size, hidden, heads, kv_lora_rank, qk_nope_head_dim,
     qk_rope_head_dim, v_head_dim, *, q_lora_rank=None, output_gate=False, indexer=None,
-    dtypes=None)``
+    dtypes=None, quant_block=None, quantized=None, scale_layout="grid")``
 
     Rank ``r`` of ``T`` owns MLA heads ``[r*H/T, (r+1)*H/T)`` of ``H = num_attention_heads``
     (not the KDA head count). In the KDA plan's vocabulary (``KdaShard``, ``KdaTensorPlan``),
@@ -73,8 +75,21 @@ class MlaTpPlan(_native.MlaTpPlan):
         output_gate: K3's MLA output gate ``g_proj`` (``mla_use_output_gate``).
         indexer: ``(index_n_heads, index_head_dim, index_kpool)`` of GLM-5.3-Flash's DSA
             indexer; None for none.
-        dtypes: safetensors dtype per plan name (``"BF16"``, ``"F16"``, ``"F32"``, ``"F64"``)
-            over the defaults (BF16; F32 for ``indexer.index_kpool_compress_ape``).
+        dtypes: safetensors dtype per plan name (``"BF16"``, ``"F16"``, ``"F32"``, ``"F64"``;
+            ``"F8_E4M3"``/``"F8_E5M2"`` for a quantized projection) over the defaults (BF16;
+            F32 for ``indexer.index_kpool_compress_ape``; F8_E4M3 for a quantized projection).
+        quant_block: ``(rows, cols)`` block edge of block-FP8 projections (``(128, 128)``, see
+            ``kda_tp.model.quant``); None for none.
+        quantized: plan names of the FP8 projections (default with ``quant_block``: every
+            projection of the layer: ``q_proj`` or ``q_a_proj``/``q_b_proj``,
+            ``kv_a_proj_with_mqa``, ``kv_b_proj``, ``g_proj``, ``o_proj``). Each entry's
+            ``.scale`` is the plan of its F32 scale grid ``[ceil(rows/b0), ceil(cols/b1)]``:
+            the whole grid for a replicated weight (a trailing partial block included), the
+            grid rows of its row blocks for a row slice, the grid columns of its column
+            blocks for ``o_proj``. The norms and the indexer cannot be quantized.
+        scale_layout: ``"grid"`` (2-D ``[ob, ib]``: DeepSeek, compressed-tensors) or
+            ``"modelopt"`` (4-D ``[ob, 1, ib, 1]``); only the scale's ``disk_shape`` depends
+            on it.
 
     Attributes:
         tp_rank: this rank.
@@ -95,7 +110,13 @@ class MlaTpPlan(_native.MlaTpPlan):
             config key; ``qk_rope_head_dim`` may be 0); ``heads`` not divisible by
             ``tp_size`` (``heads``, ``tp_size`` and ``allowed_tp_sizes``, the divisors, as
             attributes; the message lists them); an unknown plan name or a non-float dtype in
-            ``dtypes`` (FP8 MLA weights are not planned); a byte size that overflows.
+            ``dtypes`` (FP8 only for a quantized projection); a quantized norm or indexer
+            tensor; a split of a quantized projection whose share per rank is not a whole
+            number of blocks at ``tp_size > 1`` (``q_b_proj`` of 1 head of 192 rows, 128-row
+            blocks: its rows 192..384 would start inside a block), the rule of vLLM 0.33's
+            block-FP8 loader (``validate_fp8_block_shape``; ``tensor``, ``tp_rank``,
+            ``tp_size`` and ``allowed_tp_sizes`` as attributes, the offsets and the fix in
+            the message); a byte size that overflows.
     """
 
     @classmethod
@@ -106,38 +127,55 @@ class MlaTpPlan(_native.MlaTpPlan):
         """The plan of the MLA layers of a described checkpoint or config, or None when the
         config has no MLA layer (:func:`~kda_tp.model.mla.parse_mla_config`: every layer KDA,
         or the KDA layers not listed). With a checkpoint, each tensor's dtype is read from the
-        first MLA layer's header (a tensor it lacks keeps the default). ``mla``: the config's
-        MLA reading when the caller has it (else it is read here).
+        first MLA layer's header (a tensor it lacks keeps the default), and its FP8
+        projections are block-quantized in the config's block-FP8 format (block edge and
+        scale layout, ``kda_tp.model.quant``); a bare config plans every tensor unquantized.
+        ``mla``: the config's MLA reading when the caller has it (else it is read here).
 
         Raises:
-            CheckpointError: as ``parse_mla_config``.
+            CheckpointError: as ``parse_mla_config``; an FP8 MLA weight whose config declares
+                no block-FP8 format.
             PlanError: as the class.
         """
         if mla is None:
             mla = parse_mla_config(description.config, description.kda)
         if mla is None:
             return None
-        return cls.from_mla_config(mla, tp_rank, tp_size, _dtypes(description, mla))
+        dtypes = _dtypes(description, mla)
+        return cls.from_mla_config(mla, tp_rank, tp_size, dtypes,
+                                   quant=_quant(description, mla, dtypes))
 
     @classmethod
     def from_mla_config(
-        cls, mla: MlaConfig, tp_rank: int, tp_size: int, dtypes: dict[str, str] | None = None
+        cls, mla: MlaConfig, tp_rank: int, tp_size: int, dtypes: dict[str, str] | None = None,
+        *, quant: dict[str, Any] | None = None,
     ) -> MlaTpPlan:
         """The plan of one MLA layer of ``mla`` (``kda_tp.model.mla.MlaConfig``) for rank
-        ``tp_rank`` of ``tp_size``, with ``dtypes`` as the class takes them.
+        ``tp_rank`` of ``tp_size``, with ``dtypes`` as the class takes them and ``quant`` its
+        ``quant_block``, ``quantized`` and ``scale_layout`` keywords (None: unquantized).
 
         Raises:
             PlanError: as the class.
         """
         args, options = mla.plan_args()
+        options.update(quant or {})
         return cls(tp_rank, tp_size, *args, dtypes=dtypes, **options)
 
     def __reduce__(self) -> tuple[Any, ...]:
         """Pickle (and copy) by the constructor's arguments."""
         args = (self.tp_rank, self.tp_size, self.hidden, self.heads, self.kv_lora_rank,
                 self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim)
-        options = {"q_lora_rank": self.q_lora_rank, "output_gate": self.output_gate,
-                   "indexer": self.indexer, "dtypes": {t.name: t.dtype for t in self.tensors}}
+        options: dict[str, Any] = {
+            "q_lora_rank": self.q_lora_rank, "output_gate": self.output_gate,
+            "indexer": self.indexer, "dtypes": {t.name: t.dtype for t in self.tensors}}
+        scales = [(t, t.scale) for t in self.tensors if t.scale is not None]
+        if scales:
+            weight, scale = scales[0]
+            options.update(
+                quant_block=weight.block,
+                quantized=[t.name for t, _ in scales],
+                scale_layout="modelopt" if len(scale.disk_shape) == 4 else "grid",
+            )
         return (_rebuild, (type(self), args, options))
 
 
@@ -173,6 +211,52 @@ def _dtypes(description: CheckpointDescription, mla: MlaConfig) -> dict[str, str
     return found
 
 
+def _quant(
+    description: CheckpointDescription, mla: MlaConfig, dtypes: dict[str, str] | None
+) -> dict[str, Any] | None:
+    """The block-FP8 keywords of the plan (``quant_block``, ``quantized``, ``scale_layout``)
+    when the first MLA layer stores FP8 projections, in the config's block format; None when
+    it stores none (or for a bare config).
+
+    Every MLA layer's projections are checked against what the config declares, as the KDA
+    layers' are (``kda_tp.checkpoint.description.check_declared``).
+
+    Raises:
+        CheckpointError: an FP8 MLA weight, but the config declares no block-FP8 format (the
+            format comes from the config, never from shapes); a projection that contradicts a
+            ModelOpt config's per-module declaration (``NVFP4``, FP8 but excluded or not
+            listed, declared ``FP8_PB_WO`` but not FP8).
+        DtypeMismatchError: an FP8 dtype the format does not use (``F8_E5M2`` under ModelOpt).
+    """
+    fmt, modules = description.quantization
+    if description.source is not None and (isinstance(fmt, BlockFormat) or modules is not None):
+        projections = [name for name in _plan_names(mla) if _is_projection(name)]
+        for layer in mla.layers:
+            for name in projections:
+                full = mla_tensor_name(description.prefix, layer, name)
+                header = description.header(full)
+                if header is not None:
+                    check_declared(description.source, full, header[0], fmt, modules)
+    quantized = [name for name, dtype in (dtypes or {}).items() if dtype in FP8_DTYPES]
+    if not quantized:
+        return None
+    if not isinstance(fmt, BlockFormat):
+        name = mla_tensor_name(description.prefix, mla.layers[0], quantized[0])
+        declared = fmt or "no quantization_config"
+        raise CheckpointError(
+            f"{location(description.source, name)}: {name}: an FP8 MLA weight, but the config "
+            f"declares {declared}; supported block-FP8 formats: ModelOpt FP8_PB_WO, "
+            "DeepSeek-style fp8 with weight_block_size, compressed-tensors FP8 block"
+        )
+    return {"quant_block": fmt.block, "quantized": quantized, "scale_layout": fmt.scale_layout}
+
+
+def _is_projection(plan_name: str) -> bool:
+    """Whether an MLA plan tensor is a projection a checkpoint may block-quantize (not a norm,
+    not the DSA indexer's)."""
+    return plan_name.endswith(("_proj", "_proj_with_mqa")) and not plan_name.startswith("indexer.")
+
+
 def _plan_names(mla: MlaConfig) -> list[str]:
     """The plan names of ``mla``'s layers, in plan order (a rank-0, TP 1 plan's)."""
     return MlaTpPlan.from_mla_config(mla, 0, 1).names()
@@ -183,14 +267,17 @@ def planned_mla_tensors(
 ) -> tuple[tuple[int, ...], dict[str, tuple[Any, tuple[int, ...]]]]:
     """The MLA layers of a described checkpoint (from its config) and, for each tensor they
     hold, ``checkpoint name -> (plan entry, local shape)``: what a rank's view slices
-    (``KdaShardedSource(..., mla=plan)``). Each tensor is checked once, from the headers.
+    (``KdaShardedSource(..., mla=plan)``), a block-FP8 weight's scale grid sliced by the
+    weight's ``.scale`` entry. Each tensor is checked once, from the headers.
     The DSA indexer's tensors (replicated) may be absent; every other tensor of the plan must
     be there.
 
     Raises:
         CheckpointError: the config names no MLA layer; an MLA layer lacks a tensor of the
-            plan, or holds a ``self_attn`` tensor the plan does not know (an FP8 scale, a
-            tensor of another layout: it could not be sliced safely).
+            plan (an FP8 weight's block scale included, ``<p>.weight_scale`` or
+            ``<p>.weight_scale_inv``, exactly one of them), or holds a ``self_attn`` tensor the
+            plan does not know (a block scale of an unquantized weight, a tensor of another
+            layout: it could not be sliced safely).
         DtypeMismatchError: a tensor's dtype differs from the plan's (the first MLA layer's).
         ShapeMismatchError: a tensor's on-disk shape does not hold the plan's tensor (the
             message names the tensor, both shapes and the config keys to check).
@@ -203,11 +290,23 @@ def planned_mla_tensors(
         )
     source, prefix = description.source, description.prefix
     by_suffix = {_suffix(t.name): t for t in plan.tensors}
+    for t in plan.tensors:
+        if t.scale is not None:
+            # A block scale has two spellings; a layer holds exactly one of them.
+            by_suffix.update({f"{t.name}.{s}": t.scale for s in SCALE_SUFFIXES})
     planned: dict[str, tuple[Any, tuple[int, ...]]] = {}
     for layer in mla.layers:
         held = dict(description.attention(layer))
         for suffix, name in held.items():
             entry = by_suffix.get(suffix)
+            weight, _, last = suffix.rpartition(".")
+            if entry is None and last in SCALE_SUFFIXES and weight in by_suffix:
+                raise CheckpointError(
+                    f"{location(source, name)}: {name}: MLA layer {layer} holds a self_attn "
+                    f"tensor the MLA plan does not know: a block scale, but {weight} is not "
+                    f"block-quantized (MLA layer {mla.layers[0]}, whose dtypes the plan "
+                    "follows, stores it unquantized); it cannot be sliced safely"
+                )
             if entry is None:
                 raise CheckpointError(
                     f"{location(source, name)}: {name}: MLA layer {layer} holds a self_attn "
@@ -232,14 +331,41 @@ def planned_mla_tensors(
                     "num_attention_heads, q_lora_rank, kv_lora_rank, qk_nope_head_dim, "
                     "qk_rope_head_dim and v_head_dim: fix the config or the tensor"
                 ) from None
-        for suffix, entry in by_suffix.items():
+        for entry in plan.tensors:
+            suffix = _suffix(entry.name)
             if suffix not in held and not entry.name.startswith("indexer."):
                 raise CheckpointError(
                     f"{location(source)}: MLA layer {layer} lacks "
                     f"{param_name(prefix, layer, suffix)}, which the config's MLA geometry "
                     "has: the checkpoint and its config.json disagree"
                 )
+            if entry.scale is not None:
+                _one_scale(description, layer, entry.name, held)
     return mla.layers, planned
+
+
+def _one_scale(
+    description: CheckpointDescription, layer: int, weight: str, held: dict[str, str]
+) -> None:
+    """Refuse an MLA layer that holds no block scale for its FP8 ``weight``, or both
+    spellings (``weight_scale`` and ``weight_scale_inv``).
+
+    Raises:
+        CheckpointError: naming the layer and the tensor.
+    """
+    found = [held[f"{weight}.{s}"] for s in SCALE_SUFFIXES if f"{weight}.{s}" in held]
+    if not found:
+        name = param_name(description.prefix, layer, f"{weight}.{SCALE_SUFFIXES[0]}")
+        raise CheckpointError(
+            f"{location(description.source)}: MLA layer {layer} lacks {name} (the block scale "
+            f"of its FP8 {weight}, or its {SCALE_SUFFIXES[1]} spelling): an FP8 weight cannot "
+            "be sliced or dequantized without it"
+        )
+    if len(found) > 1:
+        raise CheckpointError(
+            f"{location(description.source, found[1])}: {found[1]}: MLA layer {layer} holds "
+            f"both {' and '.join(SCALE_SUFFIXES)} for {weight}; keep the one its format names"
+        )
 
 
 def rank_mla_plan(
@@ -249,15 +375,18 @@ def rank_mla_plan(
     ``(plan, None)`` when the config's MLA layers can be planned and every tensor they hold
     fits the plan (:func:`planned_mla_tensors`); ``(None, None)`` for a model without MLA
     layers; ``(None, line)`` when they cannot be planned (the config lacks an MLA size, as the
-    K3 FP8 fixture's; block-FP8 MLA weights; a tensor that disagrees with the config's
-    geometry): they then pass through whole, and ``line`` says so and why, for the caller to
-    print (never silently).
+    K3 FP8 fixture's; a tensor that disagrees with the config's geometry; FP8 MLA weights
+    under a config that declares no block-FP8 format): they then pass through whole, and
+    ``line`` says so and why, for the caller to print (never silently). Block-FP8 MLA
+    projections are planned with their scale grids (``MlaTpPlan``'s ``quant_block``).
 
     Raises:
         CheckpointError: the config cannot be read, or describes no KDA model (as
             ``description.kda``).
         PlanError: the MLA head count ``num_attention_heads`` is not divisible by ``tp_size``
-            (an engine refuses that split too; ``allowed_tp_sizes`` lists the divisors).
+            (an engine refuses that split too; ``allowed_tp_sizes`` lists the divisors), or a
+            block-FP8 MLA projection's share per rank is not a whole number of blocks (vLLM
+            refuses that split too; ``allowed_tp_sizes`` lists the sizes that are).
     """
     kda = description.kda  # a config that cannot be read is refused, not a note
     try:
@@ -267,7 +396,9 @@ def rank_mla_plan(
     if mla is None:
         return None, None
     try:
-        plan = MlaTpPlan.from_mla_config(mla, tp_rank, tp_size, _dtypes(description, mla))
+        dtypes = _dtypes(description, mla)
+        plan = MlaTpPlan.from_mla_config(mla, tp_rank, tp_size, dtypes,
+                                         quant=_quant(description, mla, dtypes))
         if description.source is not None:
             planned_mla_tensors(description, plan)
     except PlanError as e:
