@@ -34,7 +34,7 @@ from ..checkpoint.reader import SafetensorsSource
 from ..checkpoint.values import as_record
 from ..engines.build import RankPlan, build_mla_param, build_param, engine_params
 from ..engines.dtype import config_dtype, config_model_dtype, engine_model_dtype
-from ..engines.layout import EngineLayout, EngineParam, EngineParamPlan
+from ..engines.layout import EngineLayout, EngineParam, EngineParamPlan, mla_unjudged
 from ..engines.registry import LAYOUTS, get_layout, recognise
 from ..errors import CheckpointError, EngineLayoutError, PlanError
 from ..model.dtypes import FLOAT_DTYPES
@@ -130,6 +130,7 @@ class _Auditor:
             plan = KdaTpPlan.from_description(self.description, rank, self.tp_size,
                                               qk_multiple=1)
             mla = rank_mla_plan(self.description, rank, self.tp_size)[0] if self.mla else None
+            mla = None if mla is None or mla_unjudged(mla) else mla
             self._shards[rank] = KdaShardedSource(self.source, plan, mla=mla)
         return self._shards[rank]
 

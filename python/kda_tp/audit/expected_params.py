@@ -25,7 +25,7 @@ from ..checkpoint.reader import SafetensorsSource
 from ..engines.build import RankPlan, build_mla_param, build_param
 from ..engines.derived import MLA_DERIVED
 from ..engines.dtype import config_dtype, engine_model_dtype
-from ..engines.layout import EngineLayout, EngineParamPlan
+from ..engines.layout import EngineLayout, EngineParamPlan, mla_unjudged
 from ..engines.registry import get_layout, layouts_for
 from ..errors import DtypeMismatchError, EngineLayoutError, PlanError
 from ..rank.mla import mla_tensor_name, rank_mla_plan
@@ -123,6 +123,7 @@ def expected_params(
                     "pass another --dtype (model_dtype=), the one the engine runs in")
                 params.append((layer, ExpectedParam(name, plan, build)))
         mla = rank_mla_plan(description, r, tp_size)[0] if layout.mla else None
+        mla = None if mla is None or mla_unjudged(mla) else mla
         if mla is not None:
             params += _mla_params(KdaShardedSource(source, shard.plan, mla=mla), layout, prefix,
                                   model_dtype)

@@ -22,7 +22,8 @@ from ..errors import EngineLayoutError
 from ..model.dtypes import FP8_DTYPES, cast_into, numpy_dtype
 from ..rank.plan import KdaTensorPlan, KdaTpPlan
 
-__all__ = ["CONFIG_DTYPE", "EngineLayout", "EngineParam", "EngineParamPlan", "Region"]
+__all__ = ["CONFIG_DTYPE", "EngineLayout", "EngineParam", "EngineParamPlan", "Region",
+           "mla_unjudged"]
 
 #: ``EngineParam.dtype`` of a parameter an engine builds in the checkpoint config's dtype
 #: whatever its model dtype (SGLang 0.5.23's Kimi-Linear ``fused_fg_b_proj``:
@@ -514,3 +515,19 @@ def _out_dtype(
 
 def _itemsize(dtype: str) -> int:
     return numpy_dtype(dtype).itemsize
+
+
+def mla_unjudged(plan: Any) -> str:
+    """Why the engine layouts' MLA tables cannot judge a rank's MLA plan (a
+    ``kda_tp.rank.MlaTpPlan``), or ``""``: the one rule the audit, the dumps' expected
+    parameters and the guard's first load share. Block-FP8 MLA weights (a tensor of the plan
+    with a ``scale`` grid, K3's FP8 release) are planned and sliced per rank, but the MLA tables
+    describe no scale-grid parameter, and vLLM 0.33 builds ``W_UK_T`` / ``W_UV`` from the
+    dequantized ``kv_b_proj``: judging the FP8 bytes as BF16 parameters would fail an honest
+    engine, so such a plan is not judged (said, never passed as judged)."""
+    quantized = [t.name for t in plan.tensors if t.scale is not None]
+    if not quantized:
+        return ""
+    return (f"block-FP8 MLA weights ({', '.join(quantized)}) are not judged yet: the engine "
+            "layouts' MLA tables describe no scale grids")
+

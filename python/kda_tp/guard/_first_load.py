@@ -58,6 +58,7 @@ from ..audit.report import AuditReport
 from ..checkpoint.description import CheckpointDescription, describe
 from ..checkpoint.reader import SafetensorsSource
 from ..engines.build import RankPlan
+from ..engines.layout import mla_unjudged
 from ..errors import CheckpointError, GuardError, GuardModeError, KdaTpError
 from ..model.config import describes_kda
 from ..rank.mla import MlaTpPlan, rank_mla_plan
@@ -354,7 +355,8 @@ def _mla(description: CheckpointDescription, tp_rank: int, tp_size: int,
         return None, (line or "").replace(" passed through whole (not sliced per rank)", "")
     if layers is not None:
         return None, "a pipeline stage's MLA layers are not checked yet"
-    return plan, ""
+    why = mla_unjudged(plan)
+    return (None, why) if why else (plan, "")
 
 
 def _pairs(params: Iterable[Any]) -> dict[str, Any]:
