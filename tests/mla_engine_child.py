@@ -45,11 +45,12 @@ def _checkpoint(ckpt: Path, layer: int) -> tuple[dict[str, Any], dict[str, Any]]
 
 
 def vllm_layer(kind: str, text: dict[str, Any], mla: dict[str, Any], layer: int, t: int,
-               r: int) -> tuple[Any, Any, Any, Any]:
+               r: int, wrap: Any = None, weights: Any = None) -> tuple[Any, Any, Any, Any]:
     """The MLA layer built by vLLM's own class for rank ``r`` of ``t`` (the faked group set)
     and loaded by its model class's ``load_weights`` on a stand-in: ``(vllm_config, stand-in,
     layer, the MLAAttention that absorbs kv_b_proj)``; the stand-in's ``load_weights`` is the
-    model class's."""
+    model class's, or ``wrap(it, layer)`` (a loader with a bug, tests/mla_bugs_child.py);
+    ``weights``: what the first load feeds (default ``mla``'s items)."""
     import torch
     import vllm.distributed.parallel_state as ps
     from vllm.config import VllmConfig, set_current_vllm_config
@@ -93,7 +94,9 @@ def vllm_layer(kind: str, text: dict[str, Any], mla: dict[str, Any], layer: int,
         stack.layers = torch.nn.ModuleList([torch.nn.Module() for _ in range(layer + 1)])
         stack.layers[layer].self_attn = attn
         stack.load_weights = types.MethodType(Model.load_weights, stack)
-        stack.load_weights(iter(mla.items()))
+        if wrap is not None:
+            stack.load_weights = wrap(stack.load_weights, attn)
+        stack.load_weights(iter(mla.items()) if weights is None else weights)
     return vc, stack, attn, absorbing
 
 
@@ -115,7 +118,12 @@ def _vllm(kind: str, text: dict[str, Any], mla: dict[str, Any], layer: int, t: i
 
 
 def _sglang(kind: str, text: dict[str, Any], mla: dict[str, Any], layer: int, t: int,
-            r: int, then: Any = None) -> tuple[Any, dict[str, Any]]:
+            r: int, then: Any = None, wrap: Any = None,
+            weights: Any = None) -> tuple[Any, dict[str, Any]]:
+    """The MLA layer built by SGLang's own class for rank ``r`` of ``t`` and loaded by its
+    model class's ``load_weights`` (or ``wrap(it, layer)``) on a stand-in, fed ``weights``
+    (default ``mla``'s items); ``then(stand-in)`` runs inside the parallel context:
+    ``(the layer's parameters, its w_kc / w_vc)``."""
     import torch
     from sglang.srt.layers.utils import PPMissingLayer
     from sglang.srt.runtime_context import get_parallel
@@ -169,7 +177,10 @@ def _sglang(kind: str, text: dict[str, Any], mla: dict[str, Any], layer: int, t:
         top.encoder_only = False
         top.post_load_weights = types.MethodType(Model.post_load_weights, top)
         top.load_weights = types.MethodType(Model.load_weights, top)
-        top.load_weights(iter(("model." + n, w) for n, w in mla.items()))
+        if wrap is not None:
+            top.load_weights = wrap(top.load_weights, attn)
+        top.load_weights(iter(("model." + n, w) for n, w in mla.items()) if weights is None
+                         else (("model." + n, w) for n, w in weights))
         held = {n: p.data.clone() for n, p in attn.named_parameters()}
         derived = {n: getattr(attn, n) for n in ("w_kc", "w_vc")
                    if getattr(attn, n, None) is not None}

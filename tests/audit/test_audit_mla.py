@@ -22,10 +22,11 @@ from kda_tp.synth import write_small_checkpoint
 from cli_run import run
 
 STYLE = {"vllm-0.33-k3": "k3", "vllm-0.33-glm-5.3": "glm", "vllm-0.33-kimi-linear": "kimi",
-         "sglang-0.5.23-k3": "k3", "sglang-0.5.23-glm-5.3": "glm"}
+         "sglang-0.5.23-k3": "k3", "sglang-0.5.23-glm-5.3": "glm",
+         "sglang-0.5.23-kimi-linear": "kimi"}
 # MLA parameters per rank of the one MLA layer, per layout
 MLA_COUNT = {"vllm-0.33-k3": 6, "vllm-0.33-glm-5.3": 6, "vllm-0.33-kimi-linear": 5,
-             "sglang-0.5.23-k3": 7, "sglang-0.5.23-glm-5.3": 6}
+             "sglang-0.5.23-k3": 7, "sglang-0.5.23-glm-5.3": 6, "sglang-0.5.23-kimi-linear": 5}
 
 
 @pytest.fixture(scope="module")

@@ -416,7 +416,8 @@ class Follower:
             passed(line + "".join(f"\n  rank {rank} not checkable: {u}"
                                   for u in report.repacked))
             return report
-        text = (f"{line}\nthe KDA weights this rank holds after the update are not what the "
+        weights = "KDA and MLA weights" if report.mla else "KDA weights"
+        text = (f"{line}\nthe {weights} this rank holds after the update are not what the "
                 "update fed:\n" + "\n".join(f"  rank {rank} {p}" for p in report.problems)
                 + "".join(f"\n  rank {rank} not checked: {u}" for u in report.unchecked)
                 + "".join(f"\n  rank {rank} not checkable: {u}" for u in report.repacked))

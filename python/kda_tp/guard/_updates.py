@@ -120,9 +120,10 @@ class UpdateReport:
 class _Fed:
     """One part fed in this session: the name it came under and its reference per region,
     in one of three states: ``refs`` (this rank's slice of the fed tensor, or the engine's
-    copy of it: views valid while the engine's call runs), ``copies`` (host copies in the
-    regions' dtypes, once the call ended before the engine applied the part), or ``verified``
-    (the part was seen applied, in full: only each region's digest is kept)."""
+    copy of it: views valid until the engine asks for the next tensor), ``copies`` (host
+    copies in the regions' dtypes, once the engine asked for the next tensor, or its call
+    ended, before it applied the part), or ``verified`` (the part was seen applied, in full:
+    only each region's digest is kept)."""
 
     name: str
     refs: dict[Place, Any] = field(default_factory=dict)
@@ -175,7 +176,8 @@ class UpdateSession:
         on unchanged, what the engine's ``load_weights`` consumes. A pair whose name is not a
         KDA tensor of this rank costs one dictionary lookup. A KDA one is noted before the
         engine gets it (the digests of its parameters, the reference) and verified when
-        the engine asks for the next pair."""
+        the engine asks for the next pair; a part not applied by then is copied to the host
+        before the source is asked for that pair (a streamer may reuse its buffer)."""
         place = self.target.place
         for item in weights:
             try:
@@ -189,6 +191,12 @@ class UpdateSession:
             self._contained(self._note, name, item[1], hit)
             yield item
             self._contained(self._settle_pending)
+            # Before the source is asked for its next pair: a weight streamer may reuse the
+            # buffer it handed out (a loader keeping a view of it, e.g. SGLang GLM-5.3's
+            # cached_a_proj, then holds the next tensor's bytes: SGLang #37369), so what was
+            # fed and not yet applied is copied now, not at the end of the call.
+            for fed in self._fed.values():
+                self._contained(self._copy, fed)
 
     def feed(self, name: str, tensor: Any) -> None:
         """Take note of one tensor the update hands to the model, which the engine applies
