@@ -191,11 +191,11 @@ class UpdateSession:
             self._contained(self._note, name, item[1], hit)
             yield item
             self._contained(self._settle_pending)
-            # Before the source is asked for its next pair: a weight streamer may reuse the
-            # buffer it handed out (a loader keeping a view of it, e.g. SGLang GLM-5.3's
-            # cached_a_proj, then holds the next tensor's bytes: SGLang #37369), so what was
-            # fed and not yet applied is copied now, not at the end of the call.
-            for fed in self._fed.values():
+            # A streamer may reuse its buffer for the next pair (a loader's view of it, SGLang
+            # GLM-5.3's cached_a_proj, then changes: SGLang #37369): this part, if not applied,
+            # is copied before the source is asked again (earlier ones were, at their turn).
+            fed = self._fed.get(hit[:2])
+            if fed is not None:
                 self._contained(self._copy, fed)
 
     def feed(self, name: str, tensor: Any) -> None:
