@@ -51,6 +51,24 @@ def _loaders_told_rank_0(on: bool) -> Iterator[None]:
         weight_utils.get_tensor_model_parallel_rank = saved
 
 
+@contextlib.contextmanager
+def _kv_b_proj_narrowed_at_rank_0(model: Any, on: bool) -> Iterator[None]:
+    """A wrong refit of the MLA layers' column-parallel ``kv_b_proj``, when ``on``: its loader
+    narrows the checkpoint at rank 0 on every rank (the layer's and its weight's ``tp_rank``
+    set to 0, as vLLM's own loader of replicated latent shards does, ``linear.py:1593``, for
+    shards that are replicated; ``kv_b_proj``'s are not)."""
+    layers = [m for n, m in model.named_modules() if n.endswith("self_attn.kv_b_proj")]
+    saved = [(m.tp_rank, m.weight.tp_rank) for m in layers]
+    if on:
+        for layer in layers:
+            layer.tp_rank = layer.weight.tp_rank = 0
+    try:
+        yield
+    finally:
+        for layer, (rank, weight_rank) in zip(layers, saved):
+            layer.tp_rank, layer.weight.tp_rank = rank, weight_rank
+
+
 def _tensors(path: str, only: list[str] | None) -> dict[str, Any]:
     """The checkpoint's tensors (every ``*.safetensors`` file), those whose name holds one of
     ``only`` when given."""
@@ -79,6 +97,19 @@ class Refit:
                 self.model_runner.model.load_weights(
                     (new + n.removeprefix(old) if old and n.startswith(old) else n, t)
                     for n, t in _tensors(path, only).items())
+        except Exception as error:  # noqa: BLE001 - reported to the test
+            return {"ok": False, "error": _error(error)}
+        return {"ok": True}
+
+    def mla_refit(self, path: str, only: list[str],
+                  kv_b_proj_at_rank_0: bool = False) -> dict[str, Any]:
+        """The checkpoint's ``only`` tensors (MLA ones: ``kv_a_layernorm``, ``kv_b_proj``)
+        into the model's own ``load_weights``, in one call; ``kv_b_proj_at_rank_0``: with
+        ``kv_b_proj``'s loader narrowing at rank 0 on every rank."""
+        model = self.model_runner.model
+        try:
+            with _kv_b_proj_narrowed_at_rank_0(model, kv_b_proj_at_rank_0):
+                model.load_weights(iter(_tensors(path, only).items()))
         except Exception as error:  # noqa: BLE001 - reported to the test
             return {"ok": False, "error": _error(error)}
         return {"ok": True}

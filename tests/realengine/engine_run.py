@@ -63,13 +63,17 @@ def run_engine(workdir: Path, model: Path, *, tp: int = 1, env: dict[str, str] |
     child to end (at most :data:`ENGINE_TIMEOUT_S`); the whole group (engine core, workers) is
     killed afterwards, ended or not. ``spec``: more of engine_child.py's SPEC keys
     (``dtype``, ``llm``). ``script``: another child, run as ``python SCRIPT SPEC OUT`` with its
-    directory on ``PYTHONPATH`` too (stacks/: an RL stack's own sync code)."""
+    directory on ``PYTHONPATH`` too (stacks/: an RL stack's own sync code). A ``PYTHONPATH``
+    in ``env`` goes first on the child's (a ``sitecustomize`` for the engine's processes
+    only: test_vllm_cpu_mla.py)."""
     workdir.mkdir(parents=True, exist_ok=True)
     out, log_path = workdir / "result.json", workdir / "engine.log"
     script = script or HERE / "engine_child.py"
-    child_env = {**os.environ, **ENGINE_ENV, **(env or {}),
+    extra = dict(env or {})
+    first = extra.pop("PYTHONPATH", None)
+    child_env = {**os.environ, **ENGINE_ENV, **extra,
                  "PYTHONPATH": os.pathsep.join(filter(None, [
-                     str(script.parent), str(HERE), os.environ.get("PYTHONPATH")]))}
+                     first, str(script.parent), str(HERE), os.environ.get("PYTHONPATH")]))}
     if tp > 1:
         child_env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(r) for r in range(tp))
     payload = json.dumps({"model": str(model), "tp": tp, "actions": actions or [], **spec})

