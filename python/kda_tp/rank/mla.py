@@ -19,6 +19,7 @@ from ..errors import CheckpointError, DtypeMismatchError, KdaTpError, PlanError
 from ..model.dtypes import FP8_DTYPES
 from ..model.mla import MlaConfig, mla_layers, parse_mla_config
 from ..model.quant import SCALE_SUFFIXES, BlockFormat
+from .plan import quant_options
 
 __all__ = ["MlaTpPlan", "mla_tensor_name", "planned_mla_tensors", "rank_mla_plan"]
 
@@ -168,14 +169,7 @@ class MlaTpPlan(_native.MlaTpPlan):
         options: dict[str, Any] = {
             "q_lora_rank": self.q_lora_rank, "output_gate": self.output_gate,
             "indexer": self.indexer, "dtypes": {t.name: t.dtype for t in self.tensors}}
-        scales = [(t, t.scale) for t in self.tensors if t.scale is not None]
-        if scales:
-            weight, scale = scales[0]
-            options.update(
-                quant_block=weight.block,
-                quantized=[t.name for t, _ in scales],
-                scale_layout="modelopt" if len(scale.disk_shape) == 4 else "grid",
-            )
+        options.update(quant_options(self.tensors))
         return (_rebuild, (type(self), args, options))
 
 

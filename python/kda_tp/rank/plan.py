@@ -17,7 +17,7 @@ from ..checkpoint.description import CheckpointDescription, describe
 from ..checkpoint.reader import SafetensorsSource
 from ..errors import PlanError
 
-__all__ = ["KdaShard", "KdaTensorPlan", "KdaTpPlan", "distinct_ranks"]
+__all__ = ["KdaShard", "KdaTensorPlan", "KdaTpPlan", "distinct_ranks", "quant_options"]
 
 
 class KdaTpPlan(_native.KdaTpPlan):
@@ -210,14 +210,7 @@ class KdaTpPlan(_native.KdaTpPlan):
                    "dtypes": {t.name: t.dtype for t in self.tensors},
                    "full_rank_gate": self.full_rank_gate,
                    "a_log_len": self.a_log_len}
-        scales = [(t, t.scale) for t in self.tensors if t.scale is not None]
-        if scales:
-            weight, scale = scales[0]
-            options.update(
-                quant_block=weight.block,
-                quantized=[t.name for t, _ in scales],
-                scale_layout="modelopt" if len(scale.disk_shape) == 4 else "grid",
-            )
+        options.update(quant_options(self.tensors))
         return (_rebuild, (type(self), args, options))
 
 
@@ -234,3 +227,17 @@ def distinct_ranks(ranks: Sequence[int]) -> None:
     """
     if len(set(ranks)) != len(ranks):
         raise PlanError(f"ranks {sorted(ranks)} name a rank twice; pass each rank once")
+
+
+def quant_options(tensors: Iterable[KdaTensorPlan]) -> dict[str, Any]:
+    """The block-quantization keywords a plan (KDA's or an MLA layer's) was built with, read
+    back from its tensors for pickling: ``quant_block`` (the weights' block edge, elements),
+    ``quantized`` (the names of the tensors with a scale grid) and ``scale_layout``
+    (``"modelopt"`` for 4-D ``(ob, 1, ib, 1)`` grids, else ``"grid"``); empty when no tensor
+    is block-quantized."""
+    scales = [(t, t.scale) for t in tensors if t.scale is not None]
+    if not scales:
+        return {}
+    weight, scale = scales[0]
+    return {"quant_block": weight.block, "quantized": [t.name for t, _ in scales],
+            "scale_layout": "modelopt" if len(scale.disk_shape) == 4 else "grid"}
