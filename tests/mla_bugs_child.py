@@ -182,7 +182,7 @@ def _vllm_case(kind: str, ckpt: Path, t: int, r: int, when: str, bug: str,
 
     from kda_tp.engines import LAYOUTS
     from kda_tp.guard import check, follow
-    from mla_engine_child import _checkpoint, vllm_layer
+    from mla_engine_child import FromLayers, _checkpoint, vllm_layer
 
     text, mla = _checkpoint(ckpt, LAYER)
     layout = LAYOUTS[LAYOUT["vllm", kind]]
@@ -211,7 +211,7 @@ def _vllm_case(kind: str, ckpt: Path, t: int, r: int, when: str, bug: str,
     result = check(params, ckpt, tp_rank=r, tp_size=t, engine=layout.name)
     assert result is not None
     follow(stack, "vllm", plan=result.plan, tp_rank=r, tp_size=t, mla_plan=result.mla_plan,
-           reader=_FROM_LAYERS)
+           reader=FromLayers("layers."))
     post_process()
     if when != "update":
         return
@@ -227,24 +227,6 @@ def _vllm_case(kind: str, ckpt: Path, t: int, r: int, when: str, bug: str,
     post_process()
 
 
-class _FromLayersVllm:
-    """vLLM holding its parameters as loaded; its name mapping gives the stand-in (the model
-    class's inner model) a checkpoint name from ``layers.`` on."""
-
-    def described(self, name: str, param: Any) -> Any:
-        return param
-
-    def read_back(self, module: Any, param: Any) -> tuple[Any, str | None]:
-        return param, None
-
-    def masked_copy(self, copy: Any) -> bool:
-        return False
-
-    def spelling(self, model: Any) -> Any:
-        return lambda name: "layers." + name.split("layers.", 1)[1] if "layers." in name else name
-
-
-_FROM_LAYERS = _FromLayersVllm()
 
 
 def _sglang_case(kind: str, ckpt: Path, t: int, r: int, when: str, bug: str,
@@ -255,7 +237,7 @@ def _sglang_case(kind: str, ckpt: Path, t: int, r: int, when: str, bug: str,
         DeepseekV2WeightLoaderMixin)
 
     from kda_tp.guard._derived import mla_copies
-    from mla_engine_child import _checkpoint, _FromLayers, _sglang
+    from mla_engine_child import FromLayers, _checkpoint, _sglang
 
     text, mla = _checkpoint(ckpt, LAYER)
     layout = LAYOUTS[LAYOUT["sglang", kind]]
@@ -277,7 +259,7 @@ def _sglang_case(kind: str, ckpt: Path, t: int, r: int, when: str, bug: str,
                        derived={n: p for n, p in named.items() if n not in params})
         assert result is not None
         follow(top, "sglang", plan=result.plan, tp_rank=r, tp_size=t,
-               mla_plan=result.mla_plan, reader=_FromLayers())
+               mla_plan=result.mla_plan, reader=FromLayers("model.layers."))
         if when != "update":
             return
         attn = top.model.layers[LAYER].self_attn

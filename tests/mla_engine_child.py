@@ -28,6 +28,8 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from kda_tp.guard._target import AS_HELD
+
 
 def _checkpoint(ckpt: Path, layer: int) -> tuple[dict[str, Any], dict[str, Any]]:
     """The text config and the MLA layer's tensors, named from ``layers.`` on."""
@@ -189,21 +191,26 @@ def _sglang(kind: str, text: dict[str, Any], mla: dict[str, Any], layer: int, t:
     return held, derived
 
 
-class _FromLayers:
-    """The engine as it holds its parameters (as loaded), whose name mapping gives the
-    stand-in a checkpoint name as ``model.layers.``, as the served class's mapper does."""
+class FromLayers:
+    """The engine as it holds its parameters (as loaded: ``kda_tp.guard._target.AS_HELD``),
+    whose name mapping gives the stand-in (the model class's inner model) a checkpoint name
+    from ``layers.`` on behind ``prefix`` (``"model.layers."`` as the served class's mapper
+    gives it, or ``"layers."`` once the mapper stripped the checkpoint's prefix)."""
+
+    def __init__(self, prefix: str) -> None:
+        self.prefix = prefix
 
     def described(self, name: str, param: Any) -> Any:
-        return param
+        return AS_HELD.described(name, param)
 
     def read_back(self, module: Any, param: Any) -> tuple[Any, str | None]:
-        return param, None
+        return AS_HELD.read_back(module, param)
 
     def masked_copy(self, copy: Any) -> bool:
-        return False
+        return AS_HELD.masked_copy(copy)
 
     def spelling(self, model: Any) -> Any:
-        return lambda name: ("model.layers." + name.split("layers.", 1)[1]
+        return lambda name: (self.prefix + name.split("layers.", 1)[1]
                              if "layers." in name else name)
 
 
@@ -247,7 +254,7 @@ def _sglang_refits(kind: str, ckpt: Path, text: dict[str, Any], mla: dict[str, A
         assert result is not None and result.passed and result.mla_plan is not None, \
             result and result.text()
         follow(top, "sglang", plan=result.plan, tp_rank=1, tp_size=2,
-               mla_plan=result.mla_plan, reader=_FromLayers())
+               mla_plan=result.mla_plan, reader=FromLayers("model.layers."))
         lines.clear()
         top.load_weights(iter([("model." + kv_b, mla[kv_b] * 2)]))
         found["honest"] = list(lines)

@@ -30,7 +30,6 @@ import kda_tp
 from kda_tp.engines import LAYOUTS, build_param
 from kda_tp.errors import GuardError
 from kda_tp.guard import MODE_ENV, follow
-from kda_tp.guard._target import AS_HELD
 from kda_tp.synth import write_small_checkpoint
 
 pytestmark = pytest.mark.engines
@@ -48,7 +47,7 @@ with warnings.catch_warnings():
     from vllm.model_executor.utils import replace_parameter
 
 from kda_tp.guard.vllm import register
-from mla_engine_child import _checkpoint, vllm_layer
+from mla_engine_child import FromLayers, _checkpoint, vllm_layer
 
 LAYOUT = {"k3": "vllm-0.33-k3", "glm": "vllm-0.33-glm-5.3"}
 COPY = {"k3": "layers.1.self_attn.", "glm": "layers.1.self_attn.mla_attn.mla_attn."}
@@ -91,29 +90,10 @@ def loaded(kind: str, ckpt):
     result = kda_tp.guard.check(params, ckpt, tp_rank=RANK, tp_size=TP, engine=layout.name)
     assert result is not None and result.passed and result.mla_plan is not None
     follow(stack, "vllm", plan=result.plan, tp_rank=RANK, tp_size=TP, mla_plan=result.mla_plan,
-           reader=FROM_LAYERS)
+           reader=FromLayers("layers."))
     return vc, stack, absorbing, mla
 
 
-class _FromLayers:
-    """The engine as it holds its parameters (as loaded), whose name mapping gives the
-    stand-in (the model class's inner model) a checkpoint name from ``layers.`` on, as the
-    served class's mapper strips the checkpoint's prefix before the inner model loads it."""
-
-    def described(self, name, param):
-        return AS_HELD.described(name, param)
-
-    def read_back(self, module, param):
-        return AS_HELD.read_back(module, param)
-
-    def masked_copy(self, copy):
-        return AS_HELD.masked_copy(copy)
-
-    def spelling(self, model):
-        return lambda name: "layers." + name.split("layers.", 1)[1] if "layers." in name else name
-
-
-FROM_LAYERS = _FromLayers()
 
 
 def post_process(vc, stack) -> None:
